@@ -1,0 +1,285 @@
+import path from 'node:path';
+import { Command, CommanderError, InvalidArgumentError, Option } from 'commander';
+import type { Logger } from 'pino';
+import { redactUrl } from './database.ts';
+import { ExitCode, exitCodeOf, IdemError, InterruptedError, messageOf, UsageError } from './errors.ts';
+import { findJob, loadJobDir } from './loader.ts';
+import { createLogger, LOG_LEVELS, type LogLevel } from './log.ts';
+import { DEFAULT_SCHEMA, Runner, type RunOutcome, type RunStatusRow } from './runner.ts';
+
+interface GlobalOptions {
+  databaseUrl?: string;
+  schema: string;
+  jobsDir: string;
+  migrationsDir: string;
+  logLevel: LogLevel;
+  shutdownTimeout: number;
+}
+
+/** Resources a command opened, released in reverse order however the command ends. */
+class Session {
+  readonly #cleanups: Array<() => Promise<void>> = [];
+  defer(fn: () => Promise<void>): void {
+    this.#cleanups.push(fn);
+  }
+  async close(): Promise<void> {
+    while (this.#cleanups.length) await this.#cleanups.pop()!().catch(() => {});
+  }
+}
+
+function positiveInt(max: number) {
+  return (value: string): number => {
+    const n = Number(value);
+    if (!Number.isInteger(n) || n < 1 || n > max) throw new InvalidArgumentError(`expected an integer from 1 to ${max}, got "${value}"`);
+    return n;
+  };
+}
+
+function waitSeconds(value: string | boolean): number | boolean {
+  if (typeof value === 'boolean') return value;
+  const n = Number(value);
+  if (!Number.isFinite(n) || n < 0) throw new InvalidArgumentError(`expected a number of seconds >= 0, got "${value}"`);
+  return n;
+}
+
+function collectParam(value: string, previous: Record<string, unknown>): Record<string, unknown> {
+  const eq = value.indexOf('=');
+  if (eq < 1) throw new InvalidArgumentError(`expected key=value, got "${value}"`);
+  const raw = value.slice(eq + 1);
+  let parsed: unknown = raw;
+  try {
+    parsed = JSON.parse(raw);
+  } catch {
+    // Not JSON: the value is the plain string.
+  }
+  return { ...previous, [value.slice(0, eq)]: parsed };
+}
+
+function parseParams(json: string | undefined, pairs: Record<string, unknown>): Record<string, unknown> {
+  let base: unknown = {};
+  if (json !== undefined) {
+    try {
+      base = JSON.parse(json);
+    } catch (err) {
+      throw new UsageError('invalidParams', `--params is not valid JSON (${(err as Error).message}); pass an object such as --params '{"day":"2026-11-30"}'`);
+    }
+    if (!base || typeof base !== 'object' || Array.isArray(base)) {
+      throw new UsageError('invalidParams', `--params must be a JSON object, got ${json}; pass e.g. --params '{"day":"2026-11-30"}'`);
+    }
+  }
+  return { ...(base as Record<string, unknown>), ...pairs };
+}
+
+/** Opens a Runner on DATABASE_URL, or on the embedded server under .idem/ when none is given. */
+async function openRunner(g: GlobalOptions, log: Logger, session: Session, poolSize = 10): Promise<Runner> {
+  let url = g.databaseUrl;
+  if (!url) {
+    const { startEmbeddedPostgres } = await import('./embedded-postgres.ts');
+    const server = await startEmbeddedPostgres({ dataDir: path.resolve('.idem', 'pg'), onLog: (msg) => log.info(msg) });
+    session.defer(() => server.release());
+    url = server.url;
+  } else {
+    log.debug({ database: redactUrl(url) }, 'using database');
+  }
+  const runner = await Runner.connect({ connectionString: url, schema: g.schema, log, poolSize });
+  session.defer(() => runner.close());
+  return runner;
+}
+
+/**
+ * Graceful first, forceful second: the first SIGINT/SIGTERM stops new chunks and lets in-flight
+ * ones finish; a second signal, or the deadline, aborts the job code and exits (Postgres rolls
+ * back whatever was in flight, so nothing is half-done).
+ */
+function installSignals(log: Logger, deadlineSeconds: number, onForce: (code: number) => void) {
+  const stop = new AbortController();
+  const abort = new AbortController();
+  const handler = (sig: 'SIGINT' | 'SIGTERM') => {
+    const code = sig === 'SIGINT' ? ExitCode.Sigint : ExitCode.Sigterm;
+    if (!stop.signal.aborted) {
+      log.warn({ signal: sig, deadlineSeconds }, 'stopping: no new chunks; in-flight chunks may finish (signal again to abort them)');
+      stop.abort(new InterruptedError(sig));
+      setTimeout(() => {
+        log.error('shutdown deadline passed; aborting in-flight chunks');
+        abort.abort(new InterruptedError(sig));
+        onForce(code);
+      }, deadlineSeconds * 1000).unref();
+    } else {
+      log.error({ signal: sig }, 'second signal; aborting in-flight chunks');
+      abort.abort(new InterruptedError(sig));
+      onForce(code);
+    }
+  };
+  process.on('SIGINT', () => handler('SIGINT'));
+  process.on('SIGTERM', () => handler('SIGTERM'));
+  return { stop: stop.signal, abort: abort.signal };
+}
+
+function describeOutcome(o: RunOutcome): string {
+  const s = o.summary;
+  if (o.status === 'dry-run') {
+    const steps = o.plan!.steps.map((st) => `${st.name}${st.chunked ? ' (chunked)' : ''}`).join(', ');
+    return `dry run: job "${o.job}" run key ${o.runKey} is ${o.plan!.state}; steps: ${steps}; nothing was written`;
+  }
+  const counts = s ? `${s.chunks} chunk${s.chunks === 1 ? '' : 's'} in ${s.steps.length} step${s.steps.length === 1 ? '' : 's'}` : '';
+  if (o.status === 'already-succeeded') {
+    return `job "${o.job}" already done (run key ${o.runKey}, finished ${s?.finishedAt ?? '?'}): ${counts}; nothing to do`;
+  }
+  return `job "${o.job}" succeeded: ${counts}, ${o.executed} executed now, in ${((s?.durationMs ?? 0) / 1000).toFixed(1)}s (run key ${o.runKey}, attempt ${o.attempt})`;
+}
+
+function formatStatus(rows: RunStatusRow[]): string {
+  if (rows.length === 0) return 'no runs yet';
+  const lines = rows.map((r) => {
+    const progress = `${r.chunksDone}/${r.chunksPlanned}${r.fullyPlanned ? '' : '+'}`;
+    const extra = r.error ? `  error: step "${r.error.step}"${r.error.chunk ? ` chunk ${r.error.chunk}` : ''} after ${r.error.tries} tries: ${r.error.message}` : r.holder ? `  held by ${r.holder}` : '';
+    return `${r.job}\t${r.runKey.length > 30 ? `${r.runKey.slice(0, 27)}...` : r.runKey}\t${r.state}\tattempt ${r.attempt}\tchunks ${progress}\t${r.updatedAt.toISOString()}${extra}`;
+  });
+  return ['JOB\tRUN KEY\tSTATE\tATTEMPT\tCHUNKS\tUPDATED', ...lines].join('\n');
+}
+
+export function buildProgram(state: { exitCode: number }): Command {
+  const program = new Command('idem')
+    .description('Idempotent batch and data-migration jobs for PostgreSQL: safe to run twice, resumable after a crash.')
+    .addOption(new Option('--database-url <url>', 'PostgreSQL connection string (default: DATABASE_URL, else an embedded server under .idem/)').env('DATABASE_URL'))
+    .option('--schema <name>', "schema for idem's own tables", DEFAULT_SCHEMA)
+    .option('--jobs-dir <dir>', 'folder of job files', 'jobs')
+    .option('--migrations-dir <dir>', 'folder of ordered migration files', 'migrations')
+    .addOption(new Option('--log-level <level>', 'log level (logs go to stderr)').choices(LOG_LEVELS as string[]).default('info'))
+    .option('--shutdown-timeout <seconds>', 'after a first SIGINT/SIGTERM, how long in-flight chunks may take', positiveInt(3600), 30)
+    .showHelpAfterError('(run with --help for usage)')
+    .exitOverride();
+
+  const globals = () => program.opts<GlobalOptions>();
+
+  const runWithSession = async (fn: (g: GlobalOptions, log: Logger, session: Session, force: (code: number) => void) => Promise<number>) => {
+    const g = globals();
+    const log = createLogger(g.logLevel);
+    const session = new Session();
+    const finish = async (code: number) => {
+      // Watchdog: a stuck close must not keep a cron slot busy forever.
+      setTimeout(() => process.exit(code), 10_000).unref();
+      await session.close();
+      process.exit(code);
+    };
+    try {
+      state.exitCode = await fn(g, log, session, (code) => void finish(code));
+    } catch (err) {
+      state.exitCode = exitCodeOf(err);
+      const msg = err instanceof IdemError ? err.message : messageOf(err);
+      process.stderr.write(`idem: error: ${msg}\n`);
+      if (!(err instanceof IdemError)) log.debug({ err }, 'unexpected error');
+    } finally {
+      await session.close();
+    }
+  };
+
+  program
+    .command('run')
+    .description('run a job (or find it done): resumes at the first unfinished chunk')
+    .argument('<job>', 'job name, as defined in a file in the jobs folder')
+    .option('--key <key>', 'run key (idempotency key); default: the params fingerprint')
+    .option('--params <json>', 'params as a JSON object')
+    .option('--param <key=value>', 'one param (value parsed as JSON when it parses, else a string); repeatable', collectParam, {})
+    .option('--concurrency <n>', 'chunks run at once', positiveInt(64), 1)
+    .option('--wait [seconds]', 'if another process runs this job, wait for it (forever, or this many seconds) instead of exiting 75', waitSeconds)
+    .option('--dry-run', 'show what would run; write nothing')
+    .option('--json', 'print the outcome as JSON on stdout')
+    .action((name: string, o: { key?: string; params?: string; param: Record<string, unknown>; concurrency: number; wait?: number | boolean; dryRun?: boolean; json?: boolean }) =>
+      runWithSession(async (g, log, session, force) => {
+        const params = parseParams(o.params, o.param);
+        if (o.key !== undefined && (o.key.length === 0 || o.key.length > 200)) throw new UsageError('invalidKey', '--key must be 1 to 200 characters');
+        const job = await findJob(g.jobsDir, name);
+        const runner = await openRunner(g, log, session, o.concurrency + 2);
+        const signals = installSignals(log, g.shutdownTimeout, force);
+        const outcome = await runner.run(job, {
+          params,
+          ...(o.key !== undefined ? { key: o.key } : {}),
+          concurrency: o.concurrency,
+          wait: o.wait ?? false,
+          dryRun: o.dryRun ?? false,
+          signal: signals.stop,
+          abortSignal: signals.abort,
+        });
+        process.stdout.write(o.json ? `${JSON.stringify(outcome)}\n` : `${describeOutcome(outcome)}\n`);
+        return ExitCode.Ok;
+      }),
+    );
+
+  program
+    .command('migrate')
+    .description('run the ordered migrations in the migrations folder; every pod may call it at once')
+    .option('--wait [seconds]', 'wait for another migrating process (default: forever)', waitSeconds)
+    .option('--no-wait', 'exit 75 at once if another process is migrating')
+    .option('--json', 'print the outcomes as JSON on stdout')
+    .action((o: { wait?: number | boolean; json?: boolean }) =>
+      runWithSession(async (g, log, session, force) => {
+        const migrations = await loadJobDir(g.migrationsDir, 'migrations');
+        const runner = await openRunner(g, log, session);
+        const signals = installSignals(log, g.shutdownTimeout, force);
+        const outcomes = await runner.migrate(
+          migrations.map((m) => ({ runKey: m.id, job: m.job })),
+          { wait: o.wait ?? true, signal: signals.stop, abortSignal: signals.abort },
+        );
+        if (o.json) process.stdout.write(`${JSON.stringify(outcomes)}\n`);
+        else if (outcomes.length === 0) process.stdout.write(`no migrations in ${g.migrationsDir}/\n`);
+        else for (const out of outcomes) process.stdout.write(`${out.runKey}: ${describeOutcome(out)}\n`);
+        return ExitCode.Ok;
+      }),
+    );
+
+  program
+    .command('list')
+    .description('list jobs and migrations with their description and latest state')
+    .option('--json', 'print as JSON')
+    .action((o: { json?: boolean }) =>
+      runWithSession(async (g, log, session) => {
+        const jobs = await loadJobDir(g.jobsDir, 'jobs');
+        const migrations = await loadJobDir(g.migrationsDir, 'migrations');
+        const runner = await openRunner(g, log, session);
+        const latest = new Map<string, RunStatusRow>();
+        for (const r of await runner.status(undefined, 1000)) if (!latest.has(r.job)) latest.set(r.job, r);
+        const items = [
+          ...jobs.map((j) => ({ kind: 'job', name: j.job.name, description: j.job.description ?? '', state: latest.get(j.job.name)?.state ?? 'never run' })),
+          ...migrations.map((m) => ({ kind: 'migration', name: m.id, job: m.job.name, description: m.job.description ?? '', state: latest.get(m.job.name)?.state ?? 'pending' })),
+        ];
+        if (o.json) process.stdout.write(`${JSON.stringify(items)}\n`);
+        else process.stdout.write(`${items.map((i) => `${i.kind}\t${i.name}\t${i.state}\t${i.description}`).join('\n') || 'no jobs or migrations found'}\n`);
+        return ExitCode.Ok;
+      }),
+    );
+
+  program
+    .command('status')
+    .description("show runs: state ('running' only while a process holds the lock), attempt, chunks done/planned, last error")
+    .argument('[job]', 'only this job')
+    .option('--json', 'print as JSON')
+    .option('--limit <n>', 'how many runs', positiveInt(10_000), 50)
+    .action((job: string | undefined, o: { json?: boolean; limit: number }) =>
+      runWithSession(async (g, log, session) => {
+        const runner = await openRunner(g, log, session);
+        const rows = await runner.status(job, o.limit);
+        process.stdout.write(o.json ? `${JSON.stringify(rows)}\n` : `${formatStatus(rows)}\n`);
+        return ExitCode.Ok;
+      }),
+    );
+
+  return program;
+}
+
+/** Entry point of the `idem` binary. */
+export async function main(argv: string[]): Promise<never> {
+  const state = { exitCode: 0 };
+  const program = buildProgram(state);
+  try {
+    await program.parseAsync(argv);
+  } catch (err) {
+    if (err instanceof CommanderError) {
+      // Help and version print and end well; every other parse error is a usage error.
+      process.exit(err.code === 'commander.helpDisplayed' || err.code === 'commander.version' || err.code === 'commander.help' ? 0 : ExitCode.Usage);
+    }
+    process.stderr.write(`idem: error: ${messageOf(err)}\n`);
+    process.exit(exitCodeOf(err));
+  }
+  process.exit(state.exitCode);
+}

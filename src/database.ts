@@ -1,0 +1,84 @@
+import { Kysely, PostgresDialect } from 'kysely';
+import pg from 'pg';
+import type { Logger } from 'pino';
+import { DatabaseUnavailableError } from './errors.ts';
+
+/**
+ * Replaces the password in a connection string (URL or key=value form) with `***`.
+ * Every place idem prints a connection string goes through here.
+ */
+export function redactUrl(url: string): string {
+  try {
+    const u = new URL(url);
+    if (u.password) u.password = '***';
+    for (const k of ['password', 'sslpassword']) if (u.searchParams.has(k)) u.searchParams.set(k, '***');
+    return u.toString().replace(/%2A%2A%2A/g, '***');
+  } catch {
+    return url.replace(/(password\s*=\s*)('[^']*'|\S+)/gi, '$1***').replace(/(:\/\/[^:/@\s]*:)[^@\s]*@/, '$1***@');
+  }
+}
+
+/** Removes any occurrence of the connection string's password from a message. */
+export function redactSecrets(text: string, connectionString: string): string {
+  let password = '';
+  try {
+    password = decodeURIComponent(new URL(connectionString).password);
+  } catch {
+    password = /password\s*=\s*'?([^'\s]+)/i.exec(connectionString)?.[1] ?? '';
+  }
+  return password.length >= 3 ? text.split(password).join('***') : text;
+}
+
+export interface Database {
+  readonly db: Kysely<any>;
+  readonly pool: pg.Pool;
+  /** Idempotent. */
+  close(): Promise<void>;
+}
+
+/** Opens the work pool and proves the server answers, mapping failures to one-line errors that say the fix. */
+export async function openDatabase(connectionString: string, opts: { readonly poolSize: number; readonly log: Logger }): Promise<Database> {
+  const pool = new pg.Pool({ connectionString, max: opts.poolSize, application_name: 'idem', keepAlive: true, connectionTimeoutMillis: 10_000 });
+  // An idle client's socket error is emitted on the pool; unhandled, it would kill the process.
+  pool.on('error', (err) => opts.log.warn({ err: { message: redactSecrets(err.message, connectionString) } }, 'idle database connection failed'));
+  try {
+    const client = await pool.connect();
+    client.release();
+  } catch (err) {
+    await pool.end().catch(() => {});
+    throw describeConnectError(err, connectionString);
+  }
+  const db = new Kysely<any>({ dialect: new PostgresDialect({ pool }) });
+  let closed: Promise<void> | undefined;
+  return {
+    db,
+    pool,
+    close: () => (closed ??= db.destroy().catch(() => {})),
+  };
+}
+
+export function describeConnectError(err: unknown, connectionString: string): DatabaseUnavailableError {
+  const code = (err as { code?: string }).code;
+  const where = redactUrl(connectionString);
+  const raw = redactSecrets((err as Error)?.message ?? String(err), connectionString);
+  let msg: string;
+  switch (code) {
+    case 'ECONNREFUSED':
+      msg = `cannot reach the database at ${where}: connection refused; start the server or fix --database-url / DATABASE_URL`;
+      break;
+    case 'ENOTFOUND':
+    case 'EAI_AGAIN':
+      msg = `cannot reach the database at ${where}: host not found; fix the host in --database-url / DATABASE_URL`;
+      break;
+    case '28P01':
+    case '28000':
+      msg = `the database at ${where} refused the credentials (${raw}); fix the user or password in DATABASE_URL`;
+      break;
+    case '3D000':
+      msg = `the database at ${where} does not exist (${raw}); create it or fix the database name in DATABASE_URL`;
+      break;
+    default:
+      msg = `cannot connect to the database at ${where}: ${raw}; check --database-url / DATABASE_URL`;
+  }
+  return new DatabaseUnavailableError(msg, { cause: err });
+}

@@ -1,0 +1,112 @@
+/**
+ * Exit codes are part of idem's interface: scripts, cron wrappers and CI branch on them.
+ * They follow sysexits(3) where a code there fits, so `75` reads as "try again later".
+ */
+export const ExitCode = {
+  /** The run finished, now or earlier (a no-op rerun). */
+  Ok: 0,
+  /** The run failed; the failing step and chunk are recorded and a rerun resumes there. */
+  Failed: 1,
+  /** Usage or bad input: unknown job, invalid params, bad flag, unreachable database. */
+  Usage: 2,
+  /** The run key was used before with other params (sysexits EX_DATAERR). */
+  ParamsMismatch: 65,
+  /** The runner lost its advisory-lock session mid-run (sysexits EX_UNAVAILABLE); rerun to resume. */
+  LockLost: 69,
+  /** Another run holds the job's lock (sysexits EX_TEMPFAIL); retry later or pass --wait. */
+  Busy: 75,
+  /** Interrupted by SIGINT; resumable. */
+  Sigint: 130,
+  /** Interrupted by SIGTERM; resumable. */
+  Sigterm: 143,
+} as const;
+export type ExitCode = (typeof ExitCode)[keyof typeof ExitCode];
+
+/** Base class: every error idem raises on purpose carries a stable `code` and the exit code it maps to. */
+export class IdemError extends Error {
+  readonly code: string;
+  readonly exitCode: ExitCode;
+  constructor(code: string, exitCode: ExitCode, message: string, options?: { cause?: unknown }) {
+    super(message, options);
+    this.name = new.target.name;
+    this.code = code;
+    this.exitCode = exitCode;
+  }
+}
+
+/** Bad input from the user: a flag, a job name, params. Nothing was changed. */
+export class UsageError extends IdemError {
+  constructor(code: string, message: string, options?: { cause?: unknown }) {
+    super(`idem.${code}`, ExitCode.Usage, message, options);
+  }
+}
+
+/** The database cannot be used (unreachable, wrong credentials, schema too new, pooled sessions). */
+export class DatabaseUnavailableError extends IdemError {
+  constructor(message: string, options?: { cause?: unknown }) {
+    super('idem.databaseUnavailable', ExitCode.Usage, message, options);
+  }
+}
+
+/** Same (job, run key) was used before with other params: refused, never silently replayed. */
+export class ParamsMismatchError extends IdemError {
+  constructor(message: string) {
+    super('idem.paramsMismatch', ExitCode.ParamsMismatch, message);
+  }
+}
+
+/** Another process holds the job's advisory lock. */
+export class BusyError extends IdemError {
+  constructor(message: string) {
+    super('idem.busy', ExitCode.Busy, message);
+  }
+}
+
+/** The run failed in a step or chunk; recorded on the run row, resumable. */
+export class RunFailedError extends IdemError {
+  constructor(message: string, options?: { cause?: unknown }) {
+    super('idem.runFailed', ExitCode.Failed, message, options);
+  }
+}
+
+/** The run was stopped by a signal after in-flight chunks finished or rolled back. */
+export class InterruptedError extends IdemError {
+  readonly signal: 'SIGINT' | 'SIGTERM';
+  constructor(signal: 'SIGINT' | 'SIGTERM') {
+    super(
+      'idem.interrupted',
+      signal === 'SIGINT' ? ExitCode.Sigint : ExitCode.Sigterm,
+      `interrupted by ${signal}; finished chunks are kept, run the same command again to resume`,
+    );
+    this.signal = signal;
+  }
+}
+
+/** The lock session died: another attempt may now own the run, so this one must stop. */
+export class LockLostError extends IdemError {
+  constructor(message: string, options?: { cause?: unknown }) {
+    super('idem.lockLost', ExitCode.LockLost, message, options);
+  }
+}
+
+/**
+ * A chunk's commit was refused because a newer attempt took the run over (fencing).
+ * Raised inside the chunk transaction so its work rolls back.
+ */
+export class FencedError extends IdemError {
+  constructor(message: string) {
+    super('idem.fenced', ExitCode.LockLost, message);
+  }
+}
+
+/** Maps any thrown value to the exit code the CLI should end with. */
+export function exitCodeOf(err: unknown): ExitCode {
+  if (err instanceof IdemError) return err.exitCode;
+  return ExitCode.Failed;
+}
+
+/** Extracts a one-line message from anything thrown. */
+export function messageOf(err: unknown): string {
+  const msg = err instanceof Error ? err.message : String(err);
+  return msg.split('\n')[0] ?? msg;
+}

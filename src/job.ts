@@ -1,0 +1,205 @@
+import type { Kysely, Transaction } from 'kysely';
+import type { Logger } from 'pino';
+import type { BackoffOptions } from './retry.ts';
+import { UsageError } from './errors.ts';
+
+/** A JSON value: what params, cursors and chunk specs are made of (they are stored as jsonb). */
+export type Json = null | boolean | number | string | Json[] | { [key: string]: Json };
+
+/**
+ * One slice of a chunked step's work. `key` must be stable: the same source given the same cursor
+ * returns the same keys, because the completion marker is stored under it.
+ * @example { key: '[1000,2000)', lo: 1000, hi: 2000 }
+ */
+export interface ChunkSpec {
+  readonly key: string;
+  readonly [field: string]: Json;
+}
+
+/** What a chunk source returns for one call: a window of chunks and the cursor to continue from. */
+export interface ChunkPage<C extends ChunkSpec = ChunkSpec> {
+  readonly chunks: readonly C[];
+  /** `null` when the source is exhausted. */
+  readonly next: Json | null;
+}
+
+/** The identity of the run a step belongs to. */
+export interface RunIdentity {
+  readonly job: string;
+  readonly runKey: string;
+  readonly runId: string;
+  /** Fencing token: increments each time a process takes the run over. */
+  readonly attempt: number;
+}
+
+interface BaseContext<P> {
+  readonly params: P;
+  /** pino child logger carrying job, run key and step (and chunk, inside a chunk). */
+  readonly log: Logger;
+  /** Aborts when the run must stop at once (second signal, shutdown deadline, lost lock). */
+  readonly signal: AbortSignal;
+  readonly run: RunIdentity;
+  readonly step: string;
+}
+
+/** Passed to a step's `run`: `db` is the transaction its completion marker commits in. */
+export interface StepContext<P = unknown, DB = any> extends BaseContext<P> {
+  readonly db: Transaction<DB>;
+}
+
+/** Passed to a chunk source: `db` is outside any chunk transaction and must only be read. */
+export interface PlanContext<P = unknown, DB = any> extends BaseContext<P> {
+  readonly db: Kysely<DB>;
+  /** How many chunks the runner would like this call to return (a hint, not a rule). */
+  readonly windowSize: number;
+}
+
+/**
+ * A resumable chunk source: given the persisted cursor (`null` at first) return the next window
+ * of chunks and the cursor after them. The runner persists both before running any of them, so a
+ * resume never re-plans from data that changed in between.
+ */
+export type ChunkSource<P = any, DB = any, C extends ChunkSpec = ChunkSpec> = (
+  cursor: Json | null,
+  ctx: PlanContext<P, DB>,
+) => ChunkPage<C> | Promise<ChunkPage<C>>;
+
+interface StepCommon {
+  /** Unique within the job; the step's progress is stored under it. */
+  readonly name: string;
+  /** Retry policy for transient errors in this step. Defaults to the job's, then `DEFAULT_BACKOFF`. */
+  readonly retry?: BackoffOptions;
+}
+
+/** A step whose whole work is one transaction. */
+export interface SingleStep<P = any, DB = any> extends StepCommon {
+  readonly chunks?: undefined;
+  run(ctx: StepContext<P, DB>): unknown;
+}
+
+/** A step cut into chunks, each committed with its marker in one transaction. */
+export interface ChunkedStep<P = any, DB = any, C extends ChunkSpec = any> extends StepCommon {
+  readonly chunks: ChunkSource<P, DB, C>;
+  run(ctx: StepContext<P, DB>, chunk: C): unknown;
+}
+
+export type Step<P = any, DB = any> = SingleStep<P, DB> | ChunkedStep<P, DB>;
+
+/**
+ * The Standard Schema v1 interface (https://standardschema.dev) that zod, valibot and arktype
+ * implement; declared here so idem depends on none of them.
+ */
+export interface StandardSchemaV1<Input = unknown, Output = Input> {
+  readonly '~standard': {
+    readonly version: 1;
+    readonly vendor: string;
+    readonly validate: (value: unknown) => StandardResult<Output> | Promise<StandardResult<Output>>;
+    readonly types?: { readonly input: Input; readonly output: Output } | undefined;
+  };
+}
+type StandardResult<O> =
+  | { readonly value: O; readonly issues?: undefined }
+  | { readonly issues: ReadonlyArray<{ readonly message: string; readonly path?: ReadonlyArray<PropertyKey | { readonly key: PropertyKey }> | undefined }> };
+
+/** Params validation: a Standard Schema or a function that returns the params or throws. */
+export type ParamsValidator<P> = StandardSchemaV1<unknown, P> | ((raw: unknown) => P);
+
+export interface JobDefinition<P = any, DB = any> {
+  /** Unique job name; the advisory lock and every run row are keyed by it. */
+  readonly name: string;
+  readonly description?: string;
+  /** Validates and types `ctx.params`. Defaults to accepting only `{}` or no params. */
+  readonly params?: ParamsValidator<P>;
+  /** Ordered, state-setting steps: each must leave the same state however often it runs. */
+  readonly steps: ReadonlyArray<Step<P, DB>>;
+  /** Default retry policy for the job's steps. Defaults to `DEFAULT_BACKOFF`. */
+  readonly retry?: BackoffOptions;
+}
+
+/** A job as loaded: validated and frozen. */
+export type Job<P = any, DB = any> = Readonly<JobDefinition<P, DB>>;
+
+const NAME = /^[a-z0-9][a-z0-9._:-]{0,99}$/i;
+
+/**
+ * Declares a job. Checks the definition once, at load time, and reports every problem together.
+ * @example
+ * export default defineJob({
+ *   name: 'backfill-normalized',
+ *   steps: [{ name: 'normalize', chunks: keyRange({ table: 'reservations', column: 'id', size: 1000 }),
+ *     run: ({ db }, { lo, hi }) => db.updateTable('reservations').set(...).where('id', '>=', lo).where('id', '<', hi).execute() }],
+ * });
+ */
+export function defineJob<P = Record<string, never>, DB = any>(definition: JobDefinition<P, DB>): Job<P, DB> {
+  return assertJob(definition, 'defineJob()');
+}
+
+/** Validates a job definition (also a plain default-exported object) and freezes it. */
+export function assertJob(value: unknown, origin: string): Job {
+  const problems: string[] = [];
+  const def = value as Partial<JobDefinition> | null;
+  if (!def || typeof def !== 'object') {
+    throw new UsageError('invalidJob', `${origin} does not export a job definition: expected an object with name and steps`);
+  }
+  if (typeof def.name !== 'string' || !NAME.test(def.name)) {
+    problems.push(`name must match ${NAME} (got ${JSON.stringify(def.name)})`);
+  }
+  if (def.params !== undefined && typeof def.params !== 'function' && !isStandardSchema(def.params)) {
+    problems.push('params must be a Standard Schema (zod, valibot, arktype…) or a function (raw) => params');
+  }
+  if (!Array.isArray(def.steps) || def.steps.length === 0) {
+    problems.push('steps must be a non-empty array');
+  } else {
+    const seen = new Set<string>();
+    def.steps.forEach((s: Partial<Step> | undefined, i) => {
+      if (!s || typeof s.name !== 'string' || !NAME.test(s.name)) problems.push(`steps[${i}].name must match ${NAME}`);
+      else if (seen.has(s.name)) problems.push(`step name "${s.name}" is used twice`);
+      else seen.add(s.name);
+      if (!s || typeof s.run !== 'function') problems.push(`steps[${i}].run must be a function`);
+      if (s && s.chunks !== undefined && typeof s.chunks !== 'function') {
+        problems.push(`steps[${i}].chunks must be a chunk source function such as keyRange({...})`);
+      }
+    });
+  }
+  if (problems.length > 0) {
+    throw new UsageError('invalidJob', `${origin}: invalid job definition: ${problems.join('; ')}`);
+  }
+  return Object.freeze({ ...(def as JobDefinition), steps: Object.freeze([...(def.steps as Step[])]) });
+}
+
+function isStandardSchema(v: unknown): v is StandardSchemaV1 {
+  return !!v && typeof v === 'object' && '~standard' in v && typeof (v as StandardSchemaV1)['~standard']?.validate === 'function';
+}
+
+/**
+ * Validates raw params against the job's validator. Throws a UsageError naming every issue, so the
+ * run never starts (and nothing is written) with params the job does not accept.
+ */
+export async function validateParams<P>(job: Job<P>, raw: unknown): Promise<P> {
+  const v = job.params;
+  if (v === undefined) {
+    if (raw === undefined || (isPlainObject(raw) && Object.keys(raw).length === 0)) return {} as P;
+    throw new UsageError('invalidParams', `job "${job.name}" takes no params, got ${JSON.stringify(raw)}; drop --params/--param`);
+  }
+  if (isStandardSchema(v)) {
+    const result = await v['~standard'].validate(raw ?? {});
+    if (result.issues) {
+      const issues = result.issues.map((i) => {
+        const path = (i.path ?? []).map((p) => (typeof p === 'object' ? String(p.key) : String(p))).join('.');
+        return path ? `${path}: ${i.message}` : i.message;
+      });
+      throw new UsageError('invalidParams', `invalid params for job "${job.name}": ${issues.join('; ')}`);
+    }
+    return result.value;
+  }
+  try {
+    return await v(raw ?? {});
+  } catch (err) {
+    const msg = err instanceof Error ? err.message : String(err);
+    throw new UsageError('invalidParams', `invalid params for job "${job.name}": ${msg}`, { cause: err });
+  }
+}
+
+function isPlainObject(v: unknown): v is Record<string, unknown> {
+  return !!v && typeof v === 'object' && !Array.isArray(v);
+}

@@ -1,0 +1,20 @@
+import pino, { type Logger } from 'pino';
+import pretty from 'pino-pretty';
+
+export type LogLevel = 'trace' | 'debug' | 'info' | 'warn' | 'error' | 'fatal' | 'silent';
+export const LOG_LEVELS: readonly LogLevel[] = ['trace', 'debug', 'info', 'warn', 'error', 'fatal', 'silent'];
+
+/** Paths pino blanks out wherever they appear: a connection string or password must never reach a log. */
+const REDACT = ['password', '*.password', 'connectionString', '*.connectionString', 'databaseUrl', '*.databaseUrl'];
+
+/**
+ * The one root logger, on stderr (stdout carries the command's result). JSON lines for machines;
+ * pretty lines when stderr is a terminal. Synchronous writes, so nothing is lost on process.exit.
+ */
+export function createLogger(level: LogLevel = 'info', opts: { readonly pretty?: boolean } = {}): Logger {
+  const base = { level, redact: { paths: REDACT, censor: '***' }, base: { pid: process.pid } };
+  if (opts.pretty ?? process.stderr.isTTY) {
+    return pino(base, pretty({ destination: 2, sync: true, ignore: 'pid,hostname', translateTime: 'HH:MM:ss.l' }));
+  }
+  return pino(base, pino.destination({ fd: 2, sync: true }));
+}

@@ -1,0 +1,70 @@
+/**
+ * SQLSTATEs after which the same chunk, retried in a fresh transaction, can succeed.
+ * Everything else is a bug or bad data: retrying would only repeat it.
+ */
+export const SqlState = {
+  /** Serializable/repeatable-read conflict: the retry sees the other transaction's result. */
+  SerializationFailure: '40001',
+  /** Postgres killed one side of a lock cycle; the other side has gone on. */
+  DeadlockDetected: '40P01',
+  /** The server is shutting down an idle or busy backend (restart, pg_terminate_backend). */
+  AdminShutdown: '57P01',
+  /** Crash recovery in progress: the server will accept connections again shortly. */
+  CrashShutdown: '57P02',
+  /** Starting up or shutting down: try again after a pause. */
+  CannotConnectNow: '57P03',
+  /** max_connections reached; other sessions will leave. */
+  TooManyConnections: '53300',
+  /** Lock wait exceeded lock_timeout: the blocker usually finishes. */
+  LockNotAvailable: '55P03',
+} as const;
+
+/** Node/libpq socket errors that mean "the connection went away", never "your SQL is wrong". */
+const RETRYABLE_NODE_CODES = new Set(['ECONNRESET', 'ECONNREFUSED', 'EPIPE', 'ETIMEDOUT', 'EHOSTUNREACH', 'ENETUNREACH', 'EAI_AGAIN']);
+
+const RETRYABLE_SQLSTATES = new Set<string>(Object.values(SqlState));
+
+/** True when the error is transient: a retry in a fresh transaction may succeed. */
+export function isRetryable(err: unknown): boolean {
+  let e: unknown = err;
+  for (let depth = 0; e && typeof e === 'object' && depth < 5; depth++) {
+    const code = (e as { code?: unknown }).code;
+    if (typeof code === 'string') {
+      if (RETRYABLE_SQLSTATES.has(code) || code.startsWith('08') || RETRYABLE_NODE_CODES.has(code)) return true;
+    }
+    const msg = (e as { message?: unknown }).message;
+    if (typeof msg === 'string' && /Connection terminated|connection is closed|Client has encountered a connection error/i.test(msg)) {
+      return true;
+    }
+    e = (e as { cause?: unknown }).cause;
+  }
+  return false;
+}
+
+export interface BackoffOptions {
+  /** First delay's upper bound in ms. Defaults to `100`. */
+  readonly base?: number;
+  /** Upper bound of any delay in ms. Defaults to `30_000`. */
+  readonly max?: number;
+  /** Growth per attempt. Defaults to `2`. */
+  readonly factor?: number;
+  /** How many tries a chunk gets in all (the first one included). Defaults to `5`. */
+  readonly attempts?: number;
+}
+
+export const DEFAULT_BACKOFF: Required<BackoffOptions> = Object.freeze({ base: 100, max: 30_000, factor: 2, attempts: 5 });
+
+/**
+ * Exponential backoff with full jitter (AWS architecture blog): a uniform delay in
+ * `[0, min(max, base * factor^(attempt-1)))`. Full jitter spreads retries of workers that failed
+ * together (a deadlock, a restart) instead of having them collide again in lockstep.
+ * `attempt` counts from 1; `random` is injectable so tests can pin it.
+ */
+export function backoffDelay(attempt: number, opts: BackoffOptions = {}, random: () => number = Math.random): number {
+  if (!Number.isInteger(attempt) || attempt < 1) throw new TypeError(`attempt must be an integer >= 1, got ${attempt}`);
+  const base = opts.base ?? DEFAULT_BACKOFF.base;
+  const max = opts.max ?? DEFAULT_BACKOFF.max;
+  const factor = opts.factor ?? DEFAULT_BACKOFF.factor;
+  const ceiling = Math.min(max, base * factor ** (attempt - 1));
+  return Math.floor(random() * ceiling);
+}

@@ -1,0 +1,332 @@
+import { hostname } from 'node:os';
+import { sql } from 'kysely';
+import pino, { type Logger } from 'pino';
+import { acquireAdvisoryLock, type HeldLock } from './advisory-lock.ts';
+import { openDatabase, type Database } from './database.ts';
+import { FencedError, InterruptedError, LockLostError, ParamsMismatchError, RunFailedError, UsageError } from './errors.ts';
+import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps } from './executor.ts';
+import { fingerprint, lockKey } from './fingerprint.ts';
+import { validateParams, type Job, type Json } from './job.ts';
+import { ensureRunnerSchema } from './schema/runner-migrations.ts';
+import { Store, type RunRow, type RunSummary } from './store.ts';
+
+/** Default name of the schema holding idem's own tables. */
+export const DEFAULT_SCHEMA = 'idem';
+
+export interface RunnerOptions {
+  /** Postgres connection string. Required (the CLI falls back to DATABASE_URL, then an embedded server). */
+  readonly connectionString: string;
+  /** Schema for idem's own tables. Defaults to `idem`. */
+  readonly schema?: string;
+  /** Root logger. Defaults to a silent one. */
+  readonly log?: Logger;
+  /** Most connections the work pool opens (the lock takes one more). Defaults to `10`. */
+  readonly poolSize?: number;
+}
+
+export interface RunJobOptions {
+  /** Raw params, validated by the job's schema. Defaults to `{}`. */
+  readonly params?: unknown;
+  /** The run's idempotency key. Defaults to the params fingerprint. */
+  readonly key?: string;
+  /** Chunks run at once within this process. Defaults to `1`. */
+  readonly concurrency?: number;
+  /** When another process holds the lock: `false` fail at once (busy), `true` wait, n wait n seconds. Defaults to `false`. */
+  readonly wait?: boolean | number;
+  /** Report what would run without writing anything. Defaults to `false`. */
+  readonly dryRun?: boolean;
+  /** Aborting stops the run gracefully: no new chunk starts, in-flight ones finish. */
+  readonly signal?: AbortSignal;
+  /** Aborting makes the job's `ctx.signal` abort too (second Ctrl-C, shutdown deadline). */
+  readonly abortSignal?: AbortSignal;
+  /** Chunks planned per call of a chunk source. Defaults to `100`. */
+  readonly planWindow?: number;
+}
+
+export type RunStatusOutcome = 'succeeded' | 'already-succeeded' | 'dry-run';
+
+export interface RunOutcome {
+  readonly status: RunStatusOutcome;
+  readonly job: string;
+  readonly runKey: string;
+  readonly runId: string | null;
+  readonly attempt: number;
+  readonly summary: RunSummary | null;
+  /** Chunks this invocation committed (0 for a no-op rerun). */
+  readonly executed: number;
+  /** For a dry run: the run's state and the steps that would run. */
+  readonly plan?: { readonly state: string; readonly steps: ReadonlyArray<{ readonly name: string; readonly chunked: boolean }> };
+}
+
+/** A run's state as `idem status` reports it. */
+export interface RunStatusRow {
+  readonly job: string;
+  readonly runKey: string;
+  readonly runId: string;
+  /** `running` only while a process really holds the job's lock; a dead run's row says `crashed`. */
+  readonly state: string;
+  readonly attempt: number;
+  readonly holder: string | null;
+  readonly chunksDone: number;
+  readonly chunksPlanned: number;
+  readonly fullyPlanned: boolean;
+  readonly createdAt: Date;
+  readonly updatedAt: Date;
+  readonly finishedAt: Date | null;
+  readonly error: RunRow['error'];
+  readonly summary: RunSummary | null;
+}
+
+/**
+ * The runner: owns the work pool and the store, and drives the protocol for one run at a time.
+ * @example
+ * const runner = await Runner.connect({ connectionString: process.env.DATABASE_URL! });
+ * try { await runner.run(job, { params: { day: '2026-11-30' } }); } finally { await runner.close(); }
+ */
+export class Runner {
+  readonly schema: string;
+  readonly store: Store;
+  readonly #database: Database;
+  readonly #connectionString: string;
+  readonly #log: Logger;
+
+  private constructor(database: Database, opts: RunnerOptions, schema: string, log: Logger) {
+    this.#database = database;
+    this.#connectionString = opts.connectionString;
+    this.#log = log;
+    this.schema = schema;
+    this.store = new Store(database.db, schema);
+  }
+
+  /** Connects, checks the server, and creates or upgrades the runner schema. */
+  static async connect(opts: RunnerOptions): Promise<Runner> {
+    const schema = opts.schema ?? DEFAULT_SCHEMA;
+    if (!/^[a-z_][a-z0-9_]{0,62}$/i.test(schema)) {
+      throw new UsageError('invalidSchema', `schema name ${JSON.stringify(schema)} is not a plain identifier; use letters, digits and _`);
+    }
+    const log = opts.log ?? pino({ level: 'silent' });
+    const database = await openDatabase(opts.connectionString, { poolSize: opts.poolSize ?? 10, log });
+    try {
+      await ensureRunnerSchema(database.db, schema);
+    } catch (err) {
+      await database.close();
+      throw err;
+    }
+    return new Runner(database, opts, schema, log);
+  }
+
+  get db() {
+    return this.#database.db;
+  }
+
+  /** Idempotent. */
+  async close(): Promise<void> {
+    await this.#database.close();
+  }
+
+  /** Runs a job to completion (or finds it done). Throws an IdemError subclass on every other outcome. */
+  async run(job: Job, opts: RunJobOptions = {}): Promise<RunOutcome> {
+    const params = (await validateParams(job, opts.params)) as Json;
+    const fp = fingerprint(params);
+    const runKey = opts.key ?? fp;
+    if (opts.dryRun) return this.#dryRun(job, runKey, fp);
+
+    const { run } = await this.store.claimRun(job.name, runKey, params, fp);
+    checkFingerprint(job.name, runKey, run, fp);
+    if (run.status === 'succeeded') return alreadyDone(run);
+
+    const lock = await acquireAdvisoryLock({
+      connectionString: this.#connectionString,
+      name: this.jobLockName(job.name),
+      what: `job "${job.name}"`,
+      wait: opts.wait ?? false,
+      ...(opts.signal ? { signal: opts.signal } : {}),
+    });
+    try {
+      return await this.#runLocked(job, run.id, params, lock, opts);
+    } finally {
+      await lock.release();
+    }
+  }
+
+  /**
+   * Runs ordered migrations under one lock: every pod of a deploy may call this at once; one works,
+   * the others wait (by default) and then find each migration done.
+   */
+  async migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: Omit<RunJobOptions, 'key' | 'params' | 'dryRun'> = {}): Promise<RunOutcome[]> {
+    const outcomes: RunOutcome[] = [];
+    const fp = fingerprint({});
+    // Fast path: every migration already done means no lock and no waiting at all.
+    const pending: Array<{ runKey: string; job: Job }> = [];
+    for (const m of migrations) {
+      const run = await this.store.findRun(m.job.name, m.runKey);
+      if (run) checkFingerprint(m.job.name, m.runKey, run, fp);
+      if (run?.status === 'succeeded') outcomes.push(alreadyDone(run));
+      else pending.push(m);
+    }
+    if (pending.length === 0) return outcomes;
+    const lock = await acquireAdvisoryLock({
+      connectionString: this.#connectionString,
+      name: `${this.schema}:migrate`,
+      what: 'idem migrate',
+      wait: opts.wait ?? true,
+      ...(opts.signal ? { signal: opts.signal } : {}),
+    });
+    try {
+      for (const m of pending) {
+        const { run } = await this.store.claimRun(m.job.name, m.runKey, {}, fp);
+        checkFingerprint(m.job.name, m.runKey, run, fp);
+        if (run.status === 'succeeded') {
+          outcomes.push(alreadyDone(run));
+          continue;
+        }
+        outcomes.push(await this.#runLocked(m.job, run.id, {}, lock, opts));
+      }
+    } finally {
+      await lock.release();
+    }
+    return outcomes;
+  }
+
+  jobLockName(job: string): string {
+    return `${this.schema}:job:${job}`;
+  }
+
+  async #runLocked(job: Job, runId: string, params: Json, lock: HeldLock, opts: RunJobOptions): Promise<RunOutcome> {
+    // Re-read under the lock: the holder we waited for has usually finished the run.
+    const current = await this.store.getRun(runId);
+    if (current.status === 'succeeded') return alreadyDone(current);
+    const { attempt, startedAt } = await this.store.beginAttempt(runId, `${hostname()}:${process.pid}`);
+    const identity = { job: job.name, runKey: current.run_key, runId, attempt };
+    const log = this.#log.child({ job: job.name, runKey: current.run_key, attempt });
+    log.info({ resumed: attempt > 1 }, attempt > 1 ? 'run resumed' : 'run started');
+    const stop = AbortSignal.any([lock.lost, ...(opts.signal ? [opts.signal] : [])]);
+    const abort = AbortSignal.any([lock.lost, ...(opts.abortSignal ? [opts.abortSignal] : [])]);
+    try {
+      const steps = await this.store.loadSteps(runId, job.steps.map((s) => s.name));
+      const { executed } = await executeSteps(
+        {
+          db: this.db,
+          store: this.store,
+          job,
+          params,
+          run: identity,
+          log,
+          concurrency: opts.concurrency ?? 1,
+          planWindow: opts.planWindow ?? DEFAULT_PLAN_WINDOW,
+          stop,
+          abort,
+        },
+        steps,
+      );
+      if (lock.lost.aborted) throw lock.lost.reason;
+      const summary = await this.store.finishRun(runId, attempt, startedAt);
+      if (!summary) throw new FencedError(`attempt ${attempt} of job "${job.name}" was taken over before it could finish`);
+      log.info({ executed, chunks: summary.chunks, durationMs: summary.durationMs }, 'run succeeded');
+      return { status: 'succeeded', job: job.name, runKey: current.run_key, runId, attempt, summary, executed };
+    } catch (err) {
+      throw await this.#recordEnd(runId, attempt, job, err, log);
+    }
+  }
+
+  /** Records how an attempt ended and returns the error to throw. A fenced attempt writes nothing. */
+  async #recordEnd(runId: string, attempt: number, job: Job, err: unknown, log: Logger): Promise<unknown> {
+    if (err instanceof FencedError || err instanceof LockLostError) {
+      log.error({ err: { message: err.message } }, 'lost the run to another attempt');
+      return err instanceof LockLostError ? err : new LockLostError(err.message, { cause: err });
+    }
+    if (err instanceof InterruptedError) {
+      await this.store.endRun(runId, attempt, 'interrupted', null).catch(() => {});
+      log.warn({ signal: err.signal }, 'run interrupted; rerun to resume');
+      return err;
+    }
+    const failure = err instanceof ChunkFailure ? err : new ChunkFailure('(runner)', null, 1, err);
+    const cause = failure.cause as { code?: string } | undefined;
+    await this.store
+      .endRun(runId, attempt, 'failed', {
+        step: failure.step,
+        chunk: failure.chunk,
+        tries: failure.tries,
+        message: failure.message,
+        ...(typeof cause?.code === 'string' ? { code: cause.code } : {}),
+        at: new Date().toISOString(),
+      })
+      .catch(() => {});
+    const where = failure.chunk === null ? `step "${failure.step}"` : `step "${failure.step}", chunk ${failure.chunk}`;
+    log.error({ step: failure.step, chunk: failure.chunk, tries: failure.tries, err: { message: failure.message, code: cause?.code } }, 'run failed');
+    return new RunFailedError(
+      `job "${job.name}" failed in ${where} after ${failure.tries} ${failure.tries === 1 ? 'try' : 'tries'}: ${failure.message}; fix the cause and run the same command again to resume there`,
+      { cause: failure },
+    );
+  }
+
+  async #dryRun(job: Job, runKey: string, fp: string): Promise<RunOutcome> {
+    const run = await this.store.findRun(job.name, runKey);
+    if (run) checkFingerprint(job.name, runKey, run, fp);
+    return {
+      status: 'dry-run',
+      job: job.name,
+      runKey,
+      runId: run?.id ?? null,
+      attempt: run?.attempt ?? 0,
+      summary: run?.summary ?? null,
+      executed: 0,
+      plan: { state: run?.status ?? 'new', steps: job.steps.map((s) => ({ name: s.name, chunked: s.chunks !== undefined })) },
+    };
+  }
+
+  /** Runs with progress, newest first; `running` only where the job's advisory lock is really held. */
+  async status(job?: string, limit = 50): Promise<RunStatusRow[]> {
+    const s = this.schema;
+    const { rows } = await sql<any>`
+      select r.*,
+        (select count(*) from ${sql.id(s, 'chunks')} c where c.run_id = r.id and c.done_at is not null)::int as chunks_done,
+        (select coalesce(sum(planned), 0) from ${sql.id(s, 'steps')} st where st.run_id = r.id)::int as chunks_planned,
+        coalesce((select bool_and(planned_all) from ${sql.id(s, 'steps')} st where st.run_id = r.id), false) as fully_planned
+      from ${sql.id(s, 'runs')} r
+      where ${job === undefined ? sql`true` : sql`r.job = ${job}`}
+      order by r.created_at desc, r.id desc limit ${limit}`.execute(this.db);
+    const held = await this.heldLockKeys();
+    return rows.map((r) => {
+      const locked = held.has(lockKey(this.jobLockName(r.job))) || held.has(lockKey(`${s}:migrate`));
+      const state = r.status === 'running' ? (locked ? 'running' : 'crashed') : r.status;
+      return {
+        job: r.job,
+        runKey: r.run_key,
+        runId: String(r.id),
+        state,
+        attempt: r.attempt,
+        holder: state === 'running' ? r.holder : null,
+        chunksDone: r.chunks_done,
+        chunksPlanned: r.chunks_planned,
+        fullyPlanned: r.fully_planned,
+        createdAt: r.created_at,
+        updatedAt: r.updated_at,
+        finishedAt: r.finished_at,
+        error: r.error,
+        summary: r.summary,
+      };
+    });
+  }
+
+  /** 64-bit keys of the session advisory locks held in this database right now. */
+  async heldLockKeys(): Promise<Set<string>> {
+    const { rows } = await sql<{ key: string }>`
+      select ((classid::bigint << 32) | objid::bigint)::text as key from pg_locks
+      where locktype = 'advisory' and objsubid = 1 and granted
+        and database = (select oid from pg_database where datname = current_database())`.execute(this.db);
+    return new Set(rows.map((r) => r.key));
+  }
+}
+
+function checkFingerprint(job: string, runKey: string, run: RunRow, fp: string): void {
+  if (run.fingerprint !== fp) {
+    throw new ParamsMismatchError(
+      `run key "${runKey}" of job "${job}" was already used with other params (${run.fingerprint.slice(0, 19)}…, now ${fp.slice(0, 19)}…); pass a new --key to run with these params, or the original params to resume it`,
+    );
+  }
+}
+
+function alreadyDone(run: RunRow): RunOutcome {
+  return { status: 'already-succeeded', job: run.job, runKey: run.run_key, runId: run.id, attempt: run.attempt, summary: run.summary, executed: 0 };
+}

@@ -1,0 +1,113 @@
+import { Migrator, sql, type Kysely, type Migration, type MigrationProvider } from 'kysely';
+import { DatabaseUnavailableError } from '../errors.ts';
+
+/** Kysely's bookkeeping tables for the runner's own schema; kept inside that schema. */
+export const MIGRATION_TABLE = 'idem_migration';
+export const MIGRATION_LOCK_TABLE = 'idem_migration_lock';
+
+/**
+ * The runner's own tables. Names sort in order; never edit a shipped migration, add one.
+ * The schema name is a parameter, so every migration is built for it.
+ */
+function runnerMigrations(schema: string): Record<string, Migration> {
+  const t = (name: string) => sql.id(schema, name);
+  return {
+    '0001_runs_steps_chunks': {
+      async up(db) {
+        await sql`create table ${t('runs')} (
+          id bigint generated always as identity primary key,
+          job text not null,
+          run_key text not null,
+          params jsonb not null,
+          fingerprint text not null,
+          status text not null default 'pending'
+            check (status in ('pending', 'running', 'succeeded', 'failed', 'interrupted', 'paused', 'cancelled')),
+          attempt integer not null default 0,
+          holder text,
+          created_at timestamptz not null default now(),
+          started_at timestamptz,
+          updated_at timestamptz not null default now(),
+          finished_at timestamptz,
+          summary jsonb,
+          error jsonb,
+          constraint runs_job_run_key_key unique (job, run_key)
+        )`.execute(db);
+        // idem status / list: newest runs of a job first.
+        await sql`create index runs_job_created_at_idx on ${t('runs')} (job, created_at desc)`.execute(db);
+        await sql`create table ${t('steps')} (
+          run_id bigint not null references ${t('runs')} (id) on delete cascade,
+          name text not null,
+          position integer not null,
+          status text not null default 'pending' check (status in ('pending', 'running', 'done')),
+          cursor jsonb,
+          planned_all boolean not null default false,
+          planned integer not null default 0,
+          started_at timestamptz,
+          finished_at timestamptz,
+          primary key (run_id, name)
+        )`.execute(db);
+        await sql`create table ${t('chunks')} (
+          run_id bigint not null,
+          step text not null,
+          key text not null,
+          seq integer not null,
+          spec jsonb not null,
+          planned_at timestamptz not null default now(),
+          done_at timestamptz,
+          done_attempt integer,
+          attempts integer not null default 0,
+          duration_ms integer,
+          error text,
+          primary key (run_id, step, key),
+          foreign key (run_id, step) references ${t('steps')} (run_id, name) on delete cascade
+        )`.execute(db);
+        // The resume scan: a step's unfinished chunks in plan order. Partial, so it stays as small
+        // as the work left, however many chunks are done.
+        await sql`create index chunks_pending_idx on ${t('chunks')} (run_id, step, seq) where done_at is null`.execute(db);
+      },
+    },
+  };
+}
+
+/** The names this build of idem knows, in order. */
+export function knownMigrationNames(schema = 'idem'): string[] {
+  return Object.keys(runnerMigrations(schema)).sort();
+}
+
+/**
+ * Brings the runner's schema to the latest version. The fast path is one query: when every known
+ * migration is recorded, nothing else runs (so a no-op rerun stays O(1)). Kysely's Migrator takes
+ * a lock of its own, so every pod of a deploy may call this at once.
+ */
+export async function ensureRunnerSchema(db: Kysely<any>, schema: string): Promise<void> {
+  const known = knownMigrationNames(schema);
+  let applied: string[] | null = null;
+  try {
+    const { rows } = await sql<{ name: string }>`select name from ${sql.id(schema, MIGRATION_TABLE)}`.execute(db);
+    applied = rows.map((r) => r.name);
+  } catch (err) {
+    if ((err as { code?: string }).code !== '42P01') throw err; // undefined_table: a fresh database
+  }
+  if (applied) {
+    const unknown = applied.filter((n) => !known.includes(n));
+    if (unknown.length > 0) {
+      throw new DatabaseUnavailableError(
+        `runner schema "${schema}" has migration ${unknown.sort().at(-1)} that this idem does not know: the schema is newer than this binary; upgrade idem`,
+      );
+    }
+    if (known.every((n) => applied!.includes(n))) return;
+  }
+  const provider: MigrationProvider = { getMigrations: async () => runnerMigrations(schema) };
+  const migrator = new Migrator({
+    db,
+    provider,
+    migrationTableSchema: schema,
+    migrationTableName: MIGRATION_TABLE,
+    migrationLockTableName: MIGRATION_LOCK_TABLE,
+  });
+  const { error, results } = await migrator.migrateToLatest();
+  if (error) {
+    const failed = results?.find((r) => r.status === 'Error')?.migrationName ?? 'unknown';
+    throw new DatabaseUnavailableError(`could not create or upgrade the runner schema "${schema}" (migration ${failed}): ${String((error as Error).message ?? error)}`, { cause: error });
+  }
+}

@@ -1,0 +1,243 @@
+import { sql, type Kysely, type Transaction } from 'kysely';
+import type { ChunkSpec, Json } from './job.ts';
+
+export type RunStatus = 'pending' | 'running' | 'succeeded' | 'failed' | 'interrupted' | 'paused' | 'cancelled';
+
+export interface RunRow {
+  id: string;
+  job: string;
+  run_key: string;
+  params: Json;
+  fingerprint: string;
+  status: RunStatus;
+  attempt: number;
+  holder: string | null;
+  created_at: Date;
+  started_at: Date | null;
+  updated_at: Date;
+  finished_at: Date | null;
+  summary: RunSummary | null;
+  error: RunErrorInfo | null;
+}
+
+export interface StepRow {
+  name: string;
+  position: number;
+  status: 'pending' | 'running' | 'done';
+  cursor: Json | null;
+  planned_all: boolean;
+  planned: number;
+}
+
+export interface PendingChunk {
+  seq: number;
+  key: string;
+  spec: ChunkSpec;
+}
+
+/** What a finished run reports, stored on the run and printed again by a no-op rerun. */
+export interface RunSummary {
+  readonly steps: ReadonlyArray<{ readonly name: string; readonly chunks: number }>;
+  readonly chunks: number;
+  readonly attempts: number;
+  readonly startedAt: string;
+  readonly finishedAt: string;
+  readonly durationMs: number;
+}
+
+/** Where and why a run failed; stored on the run, shown by `idem status`. */
+export interface RunErrorInfo {
+  readonly step: string;
+  readonly chunk: string | null;
+  readonly tries: number;
+  readonly message: string;
+  readonly code?: string;
+  readonly at: string;
+}
+
+/**
+ * Every statement idem issues against its own tables, in one place. Statements on the hot path
+ * (one per chunk) are commented with why they look the way they do.
+ */
+export class Store {
+  readonly schema: string;
+  readonly #db: Kysely<any>;
+  readonly #runs;
+  readonly #steps;
+  readonly #chunks;
+
+  constructor(db: Kysely<any>, schema: string) {
+    this.#db = db;
+    this.schema = schema;
+    this.#runs = sql.id(schema, 'runs');
+    this.#steps = sql.id(schema, 'steps');
+    this.#chunks = sql.id(schema, 'chunks');
+  }
+
+  /**
+   * Claim-then-read in one statement: insert the run if it is new, else return the existing row.
+   * A row inserted by a concurrent claimer after this statement's snapshot is invisible to the
+   * second branch, so an empty result means "lost a race": read it again.
+   */
+  async claimRun(job: string, runKey: string, params: Json, fingerprint: string): Promise<{ run: RunRow; created: boolean }> {
+    for (let i = 0; i < 3; i++) {
+      const { rows } = await sql<RunRow & { created: boolean }>`
+        with ins as (
+          insert into ${this.#runs} (job, run_key, params, fingerprint) values (${job}, ${runKey}, ${JSON.stringify(params)}::jsonb, ${fingerprint})
+          on conflict (job, run_key) do nothing returning *
+        )
+        select *, true as created from ins
+        union all
+        select *, false as created from ${this.#runs} where job = ${job} and run_key = ${runKey} and not exists (select 1 from ins)`.execute(this.#db);
+      const row = rows[0];
+      if (row) {
+        const { created, ...run } = row;
+        return { run: normalizeRun(run), created };
+      }
+    }
+    throw new Error(`could not claim run (${job}, ${runKey}): the row vanished three times in a row`);
+  }
+
+  async getRun(runId: string): Promise<RunRow> {
+    const { rows } = await sql<RunRow>`select * from ${this.#runs} where id = ${runId}`.execute(this.#db);
+    if (!rows[0]) throw new Error(`run ${runId} disappeared (was it reset while running?)`);
+    return normalizeRun(rows[0]);
+  }
+
+  async findRun(job: string, runKey: string): Promise<RunRow | undefined> {
+    const { rows } = await sql<RunRow>`select * from ${this.#runs} where job = ${job} and run_key = ${runKey}`.execute(this.#db);
+    return rows[0] && normalizeRun(rows[0]);
+  }
+
+  /** Takes the run over: bumps the fencing token. Only called while holding the job's advisory lock. */
+  async beginAttempt(runId: string, holder: string): Promise<{ attempt: number; startedAt: Date }> {
+    const { rows } = await sql<{ attempt: number; started_at: Date }>`
+      update ${this.#runs} set attempt = attempt + 1, status = 'running', holder = ${holder},
+        started_at = coalesce(started_at, now()), updated_at = now(), error = null
+      where id = ${runId} returning attempt, started_at`.execute(this.#db);
+    return { attempt: rows[0]!.attempt, startedAt: rows[0]!.started_at };
+  }
+
+  /** Creates the step rows a run has not seen yet and returns all of them, in order. */
+  async loadSteps(runId: string, names: readonly string[]): Promise<Map<string, StepRow>> {
+    const { rows } = await sql<StepRow>`
+      with ins as (
+        insert into ${this.#steps} (run_id, name, position)
+        select ${runId}, name, ord::int from unnest(${names}::text[]) with ordinality as u(name, ord)
+        on conflict (run_id, name) do nothing returning name, position, status, cursor, planned_all, planned
+      )
+      select name, position, status, cursor, planned_all, planned from ins
+      union all
+      select name, position, status, cursor, planned_all, planned from ${this.#steps} where run_id = ${runId}
+      order by position`.execute(this.#db);
+    return new Map(rows.map((r) => [r.name, r]));
+  }
+
+  /**
+   * Persists one planned window and the cursor after it, in one fenced statement: a zombie attempt
+   * can neither add chunks nor move the cursor. Returns how many chunks were new (a chunk source
+   * that repeats a key is a bug the caller reports).
+   */
+  async planWindow(runId: string, attempt: number, step: string, firstSeq: number, chunks: readonly ChunkSpec[], next: Json | null): Promise<{ inserted: number; fenced: boolean }> {
+    const payload = JSON.stringify(chunks.map((c, i) => ({ key: c.key, seq: firstSeq + i, spec: c })));
+    const { rows } = await sql<{ inserted: number; updated: number }>`
+      with fence as (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt} for share),
+      ins as (
+        insert into ${this.#chunks} (run_id, step, key, seq, spec)
+        select ${runId}, ${step}, x.key, x.seq, x.spec from jsonb_to_recordset(${payload}::jsonb) as x(key text, seq int, spec jsonb)
+        where exists (select 1 from fence)
+        on conflict (run_id, step, key) do nothing returning 1
+      ),
+      upd as (
+        update ${this.#steps} set cursor = ${JSON.stringify(next)}::jsonb, planned_all = ${next === null},
+          planned = planned + (select count(*) from ins), status = 'running', started_at = coalesce(started_at, now())
+        where run_id = ${runId} and name = ${step} and exists (select 1 from fence) returning 1
+      )
+      select (select count(*) from ins)::int as inserted, (select count(*) from upd)::int as updated`.execute(this.#db);
+    return { inserted: rows[0]!.inserted, fenced: rows[0]!.updated === 0 };
+  }
+
+  /** The next unfinished chunks of a step in plan order (the partial index serves this). */
+  async pendingChunks(runId: string, step: string, afterSeq: number, limit: number): Promise<PendingChunk[]> {
+    const { rows } = await sql<PendingChunk>`
+      select seq, key, spec from ${this.#chunks}
+      where run_id = ${runId} and step = ${step} and done_at is null and seq > ${afterSeq}
+      order by seq limit ${limit}`.execute(this.#db);
+    return rows;
+  }
+
+  async maxSeq(runId: string, step: string): Promise<number> {
+    const { rows } = await sql<{ m: number | null }>`select max(seq) as m from ${this.#chunks} where run_id = ${runId} and step = ${step}`.execute(this.#db);
+    return rows[0]?.m ?? 0;
+  }
+
+  /**
+   * The completion marker: the only statement idem adds to a chunk's transaction. It also fences:
+   * `for share` on the run row makes a takeover's attempt bump wait until this transaction ends,
+   * and the attempt check refuses a commit from an older attempt. `done_at is null` makes a chunk's
+   * work commit at most once. Returns false when nothing was marked (fenced or already done).
+   */
+  async markChunkDone(trx: Transaction<any>, runId: string, attempt: number, step: string, key: string, durationMs: number): Promise<boolean> {
+    const { rows } = await sql`
+      update ${this.#chunks} set done_at = clock_timestamp(), done_attempt = ${attempt}, duration_ms = ${durationMs}, error = null
+      where run_id = ${runId} and step = ${step} and key = ${key} and done_at is null
+        and exists (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt} for share)
+      returning 1`.execute(trx);
+    return rows.length === 1;
+  }
+
+  /** Why a marker was refused: the run's current attempt and whether the chunk is done. */
+  async markerRefusal(runId: string, step: string, key: string): Promise<{ attempt: number; done: boolean }> {
+    const { rows } = await sql<{ attempt: number; done: boolean }>`
+      select r.attempt, (c.done_at is not null) as done from ${this.#runs} r
+      left join ${this.#chunks} c on c.run_id = r.id and c.step = ${step} and c.key = ${key}
+      where r.id = ${runId}`.execute(this.#db);
+    return rows[0] ?? { attempt: -1, done: false };
+  }
+
+  /** Records a failed try of a chunk (outside its rolled-back transaction). */
+  async recordChunkFailure(runId: string, step: string, key: string, tries: number, message: string): Promise<void> {
+    await sql`update ${this.#chunks} set attempts = attempts + ${tries}, error = ${message}
+      where run_id = ${runId} and step = ${step} and key = ${key}`.execute(this.#db);
+  }
+
+  async finishStep(runId: string, attempt: number, step: string): Promise<void> {
+    await sql`update ${this.#steps} set status = 'done', finished_at = now()
+      where run_id = ${runId} and name = ${step}
+        and exists (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt})`.execute(this.#db);
+  }
+
+  /** Marks the run succeeded with its summary; fenced, so only the live attempt can. */
+  async finishRun(runId: string, attempt: number, startedAt: Date): Promise<RunSummary | null> {
+    const { rows } = await sql<{ summary: RunSummary }>`
+      with counts as (
+        select s.name, s.position, count(c.key)::int as chunks
+        from ${this.#steps} s left join ${this.#chunks} c on c.run_id = s.run_id and c.step = s.name
+        where s.run_id = ${runId} group by s.name, s.position
+      )
+      update ${this.#runs} r set status = 'succeeded', finished_at = now(), updated_at = now(), holder = null, error = null,
+        summary = jsonb_build_object(
+          'steps', (select coalesce(jsonb_agg(jsonb_build_object('name', name, 'chunks', chunks) order by position), '[]') from counts),
+          'chunks', (select coalesce(sum(chunks), 0)::int from counts),
+          'attempts', r.attempt,
+          'startedAt', to_jsonb(${startedAt.toISOString()}::timestamptz),
+          'finishedAt', to_jsonb(now()),
+          'durationMs', (extract(epoch from (now() - ${startedAt.toISOString()}::timestamptz)) * 1000)::bigint)
+      where r.id = ${runId} and r.attempt = ${attempt}
+      returning r.summary`.execute(this.#db);
+    return rows[0]?.summary ?? null;
+  }
+
+  /** Records how the run ended when it did not succeed (failed or interrupted). */
+  async endRun(runId: string, attempt: number, status: 'failed' | 'interrupted', error: RunErrorInfo | null): Promise<void> {
+    await sql`update ${this.#runs} set status = ${status}, updated_at = now(), holder = null, error = ${error === null ? null : JSON.stringify(error)}::jsonb
+      where id = ${runId} and attempt = ${attempt}`.execute(this.#db);
+  }
+}
+
+/** pg returns int8 as text; the run id stays a string, counters become numbers. */
+function normalizeRun(row: RunRow): RunRow {
+  return { ...row, id: String(row.id), attempt: Number(row.attempt) };
+}
+
+export type { Json };
