@@ -1,0 +1,17 @@
+import { defineConfig } from 'vitest/config';
+
+export default defineConfig({
+  test: {
+    include: ['test/**/*.test.ts'],
+    exclude: ['test/bench/**', '**/node_modules/**'],
+    // One real PostgreSQL for the whole run; each test file creates its own database in it.
+    globalSetup: ['test/support/global-setup.ts'],
+    testTimeout: 60_000,
+    // Starting an embedded cluster (initdb included) runs in hooks.
+    hookTimeout: 120_000,
+    // Forks, not threads: tests spawn child processes and send signals, which threads share badly.
+    pool: 'forks',
+    // The CI machine has 2 cores; more workers only make Postgres and the workers fight for them.
+    maxWorkers: 2,
+  },
+});
