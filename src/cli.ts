@@ -121,7 +121,8 @@ function describeOutcome(o: RunOutcome): string {
     const steps = o.plan!.steps.map((st) => `${st.name}${st.chunked ? ' (chunked)' : ''}`).join(', ');
     return `dry run: job "${o.job}" run key ${o.runKey} is ${o.plan!.state}; steps: ${steps}; nothing was written`;
   }
-  const counts = s ? `${s.chunks} chunk${s.chunks === 1 ? '' : 's'} in ${s.steps.length} step${s.steps.length === 1 ? '' : 's'}` : '';
+  const skipped = s && s.skipped > 0 ? ` (${s.skipped} skipped: see idem status, retry with --retry-skipped)` : '';
+  const counts = s ? `${s.chunks} chunk${s.chunks === 1 ? '' : 's'} in ${s.steps.length} step${s.steps.length === 1 ? '' : 's'}${skipped}` : '';
   if (o.status === 'already-succeeded') {
     return `job "${o.job}" already done (run key ${o.runKey}, finished ${s?.finishedAt ?? '?'}): ${counts}; nothing to do`;
   }
@@ -133,7 +134,8 @@ function formatStatus(rows: RunStatusRow[]): string {
   const lines = rows.map((r) => {
     const progress = `${r.chunksDone}/${r.chunksPlanned}${r.fullyPlanned ? '' : '+'}`;
     const extra = r.error ? `  error: step "${r.error.step}"${r.error.chunk ? ` chunk ${r.error.chunk}` : ''} after ${r.error.tries} tries: ${r.error.message}` : r.holder ? `  held by ${r.holder}` : '';
-    return `${r.job}\t${r.runKey.length > 30 ? `${r.runKey.slice(0, 27)}...` : r.runKey}\t${r.state}\tattempt ${r.attempt}\tchunks ${progress}\t${r.updatedAt.toISOString()}${extra}`;
+    const skips = r.skipped.map((k) => `\n    skipped: step "${k.step}" chunk ${k.key} after ${k.attempts} tries: ${k.error ?? ''}`).join('');
+    return `${r.job}\t${r.runKey.length > 30 ? `${r.runKey.slice(0, 27)}...` : r.runKey}\t${r.state}\tattempt ${r.attempt}\tchunks ${progress}\t${r.updatedAt.toISOString()}${extra}${skips}`;
   });
   return ['JOB\tRUN KEY\tSTATE\tATTEMPT\tCHUNKS\tUPDATED', ...lines].join('\n');
 }
@@ -156,14 +158,15 @@ export function buildProgram(state: { exitCode: number }): Command {
     const g = globals();
     const log = createLogger(g.logLevel);
     const session = new Session();
-    const finish = async (code: number) => {
-      // Watchdog: a stuck close must not keep a cron slot busy forever.
-      setTimeout(() => process.exit(code), 10_000).unref();
+    const finish = async (code: number, graceMs = 10_000) => {
+      // Watchdog: a stuck close (a pool waiting on an in-flight transaction) must not keep a cron
+      // slot busy forever; exiting closes the sockets and Postgres rolls the transactions back.
+      setTimeout(() => process.exit(code), graceMs).unref();
       await session.close();
       process.exit(code);
     };
     try {
-      state.exitCode = await fn(g, log, session, (code) => void finish(code));
+      state.exitCode = await fn(g, log, session, (code) => void finish(code, 2_000));
     } catch (err) {
       state.exitCode = exitCodeOf(err);
       const msg = err instanceof IdemError ? err.message : messageOf(err);
@@ -184,8 +187,9 @@ export function buildProgram(state: { exitCode: number }): Command {
     .option('--concurrency <n>', 'chunks run at once', positiveInt(64), 1)
     .option('--wait [seconds]', 'if another process runs this job, wait for it (forever, or this many seconds) instead of exiting 75', waitSeconds)
     .option('--dry-run', 'show what would run; write nothing')
+    .option('--retry-skipped', "retry chunks skipped under a step's maxFailedChunks policy (also in a succeeded run)")
     .option('--json', 'print the outcome as JSON on stdout')
-    .action((name: string, o: { key?: string; params?: string; param: Record<string, unknown>; concurrency: number; wait?: number | boolean; dryRun?: boolean; json?: boolean }) =>
+    .action((name: string, o: { key?: string; params?: string; param: Record<string, unknown>; concurrency: number; wait?: number | boolean; dryRun?: boolean; retrySkipped?: boolean; json?: boolean }) =>
       runWithSession(async (g, log, session, force) => {
         const params = parseParams(o.params, o.param);
         if (o.key !== undefined && (o.key.length === 0 || o.key.length > 200)) throw new UsageError('invalidKey', '--key must be 1 to 200 characters');
@@ -198,6 +202,7 @@ export function buildProgram(state: { exitCode: number }): Command {
           concurrency: o.concurrency,
           wait: o.wait ?? false,
           dryRun: o.dryRun ?? false,
+          retrySkipped: o.retrySkipped ?? false,
           signal: signals.stop,
           abortSignal: signals.abort,
         });

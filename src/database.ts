@@ -41,6 +41,12 @@ export async function openDatabase(connectionString: string, opts: { readonly po
   const pool = new pg.Pool({ connectionString, max: opts.poolSize, application_name: 'idem', keepAlive: true, connectionTimeoutMillis: 10_000 });
   // An idle client's socket error is emitted on the pool; unhandled, it would kill the process.
   pool.on('error', (err) => opts.log.warn({ err: { message: redactSecrets(err.message, connectionString) } }, 'idle database connection failed'));
+  // A checked-out client whose backend dies between two statements (pg_terminate_backend, a
+  // restart) emits 'error' on itself, not on the pool; unhandled, that would crash the process.
+  // The next statement on it then fails with a connection error, which the chunk retry handles.
+  pool.on('connect', (client) =>
+    client.on('error', (err) => opts.log.warn({ err: { message: redactSecrets(err.message, connectionString), code: (err as { code?: string }).code } }, 'database connection lost')),
+  );
   try {
     const client = await pool.connect();
     client.release();

@@ -3,7 +3,8 @@ import pLimit from 'p-limit';
 import type { Logger } from 'pino';
 import { FencedError, InterruptedError, messageOf } from './errors.ts';
 import type { ChunkPage, ChunkSpec, ChunkSource, Job, Json, RunIdentity, Step, StepContext } from './job.ts';
-import { backoffDelay, DEFAULT_BACKOFF, isRetryable, type BackoffOptions } from './retry.ts';
+import { faultPoint } from './fault-points.ts';
+import { backoffDelay, DEFAULT_BACKOFF, isRetryable, retrying, type BackoffOptions } from './retry.ts';
 import type { PendingChunk, StepRow, Store } from './store.ts';
 
 /** How many chunks are planned (and persisted) per call to a chunk source. */
@@ -80,6 +81,8 @@ async function executeStep(opts: ExecuteOptions, step: Step, row: StepRow, log: 
   let nextSeq = row.planned + 1;
   let afterSeq = 0;
   let executed = 0;
+  const maxSkips = step.maxFailedChunks ?? 0;
+  let skipped = maxSkips > 0 ? await store.countSkipped(run.runId, step.name) : 0;
   const planCtx = { db: opts.db, params: opts.params, log, signal: opts.abort, run, step: step.name, windowSize: opts.planWindow };
 
   for (;;) {
@@ -88,18 +91,19 @@ async function executeStep(opts: ExecuteOptions, step: Step, row: StepRow, log: 
     let pending: PendingChunk[] = await store.pendingChunks(run.runId, step.name, afterSeq, opts.planWindow);
     if (pending.length === 0) {
       if (plannedAll) break;
-      const page: ChunkPage = await source(cursor, planCtx);
+      // A source that reads the database (keyRange) may hit a dropped connection: ask it again.
+      const page: ChunkPage = await retrying(async () => source(cursor, planCtx));
       checkPage(step.name, page);
-      const { inserted, fenced } = await store.planWindow(run.runId, run.attempt, step.name, nextSeq, page.chunks, page.next);
+      const { planned, fenced } = await store.planWindow(run.runId, run.attempt, step.name, nextSeq, page.chunks, page.next);
       if (fenced) throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was taken over by a newer attempt while planning`);
-      if (inserted !== page.chunks.length) {
-        throw new ChunkFailure(step.name, null, 1, new Error(`chunk source returned ${page.chunks.length - inserted} key(s) that were already planned; chunk keys must be unique and stable`));
+      if (planned !== page.chunks.length) {
+        throw new ChunkFailure(step.name, null, 1, new Error(`chunk source returned ${page.chunks.length - planned} key(s) that were already planned; chunk keys must be unique and stable`));
       }
       pending = page.chunks.map((spec, i) => ({ seq: nextSeq + i, key: spec.key, spec }));
-      nextSeq += inserted;
+      nextSeq += planned;
       cursor = page.next;
       plannedAll = page.next === null;
-      log.debug({ planned: inserted, exhausted: plannedAll }, 'planned a window');
+      log.debug({ planned, exhausted: plannedAll }, 'planned a window');
       if (pending.length === 0) continue;
     }
     afterSeq = pending[pending.length - 1]!.seq;
@@ -113,6 +117,15 @@ async function executeStep(opts: ExecuteOptions, step: Step, row: StepRow, log: 
           try {
             if (await runChunk(opts, step, chunk, retry, log)) executed++;
           } catch (err) {
+            if (err instanceof ChunkFailure && skipped < maxSkips && !opts.stop.aborted) {
+              skipped++;
+              if (!(await store.skipChunk(run.runId, run.attempt, step.name, chunk.key, err.tries, err.message))) {
+                failure ??= new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off while skipping chunk ${chunk.key}`);
+              } else {
+                log.warn({ chunk: chunk.key, tries: err.tries, skipped, maxFailedChunks: maxSkips, err: { message: err.message } }, 'chunk failed for good; skipped under the step policy');
+              }
+              return;
+            }
             failure ??= err;
           }
         }),
@@ -132,6 +145,7 @@ async function runChunk(opts: ExecuteOptions, step: Step, chunk: PendingChunk, r
     const started = performance.now();
     try {
       await opts.db.transaction().execute(async (trx) => {
+        await faultPoint('after-claim');
         const ctx: StepContext = {
           db: trx,
           params: opts.params,
@@ -144,6 +158,7 @@ async function runChunk(opts: ExecuteOptions, step: Step, chunk: PendingChunk, r
         };
         if (step.chunks) await step.run(ctx, chunk.spec);
         else await (step.run as (c: StepContext) => unknown)(ctx);
+        await faultPoint('after-work');
         const marked = await store.markChunkDone(trx, run.runId, run.attempt, step.name, chunk.key, Math.round(performance.now() - started));
         if (!marked) {
           const why = await store.markerRefusal(run.runId, step.name, chunk.key);
@@ -153,7 +168,9 @@ async function runChunk(opts: ExecuteOptions, step: Step, chunk: PendingChunk, r
           if (why.done) throw ALREADY_DONE;
           throw new Error(`chunk ${chunk.key} of step "${step.name}" has no row to mark (was the run reset while running?)`);
         }
+        await faultPoint('after-marker');
       });
+      await faultPoint('after-commit');
       return true;
     } catch (err) {
       if (err === ALREADY_DONE) return false;

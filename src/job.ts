@@ -69,6 +69,12 @@ interface StepCommon {
   readonly name: string;
   /** Retry policy for transient errors in this step. Defaults to the job's, then `DEFAULT_BACKOFF`. */
   readonly retry?: BackoffOptions;
+  /**
+   * How many chunks may fail for good (permanent error, or retries exhausted) and be recorded as
+   * skipped, with their error, instead of failing the run. `idem run --retry-skipped` retries them.
+   * Defaults to `0`: the first such chunk fails the run.
+   */
+  readonly maxFailedChunks?: number;
 }
 
 /** A step whose whole work is one transaction. */
@@ -156,6 +162,9 @@ export function assertJob(value: unknown, origin: string): Job {
       else if (seen.has(s.name)) problems.push(`step name "${s.name}" is used twice`);
       else seen.add(s.name);
       if (!s || typeof s.run !== 'function') problems.push(`steps[${i}].run must be a function`);
+      if (s && s.maxFailedChunks !== undefined && !(Number.isInteger(s.maxFailedChunks) && s.maxFailedChunks >= 0)) {
+        problems.push(`steps[${i}].maxFailedChunks must be an integer >= 0`);
+      }
       if (s && s.chunks !== undefined && typeof s.chunks !== 'function') {
         problems.push(`steps[${i}].chunks must be a chunk source function such as keyRange({...})`);
       }

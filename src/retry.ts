@@ -68,3 +68,20 @@ export function backoffDelay(attempt: number, opts: BackoffOptions = {}, random:
   const ceiling = Math.min(max, base * factor ** (attempt - 1));
   return Math.floor(random() * ceiling);
 }
+
+/**
+ * Runs one idempotent piece of the runner's own bookkeeping (never a chunk's transaction: that
+ * retry lives with the chunk), retrying transient errors with the same backoff. A backend killed
+ * between two statements then costs a reconnect, not a failed run.
+ */
+export async function retrying<T>(fn: () => Promise<T>, opts: BackoffOptions = {}): Promise<T> {
+  const attempts = opts.attempts ?? DEFAULT_BACKOFF.attempts;
+  for (let attempt = 1; ; attempt++) {
+    try {
+      return await fn();
+    } catch (err) {
+      if (attempt >= attempts || !isRetryable(err)) throw err;
+      await new Promise((r) => setTimeout(r, backoffDelay(attempt, opts)));
+    }
+  }
+}

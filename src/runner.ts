@@ -7,6 +7,8 @@ import { FencedError, InterruptedError, LockLostError, ParamsMismatchError, RunF
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps } from './executor.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
 import { validateParams, type Job, type Json } from './job.ts';
+import { faultPoint } from './fault-points.ts';
+import { retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, type RunRow, type RunSummary } from './store.ts';
 
@@ -41,6 +43,8 @@ export interface RunJobOptions {
   readonly abortSignal?: AbortSignal;
   /** Chunks planned per call of a chunk source. Defaults to `100`. */
   readonly planWindow?: number;
+  /** Retry chunks skipped under a step's `maxFailedChunks` policy, even in a succeeded run. Defaults to `false`. */
+  readonly retrySkipped?: boolean;
 }
 
 export type RunStatusOutcome = 'succeeded' | 'already-succeeded' | 'dry-run';
@@ -75,6 +79,8 @@ export interface RunStatusRow {
   readonly finishedAt: Date | null;
   readonly error: RunRow['error'];
   readonly summary: RunSummary | null;
+  /** Chunks skipped under a step's skip policy (the first 20), with their errors. */
+  readonly skipped: ReadonlyArray<{ readonly step: string; readonly key: string; readonly error: string | null; readonly attempts: number }>;
 }
 
 /**
@@ -107,7 +113,7 @@ export class Runner {
     const log = opts.log ?? pino({ level: 'silent' });
     const database = await openDatabase(opts.connectionString, { poolSize: opts.poolSize ?? 10, log });
     try {
-      await ensureRunnerSchema(database.db, schema);
+      await retrying(() => ensureRunnerSchema(database.db, schema));
     } catch (err) {
       await database.close();
       throw err;
@@ -133,15 +139,18 @@ export class Runner {
 
     const { run } = await this.store.claimRun(job.name, runKey, params, fp);
     checkFingerprint(job.name, runKey, run, fp);
-    if (run.status === 'succeeded') return alreadyDone(run);
+    if (run.status === 'succeeded' && !(opts.retrySkipped && (run.summary?.skipped ?? 0) > 0)) return alreadyDone(run);
 
-    const lock = await acquireAdvisoryLock({
-      connectionString: this.#connectionString,
-      name: this.jobLockName(job.name),
-      what: `job "${job.name}"`,
-      wait: opts.wait ?? false,
-      ...(opts.signal ? { signal: opts.signal } : {}),
-    });
+    // A lock session killed while still waiting held nothing yet: simply open another.
+    const lock = await retrying(() =>
+      acquireAdvisoryLock({
+        connectionString: this.#connectionString,
+        name: this.jobLockName(job.name),
+        what: `job "${job.name}"`,
+        wait: opts.wait ?? false,
+        ...(opts.signal ? { signal: opts.signal } : {}),
+      }),
+    );
     try {
       return await this.#runLocked(job, run.id, params, lock, opts);
     } finally {
@@ -165,13 +174,15 @@ export class Runner {
       else pending.push(m);
     }
     if (pending.length === 0) return outcomes;
-    const lock = await acquireAdvisoryLock({
-      connectionString: this.#connectionString,
-      name: `${this.schema}:migrate`,
-      what: 'idem migrate',
-      wait: opts.wait ?? true,
-      ...(opts.signal ? { signal: opts.signal } : {}),
-    });
+    const lock = await retrying(() =>
+      acquireAdvisoryLock({
+        connectionString: this.#connectionString,
+        name: `${this.schema}:migrate`,
+        what: 'idem migrate',
+        wait: opts.wait ?? true,
+        ...(opts.signal ? { signal: opts.signal } : {}),
+      }),
+    );
     try {
       for (const m of pending) {
         const { run } = await this.store.claimRun(m.job.name, m.runKey, {}, fp);
@@ -195,7 +206,8 @@ export class Runner {
   async #runLocked(job: Job, runId: string, params: Json, lock: HeldLock, opts: RunJobOptions): Promise<RunOutcome> {
     // Re-read under the lock: the holder we waited for has usually finished the run.
     const current = await this.store.getRun(runId);
-    if (current.status === 'succeeded') return alreadyDone(current);
+    if (current.status === 'succeeded' && !(opts.retrySkipped && (current.summary?.skipped ?? 0) > 0)) return alreadyDone(current);
+    await faultPoint('after-lock');
     const { attempt, startedAt } = await this.store.beginAttempt(runId, `${hostname()}:${process.pid}`);
     const identity = { job: job.name, runKey: current.run_key, runId, attempt };
     const log = this.#log.child({ job: job.name, runKey: current.run_key, attempt });
@@ -203,6 +215,10 @@ export class Runner {
     const stop = AbortSignal.any([lock.lost, ...(opts.signal ? [opts.signal] : [])]);
     const abort = AbortSignal.any([lock.lost, ...(opts.abortSignal ? [opts.abortSignal] : [])]);
     try {
+      if (opts.retrySkipped) {
+        const n = await this.store.resetSkipped(runId, attempt);
+        if (n > 0) log.info({ chunks: n }, 'retrying skipped chunks');
+      }
       const steps = await this.store.loadSteps(runId, job.steps.map((s) => s.name));
       const { executed } = await executeSteps(
         {
@@ -220,12 +236,15 @@ export class Runner {
         steps,
       );
       if (lock.lost.aborted) throw lock.lost.reason;
+      await faultPoint('before-finish');
       const summary = await this.store.finishRun(runId, attempt, startedAt);
       if (!summary) throw new FencedError(`attempt ${attempt} of job "${job.name}" was taken over before it could finish`);
       log.info({ executed, chunks: summary.chunks, durationMs: summary.durationMs }, 'run succeeded');
       return { status: 'succeeded', job: job.name, runKey: current.run_key, runId, attempt, summary, executed };
     } catch (err) {
-      throw await this.#recordEnd(runId, attempt, job, err, log);
+      // Once the lock is gone, whatever failed next (often a statement on a connection killed in
+      // the same sweep) is a symptom: the run was lost, not failed, and must not be marked failed.
+      throw await this.#recordEnd(runId, attempt, job, lock.lost.aborted ? lock.lost.reason : err, log);
     }
   }
 
@@ -282,11 +301,14 @@ export class Runner {
       select r.*,
         (select count(*) from ${sql.id(s, 'chunks')} c where c.run_id = r.id and c.done_at is not null)::int as chunks_done,
         (select coalesce(sum(planned), 0) from ${sql.id(s, 'steps')} st where st.run_id = r.id)::int as chunks_planned,
-        coalesce((select bool_and(planned_all) from ${sql.id(s, 'steps')} st where st.run_id = r.id), false) as fully_planned
+        coalesce((select bool_and(planned_all) from ${sql.id(s, 'steps')} st where st.run_id = r.id), false) as fully_planned,
+        exists (select 1 from ${sql.id(s, 'chunks')} c where c.run_id = r.id and c.skipped_at is not null) as has_skipped
       from ${sql.id(s, 'runs')} r
       where ${job === undefined ? sql`true` : sql`r.job = ${job}`}
       order by r.created_at desc, r.id desc limit ${limit}`.execute(this.db);
     const held = await this.heldLockKeys();
+    const skippedByRun = new Map<string, RunStatusRow['skipped']>();
+    for (const r of rows) if (r.has_skipped) skippedByRun.set(String(r.id), await this.store.skippedChunks(String(r.id)));
     return rows.map((r) => {
       const locked = held.has(lockKey(this.jobLockName(r.job))) || held.has(lockKey(`${s}:migrate`));
       const state = r.status === 'running' ? (locked ? 'running' : 'crashed') : r.status;
@@ -305,6 +327,7 @@ export class Runner {
         finishedAt: r.finished_at,
         error: r.error,
         summary: r.summary,
+        skipped: skippedByRun.get(String(r.id)) ?? [],
       };
     });
   }

@@ -1,4 +1,5 @@
-import { sql, type Kysely, type Transaction } from 'kysely';
+import { sql, type Kysely, type QueryResult, type RawBuilder, type Transaction } from 'kysely';
+import { retrying } from './retry.ts';
 import type { ChunkSpec, Json } from './job.ts';
 
 export type RunStatus = 'pending' | 'running' | 'succeeded' | 'failed' | 'interrupted' | 'paused' | 'cancelled';
@@ -39,6 +40,8 @@ export interface PendingChunk {
 export interface RunSummary {
   readonly steps: ReadonlyArray<{ readonly name: string; readonly chunks: number }>;
   readonly chunks: number;
+  /** Chunks that failed for good and were skipped under a step's `maxFailedChunks` policy. */
+  readonly skipped: number;
   readonly attempts: number;
   readonly startedAt: string;
   readonly finishedAt: string;
@@ -66,6 +69,11 @@ export class Store {
   readonly #steps;
   readonly #chunks;
 
+  /** Every bookkeeping statement goes through here: idempotent, so transient errors are retried. */
+  #run<R>(query: RawBuilder<R>): Promise<QueryResult<R>> {
+    return retrying(() => query.execute(this.#db));
+  }
+
   constructor(db: Kysely<any>, schema: string) {
     this.#db = db;
     this.schema = schema;
@@ -81,14 +89,14 @@ export class Store {
    */
   async claimRun(job: string, runKey: string, params: Json, fingerprint: string): Promise<{ run: RunRow; created: boolean }> {
     for (let i = 0; i < 3; i++) {
-      const { rows } = await sql<RunRow & { created: boolean }>`
+      const { rows } = await this.#run(sql<RunRow & { created: boolean }>`
         with ins as (
           insert into ${this.#runs} (job, run_key, params, fingerprint) values (${job}, ${runKey}, ${JSON.stringify(params)}::jsonb, ${fingerprint})
           on conflict (job, run_key) do nothing returning *
         )
         select *, true as created from ins
         union all
-        select *, false as created from ${this.#runs} where job = ${job} and run_key = ${runKey} and not exists (select 1 from ins)`.execute(this.#db);
+        select *, false as created from ${this.#runs} where job = ${job} and run_key = ${runKey} and not exists (select 1 from ins)`);
       const row = rows[0];
       if (row) {
         const { created, ...run } = row;
@@ -99,28 +107,29 @@ export class Store {
   }
 
   async getRun(runId: string): Promise<RunRow> {
-    const { rows } = await sql<RunRow>`select * from ${this.#runs} where id = ${runId}`.execute(this.#db);
+    const { rows } = await this.#run(sql<RunRow>`select * from ${this.#runs} where id = ${runId}`);
     if (!rows[0]) throw new Error(`run ${runId} disappeared (was it reset while running?)`);
     return normalizeRun(rows[0]);
   }
 
   async findRun(job: string, runKey: string): Promise<RunRow | undefined> {
-    const { rows } = await sql<RunRow>`select * from ${this.#runs} where job = ${job} and run_key = ${runKey}`.execute(this.#db);
+    const { rows } = await this.#run(sql<RunRow>`select * from ${this.#runs} where job = ${job} and run_key = ${runKey}`);
     return rows[0] && normalizeRun(rows[0]);
   }
 
   /** Takes the run over: bumps the fencing token. Only called while holding the job's advisory lock. */
   async beginAttempt(runId: string, holder: string): Promise<{ attempt: number; startedAt: Date }> {
-    const { rows } = await sql<{ attempt: number; started_at: Date }>`
+    const { rows } = await this.#run(sql<{ attempt: number; started_at: Date }>`
       update ${this.#runs} set attempt = attempt + 1, status = 'running', holder = ${holder},
-        started_at = coalesce(started_at, now()), updated_at = now(), error = null
-      where id = ${runId} returning attempt, started_at`.execute(this.#db);
+        started_at = coalesce(started_at, now()), updated_at = now(), error = null,
+        attempt_started_at = clock_timestamp() -- evaluated after any wait for the row lock
+      where id = ${runId} returning attempt, started_at`);
     return { attempt: rows[0]!.attempt, startedAt: rows[0]!.started_at };
   }
 
   /** Creates the step rows a run has not seen yet and returns all of them, in order. */
   async loadSteps(runId: string, names: readonly string[]): Promise<Map<string, StepRow>> {
-    const { rows } = await sql<StepRow>`
+    const { rows } = await this.#run(sql<StepRow>`
       with ins as (
         insert into ${this.#steps} (run_id, name, position)
         select ${runId}, name, ord::int from unnest(${names}::text[]) with ordinality as u(name, ord)
@@ -129,23 +138,24 @@ export class Store {
       select name, position, status, cursor, planned_all, planned from ins
       union all
       select name, position, status, cursor, planned_all, planned from ${this.#steps} where run_id = ${runId}
-      order by position`.execute(this.#db);
+      order by position`);
     return new Map(rows.map((r) => [r.name, r]));
   }
 
   /**
    * Persists one planned window and the cursor after it, in one fenced statement: a zombie attempt
-   * can neither add chunks nor move the cursor. Returns how many chunks were new (a chunk source
-   * that repeats a key is a bug the caller reports).
+   * can neither add chunks nor move the cursor. Idempotent, so it can be retried after a lost
+   * connection: a chunk already stored under the same key and seq counts as planned. Returns how
+   * many of the window's chunks are planned (fewer means the source repeated an older key).
    */
-  async planWindow(runId: string, attempt: number, step: string, firstSeq: number, chunks: readonly ChunkSpec[], next: Json | null): Promise<{ inserted: number; fenced: boolean }> {
+  async planWindow(runId: string, attempt: number, step: string, firstSeq: number, chunks: readonly ChunkSpec[], next: Json | null): Promise<{ planned: number; fenced: boolean }> {
     const payload = JSON.stringify(chunks.map((c, i) => ({ key: c.key, seq: firstSeq + i, spec: c })));
-    const { rows } = await sql<{ inserted: number; updated: number }>`
+    const { rows } = await this.#run(sql<{ inserted: number; existing: number; updated: number }>`
       with fence as (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt} for share),
+      x as (select * from jsonb_to_recordset(${payload}::jsonb) as x(key text, seq int, spec jsonb)),
       ins as (
         insert into ${this.#chunks} (run_id, step, key, seq, spec)
-        select ${runId}, ${step}, x.key, x.seq, x.spec from jsonb_to_recordset(${payload}::jsonb) as x(key text, seq int, spec jsonb)
-        where exists (select 1 from fence)
+        select ${runId}, ${step}, x.key, x.seq, x.spec from x where exists (select 1 from fence)
         on conflict (run_id, step, key) do nothing returning 1
       ),
       upd as (
@@ -153,21 +163,23 @@ export class Store {
           planned = planned + (select count(*) from ins), status = 'running', started_at = coalesce(started_at, now())
         where run_id = ${runId} and name = ${step} and exists (select 1 from fence) returning 1
       )
-      select (select count(*) from ins)::int as inserted, (select count(*) from upd)::int as updated`.execute(this.#db);
-    return { inserted: rows[0]!.inserted, fenced: rows[0]!.updated === 0 };
+      select (select count(*) from ins)::int as inserted,
+        (select count(*) from ${this.#chunks} c join x on c.key = x.key and c.seq = x.seq where c.run_id = ${runId} and c.step = ${step})::int as existing,
+        (select count(*) from upd)::int as updated`);
+    return { planned: rows[0]!.inserted + rows[0]!.existing, fenced: rows[0]!.updated === 0 };
   }
 
   /** The next unfinished chunks of a step in plan order (the partial index serves this). */
   async pendingChunks(runId: string, step: string, afterSeq: number, limit: number): Promise<PendingChunk[]> {
-    const { rows } = await sql<PendingChunk>`
+    const { rows } = await this.#run(sql<PendingChunk>`
       select seq, key, spec from ${this.#chunks}
-      where run_id = ${runId} and step = ${step} and done_at is null and seq > ${afterSeq}
-      order by seq limit ${limit}`.execute(this.#db);
+      where run_id = ${runId} and step = ${step} and done_at is null and skipped_at is null and seq > ${afterSeq}
+      order by seq limit ${limit}`);
     return rows;
   }
 
   async maxSeq(runId: string, step: string): Promise<number> {
-    const { rows } = await sql<{ m: number | null }>`select max(seq) as m from ${this.#chunks} where run_id = ${runId} and step = ${step}`.execute(this.#db);
+    const { rows } = await this.#run(sql<{ m: number | null }>`select max(seq) as m from ${this.#chunks} where run_id = ${runId} and step = ${step}`);
     return rows[0]?.m ?? 0;
   }
 
@@ -188,30 +200,72 @@ export class Store {
 
   /** Why a marker was refused: the run's current attempt and whether the chunk is done. */
   async markerRefusal(runId: string, step: string, key: string): Promise<{ attempt: number; done: boolean }> {
-    const { rows } = await sql<{ attempt: number; done: boolean }>`
+    const { rows } = await this.#run(sql<{ attempt: number; done: boolean }>`
       select r.attempt, (c.done_at is not null) as done from ${this.#runs} r
       left join ${this.#chunks} c on c.run_id = r.id and c.step = ${step} and c.key = ${key}
-      where r.id = ${runId}`.execute(this.#db);
+      where r.id = ${runId}`);
     return rows[0] ?? { attempt: -1, done: false };
   }
 
   /** Records a failed try of a chunk (outside its rolled-back transaction). */
   async recordChunkFailure(runId: string, step: string, key: string, tries: number, message: string): Promise<void> {
-    await sql`update ${this.#chunks} set attempts = attempts + ${tries}, error = ${message}
-      where run_id = ${runId} and step = ${step} and key = ${key}`.execute(this.#db);
+    await this.#run(sql`update ${this.#chunks} set attempts = attempts + ${tries}, error = ${message}
+      where run_id = ${runId} and step = ${step} and key = ${key}`);
+  }
+
+  /**
+   * Records a chunk that failed for good as skipped (the step's skip policy allows it); fenced.
+   * Returns false when an older attempt tries it.
+   */
+  async skipChunk(runId: string, attempt: number, step: string, key: string, tries: number, message: string): Promise<boolean> {
+    const { rows } = await this.#run(sql`update ${this.#chunks} set skipped_at = now(), attempts = attempts + ${tries}, error = ${message}
+      where run_id = ${runId} and step = ${step} and key = ${key} and done_at is null
+        and exists (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt} for share)
+      returning 1`);
+    return rows.length === 1;
+  }
+
+  async countSkipped(runId: string, step: string): Promise<number> {
+    const { rows } = await this.#run(sql<{ n: number }>`select count(*)::int as n from ${this.#chunks}
+      where run_id = ${runId} and step = ${step} and skipped_at is not null`);
+    return rows[0]!.n;
+  }
+
+  /** Makes skipped chunks pending again and reopens their steps (`--retry-skipped`). Returns how many. */
+  async resetSkipped(runId: string, attempt: number): Promise<number> {
+    const { rows } = await this.#run(sql<{ n: number }>`
+      with fence as (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt} for share),
+      reset as (
+        update ${this.#chunks} set skipped_at = null where run_id = ${runId} and skipped_at is not null and exists (select 1 from fence)
+        returning step
+      ),
+      reopen as (
+        update ${this.#steps} set status = 'running', finished_at = null
+        where run_id = ${runId} and name in (select step from reset) returning 1
+      )
+      select (select count(*) from reset)::int as n, (select count(*) from reopen) as reopened`);
+    return rows[0]!.n;
+  }
+
+  /** Skipped chunks of a run with their errors, for `idem status`. */
+  async skippedChunks(runId: string, limit = 20): Promise<Array<{ step: string; key: string; error: string | null; attempts: number }>> {
+    const { rows } = await this.#run(sql<{ step: string; key: string; error: string | null; attempts: number }>`
+      select step, key, error, attempts from ${this.#chunks}
+      where run_id = ${runId} and skipped_at is not null order by step, seq limit ${limit}`);
+    return rows;
   }
 
   async finishStep(runId: string, attempt: number, step: string): Promise<void> {
-    await sql`update ${this.#steps} set status = 'done', finished_at = now()
+    await this.#run(sql`update ${this.#steps} set status = 'done', finished_at = now()
       where run_id = ${runId} and name = ${step}
-        and exists (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt})`.execute(this.#db);
+        and exists (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt})`);
   }
 
   /** Marks the run succeeded with its summary; fenced, so only the live attempt can. */
   async finishRun(runId: string, attempt: number, startedAt: Date): Promise<RunSummary | null> {
-    const { rows } = await sql<{ summary: RunSummary }>`
+    const { rows } = await this.#run(sql<{ summary: RunSummary }>`
       with counts as (
-        select s.name, s.position, count(c.key)::int as chunks
+        select s.name, s.position, count(c.key)::int as chunks, count(c.skipped_at)::int as skipped
         from ${this.#steps} s left join ${this.#chunks} c on c.run_id = s.run_id and c.step = s.name
         where s.run_id = ${runId} group by s.name, s.position
       )
@@ -219,19 +273,20 @@ export class Store {
         summary = jsonb_build_object(
           'steps', (select coalesce(jsonb_agg(jsonb_build_object('name', name, 'chunks', chunks) order by position), '[]') from counts),
           'chunks', (select coalesce(sum(chunks), 0)::int from counts),
+          'skipped', (select coalesce(sum(skipped), 0)::int from counts),
           'attempts', r.attempt,
           'startedAt', to_jsonb(${startedAt.toISOString()}::timestamptz),
           'finishedAt', to_jsonb(now()),
           'durationMs', (extract(epoch from (now() - ${startedAt.toISOString()}::timestamptz)) * 1000)::bigint)
       where r.id = ${runId} and r.attempt = ${attempt}
-      returning r.summary`.execute(this.#db);
+      returning r.summary`);
     return rows[0]?.summary ?? null;
   }
 
   /** Records how the run ended when it did not succeed (failed or interrupted). */
   async endRun(runId: string, attempt: number, status: 'failed' | 'interrupted', error: RunErrorInfo | null): Promise<void> {
-    await sql`update ${this.#runs} set status = ${status}, updated_at = now(), holder = null, error = ${error === null ? null : JSON.stringify(error)}::jsonb
-      where id = ${runId} and attempt = ${attempt}`.execute(this.#db);
+    await this.#run(sql`update ${this.#runs} set status = ${status}, updated_at = now(), holder = null, error = ${error === null ? null : JSON.stringify(error)}::jsonb
+      where id = ${runId} and attempt = ${attempt}`);
   }
 }
 

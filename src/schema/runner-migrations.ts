@@ -66,6 +66,30 @@ function runnerMigrations(schema: string): Record<string, Migration> {
         await sql`create index chunks_pending_idx on ${t('chunks')} (run_id, step, seq) where done_at is null`.execute(db);
       },
     },
+    '0002_skips_fencing_time_effects_control': {
+      async up(db) {
+        // A chunk that failed for good under a step's skip policy; pending scans pass over it.
+        await sql`alter table ${t('chunks')} add column skipped_at timestamptz`.execute(db);
+        // When the current attempt took the run over: proves no older attempt committed after it.
+        await sql`alter table ${t('runs')} add column attempt_started_at timestamptz`.execute(db);
+        // An operator's request (pause, cancel) that the live attempt honours between chunks.
+        await sql`alter table ${t('runs')} add column requested text check (requested in ('pause', 'cancel'))`.execute(db);
+        // Side effects outside the database, keyed so a retry sends the same idempotency key.
+        await sql`create table ${t('effects')} (
+          run_id bigint not null references ${t('runs')} (id) on delete cascade,
+          step text not null,
+          chunk text not null,
+          name text not null,
+          idem_key text not null unique,
+          status text not null default 'started' check (status in ('started', 'done')),
+          tries integer not null default 1,
+          result jsonb,
+          started_at timestamptz not null default now(),
+          done_at timestamptz,
+          primary key (run_id, step, chunk, name)
+        )`.execute(db);
+      },
+    },
   };
 }
 

@@ -1,0 +1,25 @@
+import { afterAll, beforeAll, expect, it } from 'vitest';
+import { runChaos, summaryLine } from './chaos/chaos.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+
+// The small chaos round inside `npm test`; `npm run chaos` runs 200 rounds. CHAOS_SEED replays one.
+const rounds = Number(process.env.CHAOS_ROUNDS ?? 15);
+const seed = Number(process.env.CHAOS_SEED ?? Math.floor(Math.random() * 2 ** 31));
+
+let db: TestDatabase;
+beforeAll(async () => {
+  db = await createTestDatabase();
+});
+afterAll(() => db?.drop());
+
+it(`random kills, killed backends and overlapping runs converge on a clean run's state (seed ${seed})`, async () => {
+  const stats = await runChaos({ databaseUrl: db.url, rounds, seed });
+  console.log(summaryLine(stats));
+  expect(stats.unexpectedExits).toEqual([]);
+  expect(stats.episodes).toBeGreaterThanOrEqual(1);
+  expect(stats.kills + stats.terminations).toBeGreaterThan(0);
+  expect(stats.divergent).toBe(0);
+  expect(stats.duplicateCommits).toBe(0);
+  expect(stats.missingCommits).toBe(0);
+  expect(stats.markerMismatches).toBe(0);
+}, 300_000);

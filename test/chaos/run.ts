@@ -1,0 +1,58 @@
+/**
+ * `npm run chaos [-- --rounds 200 --seed 42]`: the full chaos suite on DATABASE_URL or a fresh
+ * embedded server. Prints one summary line; exits 1 if any run diverged or double-committed.
+ */
+import { mkdtemp, chown, rm } from 'node:fs/promises';
+import { execFileSync } from 'node:child_process';
+import os from 'node:os';
+import path from 'node:path';
+import pg from 'pg';
+import { startEmbeddedPostgres } from '../../src/embedded-postgres.ts';
+import { runChaos, summaryLine } from './chaos.ts';
+
+function flag(name: string, fallback: number): number {
+  const i = process.argv.indexOf(`--${name}`);
+  const v = i >= 0 ? Number(process.argv[i + 1]) : fallback;
+  if (!Number.isInteger(v) || v < 0) throw new Error(`--${name} must be a whole number`);
+  return v;
+}
+
+const rounds = flag('rounds', 200);
+const seed = flag('seed', Math.floor(Math.random() * 2 ** 31));
+let url = process.env.DATABASE_URL;
+let cleanup = async () => {};
+if (!url) {
+  const dir = await mkdtemp(path.join(os.tmpdir(), 'idem-chaos-'));
+  if (process.getuid?.() === 0) {
+    const uid = Number(execFileSync('id', ['-u', 'postgres']).toString());
+    const gid = Number(execFileSync('id', ['-g', 'postgres']).toString());
+    await chown(dir, uid, gid);
+  }
+  const server = await startEmbeddedPostgres({ dataDir: path.join(dir, 'pg') });
+  url = server.url;
+  cleanup = async () => {
+    await server.stop();
+    await rm(dir, { recursive: true, force: true });
+  };
+}
+// A database of its own, so the suite never touches anything else.
+const admin = new pg.Client({ connectionString: url });
+await admin.connect();
+const dbName = `idem_chaos_${process.pid}`;
+await admin.query(`drop database if exists ${dbName}`);
+await admin.query(`create database ${dbName}`);
+const dbUrl = new URL(url);
+dbUrl.pathname = `/${dbName}`;
+console.log(`chaos: seed=${seed} rounds=${rounds} (replay with --seed ${seed} --rounds ${rounds})`);
+let failed = true;
+try {
+  const stats = await runChaos({ databaseUrl: dbUrl.toString(), rounds, seed, onLine: process.env.CHAOS_VERBOSE ? console.log : undefined });
+  for (const e of stats.unexpectedExits) console.log(`unexpected: ${e}`);
+  console.log(summaryLine(stats));
+  failed = stats.divergent + stats.duplicateCommits + stats.missingCommits + stats.markerMismatches + stats.unexpectedExits.length > 0;
+} finally {
+  await admin.query(`drop database if exists ${dbName} with (force)`);
+  await admin.end();
+  await cleanup();
+}
+process.exit(failed ? 1 : 0);

@@ -1,0 +1,284 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { defineJob, RunFailedError, Runner, sql } from '../src/index.ts';
+import { FAULT_POINTS } from '../src/fault-points.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { FIXTURE_DIRS, killLeftovers, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, holdGate } from './support/cli.ts';
+import { createFixtureTables } from './fixtures/tables.ts';
+import counted, { maybeFail } from './fixtures/jobs/counted.ts';
+
+let db: TestDatabase;
+let runner: Runner;
+
+beforeAll(async () => {
+  db = await createTestDatabase();
+  await createFixtureTables(db.url);
+  runner = await Runner.connect({ connectionString: db.url });
+});
+
+afterAll(async () => {
+  await killLeftovers();
+  await runner?.close();
+  await db?.drop();
+});
+
+const sumOfSquares = (n: number) => (n * (n + 1) * (2 * n + 1)) / 6;
+
+async function doneCount(runKey: string, job = 'counted'): Promise<number> {
+  const rows = await query<{ n: number }>(
+    db.url,
+    `select count(*)::int as n from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = $1 and r.run_key = $2 and c.done_at is not null`,
+    [job, runKey],
+  );
+  return rows[0]!.n;
+}
+
+/** Every `work` chunk of the run committed exactly once, and the end state is that of a clean run. */
+async function expectConverged(runKey: string, chunks: number): Promise<void> {
+  const counts = await workCounts(db.url, runKey);
+  expect(counts.size).toBe(chunks);
+  expect([...counts.values()].every((n) => n === 1)).toBe(true);
+  const total = await query<{ value: string }>(db.url, `select value from counted_state where run_key = $1 and chunk_key = 'total'`, [runKey]);
+  expect(Number(total[0]?.value)).toBe(sumOfSquares(chunks));
+  expect((await runRow(db.url, 'counted', runKey)).status).toBe('succeeded');
+}
+
+describe('transient and permanent chunk errors', () => {
+  it('a transient SQLSTATE is retried in a fresh transaction and the chunk commits once', async () => {
+    await query(db.url, `insert into fail_chunks values ('c0003', '40001', 2)`);
+    await query(db.url, `select setval('fixture_tries', 1, false)`);
+    try {
+      const out = await runner.run(counted, { key: 'transient', params: { chunks: 5 } });
+      expect(out.status).toBe('succeeded');
+      // Two failed tries and the successful one each drew a number that survives the rollback.
+      const tries = await query<{ v: string }>(db.url, `select last_value as v from fixture_tries`);
+      expect(Number(tries[0]!.v)).toBe(3);
+      await expectConverged('transient', 5);
+    } finally {
+      await query(db.url, `delete from fail_chunks`);
+    }
+  });
+
+  it('a chunk whose retries run out fails the run with step, chunk and tries recorded; a rerun resumes there', async () => {
+    await query(db.url, `insert into fail_chunks values ('c0004', '40P01', 1000)`);
+    const err = await runner.run(counted, { key: 'exhausted', params: { chunks: 6 } }).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(RunFailedError);
+    expect((err as RunFailedError).exitCode).toBe(1);
+    const run = await runRow(db.url, 'counted', 'exhausted');
+    expect(run.status).toBe('failed');
+    expect(run.error).toMatchObject({ step: 'work', chunk: 'c0004', tries: 5 });
+    const [status] = await runner.status('counted');
+    expect(status!.error).toMatchObject({ chunk: 'c0004', tries: 5 });
+    expect(await doneCount('exhausted')).toBe(1 + 3); // prepare + c0001..c0003
+    await query(db.url, `delete from fail_chunks`);
+    const again = await runner.run(counted, { key: 'exhausted', params: { chunks: 6 } });
+    expect(again.executed).toBe(3 + 1); // c0004..c0006 and finish: nothing done before is redone
+    await expectConverged('exhausted', 6);
+  });
+
+  it('a permanent error is not retried', async () => {
+    await query(db.url, `insert into fail_chunks values ('c0002', null, null)`);
+    await runner.run(counted, { key: 'permanent', params: { chunks: 3 } }).catch(() => {});
+    await query(db.url, `delete from fail_chunks`);
+    const run = await runRow(db.url, 'counted', 'permanent');
+    expect(run.error).toMatchObject({ chunk: 'c0002', tries: 1, message: 'injected failure in chunk c0002' });
+    // The failed chunk's work rolled back with it.
+    expect((await workCounts(db.url, 'permanent')).get('c0002')).toBeUndefined();
+  });
+});
+
+describe('skip policy', () => {
+  const skippy = defineJob({
+    name: 'skippy',
+    steps: [
+      {
+        name: 'work',
+        maxFailedChunks: 2,
+        retry: { attempts: 1 },
+        chunks: () => ({ chunks: ['c0001', 'c0002', 'c0003', 'c0004', 'c0005'].map((key) => ({ key })), next: null }),
+        async run(ctx, chunk: { key: string }) {
+          await sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values ('skippy', ${ctx.run.runKey}, 'work', ${chunk.key}, ${ctx.run.attempt}, 0)`.execute(ctx.db);
+          await maybeFail(ctx, chunk.key);
+        },
+      },
+    ],
+  });
+
+  it('records up to maxFailedChunks failed chunks as skipped, lists them, and --retry-skipped runs them', async () => {
+    await query(db.url, `insert into fail_chunks values ('c0002', null, null), ('c0004', null, null)`);
+    const out = await runner.run(skippy, { key: 'skips' });
+    expect(out.status).toBe('succeeded');
+    expect(out.summary).toMatchObject({ chunks: 5, skipped: 2 });
+    const [status] = await runner.status('skippy');
+    expect(status!.skipped.map((s) => s.key)).toEqual(['c0002', 'c0004']);
+    expect(status!.skipped[0]!.error).toBe('injected failure in chunk c0002');
+    expect((await workCounts(db.url, 'skips')).size).toBe(3);
+    // A plain rerun is a no-op; skipped chunks wait for an explicit retry.
+    expect((await runner.run(skippy, { key: 'skips' })).status).toBe('already-succeeded');
+    await query(db.url, `delete from fail_chunks`);
+    const retried = await runner.run(skippy, { key: 'skips', retrySkipped: true });
+    expect(retried.executed).toBe(2);
+    expect(retried.summary).toMatchObject({ skipped: 0 });
+    const counts = await workCounts(db.url, 'skips');
+    expect(counts.size).toBe(5);
+    expect([...counts.values()].every((n) => n === 1)).toBe(true);
+  });
+
+  it('fails the run when more chunks fail than the step allows', async () => {
+    await query(db.url, `insert into fail_chunks values ('c0001', null, null), ('c0002', null, null), ('c0003', null, null)`);
+    try {
+      await expect(runner.run(skippy, { key: 'too-many' })).rejects.toBeInstanceOf(RunFailedError);
+      expect((await runRow(db.url, 'skippy', 'too-many')).error).toMatchObject({ chunk: 'c0003' });
+    } finally {
+      await query(db.url, `delete from fail_chunks`);
+    }
+  });
+});
+
+describe('fault points: a crash at every protocol boundary converges on rerun', () => {
+  for (const point of FAULT_POINTS) {
+    it(`crash ${point}`, async () => {
+      const key = `fault-${point}`;
+      const chunkPoint = ['after-claim', 'after-work', 'after-marker', 'after-commit'].includes(point);
+      const args = [...FIXTURE_DIRS, '--log-level', 'error', 'run', 'counted', '--key', key, '--param', 'chunks=8', '--concurrency', '2'];
+      const crashed = await runCli(args, { url: db.url, env: { IDEM_FAULT: `${point}:crash:${chunkPoint ? 4 : 1}` } });
+      expect(crashed.signal).toBe('SIGKILL');
+      expect(crashed.stderr).toContain(`fault injected at ${point}`);
+      const before = await runRow(db.url, 'counted', key);
+      expect(before?.status ?? 'none').not.toBe('succeeded');
+      const rerun = await runCli(args, { url: db.url });
+      expect(rerun.code).toBe(0);
+      await expectConverged(key, 8);
+    });
+  }
+});
+
+describe('signals and lost locks', () => {
+  const base = (key: string, extra: string[] = []) => [...FIXTURE_DIRS, '--log-level', 'warn', 'run', 'counted', '--key', key, ...extra];
+
+  it('SIGTERM lets in-flight chunks finish, records the run interrupted, exits 143; a rerun completes', async () => {
+    const key = 'sigterm';
+    const child = spawnCli(base(key, ['--param', 'chunks=40', '--param', 'pauseMs=150', '--concurrency', '2']), { url: db.url });
+    await waitFor(async () => (await doneCount(key)) >= 4, '4 chunks done');
+    child.child.kill('SIGTERM');
+    const res = await child.done;
+    expect(res.code).toBe(143);
+    expect((await runRow(db.url, 'counted', key)).status).toBe('interrupted');
+    // Nothing half-done: every logged execution has its state row and its marker.
+    const logged = (await workCounts(db.url, key)).size;
+    expect(logged).toBeLessThan(40);
+    expect(await doneCount(key)).toBe(logged + 1); // + the prepare step
+    const again = await runCli(base(key, ['--param', 'chunks=40', '--param', 'pauseMs=150', '--concurrency', '2']), { url: db.url });
+    expect(again.code).toBe(0);
+    await expectConverged(key, 40);
+  });
+
+  it('a second SIGINT aborts a stuck chunk at once (exit 130) and its work rolls back', async () => {
+    const key = 'double-sigint';
+    const gate = await holdGate(db.url, key);
+    const args = base(key, ['--param', 'chunks=3', '--param', `gate=${key}`]);
+    const child = spawnCli(args, { url: db.url });
+    try {
+      await waitFor(async () => (await query(db.url, `select 1 from pg_stat_activity where wait_event_type = 'Lock' and application_name = 'idem'`)).length > 0, 'a chunk waiting on the gate');
+      child.child.kill('SIGINT');
+      await new Promise((r) => setTimeout(r, 300));
+      expect(child.child.exitCode).toBeNull(); // the first signal waits for the in-flight chunk
+      const t0 = Date.now();
+      child.child.kill('SIGINT');
+      const res = await child.done;
+      expect(res.code).toBe(130);
+      expect(Date.now() - t0).toBeLessThan(3_000);
+    } finally {
+      await gate.release();
+    }
+    expect((await workCounts(db.url, key)).size).toBe(0);
+    expect((await runCli(base(key, ['--param', 'chunks=3', '--param', `gate=${key}`]), { url: db.url })).code).toBe(0);
+    await expectConverged(key, 3);
+  });
+
+  it('the shutdown deadline aborts a chunk that outlives it', async () => {
+    const key = 'deadline';
+    const gate = await holdGate(db.url, key);
+    const child = spawnCli(['--shutdown-timeout', '1', ...base(key, ['--param', 'chunks=2', '--param', `gate=${key}`])], { url: db.url });
+    try {
+      await waitFor(async () => (await query(db.url, `select 1 from pg_stat_activity where wait_event_type = 'Lock' and application_name = 'idem'`)).length > 0, 'a chunk waiting on the gate');
+      const t0 = Date.now();
+      child.child.kill('SIGTERM');
+      const res = await child.done;
+      expect(res.code).toBe(143);
+      expect(Date.now() - t0).toBeLessThan(4_000);
+    } finally {
+      await gate.release();
+    }
+    expect((await workCounts(db.url, key)).size).toBe(0);
+  });
+
+  it('when its lock session is killed the runner exits 69 within 5 s, a waiting run takes over, and no old-attempt chunk commits after the takeover', async () => {
+    const key = 'lock-loss';
+    const args = base(key, ['--param', 'chunks=40', '--param', 'pauseMs=100', '--concurrency', '2']);
+    const first = spawnCli(args, { url: db.url });
+    await waitFor(async () => (await doneCount(key)) >= 5, '5 chunks done');
+    const second = spawnCli([...args, '--wait', '60'], { url: db.url });
+    await waitFor(async () => (await sessions(db.url, 'idem-lock')) >= 2, 'the second run waiting for the lock');
+    const holder = await query<{ pid: number }>(
+      db.url,
+      `select l.pid from pg_locks l join pg_stat_activity a on a.pid = l.pid
+       where l.locktype = 'advisory' and l.granted and a.application_name = 'idem-lock' and a.datname = current_database()`,
+    );
+    expect(holder).toHaveLength(1);
+    const t0 = Date.now();
+    await query(db.url, 'select pg_terminate_backend($1)', [holder[0]!.pid]);
+    const firstRes = await first.done;
+    expect(firstRes.code).toBe(69);
+    expect(Date.now() - t0).toBeLessThan(5_000);
+    expect(firstRes.stderr).toContain('lost the advisory lock');
+    const secondRes = await second.done;
+    expect(secondRes.code).toBe(0);
+    await expectConverged(key, 40);
+    const run = await runRow(db.url, 'counted', key);
+    expect(run.attempt).toBe(2);
+    const fence = await query<{ late: number; old: number }>(
+      db.url,
+      `select count(*) filter (where c.done_attempt = 1 and c.done_at >= r.attempt_started_at)::int as late,
+              count(*) filter (where c.done_attempt = 1)::int as old
+       from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'counted' and r.run_key = $1`,
+      [key],
+    );
+    expect(fence[0]!.old).toBeGreaterThanOrEqual(5);
+    expect(fence[0]!.late).toBe(0);
+  });
+});
+
+describe('database health at start-up', () => {
+  it('wrong credentials: exit 2, one line naming the fix, and the password is not printed', async () => {
+    const bad = new URL(db.url);
+    bad.password = 'not-the-password-xyz';
+    const res = await runCli([...FIXTURE_DIRS, 'status'], { url: bad.toString() });
+    expect(res.code).toBe(2);
+    expect(res.stderr).toMatch(/refused the credentials.*fix the user or password/);
+    expect(res.stderr).not.toContain('not-the-password-xyz');
+    expect(res.stderr.trim().split('\n')).toHaveLength(1);
+  });
+
+  it('a runner schema newer than this binary: exit 2 and nothing is changed', async () => {
+    await runCli([...FIXTURE_DIRS, 'status'], { url: db.url }); // make sure the schema exists
+    await query(db.url, `insert into idem.idem_migration (name, timestamp) values ('9999_from_the_future', now()::text)`);
+    try {
+      const res = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--key', 'future'], { url: db.url });
+      expect(res.code).toBe(2);
+      expect(res.stderr).toContain('newer than this binary; upgrade idem');
+      expect(await runRow(db.url, 'counted', 'future')).toBeUndefined();
+    } finally {
+      await query(db.url, `delete from idem.idem_migration where name = '9999_from_the_future'`);
+    }
+  });
+
+  it('never logs the database password, even at trace level', async () => {
+    const password = decodeURIComponent(new URL(db.url).password);
+    expect(password.length).toBeGreaterThan(3);
+    const res = await runCli([...FIXTURE_DIRS, '--log-level', 'trace', 'run', 'counted', '--key', 'quiet', '--param', 'chunks=2'], { url: db.url });
+    expect(res.code).toBe(0);
+    expect(res.stderr.length).toBeGreaterThan(0);
+    expect(res.stderr).not.toContain(password);
+    expect(res.stdout).not.toContain(password);
+  });
+});
