@@ -4,6 +4,8 @@ import type { Logger } from 'pino';
 import { redactUrl } from './database.ts';
 import { ExitCode, exitCodeOf, IdemError, InterruptedError, messageOf, UsageError } from './errors.ts';
 import { findJob, loadJobDir } from './loader.ts';
+import { parseDuration } from './operations.ts';
+import { createProgressReporter } from './progress-reporter.ts';
 import { createLogger, LOG_LEVELS, type LogLevel } from './log.ts';
 import { DEFAULT_SCHEMA, Runner, type RunOutcome, type RunStatusRow } from './runner.ts';
 
@@ -33,6 +35,18 @@ function positiveInt(max: number) {
     if (!Number.isInteger(n) || n < 1 || n > max) throw new InvalidArgumentError(`expected an integer from 1 to ${max}, got "${value}"`);
     return n;
   };
+}
+
+function positiveNumber(value: string): number {
+  const n = Number(value);
+  if (!Number.isFinite(n) || n <= 0) throw new InvalidArgumentError(`expected a number > 0, got "${value}"`);
+  return n;
+}
+
+function nonNegativeNumber(value: string): number {
+  const n = Number(value);
+  if (!Number.isFinite(n) || n < 0) throw new InvalidArgumentError(`expected a number >= 0, got "${value}"`);
+  return n;
 }
 
 function waitSeconds(value: string | boolean): number | boolean {
@@ -132,8 +146,10 @@ function describeOutcome(o: RunOutcome): string {
 function formatStatus(rows: RunStatusRow[]): string {
   if (rows.length === 0) return 'no runs yet';
   const lines = rows.map((r) => {
-    const progress = `${r.chunksDone}/${r.chunksPlanned}${r.fullyPlanned ? '' : '+'}`;
-    const extra = r.error ? `  error: step "${r.error.step}"${r.error.chunk ? ` chunk ${r.error.chunk}` : ''} after ${r.error.tries} tries: ${r.error.message}` : r.holder ? `  held by ${r.holder}` : '';
+    const progress = `${r.chunksDone}/${r.fullyPlanned ? r.chunksPlanned : `${Math.max(r.chunksPlanned, r.estimatedChunks ?? 0)}~`}`;
+    const live = r.state === 'running' ? `  held by ${r.holder ?? '?'}${r.throughput !== null ? `, ${r.throughput}/s` : ''}${r.etaSeconds !== null ? `, ETA ${r.etaSeconds}s` : ''}` : '';
+    const asked = r.requested ? `  (${r.requested} requested)` : '';
+    const extra = r.error ? `  error: step "${r.error.step}"${r.error.chunk ? ` chunk ${r.error.chunk}` : ''} after ${r.error.tries} tries: ${r.error.message}` : live + asked;
     const skips = r.skipped.map((k) => `\n    skipped: step "${k.step}" chunk ${k.key} after ${k.attempts} tries: ${k.error ?? ''}`).join('');
     return `${r.job}\t${r.runKey.length > 30 ? `${r.runKey.slice(0, 27)}...` : r.runKey}\t${r.state}\tattempt ${r.attempt}\tchunks ${progress}\t${r.updatedAt.toISOString()}${extra}${skips}`;
   });
@@ -188,15 +204,28 @@ export function buildProgram(state: { exitCode: number }): Command {
     .option('--wait [seconds]', 'if another process runs this job, wait for it (forever, or this many seconds) instead of exiting 75', waitSeconds)
     .option('--dry-run', 'show what would run; write nothing')
     .option('--retry-skipped', "retry chunks skipped under a step's maxFailedChunks policy (also in a succeeded run)")
+    .option('--max-rate <chunks/s>', 'start at most this many chunks per second', positiveNumber)
+    .option('--pause <ms>', 'pause this long after each chunk (per worker)', nonNegativeNumber)
+    .option('--target-chunk-ms <ms>', 'grow or shrink keyRange chunks toward this duration', positiveNumber)
+    .option('--no-progress', 'no live progress line on a terminal')
     .option('--json', 'print the outcome as JSON on stdout')
-    .action((name: string, o: { key?: string; params?: string; param: Record<string, unknown>; concurrency: number; wait?: number | boolean; dryRun?: boolean; retrySkipped?: boolean; json?: boolean }) =>
+    .action((name: string, o: { key?: string; params?: string; param: Record<string, unknown>; concurrency: number; wait?: number | boolean; dryRun?: boolean; retrySkipped?: boolean; json?: boolean; maxRate?: number; pause?: number; targetChunkMs?: number; progress: boolean }) =>
       runWithSession(async (g, log, session, force) => {
         const params = parseParams(o.params, o.param);
         if (o.key !== undefined && (o.key.length === 0 || o.key.length > 200)) throw new UsageError('invalidKey', '--key must be 1 to 200 characters');
         const job = await findJob(g.jobsDir, name);
         const runner = await openRunner(g, log, session, o.concurrency + 2);
         const signals = installSignals(log, g.shutdownTimeout, force);
+        const throttle = {
+          ...(o.maxRate !== undefined ? { maxRate: o.maxRate } : {}),
+          ...(o.pause !== undefined ? { pauseMs: o.pause } : {}),
+          ...(o.targetChunkMs !== undefined ? { targetChunkMs: o.targetChunkMs } : {}),
+        };
+        const reporter = o.progress && !o.json && !o.dryRun ? createProgressReporter({ job: job.name, tty: process.stderr.isTTY === true, log }) : undefined;
+        if (reporter) session.defer(async () => reporter.stop());
         const outcome = await runner.run(job, {
+          throttle,
+          ...(reporter ? { onProgress: reporter.update } : {}),
           params,
           ...(o.key !== undefined ? { key: o.key } : {}),
           concurrency: o.concurrency,
@@ -206,6 +235,7 @@ export function buildProgram(state: { exitCode: number }): Command {
           signal: signals.stop,
           abortSignal: signals.abort,
         });
+        reporter?.stop();
         process.stdout.write(o.json ? `${JSON.stringify(outcome)}\n` : `${describeOutcome(outcome)}\n`);
         return ExitCode.Ok;
       }),
@@ -265,6 +295,55 @@ export function buildProgram(state: { exitCode: number }): Command {
         const runner = await openRunner(g, log, session);
         const rows = await runner.status(job, o.limit);
         process.stdout.write(o.json ? `${JSON.stringify(rows)}\n` : `${formatStatus(rows)}\n`);
+        return ExitCode.Ok;
+      }),
+    );
+
+  const control = (name: 'pause' | 'resume' | 'cancel', description: string) =>
+    program
+      .command(name)
+      .description(description)
+      .argument('<job>', 'job name')
+      .option('--key <key>', "the run's key (default: the job's latest run it applies to)")
+      .option('--json', 'print the result as JSON')
+      .action((job: string, o: { key?: string; json?: boolean }) =>
+        runWithSession(async (g, log, session) => {
+          const runner = await openRunner(g, log, session);
+          const r = await runner[name](job, o.key);
+          const how = r.live ? `requested: the live run stops at its next chunk boundary` : `now ${r.status}`;
+          process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `${name}: run ${r.runKey} of job "${r.job}" ${how}\n`);
+          return ExitCode.Ok;
+        }),
+      );
+  control('pause', 'pause a run between chunks; its re-invocations exit 75 until idem resume');
+  control('resume', 'let a paused run continue on its next invocation');
+  control('cancel', 'cancel a run between chunks; finished chunks are kept, the run never continues');
+
+  program
+    .command('reset')
+    .description('forget a run (steps, chunk markers, effects) so its key runs afresh; refused while it runs')
+    .argument('<job>', 'job name')
+    .requiredOption('--key <key>', "the run's key (see idem status)")
+    .action((job: string, o: { key: string }) =>
+      runWithSession(async (g, log, session) => {
+        const runner = await openRunner(g, log, session);
+        const r = await runner.reset(job, o.key);
+        process.stdout.write(`reset: forgot run ${o.key} of job "${job}" (${r.chunks} chunk markers, ${r.effects} effects)\n`);
+        return ExitCode.Ok;
+      }),
+    );
+
+  program
+    .command('prune')
+    .description('delete succeeded and cancelled runs older than a duration, with their markers and effects (in batches)')
+    .requiredOption('--older-than <duration>', 'e.g. 30d, 12h, 2w')
+    .option('--json', 'print the counts as JSON')
+    .action((o: { olderThan: string; json?: boolean }) =>
+      runWithSession(async (g, log, session) => {
+        const ms = parseDuration(o.olderThan, '--older-than');
+        const runner = await openRunner(g, log, session);
+        const r = await runner.prune(ms);
+        process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `prune: removed ${r.runs} runs, ${r.steps} steps, ${r.chunks} chunk markers, ${r.effects} effects older than ${o.olderThan}\n`);
         return ExitCode.Ok;
       }),
     );

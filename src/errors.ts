@@ -110,3 +110,17 @@ export function messageOf(err: unknown): string {
   const msg = err instanceof Error ? err.message : String(err);
   return msg.split('\n')[0] ?? msg;
 }
+
+/** The run is paused by an operator (`idem pause`); it resumes after `idem resume`. */
+export class PausedError extends IdemError {
+  constructor(message: string) {
+    super('idem.paused', ExitCode.Busy, message);
+  }
+}
+
+/** The run was cancelled by an operator (`idem cancel`); `idem reset` forgets it. */
+export class CancelledError extends IdemError {
+  constructor(message: string) {
+    super('idem.cancelled', ExitCode.Failed, message);
+  }
+}

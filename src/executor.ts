@@ -1,3 +1,4 @@
+import { createHash } from 'node:crypto';
 import type { Kysely } from 'kysely';
 import pLimit from 'p-limit';
 import type { Logger } from 'pino';
@@ -6,6 +7,7 @@ import type { ChunkPage, ChunkSpec, ChunkSource, Job, Json, RunIdentity, Step, S
 import { faultPoint } from './fault-points.ts';
 import { backoffDelay, DEFAULT_BACKOFF, isRetryable, retrying, type BackoffOptions } from './retry.ts';
 import type { PendingChunk, StepRow, Store } from './store.ts';
+import { resolveThrottle, Throttle, type ThrottleOptions } from './throttle.ts';
 
 /** How many chunks are planned (and persisted) per call to a chunk source. */
 export const DEFAULT_PLAN_WINDOW = 100;
@@ -32,13 +34,34 @@ export interface ExecuteOptions {
   readonly job: Job;
   readonly params: unknown;
   readonly run: RunIdentity;
+  readonly slot: Date | null;
   readonly log: Logger;
   readonly concurrency: number;
   readonly planWindow: number;
-  /** Graceful stop: no new chunk starts once it aborts; its reason says which signal. */
+  /** Throttle flags from the command line; they override the job's and step's. */
+  readonly throttle?: ThrottleOptions;
+  /** Graceful stop: no new chunk starts once it aborts; its reason says why. */
   readonly stop: AbortSignal;
   /** Hard stop for the job's code (`ctx.signal`): lost lock, second signal, deadline. */
   readonly abort: AbortSignal;
+  /** Called after every committed chunk and at each step's start. */
+  readonly onProgress?: (p: Progress) => void;
+}
+
+/** Where a run is, for progress lines and ETA. */
+export interface Progress {
+  readonly step: string;
+  readonly stepIndex: number;
+  readonly steps: number;
+  /** Chunks of this step done (by any attempt). */
+  readonly done: number;
+  readonly planned: number;
+  /** The source's estimate of the step's total, when it gives one. */
+  readonly estimated: number | null;
+  readonly fullyPlanned: boolean;
+  /** Chunks this invocation committed in this step, and since when (for the rate). */
+  readonly executedNow: number;
+  readonly since: number;
 }
 
 export interface ExecuteResult {
@@ -47,6 +70,7 @@ export interface ExecuteResult {
 }
 
 const SINGLE_STEP_KEY = 'step';
+const EFFECT_NAME = /^[\w.:-]{1,200}$/;
 
 /**
  * Runs the job's unfinished steps in order. Within a chunked step: plan a window from the persisted
@@ -55,7 +79,7 @@ const SINGLE_STEP_KEY = 'step';
  */
 export async function executeSteps(opts: ExecuteOptions, steps: Map<string, StepRow>): Promise<ExecuteResult> {
   let executed = 0;
-  for (const step of opts.job.steps) {
+  for (const [index, step] of opts.job.steps.entries()) {
     const row = steps.get(step.name);
     if (!row) throw new Error(`step row for "${step.name}" missing`);
     if (row.status === 'done') {
@@ -64,35 +88,53 @@ export async function executeSteps(opts: ExecuteOptions, steps: Map<string, Step
     }
     const stepLog = opts.log.child({ step: step.name });
     stepLog.info('step started');
-    executed += await executeStep(opts, step, row, stepLog);
+    executed += await executeStep(opts, step, index, row, stepLog);
     await opts.store.finishStep(opts.run.runId, opts.run.attempt, step.name);
     stepLog.info('step done');
   }
   return { executed };
 }
 
-async function executeStep(opts: ExecuteOptions, step: Step, row: StepRow, log: Logger): Promise<number> {
+async function executeStep(opts: ExecuteOptions, step: Step, index: number, row: StepRow, log: Logger): Promise<number> {
   const { store, run } = opts;
   const source: ChunkSource = step.chunks ?? (() => ({ chunks: [{ key: SINGLE_STEP_KEY }], next: null }));
   const retry = { ...DEFAULT_BACKOFF, ...opts.job.retry, ...step.retry };
+  const throttle = new Throttle(resolveThrottle(opts.job.throttle, step.throttle, opts.throttle));
+  // Adaptive sizing learns from each window, so windows are kept small while it steers.
+  const planWindow = throttle.options.targetChunkMs && step.chunks ? Math.max(4, opts.concurrency * 2) : opts.planWindow;
   const limit = pLimit(opts.concurrency);
   let cursor: Json | null = row.cursor;
   let plannedAll = row.planned_all;
   let nextSeq = row.planned + 1;
   let afterSeq = 0;
   let executed = 0;
+  const counts = await store.stepCounts(run.runId, step.name);
+  let done = counts.done;
+  let estimated = row.estimated_chunks;
   const maxSkips = step.maxFailedChunks ?? 0;
-  let skipped = maxSkips > 0 ? await store.countSkipped(run.runId, step.name) : 0;
-  const planCtx = { db: opts.db, params: opts.params, log, signal: opts.abort, run, step: step.name, windowSize: opts.planWindow };
+  let skipped = counts.skipped;
+  const since = performance.now();
+  const planCtx = () => ({ db: opts.db, params: opts.params, log, signal: opts.abort, run, step: step.name, slot: opts.slot, windowSize: planWindow, sizeFactor: throttle.sizeFactor });
+  const progress = () =>
+    opts.onProgress?.({ step: step.name, stepIndex: index, steps: opts.job.steps.length, done, planned: nextSeq - 1, estimated, fullyPlanned: plannedAll, executedNow: executed, since });
+
+  if (estimated === null && source.estimate && !plannedAll) {
+    const e = await Promise.resolve(source.estimate(planCtx())).catch(() => null);
+    if (typeof e === 'number' && Number.isFinite(e) && e >= 0) {
+      estimated = Math.round(e);
+      await store.setEstimate(run.runId, step.name, estimated);
+    }
+  }
+  progress();
 
   for (;;) {
     throwIfStopped(opts.stop);
     // Unfinished chunks planned by an earlier attempt come first; only then is the source asked.
-    let pending: PendingChunk[] = await store.pendingChunks(run.runId, step.name, afterSeq, opts.planWindow);
+    let pending: PendingChunk[] = await store.pendingChunks(run.runId, step.name, afterSeq, planWindow);
     if (pending.length === 0) {
       if (plannedAll) break;
       // A source that reads the database (keyRange) may hit a dropped connection: ask it again.
-      const page: ChunkPage = await retrying(async () => source(cursor, planCtx));
+      const page: ChunkPage = await retrying(async () => source(cursor, planCtx()));
       checkPage(step.name, page);
       const { planned, fenced } = await store.planWindow(run.runId, run.attempt, step.name, nextSeq, page.chunks, page.next);
       if (fenced) throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was taken over by a newer attempt while planning`);
@@ -103,19 +145,29 @@ async function executeStep(opts: ExecuteOptions, step: Step, row: StepRow, log: 
       nextSeq += planned;
       cursor = page.next;
       plannedAll = page.next === null;
-      log.debug({ planned, exhausted: plannedAll }, 'planned a window');
+      log.debug({ planned, exhausted: plannedAll, sizeFactor: throttle.sizeFactor }, 'planned a window');
       if (pending.length === 0) continue;
     }
     afterSeq = pending[pending.length - 1]!.seq;
 
     let failure: unknown;
+    const durations: number[] = [];
     await Promise.all(
       pending.map((chunk) =>
         limit(async () => {
           // Fail fast and stop gracefully: queued chunks that have not started are simply not run.
           if (failure !== undefined || opts.stop.aborted) return;
+          const wait = throttle.reserveStart();
+          if (wait > 0) await sleep(wait, opts.stop);
+          if (failure !== undefined || opts.stop.aborted) return;
           try {
-            if (await runChunk(opts, step, chunk, retry, log)) executed++;
+            const ms = await runChunk(opts, step, chunk, retry, log);
+            if (ms !== null) {
+              executed++;
+              done++;
+              durations.push(ms);
+              progress();
+            }
           } catch (err) {
             if (err instanceof ChunkFailure && skipped < maxSkips && !opts.stop.aborted) {
               skipped++;
@@ -128,19 +180,25 @@ async function executeStep(opts: ExecuteOptions, step: Step, row: StepRow, log: 
             }
             failure ??= err;
           }
+          if (throttle.options.pauseMs) await sleep(throttle.options.pauseMs, opts.stop);
         }),
       ),
     );
     if (failure !== undefined) throw failure;
+    if (throttle.options.targetChunkMs) throttle.adapt(durations);
   }
   throwIfStopped(opts.stop);
   return executed;
 }
 
-/** One chunk: a transaction with the job's work and the marker, retried on transient errors. */
-async function runChunk(opts: ExecuteOptions, step: Step, chunk: PendingChunk, retry: Required<BackoffOptions>, stepLog: Logger): Promise<boolean> {
+/**
+ * One chunk: a transaction with the job's work and the marker, retried on transient errors.
+ * Returns the committed try's duration in ms, or null when the chunk turned out done already.
+ */
+async function runChunk(opts: ExecuteOptions, step: Step, chunk: PendingChunk, retry: Required<BackoffOptions>, stepLog: Logger): Promise<number | null> {
   const { store, run } = opts;
   const chunkKey = step.chunks ? chunk.key : null;
+  const effect = <T>(name: string, fn: (key: string) => Promise<T> | T) => performEffect(opts, step.name, chunk.key, name, fn);
   for (let tries = 1; ; tries++) {
     const started = performance.now();
     try {
@@ -152,6 +210,8 @@ async function runChunk(opts: ExecuteOptions, step: Step, chunk: PendingChunk, r
           signal: opts.abort,
           run,
           step: step.name,
+          slot: opts.slot,
+          effect: effect as StepContext['effect'],
           get log() {
             return chunkKey === null ? stepLog : stepLog.child({ chunk: chunkKey });
           },
@@ -171,9 +231,9 @@ async function runChunk(opts: ExecuteOptions, step: Step, chunk: PendingChunk, r
         await faultPoint('after-marker');
       });
       await faultPoint('after-commit');
-      return true;
+      return performance.now() - started;
     } catch (err) {
-      if (err === ALREADY_DONE) return false;
+      if (err === ALREADY_DONE) return null;
       if (err instanceof FencedError || opts.abort.aborted) throw err;
       const retryable = isRetryable(err);
       if (retryable && tries < retry.attempts && !opts.stop.aborted) {
@@ -188,6 +248,18 @@ async function runChunk(opts: ExecuteOptions, step: Step, chunk: PendingChunk, r
   }
 }
 
+/** The effects ledger protocol: claim the record, skip if done, else perform with the stable key and record the result. */
+async function performEffect<T>(opts: ExecuteOptions, step: string, chunk: string, name: string, fn: (key: string) => Promise<T> | T): Promise<T> {
+  if (typeof name !== 'string' || !EFFECT_NAME.test(name)) throw new TypeError(`ctx.effect(): name must be 1-200 characters of letters, digits, _ . : - (got ${JSON.stringify(name)})`);
+  if (typeof fn !== 'function') throw new TypeError('ctx.effect(): fn must be a function (idempotencyKey) => result');
+  const { run, store } = opts;
+  const key = `idem-${createHash('sha256').update([store.schema, run.job, run.runKey, step, chunk, name].join('\0')).digest('hex').slice(0, 40)}`;
+  const record = await store.beginEffect(run.runId, step, chunk, name, key);
+  if (record.status === 'done') return record.result as T;
+  const result = await fn(key);
+  await store.completeEffect(run.runId, step, chunk, name, (result ?? null) as Json);
+  return result;
+}
 function checkPage(step: string, page: ChunkPage): void {
   if (!page || !Array.isArray(page.chunks) || (page.next === undefined)) {
     throw new ChunkFailure(step, null, 1, new TypeError('a chunk source must return { chunks: ChunkSpec[], next: cursor | null }'));

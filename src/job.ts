@@ -1,6 +1,7 @@
 import type { Kysely, Transaction } from 'kysely';
 import type { Logger } from 'pino';
 import type { BackoffOptions } from './retry.ts';
+import type { ThrottleOptions } from './throttle.ts';
 import { UsageError } from './errors.ts';
 
 /** A JSON value: what params, cursors and chunk specs are made of (they are stored as jsonb). */
@@ -40,11 +41,23 @@ interface BaseContext<P> {
   readonly signal: AbortSignal;
   readonly run: RunIdentity;
   readonly step: string;
+  /** The cron slot this run is for (a scheduled job run without --key), else `null`. */
+  readonly slot: Date | null;
 }
 
 /** Passed to a step's `run`: `db` is the transaction its completion marker commits in. */
 export interface StepContext<P = unknown, DB = any> extends BaseContext<P> {
   readonly db: Transaction<DB>;
+  /**
+   * Performs a side effect that cannot join the transaction (mail, HTTP call, publish) at most
+   * once per completed record: `fn` gets a stable idempotency key derived from run, step, chunk and
+   * `name` (send it as an `Idempotency-Key` header). A completed effect is never repeated: its
+   * recorded result is returned. One that started but never completed (crash mid-call) is retried
+   * with the same key, so the receiver sees at-least-once delivery it can deduplicate by key.
+   * The result must be JSON; it is stored in the effects ledger outside the chunk's transaction.
+   * @example const { id } = await ctx.effect('reminder', (key) => sendMail(to, { idempotencyKey: key }));
+   */
+  effect<T extends Json | void>(name: string, fn: (idempotencyKey: string) => Promise<T> | T): Promise<T>;
 }
 
 /** Passed to a chunk source: `db` is outside any chunk transaction and must only be read. */
@@ -52,6 +65,11 @@ export interface PlanContext<P = unknown, DB = any> extends BaseContext<P> {
   readonly db: Kysely<DB>;
   /** How many chunks the runner would like this call to return (a hint, not a rule). */
   readonly windowSize: number;
+  /**
+   * Adaptive sizing (`--target-chunk-ms`): multiply your nominal chunk size by this. `1` unless the
+   * runner is steering chunk durations toward a target; keyRange honours it.
+   */
+  readonly sizeFactor: number;
 }
 
 /**
@@ -59,10 +77,13 @@ export interface PlanContext<P = unknown, DB = any> extends BaseContext<P> {
  * of chunks and the cursor after them. The runner persists both before running any of them, so a
  * resume never re-plans from data that changed in between.
  */
-export type ChunkSource<P = any, DB = any, C extends ChunkSpec = ChunkSpec> = (
+export type ChunkSource<P = any, DB = any, C extends ChunkSpec = ChunkSpec> = ((
   cursor: Json | null,
   ctx: PlanContext<P, DB>,
-) => ChunkPage<C> | Promise<ChunkPage<C>>;
+) => ChunkPage<C> | Promise<ChunkPage<C>>) & {
+  /** Optional: an estimate of how many chunks the whole source yields, for progress and ETA. */
+  estimate?: (ctx: PlanContext<P, DB>) => Promise<number | null> | number | null;
+};
 
 interface StepCommon {
   /** Unique within the job; the step's progress is stored under it. */
@@ -75,6 +96,8 @@ interface StepCommon {
    * Defaults to `0`: the first such chunk fails the run.
    */
   readonly maxFailedChunks?: number;
+  /** Throttling for this step; overrides the job's, overridden by command-line flags. */
+  readonly throttle?: ThrottleOptions;
 }
 
 /** A step whose whole work is one transaction. */
@@ -120,6 +143,14 @@ export interface JobDefinition<P = any, DB = any> {
   readonly steps: ReadonlyArray<Step<P, DB>>;
   /** Default retry policy for the job's steps. Defaults to `DEFAULT_BACKOFF`. */
   readonly retry?: BackoffOptions;
+  /** Default throttling for the job's steps. Defaults to none. */
+  readonly throttle?: ThrottleOptions;
+  /**
+   * Cron schedule (5 fields, optional IANA timezone, default UTC). A scheduled job run without
+   * --key uses its most recent due slot as run key, so cron firing twice hits the same run.
+   * @example schedule: '0 3 * * *'   or   schedule: { cron: '0 3 * * *', timezone: 'Europe/Berlin' }
+   */
+  readonly schedule?: string | { readonly cron: string; readonly timezone?: string };
 }
 
 /** A job as loaded: validated and frozen. */

@@ -35,14 +35,15 @@ export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, unknown, K
   if (typeof opts?.column !== 'string' || opts.column === '') problems.push('column must be a non-empty string');
   if (!Number.isInteger(opts?.size) || opts.size < 1) problems.push(`size must be an integer >= 1 (got ${opts?.size})`);
   if (problems.length) throw new TypeError(`keyRange(): ${problems.join('; ')}`);
-  const { size } = opts;
   const table = sql.table(opts.table);
   const column = sql.ref(opts.column);
   const extra = opts.where === undefined ? sql`true` : typeof opts.where === 'string' ? sql.raw(`(${opts.where})`) : opts.where;
 
-  return async (cursor, ctx) => {
+  const source: ChunkSource<unknown, unknown, KeyRangeChunk> = async (cursor, ctx) => {
     const from = cursor === null ? null : toSafeInt(cursor, 'cursor');
     const windowChunks = Math.max(1, ctx.windowSize);
+    // Adaptive sizing (--target-chunk-ms) scales the nominal size; 1 otherwise.
+    const size = Math.max(1, Math.round(opts.size * (ctx.sizeFactor ?? 1)));
     const limit = windowChunks * size + 1;
     const lower = from === null ? sql`true` : sql`${column} >= ${from}`;
     const { rows } = await sql<{ k: string | number; rn: string; total: string }>`
@@ -67,6 +68,13 @@ export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, unknown, K
     }
     return { chunks, next };
   };
+  // From the planner's statistics (reltuples), not a count(*): free, and good enough for an ETA.
+  source.estimate = async (ctx) => {
+    const { rows } = await sql<{ n: number }>`select greatest(reltuples, 0)::float8 as n from pg_class where oid = to_regclass(${opts.table})`.execute(ctx.db);
+    const n = rows[0]?.n;
+    return n === undefined || n <= 0 ? null : Math.ceil(n / opts.size);
+  };
+  return source;
 }
 
 function toSafeInt(v: unknown, what: string): number {

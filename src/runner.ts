@@ -3,11 +3,13 @@ import { sql } from 'kysely';
 import pino, { type Logger } from 'pino';
 import { acquireAdvisoryLock, type HeldLock } from './advisory-lock.ts';
 import { openDatabase, type Database } from './database.ts';
-import { FencedError, InterruptedError, LockLostError, ParamsMismatchError, RunFailedError, UsageError } from './errors.ts';
-import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps } from './executor.ts';
+import { CancelledError, FencedError, InterruptedError, LockLostError, ParamsMismatchError, PausedError, RunFailedError, UsageError } from './errors.ts';
+import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
+import type { ThrottleOptions } from './throttle.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import { faultPoint } from './fault-points.ts';
+import { pruneRuns, requestControl, resetRun, resumeRun, type ControlResult, type OperationsHost, type PruneResult } from './operations.ts';
 import { retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, type RunRow, type RunSummary } from './store.ts';
@@ -45,6 +47,14 @@ export interface RunJobOptions {
   readonly planWindow?: number;
   /** Retry chunks skipped under a step's `maxFailedChunks` policy, even in a succeeded run. Defaults to `false`. */
   readonly retrySkipped?: boolean;
+  /** The cron slot this run is for; exposed to steps as `ctx.slot`. Defaults to `null`. */
+  readonly slot?: Date | null;
+  /** Throttling that overrides the job's and steps' own. */
+  readonly throttle?: ThrottleOptions;
+  /** Progress after every committed chunk (for a progress line). */
+  readonly onProgress?: (p: Progress) => void;
+  /** How often the live run checks for an operator's pause/cancel, in ms. Defaults to `1000`. */
+  readonly controlPollMs?: number;
 }
 
 export type RunStatusOutcome = 'succeeded' | 'already-succeeded' | 'dry-run';
@@ -79,6 +89,14 @@ export interface RunStatusRow {
   readonly finishedAt: Date | null;
   readonly error: RunRow['error'];
   readonly summary: RunSummary | null;
+  /** Chunks per second committed by the current attempt (while running). */
+  readonly throughput: number | null;
+  /** Total chunks expected: planned so far, or the sources' estimates where larger. */
+  readonly estimatedChunks: number | null;
+  /** Seconds left at the current throughput (while running). */
+  readonly etaSeconds: number | null;
+  /** A pause or cancel requested and not yet honoured. */
+  readonly requested: 'pause' | 'cancel' | null;
   /** Chunks skipped under a step's skip policy (the first 20), with their errors. */
   readonly skipped: ReadonlyArray<{ readonly step: string; readonly key: string; readonly error: string | null; readonly attempts: number }>;
 }
@@ -140,6 +158,7 @@ export class Runner {
     const { run } = await this.store.claimRun(job.name, runKey, params, fp);
     checkFingerprint(job.name, runKey, run, fp);
     if (run.status === 'succeeded' && !(opts.retrySkipped && (run.summary?.skipped ?? 0) > 0)) return alreadyDone(run);
+    refuseControlled(run);
 
     // A lock session killed while still waiting held nothing yet: simply open another.
     const lock = await retrying(() =>
@@ -199,6 +218,35 @@ export class Runner {
     return outcomes;
   }
 
+  /** Asks a run to pause (cooperatively, between chunks). Without a key: the job's latest unfinished run. */
+  pause(job: string, key?: string): Promise<ControlResult> {
+    return requestControl(this.#ops(), job, 'pause', key);
+  }
+
+  /** Lets a paused run continue on its next invocation. */
+  resume(job: string, key?: string): Promise<ControlResult> {
+    return resumeRun(this.#ops(), job, key);
+  }
+
+  /** Cancels a run (cooperatively); finished chunks are kept, the run never continues. */
+  cancel(job: string, key?: string): Promise<ControlResult> {
+    return requestControl(this.#ops(), job, 'cancel', key);
+  }
+
+  /** Forgets a run so its key executes afresh; refused while it runs. */
+  reset(job: string, key: string): Promise<{ chunks: number; effects: number }> {
+    return resetRun(this.#ops(), job, key);
+  }
+
+  /** Deletes succeeded and cancelled runs older than `olderThanMs`, in batches. */
+  prune(olderThanMs: number): Promise<PruneResult> {
+    return pruneRuns(this.#ops(), olderThanMs);
+  }
+
+  #ops(): OperationsHost {
+    return { db: this.db, schema: this.schema, connectionString: this.#connectionString, jobLockName: (j) => this.jobLockName(j), heldLockKeys: () => this.heldLockKeys() };
+  }
+
   jobLockName(job: string): string {
     return `${this.schema}:job:${job}`;
   }
@@ -207,12 +255,23 @@ export class Runner {
     // Re-read under the lock: the holder we waited for has usually finished the run.
     const current = await this.store.getRun(runId);
     if (current.status === 'succeeded' && !(opts.retrySkipped && (current.summary?.skipped ?? 0) > 0)) return alreadyDone(current);
+    refuseControlled(current);
     await faultPoint('after-lock');
     const { attempt, startedAt } = await this.store.beginAttempt(runId, `${hostname()}:${process.pid}`);
     const identity = { job: job.name, runKey: current.run_key, runId, attempt };
     const log = this.#log.child({ job: job.name, runKey: current.run_key, attempt });
     log.info({ resumed: attempt > 1 }, attempt > 1 ? 'run resumed' : 'run started');
-    const stop = AbortSignal.any([lock.lost, ...(opts.signal ? [opts.signal] : [])]);
+    // Operators pause or cancel through the run row; the live attempt looks between chunks.
+    const control = new AbortController();
+    const poll = setInterval(() => {
+      this.store.requested(runId).then(
+        (what) => {
+          if (what && !control.signal.aborted) control.abort(new ControlRequest(what));
+        },
+        () => {},
+      );
+    }, opts.controlPollMs ?? 1_000);
+    const stop = AbortSignal.any([lock.lost, control.signal, ...(opts.signal ? [opts.signal] : [])]);
     const abort = AbortSignal.any([lock.lost, ...(opts.abortSignal ? [opts.abortSignal] : [])]);
     try {
       if (opts.retrySkipped) {
@@ -230,6 +289,9 @@ export class Runner {
           log,
           concurrency: opts.concurrency ?? 1,
           planWindow: opts.planWindow ?? DEFAULT_PLAN_WINDOW,
+          slot: opts.slot ?? null,
+          ...(opts.throttle ? { throttle: opts.throttle } : {}),
+          ...(opts.onProgress ? { onProgress: opts.onProgress } : {}),
           stop,
           abort,
         },
@@ -244,15 +306,25 @@ export class Runner {
     } catch (err) {
       // Once the lock is gone, whatever failed next (often a statement on a connection killed in
       // the same sweep) is a symptom: the run was lost, not failed, and must not be marked failed.
-      throw await this.#recordEnd(runId, attempt, job, lock.lost.aborted ? lock.lost.reason : err, log);
+      throw await this.#recordEnd(runId, attempt, job, current.run_key, lock.lost.aborted ? lock.lost.reason : err, log);
+    } finally {
+      clearInterval(poll);
     }
   }
 
   /** Records how an attempt ended and returns the error to throw. A fenced attempt writes nothing. */
-  async #recordEnd(runId: string, attempt: number, job: Job, err: unknown, log: Logger): Promise<unknown> {
+  async #recordEnd(runId: string, attempt: number, job: Job, runKey: string, err: unknown, log: Logger): Promise<unknown> {
     if (err instanceof FencedError || err instanceof LockLostError) {
       log.error({ err: { message: err.message } }, 'lost the run to another attempt');
       return err instanceof LockLostError ? err : new LockLostError(err.message, { cause: err });
+    }
+    if (err instanceof ControlRequest) {
+      const status = err.what === 'pause' ? 'paused' : 'cancelled';
+      await this.store.endRun(runId, attempt, status, null).catch(() => {});
+      log.warn({ status }, `run ${status} by an operator`);
+      return err.what === 'pause'
+        ? new PausedError(`job "${job.name}" paused by an operator after finishing its in-flight chunks; run idem resume ${job.name} --key ${runKey} to let it continue`)
+        : new CancelledError(`job "${job.name}" cancelled by an operator; finished chunks are kept; idem reset ${job.name} --key ${runKey} forgets the run`);
     }
     if (err instanceof InterruptedError) {
       await this.store.endRun(runId, attempt, 'interrupted', null).catch(() => {});
@@ -302,7 +374,11 @@ export class Runner {
         (select count(*) from ${sql.id(s, 'chunks')} c where c.run_id = r.id and c.done_at is not null)::int as chunks_done,
         (select coalesce(sum(planned), 0) from ${sql.id(s, 'steps')} st where st.run_id = r.id)::int as chunks_planned,
         coalesce((select bool_and(planned_all) from ${sql.id(s, 'steps')} st where st.run_id = r.id), false) as fully_planned,
-        exists (select 1 from ${sql.id(s, 'chunks')} c where c.run_id = r.id and c.skipped_at is not null) as has_skipped
+        exists (select 1 from ${sql.id(s, 'chunks')} c where c.run_id = r.id and c.skipped_at is not null) as has_skipped,
+        (select count(*) from ${sql.id(s, 'chunks')} c where c.run_id = r.id and c.done_attempt = r.attempt)::int as done_this_attempt,
+        extract(epoch from now() - r.attempt_started_at)::float8 as attempt_seconds,
+        (select sum(case when planned_all then planned else greatest(planned, coalesce(estimated_chunks, 0)) end)
+           from ${sql.id(s, 'steps')} st where st.run_id = r.id)::int as estimated_total
       from ${sql.id(s, 'runs')} r
       where ${job === undefined ? sql`true` : sql`r.job = ${job}`}
       order by r.created_at desc, r.id desc limit ${limit}`.execute(this.db);
@@ -312,6 +388,8 @@ export class Runner {
     return rows.map((r) => {
       const locked = held.has(lockKey(this.jobLockName(r.job))) || held.has(lockKey(`${s}:migrate`));
       const state = r.status === 'running' ? (locked ? 'running' : 'crashed') : r.status;
+      const rate = state === 'running' && r.attempt_seconds > 0 && r.done_this_attempt > 0 ? r.done_this_attempt / r.attempt_seconds : null;
+      const estimated = r.estimated_total ?? null;
       return {
         job: r.job,
         runKey: r.run_key,
@@ -328,6 +406,10 @@ export class Runner {
         error: r.error,
         summary: r.summary,
         skipped: skippedByRun.get(String(r.id)) ?? [],
+        throughput: rate === null ? null : Math.round(rate * 100) / 100,
+        estimatedChunks: estimated,
+        etaSeconds: rate && estimated !== null ? Math.max(0, Math.round((estimated - r.chunks_done) / rate)) : null,
+        requested: r.requested ?? null,
       };
     });
   }
@@ -339,6 +421,25 @@ export class Runner {
       where locktype = 'advisory' and objsubid = 1 and granted
         and database = (select oid from pg_database where datname = current_database())`.execute(this.db);
     return new Set(rows.map((r) => r.key));
+  }
+}
+
+/** Why a live attempt stops at an operator's request. */
+class ControlRequest extends Error {
+  readonly what: 'pause' | 'cancel';
+  constructor(what: 'pause' | 'cancel') {
+    super(`${what} requested`);
+    this.what = what;
+  }
+}
+
+/** A paused or cancelled run does not start again until an operator says so. */
+function refuseControlled(run: RunRow): void {
+  if (run.status === 'paused') {
+    throw new PausedError(`run ${run.run_key} of job "${run.job}" is paused; run idem resume ${run.job} --key ${run.run_key} first`);
+  }
+  if (run.status === 'cancelled') {
+    throw new CancelledError(`run ${run.run_key} of job "${run.job}" was cancelled; idem reset ${run.job} --key ${run.run_key} forgets it so it can run afresh`);
   }
 }
 

@@ -19,6 +19,8 @@ export interface RunRow {
   finished_at: Date | null;
   summary: RunSummary | null;
   error: RunErrorInfo | null;
+  attempt_started_at: Date | null;
+  requested: 'pause' | 'cancel' | null;
 }
 
 export interface StepRow {
@@ -28,6 +30,7 @@ export interface StepRow {
   cursor: Json | null;
   planned_all: boolean;
   planned: number;
+  estimated_chunks: number | null;
 }
 
 export interface PendingChunk {
@@ -68,6 +71,7 @@ export class Store {
   readonly #runs;
   readonly #steps;
   readonly #chunks;
+  readonly #effects;
 
   /** Every bookkeeping statement goes through here: idempotent, so transient errors are retried. */
   #run<R>(query: RawBuilder<R>): Promise<QueryResult<R>> {
@@ -80,6 +84,7 @@ export class Store {
     this.#runs = sql.id(schema, 'runs');
     this.#steps = sql.id(schema, 'steps');
     this.#chunks = sql.id(schema, 'chunks');
+    this.#effects = sql.id(schema, 'effects');
   }
 
   /**
@@ -133,11 +138,11 @@ export class Store {
       with ins as (
         insert into ${this.#steps} (run_id, name, position)
         select ${runId}, name, ord::int from unnest(${names}::text[]) with ordinality as u(name, ord)
-        on conflict (run_id, name) do nothing returning name, position, status, cursor, planned_all, planned
+        on conflict (run_id, name) do nothing returning name, position, status, cursor, planned_all, planned, estimated_chunks
       )
-      select name, position, status, cursor, planned_all, planned from ins
+      select name, position, status, cursor, planned_all, planned, estimated_chunks from ins
       union all
-      select name, position, status, cursor, planned_all, planned from ${this.#steps} where run_id = ${runId}
+      select name, position, status, cursor, planned_all, planned, estimated_chunks from ${this.#steps} where run_id = ${runId}
       order by position`);
     return new Map(rows.map((r) => [r.name, r]));
   }
@@ -225,10 +230,11 @@ export class Store {
     return rows.length === 1;
   }
 
-  async countSkipped(runId: string, step: string): Promise<number> {
-    const { rows } = await this.#run(sql<{ n: number }>`select count(*)::int as n from ${this.#chunks}
-      where run_id = ${runId} and step = ${step} and skipped_at is not null`);
-    return rows[0]!.n;
+  /** How many of a step's chunks are done and skipped (progress at a step's start). */
+  async stepCounts(runId: string, step: string): Promise<{ done: number; skipped: number }> {
+    const { rows } = await this.#run(sql<{ done: number; skipped: number }>`select count(done_at)::int as done, count(skipped_at)::int as skipped
+      from ${this.#chunks} where run_id = ${runId} and step = ${step}`);
+    return rows[0]!;
   }
 
   /** Makes skipped chunks pending again and reopens their steps (`--retry-skipped`). Returns how many. */
@@ -253,6 +259,42 @@ export class Store {
       select step, key, error, attempts from ${this.#chunks}
       where run_id = ${runId} and skipped_at is not null order by step, seq limit ${limit}`);
     return rows;
+  }
+
+  /**
+   * Claims an effect in the ledger (outside any chunk transaction, so the record survives the
+   * chunk's rollback): new or still `started` → returns it to perform (tries counted); `done` →
+   * returns its recorded result, and the caller must not perform it again.
+   */
+  async beginEffect(runId: string, step: string, chunk: string, name: string, idemKey: string): Promise<{ status: 'started' | 'done'; result: Json | null; tries: number }> {
+    const { rows } = await this.#run(sql<{ status: 'started' | 'done'; result: Json | null; tries: number }>`
+      with up as (
+        insert into ${this.#effects} (run_id, step, chunk, name, idem_key) values (${runId}, ${step}, ${chunk}, ${name}, ${idemKey})
+        on conflict (run_id, step, chunk, name) do update set tries = ${this.#effects}.tries + 1, started_at = now()
+          where ${this.#effects}.status = 'started'
+        returning status, result, tries
+      )
+      select * from up
+      union all
+      select status, result, tries from ${this.#effects}
+      where run_id = ${runId} and step = ${step} and chunk = ${chunk} and name = ${name} and not exists (select 1 from up)`);
+    return rows[0]!;
+  }
+
+  async completeEffect(runId: string, step: string, chunk: string, name: string, result: Json | null): Promise<void> {
+    await this.#run(sql`update ${this.#effects} set status = 'done', result = ${JSON.stringify(result)}::jsonb, done_at = now()
+      where run_id = ${runId} and step = ${step} and chunk = ${chunk} and name = ${name}`);
+  }
+
+  /** Stores a chunk source's estimate of its total chunk count (progress and ETA). */
+  async setEstimate(runId: string, step: string, estimate: number): Promise<void> {
+    await this.#run(sql`update ${this.#steps} set estimated_chunks = ${estimate} where run_id = ${runId} and name = ${step}`);
+  }
+
+  /** The operator's pending request for a run (pause/cancel), read between chunks. */
+  async requested(runId: string): Promise<'pause' | 'cancel' | null> {
+    const { rows } = await this.#run(sql<{ requested: 'pause' | 'cancel' | null }>`select requested from ${this.#runs} where id = ${runId}`);
+    return rows[0]?.requested ?? null;
   }
 
   async finishStep(runId: string, attempt: number, step: string): Promise<void> {
@@ -284,8 +326,10 @@ export class Store {
   }
 
   /** Records how the run ended when it did not succeed (failed or interrupted). */
-  async endRun(runId: string, attempt: number, status: 'failed' | 'interrupted', error: RunErrorInfo | null): Promise<void> {
-    await this.#run(sql`update ${this.#runs} set status = ${status}, updated_at = now(), holder = null, error = ${error === null ? null : JSON.stringify(error)}::jsonb
+  async endRun(runId: string, attempt: number, status: 'failed' | 'interrupted' | 'paused' | 'cancelled', error: RunErrorInfo | null): Promise<void> {
+    await this.#run(sql`update ${this.#runs} set status = ${status}, updated_at = now(), holder = null, requested = null,
+        error = ${error === null ? null : JSON.stringify(error)}::jsonb,
+        finished_at = case when ${status} = 'cancelled' then now() else finished_at end
       where id = ${runId} and attempt = ${attempt}`);
   }
 }

@@ -90,6 +90,12 @@ function runnerMigrations(schema: string): Record<string, Migration> {
         )`.execute(db);
       },
     },
+    '0003_step_estimates': {
+      async up(db) {
+        // A chunk source's estimate of its total (keyRange: from table statistics), for status/ETA.
+        await sql`alter table ${t('steps')} add column estimated_chunks integer`.execute(db);
+      },
+    },
   };
 }
 

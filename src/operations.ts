@@ -1,0 +1,145 @@
+import { sql, type Kysely } from 'kysely';
+import { acquireAdvisoryLock } from './advisory-lock.ts';
+import { UsageError } from './errors.ts';
+import { lockKey } from './fingerprint.ts';
+import type { RunRow } from './store.ts';
+
+/** What an operator command needs from the runner. */
+export interface OperationsHost {
+  readonly db: Kysely<any>;
+  readonly schema: string;
+  readonly connectionString: string;
+  jobLockName(job: string): string;
+  heldLockKeys(): Promise<Set<string>>;
+}
+
+export interface ControlResult {
+  readonly job: string;
+  readonly runKey: string;
+  /** The status the run has now (a live run keeps `running` until it reaches a chunk boundary). */
+  readonly status: string;
+  /** True when a live process holds the run and will honour the request between chunks. */
+  readonly live: boolean;
+}
+
+export interface PruneResult {
+  readonly runs: number;
+  readonly steps: number;
+  readonly chunks: number;
+  readonly effects: number;
+}
+
+const t = (h: OperationsHost, name: string) => sql.id(h.schema, name);
+
+async function targetRun(h: OperationsHost, job: string, key: string | undefined, statuses: readonly string[], verb: string): Promise<RunRow> {
+  const { rows } = await sql<RunRow>`select * from ${t(h, 'runs')}
+    where job = ${job} and ${key === undefined ? sql`status = any(${statuses}::text[])` : sql`run_key = ${key}`}
+    order by created_at desc, id desc limit 1`.execute(h.db);
+  const run = rows[0];
+  if (!run) {
+    throw new UsageError(
+      'unknownRun',
+      key === undefined
+        ? `job "${job}" has no run to ${verb} (none is ${statuses.join(' or ')}); see idem status ${job}`
+        : `job "${job}" has no run with key "${key}"; see idem status ${job} for its run keys`,
+    );
+  }
+  return { ...run, id: String(run.id) };
+}
+
+async function isLive(h: OperationsHost, run: RunRow): Promise<boolean> {
+  if (run.status !== 'running') return false;
+  const held = await h.heldLockKeys();
+  return held.has(lockKey(h.jobLockName(run.job))) || held.has(lockKey(`${h.schema}:migrate`));
+}
+
+/**
+ * Pause or cancel: cooperative. A live run sees the request within a second, lets its in-flight
+ * chunks finish and stops with the new status; a run nobody is executing takes the status at once.
+ */
+export async function requestControl(h: OperationsHost, job: string, what: 'pause' | 'cancel', key?: string): Promise<ControlResult> {
+  const open = what === 'pause' ? ['running', 'pending', 'failed', 'interrupted'] : ['running', 'pending', 'failed', 'interrupted', 'paused'];
+  const run = await targetRun(h, job, key, open, what);
+  if (!open.includes(run.status)) {
+    throw new UsageError('cannotControl', `run "${run.run_key}" of job "${job}" is ${run.status}: nothing to ${what}`);
+  }
+  const live = await isLive(h, run);
+  const newStatus = live ? run.status : what === 'pause' ? 'paused' : 'cancelled';
+  // `requested` is set even for a run nobody executes: a process that starts in between sees it.
+  await sql`update ${t(h, 'runs')} set requested = ${what}, status = ${newStatus}, updated_at = now(),
+      finished_at = case when ${newStatus} = 'cancelled' then now() else finished_at end
+    where id = ${run.id}`.execute(h.db);
+  return { job, runKey: run.run_key, status: newStatus, live };
+}
+
+/** Undoes a pause: the run becomes resumable (the next `idem run` or cron tick continues it). */
+export async function resumeRun(h: OperationsHost, job: string, key?: string): Promise<ControlResult> {
+  const run = await targetRun(h, job, key, ['paused'], 'resume');
+  if (run.status !== 'paused' && !(run.status === 'running' && run.requested === 'pause')) {
+    throw new UsageError('cannotControl', `run "${run.run_key}" of job "${job}" is ${run.status}, not paused: nothing to resume`);
+  }
+  const { rows } = await sql<{ status: string }>`update ${t(h, 'runs')}
+    set status = case when status = 'paused' then 'interrupted' else status end, requested = null, updated_at = now()
+    where id = ${run.id} returning status`.execute(h.db);
+  return { job, runKey: run.run_key, status: rows[0]!.status, live: run.status === 'running' };
+}
+
+/**
+ * Forgets a run (its steps, chunk markers and effects) so the same key executes afresh. Takes the
+ * job's lock first, so it cannot pull the rows from under a live run.
+ */
+export async function resetRun(h: OperationsHost, job: string, key: string): Promise<{ chunks: number; effects: number }> {
+  const run = await targetRun(h, job, key, [], 'reset');
+  const lock = await acquireAdvisoryLock({ connectionString: h.connectionString, name: h.jobLockName(job), what: `job "${job}"`, wait: false });
+  try {
+    if (await isLive(h, run)) throw new UsageError('runIsLive', `run "${key}" of job "${job}" is running; idem cancel it first`);
+    const { rows } = await sql<{ chunks: number; effects: number }>`
+      with c as (select count(*)::int as n from ${t(h, 'chunks')} where run_id = ${run.id}),
+           e as (select count(*)::int as n from ${t(h, 'effects')} where run_id = ${run.id}),
+           d as (delete from ${t(h, 'runs')} where id = ${run.id} returning 1)
+      select (select n from c) as chunks, (select n from e) as effects, (select count(*) from d) as deleted`.execute(h.db);
+    return rows[0]!;
+  } finally {
+    await lock.release();
+  }
+}
+
+/**
+ * Deletes finished runs (succeeded or cancelled) last touched before the cutoff, with their markers
+ * and ledger rows, in bounded batches: a history of millions of chunk rows is removed without one
+ * huge transaction or lock. Runs that are running, paused, failed or interrupted are never touched.
+ */
+export async function pruneRuns(h: OperationsHost, olderThanMs: number, batch = 10_000): Promise<PruneResult> {
+  const cutoff = new Date(Date.now() - olderThanMs).toISOString();
+  const total = { runs: 0, steps: 0, chunks: 0, effects: 0 };
+  for (;;) {
+    const { rows: runs } = await sql<{ id: string }>`select id from ${t(h, 'runs')}
+      where status in ('succeeded', 'cancelled') and coalesce(finished_at, updated_at) < ${cutoff}::timestamptz
+      order by id limit 100`.execute(h.db);
+    if (runs.length === 0) return total;
+    const ids = runs.map((r) => String(r.id));
+    for (;;) {
+      const { rows } = await sql<{ n: number }>`with d as (
+          delete from ${t(h, 'chunks')} where ctid in (select ctid from ${t(h, 'chunks')} where run_id = any(${ids}::bigint[]) limit ${batch}) returning 1)
+        select count(*)::int as n from d`.execute(h.db);
+      total.chunks += rows[0]!.n;
+      if (rows[0]!.n < batch) break;
+    }
+    const { rows } = await sql<{ runs: number; steps: number; effects: number }>`
+      with e as (delete from ${t(h, 'effects')} where run_id = any(${ids}::bigint[]) returning 1),
+           s as (delete from ${t(h, 'steps')} where run_id = any(${ids}::bigint[]) returning 1),
+           r as (delete from ${t(h, 'runs')} where id = any(${ids}::bigint[]) returning 1)
+      select (select count(*) from r)::int as runs, (select count(*) from s)::int as steps, (select count(*) from e)::int as effects`.execute(h.db);
+    total.runs += rows[0]!.runs;
+    total.steps += rows[0]!.steps;
+    total.effects += rows[0]!.effects;
+  }
+}
+
+/** Parses `30d`, `12h`, `90m`, `2w`, `45s` into milliseconds. */
+export function parseDuration(value: string, flag: string): number {
+  const m = /^(\d+(?:\.\d+)?)\s*(s|m|h|d|w)$/.exec(value.trim());
+  if (!m) throw new UsageError('invalidDuration', `${flag} expects a duration such as 30d, 12h or 90m; got "${value}"`);
+  const unit = { s: 1_000, m: 60_000, h: 3_600_000, d: 86_400_000, w: 604_800_000 }[m[2] as 's' | 'm' | 'h' | 'd' | 'w'];
+  return Number(m[1]) * unit;
+}

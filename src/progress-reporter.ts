@@ -1,0 +1,58 @@
+import type { Logger } from 'pino';
+import type { Progress } from './executor.ts';
+
+export interface ProgressReporter {
+  readonly update: (p: Progress) => void;
+  /** Clears the line (TTY) and stops the timer. Idempotent. */
+  stop(): void;
+}
+
+/** done/total, rate and ETA as one short line. Pure; exported for tests. */
+export function formatProgress(job: string, p: Progress, now = performance.now()): string {
+  const total = p.fullyPlanned ? p.planned : Math.max(p.planned, p.estimated ?? 0);
+  const secs = (now - p.since) / 1000;
+  const rate = secs > 0 ? p.executedNow / secs : 0;
+  const left = total - p.done;
+  const eta = rate > 0 && total > 0 ? `ETA ${formatSeconds(left / rate)}` : 'ETA ?';
+  const of = total > 0 ? `${p.done}/${total}${p.fullyPlanned ? '' : '~'}` : `${p.done}`;
+  return `${job} step ${p.stepIndex + 1}/${p.steps} ${p.step}: ${of} chunks, ${rate.toFixed(1)}/s, ${eta}`;
+}
+
+function formatSeconds(s: number): string {
+  if (!Number.isFinite(s)) return '?';
+  if (s < 60) return `${Math.ceil(s)}s`;
+  if (s < 3600) return `${Math.floor(s / 60)}m${String(Math.ceil(s % 60)).padStart(2, '0')}s`;
+  return `${Math.floor(s / 3600)}h${String(Math.floor((s % 3600) / 60)).padStart(2, '0')}m`;
+}
+
+/**
+ * A live progress line on a terminal (redrawn at most 4 times a second), or a JSON log line every
+ * `intervalMs` otherwise, so a long run in cron or Kubernetes still shows it is moving.
+ */
+export function createProgressReporter(opts: { readonly job: string; readonly tty: boolean; readonly log: Logger; readonly intervalMs?: number }): ProgressReporter {
+  let last: Progress | undefined;
+  let drawn = false;
+  const draw = () => {
+    if (!last) return;
+    if (opts.tty) {
+      process.stderr.write(`\r\x1b[K${formatProgress(opts.job, last)}`);
+      drawn = true;
+    } else {
+      opts.log.info({ step: last.step, done: last.done, planned: last.planned, estimated: last.estimated, executedNow: last.executedNow }, formatProgress(opts.job, last));
+    }
+  };
+  const timer = setInterval(draw, opts.tty ? 250 : (opts.intervalMs ?? 10_000));
+  timer.unref();
+  let stopped = false;
+  return {
+    update: (p) => {
+      last = p;
+    },
+    stop: () => {
+      if (stopped) return;
+      stopped = true;
+      clearInterval(timer);
+      if (drawn) process.stderr.write('\r\x1b[K');
+    },
+  };
+}

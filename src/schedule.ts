@@ -1,0 +1,365 @@
+import { Cron } from 'croner';
+import { messageOf, UsageError } from './errors.ts';
+
+/**
+ * A job's schedule with its timezone.
+ * @example { cron: '0 3 * * *', timezone: 'Europe/Berlin' }
+ */
+export interface ScheduleSpec {
+  /** Standard 5-field cron: minute hour day-of-month month day-of-week (or @daily, @hourly…). */
+  readonly cron: string;
+  /** IANA zone the fields are read in. Defaults to `'UTC'` (`DEFAULT_TIMEZONE`). */
+  readonly timezone?: string;
+}
+
+/**
+ * What a job declares: a cron expression (read in UTC) or a spec with a timezone.
+ * @example schedule: '0 3 * * *'
+ */
+export type ScheduleInput = string | ScheduleSpec;
+
+/** A parsed schedule. Slots are whole-second instants; the one API over croner idem uses. */
+export interface Schedule {
+  /** The expression as declared, for messages. */
+  readonly expression: string;
+  /** The same schedule as a portable 5-field expression: nicknames expanded, month and day names as numbers. */
+  readonly cron: string;
+  /** Canonical IANA zone, e.g. `UTC`, `Europe/Berlin`. */
+  readonly timezone: string;
+  /** The first slot strictly after `instant`. */
+  next(instant: Date): Date;
+  /** The last slot strictly before `instant`. */
+  previous(instant: Date): Date;
+}
+
+/** A job and its parsed schedule, as `renderCrontab` and `runCronLoop` take them. */
+export interface ScheduledJob {
+  readonly job: string;
+  readonly schedule: Schedule;
+}
+
+export const DEFAULT_TIMEZONE = 'UTC';
+/** Most slots one `--catch-up` may run: beyond it a typo (`--catch-up 30d` on a per-minute job) would queue weeks of work. */
+export const MAX_CATCH_UP_SLOTS = 1000;
+/** Relative to the crontab line's `cd`; `*.log` is what projects usually ignore already. */
+export const DEFAULT_CRONTAB_LOG_FILE = 'idem-cron.log';
+/**
+ * The cron loop never sleeps longer than this at once: a timer does not advance while the host is
+ * suspended and setTimeout caps at ~24.8 days, so long sleeps are cut up and the wall clock re-read.
+ */
+export const CRON_LOOP_MAX_SLEEP_MS = 60_000;
+
+const FIELD_NAMES = ['minute', 'hour', 'day-of-month', 'month', 'day-of-week'] as const;
+const MONTH_NAMES = ['JAN', 'FEB', 'MAR', 'APR', 'MAY', 'JUN', 'JUL', 'AUG', 'SEP', 'OCT', 'NOV', 'DEC'];
+const DAY_NAMES = ['SUN', 'MON', 'TUE', 'WED', 'THU', 'FRI', 'SAT'];
+const NICKNAMES: Readonly<Record<string, string>> = {
+  '@yearly': '0 0 1 1 *',
+  '@annually': '0 0 1 1 *',
+  '@monthly': '0 0 1 * *',
+  '@weekly': '0 0 * * 0',
+  '@daily': '0 0 * * *',
+  '@midnight': '0 0 * * *',
+  '@hourly': '0 * * * *',
+};
+// What every cron accepts. croner also takes L, W, #, ? and +, but a crontab line could not carry them.
+const PLAIN_FIELD = /^[0-9*,/-]+$/;
+const ZONE_NAME = /^[A-Za-z][A-Za-z0-9_+-]*(?:\/[A-Za-z0-9_+-]+)*$/;
+const FIVE_FIELDS = 'standard 5-field cron (minute hour day-of-month month day-of-week), e.g. "0 3 * * *"';
+
+function invalid(expression: string, problem: string, cause?: unknown): UsageError {
+  return new UsageError('invalidSchedule', `invalid schedule "${expression}": ${problem}`, cause === undefined ? undefined : { cause });
+}
+
+function replaceNames(field: string, names: readonly string[], first: number): string {
+  return field.replace(/[A-Za-z]+/g, (word) => {
+    const i = names.indexOf(word.toUpperCase());
+    return i < 0 ? word : String(i + first);
+  });
+}
+
+function normalizeCron(expression: string): string {
+  const trimmed = expression.trim();
+  if (trimmed.startsWith('@')) {
+    const expanded = NICKNAMES[trimmed.toLowerCase()];
+    if (expanded) return expanded;
+    throw invalid(expression, `not a time schedule; use ${Object.keys(NICKNAMES).join(', ')} or ${FIVE_FIELDS}`);
+  }
+  const fields = trimmed.split(/\s+/);
+  if (fields.length === 6 || fields.length === 7) {
+    throw invalid(expression, `it has ${fields.length} fields, but schedules have minute resolution: drop the seconds${fields.length === 7 ? ' and year' : ''} field and use ${FIVE_FIELDS}`);
+  }
+  if (fields.length !== 5) throw invalid(expression, `expected ${FIVE_FIELDS}; found ${trimmed === '' ? 'nothing' : `${fields.length} field${fields.length === 1 ? '' : 's'}`}`);
+  return fields
+    .map((field, i) => {
+      const plain = i === 3 ? replaceNames(field, MONTH_NAMES, 1) : i === 4 ? replaceNames(field, DAY_NAMES, 0) : field;
+      if (!PLAIN_FIELD.test(plain)) {
+        const names = i === 3 ? ', JAN-DEC' : i === 4 ? ', SUN-SAT' : '';
+        throw invalid(expression, `${FIELD_NAMES[i]} field "${field}" may only hold numbers${names}, *, ",", "-" and "/" (L, W, #, ? and + are not standard cron)`);
+      }
+      return plain;
+    })
+    .join(' ');
+}
+
+function canonicalZone(zone: unknown, expression: string): string {
+  const fix = 'use an IANA zone name such as "Europe/Berlin", or "UTC"';
+  if (typeof zone !== 'string' || !ZONE_NAME.test(zone)) throw invalid(expression, `timezone ${JSON.stringify(zone)} is not a zone name; ${fix}`);
+  try {
+    // Canonical spelling ("europe/berlin" → "Europe/Berlin"): a CRON_TZ line is read by tzdata, which is case-sensitive.
+    return new Intl.DateTimeFormat('en-US', { timeZone: zone }).resolvedOptions().timeZone;
+  } catch (err) {
+    throw invalid(expression, `unknown timezone "${zone}"; ${fix}`, err);
+  }
+}
+
+/**
+ * Parses what a job declares as `schedule`. Throws `UsageError` (`idem.invalidSchedule`) naming the
+ * expression and the fix for anything but standard 5-field cron in a known zone, and for
+ * expressions that never match (`0 0 31 2 *`).
+ * @example parseSchedule({ cron: '30 2 * * *', timezone: 'Europe/Berlin' })
+ */
+export function parseSchedule(input: ScheduleInput): Schedule {
+  const spec: Partial<ScheduleSpec> | null = typeof input === 'string' ? { cron: input } : input;
+  if (!spec || typeof spec !== 'object' || typeof spec.cron !== 'string') {
+    throw new UsageError('invalidSchedule', `schedule must be a cron expression such as "0 3 * * *" or { cron, timezone }, got ${JSON.stringify(input)}`);
+  }
+  const expression = spec.cron;
+  const cron = normalizeCron(expression);
+  const timezone = canonicalZone(spec.timezone ?? DEFAULT_TIMEZONE, expression);
+  let croner: Cron;
+  try {
+    // No callback and paused: croner only computes dates here and never starts a timer.
+    // 'no-wildcard' treats `30 2,14 * * *` as fixed-time across DST, as Vixie cron and cronie do.
+    croner = new Cron(cron, { paused: true, mode: '5-part', timezone, fixedTimeRule: 'no-wildcard' });
+  } catch (err) {
+    throw invalid(expression, `${messageOf(err).replace(/^CronPattern: /, '')}; use ${FIVE_FIELDS}`, err);
+  }
+  if (croner.nextRun(new Date(Date.UTC(2000, 0, 1))) === null) {
+    throw invalid(expression, 'it never matches a date (check day-of-month against month)');
+  }
+  const noSlot = (where: string, instant: Date) => new Error(`schedule "${expression}" (${timezone}) has no slot ${where} ${instant.toISOString()}`);
+  return Object.freeze({
+    expression,
+    cron,
+    timezone,
+    next(instant: Date): Date {
+      const slot = croner.nextRun(instant);
+      if (!slot) throw noSlot('after', instant);
+      return slot;
+    },
+    previous(instant: Date): Date {
+      const slot = croner.previousRuns(1, instant)[0];
+      if (!slot) throw noSlot('before', instant);
+      return slot;
+    },
+  });
+}
+
+/**
+ * The most recent slot at or before `now`: the slot a run started now belongs to. A `now` exactly
+ * on a slot returns that slot.
+ */
+export function latestSlot(schedule: Schedule, now: Date = new Date()): Date {
+  // croner's previous search excludes an exact match, so search from 1 ms later.
+  let slot = schedule.previous(now);
+  while (slot > now) slot = schedule.previous(slot);
+  // The loop and catch-up walk forward with next(); settle on the slot that walk would reach, so a
+  // backward search that disagreed around a DST change can never make the two pick different keys.
+  
+  return slot;
+}
+
+/**
+ * The slots `--catch-up` runs, oldest first, ending with `latestSlot(now)`: the last `count` slots
+ * (default 1), or every slot at or after `since` (none when no slot falls in the window).
+ * Throws `UsageError` (`idem.catchUpTooLarge`) past `MAX_CATCH_UP_SLOTS`.
+ */
+export function slotsSince(schedule: Schedule, opts: { readonly now?: Date; readonly count?: number; readonly since?: Date } = {}): Date[] {
+  const now = opts.now ?? new Date();
+  if (opts.count !== undefined && opts.since !== undefined) throw new TypeError('slotsSince: pass count or since, not both');
+  const latest = latestSlot(schedule, now);
+  const tooMany = (what: string) =>
+    new UsageError('catchUpTooLarge', `--catch-up ${what} covers more than ${MAX_CATCH_UP_SLOTS} slots of schedule "${schedule.expression}"; catch up at most ${MAX_CATCH_UP_SLOTS} slots at a time (a smaller count or a shorter duration)`);
+  let from: Date;
+  let count = Infinity;
+  if (opts.since !== undefined) {
+    from = opts.since;
+  } else {
+    count = opts.count ?? 1;
+    if (!Number.isInteger(count) || count < 1) throw new UsageError('invalidCatchUp', `--catch-up count must be an integer >= 1, got ${count}`);
+    if (count > MAX_CATCH_UP_SLOTS) throw tooMany(String(count));
+    from = latest;
+    for (let i = 1; i < count; i++) from = schedule.previous(from);
+  }
+  const slots: Date[] = [];
+  // Walk forward from `from` (inclusive): the order and slots the cron loop would have produced.
+  for (let s = schedule.next(new Date(from.getTime() - 1)); s <= latest; s = schedule.next(s)) {
+    slots.push(s);
+    if (slots.length > MAX_CATCH_UP_SLOTS) throw tooMany(`since ${slotKey(from)}`);
+  }
+  return slots.length > count ? slots.slice(-count) : slots;
+}
+
+const DURATION_MS: Readonly<Record<string, number>> = { m: 60_000, h: 3_600_000, d: 86_400_000, w: 604_800_000 };
+
+/**
+ * Reads `--catch-up`: `"3"` is the last 3 slots; `"90m"`, `"12h"`, `"3d"`, `"2w"` are the slots
+ * since that long before `now` (a day is 24 h, not a calendar day).
+ */
+export function parseCatchUp(value: string, now: Date = new Date()): { count: number } | { since: Date } {
+  const m = /^\s*(\d+)([mhdw]?)\s*$/.exec(value);
+  const n = m ? Number(m[1]) : NaN;
+  if (!m || !Number.isSafeInteger(n) || n < 1) {
+    throw new UsageError('invalidCatchUp', `--catch-up expected a number of slots or a duration like 12h, 3d (units m, h, d, w); got "${value}"`);
+  }
+  const unit = m[2];
+  return unit ? { since: new Date(now.getTime() - n * DURATION_MS[unit]!) } : { count: n };
+}
+
+/** The run key of a scheduled run: the slot in UTC, to the second. @example '2026-11-30T03:00:00Z' */
+export function slotKey(slot: Date): string {
+  return slot.toISOString().replace(/\.\d{3}Z$/, 'Z');
+}
+
+/** Options of `renderCrontab`. */
+export interface CrontabOptions {
+  /** Folder each line changes into: the project root, where the jobs folder is. */
+  readonly cwd: string;
+  /** How to start idem there, inserted as is, e.g. `npx idem` or `/usr/local/bin/idem --schema ops`. */
+  readonly command: string;
+  /** File the output is appended to, relative to `cwd`. Defaults to `DEFAULT_CRONTAB_LOG_FILE`. */
+  readonly logFile?: string;
+  /**
+   * Passed as `--catch-up`, so each invocation also retries earlier slots that failed
+   * (done ones are no-ops), e.g. `'2'`. Defaults to none: only the latest slot runs.
+   */
+  readonly catchUp?: string;
+}
+
+function shellQuote(s: string): string {
+  return /^[A-Za-z0-9_./:@+=,-]+$/.test(s) ? s : `'${s.replace(/'/g, `'\\''`)}'`;
+}
+
+/**
+ * Crontab lines that run every scheduled job with `idem run <job>` (the run key is the slot, so a
+ * line firing twice for one slot is a no-op). Zoned jobs get `CRON_TZ=` lines.
+ */
+export function renderCrontab(entries: ReadonlyArray<ScheduledJob>, opts: CrontabOptions): string {
+  for (const [name, value] of [['cwd', opts.cwd], ['command', opts.command], ['logFile', opts.logFile ?? '']] as const) {
+    if (/[\r\n]/.test(value)) throw new UsageError('invalidCrontab', `crontab ${name} must be one line, got ${JSON.stringify(value)}`);
+  }
+  if (opts.cwd === '' || opts.command.trim() === '') throw new UsageError('invalidCrontab', 'renderCrontab needs a cwd and a command such as "npx idem"');
+  if (opts.catchUp !== undefined) parseCatchUp(opts.catchUp);
+  const log = opts.logFile ?? DEFAULT_CRONTAB_LOG_FILE;
+  const lines = [
+    '# idem scheduled jobs. Each line runs `idem run <job>`, whose run key is the slot time in UTC',
+    '# (e.g. 2026-11-30T03:00:00Z), so a slot never runs twice.',
+    '# Exit codes: 0 done, or already done (a no-op); 75 busy: another run holds the job\'s lock, harmless,',
+    '# that run does the work; 1 failed: progress is kept and the slot resumes where it stopped when run',
+    `# again${opts.catchUp !== undefined ? ` (the next invocation retries it: --catch-up ${opts.catchUp})` : ' (rerun the line by hand, or pass --catch-up to cover it)'}; 2 usage: fix the job or flags, nothing ran.`,
+    '# Overlapping invocations are safe: the lock lets one process run a job at a time.',
+    '# cron reads times in the system timezone unless a CRON_TZ= line precedes them. CRON_TZ is honoured by',
+    '# cronie and other Vixie-cron derivatives (see man 5 crontab); a cron that ignores it fires in the',
+    '# system zone instead, and slots then run late (at most one period), never twice; or use `idem cron`.',
+    "# cron's environment is minimal: set PATH (for node) and DATABASE_URL above these lines.",
+  ];
+  if (entries.length === 0) lines.push('# no job declares a schedule');
+  let zone: string | undefined;
+  for (const { job, schedule } of entries) {
+    lines.push('', `# ${job}: ${schedule.expression} (${schedule.timezone})`);
+    // CRON_TZ holds for every line after it, so each change of zone is written, UTC included.
+    if (schedule.timezone !== zone) lines.push(`CRON_TZ=${schedule.timezone}`);
+    zone = schedule.timezone;
+    const catchUp = opts.catchUp !== undefined ? ` --catch-up ${shellQuote(opts.catchUp)}` : '';
+    const command = `cd ${shellQuote(opts.cwd)} && ${opts.command} run ${shellQuote(job)}${catchUp} >> ${shellQuote(log)} 2>&1`;
+    // cron turns an unescaped % into a newline.
+    lines.push(`${schedule.cron} ${command.replace(/%/g, '\\%')}`);
+  }
+  return `${lines.join('\n')}\n`;
+}
+
+/** Options of `runCronLoop`. */
+export interface CronLoopOptions {
+  readonly entries: ReadonlyArray<ScheduledJob>;
+  /** Runs one slot of one job (the CLI: `runner.run(job, { key: slotKey(slot) })`). */
+  readonly runSlot: (job: string, slot: Date) => Promise<void>;
+  /** Ends the loop: after the current runSlot (which should watch it too), or at once while sleeping. */
+  readonly signal: AbortSignal;
+  /** Defaults to `() => new Date()`. */
+  readonly now?: () => Date;
+  /** Defaults to a setTimeout the signal cuts short; it keeps the process alive on purpose. */
+  readonly sleep?: (ms: number, signal: AbortSignal) => Promise<void>;
+  /** Gets every error runSlot throws, also an interruption after `signal` aborted. Defaults to one line on stderr. */
+  readonly onError?: (job: string, slot: Date, err: unknown) => void;
+}
+
+function sleepUnlessAborted(ms: number, signal: AbortSignal): Promise<void> {
+  return new Promise((resolve) => {
+    if (signal.aborted) return resolve();
+    const done = () => {
+      clearTimeout(timer);
+      signal.removeEventListener('abort', done);
+      resolve();
+    };
+    const timer = setTimeout(done, ms);
+    signal.addEventListener('abort', done, { once: true });
+  });
+}
+
+function reportToStderr(job: string, slot: Date, err: unknown): void {
+  process.stderr.write(`idem cron: job "${job}" slot ${slotKey(slot)} failed: ${messageOf(err)}\n`);
+}
+
+/**
+ * The in-process scheduler of `idem cron`. First runs each job's latest due slot (a no-op if done),
+ * then sleeps until the earliest next slot and runs every job due then, in order, one at a time.
+ * A job that falls behind (a run longer than its period, a clock jump) runs only its latest due
+ * slot, as at start; `--catch-up` is the way to run missed ones. Errors go to `onError` and never
+ * stop the loop. Resolves once `signal` aborts.
+ */
+export async function runCronLoop(opts: CronLoopOptions): Promise<void> {
+  const { entries, runSlot, signal } = opts;
+  const now = opts.now ?? (() => new Date());
+  const sleep = opts.sleep ?? sleepUnlessAborted;
+  const onError = opts.onError ?? reportToStderr;
+  if (entries.length === 0) {
+    throw new UsageError('noScheduledJobs', 'no job declares a schedule; add one to a job definition, e.g. schedule: "0 3 * * *"');
+  }
+  const attempt = async (job: string, slot: Date) => {
+    try {
+      await runSlot(job, slot);
+    } catch (err) {
+      try {
+        onError(job, slot, err);
+      } catch {
+        // A failing reporter must not end the scheduler either.
+      }
+    }
+  };
+  // last[i]: the newest slot handed to runSlot for entries[i]; its next slot is the first after it.
+  const last: Date[] = [];
+  const start = now();
+  for (const { job, schedule } of entries) {
+    if (signal.aborted) return;
+    const slot = latestSlot(schedule, start);
+    last.push(slot);
+    await attempt(job, slot);
+  }
+  while (!signal.aborted) {
+    const next = entries.map((e, i) => e.schedule.next(last[i]!));
+    const target = Math.min(...next.map((d) => d.getTime()));
+    // Re-read the clock after every sleep: a clock set back means sleeping again, not running early.
+    for (let t = now().getTime(); t < target && !signal.aborted; t = now().getTime()) {
+      await sleep(Math.min(target - t, CRON_LOOP_MAX_SLEEP_MS), signal);
+    }
+    if (signal.aborted) return;
+    const t = now();
+    for (const [i, { job, schedule }] of entries.entries()) {
+      if (next[i]! > t) continue;
+      const slot = latestSlot(schedule, t);
+      last[i] = slot;
+      await attempt(job, slot);
+      if (signal.aborted) return;
+    }
+  }
+}
