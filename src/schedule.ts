@@ -161,11 +161,11 @@ export function parseSchedule(input: ScheduleInput): Schedule {
  */
 export function latestSlot(schedule: Schedule, now: Date = new Date()): Date {
   // croner's previous search excludes an exact match, so search from 1 ms later.
-  let slot = schedule.previous(now);
+  let slot = schedule.previous(new Date(now.getTime() + 1));
   while (slot > now) slot = schedule.previous(slot);
   // The loop and catch-up walk forward with next(); settle on the slot that walk would reach, so a
   // backward search that disagreed around a DST change can never make the two pick different keys.
-  
+  for (let n = schedule.next(slot); n <= now; n = schedule.next(slot)) slot = n;
   return slot;
 }
 
@@ -356,7 +356,9 @@ export async function runCronLoop(opts: CronLoopOptions): Promise<void> {
     const t = now();
     for (const [i, { job, schedule }] of entries.entries()) {
       if (next[i]! > t) continue;
-      const slot = latestSlot(schedule, t);
+      // Never behind next[i], whatever latestSlot says: every pass must move a job forward.
+      const latest = latestSlot(schedule, t);
+      const slot = latest > next[i]! ? latest : next[i]!;
       last[i] = slot;
       await attempt(job, slot);
       if (signal.aborted) return;

@@ -1,0 +1,334 @@
+import { describe, expect, it } from 'vitest';
+import { UsageError } from '../src/errors.ts';
+import {
+  CRON_LOOP_MAX_SLEEP_MS,
+  latestSlot,
+  MAX_CATCH_UP_SLOTS,
+  parseCatchUp,
+  parseSchedule,
+  renderCrontab,
+  runCronLoop,
+  type Schedule,
+  slotKey,
+  slotsSince,
+} from '../src/schedule.ts';
+
+const at = (iso: string) => new Date(iso);
+const keys = (dates: Date[]) => dates.map(slotKey);
+
+function usageError(fn: () => unknown): UsageError {
+  try {
+    fn();
+  } catch (err) {
+    expect(err).toBeInstanceOf(UsageError);
+    return err as UsageError;
+  }
+  throw new Error('expected a UsageError');
+}
+
+describe('parseSchedule', () => {
+  it('reads a string as UTC and a spec with its zone, canonically spelled', () => {
+    const utc = parseSchedule('0 3 * * *');
+    expect([utc.cron, utc.timezone, utc.expression]).toEqual(['0 3 * * *', 'UTC', '0 3 * * *']);
+    const berlin = parseSchedule({ cron: '30 2 * * *', timezone: 'europe/berlin' });
+    expect(berlin.timezone).toBe('Europe/Berlin');
+    expect(Object.isFrozen(berlin)).toBe(true);
+  });
+
+  it('expands nicknames and names into a portable 5-field expression', () => {
+    expect(parseSchedule('@daily').cron).toBe('0 0 * * *');
+    expect(parseSchedule('@yearly').cron).toBe('0 0 1 1 *');
+    expect(parseSchedule('0 9 * jan-mar MON-FRI').cron).toBe('0 9 * 1-3 1-5');
+  });
+
+  it.each([
+    ['0 0 3 * * *', /6 fields.*drop the seconds/],
+    ['* * * *', /expected standard 5-field cron.*found 4 fields/],
+    ['', /found nothing/],
+    ['every day', /found 2 fields/],
+    ['61 * * * *', /minute: 61/],
+    ['0 0 L * *', /day-of-month field "L".*not standard cron/],
+    ['0 0 * * MON#2', /day-of-week field "MON#2"/],
+    ['0 0 31 2 *', /never matches/],
+    ['@reboot', /not a time schedule/],
+    ['5-1 * * * *', /From value is larger/],
+  ])('rejects %j with a message naming it and the fix', (expr, why) => {
+    const err = usageError(() => parseSchedule(expr));
+    expect(err.code).toBe('idem.invalidSchedule');
+    expect(err.message).toContain(`invalid schedule "${expr}"`);
+    expect(err.message).toMatch(why);
+  });
+
+  it('rejects an unknown timezone and a non-string cron', () => {
+    const err = usageError(() => parseSchedule({ cron: '0 3 * * *', timezone: 'Mars/Olympus' }));
+    expect(err.message).toMatch(/unknown timezone "Mars\/Olympus".*IANA/);
+    expect(usageError(() => parseSchedule({ cron: '0 3 * * *', timezone: '+01:00' })).message).toMatch(/not a zone name/);
+    expect(usageError(() => parseSchedule({ cron: 42 } as never)).code).toBe('idem.invalidSchedule');
+  });
+});
+
+describe('latestSlot', () => {
+  it('returns the most recent slot of an hourly and a daily schedule, across a month boundary', () => {
+    expect(slotKey(latestSlot(parseSchedule('15 * * * *'), at('2026-11-30T10:14:59.999Z')))).toBe('2026-11-30T09:15:00Z');
+    expect(slotKey(latestSlot(parseSchedule('0 3 * * *'), at('2026-12-01T02:59:00Z')))).toBe('2026-11-30T03:00:00Z');
+    expect(slotKey(latestSlot(parseSchedule('0 3 * * *'), at('2026-12-01T03:00:01Z')))).toBe('2026-12-01T03:00:00Z');
+  });
+
+  it('returns the slot itself when now is exactly on it, and the one before 1 ms earlier', () => {
+    const daily = parseSchedule('0 3 * * *');
+    expect(slotKey(latestSlot(daily, at('2026-11-30T03:00:00.000Z')))).toBe('2026-11-30T03:00:00Z');
+    expect(slotKey(latestSlot(daily, at('2026-11-30T02:59:59.999Z')))).toBe('2026-11-29T03:00:00Z');
+  });
+
+  it('finds the slot of sparse schedules (yearly, leap day)', () => {
+    expect(slotKey(latestSlot(parseSchedule('0 0 1 1 *'), at('2026-12-31T23:59:59Z')))).toBe('2026-01-01T00:00:00Z');
+    expect(slotKey(latestSlot(parseSchedule('0 0 1 1 *'), at('2027-01-01T00:00:00Z')))).toBe('2027-01-01T00:00:00Z');
+    expect(slotKey(latestSlot(parseSchedule('0 0 29 2 *'), at('2027-06-01T00:00:00Z')))).toBe('2024-02-29T00:00:00Z');
+  });
+
+  it('follows Europe/Berlin across the spring-forward change of 2026-03-29', () => {
+    // 02:30 does not exist that day: a fixed-time job runs when the clock has jumped, 03:00 CEST.
+    const nightly = parseSchedule({ cron: '30 2 * * *', timezone: 'Europe/Berlin' });
+    expect(slotKey(latestSlot(nightly, at('2026-03-28T12:00:00Z')))).toBe('2026-03-28T01:30:00Z'); // 02:30 CET
+    expect(slotKey(latestSlot(nightly, at('2026-03-29T12:00:00Z')))).toBe('2026-03-29T01:00:00Z'); // 03:00 CEST
+    expect(slotKey(latestSlot(nightly, at('2026-03-30T12:00:00Z')))).toBe('2026-03-30T00:30:00Z'); // 02:30 CEST
+    const daily = parseSchedule({ cron: '0 3 * * *', timezone: 'Europe/Berlin' });
+    expect(slotKey(latestSlot(daily, at('2026-03-29T00:59:59Z')))).toBe('2026-03-28T02:00:00Z');
+    expect(slotKey(latestSlot(daily, at('2026-03-29T01:00:00Z')))).toBe('2026-03-29T01:00:00Z');
+  });
+
+  it('follows Europe/Berlin across the fall-back change of 2026-10-25', () => {
+    // 02:30 happens twice that day: a fixed-time job runs once, at the first (CEST) one.
+    const nightly = parseSchedule({ cron: '30 2 * * *', timezone: 'Europe/Berlin' });
+    expect(slotKey(latestSlot(nightly, at('2026-10-25T01:29:00Z')))).toBe('2026-10-25T00:30:00Z');
+    expect(slotKey(latestSlot(nightly, at('2026-10-26T00:00:00Z')))).toBe('2026-10-25T00:30:00Z');
+    // An hourly job runs in both passes of the repeated hour.
+    const hourly = parseSchedule({ cron: '30 * * * *', timezone: 'Europe/Berlin' });
+    expect(slotKey(latestSlot(hourly, at('2026-10-25T01:00:00Z')))).toBe('2026-10-25T00:30:00Z');
+    expect(slotKey(latestSlot(hourly, at('2026-10-25T01:45:00Z')))).toBe('2026-10-25T01:30:00Z');
+    expect(keys(slotsSince(hourly, { now: at('2026-10-25T03:00:00Z'), count: 4 }))).toEqual([
+      '2026-10-24T23:30:00Z',
+      '2026-10-25T00:30:00Z',
+      '2026-10-25T01:30:00Z',
+      '2026-10-25T02:30:00Z',
+    ]);
+  });
+
+  it('agrees with walking forward over a year of a zoned schedule (no slot skipped or doubled)', () => {
+    const s = parseSchedule({ cron: '0 */5 * * *', timezone: 'America/New_York' });
+    let slot = latestSlot(s, at('2026-01-01T00:00:00Z'));
+    for (let i = 0; i < 2000; i++) {
+      const next = s.next(slot);
+      expect(latestSlot(s, new Date(next.getTime() - 1))).toEqual(slot);
+      expect(latestSlot(s, next)).toEqual(next);
+      slot = next;
+    }
+  });
+});
+
+describe('slotsSince', () => {
+  const hourly = parseSchedule('0 * * * *');
+  const now = at('2026-12-01T01:30:00Z');
+
+  it('returns the last N slots oldest first, ending with the latest, across a month boundary', () => {
+    expect(keys(slotsSince(hourly, { now, count: 3 }))).toEqual(['2026-11-30T23:00:00Z', '2026-12-01T00:00:00Z', '2026-12-01T01:00:00Z']);
+    expect(keys(slotsSince(hourly, { now }))).toEqual(['2026-12-01T01:00:00Z']);
+  });
+
+  it('returns every slot at or after since, inclusive of a slot exactly at since', () => {
+    expect(keys(slotsSince(hourly, { now, since: at('2026-11-30T23:00:00Z') }))).toEqual(['2026-11-30T23:00:00Z', '2026-12-01T00:00:00Z', '2026-12-01T01:00:00Z']);
+    expect(keys(slotsSince(hourly, { now, since: at('2026-11-30T23:00:00.001Z') }))).toEqual(['2026-12-01T00:00:00Z', '2026-12-01T01:00:00Z']);
+    expect(slotsSince(parseSchedule('0 3 * * *'), { now, since: at('2026-12-01T00:00:00Z') })).toEqual([]);
+  });
+
+  it(`refuses more than ${MAX_CATCH_UP_SLOTS} slots, naming the cap`, () => {
+    const minutely = parseSchedule('* * * * *');
+    expect(slotsSince(minutely, { now, count: MAX_CATCH_UP_SLOTS })).toHaveLength(MAX_CATCH_UP_SLOTS);
+    const byCount = usageError(() => slotsSince(minutely, { now, count: MAX_CATCH_UP_SLOTS + 1 }));
+    expect(byCount.code).toBe('idem.catchUpTooLarge');
+    expect(byCount.message).toContain(`more than ${MAX_CATCH_UP_SLOTS} slots`);
+    const bySince = usageError(() => slotsSince(minutely, { now, ...parseCatchUp('1d', now) }));
+    expect(bySince.message).toContain(`more than ${MAX_CATCH_UP_SLOTS} slots of schedule "* * * * *"`);
+    expect(usageError(() => slotsSince(minutely, { now, count: 0 })).code).toBe('idem.invalidCatchUp');
+  });
+});
+
+describe('parseCatchUp', () => {
+  const now = at('2026-11-30T12:00:00Z');
+  it('reads a count and the duration forms', () => {
+    expect(parseCatchUp('3', now)).toEqual({ count: 3 });
+    expect(parseCatchUp('90m', now)).toEqual({ since: at('2026-11-30T10:30:00Z') });
+    expect(parseCatchUp('12h', now)).toEqual({ since: at('2026-11-30T00:00:00Z') });
+    expect(parseCatchUp('3d', now)).toEqual({ since: at('2026-11-27T12:00:00Z') });
+    expect(parseCatchUp('2w', now)).toEqual({ since: at('2026-11-16T12:00:00Z') });
+  });
+
+  it.each(['x', '', '0', '0h', '-3', '1.5', '3 days', '12H', '99999999999999999999'])('rejects %j naming the value', (value) => {
+    const err = usageError(() => parseCatchUp(value, now));
+    expect(err.code).toBe('idem.invalidCatchUp');
+    expect(err.message).toContain('expected a number of slots or a duration like 12h, 3d');
+    expect(err.message).toContain(`got "${value}"`);
+  });
+});
+
+describe('slotKey', () => {
+  it('is ISO UTC to the second', () => {
+    expect(slotKey(at('2026-11-30T03:00:00.000Z'))).toBe('2026-11-30T03:00:00Z');
+    expect(slotKey(latestSlot(parseSchedule({ cron: '0 4 * * *', timezone: 'Europe/Berlin' }), at('2026-11-30T12:00:00Z')))).toBe('2026-11-30T03:00:00Z');
+  });
+});
+
+describe('renderCrontab', () => {
+  const entries = [
+    { job: 'nightly-report', schedule: parseSchedule('0 3 * * *') },
+    { job: 'berlin-export', schedule: parseSchedule({ cron: '30 2 * * MON-FRI', timezone: 'Europe/Berlin' }) },
+    { job: 'hourly-sync', schedule: parseSchedule('@hourly') },
+  ];
+
+  it('writes one line per job with cwd, command and log, and a CRON_TZ line at each change of zone', () => {
+    const text = renderCrontab(entries, { cwd: '/srv/my app', command: 'npx idem', logFile: '/var/log/idem.log' });
+    const lines = text.split('\n').filter((l) => l !== '' && !l.startsWith('#'));
+    expect(lines).toEqual([
+      'CRON_TZ=UTC',
+      "0 3 * * * cd '/srv/my app' && npx idem run nightly-report >> /var/log/idem.log 2>&1",
+      'CRON_TZ=Europe/Berlin',
+      "30 2 * * 1-5 cd '/srv/my app' && npx idem run berlin-export >> /var/log/idem.log 2>&1",
+      'CRON_TZ=UTC',
+      "0 * * * * cd '/srv/my app' && npx idem run hourly-sync >> /var/log/idem.log 2>&1",
+    ]);
+    expect(text).toContain('# berlin-export: 30 2 * * MON-FRI (Europe/Berlin)');
+    expect(text).toMatch(/# Exit codes: 0 done.*75 busy/s);
+    expect(text).toMatch(/1 failed/);
+    expect(text).toMatch(/Overlapping invocations are safe/);
+    expect(text).toMatch(/CRON_TZ is honoured by\n# cronie/);
+  });
+
+  it('escapes % for cron, quotes paths, defaults the log file and passes --catch-up', () => {
+    const text = renderCrontab(entries.slice(0, 1), { cwd: "/srv/o'neil", command: 'node bin/idem.js --log-level warn', catchUp: '2' });
+    expect(text).toContain("cd '/srv/o'\\''neil' && node bin/idem.js --log-level warn run nightly-report --catch-up 2 >> idem-cron.log 2>&1");
+    expect(text).toContain('the next invocation retries it: --catch-up 2');
+    expect(renderCrontab(entries.slice(0, 1), { cwd: '/srv/100%', command: 'npx idem' })).toContain("cd '/srv/100\\%' &&");
+    expect(usageError(() => renderCrontab(entries, { cwd: '/srv', command: 'npx idem\nrm -rf /' })).code).toBe('idem.invalidCrontab');
+    expect(usageError(() => renderCrontab(entries, { cwd: '/srv', command: 'npx idem', catchUp: 'soon' })).code).toBe('idem.invalidCatchUp');
+  });
+});
+
+describe('runCronLoop', () => {
+  /** A fake clock: sleep advances it; `stopAt` aborts the loop once the clock reaches it. */
+  function harness(startIso: string, stopAtIso: string) {
+    let clock = at(startIso).getTime();
+    const stopAt = at(stopAtIso).getTime();
+    const controller = new AbortController();
+    const sleeps: number[] = [];
+    const calls: string[] = [];
+    return {
+      controller,
+      sleeps,
+      calls,
+      /** Records a runSlot call; a loop gone wild is stopped instead of spinning forever. */
+      record: (call: string) => {
+        calls.push(call);
+        if (calls.length > 50) controller.abort();
+      },
+      now: () => new Date(clock),
+      advance: (ms: number) => {
+        clock += ms;
+      },
+      sleep: async (ms: number, signal: AbortSignal) => {
+        expect(signal).toBe(controller.signal);
+        sleeps.push(ms);
+        clock += ms;
+        if (clock >= stopAt) controller.abort();
+      },
+    };
+  }
+
+  const daily = parseSchedule('0 3 * * *');
+  const hourly = parseSchedule('0 * * * *');
+
+  it('runs the latest due slot at start, then each next slot in order, and stops on abort', async () => {
+    const h = harness('2026-11-30T10:20:00Z', '2026-11-30T13:30:00Z');
+    await runCronLoop({
+      entries: [{ job: 'daily', schedule: daily }, { job: 'hourly', schedule: hourly }],
+      runSlot: async (job, slot) => void h.record(`${job}@${slotKey(slot)}`),
+      signal: h.controller.signal,
+      now: h.now,
+      sleep: h.sleep,
+    });
+    expect(h.calls).toEqual([
+      'daily@2026-11-30T03:00:00Z',
+      'hourly@2026-11-30T10:00:00Z',
+      'hourly@2026-11-30T11:00:00Z',
+      'hourly@2026-11-30T12:00:00Z',
+      'hourly@2026-11-30T13:00:00Z',
+    ]);
+    expect(Math.max(...h.sleeps)).toBeLessThanOrEqual(CRON_LOOP_MAX_SLEEP_MS);
+  });
+
+  it('runs every job due at the same instant, and an error in one does not stop the other or the loop', async () => {
+    const h = harness('2026-11-30T22:59:00Z', '2026-12-01T03:00:30Z');
+    const errors: string[] = [];
+    await runCronLoop({
+      entries: [{ job: 'flaky', schedule: hourly }, { job: 'daily', schedule: daily }],
+      runSlot: async (job, slot) => {
+        h.record(`${job}@${slotKey(slot)}`);
+        if (job === 'flaky') throw new Error(`boom ${slotKey(slot)}`);
+      },
+      onError: (job, slot, err) => void errors.push(`${job}@${slotKey(slot)}: ${(err as Error).message}`),
+      signal: h.controller.signal,
+      now: h.now,
+      sleep: h.sleep,
+    });
+    expect(h.calls).toEqual([
+      'flaky@2026-11-30T22:00:00Z',
+      'daily@2026-11-30T03:00:00Z',
+      'flaky@2026-11-30T23:00:00Z',
+      'flaky@2026-12-01T00:00:00Z',
+      'flaky@2026-12-01T01:00:00Z',
+      'flaky@2026-12-01T02:00:00Z',
+      'flaky@2026-12-01T03:00:00Z',
+      'daily@2026-12-01T03:00:00Z',
+    ]);
+    expect(errors).toHaveLength(6);
+    expect(errors[0]).toBe('flaky@2026-11-30T22:00:00Z: boom 2026-11-30T22:00:00Z');
+  });
+
+  it('sleeps again when the clock is set back, and runs only the latest slot after a long run', async () => {
+    const h = harness('2026-11-30T10:20:00Z', '2026-11-30T16:30:00Z');
+    let setBack = false;
+    await runCronLoop({
+      entries: [{ job: 'hourly', schedule: hourly }],
+      runSlot: async (job, slot) => {
+        h.record(`${job}@${slotKey(slot)}`);
+        // The 11:00 run takes 3.5 hours: 12:00, 13:00 and 14:00 pass while it runs.
+        if (slotKey(slot) === '2026-11-30T11:00:00Z') h.advance(3.5 * 3_600_000);
+      },
+      signal: h.controller.signal,
+      now: () => {
+        const t = h.now();
+        // Once, at 16:00, NTP sets the clock 10 minutes back: nothing may run before 16:00 comes again.
+        if (!setBack && t.getTime() >= at('2026-11-30T16:00:00Z').getTime()) {
+          setBack = true;
+          h.advance(-10 * 60_000);
+          return h.now();
+        }
+        return t;
+      },
+      sleep: h.sleep,
+    });
+    expect(h.calls).toEqual(['hourly@2026-11-30T10:00:00Z', 'hourly@2026-11-30T11:00:00Z', 'hourly@2026-11-30T14:00:00Z', 'hourly@2026-11-30T15:00:00Z', 'hourly@2026-11-30T16:00:00Z']);
+  });
+
+  it('returns at once when aborted while sleeping with the default sleep, and refuses an empty schedule', async () => {
+    const controller = new AbortController();
+    const calls: string[] = [];
+    const loop = runCronLoop({ entries: [{ job: 'daily', schedule: daily }], runSlot: async (job) => void calls.push(job), signal: controller.signal });
+    await new Promise((r) => setTimeout(r, 20));
+    controller.abort();
+    await loop;
+    expect(calls).toEqual(['daily']);
+    await expect(runCronLoop({ entries: [] as { job: string; schedule: Schedule }[], runSlot: async () => {}, signal: controller.signal })).rejects.toMatchObject({
+      code: 'idem.noScheduledJobs',
+    });
+  });
+});
