@@ -18,6 +18,8 @@ export interface AdvisoryLockOptions {
 
 /** A held session-level advisory lock; `lost` aborts when its session dies. */
 export interface HeldLock {
+  /** The name the key was hashed from. */
+  readonly name: string;
   readonly key: string;
   /** Aborts (with a LockLostError reason) when the lock's session is gone. */
   readonly lost: AbortSignal;
@@ -68,6 +70,10 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
   };
 
   try {
+    // Server-side keepalives for this session only: if this host vanishes (power, network), the
+    // server notices within about a minute and drops the session and its lock, instead of keeping
+    // the job "busy" for the hours the OS defaults would take.
+    await client.query('set tcp_keepalives_idle = 30; set tcp_keepalives_interval = 10; set tcp_keepalives_count = 3');
     const { rows: [first] } = await client.query<{ pid: number }>('select pg_backend_pid() as pid');
     const pid = first!.pid;
     const deadline = opts.wait === true ? Infinity : opts.wait ? Date.now() + opts.wait * 1000 : 0;
@@ -102,7 +108,7 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
       );
     }, interval);
     timer.unref();
-    return { key, pid, lost: lostController.signal, release };
+    return { name: opts.name, key, pid, lost: lostController.signal, release };
   } catch (err) {
     await release();
     throw err;

@@ -3,8 +3,10 @@ import { Command, CommanderError, InvalidArgumentError, Option } from 'commander
 import type { Logger } from 'pino';
 import { redactUrl } from './database.ts';
 import { ExitCode, exitCodeOf, IdemError, InterruptedError, messageOf, UsageError } from './errors.ts';
+import { validateParams } from './job.ts';
 import { findJob, loadJobDir } from './loader.ts';
 import { parseDuration } from './operations.ts';
+import { latestSlot, parseCatchUp, parseSchedule, renderCrontab, runCronLoop, slotKey, slotsSince, type ScheduledJob } from './schedule.ts';
 import { createProgressReporter } from './progress-reporter.ts';
 import { createLogger, LOG_LEVELS, type LogLevel } from './log.ts';
 import { DEFAULT_SCHEMA, Runner, type RunOutcome, type RunStatusRow } from './runner.ts';
@@ -84,6 +86,15 @@ function parseParams(json: string | undefined, pairs: Record<string, unknown>): 
   return { ...(base as Record<string, unknown>), ...pairs };
 }
 
+/** Every job in the folder that declares a schedule, by name. */
+async function scheduledJobs(dir: string): Promise<ScheduledJob[]> {
+  const loaded = await loadJobDir(dir, 'jobs');
+  return loaded
+    .filter((l) => l.job.schedule !== undefined)
+    .map((l) => ({ job: l.job.name, schedule: parseSchedule(l.job.schedule!) }))
+    .sort((a, b) => (a.job < b.job ? -1 : 1));
+}
+
 /** Opens a Runner on DATABASE_URL, or on the embedded server under .idem/ when none is given. */
 async function openRunner(g: GlobalOptions, log: Logger, session: Session, poolSize = 10): Promise<Runner> {
   let url = g.databaseUrl;
@@ -138,9 +149,11 @@ function describeOutcome(o: RunOutcome): string {
   const skipped = s && s.skipped > 0 ? ` (${s.skipped} skipped: see idem status, retry with --retry-skipped)` : '';
   const counts = s ? `${s.chunks} chunk${s.chunks === 1 ? '' : 's'} in ${s.steps.length} step${s.steps.length === 1 ? '' : 's'}${skipped}` : '';
   if (o.status === 'already-succeeded') {
-    return `job "${o.job}" already done (run key ${o.runKey}, finished ${s?.finishedAt ?? '?'}): ${counts}; nothing to do`;
+    const finished = s?.finishedAt ? new Date(s.finishedAt).toISOString() : '?';
+    return `job "${o.job}" already done (run key ${o.runKey}, finished ${finished}): ${counts}; nothing to do`;
   }
-  return `job "${o.job}" succeeded: ${counts}, ${o.executed} executed now, in ${((s?.durationMs ?? 0) / 1000).toFixed(1)}s (run key ${o.runKey}, attempt ${o.attempt})`;
+  const took = o.attempt > 1 ? ` (the run took ${((s?.durationMs ?? 0) / 1000).toFixed(1)}s over ${o.attempt} attempts)` : '';
+  return `job "${o.job}" succeeded: ${counts}, ${o.executed} executed now in ${((o.elapsedMs ?? s?.durationMs ?? 0) / 1000).toFixed(1)}s${took} (run key ${o.runKey}, attempt ${o.attempt})`;
 }
 
 function formatStatus(rows: RunStatusRow[]): string {
@@ -165,7 +178,8 @@ export function buildProgram(state: { exitCode: number }): Command {
     .option('--migrations-dir <dir>', 'folder of ordered migration files', 'migrations')
     .addOption(new Option('--log-level <level>', 'log level (logs go to stderr)').choices(LOG_LEVELS as string[]).default('info'))
     .option('--shutdown-timeout <seconds>', 'after a first SIGINT/SIGTERM, how long in-flight chunks may take', positiveInt(3600), 30)
-    .showHelpAfterError('(run with --help for usage)')
+    // Parse errors are one line like every other refusal, with the fix (see the help) in it.
+    .configureOutput({ outputError: (str, write) => write(`idem: ${str.trim().replace(/\.$/, '')}; see --help\n`) })
     .exitOverride();
 
   const globals = () => program.opts<GlobalOptions>();
@@ -208,12 +222,27 @@ export function buildProgram(state: { exitCode: number }): Command {
     .option('--pause <ms>', 'pause this long after each chunk (per worker)', nonNegativeNumber)
     .option('--target-chunk-ms <ms>', 'grow or shrink keyRange chunks toward this duration', positiveNumber)
     .option('--no-progress', 'no live progress line on a terminal')
+    .option('--catch-up <N|duration>', 'scheduled jobs: run the missed slots oldest first, the last N or those within a duration (e.g. 3, 12h, 2d)')
     .option('--json', 'print the outcome as JSON on stdout')
-    .action((name: string, o: { key?: string; params?: string; param: Record<string, unknown>; concurrency: number; wait?: number | boolean; dryRun?: boolean; retrySkipped?: boolean; json?: boolean; maxRate?: number; pause?: number; targetChunkMs?: number; progress: boolean }) =>
+    .action((name: string, o: { key?: string; params?: string; param: Record<string, unknown>; concurrency: number; wait?: number | boolean; dryRun?: boolean; retrySkipped?: boolean; json?: boolean; maxRate?: number; pause?: number; targetChunkMs?: number; progress: boolean; catchUp?: string }) =>
       runWithSession(async (g, log, session, force) => {
         const params = parseParams(o.params, o.param);
         if (o.key !== undefined && (o.key.length === 0 || o.key.length > 200)) throw new UsageError('invalidKey', '--key must be 1 to 200 characters');
         const job = await findJob(g.jobsDir, name);
+        // Bad params are refused before any connection: nothing, not even idem's schema, is created.
+        await validateParams(job, params);
+        // A scheduled job run without --key is the run of its most recent due slot: cron firing
+        // twice, or late, lands on the same run. --catch-up runs each missed slot as its own run.
+        const schedule = job.schedule === undefined ? undefined : parseSchedule(job.schedule);
+        if (o.catchUp !== undefined && (!schedule || o.key !== undefined)) {
+          throw new UsageError('invalidCatchUp', schedule ? '--catch-up picks run keys from the schedule; drop --key' : `--catch-up needs a scheduled job; "${job.name}" has no schedule`);
+        }
+        const slots: Array<Date | null> =
+          o.catchUp !== undefined ? slotsSince(schedule!, parseCatchUp(o.catchUp)) : [o.key === undefined && schedule ? latestSlot(schedule) : null];
+        if (slots.length === 0) {
+          process.stdout.write(`no slot of job "${job.name}" falls within --catch-up ${o.catchUp}\n`);
+          return ExitCode.Ok;
+        }
         const runner = await openRunner(g, log, session, o.concurrency + 2);
         const signals = installSignals(log, g.shutdownTimeout, force);
         const throttle = {
@@ -221,22 +250,26 @@ export function buildProgram(state: { exitCode: number }): Command {
           ...(o.pause !== undefined ? { pauseMs: o.pause } : {}),
           ...(o.targetChunkMs !== undefined ? { targetChunkMs: o.targetChunkMs } : {}),
         };
-        const reporter = o.progress && !o.json && !o.dryRun ? createProgressReporter({ job: job.name, tty: process.stderr.isTTY === true, log }) : undefined;
-        if (reporter) session.defer(async () => reporter.stop());
-        const outcome = await runner.run(job, {
-          throttle,
-          ...(reporter ? { onProgress: reporter.update } : {}),
-          params,
-          ...(o.key !== undefined ? { key: o.key } : {}),
-          concurrency: o.concurrency,
-          wait: o.wait ?? false,
-          dryRun: o.dryRun ?? false,
-          retrySkipped: o.retrySkipped ?? false,
-          signal: signals.stop,
-          abortSignal: signals.abort,
-        });
-        reporter?.stop();
-        process.stdout.write(o.json ? `${JSON.stringify(outcome)}\n` : `${describeOutcome(outcome)}\n`);
+        for (const slot of slots) {
+          const reporter = o.progress && !o.json && !o.dryRun ? createProgressReporter({ job: job.name, tty: process.stderr.isTTY === true, log }) : undefined;
+          if (reporter) session.defer(async () => reporter.stop());
+          const key = slot ? slotKey(slot) : o.key;
+          const outcome = await runner.run(job, {
+            throttle,
+            ...(reporter ? { onProgress: reporter.update } : {}),
+            params,
+            ...(key !== undefined ? { key } : {}),
+            slot,
+            concurrency: o.concurrency,
+            wait: o.wait ?? false,
+            dryRun: o.dryRun ?? false,
+            retrySkipped: o.retrySkipped ?? false,
+            signal: signals.stop,
+            abortSignal: signals.abort,
+          });
+          reporter?.stop();
+          process.stdout.write(o.json ? `${JSON.stringify(outcome)}\n` : `${describeOutcome(outcome)}\n`);
+        }
         return ExitCode.Ok;
       }),
     );
@@ -296,6 +329,51 @@ export function buildProgram(state: { exitCode: number }): Command {
         const rows = await runner.status(job, o.limit);
         process.stdout.write(o.json ? `${JSON.stringify(rows)}\n` : `${formatStatus(rows)}\n`);
         return ExitCode.Ok;
+      }),
+    );
+
+  program
+    .command('crontab')
+    .description('print crontab lines for every scheduled job (install with: idem crontab | crontab -)')
+    .option('--command <command>', 'how cron invokes idem', 'npx idem')
+    .option('--log-file <file>', 'where cron appends output')
+    .option('--catch-up <N>', 'add --catch-up N to each line, so a failed or missed slot is retried by the next tick')
+    .action((o: { command: string; logFile?: string; catchUp?: string }) =>
+      runWithSession(async (g) => {
+        const entries = await scheduledJobs(g.jobsDir);
+        if (entries.length === 0) throw new UsageError('noScheduledJobs', `no job in ${g.jobsDir}/ declares a schedule; add schedule: '0 3 * * *' to one`);
+        const dirs = g.jobsDir === 'jobs' ? '' : ` --jobs-dir ${g.jobsDir}`;
+        process.stdout.write(renderCrontab(entries, { cwd: process.cwd(), command: `${o.command}${dirs}`, ...(o.logFile ? { logFile: o.logFile } : {}), ...(o.catchUp ? { catchUp: o.catchUp } : {}) }));
+        return ExitCode.Ok;
+      }),
+    );
+
+  program
+    .command('cron')
+    .description('run the schedules in this process (for containers without cron); several on several hosts are safe')
+    .action(() =>
+      runWithSession(async (g, log, session, force) => {
+        const loaded = await loadJobDir(g.jobsDir, 'jobs');
+        const byName = new Map(loaded.map((l) => [l.job.name, l.job]));
+        const entries = await scheduledJobs(g.jobsDir);
+        const runner = await openRunner(g, log, session);
+        const signals = installSignals(log, g.shutdownTimeout, force);
+        log.info({ jobs: entries.map((e) => `${e.job} (${e.schedule.expression})`) }, 'idem cron started');
+        await runCronLoop({
+          entries,
+          signal: signals.stop,
+          runSlot: async (name, slot) => {
+            const out = await runner.run(byName.get(name)!, { key: slotKey(slot), slot, signal: signals.stop, abortSignal: signals.abort });
+            log.info({ job: name, slot: slotKey(slot), status: out.status, executed: out.executed }, describeOutcome(out));
+          },
+          onError: (name, slot, err) => {
+            if (signals.stop.aborted) return;
+            if (err instanceof IdemError && err.exitCode === ExitCode.Busy) log.info({ job: name, slot: slotKey(slot) }, `slot taken by another process: ${err.message}`);
+            else log.error({ job: name, slot: slotKey(slot), err: { message: messageOf(err) } }, 'scheduled run failed; the next tick or --catch-up retries it');
+          },
+        });
+        const reason = signals.stop.reason;
+        return reason instanceof InterruptedError ? reason.exitCode : ExitCode.Ok;
       }),
     );
 

@@ -3,6 +3,7 @@ import type { Logger } from 'pino';
 import type { BackoffOptions } from './retry.ts';
 import type { ThrottleOptions } from './throttle.ts';
 import { UsageError } from './errors.ts';
+import { parseSchedule } from './schedule.ts';
 
 /** A JSON value: what params, cursors and chunk specs are made of (they are stored as jsonb). */
 export type Json = null | boolean | number | string | Json[] | { [key: string]: Json };
@@ -180,6 +181,13 @@ export function assertJob(value: unknown, origin: string): Job {
   }
   if (typeof def.name !== 'string' || !NAME.test(def.name)) {
     problems.push(`name must match ${NAME} (got ${JSON.stringify(def.name)})`);
+  }
+  if (def.schedule !== undefined) {
+    try {
+      parseSchedule(def.schedule);
+    } catch (err) {
+      problems.push((err as Error).message);
+    }
   }
   if (def.params !== undefined && typeof def.params !== 'function' && !isStandardSchema(def.params)) {
     problems.push('params must be a Standard Schema (zod, valibot, arktype…) or a function (raw) => params');

@@ -50,7 +50,7 @@ async function targetRun(h: OperationsHost, job: string, key: string | undefined
 async function isLive(h: OperationsHost, run: RunRow): Promise<boolean> {
   if (run.status !== 'running') return false;
   const held = await h.heldLockKeys();
-  return held.has(lockKey(h.jobLockName(run.job))) || held.has(lockKey(`${h.schema}:migrate`));
+  return held.has(lockKey(run.lock_name ?? h.jobLockName(run.job)));
 }
 
 /**

@@ -68,6 +68,8 @@ export interface RunOutcome {
   readonly summary: RunSummary | null;
   /** Chunks this invocation committed (0 for a no-op rerun). */
   readonly executed: number;
+  /** How long this invocation's attempt took (the summary's durationMs spans every attempt). */
+  readonly elapsedMs?: number;
   /** For a dry run: the run's state and the steps that would run. */
   readonly plan?: { readonly state: string; readonly steps: ReadonlyArray<{ readonly name: string; readonly chunked: boolean }> };
 }
@@ -257,7 +259,8 @@ export class Runner {
     if (current.status === 'succeeded' && !(opts.retrySkipped && (current.summary?.skipped ?? 0) > 0)) return alreadyDone(current);
     refuseControlled(current);
     await faultPoint('after-lock');
-    const { attempt, startedAt } = await this.store.beginAttempt(runId, `${hostname()}:${process.pid}`);
+    const { attempt, startedAt } = await this.store.beginAttempt(runId, `${hostname()}:${process.pid}`, lock.name);
+    const invocationStarted = performance.now();
     const identity = { job: job.name, runKey: current.run_key, runId, attempt };
     const log = this.#log.child({ job: job.name, runKey: current.run_key, attempt });
     log.info({ resumed: attempt > 1 }, attempt > 1 ? 'run resumed' : 'run started');
@@ -302,7 +305,7 @@ export class Runner {
       const summary = await this.store.finishRun(runId, attempt, startedAt);
       if (!summary) throw new FencedError(`attempt ${attempt} of job "${job.name}" was taken over before it could finish`);
       log.info({ executed, chunks: summary.chunks, durationMs: summary.durationMs }, 'run succeeded');
-      return { status: 'succeeded', job: job.name, runKey: current.run_key, runId, attempt, summary, executed };
+      return { status: 'succeeded', job: job.name, runKey: current.run_key, runId, attempt, summary, executed, elapsedMs: Math.round(performance.now() - invocationStarted) };
     } catch (err) {
       // Once the lock is gone, whatever failed next (often a statement on a connection killed in
       // the same sweep) is a symptom: the run was lost, not failed, and must not be marked failed.
@@ -386,7 +389,7 @@ export class Runner {
     const skippedByRun = new Map<string, RunStatusRow['skipped']>();
     for (const r of rows) if (r.has_skipped) skippedByRun.set(String(r.id), await this.store.skippedChunks(String(r.id)));
     return rows.map((r) => {
-      const locked = held.has(lockKey(this.jobLockName(r.job))) || held.has(lockKey(`${s}:migrate`));
+      const locked = held.has(lockKey(r.lock_name ?? this.jobLockName(r.job)));
       const state = r.status === 'running' ? (locked ? 'running' : 'crashed') : r.status;
       const rate = state === 'running' && r.attempt_seconds > 0 && r.done_this_attempt > 0 ? r.done_this_attempt / r.attempt_seconds : null;
       const estimated = r.estimated_total ?? null;

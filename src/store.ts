@@ -21,6 +21,7 @@ export interface RunRow {
   error: RunErrorInfo | null;
   attempt_started_at: Date | null;
   requested: 'pause' | 'cancel' | null;
+  lock_name: string | null;
 }
 
 export interface StepRow {
@@ -123,9 +124,9 @@ export class Store {
   }
 
   /** Takes the run over: bumps the fencing token. Only called while holding the job's advisory lock. */
-  async beginAttempt(runId: string, holder: string): Promise<{ attempt: number; startedAt: Date }> {
+  async beginAttempt(runId: string, holder: string, lockName: string): Promise<{ attempt: number; startedAt: Date }> {
     const { rows } = await this.#run(sql<{ attempt: number; started_at: Date }>`
-      update ${this.#runs} set attempt = attempt + 1, status = 'running', holder = ${holder},
+      update ${this.#runs} set attempt = attempt + 1, status = 'running', holder = ${holder}, lock_name = ${lockName},
         started_at = coalesce(started_at, now()), updated_at = now(), error = null,
         attempt_started_at = clock_timestamp() -- evaluated after any wait for the row lock
       where id = ${runId} returning attempt, started_at`);

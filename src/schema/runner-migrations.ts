@@ -96,6 +96,13 @@ function runnerMigrations(schema: string): Record<string, Migration> {
         await sql`alter table ${t('steps')} add column estimated_chunks integer`.execute(db);
       },
     },
+    '0004_run_lock_name': {
+      async up(db) {
+        // Which advisory lock the live attempt holds (a job's own, or idem migrate's), so status
+        // reports "running" only for the run whose lock is really held.
+        await sql`alter table ${t('runs')} add column lock_name text`.execute(db);
+      },
+    },
   };
 }
 
