@@ -1,0 +1,236 @@
+import pg from 'pg';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { Runner } from '../src/index.ts';
+import { lockKey } from '../src/fingerprint.ts';
+import { createFixtureTables } from './fixtures/tables.ts';
+import {
+  ALL_TABLES,
+  BROKEN_JOBS,
+  FIXTURE_DIRS,
+  killLeftovers,
+  lines,
+  query,
+  runCli,
+  runRow,
+  snapshot,
+  workCounts,
+  type CliResult,
+} from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+
+let database: TestDatabase;
+let url: string;
+
+beforeAll(async () => {
+  database = await createTestDatabase();
+  url = database.url;
+  await createFixtureTables(url);
+  // Create idem's schema up front, so "changes nothing" compares real tables from the first test on.
+  await (await Runner.connect({ connectionString: url })).close();
+});
+
+afterAll(async () => {
+  await killLeftovers();
+  await database?.drop();
+});
+
+/** `idem <global fixture flags> <args>` against the test database. */
+const idem = (args: string[], env?: Record<string, string>) => runCli([...FIXTURE_DIRS, ...args], { url, ...(env ? { env } : {}) });
+
+/** Asserts the documented shape of a refusal: the exit code and exactly one `idem: error:` line on stderr. */
+function expectOneLineError(r: CliResult, code: number, message: string | RegExp): void {
+  expect({ code: r.code, stderrLines: lines(r.stderr).length, stdout: r.stdout }, r.stderr).toEqual({ code, stderrLines: 1, stdout: '' });
+  expect(r.stderr).toMatch(/^idem: error: /);
+  if (typeof message === 'string') expect(r.stderr).toContain(message);
+  else expect(r.stderr).toMatch(message);
+}
+
+describe('idem run', () => {
+  it('runs a job (exit 0, one summary line) and a second run finds it done and changes nothing', async () => {
+    const first = await idem(['run', 'counted', '--params', '{"chunks":3}', '--key', 'cli-ok']);
+    expect(first.code, first.stderr).toBe(0);
+    expect(lines(first.stdout)).toHaveLength(1);
+    expect(first.stdout).toMatch(/^job "counted" succeeded: 5 chunks in 3 steps, 5 executed now\b.*\(run key cli-ok, attempt 1\)\n$/);
+    expect(await workCounts(url, 'cli-ok')).toEqual(new Map([['c0001', 1], ['c0002', 1], ['c0003', 1]]));
+
+    const before = await snapshot(url, ALL_TABLES);
+    const second = await idem(['run', 'counted', '--param', 'chunks=3', '--key', 'cli-ok', '--json']);
+    expect(second.code, second.stderr).toBe(0);
+    expect(JSON.parse(second.stdout)).toMatchObject({ status: 'already-succeeded', job: 'counted', runKey: 'cli-ok', attempt: 1, executed: 0, summary: { chunks: 5 } });
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it('an unknown job exits 2 naming the known jobs, and changes nothing', async () => {
+    const before = await snapshot(url, ALL_TABLES);
+    const r = await idem(['run', 'nope']);
+    expectOneLineError(r, 2, /unknown job "nope": no file in .* defines it \(known jobs: counted, ranged\); check the name or --jobs-dir/);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it('invalid params exit 2 with the validator\'s message, and change nothing', async () => {
+    const before = await snapshot(url, ALL_TABLES);
+    const [bad, zero, noParams] = await Promise.all([
+      idem(['run', 'counted', '--params', '{"chunks":"many"}']),
+      idem(['run', 'counted', '--param', 'chunks=0', '--param', 'label=x']),
+      idem(['run', 'ranged', '--params', '{"x":1}']),
+    ]);
+    expectOneLineError(bad!, 2, 'invalid params for job "counted": chunks must be an integer from 1 to 10000, got "many"');
+    expectOneLineError(zero!, 2, 'invalid params for job "counted": chunks must be an integer from 1 to 10000, got 0');
+    expectOneLineError(noParams!, 2, 'job "ranged" takes no params, got {"x":1}; drop --params/--param');
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it('--params that is not a JSON object exits 2 showing the expected form, and changes nothing', async () => {
+    const before = await snapshot(url, ALL_TABLES);
+    const [notJson, notObject] = await Promise.all([
+      idem(['run', 'counted', '--params', '{chunks: 3']),
+      idem(['run', 'counted', '--params', '[3]']),
+    ]);
+    expectOneLineError(notJson!, 2, /--params is not valid JSON \(.*\); pass an object such as --params '\{"day":"2026-11-30"\}'/);
+    expectOneLineError(notObject!, 2, '--params must be a JSON object, got [3]');
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it('a bad flag, a bad flag value, an unknown command or a bad --key exits 2 naming it, and changes nothing', async () => {
+    const before = await snapshot(url, ALL_TABLES);
+    const [flag, value, command, key] = await Promise.all([
+      idem(['run', 'counted', '--bogus']),
+      idem(['run', 'counted', '--concurrency', '0']),
+      idem(['frobnicate']),
+      idem(['run', 'counted', '--key', 'k'.repeat(201)]),
+    ]);
+    expect([flag!.code, value!.code, command!.code]).toEqual([2, 2, 2]);
+    expect(flag!.stderr).toContain("unknown option '--bogus'");
+    expect(value!.stderr).toContain('expected an integer from 1 to 64, got "0"');
+    expect(command!.stderr).toContain("unknown command 'frobnicate'");
+    expectOneLineError(key!, 2, '--key must be 1 to 200 characters');
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it('a command-line parse error is one `idem: error:` line like every other refusal', async () => {
+    // DESIGN: bad input gets a one-line error naming the problem and the fix. Parse errors come from
+    // commander, which prints "error: …" and then a second line "(run with --help for usage)".
+    const [flag, value, command] = await Promise.all([
+      idem(['run', 'counted', '--bogus']),
+      idem(['run', 'counted', '--concurrency', '0']),
+      idem(['frobnicate']),
+    ]);
+    expectOneLineError(flag!, 2, "unknown option '--bogus'");
+    expectOneLineError(value!, 2, 'expected an integer from 1 to 64, got "0"');
+    expectOneLineError(command!, 2, "unknown command 'frobnicate'");
+  });
+
+  it('an unreachable database exits 2 with a one-line error that never shows the password', async () => {
+    const secretUrl = 'postgres://u:secret@127.0.0.1:1/x';
+    const [viaEnv, viaFlag, traced] = await Promise.all([
+      runCli([...FIXTURE_DIRS, 'run', 'counted'], { url: secretUrl }),
+      runCli([...FIXTURE_DIRS, '--database-url', secretUrl, 'status']),
+      runCli([...FIXTURE_DIRS, '--log-level', 'trace', 'run', 'counted', '--params', '{"chunks":2}'], { url: secretUrl }),
+    ]);
+    expectOneLineError(viaEnv!, 2, 'cannot reach the database at postgres://u:***@127.0.0.1:1/x: connection refused; start the server or fix --database-url / DATABASE_URL');
+    expectOneLineError(viaFlag!, 2, 'cannot reach the database at postgres://u:***@127.0.0.1:1/x');
+    expect(traced!.code).toBe(2);
+    for (const r of [viaEnv!, viaFlag!, traced!]) {
+      expect(r.stderr + r.stdout).not.toContain('secret');
+    }
+  });
+
+  it('the same key with other params exits 65 and changes nothing', async () => {
+    const first = await idem(['run', 'counted', '--params', '{"chunks":2,"label":"a"}', '--key', 'cli-mismatch']);
+    expect(first.code, first.stderr).toBe(0);
+    const before = await snapshot(url, ALL_TABLES);
+    const r = await idem(['run', 'counted', '--params', '{"chunks":2,"label":"b"}', '--key', 'cli-mismatch']);
+    expectOneLineError(r, 65, /run key "cli-mismatch" of job "counted" was already used with other params .*; pass a new --key/);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it('a failing chunk exits 1 naming the step and chunk; after the fix the same command resumes and exits 0', async () => {
+    await query(url, `insert into fail_chunks (chunk_key) values ('c0002')`);
+    const failed = await idem(['run', 'counted', '--params', '{"chunks":3}', '--key', 'cli-fail']);
+    expect(failed.code, failed.stderr).toBe(1);
+    const errors = lines(failed.stderr).filter((l) => l.startsWith('idem: error:'));
+    expect(errors).toEqual([
+      'idem: error: job "counted" failed in step "work", chunk c0002 after 1 try: injected failure in chunk c0002; fix the cause and run the same command again to resume there',
+    ]);
+    expect(await runRow(url, 'counted', 'cli-fail')).toMatchObject({ status: 'failed', attempt: 1 });
+
+    await query(url, `delete from fail_chunks`);
+    const resumed = await idem(['run', 'counted', '--params', '{"chunks":3}', '--key', 'cli-fail', '--json']);
+    expect(resumed.code, resumed.stderr).toBe(0);
+    // c0002, c0003 and the finish step: what attempt 1 committed is not run again.
+    expect(JSON.parse(resumed.stdout)).toMatchObject({ status: 'succeeded', attempt: 2, executed: 3 });
+    expect(await workCounts(url, 'cli-fail')).toEqual(new Map([['c0001', 1], ['c0002', 1], ['c0003', 1]]));
+  });
+
+  it('exits 75 at once when another process holds the job\'s lock, naming --wait', async () => {
+    const holder = new pg.Client({ connectionString: url });
+    await holder.connect();
+    try {
+      await holder.query('select pg_advisory_lock($1::bigint)', [lockKey('idem:job:counted')]);
+      const r = await idem(['run', 'counted', '--params', '{"chunks":2}', '--key', 'cli-busy']);
+      expectOneLineError(r, 75, 'job "counted" is running in another process (its advisory lock is held); try again later or pass --wait');
+      expect(await workCounts(url, 'cli-busy')).toEqual(new Map());
+    } finally {
+      await holder.end();
+    }
+  });
+
+  it('a job file that cannot be loaded exits 2 naming the file', async () => {
+    const r = await runCli(['--jobs-dir', BROKEN_JOBS, 'run', 'counted'], { url });
+    expectOneLineError(r, 2, /cannot load jobs file .*does-not-compile\.js: .*; fix the file/);
+  });
+
+  it('never logs the database password, even at trace level', async () => {
+    const password = decodeURIComponent(new URL(url).password);
+    expect(password.length).toBeGreaterThan(3);
+    const r = await idem(['--log-level', 'trace', 'run', 'counted', '--params', '{"chunks":2}', '--key', 'cli-trace']);
+    expect(r.code, r.stderr).toBe(0);
+    expect(lines(r.stderr).length).toBeGreaterThan(3);
+    expect(r.stderr + r.stdout).not.toContain(password);
+  });
+});
+
+describe('idem help, status and list', () => {
+  it('--help on every command exits 0 and prints its usage', async () => {
+    const cases: Array<[string[], string]> = [
+      [['--help'], 'Usage: idem [options] [command]'],
+      [['run', '--help'], 'Usage: idem run [options] <job>'],
+      [['migrate', '--help'], 'Usage: idem migrate [options]'],
+      [['list', '--help'], 'Usage: idem list [options]'],
+      [['status', '--help'], 'Usage: idem status [options] [job]'],
+      [['help', 'run'], 'Usage: idem run [options] <job>'],
+    ];
+    const results = await Promise.all(cases.map(([args]) => runCli(args)));
+    results.forEach((r, i) => {
+      expect(r.code, `${cases[i]![0].join(' ')}: ${r.stderr}`).toBe(0);
+      expect(r.stdout).toContain(cases[i]![1]);
+    });
+  });
+
+  it('status --json prints parseable runs with progress and state', async () => {
+    const r = await idem(['status', '--json']);
+    expect(r.code, r.stderr).toBe(0);
+    const rows = JSON.parse(r.stdout) as Array<Record<string, unknown>>;
+    expect(Array.isArray(rows)).toBe(true);
+    expect(rows.find((x) => x.runKey === 'cli-ok')).toMatchObject({ job: 'counted', state: 'succeeded', attempt: 1, chunksDone: 5, chunksPlanned: 5, fullyPlanned: true });
+    expect(rows.find((x) => x.runKey === 'cli-fail')).toMatchObject({ state: 'succeeded', attempt: 2 });
+
+    const filtered = await idem(['status', 'ranged', '--json']);
+    expect(filtered.code).toBe(0);
+    expect(JSON.parse(filtered.stdout)).toEqual([]);
+    const text = await idem(['status', 'counted', '--limit', '1']);
+    expect(lines(text.stdout)).toHaveLength(2);
+    expect(text.stdout).toMatch(/^JOB\tRUN KEY\tSTATE\tATTEMPT\tCHUNKS\tUPDATED\ncounted\t/);
+  });
+
+  it('list --json shows the fixture jobs and migrations with their latest state', async () => {
+    const r = await idem(['list', '--json']);
+    expect(r.code, r.stderr).toBe(0);
+    expect(JSON.parse(r.stdout)).toEqual([
+      expect.objectContaining({ kind: 'job', name: 'counted', state: 'succeeded' }),
+      expect.objectContaining({ kind: 'job', name: 'ranged', state: 'never run' }),
+      expect.objectContaining({ kind: 'migration', name: '0001_create_widgets', job: 'create-widgets', state: 'pending' }),
+      expect.objectContaining({ kind: 'migration', name: '0002_backfill_widgets', job: 'backfill-widgets', state: 'pending' }),
+    ]);
+  });
+});

@@ -1,0 +1,165 @@
+import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
+import { Runner } from '../src/index.ts';
+import counted, { chunkKey } from './fixtures/jobs/counted.ts';
+import { createFixtureTables } from './fixtures/tables.ts';
+import { chunkRows, FIXTURE_DIRS, killLeftovers, lines, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+
+let database: TestDatabase;
+let url: string;
+
+beforeAll(async () => {
+  database = await createTestDatabase();
+  url = database.url;
+  await createFixtureTables(url);
+  // idem's schema exists before the first poll of idem.chunks.
+  await withRunner(async () => {});
+});
+
+// A failed test must not leave its run holding the job's lock for the next one.
+afterEach(killLeftovers);
+
+afterAll(async () => {
+  await killLeftovers();
+  await database?.drop();
+});
+
+/**
+ * An in-process Runner for one call, closed after: its pool's idle sessions (application_name
+ * `idem`, like the CLI's) must not linger, or `settled()` would wait for them.
+ */
+async function withRunner<T>(fn: (runner: Runner) => Promise<T>): Promise<T> {
+  const runner = await Runner.connect({ connectionString: url });
+  try {
+    return await fn(runner);
+  } finally {
+    await runner.close();
+  }
+}
+
+const CHUNKS = 40;
+const PARAMS = { chunks: CHUNKS, pauseMs: 50 };
+const ones = (n: number) => new Map(Array.from({ length: n }, (_, i) => [chunkKey(i + 1), 1]));
+const run = (key: string, params: object = PARAMS, env?: Record<string, string>) =>
+  spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', JSON.stringify(params), '--key', key, '--json'], { url, ...(env ? { env } : {}) });
+
+/** Keys of the `work` chunks whose marker committed. */
+async function doneKeys(runKey: string): Promise<string[]> {
+  return (await chunkRows(url, 'counted', runKey, 'work')).filter((c) => c.done_at !== null).map((c) => c.key);
+}
+
+/** Waits until a killed process's sessions are gone: after that nothing of it can still commit. */
+async function settled(): Promise<void> {
+  await waitFor(async () => (await sessions(url, 'idem')) + (await sessions(url, 'idem-lock')) === 0, 'the killed process\'s sessions to end');
+}
+
+/** The end state of a run, without what differs between two clean runs (ids, times, attempts, the key itself). */
+async function endState(runKey: string) {
+  const state = await query(url, `select chunk_key, value from counted_state where run_key = $1 order by chunk_key`, [runKey]);
+  const chunks = (await chunkRows(url, 'counted', runKey, 'work')).map((c) => ({ key: c.key, seq: c.seq, spec: c.spec, done: c.done_at !== null }));
+  const steps = await query(url, `select s.name, s.position, s.status, s.cursor, s.planned, s.planned_all from idem.steps s join idem.runs r on r.id = s.run_id where r.run_key = $1 order by s.position`, [runKey]);
+  const row = await runRow(url, 'counted', runKey);
+  const log = await query(url, `select step, chunk_key, count(*)::int as n from work_log where run_key = $1 group by 1, 2 order by 1, 2`, [runKey]);
+  return { state, chunks, steps, run: { status: row.status, error: row.error, summaryChunks: row.summary?.chunks, summarySteps: row.summary?.steps }, log };
+}
+
+describe('a run killed with SIGKILL', () => {
+  it('keeps exactly the chunks it committed, and a rerun resumes to the end state of a clean run', async () => {
+    const proc = run('crash');
+    await waitFor(async () => (await doneKeys('crash')).length >= 5, 'five chunks to be done');
+    proc.child.kill('SIGKILL');
+    const killed = await proc.done;
+    expect(killed.signal).toBe('SIGKILL');
+    await settled();
+
+    const done = await doneKeys('crash');
+    expect(done.length).toBeGreaterThanOrEqual(5);
+    expect(done.length).toBeLessThan(CHUNKS);
+    // Markers and work committed together: the work log holds exactly the done chunks, once each.
+    expect(await workCounts(url, 'crash')).toEqual(new Map(done.map((k) => [k, 1])));
+    expect(await runRow(url, 'counted', 'crash')).toMatchObject({ status: 'running', attempt: 1, finished_at: null });
+    // The row still says running, but no session holds the lock any more.
+    const [status] = await withRunner((runner) => runner.status('counted', 1));
+    expect(status).toMatchObject({ runKey: 'crash', state: 'crashed', attempt: 1, chunksDone: done.length + 1 });
+
+    const rerun = await run('crash').done;
+    expect(rerun.code, rerun.stderr).toBe(0);
+    // The prepare step and the done chunks are skipped: the rest of `work` and `finish` run.
+    expect(JSON.parse(rerun.stdout)).toMatchObject({ status: 'succeeded', attempt: 2, executed: CHUNKS - done.length + 1 });
+    expect(await runRow(url, 'counted', 'crash')).toMatchObject({ status: 'succeeded', attempt: 2 });
+    const chunks = await chunkRows(url, 'counted', 'crash', 'work');
+    expect(chunks).toHaveLength(CHUNKS);
+    expect(chunks.map((c) => [c.key, c.done_attempt])).toEqual(chunks.map((c) => [c.key, done.includes(c.key) ? 1 : 2]));
+    expect(await workCounts(url, 'crash')).toEqual(ones(CHUNKS));
+    const log = await query(url, `select chunk_key, attempt from work_log where run_key = 'crash' and step = 'work' order by chunk_key`);
+    expect(log.map((r) => [r.chunk_key, r.attempt])).toEqual(chunks.map((c) => [c.key, c.done_attempt]));
+
+    const clean = await withRunner((runner) => runner.run(counted, { params: PARAMS, key: 'crash-clean' }));
+    expect(clean).toMatchObject({ status: 'succeeded', attempt: 1, executed: CHUNKS + 2 });
+    expect(await endState('crash')).toEqual(await endState('crash-clean'));
+  });
+});
+
+describe('a run stopped with SIGTERM', () => {
+  it('lets the in-flight chunk finish, exits 143 as interrupted, and the same command resumes', async () => {
+    const proc = run('term');
+    await waitFor(async () => (await doneKeys('term')).length >= 3, 'three chunks to be done');
+    const signalledAt = Date.now();
+    proc.child.kill('SIGTERM');
+    const stopped = await proc.done;
+    expect(stopped.code, stopped.stderr).toBe(143);
+    expect(stopped.endedAt - signalledAt).toBeLessThan(5_000);
+    expect(lines(stopped.stderr).filter((l) => l.startsWith('idem: error:'))).toEqual([
+      'idem: error: interrupted by SIGTERM; finished chunks are kept, run the same command again to resume',
+    ]);
+    await settled();
+    const done = await doneKeys('term');
+    expect(done.length).toBeGreaterThanOrEqual(3);
+    expect(done.length).toBeLessThan(CHUNKS);
+    expect(await workCounts(url, 'term')).toEqual(new Map(done.map((k) => [k, 1])));
+    expect(await runRow(url, 'counted', 'term')).toMatchObject({ status: 'interrupted', attempt: 1, holder: null });
+
+    const rerun = await run('term').done;
+    expect(rerun.code, rerun.stderr).toBe(0);
+    expect(await runRow(url, 'counted', 'term')).toMatchObject({ status: 'succeeded', attempt: 2 });
+    expect(await workCounts(url, 'term')).toEqual(ones(CHUNKS));
+  });
+});
+
+describe('a crash at a protocol boundary (IDEM_FAULT)', () => {
+  // Hits count every chunk transaction, single steps included: hit 1 is `prepare`, hit 3 is c0002.
+  it.each([
+    ['after-marker', 'the marker is written but not committed: neither it nor the work survives', ['c0001']],
+    ['after-commit', 'the chunk committed: the rerun does not redo it', ['c0001', 'c0002']],
+  ])('%s: %s', async (point, _, doneBeforeRerun) => {
+    const key = `fault-${point}`;
+    const params = { chunks: 5, label: key };
+    const crashed = await run(key, params, { IDEM_FAULT: `${point}:crash:3` }).done;
+    expect(crashed.signal).toBe('SIGKILL');
+    expect(crashed.stderr).toContain(`idem: fault injected at ${point} (crash)`);
+    await settled();
+    expect(await doneKeys(key)).toEqual(doneBeforeRerun);
+    expect(await workCounts(url, key)).toEqual(new Map(doneBeforeRerun.map((k) => [k, 1])));
+
+    const rerun = await run(key, params).done;
+    expect(rerun.code, rerun.stderr).toBe(0);
+    expect(await workCounts(url, key)).toEqual(ones(5));
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'succeeded', attempt: 2 });
+  });
+
+  it('before-finish: every step is done but the run is not marked; the rerun only marks it', async () => {
+    const params = { chunks: 3, label: 'before-finish' };
+    const crashed = await run('fault-before-finish', params, { IDEM_FAULT: 'before-finish:crash:1' }).done;
+    expect(crashed.signal).toBe('SIGKILL');
+    await settled();
+    expect(await runRow(url, 'counted', 'fault-before-finish')).toMatchObject({ status: 'running', attempt: 1 });
+    expect(await workCounts(url, 'fault-before-finish', 'finish')).toEqual(new Map([['step', 1]]));
+
+    const rerun = await run('fault-before-finish', params).done;
+    expect(rerun.code, rerun.stderr).toBe(0);
+    expect(JSON.parse(rerun.stdout)).toMatchObject({ status: 'succeeded', attempt: 2, executed: 0 });
+    expect(await runRow(url, 'counted', 'fault-before-finish')).toMatchObject({ status: 'succeeded', attempt: 2 });
+    expect(await workCounts(url, 'fault-before-finish')).toEqual(ones(3));
+    expect(await workCounts(url, 'fault-before-finish', 'finish')).toEqual(new Map([['step', 1]]));
+  });
+});

@@ -1,0 +1,181 @@
+import { Kysely, PostgresDialect, sql } from 'kysely';
+import pg from 'pg';
+import pino from 'pino';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import type { ChunkPage, Json, PlanContext } from '../src/job.ts';
+import { keyRange, type KeyRangeChunk, type KeyRangeOptions } from '../src/key-range.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+
+let database: TestDatabase;
+let db: Kysely<any>;
+
+beforeAll(async () => {
+  database = await createTestDatabase();
+  db = new Kysely<any>({ dialect: new PostgresDialect({ pool: new pg.Pool({ connectionString: database.url, max: 2 }) }) });
+  await sql`
+    create table gappy (id integer primary key, flag boolean not null default false);
+    insert into gappy (id) select g from generate_series(1, 10) g union all select g from generate_series(100, 105) g;
+    create table empty_t (id integer primary key);
+    create table big (id bigint primary key);
+    insert into big select 10000000000 + g * 1000 from generate_series(0, 24) g;
+    create table huge (id bigint primary key);
+    insert into huge values (1), (9007199254740993);
+    create schema other;
+    create table other.things (id integer primary key);
+    insert into other.things select generate_series(1, 7);
+    -- A table whose keys have random gaps (deterministic: setseed).
+    select setseed(0.42);
+    create table random_gaps as select distinct (random() * 5000)::int as id from generate_series(1, 1200);
+    alter table random_gaps add primary key (id);
+  `.execute(db);
+});
+
+afterAll(async () => {
+  await db?.destroy();
+  await database?.drop();
+});
+
+const ctx = (windowSize: number) =>
+  ({
+    db,
+    windowSize,
+    params: {},
+    log: pino({ level: 'silent' }),
+    signal: new AbortController().signal,
+    run: { job: 'test', runKey: 'k', runId: '1', attempt: 1 },
+    step: 'step',
+  }) as PlanContext<unknown>;
+
+/** Calls the source from a null cursor until it says it is exhausted; returns every window. */
+async function allWindows(opts: KeyRangeOptions, windowSize: number): Promise<Array<ChunkPage<KeyRangeChunk>>> {
+  const source = keyRange(opts);
+  const pages: Array<ChunkPage<KeyRangeChunk>> = [];
+  let cursor: Json | null = null;
+  for (let i = 0; i < 10_000; i++) {
+    const page: ChunkPage<KeyRangeChunk> = await source(cursor, ctx(windowSize));
+    pages.push(page);
+    if (page.next === null) return pages;
+    cursor = page.next;
+  }
+  throw new Error('the source never said it was exhausted');
+}
+
+async function ids(table: string, where = 'true'): Promise<number[]> {
+  const { rows } = await sql<{ id: string | number }>`select id from ${sql.table(table)} where ${sql.raw(where)} order by id`.execute(db);
+  return rows.map((r) => Number(r.id));
+}
+
+/** Asserts the chunks are ordered, contiguous, non-overlapping half-open ranges covering each id exactly once. */
+function expectExactCover(chunks: readonly KeyRangeChunk[], keys: number[], size: number): void {
+  for (let i = 0; i + 1 < chunks.length; i++) {
+    expect(chunks[i]!.hi).toBe(chunks[i + 1]!.lo);
+  }
+  for (const c of chunks) {
+    expect(c.lo).toBeLessThan(c.hi);
+    expect(c.key).toBe(`[${c.lo},${c.hi})`);
+  }
+  const perKey = keys.map((k) => chunks.filter((c) => c.lo <= k && k < c.hi).length);
+  expect(perKey.every((n) => n === 1)).toBe(true);
+  const rowsPerChunk = chunks.map((c) => keys.filter((k) => c.lo <= k && k < c.hi).length);
+  // Every chunk holds exactly `size` rows except the last, which holds the rest.
+  expect(rowsPerChunk.slice(0, -1).every((n) => n === size)).toBe(true);
+  expect(rowsPerChunk.at(-1)).toBeGreaterThan(0);
+  expect(rowsPerChunk.at(-1)).toBeLessThanOrEqual(size);
+  expect(new Set(chunks.map((c) => c.key)).size).toBe(chunks.length);
+}
+
+describe('keyRange', () => {
+  it('cuts a table with gaps into half-open ranges of `size` rows that cover every row once', async () => {
+    const page = await keyRange({ table: 'gappy', column: 'id', size: 4 })(null, ctx(100));
+    expect(page).toEqual({
+      chunks: [
+        { key: '[1,5)', lo: 1, hi: 5 },
+        { key: '[5,9)', lo: 5, hi: 9 },
+        { key: '[9,102)', lo: 9, hi: 102 },
+        { key: '[102,106)', lo: 102, hi: 106 },
+      ],
+      next: null,
+    });
+    expectExactCover(page.chunks, await ids('gappy'), 4);
+  });
+
+  it('returns at most windowSize chunks per call and the cursor continues exactly where the window ended', async () => {
+    const source = keyRange({ table: 'gappy', column: 'id', size: 4 });
+    const first = await source(null, ctx(1));
+    expect(first).toEqual({ chunks: [{ key: '[1,5)', lo: 1, hi: 5 }], next: 5 });
+    const second = await source(first.next, ctx(1));
+    expect(second).toEqual({ chunks: [{ key: '[5,9)', lo: 5, hi: 9 }], next: 9 });
+    const rest = await source(second.next, ctx(2));
+    expect(rest).toEqual({ chunks: [{ key: '[9,102)', lo: 9, hi: 102 }, { key: '[102,106)', lo: 102, hi: 106 }], next: null });
+  });
+
+  it('is deterministic: the same cursor gives the same chunks', async () => {
+    const source = keyRange({ table: 'gappy', column: 'id', size: 3 });
+    expect(await source(5, ctx(2))).toEqual(await source(5, ctx(2)));
+  });
+
+  it('a last window holding exactly windowSize chunks is still the last one (next = null)', async () => {
+    // 16 rows, size 4, window 2: the second window holds rows 9..16, two full chunks, and ends the table.
+    const pages = await allWindows({ table: 'gappy', column: 'id', size: 4 }, 2);
+    expect(pages.map((p) => p.chunks.length)).toEqual([2, 2]);
+    expect(pages.map((p) => p.next)).toEqual([9, null]);
+    expectExactCover(pages.flatMap((p) => p.chunks), await ids('gappy'), 4);
+  });
+
+  it('the union of all windows equals the table, for many sizes and window sizes over random gaps', async () => {
+    const keys = await ids('random_gaps');
+    expect(keys.length).toBeGreaterThan(900);
+    for (const [size, windowSize] of [[1, 50], [7, 3], [10, 1], [64, 4], [100, 100], [5000, 1]] as const) {
+      const pages = await allWindows({ table: 'random_gaps', column: 'id', size }, windowSize);
+      expect(pages.every((p) => p.chunks.length <= windowSize)).toBe(true);
+      const chunks = pages.flatMap((p) => p.chunks);
+      expect(chunks).toHaveLength(Math.ceil(keys.length / size));
+      expectExactCover(chunks, keys, size);
+    }
+  });
+
+  it('counts only rows matching `where` (SQL text or a sql`` fragment)', async () => {
+    await sql`update gappy set flag = (id % 3 = 0)`.execute(db);
+    const flagged = await ids('gappy', 'flag');
+    expect(flagged).toEqual([3, 6, 9, 102, 105]);
+    for (const where of ['flag', sql`flag`]) {
+      const pages = await allWindows({ table: 'gappy', column: 'id', size: 2, where }, 1);
+      const chunks = pages.flatMap((p) => p.chunks);
+      expect(chunks.map((c) => c.key)).toEqual(['[3,9)', '[9,105)', '[105,106)']);
+      expectExactCover(chunks, flagged, 2);
+    }
+    const none = await keyRange({ table: 'gappy', column: 'id', size: 2, where: 'id < 0' })(null, ctx(10));
+    expect(none).toEqual({ chunks: [], next: null });
+  });
+
+  it('an empty table gives no chunks and next = null', async () => {
+    expect(await keyRange({ table: 'empty_t', column: 'id', size: 10 })(null, ctx(100))).toEqual({ chunks: [], next: null });
+  });
+
+  it('works on a bigint column, returning numbers', async () => {
+    const pages = await allWindows({ table: 'big', column: 'id', size: 10 }, 1);
+    const chunks = pages.flatMap((p) => p.chunks);
+    expect(chunks).toEqual([
+      { key: '[10000000000,10000010000)', lo: 10_000_000_000, hi: 10_000_010_000 },
+      { key: '[10000010000,10000020000)', lo: 10_000_010_000, hi: 10_000_020_000 },
+      { key: '[10000020000,10000024001)', lo: 10_000_020_000, hi: 10_000_024_001 },
+    ]);
+    expectExactCover(chunks, await ids('big'), 10);
+  });
+
+  it('refuses keys beyond 2^53 instead of rounding them, naming the way out', async () => {
+    await expect(keyRange({ table: 'huge', column: 'id', size: 1 })(null, ctx(10))).rejects.toThrow(/not an integer within ±2\^53; use a custom chunk source/);
+  });
+
+  it('accepts a schema-qualified table', async () => {
+    const pages = await allWindows({ table: 'other.things', column: 'id', size: 3 }, 10);
+    expect(pages.flatMap((p) => p.chunks).map((c) => c.key)).toEqual(['[1,4)', '[4,7)', '[7,8)']);
+  });
+
+  it('rejects bad options at definition time, listing every problem', () => {
+    expect(() => keyRange({ table: '', column: '', size: 0 })).toThrow(
+      'keyRange(): table must be a non-empty string; column must be a non-empty string; size must be an integer >= 1 (got 0)',
+    );
+    expect(() => keyRange({ table: 't', column: 'id', size: 2.5 })).toThrow(/size must be an integer >= 1/);
+  });
+});

@@ -1,0 +1,341 @@
+import pg from 'pg';
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { BusyError, defineJob, exitCodeOf, fingerprint, LockLostError, ParamsMismatchError, RunFailedError, Runner, sql, UsageError, type Json } from '../src/index.ts';
+import { lockKey } from '../src/fingerprint.ts';
+import counted, { chunkKey, maybeFail } from './fixtures/jobs/counted.ts';
+import ranged from './fixtures/jobs/ranged.ts';
+import { createFixtureTables } from './fixtures/tables.ts';
+import { ALL_TABLES, chunkRows, holdGate, query, runRow, snapshot, waitFor, workCounts } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+
+let database: TestDatabase;
+let url: string;
+let runner: Runner;
+
+beforeAll(async () => {
+  database = await createTestDatabase();
+  url = database.url;
+  await createFixtureTables(url);
+  runner = await Runner.connect({ connectionString: url });
+});
+
+afterAll(async () => {
+  await runner?.close();
+  await database?.drop();
+});
+
+/** The error a promise rejects with (fails the test if it resolves). */
+async function rejectionOf(p: Promise<unknown>): Promise<Error> {
+  return p.then(
+    (v) => {
+      throw new Error(`expected a rejection, got ${JSON.stringify(v)}`);
+    },
+    (e: Error) => e,
+  );
+}
+
+/** How many statements fn sends to Postgres (through any pg client in this process). */
+async function countStatements<T>(fn: () => Promise<T>): Promise<{ result: T; statements: number }> {
+  const spy = vi.spyOn(pg.Client.prototype, 'query');
+  try {
+    const result = await fn();
+    return { result, statements: spy.mock.calls.length };
+  } finally {
+    spy.mockRestore();
+  }
+}
+
+const ones = (n: number) => new Map(Array.from({ length: n }, (_, i) => [chunkKey(i + 1), 1]));
+
+describe('Runner.run', () => {
+  it('a second run of a finished job changes nothing and costs O(1) statements', async () => {
+    const statementsOfRerun: number[] = [];
+    for (const [chunks, key] of [[10, 'twice-10'], [40, 'twice-40']] as const) {
+      const first = await runner.run(counted, { params: { chunks }, key });
+      expect(first).toMatchObject({ status: 'succeeded', job: 'counted', runKey: key, attempt: 1, executed: chunks + 2 });
+      expect(first.summary).toMatchObject({ chunks: chunks + 2, attempts: 1, steps: [{ name: 'prepare', chunks: 1 }, { name: 'work', chunks }, { name: 'finish', chunks: 1 }] });
+      const before = await snapshot(url, ALL_TABLES);
+
+      const { result: second, statements } = await countStatements(() => runner.run(counted, { params: { chunks }, key }));
+      expect(second).toMatchObject({ status: 'already-succeeded', executed: 0, job: 'counted', runKey: key, runId: first.runId, attempt: 1 });
+      expect(second.summary).toEqual(first.summary);
+      expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+      expect(await workCounts(url, key)).toEqual(ones(chunks));
+      expect(await workCounts(url, key, 'prepare')).toEqual(new Map([['step', 1]]));
+      statementsOfRerun.push(statements);
+    }
+    // One claim statement, whatever the run's size: no lock, no planning, no chunk scan.
+    expect(statementsOfRerun[0]).toBeLessThanOrEqual(2);
+    expect(statementsOfRerun[1]).toBe(statementsOfRerun[0]);
+  });
+
+  it('the run key defaults to the fingerprint of the validated params, whatever their key order', async () => {
+    const out = await runner.run(counted, { params: { chunks: 3, label: 'fp' } });
+    const validated = { chunks: 3, pauseMs: 0, label: 'fp', gate: null };
+    expect(out.runKey).toBe(fingerprint(validated));
+    const row = await runRow(url, 'counted', out.runKey);
+    expect(row).toMatchObject({ fingerprint: out.runKey, params: validated, status: 'succeeded', attempt: 1 });
+
+    const again = await runner.run(counted, { params: { label: 'fp', pauseMs: 0, chunks: 3 } });
+    expect(again).toMatchObject({ status: 'already-succeeded', runKey: out.runKey, runId: out.runId, executed: 0 });
+    expect(await workCounts(url, out.runKey)).toEqual(ones(3));
+  });
+
+  it('a new key runs the same params afresh, as a run of its own', async () => {
+    const a = await runner.run(counted, { params: { chunks: 4, label: 'keys' }, key: 'keys-a' });
+    const b = await runner.run(counted, { params: { chunks: 4, label: 'keys' }, key: 'keys-b' });
+    expect(a.status).toBe('succeeded');
+    expect(b).toMatchObject({ status: 'succeeded', executed: 6, attempt: 1 });
+    expect(b.runId).not.toBe(a.runId);
+    expect(await workCounts(url, 'keys-a')).toEqual(ones(4));
+    expect(await workCounts(url, 'keys-b')).toEqual(ones(4));
+  });
+
+  it('the same key with other params is refused (exit 65) and changes nothing', async () => {
+    await runner.run(counted, { params: { chunks: 2, label: 'a' }, key: 'mismatch' });
+    const before = await snapshot(url, ALL_TABLES);
+    const err = await rejectionOf(runner.run(counted, { params: { chunks: 2, label: 'b' }, key: 'mismatch' }));
+    expect(err).toBeInstanceOf(ParamsMismatchError);
+    expect(exitCodeOf(err)).toBe(65);
+    expect(err.message).toContain('run key "mismatch" of job "counted" was already used with other params');
+    expect(err.message).toContain('--key');
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it('invalid params are refused (UsageError, exit 2) before anything is written', async () => {
+    const before = await snapshot(url, ALL_TABLES);
+    for (const params of [{ chunks: 'many' }, { chunks: 0 }, { nope: 1 }]) {
+      const err = await rejectionOf(runner.run(counted, { params, key: 'invalid' }));
+      expect(err).toBeInstanceOf(UsageError);
+      expect(exitCodeOf(err)).toBe(2);
+      expect(err.message).toMatch(/^invalid params for job "counted": /);
+    }
+    const err = await rejectionOf(runner.run(ranged, { params: { x: 1 } }));
+    expect(err.message).toContain('job "ranged" takes no params');
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it('a dry run reports the plan and writes nothing', async () => {
+    const before = await snapshot(url, ALL_TABLES);
+    const out = await runner.run(counted, { params: { chunks: 2 }, key: 'dry', dryRun: true });
+    expect(out).toMatchObject({ status: 'dry-run', runId: null, executed: 0, plan: { state: 'new', steps: [{ name: 'prepare', chunked: false }, { name: 'work', chunked: true }, { name: 'finish', chunked: false }] } });
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it('a failing chunk fails the run (exit 1) recording where and why; its work rolls back', async () => {
+    await query(url, `insert into fail_chunks (chunk_key) values ('c0004')`);
+    const err = await rejectionOf(runner.run(counted, { params: { chunks: 8, label: 'fail' }, key: 'fail', planWindow: 3 }));
+    expect(err).toBeInstanceOf(RunFailedError);
+    expect(exitCodeOf(err)).toBe(1);
+    expect(err.message).toContain('job "counted" failed in step "work", chunk c0004 after 1 try: injected failure in chunk c0004');
+
+    const run = await runRow(url, 'counted', 'fail');
+    expect(run).toMatchObject({ status: 'failed', attempt: 1, holder: null, finished_at: null });
+    expect(run.error).toMatchObject({ step: 'work', chunk: 'c0004', tries: 1, message: 'injected failure in chunk c0004' });
+    // Chunks before the failure committed; the failing one's work and marker rolled back together.
+    expect(await workCounts(url, 'fail')).toEqual(ones(3));
+    expect(await query(url, `select chunk_key from counted_state where run_key = 'fail' order by 1`)).toEqual(['c0001', 'c0002', 'c0003'].map((chunk_key) => ({ chunk_key })));
+    const chunks = await chunkRows(url, 'counted', 'fail', 'work');
+    expect(chunks.map((c) => [c.key, c.done_at !== null])).toEqual([
+      ['c0001', true], ['c0002', true], ['c0003', true], ['c0004', false], ['c0005', false], ['c0006', false],
+    ]);
+    expect(chunks[3]).toMatchObject({ attempts: 1, error: 'injected failure in chunk c0004' });
+    // Two windows of 3 planned; the cursor after them is persisted for the resume.
+    const [step] = await query(url, `select s.* from idem.steps s where s.run_id = $1 and s.name = 'work'`, [run.id]);
+    expect(step).toMatchObject({ planned: 6, cursor: 7, planned_all: false, status: 'running' });
+
+    const [status] = await runner.status('counted', 1);
+    expect(status).toMatchObject({ runKey: 'fail', state: 'failed', attempt: 1, chunksDone: 4, chunksPlanned: 7, fullyPlanned: false, holder: null });
+    expect(status!.error).toMatchObject({ step: 'work', chunk: 'c0004', tries: 1 });
+  });
+
+  it('after the cause is fixed, a rerun resumes at the failed chunk and never redoes finished ones', async () => {
+    await query(url, `delete from fail_chunks where chunk_key = 'c0004'`);
+    const out = await runner.run(counted, { params: { chunks: 8, label: 'fail' }, key: 'fail', planWindow: 3 });
+    expect(out).toMatchObject({ status: 'succeeded', attempt: 2, executed: 6 });
+    expect(out.summary).toMatchObject({ chunks: 10, attempts: 2 });
+    expect(await workCounts(url, 'fail')).toEqual(ones(8));
+    expect(await workCounts(url, 'fail', 'prepare')).toEqual(new Map([['step', 1]]));
+    expect(await workCounts(url, 'fail', 'finish')).toEqual(new Map([['step', 1]]));
+    const chunks = await chunkRows(url, 'counted', 'fail', 'work');
+    expect(chunks.map((c) => [c.key, c.seq, c.done_attempt])).toEqual([
+      ['c0001', 1, 1], ['c0002', 2, 1], ['c0003', 3, 1], ['c0004', 4, 2], ['c0005', 5, 2], ['c0006', 6, 2], ['c0007', 7, 2], ['c0008', 8, 2],
+    ]);
+    // The work log agrees with the markers: each chunk's work was done by the attempt that marked it.
+    const log = await query(url, `select chunk_key, attempt from work_log where run_key = 'fail' and step = 'work' order by chunk_key`);
+    expect(log.map((r) => [r.chunk_key, r.attempt])).toEqual(chunks.map((c) => [c.key, c.done_attempt]));
+    const run = await runRow(url, 'counted', 'fail');
+    expect(run).toMatchObject({ status: 'succeeded', error: null, attempt: 2 });
+    const [status] = await runner.status('counted', 1);
+    expect(status).toMatchObject({ runKey: 'fail', state: 'succeeded', chunksDone: 10, chunksPlanned: 10, fullyPlanned: true, error: null });
+  });
+
+  it('a transient error (40001) is retried with backoff and the chunk commits once', async () => {
+    await query(url, `insert into fail_chunks values ('c0002', '40001', 2)`);
+    await query(url, `alter sequence fixture_tries restart`);
+    try {
+      const out = await runner.run(counted, { params: { chunks: 3, label: 'transient' }, key: 'transient' });
+      expect(out).toMatchObject({ status: 'succeeded', attempt: 1, executed: 5 });
+      expect(await query(url, 'select last_value::int as n from fixture_tries')).toEqual([{ n: 3 }]);
+      expect(await workCounts(url, 'transient')).toEqual(ones(3));
+    } finally {
+      await query(url, `delete from fail_chunks`);
+    }
+  });
+
+  it('a transient error that outlasts the retry budget fails the run with the tries and SQLSTATE', async () => {
+    await query(url, `insert into fail_chunks values ('c0001', '40P01', 1000)`);
+    try {
+      const err = await rejectionOf(runner.run(counted, { params: { chunks: 2, label: 'exhausted' }, key: 'exhausted' }));
+      expect(err).toBeInstanceOf(RunFailedError);
+      expect(err.message).toContain('chunk c0001 after 5 tries');
+      const run = await runRow(url, 'counted', 'exhausted');
+      expect(run.error).toMatchObject({ step: 'work', chunk: 'c0001', tries: 5, code: '40P01' });
+      expect(await workCounts(url, 'exhausted')).toEqual(new Map());
+    } finally {
+      await query(url, `delete from fail_chunks`);
+    }
+  });
+
+  it('with concurrency 4, chunks run 4 at a time and each commits exactly once', async () => {
+    let active = 0;
+    let peak = 0;
+    const job = defineJob({
+      name: 'parallel',
+      steps: [
+        {
+          name: 'work',
+          chunks: (cursor, { windowSize }) => {
+            const from = typeof cursor === 'number' ? cursor : 1;
+            const to = Math.min(from + windowSize - 1, 30);
+            const chunks = Array.from({ length: to - from + 1 }, (_, i) => ({ key: chunkKey(from + i) }));
+            return { chunks, next: to < 30 ? to + 1 : null };
+          },
+          async run(ctx, chunk: { key: string }) {
+            peak = Math.max(peak, ++active);
+            try {
+              await sql`select pg_sleep(0.03)`.execute(ctx.db);
+              await sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values ('parallel', ${ctx.run.runKey}, 'work', ${chunk.key}, ${ctx.run.attempt}, 0)`.execute(ctx.db);
+            } finally {
+              active--;
+            }
+          },
+        },
+      ],
+    });
+    const out = await runner.run(job, { key: 'parallel', concurrency: 4, planWindow: 8 });
+    expect(out).toMatchObject({ status: 'succeeded', executed: 30 });
+    expect(peak).toBe(4);
+    expect(await workCounts(url, 'parallel')).toEqual(ones(30));
+    const [{ n }] = await query(url, `select count(distinct backend_pid)::int as n from work_log where run_key = 'parallel'`);
+    expect(n).toBeGreaterThanOrEqual(4);
+  });
+
+  it('a custom chunk source is called window by window from the persisted cursor, also on resume', async () => {
+    const calls: Array<[Json | null, number]> = [];
+    const job = defineJob({
+      name: 'windowed',
+      steps: [
+        {
+          name: 'work',
+          chunks: (cursor, { windowSize }) => {
+            calls.push([cursor, windowSize]);
+            const from = typeof cursor === 'number' ? cursor : 1;
+            const to = Math.min(from + windowSize - 1, 10);
+            return { chunks: Array.from({ length: to - from + 1 }, (_, i) => ({ key: `w${from + i}`, n: from + i })), next: to < 10 ? to + 1 : null };
+          },
+          async run(ctx, chunk: { key: string }) {
+            await sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values ('windowed', ${ctx.run.runKey}, 'work', ${chunk.key}, ${ctx.run.attempt}, 0)`.execute(ctx.db);
+            await maybeFail(ctx, chunk.key);
+          },
+        },
+      ],
+    });
+    await query(url, `insert into fail_chunks (chunk_key) values ('w5')`);
+    await expect(runner.run(job, { key: 'windowed', planWindow: 3 })).rejects.toBeInstanceOf(RunFailedError);
+    expect(calls).toEqual([[null, 3], [4, 3]]);
+
+    await query(url, `delete from fail_chunks`);
+    calls.length = 0;
+    const out = await runner.run(job, { key: 'windowed', planWindow: 3 });
+    expect(out).toMatchObject({ status: 'succeeded', attempt: 2, executed: 6 });
+    // Resumed from the persisted cursor: the first two windows were not planned again.
+    expect(calls).toEqual([[7, 3], [10, 3]]);
+    const chunks = await chunkRows(url, 'windowed', 'windowed', 'work');
+    expect(chunks.map((c) => [c.seq, c.key, c.spec, c.done_attempt])).toEqual(
+      Array.from({ length: 10 }, (_, i) => [i + 1, `w${i + 1}`, { key: `w${i + 1}`, n: i + 1 }, i < 4 ? 1 : 2]),
+    );
+    const [step] = await query(url, `select s.cursor, s.planned, s.planned_all, s.status from idem.steps s join idem.runs r on r.id = s.run_id where r.job = 'windowed'`);
+    expect(step).toEqual({ cursor: null, planned: 10, planned_all: true, status: 'done' });
+    const log = await query(url, `select chunk_key, count(*)::int as n from work_log where job = 'windowed' group by 1`);
+    expect(log).toHaveLength(10);
+    expect(log.every((r) => r.n === 1)).toBe(true);
+  });
+
+  it('a keyRange job covers every row of its table once', async () => {
+    await query(url, `insert into items (id, value) select g, g from generate_series(1, 95) g where g % 7 <> 0`);
+    const out = await runner.run(ranged, { key: 'ranged' });
+    const rows = 95 - 13;
+    expect(out).toMatchObject({ status: 'succeeded', executed: Math.ceil(rows / 10) });
+    expect(await query(url, 'select count(*)::int as n from items where doubled is distinct from value * 2')).toEqual([{ n: 0 }]);
+    const log = await query(url, `select chunk_key from work_log where job = 'ranged' order by id`);
+    expect(log.map((r) => r.chunk_key)).toEqual((await chunkRows(url, 'ranged', 'ranged', 'double')).map((c) => c.key));
+  });
+
+  it('another process holding the job lock makes run() busy (exit 75) without doing any work', async () => {
+    const holder = new pg.Client({ connectionString: url });
+    await holder.connect();
+    try {
+      await holder.query('select pg_advisory_lock($1::bigint)', [lockKey(runner.jobLockName('counted'))]);
+      const err = await rejectionOf(runner.run(counted, { params: { chunks: 2 }, key: 'busy' }));
+      expect(err).toBeInstanceOf(BusyError);
+      expect(exitCodeOf(err)).toBe(75);
+      expect(err.message).toContain('job "counted" is running in another process');
+      expect(err.message).toContain('--wait');
+      const waited = Date.now();
+      await expect(runner.run(counted, { params: { chunks: 2 }, key: 'busy', wait: 1 })).rejects.toBeInstanceOf(BusyError);
+      expect(Date.now() - waited).toBeGreaterThanOrEqual(1000);
+      expect(await workCounts(url, 'busy')).toEqual(new Map());
+      expect(await runRow(url, 'counted', 'busy')).toMatchObject({ attempt: 0, status: 'pending' });
+      // Other jobs are not blocked by this job's lock.
+      await expect(runner.run(ranged, { key: 'ranged-while-busy' })).resolves.toMatchObject({ status: 'succeeded' });
+    } finally {
+      await holder.end();
+    }
+    await expect(runner.run(counted, { params: { chunks: 2 }, key: 'busy' })).resolves.toMatchObject({ status: 'succeeded', attempt: 1 });
+  });
+
+  it('a zombie attempt cannot commit after a newer attempt took the run over (fencing, exit 69)', async () => {
+    const gate = await holdGate(url, 'fence');
+    const running = rejectionOf(runner.run(counted, { params: { chunks: 3, gate: 'fence' }, key: 'fence' }));
+    try {
+      // Attempt 1 is inside chunk c0001, blocked on the gate; a takeover bumps the fencing token.
+      await waitFor(async () => (await query(url, `select 1 from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`)).length > 0, 'the chunk to block on the gate');
+      await query(url, `update idem.runs set attempt = attempt + 1 where run_key = 'fence'`);
+    } finally {
+      await gate.release();
+    }
+    const err = await running;
+    expect(err).toBeInstanceOf(LockLostError);
+    expect(exitCodeOf(err)).toBe(69);
+    expect(err.message).toContain('fenced off by attempt 2');
+    expect(await workCounts(url, 'fence')).toEqual(new Map());
+    expect((await chunkRows(url, 'counted', 'fence', 'work')).filter((c) => c.done_at !== null)).toEqual([]);
+    // The zombie records nothing on the run: it belongs to attempt 2 now.
+    expect(await runRow(url, 'counted', 'fence')).toMatchObject({ attempt: 2, status: 'running', error: null });
+  });
+
+  it('status() lists runs newest first, filtered by job', async () => {
+    const all = await runner.status();
+    const mine = await runner.status('counted');
+    expect(mine.length).toBeGreaterThan(5);
+    expect(mine.every((r) => r.job === 'counted')).toBe(true);
+    expect(all.length).toBeGreaterThan(mine.length);
+    const created = all.map((r) => r.createdAt.getTime());
+    expect(created).toEqual([...created].sort((a, b) => b - a));
+    expect((await runner.status('counted', 2)).length).toBe(2);
+    // Nothing holds a lock now: a run row still saying `running` is reported as crashed.
+    expect(mine.find((r) => r.runKey === 'fence')).toMatchObject({ state: 'crashed', holder: null });
+    expect(mine.find((r) => r.runKey === 'twice-10')).toMatchObject({ state: 'succeeded', chunksDone: 12, chunksPlanned: 12, fullyPlanned: true });
+  });
+});
