@@ -66,7 +66,7 @@ async function endState(runKey: string) {
 describe('a run killed with SIGKILL', () => {
   it('keeps exactly the chunks it committed, and a rerun resumes to the end state of a clean run', async () => {
     const proc = run('crash');
-    await waitFor(async () => (await doneKeys('crash')).length >= 5, 'five chunks to be done');
+    await waitFor(async () => (await doneKeys('crash')).length >= 5, 'five chunks to be done', { timeoutMs: 60_000 });
     proc.child.kill('SIGKILL');
     const killed = await proc.done;
     expect(killed.signal).toBe('SIGKILL');
@@ -97,13 +97,13 @@ describe('a run killed with SIGKILL', () => {
     const clean = await withRunner((runner) => runner.run(counted, { params: PARAMS, key: 'crash-clean' }));
     expect(clean).toMatchObject({ status: 'succeeded', attempt: 1, executed: CHUNKS + 2 });
     expect(await endState('crash')).toEqual(await endState('crash-clean'));
-  });
+  }, 120_000);
 });
 
 describe('a run stopped with SIGTERM', () => {
   it('lets the in-flight chunk finish, exits 143 as interrupted, and the same command resumes', async () => {
     const proc = run('term');
-    await waitFor(async () => (await doneKeys('term')).length >= 3, 'three chunks to be done');
+    await waitFor(async () => (await doneKeys('term')).length >= 3, 'three chunks to be done', { timeoutMs: 60_000 });
     const signalledAt = Date.now();
     proc.child.kill('SIGTERM');
     const stopped = await proc.done;
