@@ -26,6 +26,8 @@ export type { RunJobOptions, RunOutcome, RunnerOptions, RunStatusRow } from './r
 export type { RunSummary, RunErrorInfo } from './store.ts';
 export {
   BusyError,
+  CancelledError,
+  PausedError,
   DatabaseUnavailableError,
   ExitCode,
   FencedError,

@@ -1,6 +1,6 @@
 import { sql, type Kysely } from 'kysely';
 import { acquireAdvisoryLock } from './advisory-lock.ts';
-import { UsageError } from './errors.ts';
+import { BusyError, UsageError } from './errors.ts';
 import { lockKey } from './fingerprint.ts';
 import type { RunRow } from './store.ts';
 
@@ -90,9 +90,15 @@ export async function resumeRun(h: OperationsHost, job: string, key?: string): P
  */
 export async function resetRun(h: OperationsHost, job: string, key: string): Promise<{ chunks: number; effects: number }> {
   const run = await targetRun(h, job, key, [], 'reset');
-  const lock = await acquireAdvisoryLock({ connectionString: h.connectionString, name: h.jobLockName(job), what: `job "${job}"`, wait: false });
+  const lock = await acquireAdvisoryLock({ connectionString: h.connectionString, name: h.jobLockName(job), what: `job "${job}"`, wait: false }).catch((err: unknown) => {
+    if (err instanceof BusyError) throw new BusyError(`job "${job}" is running in another process; idem cancel ${job} --key ${key} first, or reset after it ends`);
+    throw err;
+  });
   try {
-    if (await isLive(h, run)) throw new UsageError('runIsLive', `run "${key}" of job "${job}" is running; idem cancel it first`);
+    // Holding the job's lock, no process runs this job; a migration runs under migrate's lock instead.
+    if (run.lock_name && run.lock_name !== h.jobLockName(job) && (await isLive(h, run))) {
+      throw new BusyError(`run "${key}" of job "${job}" is running under ${run.lock_name}; idem cancel it first`);
+    }
     const { rows } = await sql<{ chunks: number; effects: number }>`
       with c as (select count(*)::int as n from ${t(h, 'chunks')} where run_id = ${run.id}),
            e as (select count(*)::int as n from ${t(h, 'effects')} where run_id = ${run.id}),

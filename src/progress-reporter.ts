@@ -18,10 +18,12 @@ export function formatProgress(job: string, p: Progress, now = performance.now()
   return `${job} step ${p.stepIndex + 1}/${p.steps} ${p.step}: ${of} chunks, ${rate.toFixed(1)}/s, ${eta}`;
 }
 
-function formatSeconds(s: number): string {
-  if (!Number.isFinite(s)) return '?';
-  if (s < 60) return `${Math.ceil(s)}s`;
-  if (s < 3600) return `${Math.floor(s / 60)}m${String(Math.ceil(s % 60)).padStart(2, '0')}s`;
+function formatSeconds(seconds: number): string {
+  if (!Number.isFinite(seconds)) return '?';
+  // Round once, then split: rounding the parts separately shows 119.5 s as "1m60s".
+  const s = Math.ceil(seconds);
+  if (s < 60) return `${s}s`;
+  if (s < 3600) return `${Math.floor(s / 60)}m${String(s % 60).padStart(2, '0')}s`;
   return `${Math.floor(s / 3600)}h${String(Math.floor((s % 3600) / 60)).padStart(2, '0')}m`;
 }
 

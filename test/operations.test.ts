@@ -1,0 +1,423 @@
+import { fileURLToPath } from 'node:url';
+import pg from 'pg';
+import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
+import { defineJob, InterruptedError, Runner, type StepContext } from '../src/index.ts';
+import { CancelledError } from '../src/errors.ts';
+import type { Progress } from '../src/executor.ts';
+import { formatProgress } from '../src/progress-reporter.ts';
+import { resolveThrottle, Throttle } from '../src/throttle.ts';
+import counted, { chunkKey } from './fixtures/jobs/counted.ts';
+import ranged from './fixtures/jobs/ranged.ts';
+import sized, { SIZED_DDL, SIZED_NOMINAL } from './fixtures/sized-jobs/sized.ts';
+import { createFixtureTables, withClient } from './fixtures/tables.ts';
+import { chunkRows, FIXTURE_DIRS, holdGate, killLeftovers, query, runCli, runRow, sessions, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+
+const SIZED_JOBS = fileURLToPath(new URL('./fixtures/sized-jobs', import.meta.url));
+
+let database: TestDatabase;
+let url: string;
+let runner: Runner;
+
+beforeAll(async () => {
+  database = await createTestDatabase();
+  url = database.url;
+  await createFixtureTables(url);
+  await withClient(url, (c) => c.query(SIZED_DDL));
+  runner = await Runner.connect({ connectionString: url });
+});
+
+afterEach(async () => {
+  await killLeftovers();
+  await query(url, 'delete from fail_chunks');
+});
+
+afterAll(async () => {
+  await killLeftovers();
+  await runner?.close();
+  await database?.drop();
+});
+
+/** The CLI on the fixture jobs, to completion. */
+const idem = (args: readonly string[], env?: Record<string, string>) => runCli([...FIXTURE_DIRS, ...args], { url, ...(env ? { env } : {}) });
+const countedArgs = (key: string, params: object, extra: readonly string[] = []) => [...FIXTURE_DIRS, 'run', 'counted', '--params', JSON.stringify(params), '--key', key, ...extra];
+const ones = (n: number) => new Map(Array.from({ length: n }, (_, i) => [chunkKey(i + 1), 1]));
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+/** Keys of the counted job's `work` chunks whose marker committed. */
+async function doneWork(runKey: string): Promise<string[]> {
+  return (await chunkRows(url, 'counted', runKey, 'work')).filter((c) => c.done_at !== null).map((c) => c.key);
+}
+
+/** Waits until some session of this database waits on a lock: a chunk stuck at a gate or row lock. */
+async function someoneBlocked(): Promise<void> {
+  await waitFor(
+    async () => (await query(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`))[0].n > 0,
+    'a chunk to block on a held lock',
+  );
+}
+
+const RUN_TABLES = ['idem.runs', 'idem.steps', 'idem.chunks', 'idem.effects', 'work_log', 'counted_state'] as const;
+
+describe('pause and resume', () => {
+  it('pausing a live run lets its in-flight chunk finish, then it exits 75 and stays paused until idem resume', async () => {
+    const key = 'op-pause';
+    const params = { chunks: 8, gate: 'g-pause' };
+    const gate = await holdGate(url, 'g-pause');
+    let child: ReturnType<typeof spawnCli>;
+    try {
+      child = spawnCli(countedArgs(key, params), { url });
+      await someoneBlocked(); // c0001 is in flight, waiting at the gate
+      const paused = await idem(['pause', 'counted', '--key', key]);
+      expect(paused.code, paused.stderr).toBe(0);
+      expect(paused.stdout).toBe(`pause: run ${key} of job "counted" requested: the live run stops at its next chunk boundary\n`);
+      expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'running', requested: 'pause' });
+      // The live run looks for requests every second; give it time to see this one before c0001 ends.
+      await sleep(2_500);
+    } finally {
+      await gate.release();
+    }
+    const r = await child!.done;
+    expect(r.code, r.stderr).toBe(75);
+    expect(r.stderr).toMatch(`job "counted" paused by an operator after finishing its in-flight chunks; run idem resume counted --key ${key} to let it continue`);
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'paused', requested: null, attempt: 1 });
+    // The in-flight chunk committed; no later chunk started.
+    expect(await doneWork(key)).toEqual(['c0001']);
+    expect(await workCounts(url, key)).toEqual(new Map([['c0001', 1]]));
+
+    const again = await runCli(countedArgs(key, params), { url });
+    expect(again.code).toBe(75);
+    expect(again.stderr).toMatch(`run ${key} of job "counted" is paused; run idem resume counted --key ${key} first`);
+    expect(await workCounts(url, key)).toEqual(new Map([['c0001', 1]]));
+
+    const resumed = await idem(['resume', 'counted', '--key', key]);
+    expect(resumed.code, resumed.stderr).toBe(0);
+    expect(resumed.stdout).toBe(`resume: run ${key} of job "counted" now interrupted\n`);
+    const done = await runner.run(counted, { key, params });
+    expect(done).toMatchObject({ status: 'succeeded', attempt: 2, executed: 8 }); // 7 work chunks and finish
+    expect(await workCounts(url, key)).toEqual(ones(8));
+  });
+
+  it('pause and cancel of a run nobody executes take effect at once', async () => {
+    const key = 'op-idle';
+    await query(url, `insert into fail_chunks values ('c0002', null, null)`);
+    await expect(runner.run(counted, { key, params: { chunks: 3 } })).rejects.toThrow(/injected failure in chunk c0002/);
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'failed' });
+
+    const paused = await idem(['pause', 'counted', '--key', key]);
+    expect(paused.code, paused.stderr).toBe(0);
+    expect(paused.stdout).toBe(`pause: run ${key} of job "counted" now paused\n`);
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'paused', finished_at: null });
+
+    expect(await runner.cancel('counted', key)).toEqual({ job: 'counted', runKey: key, status: 'cancelled', live: false });
+    const row = await runRow(url, 'counted', key);
+    expect(row.status).toBe('cancelled');
+    expect(row.finished_at).toBeInstanceOf(Date);
+
+    const late = await idem(['pause', 'counted', '--key', key]);
+    expect(late.code).toBe(2);
+    expect(late.stderr).toMatch(`run "${key}" of job "counted" is cancelled: nothing to pause`);
+    expect(await workCounts(url, key)).toEqual(new Map([['c0001', 1]]));
+  });
+});
+
+describe('cancel and reset', () => {
+  it('cancelling a live run ends it with exit 1; reruns are refused until idem reset, after which it runs afresh', async () => {
+    const key = 'op-cancel';
+    const params = { chunks: 8, gate: 'g-cancel' };
+    const gate = await holdGate(url, 'g-cancel');
+    let child: ReturnType<typeof spawnCli>;
+    try {
+      child = spawnCli(countedArgs(key, params), { url });
+      await someoneBlocked();
+      const cancelled = await idem(['cancel', 'counted', '--key', key]);
+      expect(cancelled.code, cancelled.stderr).toBe(0);
+      expect(cancelled.stdout).toMatch('requested: the live run stops at its next chunk boundary');
+      await sleep(2_500);
+    } finally {
+      await gate.release();
+    }
+    const r = await child!.done;
+    expect(r.code, r.stderr).toBe(1);
+    expect(r.stderr).toMatch(`job "counted" cancelled by an operator; finished chunks are kept; idem reset counted --key ${key} forgets the run`);
+    const old = await runRow(url, 'counted', key);
+    expect(old).toMatchObject({ status: 'cancelled', requested: null, attempt: 1 });
+    expect(old.finished_at).toBeInstanceOf(Date);
+    expect(await doneWork(key)).toEqual(['c0001']);
+
+    const refused = await runCli(countedArgs(key, params), { url });
+    expect(refused.code).toBe(1);
+    expect(refused.stderr).toMatch(`run ${key} of job "counted" was cancelled; idem reset counted --key ${key} forgets it so it can run afresh`);
+    await expect(runner.run(counted, { key, params })).rejects.toBeInstanceOf(CancelledError);
+
+    const [{ n: markers }] = await query(url, 'select count(*)::int as n from idem.chunks where run_id = $1', [old.id]);
+    expect(markers).toBe(9); // prepare's and the 8 planned work chunks
+    const reset = await idem(['reset', 'counted', '--key', key]);
+    expect(reset.code, reset.stderr).toBe(0);
+    expect(reset.stdout).toBe(`reset: forgot run ${key} of job "counted" (9 chunk markers, 0 effects)\n`);
+    expect(await runRow(url, 'counted', key)).toBeUndefined();
+    for (const table of ['idem.steps', 'idem.chunks']) {
+      expect(await query(url, `select count(*)::int as n from ${table} where run_id = $1`, [old.id])).toEqual([{ n: 0 }]);
+    }
+
+    const fresh = await runner.run(counted, { key, params });
+    expect(fresh).toMatchObject({ status: 'succeeded', attempt: 1, executed: 10 });
+    expect(fresh.runId).not.toBe(old.id);
+    // Every chunk executed again: c0001 twice in all (before the cancel and after the reset).
+    expect(await workCounts(url, key)).toEqual(new Map([...ones(8)].map(([k]) => [k, k === 'c0001' ? 2 : 1])));
+  });
+
+  it('reset of a live run exits 75 (the job lock is held) and changes nothing', async () => {
+    const key = 'op-live';
+    const gate = await holdGate(url, 'g-live');
+    const live = runner.run(counted, { key, params: { chunks: 3, gate: 'g-live' } });
+    try {
+      await someoneBlocked();
+      const before = await snapshot(url, RUN_TABLES);
+      const r = await idem(['reset', 'counted', '--key', key]);
+      expect(r.code).toBe(75);
+      expect(r.stderr).toMatch('job "counted" is running in another process; idem cancel counted --key op-live first');
+      expect(await snapshot(url, RUN_TABLES)).toEqual(before);
+    } finally {
+      await gate.release();
+    }
+    expect(await live).toMatchObject({ status: 'succeeded', attempt: 1, executed: 5 });
+    expect(await workCounts(url, key)).toEqual(ones(3));
+  });
+
+  it('reset forgets a crashed run (its process died; its row still says running)', async () => {
+    const key = 'op-crashed';
+    const crashed = await runCli(countedArgs(key, { chunks: 4 }), { url, env: { IDEM_FAULT: 'after-commit:crash:3' } });
+    expect(crashed.signal).toBe('SIGKILL');
+    // Postgres drops a dead process's lock with its session; wait for that, so only the row is left.
+    await waitFor(async () => (await sessions(url, 'idem-lock')) === 0, 'the crashed lock session to end');
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'running' });
+    expect((await runner.status('counted')).find((s) => s.runKey === key)?.state).toBe('crashed');
+
+    const reset = await idem(['reset', 'counted', '--key', key]);
+    expect([reset.code, reset.stderr]).toEqual([0, '']);
+    expect(await runRow(url, 'counted', key)).toBeUndefined();
+  });
+});
+
+describe('prune', () => {
+  const withEffects = defineJob({
+    name: 'with-effects',
+    steps: [
+      {
+        name: 'send',
+        chunks: () => ({ chunks: [{ key: 'a' }, { key: 'b' }], next: null }),
+        async run(ctx: StepContext) {
+          await ctx.effect('ping', (key) => ({ key }));
+        },
+      },
+    ],
+  });
+
+  /** Every run with how many step, chunk and effect rows it owns. */
+  async function perRun() {
+    return query(
+      url,
+      `select r.id, r.job, r.run_key, r.status,
+         (select count(*) from idem.steps s where s.run_id = r.id)::int as steps,
+         (select count(*) from idem.chunks c where c.run_id = r.id)::int as chunks,
+         (select count(*) from idem.effects e where e.run_id = r.id)::int as effects
+       from idem.runs r order by r.id`,
+    );
+  }
+
+  it('removes succeeded and cancelled runs older than the cutoff with their rows, never a failed, interrupted, paused or running one', async () => {
+    await runner.run(withEffects, { key: 'prune-fx' });
+    await runner.run(counted, { key: 'prune-ok', params: { chunks: 3 } });
+    await query(url, `insert into fail_chunks values ('c0002', null, null)`);
+    for (const key of ['prune-failed', 'prune-paused', 'prune-int', 'prune-cancel']) await runner.run(counted, { key, params: { chunks: 3 } }).catch(() => {});
+    await query(url, 'delete from fail_chunks');
+    await runner.pause('counted', 'prune-paused');
+    await runner.pause('counted', 'prune-int');
+    await runner.resume('counted', 'prune-int'); // a resumed run is interrupted until it runs again
+    await runner.cancel('counted', 'prune-cancel');
+    const gate = await holdGate(url, 'g-prune');
+    const live = runner.run(counted, { key: 'prune-live', params: { chunks: 3, gate: 'g-prune' } });
+    try {
+      await someoneBlocked();
+      await sleep(1_200); // everything finished above is now older than 1 s
+      const before = await perRun();
+      const statuses = new Set(before.map((r) => r.status));
+      for (const s of ['succeeded', 'cancelled', 'failed', 'paused', 'interrupted', 'running']) expect(statuses).toContain(s);
+      const removed = before.filter((r) => r.status === 'succeeded' || r.status === 'cancelled');
+      const sum = (f: 'steps' | 'chunks' | 'effects') => removed.reduce((n, r) => n + r[f], 0);
+      expect(sum('effects')).toBe(2);
+
+      const [pruned, bad] = await Promise.all([idem(['prune', '--older-than', '1s', '--json']), idem(['prune', '--older-than', '5x'])]);
+      expect(pruned.code, pruned.stderr).toBe(0);
+      expect(JSON.parse(pruned.stdout)).toEqual({ runs: removed.length, steps: sum('steps'), chunks: sum('chunks'), effects: sum('effects') });
+      expect(await perRun()).toEqual(before.filter((r) => !removed.includes(r)));
+      const ids = removed.map((r) => r.id);
+      for (const table of ['idem.steps', 'idem.chunks', 'idem.effects']) {
+        expect(await query(url, `select count(*)::int as n from ${table} where run_id = any($1::bigint[])`, [ids])).toEqual([{ n: 0 }]);
+      }
+      expect(bad.code).toBe(2);
+      expect(bad.stderr).toMatch('--older-than expects a duration such as 30d, 12h or 90m; got "5x"');
+
+      const again = await idem(['prune', '--older-than', '1s']);
+      expect(again.stdout).toBe('prune: removed 0 runs, 0 steps, 0 chunk markers, 0 effects older than 1s\n');
+    } finally {
+      await gate.release();
+    }
+    expect(await live).toMatchObject({ status: 'succeeded' });
+  });
+});
+
+describe('idem status while runs are live', () => {
+  it('shows throughput and ETA of a running run, and a keyRange step estimated from table statistics', async () => {
+    // ranged cuts items by 10: statistics know 1500 rows (150 chunks); 100 rows come after ANALYZE.
+    await query(url, 'alter table items set (autovacuum_enabled = false)');
+    await query(url, 'insert into items (id, value) select g, g from generate_series(1, 1500) g');
+    await query(url, 'analyze items');
+    await query(url, 'insert into items (id, value) select g, g from generate_series(1501, 1600) g');
+    const holder = new pg.Client({ connectionString: url });
+    await holder.connect();
+    await holder.query('begin');
+    await holder.query('select 1 from items where id = 1 for update'); // ranged's first chunk waits here
+    const stop = new AbortController();
+    const estimating = runner.run(ranged, { key: 'op-est' });
+    const moving = runner.run(counted, { key: 'op-rate', params: { chunks: 100, pauseMs: 100 }, signal: stop.signal });
+    try {
+      await someoneBlocked();
+      await waitFor(async () => (await doneWork('op-rate')).length >= 4, 'op-rate to commit a few chunks');
+      const r = await idem(['status', '--json']);
+      expect(r.code, r.stderr).toBe(0);
+      const rows = JSON.parse(r.stdout) as Array<Record<string, any>>;
+
+      const rate = rows.find((x) => x.runKey === 'op-rate')!;
+      // prepare (1) + work (100, one window) planned; finish not yet: 101 so far, not fully planned.
+      expect(rate).toMatchObject({ job: 'counted', state: 'running', chunksPlanned: 101, fullyPlanned: false, estimatedChunks: 101, requested: null });
+      expect(rate.chunksDone).toBeGreaterThanOrEqual(5);
+      expect(rate.throughput).toBeGreaterThan(0);
+      expect(Math.abs(rate.etaSeconds - (101 - rate.chunksDone) / rate.throughput)).toBeLessThanOrEqual(1);
+
+      const est = rows.find((x) => x.runKey === 'op-est')!;
+      expect(est).toMatchObject({ job: 'ranged', state: 'running', chunksDone: 0, chunksPlanned: 100, fullyPlanned: false, estimatedChunks: 150, throughput: null, etaSeconds: null });
+    } finally {
+      stop.abort(new InterruptedError('SIGINT'));
+      await holder.query('rollback');
+      await holder.end();
+    }
+    await expect(moving).rejects.toBeInstanceOf(InterruptedError);
+    expect(await runRow(url, 'counted', 'op-rate')).toMatchObject({ status: 'interrupted' });
+    const out = await estimating;
+    expect(out.summary).toMatchObject({ chunks: 160 });
+    // The estimate came from the statistics (1500 rows), not from counting the table (1600).
+    const steps = await query(url, `select s.estimated_chunks from idem.steps s join idem.runs r on r.id = s.run_id where r.run_key = 'op-est'`);
+    expect(steps).toEqual([{ estimated_chunks: 150 }]);
+  });
+});
+
+describe('throttling', () => {
+  const doneTimes = async (job: string, key: string, step: string) =>
+    (await chunkRows(url, job, key, step)).map((c) => (c.done_at as Date).getTime());
+
+  it('--max-rate 20 starts 20 chunks no faster than 20 a second', async () => {
+    const r = await runCli(countedArgs('op-rate20', { chunks: 20 }, ['--max-rate', '20']), { url });
+    expect(r.code, r.stderr).toBe(0);
+    const times = await doneTimes('counted', 'op-rate20', 'work');
+    expect(times).toHaveLength(20);
+    // 19 intervals of 50 ms between the first and the last start.
+    expect(Math.max(...times) - Math.min(...times)).toBeGreaterThanOrEqual(900);
+  });
+
+  it('--pause 100 spaces the chunks of one worker at least 100 ms apart', async () => {
+    const r = await runCli(countedArgs('op-pause100', { chunks: 6 }, ['--pause', '100', '--concurrency', '1']), { url });
+    expect(r.code, r.stderr).toBe(0);
+    const times = (await doneTimes('counted', 'op-pause100', 'work')).sort((a, b) => a - b);
+    const gaps = times.slice(1).map((t, i) => t - times[i]!);
+    expect(gaps).toHaveLength(5);
+    expect(Math.min(...gaps)).toBeGreaterThanOrEqual(95);
+  });
+
+  it('--target-chunk-ms grows keyRange chunks that finish early and shrinks chunks that run long', async () => {
+    await query(url, 'insert into sized_items (id) select generate_series(1, 300)');
+    const sizes = async (key: string) => (await chunkRows(url, 'sized', key, 'work')).map((c) => ({ lo: c.spec.lo as number, hi: c.spec.hi as number }));
+    const covers = (ranges: Array<{ lo: number; hi: number }>) => ranges.every((c, i) => c.lo === (i === 0 ? 1 : ranges[i - 1]!.hi)) && ranges.at(-1)!.hi === 301;
+
+    // 2 ms a row: a nominal chunk (20 rows) takes ~40 ms against a target of 400.
+    const r = await runCli(['--jobs-dir', SIZED_JOBS, 'run', 'sized', '--param', 'msPerRow=2', '--target-chunk-ms', '400', '--key', 'op-grow'], { url });
+    expect(r.code, r.stderr).toBe(0);
+    const grown = await sizes('op-grow');
+    expect(covers(grown)).toBe(true);
+    // The first window (4 chunks while steering) is nominal; every full chunk after it is larger.
+    expect(grown.slice(0, 4).map((c) => c.hi - c.lo)).toEqual([SIZED_NOMINAL, SIZED_NOMINAL, SIZED_NOMINAL, SIZED_NOMINAL]);
+    expect(grown.length).toBeGreaterThan(5);
+    for (const c of grown.slice(4, -1)) expect(c.hi - c.lo).toBeGreaterThan(SIZED_NOMINAL);
+
+    // 4 ms a row: a nominal chunk takes ~80 ms against a target of 20: halved (the most per window), then again.
+    const out = await runner.run(sized, { key: 'op-shrink', params: { msPerRow: 4 }, throttle: { targetChunkMs: 20 } });
+    expect(out.status).toBe('succeeded');
+    const shrunk = await sizes('op-shrink');
+    expect(covers(shrunk)).toBe(true);
+    expect(shrunk.slice(0, 8).map((c) => c.hi - c.lo)).toEqual([20, 20, 20, 20, 10, 10, 10, 10]);
+    for (const c of shrunk.slice(8, -1)) expect(c.hi - c.lo).toBeLessThan(10);
+  });
+});
+
+describe('Throttle', () => {
+  it('adapt() moves the size factor to target / median duration', () => {
+    const t = new Throttle({ targetChunkMs: 100 });
+    expect(t.sizeFactor).toBe(1);
+    expect(t.adapt([80, 10, 400])).toBeCloseTo(1.25); // median 80
+    expect(t.adapt([100, 100, 100, 100])).toBeCloseTo(1.25); // on target: unchanged
+    expect(t.adapt([10, 20, 125, 400])).toBeCloseTo(1); // upper median 125: × 0.8
+    expect(t.sizeFactor).toBeCloseTo(1);
+  });
+
+  it('adapt() changes the factor at most ×2 or ÷2 a call, within [1/16, 16]', () => {
+    const grow = new Throttle({ targetChunkMs: 1000 });
+    expect([1, 2, 3, 4, 5].map(() => grow.adapt([1]))).toEqual([2, 4, 8, 16, 16]);
+    const shrink = new Throttle({ targetChunkMs: 10 });
+    expect([1, 2, 3, 4, 5].map(() => shrink.adapt([10_000]))).toEqual([0.5, 0.25, 0.125, 1 / 16, 1 / 16]);
+    // A 0 ms chunk counts as 1 ms: still at most doubling.
+    expect(new Throttle({ targetChunkMs: 50 }).adapt([0])).toBe(2);
+  });
+
+  it('adapt() leaves the factor alone without a target or without durations', () => {
+    expect(new Throttle({}).adapt([1, 2, 3])).toBe(1);
+    expect(new Throttle({ targetChunkMs: 100 }).adapt([])).toBe(1);
+  });
+
+  it('reserveStart() spaces starts 1000 / maxRate ms apart and does not bank idle time', () => {
+    const t = new Throttle({ maxRate: 20 });
+    expect([t.reserveStart(1000), t.reserveStart(1000), t.reserveStart(1000), t.reserveStart(1010)]).toEqual([0, 50, 100, 140]);
+    // After an idle spell the next start is free again, and the one after waits a full interval.
+    expect(t.reserveStart(5000)).toBe(0);
+    expect(t.reserveStart(5000)).toBe(50);
+    expect(new Throttle({}).reserveStart(0)).toBe(0);
+  });
+
+  it('resolveThrottle() lets later layers win and names every bad value', () => {
+    expect(resolveThrottle({ maxRate: 5, pauseMs: 10 }, undefined, { maxRate: 7 })).toEqual({ maxRate: 7, pauseMs: 10 });
+    expect(() => resolveThrottle({ maxRate: 0, pauseMs: -1, targetChunkMs: -5 })).toThrow('invalid throttle: maxRate must be > 0 (got 0); pauseMs must be >= 0 (got -1); targetChunkMs must be > 0 (got -5)');
+  });
+});
+
+describe('formatProgress', () => {
+  const p = (over: Partial<Progress>): Progress => ({ step: 'work', stepIndex: 1, steps: 3, done: 25, planned: 100, estimated: null, fullyPlanned: true, executedNow: 20, since: 0, ...over });
+
+  it('shows done/total, the rate of this invocation and the ETA', () => {
+    expect(formatProgress('counted', p({}), 10_000)).toBe('counted step 2/3 work: 25/100 chunks, 2.0/s, ETA 38s');
+  });
+
+  it('marks a total taken from an estimate with ~ and formats minutes and hours', () => {
+    expect(formatProgress('counted', p({ fullyPlanned: false, estimated: 400 }), 10_000)).toBe('counted step 2/3 work: 25/400~ chunks, 2.0/s, ETA 3m08s');
+    expect(formatProgress('counted', p({ planned: 9025 }), 10_000)).toBe('counted step 2/3 work: 25/9025 chunks, 2.0/s, ETA 1h15m');
+  });
+
+  it('says ETA ? before anything ran, and shows a bare count when nothing is planned', () => {
+    expect(formatProgress('counted', p({ executedNow: 0 }), 10_000)).toBe('counted step 2/3 work: 25/100 chunks, 0.0/s, ETA ?');
+    expect(formatProgress('j', p({ stepIndex: 0, steps: 1, done: 0, planned: 0, executedNow: 0 }), 10_000)).toBe('j step 1/1 work: 0 chunks, 0.0/s, ETA ?');
+  });
+
+  it('never shows 60 seconds in a minute', () => {
+    // 239 left at 2/s: 119.5 s, which rounds up to 2m00s.
+    expect(formatProgress('counted', p({ done: 0, planned: 239, executedNow: 2 }), 1_000)).toBe('counted step 2/3 work: 0/239 chunks, 2.0/s, ETA 2m00s');
+  });
+});

@@ -1,0 +1,142 @@
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { afterAll, afterEach, beforeAll, beforeEach, describe, expect, it } from 'vitest';
+import { latestSlot, parseSchedule, slotKey, slotsSince } from '../src/schedule.ts';
+import { TICK_SCHEDULE } from './fixtures/scheduled-jobs/hourly-tick.ts';
+import { createFixtureTables } from './fixtures/tables.ts';
+import { FIXTURE_JOBS, killLeftovers, query, REPO, runCli, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+
+const SCHEDULED_JOBS = fileURLToPath(new URL('./fixtures/scheduled-jobs', import.meta.url));
+const schedule = parseSchedule(TICK_SCHEDULE);
+
+let database: TestDatabase;
+let url: string;
+
+beforeAll(async () => {
+  database = await createTestDatabase();
+  url = database.url;
+  await createFixtureTables(url);
+});
+
+/**
+ * A test computes the slot its processes will pick; it must not straddle the hour. Near the
+ * boundary, wait until the new slot has begun (at most ~20 s, rarely).
+ */
+beforeEach(async () => {
+  const toNext = schedule.next(new Date()).getTime() - Date.now();
+  if (toNext < 20_000) await new Promise((r) => setTimeout(r, toNext + 500));
+}, 30_000);
+
+afterEach(killLeftovers);
+
+afterAll(async () => {
+  await killLeftovers();
+  await database?.drop();
+});
+
+/**
+ * Each test keeps its runs in a schema of its own (`--schema`), so one test's slot runs are not
+ * another's, and logs under its own tag.
+ */
+const tick = (schema: string, args: readonly string[]) => ['--jobs-dir', SCHEDULED_JOBS, '--schema', schema, 'run', 'hourly-tick', ...args];
+
+async function runsOf(schema: string): Promise<Array<{ run_key: string; status: string; attempt: number; created_at: Date }>> {
+  return query(url, `select run_key, status, attempt, created_at from ${schema}.runs where job = 'hourly-tick' order by created_at, id`);
+}
+
+/** work_log rows of one tag: slot (ctx.slot as ISO) per run key. */
+async function ticks(tag: string): Promise<Array<{ run_key: string; chunk_key: string }>> {
+  return query(url, 'select run_key, chunk_key from work_log where job = $1 and step = $2 order by id', ['hourly-tick', tag]);
+}
+
+describe('idem run on a scheduled job', () => {
+  it('two invocations of the same slot at once execute it once, under the slot as run key', async () => {
+    const slot = latestSlot(schedule);
+    const args = tick('sched_a', ['--param', 'tag=twice', '--param', 'pauseMs=1500', '--json']);
+    const [a, b] = await Promise.all([runCli(args, { url }), runCli(args, { url })]);
+    const outcomes = [a, b].map((r) => ({ code: r.code, out: r.code === 0 ? JSON.parse(r.stdout) : null, err: r.stderr }));
+    const winners = outcomes.filter((o) => o.out?.status === 'succeeded');
+    expect(winners, JSON.stringify(outcomes)).toHaveLength(1);
+    expect(winners[0]!.out).toMatchObject({ runKey: slotKey(slot), executed: 1, attempt: 1 });
+    const loser = outcomes.find((o) => o !== winners[0])!;
+    // The other found it busy (75), or, had it come after, done (0): never a second execution.
+    if (loser.code === 0) expect(loser.out).toMatchObject({ status: 'already-succeeded', runKey: slotKey(slot), executed: 0 });
+    else expect([loser.code, loser.err]).toEqual([75, expect.stringMatching(/job "hourly-tick" is running in another process/)]);
+
+    expect(await ticks('twice')).toEqual([{ run_key: slotKey(slot), chunk_key: slot.toISOString() }]);
+    expect(await runsOf('sched_a')).toMatchObject([{ run_key: slotKey(slot), status: 'succeeded', attempt: 1 }]);
+
+    const third = await runCli(args, { url });
+    expect(third.code).toBe(0);
+    expect(JSON.parse(third.stdout)).toMatchObject({ status: 'already-succeeded', runKey: slotKey(slot), executed: 0 });
+    expect(await workCounts(url, slotKey(slot), 'twice')).toEqual(new Map([[slot.toISOString(), 1]]));
+  });
+
+  it('--catch-up 3 runs the last three slots oldest first, each its own run; a second --catch-up 3 is a no-op', async () => {
+    const slots = slotsSince(schedule, { count: 3 });
+    const keys = slots.map(slotKey);
+    expect(slots[2]!.getTime()).toBe(latestSlot(schedule).getTime());
+    expect(slots[1]!.getTime() - slots[0]!.getTime()).toBe(3_600_000);
+    const args = tick('sched_b', ['--param', 'tag=catch-up', '--catch-up', '3', '--json']);
+
+    const first = await runCli(args, { url });
+    expect(first.code, first.stderr).toBe(0);
+    const outs = first.stdout.trim().split('\n').map((l) => JSON.parse(l));
+    expect(outs.map((o) => [o.runKey, o.status, o.executed])).toEqual(keys.map((k) => [k, 'succeeded', 1]));
+    // Three runs, created in slot order; each slot's step saw its own slot.
+    expect((await runsOf('sched_b')).map((r) => [r.run_key, r.status])).toEqual(keys.map((k) => [k, 'succeeded']));
+    expect(await ticks('catch-up')).toEqual(slots.map((s) => ({ run_key: slotKey(s), chunk_key: s.toISOString() })));
+
+    const second = await runCli(args, { url });
+    expect(second.code).toBe(0);
+    expect(second.stdout.trim().split('\n').map((l) => JSON.parse(l)).map((o) => [o.runKey, o.status, o.executed])).toEqual(keys.map((k) => [k, 'already-succeeded', 0]));
+    expect(await ticks('catch-up')).toHaveLength(3);
+    expect(await runsOf('sched_b')).toHaveLength(3);
+  });
+});
+
+describe('idem crontab and --catch-up refusals', () => {
+  it('crontab prints a line for the scheduled job that changes into the project and runs it', async () => {
+    const r = await runCli(['--jobs-dir', SCHEDULED_JOBS, 'crontab', '--command', 'npx idem']);
+    expect(r.code, r.stderr).toBe(0);
+    const entries = r.stdout.split('\n').filter((l) => l !== '' && !l.startsWith('#'));
+    expect(entries).toEqual([
+      'CRON_TZ=UTC',
+      `0 * * * * cd ${path.resolve(REPO)} && npx idem --jobs-dir ${SCHEDULED_JOBS} run hourly-tick >> idem-cron.log 2>&1`,
+    ]);
+    expect(r.stdout).toContain('# hourly-tick: 0 * * * * (UTC)');
+  });
+
+  it('--catch-up with --key, or on a job without a schedule, exits 2 and creates nothing', async () => {
+    const withKey = await runCli(tick('sched_c', ['--catch-up', '3', '--key', 'k']), { url });
+    expect(withKey.code).toBe(2);
+    expect(withKey.stderr).toMatch(/--catch-up picks run keys from the schedule; drop --key/);
+    const unscheduled = await runCli(['--jobs-dir', FIXTURE_JOBS, '--schema', 'sched_c', 'run', 'counted', '--catch-up', '3'], { url });
+    expect(unscheduled.code).toBe(2);
+    expect(unscheduled.stderr).toMatch(/--catch-up needs a scheduled job; "counted" has no schedule/);
+    // Refused before connecting: not even idem's schema was created.
+    expect(await query(url, `select to_regnamespace('sched_c')::text as s`)).toEqual([{ s: null }]);
+  });
+});
+
+describe('idem cron', () => {
+  it('runs the latest due slot at start, once however many schedulers run, and exits 143 on SIGTERM', async () => {
+    const slot = latestSlot(schedule);
+    const args = ['--jobs-dir', SCHEDULED_JOBS, '--schema', 'sched_d', 'cron'];
+    const crons = [spawnCli(args, { url }), spawnCli(args, { url })];
+    await waitFor(async () => {
+      const runs = await query(url, `select status from sched_d.runs where job = 'hourly-tick' and run_key = $1`, [slotKey(slot)]).catch(() => []);
+      return runs[0]?.status === 'succeeded';
+    }, 'the slot to succeed');
+    // Both schedulers have handled the slot (run it, found it busy, or found it done) and sleep.
+    await waitFor(async () => crons.every((c) => c.stderr().includes(`"slot":"${slotKey(slot)}"`)), 'both schedulers to report the slot');
+    for (const c of crons) c.child.kill('SIGTERM');
+    const results = await Promise.all(crons.map((c) => c.done));
+    expect(results.map((r) => r.code)).toEqual([143, 143]);
+
+    // cron passes no params: the default tag.
+    expect(await ticks('default')).toEqual([{ run_key: slotKey(slot), chunk_key: slot.toISOString() }]);
+    expect(await runsOf('sched_d')).toMatchObject([{ run_key: slotKey(slot), status: 'succeeded', attempt: 1 }]);
+  });
+});
