@@ -204,22 +204,29 @@ describe('signals and lost locks', () => {
 
   it('when its lock session is killed the runner exits 69 within 5 s, a waiting run takes over, and no old-attempt chunk commits after the takeover', async () => {
     const key = 'lock-loss';
-    const args = base(key, ['--param', 'chunks=40', '--param', 'pauseMs=100', '--concurrency', '2']);
+    const args = base(key, ['--param', 'chunks=40', '--param', 'pauseMs=50', '--param', `gate=${key}`, '--concurrency', '2']);
     const first = spawnCli(args, { url: db.url });
-    await waitFor(async () => (await doneCount(key)) >= 5, '5 chunks done');
-    const second = spawnCli([...args, '--wait', '60'], { url: db.url });
-    await waitFor(async () => (await sessions(db.url, 'idem-lock')) >= 2, 'the second run waiting for the lock');
-    const holder = await query<{ pid: number }>(
-      db.url,
-      `select l.pid from pg_locks l join pg_stat_activity a on a.pid = l.pid
-       where l.locktype = 'advisory' and l.granted and a.application_name = 'idem-lock' and a.datname = current_database()`,
-    );
-    expect(holder).toHaveLength(1);
-    const t0 = Date.now();
-    await query(db.url, 'select pg_terminate_backend($1)', [holder[0]!.pid]);
+    await waitFor(async () => (await doneCount(key)) >= 5, '5 chunks done', { timeoutMs: 60_000 });
+    // Hold the first run mid-chunk (deterministic on a loaded machine) while the second one lines up.
+    const gate = await holdGate(db.url, key);
+    let t0 = 0;
+    const second = spawnCli([...args, '--wait', '120'], { url: db.url });
+    try {
+      await waitFor(async () => (await sessions(db.url, 'idem-lock')) >= 2, 'the second run waiting for the lock', { timeoutMs: 60_000 });
+      const holder = await query<{ pid: number }>(
+        db.url,
+        `select l.pid from pg_locks l join pg_stat_activity a on a.pid = l.pid
+         where l.locktype = 'advisory' and l.granted and a.application_name = 'idem-lock' and a.datname = current_database()`,
+      );
+      expect(holder).toHaveLength(1);
+      t0 = Date.now();
+      await query(db.url, 'select pg_terminate_backend($1)', [holder[0]!.pid]);
+    } finally {
+      await gate.release();
+    }
     const firstRes = await first.done;
     expect(firstRes.code).toBe(69);
-    expect(Date.now() - t0).toBeLessThan(5_000);
+    expect(firstRes.endedAt - t0).toBeLessThan(5_000);
     expect(firstRes.stderr).toContain('lost the advisory lock');
     const secondRes = await second.done;
     expect(secondRes.code).toBe(0);
