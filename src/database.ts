@@ -1,7 +1,8 @@
-import { Kysely, PostgresDialect } from 'kysely';
+import { Kysely } from 'kysely';
 import pg from 'pg';
 import type { Logger } from 'pino';
 import { DatabaseUnavailableError } from './errors.ts';
+import { IdemPostgresDialect } from './marker-at-commit.ts';
 
 /**
  * Replaces the password in a connection string (URL or key=value form) with `***`.
@@ -54,7 +55,7 @@ export async function openDatabase(connectionString: string, opts: { readonly po
     await pool.end().catch(() => {});
     throw describeConnectError(err, connectionString);
   }
-  const db = new Kysely<any>({ dialect: new PostgresDialect({ pool }) });
+  const db = new Kysely<any>({ dialect: new IdemPostgresDialect({ pool }) });
   let closed: Promise<void> | undefined;
   return {
     db,

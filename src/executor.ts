@@ -4,7 +4,8 @@ import pLimit from 'p-limit';
 import type { Logger } from 'pino';
 import { FencedError, InterruptedError, messageOf } from './errors.ts';
 import type { ChunkPage, ChunkSpec, ChunkSource, Job, Json, RunIdentity, Step, StepContext } from './job.ts';
-import { faultPoint } from './fault-points.ts';
+import { faultArmed, faultPoint } from './fault-points.ts';
+import { chunkCommit, type PendingCommit } from './marker-at-commit.ts';
 import { backoffDelay, DEFAULT_BACKOFF, isRetryable, retrying, type BackoffOptions } from './retry.ts';
 import type { PendingChunk, StepRow, Store } from './store.ts';
 import { resolveThrottle, Throttle, type ThrottleOptions } from './throttle.ts';
@@ -25,8 +26,11 @@ export class ChunkFailure extends Error {
   }
 }
 
-/** Thrown inside a chunk transaction when its marker shows the chunk already done: roll back, skip. */
+/** A refused marker whose chunk turned out done already: its work rolled back, the chunk is skipped. */
 const ALREADY_DONE = Symbol('already done');
+
+/** Only the after-marker fault test needs the marker as a statement of its own. */
+const MARKER_APART = faultArmed('after-marker');
 
 export interface ExecuteOptions {
   readonly db: Kysely<any>;
@@ -106,7 +110,6 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   let cursor: Json | null = row.cursor;
   let plannedAll = row.planned_all;
   let nextSeq = row.planned + 1;
-  let afterSeq = 0;
   let executed = 0;
   const counts = await store.stepCounts(run.runId, step.name);
   let done = counts.done;
@@ -127,12 +130,11 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   }
   progress();
 
-  for (;;) {
-    throwIfStopped(opts.stop);
-    // Unfinished chunks planned by an earlier attempt come first; only then is the source asked.
-    let pending: PendingChunk[] = await store.pendingChunks(run.runId, step.name, afterSeq, planWindow);
-    if (pending.length === 0) {
-      if (plannedAll) break;
+  let fetchAfter = 0;
+  /** The next window: unfinished chunks planned earlier first; only then is the source asked. */
+  const nextWindow = async (): Promise<PendingChunk[]> => {
+    let pending: PendingChunk[] = await store.pendingChunks(run.runId, step.name, fetchAfter, planWindow);
+    while (pending.length === 0 && !plannedAll) {
       // A source that reads the database (keyRange) may hit a dropped connection: ask it again.
       const page: ChunkPage = await retrying(async () => source(cursor, planCtx()));
       checkPage(step.name, page);
@@ -146,9 +148,29 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
       cursor = page.next;
       plannedAll = page.next === null;
       log.debug({ planned, exhausted: plannedAll, sizeFactor: throttle.sizeFactor }, 'planned a window');
-      if (pending.length === 0) continue;
     }
-    afterSeq = pending[pending.length - 1]!.seq;
+    if (pending.length > 0) fetchAfter = pending[pending.length - 1]!.seq;
+    return pending;
+  };
+  // Adaptive sizing must see a window's durations before it plans the next; otherwise the next
+  // window is fetched (and planned) while this one runs, on another connection, so planning
+  // queries overlap the chunks' work instead of adding to it.
+  const prefetch = !throttle.options.targetChunkMs;
+  let upcoming: Promise<PendingChunk[]> | undefined;
+  const settleUpcoming = async () => {
+    await upcoming?.catch(() => {});
+  };
+
+  for (;;) {
+    if (opts.stop.aborted) await settleUpcoming();
+    throwIfStopped(opts.stop);
+    const pending = await (upcoming ?? nextWindow());
+    upcoming = undefined;
+    if (pending.length === 0) break;
+    if (prefetch) {
+      upcoming = nextWindow();
+      upcoming.catch(() => {}); // awaited (and its error seen) at the top of the next turn
+    }
 
     let failure: unknown;
     const durations: number[] = [];
@@ -184,7 +206,10 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         }),
       ),
     );
-    if (failure !== undefined) throw failure;
+    if (failure !== undefined) {
+      await settleUpcoming();
+      throw failure;
+    }
     if (throttle.options.targetChunkMs) throttle.adapt(durations);
   }
   throwIfStopped(opts.stop);
@@ -201,38 +226,55 @@ async function runChunk(opts: ExecuteOptions, step: Step, chunk: PendingChunk, r
   const effect = <T>(name: string, fn: (key: string) => Promise<T> | T) => performEffect(opts, step.name, chunk.key, name, fn);
   for (let tries = 1; ; tries++) {
     const started = performance.now();
+    const pending: PendingCommit = {};
     try {
-      await opts.db.transaction().execute(async (trx) => {
-        await faultPoint('after-claim');
-        const ctx: StepContext = {
-          db: trx,
-          params: opts.params,
-          signal: opts.abort,
-          run,
-          step: step.name,
-          slot: opts.slot,
-          effect: effect as StepContext['effect'],
-          get log() {
-            return chunkKey === null ? stepLog : stepLog.child({ chunk: chunkKey });
-          },
-        };
-        if (step.chunks) await step.run(ctx, chunk.spec);
-        else await (step.run as (c: StepContext) => unknown)(ctx);
-        await faultPoint('after-work');
-        const marked = await store.markChunkDone(trx, run.runId, run.attempt, step.name, chunk.key, Math.round(performance.now() - started));
-        if (!marked) {
-          const why = await store.markerRefusal(run.runId, step.name, chunk.key);
-          if (why.attempt !== run.attempt) {
-            throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off by attempt ${why.attempt}; its chunk ${chunk.key} rolled back`);
+      await chunkCommit.run(pending, () =>
+        opts.db.transaction().execute(async (trx) => {
+          await faultPoint('after-claim');
+          const ctx: StepContext = {
+            db: trx,
+            params: opts.params,
+            signal: opts.abort,
+            run,
+            step: step.name,
+            slot: opts.slot,
+            effect: effect as StepContext['effect'],
+            get log() {
+              return chunkKey === null ? stepLog : stepLog.child({ chunk: chunkKey });
+            },
+          };
+          if (step.chunks) await step.run(ctx, chunk.spec);
+          else await (step.run as (c: StepContext) => unknown)(ctx);
+          await faultPoint('after-work');
+          if (!MARKER_APART) {
+            // The usual path: the marker rides with COMMIT in one round trip (marker-at-commit.ts).
+            pending.marker = store.markerAtCommit(run.runId, run.attempt, step.name, chunk.seq, chunk.key, () => Math.round(performance.now() - started));
+            return;
           }
-          if (why.done) throw ALREADY_DONE;
-          throw new Error(`chunk ${chunk.key} of step "${step.name}" has no row to mark (was the run reset while running?)`);
-        }
-        await faultPoint('after-marker');
-      });
+          // With IDEM_FAULT=after-marker the marker is its own statement, so a crash can land
+          // between it and the COMMIT, as the fault test wants.
+          if (!(await store.markChunkDone(trx, run.runId, run.attempt, step.name, chunk.seq, chunk.key, Math.round(performance.now() - started)))) {
+            pending.markerFailed = true;
+            throw new Error('marker refused');
+          }
+          await faultPoint('after-marker');
+        }),
+      );
       await faultPoint('after-commit');
       return performance.now() - started;
-    } catch (err) {
+    } catch (caught) {
+      let err = caught;
+      if (pending.markerFailed) {
+        // Nothing committed. Why was the marker refused: fenced off, or done by someone else?
+        const why = await store.markerRefusal(run.runId, step.name, chunk.key);
+        if (why.attempt !== run.attempt) {
+          err = new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off by attempt ${why.attempt}; its chunk ${chunk.key} rolled back`);
+        } else if (why.done) {
+          err = ALREADY_DONE;
+        } else {
+          err = new Error(`chunk ${chunk.key} of step "${step.name}" has no row to mark (was the run reset while running?)`);
+        }
+      }
       if (err === ALREADY_DONE) return null;
       if (err instanceof FencedError || opts.abort.aborted) throw err;
       const retryable = isRetryable(err);

@@ -44,21 +44,43 @@ export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, unknown, K
     const windowChunks = Math.max(1, ctx.windowSize);
     // Adaptive sizing (--target-chunk-ms) scales the nominal size; 1 otherwise.
     const size = Math.max(1, Math.round(opts.size * (ctx.sizeFactor ?? 1)));
-    const limit = windowChunks * size + 1;
     const lower = from === null ? sql`true` : sql`${column} >= ${from}`;
-    const { rows } = await sql<{ k: string | number; rn: string; total: string }>`
-      with s as (select ${column} as k from ${table} where ${lower} and ${extra} order by ${column} limit ${limit}),
-           n as (select k, row_number() over (order by k) as rn, count(*) over () as total from s)
-      select k, rn, total from n where (rn - 1) % ${size} = 0 or rn = total order by k`.execute(ctx.db);
-    if (rows.length === 0) return { chunks: [], next: null };
-    const total = Number(rows[0]!.total);
-    const boundaries = rows.filter((r) => (Number(r.rn) - 1) % size === 0).map((r) => toSafeInt(r.k, opts.column));
+    let boundaries: number[];
+    let full: boolean;
+    let last: number | null;
+    if (size >= 8) {
+      // Skip through the index `size` keys at a time (one OFFSET probe per boundary): nothing is
+      // materialised, so a window of 100 000 rows costs a few ms instead of a sort spilled to disk.
+      const { rows } = await sql<{ k: string | number; last: string | number | null }>`
+        with recursive b(k, i) as (
+          select (select ${column} from ${table} where ${lower} and ${extra} order by ${column} limit 1), 0
+          union all
+          select (select ${column} from ${table} where ${column} >= b.k and ${extra} order by ${column} offset ${size} limit 1), i + 1
+          from b where b.k is not null and i < ${windowChunks}
+        )
+        select k, (select ${column} from ${table} where ${column} >= (select max(k) from b) and ${extra} order by ${column} desc limit 1) as last
+        from b where k is not null order by i`.execute(ctx.db);
+      boundaries = rows.map((r) => toSafeInt(r.k, opts.column));
+      full = boundaries.length === windowChunks + 1;
+      last = rows.length > 0 && rows[0]!.last !== null ? toSafeInt(rows[0]!.last, opts.column) : null;
+    } else {
+      // Tiny chunks: one numbered scan of the window beats a probe per boundary.
+      const limit = windowChunks * size + 1;
+      const { rows } = await sql<{ k: string | number; rn: string; total: string }>`
+        with s as (select ${column} as k from ${table} where ${lower} and ${extra} order by ${column} limit ${limit}),
+             n as (select k, row_number() over (order by k) as rn, count(*) over () as total from s)
+        select k, rn, total from n where (rn - 1) % ${size} = 0 or rn = total order by k`.execute(ctx.db);
+      boundaries = rows.filter((r) => (Number(r.rn) - 1) % size === 0).map((r) => toSafeInt(r.k, opts.column));
+      full = rows.length > 0 && Number(rows[0]!.total) === limit;
+      last = rows.length > 0 ? toSafeInt(rows[rows.length - 1]!.k, opts.column) : null;
+    }
+    if (boundaries.length === 0) return { chunks: [], next: null };
     let next: Json | null = null;
-    if (total === limit) {
+    if (full) {
       // Window full: its last boundary is where the next window starts.
       next = boundaries[boundaries.length - 1]!;
     } else {
-      boundaries.push(toSafeInt(rows[rows.length - 1]!.k, opts.column) + 1);
+      boundaries.push(last! + 1);
     }
     const chunks: KeyRangeChunk[] = [];
     for (let i = 0; i + 1 < boundaries.length; i++) {

@@ -1,4 +1,6 @@
 import { sql, type Kysely, type QueryResult, type RawBuilder, type Transaction } from 'kysely';
+import pg from 'pg';
+import type { PendingCommit } from './marker-at-commit.ts';
 import { retrying } from './retry.ts';
 import type { ChunkSpec, Json } from './job.ts';
 
@@ -73,6 +75,8 @@ export class Store {
   readonly #steps;
   readonly #chunks;
   readonly #effects;
+  readonly #markerName: string;
+  readonly #markerPrepare: string;
 
   /** Every bookkeeping statement goes through here: idempotent, so transient errors are retried. */
   #run<R>(query: RawBuilder<R>): Promise<QueryResult<R>> {
@@ -86,6 +90,15 @@ export class Store {
     this.#steps = sql.id(schema, 'steps');
     this.#chunks = sql.id(schema, 'chunks');
     this.#effects = sql.id(schema, 'effects');
+    // The schema name is a checked identifier (Runner.connect), so quoting it is enough.
+    this.#markerName = `idem_marker_${schema.toLowerCase()}`;
+    this.#markerPrepare = `prepare ${this.#markerName}(bigint, integer, text, integer, text, integer) as
+      with m as (
+        update "${schema}"."chunks" set done_at = clock_timestamp(), done_attempt = $2, duration_ms = $6, error = null
+        where run_id = $1 and step = $3 and seq = $4 and key = $5 and done_at is null
+          and exists (select 1 from "${schema}"."runs" where id = $1 and attempt = $2 for share)
+        returning 1)
+      select 1 / count(*) as marked from m`;
   }
 
   /**
@@ -195,13 +208,32 @@ export class Store {
    * and the attempt check refuses a commit from an older attempt. `done_at is null` makes a chunk's
    * work commit at most once. Returns false when nothing was marked (fenced or already done).
    */
-  async markChunkDone(trx: Transaction<any>, runId: string, attempt: number, step: string, key: string, durationMs: number): Promise<boolean> {
+  async markChunkDone(trx: Transaction<any>, runId: string, attempt: number, step: string, seq: number, key: string, durationMs: number): Promise<boolean> {
     const { rows } = await sql`
       update ${this.#chunks} set done_at = clock_timestamp(), done_attempt = ${attempt}, duration_ms = ${durationMs}, error = null
-      where run_id = ${runId} and step = ${step} and key = ${key} and done_at is null
+      where run_id = ${runId} and step = ${step} and seq = ${seq} and key = ${key} and done_at is null
         and exists (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt} for share)
       returning 1`.execute(trx);
     return rows.length === 1;
+  }
+
+  /**
+   * The same marker as `markChunkDone`, for the commit round trip (see marker-at-commit.ts): a
+   * prepared statement and the EXECUTE with literal values. It selects 1 / (rows marked), so
+   * marking nothing raises division_by_zero, which aborts the transaction before the COMMIT sent
+   * with it. The seq pins the one index entry (the pending index is on run, step, seq).
+   */
+  markerAtCommit(runId: string, attempt: number, step: string, seq: number, key: string, durationMs: () => number): NonNullable<PendingCommit['marker']> {
+    return {
+      name: this.#markerName,
+      prepare: this.#markerPrepare,
+      execute: () => {
+        const ms = durationMs();
+        if (!/^\d+$/.test(runId) || ![attempt, seq, ms].every((n) => Number.isSafeInteger(n))) throw new TypeError('marker values must be integers');
+        const q = (v: string) => pg.Client.prototype.escapeLiteral(v);
+        return `execute ${this.#markerName}(${runId}, ${attempt}, ${q(step)}, ${seq}, ${q(key)}, ${ms})`;
+      },
+    };
   }
 
   /** Why a marker was refused: the run's current attempt and whether the chunk is done. */

@@ -134,6 +134,16 @@ describe('keyRange', () => {
     }
   });
 
+  it('counts only rows matching `where` with index-skipping boundaries too (size >= 8)', async () => {
+    const matching = await ids('random_gaps', 'id % 3 = 0');
+    for (const [size, windowSize] of [[8, 3], [25, 2], [1000, 5]] as const) {
+      const pages = await allWindows({ table: 'random_gaps', column: 'id', size, where: 'id % 3 = 0' }, windowSize);
+      const chunks = pages.flatMap((p) => p.chunks);
+      expect(chunks).toHaveLength(Math.ceil(matching.length / size));
+      expectExactCover(chunks, matching, size);
+    }
+  });
+
   it('counts only rows matching `where` (SQL text or a sql`` fragment)', async () => {
     await sql`update gappy set flag = (id % 3 = 0)`.execute(db);
     const flagged = await ids('gappy', 'flag');

@@ -137,15 +137,16 @@ describe('Runner.run', () => {
     expect(await query(url, `select chunk_key from counted_state where run_key = 'fail' order by 1`)).toEqual(['c0001', 'c0002', 'c0003'].map((chunk_key) => ({ chunk_key })));
     const chunks = await chunkRows(url, 'counted', 'fail', 'work');
     expect(chunks.map((c) => [c.key, c.done_at !== null])).toEqual([
-      ['c0001', true], ['c0002', true], ['c0003', true], ['c0004', false], ['c0005', false], ['c0006', false],
+      ['c0001', true], ['c0002', true], ['c0003', true], ['c0004', false], ['c0005', false], ['c0006', false], ['c0007', false], ['c0008', false],
     ]);
     expect(chunks[3]).toMatchObject({ attempts: 1, error: 'injected failure in chunk c0004' });
-    // Two windows of 3 planned; the cursor after them is persisted for the resume.
+    // Planning runs one window ahead of execution: the third window (c0007, c0008, the last) was
+    // planned while the second ran, and the plan is persisted for the resume.
     const [step] = await query(url, `select s.* from idem.steps s where s.run_id = $1 and s.name = 'work'`, [run.id]);
-    expect(step).toMatchObject({ planned: 6, cursor: 7, planned_all: false, status: 'running' });
+    expect(step).toMatchObject({ planned: 8, cursor: null, planned_all: true, status: 'running' });
 
     const [status] = await runner.status('counted', 1);
-    expect(status).toMatchObject({ runKey: 'fail', state: 'failed', attempt: 1, chunksDone: 4, chunksPlanned: 7, fullyPlanned: false, holder: null });
+    expect(status).toMatchObject({ runKey: 'fail', state: 'failed', attempt: 1, chunksDone: 4, chunksPlanned: 9, fullyPlanned: false, holder: null });
     expect(status!.error).toMatchObject({ step: 'work', chunk: 'c0004', tries: 1 });
   });
 
@@ -253,14 +254,15 @@ describe('Runner.run', () => {
     });
     await query(url, `insert into fail_chunks (chunk_key) values ('w5')`);
     await expect(runner.run(job, { key: 'windowed', planWindow: 3 })).rejects.toBeInstanceOf(RunFailedError);
-    expect(calls).toEqual([[null, 3], [4, 3]]);
+    // Planning stays one window ahead of execution: the third window was planned while the second ran.
+    expect(calls).toEqual([[null, 3], [4, 3], [7, 3]]);
 
     await query(url, `delete from fail_chunks`);
     calls.length = 0;
     const out = await runner.run(job, { key: 'windowed', planWindow: 3 });
     expect(out).toMatchObject({ status: 'succeeded', attempt: 2, executed: 6 });
-    // Resumed from the persisted cursor: the first two windows were not planned again.
-    expect(calls).toEqual([[7, 3], [10, 3]]);
+    // Resumed from the persisted plan and cursor: the first three windows were not planned again.
+    expect(calls).toEqual([[10, 3]]);
     const chunks = await chunkRows(url, 'windowed', 'windowed', 'work');
     expect(chunks.map((c) => [c.seq, c.key, c.spec, c.done_attempt])).toEqual(
       Array.from({ length: 10 }, (_, i) => [i + 1, `w${i + 1}`, { key: `w${i + 1}`, n: i + 1 }, i < 4 ? 1 : 2]),
