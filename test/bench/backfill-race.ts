@@ -1,0 +1,51 @@
+import { randomBytes } from 'node:crypto';
+import { Runner } from 'idem';
+import { defaultShape, idemContender, loopContender, queueContender, singleUpdateContender, type QueueContender } from './contenders.ts';
+import { alternate, type Contender, type Sample } from './measure.ts';
+import type { BenchContext } from './report.ts';
+import { CHUNK_ROWS } from './tables.ts';
+
+export const IDEM = 'idem';
+export const LOOP = 'hand loop';
+export const SINGLE = 'single UPDATE';
+
+export interface RaceResult {
+  readonly samples: ReadonlyMap<string, Sample[]>;
+  /** Enqueue times of the queue contender, when it ran. */
+  readonly enqueueMs: readonly number[];
+}
+
+const races = new WeakMap<BenchContext, Promise<RaceResult>>();
+
+/**
+ * One alternation (A B C D, A B C D, …) of every backfill contender that the selected benchmarks
+ * need: idem, plus the hand loop and the single UPDATE for `overhead`, plus the queue for `queue`.
+ * Shared, so idem's turns serve both comparisons and the default run stays within its time budget.
+ */
+export function backfillRace(ctx: BenchContext): Promise<RaceResult> {
+  let race = races.get(ctx);
+  if (!race) {
+    race = runRace(ctx);
+    races.set(ctx, race);
+  }
+  return race;
+}
+
+async function runRace(ctx: BenchContext): Promise<RaceResult> {
+  const { rows, rounds, only } = ctx.opts;
+  const tag = randomBytes(3).toString('hex');
+  const runner = await Runner.connect({ connectionString: ctx.url });
+  let queue: QueueContender | undefined;
+  const shape = defaultShape(ctx);
+  try {
+    const contenders: Contender[] = [idemContender(ctx, shape, runner, IDEM, `race_idem_${tag}`)];
+    if (only.includes('overhead')) contenders.push(loopContender(ctx, shape, LOOP, `race_loop_${tag}`), singleUpdateContender(ctx, shape, SINGLE, `race_single_${tag}`));
+    if (only.includes('queue')) contenders.push((queue = await queueContender(ctx, shape, `race_queue_${tag}`)));
+    ctx.log(`backfill ${rows.toLocaleString('en-US')} rows in ${CHUNK_ROWS}-row chunks: ${contenders.map((c) => c.name).join(' / ')}, ${rounds} rounds`);
+    const samples = await alternate(rounds, contenders, ctx.log, ctx.probe);
+    return { samples, enqueueMs: queue?.enqueueMs ?? [] };
+  } finally {
+    await runner.close();
+    await queue?.close();
+  }
+}
