@@ -5,7 +5,7 @@ import type { Logger } from 'pino';
 import { FencedError, InterruptedError, messageOf } from './errors.ts';
 import type { ChunkPage, ChunkSpec, ChunkSource, Job, Json, RunIdentity, Step, StepContext } from './job.ts';
 import { faultArmed, faultPoint } from './fault-points.ts';
-import { chunkCommit, type PendingCommit } from './marker-at-commit.ts';
+import { isMarkerRefusal, markerRefusal } from './marker-at-commit.ts';
 import { backoffDelay, DEFAULT_BACKOFF, isRetryable, retrying, type BackoffOptions } from './retry.ts';
 import type { PendingChunk, StepRow, Store } from './store.ts';
 import { resolveThrottle, Throttle, type ThrottleOptions } from './throttle.ts';
@@ -226,45 +226,40 @@ async function runChunk(opts: ExecuteOptions, step: Step, chunk: PendingChunk, r
   const effect = <T>(name: string, fn: (key: string) => Promise<T> | T) => performEffect(opts, step.name, chunk.key, name, fn);
   for (let tries = 1; ; tries++) {
     const started = performance.now();
-    const pending: PendingCommit = {};
     try {
-      await chunkCommit.run(pending, () =>
-        opts.db.transaction().execute(async (trx) => {
-          await faultPoint('after-claim');
-          const ctx: StepContext = {
-            db: trx,
-            params: opts.params,
-            signal: opts.abort,
-            run,
-            step: step.name,
-            slot: opts.slot,
-            effect: effect as StepContext['effect'],
-            get log() {
-              return chunkKey === null ? stepLog : stepLog.child({ chunk: chunkKey });
-            },
-          };
-          if (step.chunks) await step.run(ctx, chunk.spec);
-          else await (step.run as (c: StepContext) => unknown)(ctx);
-          await faultPoint('after-work');
-          if (!MARKER_APART) {
-            // The usual path: the marker rides with COMMIT in one round trip (marker-at-commit.ts).
-            pending.marker = store.markerAtCommit(run.runId, run.attempt, step.name, chunk.seq, chunk.key, () => Math.round(performance.now() - started));
-            return;
-          }
-          // With IDEM_FAULT=after-marker the marker is its own statement, so a crash can land
-          // between it and the COMMIT, as the fault test wants.
-          if (!(await store.markChunkDone(trx, run.runId, run.attempt, step.name, chunk.seq, chunk.key, Math.round(performance.now() - started)))) {
-            pending.markerFailed = true;
-            throw new Error('marker refused');
-          }
-          await faultPoint('after-marker');
-        }),
-      );
+      await opts.db.transaction().execute(async (trx) => {
+        await faultPoint('after-claim');
+        const ctx: StepContext = {
+          db: trx,
+          params: opts.params,
+          signal: opts.abort,
+          run,
+          step: step.name,
+          slot: opts.slot,
+          effect: effect as StepContext['effect'],
+          get log() {
+            return chunkKey === null ? stepLog : stepLog.child({ chunk: chunkKey });
+          },
+        };
+        if (step.chunks) await step.run(ctx, chunk.spec);
+        else await (step.run as (c: StepContext) => unknown)(ctx);
+        await faultPoint('after-work');
+        const ms = Math.round(performance.now() - started);
+        if (!MARKER_APART) {
+          // The usual path: the marker rides with COMMIT in one round trip (marker-at-commit.ts).
+          await store.markerAtCommit(run.runId, run.attempt, step.name, chunk.seq, chunk.key, ms).execute(trx);
+          return;
+        }
+        // With IDEM_FAULT=after-marker the marker is its own statement, so a crash can land
+        // between it and the COMMIT, as the fault test wants.
+        if (!(await store.markChunkDone(trx, run.runId, run.attempt, step.name, chunk.seq, chunk.key, ms))) throw markerRefusal('marker refused');
+        await faultPoint('after-marker');
+      });
       await faultPoint('after-commit');
       return performance.now() - started;
     } catch (caught) {
       let err = caught;
-      if (pending.markerFailed) {
+      if (isMarkerRefusal(caught)) {
         // Nothing committed. Why was the marker refused: fenced off, or done by someone else?
         const why = await store.markerRefusal(run.runId, step.name, chunk.key);
         if (why.attempt !== run.attempt) {

@@ -1,81 +1,124 @@
-import { AsyncLocalStorage } from 'node:async_hooks';
-import { CompiledQuery, PostgresDialect, type DatabaseConnection, type Driver, type QueryCompiler, type TransactionSettings } from 'kysely';
+import { CompiledQuery, PostgresDialect, sql, type DatabaseConnection, type Driver, type QueryCompiler, type QueryResult, type RawBuilder, type TransactionSettings } from 'kysely';
 
 /**
- * What a chunk transaction hands to the commit: the completion marker to send in the same round
- * trip as COMMIT. Set inside `chunkCommit.run(...)`; read by the driver when Kysely commits.
+ * The completion marker rides with COMMIT: a chunk "executes" its marker through its transaction,
+ * the driver holds it back, and sends `<marker>; commit` as one simple-protocol message when Kysely
+ * commits. Postgres runs them in order; the marker raises when it marks no row, which aborts the
+ * transaction and skips the COMMIT in the same message, so the work never commits without its
+ * marker. This saves the one round trip per chunk idem would otherwise add to a hand-written loop.
+ *
+ * Held back per connection (each transaction has its own), so no async-context tracking is needed:
+ * on Node 20, AsyncLocalStorage turns on promise hooks for the whole process, a cost on every chunk.
  */
-export interface PendingCommit {
-  /** The marker: a prepared statement (created once per connection) and its EXECUTE, built at commit time. */
-  marker?: { readonly name: string; readonly prepare: string; readonly execute: () => string };
-  /** Set when the marker statement itself failed, so the caller can tell why. */
-  markerFailed?: boolean;
+const DEFER = '/* idem:marker-at-commit */ ';
+const REFUSED = Symbol('idem marker refused');
+
+/** Statement name → its PREPARE text; each name is prepared once per session, on first use. */
+const preparations = new Map<string, string>();
+
+export function registerMarkerStatement(name: string, prepareText: string): void {
+  preparations.set(name, prepareText);
 }
 
-export const chunkCommit = new AsyncLocalStorage<PendingCommit>();
+/** The query a chunk sends last in its transaction: `execute <name>(…)`, held back until COMMIT. */
+export function deferredMarker(executeText: string): RawBuilder<unknown> {
+  return sql.raw(`${DEFER}${executeText}`);
+}
 
-/**
- * Wraps Kysely's Postgres driver so a chunk's marker and its COMMIT travel as one simple-protocol
- * message (`<marker>; commit`). Postgres runs them in order; if the marker raises, the transaction
- * is aborted and the COMMIT in the same message is skipped, so the work can never commit without
- * its marker. This saves one network round trip per chunk, the biggest cost idem adds to a chunk.
- */
+/** True when a chunk's commit failed because its marker marked nothing (fenced, or done already). */
+export function isMarkerRefusal(err: unknown): boolean {
+  return !!err && typeof err === 'object' && (err as { [REFUSED]?: boolean })[REFUSED] === true;
+}
+
+/** Tags an error as a marker refusal (the marker sent as its own statement, for fault tests). */
+export function markerRefusal(message: string): Error {
+  return Object.assign(new Error(message), { [REFUSED]: true });
+}
+
+class DeferringConnection implements DatabaseConnection {
+  readonly inner: DatabaseConnection;
+  readonly prepared = new Set<string>();
+  pendingMarker: string | undefined;
+  constructor(inner: DatabaseConnection) {
+    this.inner = inner;
+  }
+  executeQuery<R>(query: CompiledQuery): Promise<QueryResult<R>> {
+    if (query.sql.startsWith(DEFER)) {
+      this.pendingMarker = query.sql.slice(DEFER.length);
+      return Promise.resolve({ rows: [] });
+    }
+    return this.inner.executeQuery<R>(query);
+  }
+  streamQuery<R>(query: CompiledQuery, chunkSize?: number): AsyncIterableIterator<QueryResult<R>> {
+    return this.inner.streamQuery<R>(query, chunkSize);
+  }
+}
+
 class MarkerAtCommitDriver implements Driver {
   readonly #inner: Driver;
-  readonly #prepared = new WeakMap<DatabaseConnection, Set<string>>();
+  // Kysely's Postgres driver keeps one connection object per pg client; so do we, per that object.
+  readonly #wrappers = new WeakMap<DatabaseConnection, DeferringConnection>();
   constructor(inner: Driver) {
     this.#inner = inner;
   }
   init(): Promise<void> {
     return this.#inner.init();
   }
-  acquireConnection(): Promise<DatabaseConnection> {
-    return this.#inner.acquireConnection();
+  async acquireConnection(): Promise<DatabaseConnection> {
+    const inner = await this.#inner.acquireConnection();
+    let wrapper = this.#wrappers.get(inner);
+    if (!wrapper) this.#wrappers.set(inner, (wrapper = new DeferringConnection(inner)));
+    return wrapper;
   }
   beginTransaction(connection: DatabaseConnection, settings: TransactionSettings): Promise<void> {
-    return this.#inner.beginTransaction(connection, settings);
+    return this.#inner.beginTransaction(unwrap(connection), settings);
   }
   async commitTransaction(connection: DatabaseConnection): Promise<void> {
-    const pending = chunkCommit.getStore();
-    const marker = pending?.marker;
-    if (!pending || !marker) return this.#inner.commitTransaction(connection);
-    pending.marker = undefined;
-    // Prepared once per session (PREPARE is not transactional, so a rolled-back chunk keeps it):
-    // later chunks skip parsing and planning the marker.
-    let prepared = this.#prepared.get(connection);
-    if (!prepared) this.#prepared.set(connection, (prepared = new Set()));
-    if (!prepared.has(marker.name)) {
-      await connection.executeQuery(CompiledQuery.raw(marker.prepare));
-      prepared.add(marker.name);
+    const c = connection as DeferringConnection;
+    const marker = c.pendingMarker;
+    if (marker === undefined) return this.#inner.commitTransaction(c.inner);
+    c.pendingMarker = undefined;
+    const name = /^execute (\w+)\(/.exec(marker)?.[1];
+    const prepare = name === undefined ? undefined : preparations.get(name);
+    // PREPARE is not transactional: once sent, it stays for the session even if this chunk rolls back.
+    if (name !== undefined && prepare !== undefined && !c.prepared.has(name)) {
+      await c.inner.executeQuery(CompiledQuery.raw(prepare));
+      c.prepared.add(name);
     }
     try {
-      await connection.executeQuery(CompiledQuery.raw(`${marker.execute()};\ncommit`));
+      await c.inner.executeQuery(CompiledQuery.raw(`${marker};\ncommit`));
     } catch (err) {
-      pending.markerFailed = (err as { code?: string }).code === '22012';
+      // 22012 division_by_zero: the marker's `1 / count(*)` over no marked row.
+      if ((err as { code?: string }).code === '22012') Object.assign(err as object, { [REFUSED]: true });
       throw err;
     }
   }
   rollbackTransaction(connection: DatabaseConnection): Promise<void> {
-    return this.#inner.rollbackTransaction(connection);
+    (connection as DeferringConnection).pendingMarker = undefined;
+    return this.#inner.rollbackTransaction(unwrap(connection));
   }
   async savepoint(connection: DatabaseConnection, name: string, compile: QueryCompiler['compileQuery']): Promise<void> {
-    await this.#inner.savepoint!(connection, name, compile);
+    await this.#inner.savepoint!(unwrap(connection), name, compile);
   }
   async rollbackToSavepoint(connection: DatabaseConnection, name: string, compile: QueryCompiler['compileQuery']): Promise<void> {
-    await this.#inner.rollbackToSavepoint!(connection, name, compile);
+    await this.#inner.rollbackToSavepoint!(unwrap(connection), name, compile);
   }
   async releaseSavepoint(connection: DatabaseConnection, name: string, compile: QueryCompiler['compileQuery']): Promise<void> {
-    await this.#inner.releaseSavepoint!(connection, name, compile);
+    await this.#inner.releaseSavepoint!(unwrap(connection), name, compile);
   }
   releaseConnection(connection: DatabaseConnection): Promise<void> {
-    return this.#inner.releaseConnection(connection);
+    return this.#inner.releaseConnection(unwrap(connection));
   }
   destroy(): Promise<void> {
     return this.#inner.destroy();
   }
 }
 
-/** PostgresDialect whose driver sends a pending chunk marker together with COMMIT. */
+function unwrap(connection: DatabaseConnection): DatabaseConnection {
+  return connection instanceof DeferringConnection ? connection.inner : connection;
+}
+
+/** PostgresDialect whose driver sends a chunk's marker together with its COMMIT. */
 export class IdemPostgresDialect extends PostgresDialect {
   override createDriver(): Driver {
     return new MarkerAtCommitDriver(super.createDriver());

@@ -1,6 +1,6 @@
 import { sql, type Kysely, type QueryResult, type RawBuilder, type Transaction } from 'kysely';
 import pg from 'pg';
-import type { PendingCommit } from './marker-at-commit.ts';
+import { deferredMarker, registerMarkerStatement } from './marker-at-commit.ts';
 import { retrying } from './retry.ts';
 import type { ChunkSpec, Json } from './job.ts';
 
@@ -99,6 +99,7 @@ export class Store {
           and exists (select 1 from "${schema}"."runs" where id = $1 and attempt = $2 for share)
         returning 1)
       select 1 / count(*) as marked from m`;
+    registerMarkerStatement(this.#markerName, this.#markerPrepare);
   }
 
   /**
@@ -223,17 +224,10 @@ export class Store {
    * marking nothing raises division_by_zero, which aborts the transaction before the COMMIT sent
    * with it. The seq pins the one index entry (the pending index is on run, step, seq).
    */
-  markerAtCommit(runId: string, attempt: number, step: string, seq: number, key: string, durationMs: () => number): NonNullable<PendingCommit['marker']> {
-    return {
-      name: this.#markerName,
-      prepare: this.#markerPrepare,
-      execute: () => {
-        const ms = durationMs();
-        if (!/^\d+$/.test(runId) || ![attempt, seq, ms].every((n) => Number.isSafeInteger(n))) throw new TypeError('marker values must be integers');
-        const q = (v: string) => pg.Client.prototype.escapeLiteral(v);
-        return `execute ${this.#markerName}(${runId}, ${attempt}, ${q(step)}, ${seq}, ${q(key)}, ${ms})`;
-      },
-    };
+  markerAtCommit(runId: string, attempt: number, step: string, seq: number, key: string, durationMs: number): RawBuilder<unknown> {
+    if (!/^\d+$/.test(runId) || ![attempt, seq, durationMs].every((n) => Number.isSafeInteger(n))) throw new TypeError('marker values must be integers');
+    const q = (v: string) => pg.Client.prototype.escapeLiteral(v);
+    return deferredMarker(`execute ${this.#markerName}(${runId}, ${attempt}, ${q(step)}, ${seq}, ${q(key)}, ${durationMs})`);
   }
 
   /** Why a marker was refused: the run's current attempt and whether the chunk is done. */
