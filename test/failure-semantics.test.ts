@@ -168,7 +168,7 @@ describe('signals and lost locks', () => {
     const args = base(key, ['--param', 'chunks=3', '--param', `gate=${key}`]);
     const child = spawnCli(args, { url: db.url });
     try {
-      await waitFor(async () => (await query(db.url, `select 1 from pg_stat_activity where wait_event_type = 'Lock' and application_name = 'idem'`)).length > 0, 'a chunk waiting on the gate');
+      await waitFor(async () => (await query(db.url, `select 1 from pg_stat_activity where wait_event_type = 'Lock' and application_name = 'idem' and datname = current_database()`)).length > 0, 'a chunk waiting on the gate');
       child.child.kill('SIGINT');
       await new Promise((r) => setTimeout(r, 300));
       expect(child.child.exitCode).toBeNull(); // the first signal waits for the in-flight chunk
@@ -190,7 +190,7 @@ describe('signals and lost locks', () => {
     const gate = await holdGate(db.url, key);
     const child = spawnCli(['--shutdown-timeout', '1', ...base(key, ['--param', 'chunks=2', '--param', `gate=${key}`])], { url: db.url });
     try {
-      await waitFor(async () => (await query(db.url, `select 1 from pg_stat_activity where wait_event_type = 'Lock' and application_name = 'idem'`)).length > 0, 'a chunk waiting on the gate');
+      await waitFor(async () => (await query(db.url, `select 1 from pg_stat_activity where wait_event_type = 'Lock' and application_name = 'idem' and datname = current_database()`)).length > 0, 'a chunk waiting on the gate');
       const t0 = Date.now();
       child.child.kill('SIGTERM');
       const res = await child.done;
