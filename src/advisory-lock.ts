@@ -1,6 +1,7 @@
 import pg from 'pg';
 import { BusyError, DatabaseUnavailableError, InterruptedError, LockLostError } from './errors.ts';
 import { lockKey } from './fingerprint.ts';
+import { sleep } from './sleep.ts';
 
 export interface AdvisoryLockOptions {
   readonly connectionString: string;
@@ -113,16 +114,4 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
     await release();
     throw err;
   }
-}
-
-function sleep(ms: number, signal?: AbortSignal): Promise<void> {
-  return new Promise((resolve) => {
-    const t = setTimeout(done, ms);
-    function done() {
-      clearTimeout(t);
-      signal?.removeEventListener('abort', done);
-      resolve();
-    }
-    signal?.addEventListener('abort', done, { once: true });
-  });
 }

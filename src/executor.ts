@@ -9,6 +9,7 @@ import { isMarkerRefusal, markerRefusal } from './marker-at-commit.ts';
 import { backoffDelay, DEFAULT_BACKOFF, isRetryable, retrying, type BackoffOptions } from './retry.ts';
 import type { PendingChunk, StepRow, Store } from './store.ts';
 import { resolveThrottle, Throttle, type ThrottleOptions } from './throttle.ts';
+import { sleep } from './sleep.ts';
 
 /** How many chunks are planned (and persisted) per call to a chunk source. */
 export const DEFAULT_PLAN_WINDOW = 100;
@@ -311,16 +312,4 @@ function checkPage(step: string, page: ChunkPage): void {
 
 function throwIfStopped(stop: AbortSignal): void {
   if (stop.aborted) throw stop.reason instanceof Error ? stop.reason : new InterruptedError('SIGINT');
-}
-
-function sleep(ms: number, signal: AbortSignal): Promise<void> {
-  return new Promise((resolve) => {
-    const t = setTimeout(done, ms);
-    function done() {
-      clearTimeout(t);
-      signal.removeEventListener('abort', done);
-      resolve();
-    }
-    signal.addEventListener('abort', done, { once: true });
-  });
 }

@@ -1,5 +1,6 @@
 import { Cron } from 'croner';
 import { messageOf, UsageError } from './errors.ts';
+import { sleep as abortableSleep } from './sleep.ts';
 
 /**
  * A job's schedule with its timezone.
@@ -293,19 +294,6 @@ export interface CronLoopOptions {
   readonly onError?: (job: string, slot: Date, err: unknown) => void;
 }
 
-function sleepUnlessAborted(ms: number, signal: AbortSignal): Promise<void> {
-  return new Promise((resolve) => {
-    if (signal.aborted) return resolve();
-    const done = () => {
-      clearTimeout(timer);
-      signal.removeEventListener('abort', done);
-      resolve();
-    };
-    const timer = setTimeout(done, ms);
-    signal.addEventListener('abort', done, { once: true });
-  });
-}
-
 function reportToStderr(job: string, slot: Date, err: unknown): void {
   process.stderr.write(`idem cron: job "${job}" slot ${slotKey(slot)} failed: ${messageOf(err)}\n`);
 }
@@ -320,7 +308,7 @@ function reportToStderr(job: string, slot: Date, err: unknown): void {
 export async function runCronLoop(opts: CronLoopOptions): Promise<void> {
   const { entries, runSlot, signal } = opts;
   const now = opts.now ?? (() => new Date());
-  const sleep = opts.sleep ?? sleepUnlessAborted;
+  const sleep = opts.sleep ?? abortableSleep;
   const onError = opts.onError ?? reportToStderr;
   if (entries.length === 0) {
     throw new UsageError('noScheduledJobs', 'no job declares a schedule; add one to a job definition, e.g. schedule: "0 3 * * *"');
