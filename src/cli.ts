@@ -203,6 +203,9 @@ export function buildProgram(state: { exitCode: number }): Command {
       process.stderr.write(`idem: error: ${msg}\n`);
       if (!(err instanceof IdemError)) log.debug({ err }, 'unexpected error');
     } finally {
+      // The same watchdog on the normal path: releasing the lock, pool and embedded server must
+      // not hang the process.
+      setTimeout(() => process.exit(state.exitCode), 10_000).unref();
       await session.close();
     }
   };
