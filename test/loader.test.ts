@@ -1,0 +1,62 @@
+import { mkdir, mkdtemp, rm, writeFile } from 'node:fs/promises';
+import os from 'node:os';
+import path from 'node:path';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { UsageError } from '../src/index.ts';
+import { findJob, loadJobDir } from '../src/loader.ts';
+
+// Job files outside the package import it by path: the self-reference ('idem') resolves only inside it.
+const INDEX = path.resolve('src/index.ts');
+let dir: string;
+
+beforeAll(async () => {
+  dir = await mkdtemp(path.join(os.tmpdir(), 'idem-loader-'));
+});
+afterAll(() => rm(dir, { recursive: true, force: true }));
+
+async function folder(name: string, files: Record<string, string>): Promise<string> {
+  const d = path.join(dir, name);
+  await mkdir(d);
+  for (const [file, text] of Object.entries(files)) await writeFile(path.join(d, file), text);
+  return d;
+}
+
+describe('loading job folders', () => {
+  it('accepts a plain default-exported object as well as defineJob, in file-name order, skipping tests and type files', async () => {
+    const d = await folder('mixed', {
+      '02_plain.ts': `export default { name: 'plain', description: 'no defineJob', steps: [{ name: 'only', run() {} }] };`,
+      '01_defined.ts': `import { defineJob } from ${JSON.stringify(INDEX)};\nexport default defineJob({ name: 'defined', steps: [{ name: 's', run() {} }] });`,
+      'helper.test.ts': `throw new Error('a test file must not be loaded');`,
+      'types.d.ts': `export type X = number;`,
+      '_private.ts': `throw new Error('a file starting with _ must not be loaded');`,
+    });
+    const jobs = await loadJobDir(d, 'jobs');
+    expect(jobs.map((j) => [j.id, j.job.name])).toEqual([
+      ['01_defined', 'defined'],
+      ['02_plain', 'plain'],
+    ]);
+    const plain = jobs[1]!.job;
+    expect(plain.description).toBe('no defineJob');
+    expect(Object.isFrozen(plain)).toBe(true);
+    expect(Object.isFrozen(plain.steps)).toBe(true);
+  });
+
+  it('refuses a plain object that is not a job, naming the file and every problem', async () => {
+    const d = await folder('bad', { 'bad.ts': `export default { name: 'has space', steps: [] };` });
+    const err = await loadJobDir(d, 'jobs').catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(UsageError);
+    expect((err as Error).message).toMatch(/bad\.ts: invalid job definition: name must match .*; steps must be a non-empty array/);
+  });
+
+  it('refuses two files that define the same job name', async () => {
+    const job = `export default { name: 'twin', steps: [{ name: 's', run() {} }] };`;
+    const d = await folder('twins', { 'a.ts': job, 'b.ts': job });
+    await expect(loadJobDir(d, 'jobs')).rejects.toThrow('job name "twin" is defined twice (a.ts and b.ts); rename one');
+  });
+
+  it('names the known jobs when asked for an unknown one; a missing folder has none', async () => {
+    const d = await folder('known', { 'k.ts': `export default { name: 'known-one', steps: [{ name: 's', run() {} }] };` });
+    await expect(findJob(d, 'nope')).rejects.toThrow(/unknown job "nope".*known jobs: known-one/);
+    expect(await loadJobDir(path.join(dir, 'does-not-exist'), 'jobs')).toEqual([]);
+  });
+});
