@@ -213,3 +213,24 @@ export async function chunkRows(url: string, job: string, runKey: string, step: 
     [job, runKey, step],
   );
 }
+
+/**
+ * The end state of a `counted` run, without what differs between two clean runs (ids, times, the
+ * key itself): compare two runs to prove they converged. `withAttempts` also compares which attempt
+ * committed each chunk (equal for two undisturbed runs, not for a crashed and a clean one).
+ */
+export async function endState(url: string, runKey: string, { withAttempts }: { withAttempts: boolean }) {
+  const state = await query(url, `select chunk_key, value from counted_state where run_key = $1 order by chunk_key`, [runKey]);
+  const chunks = (await chunkRows(url, 'counted', runKey, 'work')).map((c) => ({
+    key: c.key,
+    seq: c.seq,
+    spec: c.spec,
+    done: c.done_at !== null,
+    ...(withAttempts ? { doneAttempt: c.done_attempt } : {}),
+  }));
+  const steps = await query(url, `select s.name, s.position, s.status, s.cursor, s.planned, s.planned_all from idem.steps s join idem.runs r on r.id = s.run_id where r.run_key = $1 order by s.position`, [runKey]);
+  const row = await runRow(url, 'counted', runKey);
+  const log = await query(url, `select step, chunk_key, count(*)::int as n from work_log where run_key = $1 group by 1, 2 order by 1, 2`, [runKey]);
+  const run = { status: row.status, error: row.error, summaryChunks: row.summary?.chunks, summarySteps: row.summary?.steps, ...(withAttempts ? { attempt: row.attempt } : {}) };
+  return { state, chunks, steps, run, log };
+}
