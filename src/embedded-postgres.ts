@@ -15,6 +15,7 @@ import os from 'node:os';
 import path from 'node:path';
 import pg from 'pg';
 import { DatabaseUnavailableError } from './errors.ts';
+import { sleep } from './sleep.ts';
 
 export interface EmbeddedOptions {
   /** The cluster's data directory, e.g. `.idem/pg`; `connection.json` and `postgres.log` go next to it. */
@@ -54,7 +55,6 @@ interface Credentials { user: string; password: string; port?: number }
 interface RunAs { uid: number; gid: number }
 interface Tools { bins: { initdb: string; pg_ctl: string; postgres: string }; runAs?: RunAs }
 
-const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
 const noop = () => {};
 const errCode = (err: unknown) => (err as { code?: unknown } | null)?.code;
 

@@ -198,11 +198,6 @@ export class Store {
     return rows;
   }
 
-  async maxSeq(runId: string, step: string): Promise<number> {
-    const { rows } = await this.#run(sql<{ m: number | null }>`select max(seq) as m from ${this.#chunks} where run_id = ${runId} and step = ${step}`);
-    return rows[0]?.m ?? 0;
-  }
-
   /**
    * The completion marker: the only statement idem adds to a chunk's transaction. It also fences:
    * `for share` on the run row makes a takeover's attempt bump wait until this transaction ends,
