@@ -139,11 +139,19 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
       // A source that reads the database (keyRange) may hit a dropped connection: ask it again.
       const page: ChunkPage = await retrying(async () => source(cursor, planCtx()));
       checkPage(step.name, page);
-      const { planned, fenced } = await store.planWindow(run.runId, run.attempt, step.name, nextSeq, page.chunks, page.next);
-      if (fenced) throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was taken over by a newer attempt while planning`);
-      if (planned !== page.chunks.length) {
-        throw new ChunkFailure(step.name, null, 1, new Error(`chunk source returned ${page.chunks.length - planned} key(s) that were already planned; chunk keys must be unique and stable`));
+      const result = await store.planWindow(run.runId, run.attempt, step.name, nextSeq - 1, page.chunks, page.next);
+      if (result.kind === 'fenced') throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was taken over by a newer attempt while planning`);
+      if (result.kind === 'duplicate') {
+        throw new ChunkFailure(step.name, null, 1, new Error(`chunk source returned key ${JSON.stringify(result.key)}, which is already planned as chunk ${result.seq} of the step; chunk keys must be unique and stable`));
       }
+      if (result.kind === 'moved') {
+        // Planned past us meanwhile: nothing was written; continue from where the step is now.
+        ({ cursor, planned_all: plannedAll } = result.step);
+        nextSeq = result.step.planned + 1;
+        pending = await store.pendingChunks(run.runId, step.name, fetchAfter, planWindow);
+        continue;
+      }
+      const planned = page.chunks.length;
       pending = page.chunks.map((spec, i) => ({ seq: nextSeq + i, key: spec.key, spec }));
       nextSeq += planned;
       cursor = page.next;

@@ -42,6 +42,16 @@ export interface PendingChunk {
   spec: ChunkSpec;
 }
 
+/** How planning a window ended (Store.planWindow). */
+export type PlanResult =
+  | { readonly kind: 'planned' }
+  /** The run belongs to a newer attempt: this one must stop. */
+  | { readonly kind: 'fenced' }
+  /** A key of the window is already planned in the step (as chunk `seq`); nothing was written. */
+  | { readonly kind: 'duplicate'; readonly key: string; readonly seq: number }
+  /** The step was planned past `after` by someone else; nothing was written; `step` is where it is now. */
+  | { readonly kind: 'moved'; readonly step: StepRow };
+
 /** What a finished run reports, stored on the run and printed again by a no-op rerun. */
 export interface RunSummary {
   readonly steps: ReadonlyArray<{ readonly name: string; readonly chunks: number }>;
@@ -163,30 +173,48 @@ export class Store {
   }
 
   /**
-   * Persists one planned window and the cursor after it, in one fenced statement: a zombie attempt
-   * can neither add chunks nor move the cursor. Idempotent, so it can be retried after a lost
-   * connection: a chunk already stored under the same key and seq counts as planned. Returns how
-   * many of the window's chunks are planned (fewer means the source repeated an older key).
+   * Persists one planned window and the cursor after it, all or nothing, in one transaction:
+   * - the step row is locked (`for update`), so planning is single-writer per step, and the run row
+   *   is share-locked with its attempt checked, so a zombie attempt can neither add chunks nor move
+   *   the cursor, and a takeover's attempt bump waits for this commit;
+   * - `after` is the planned count the caller planned from (compare-and-set): if the step moved on
+   *   meanwhile, nothing is written and the caller re-reads the step;
+   * - a key that is already planned in this step writes nothing at all: no chunk rows, no cursor, no
+   *   count, so the window is asked for again after the source is fixed, and seqs stay dense.
+   * Retried as a whole after a lost connection; a retry that finds its own window committed (the
+   * acknowledgement was lost) reports it as planned.
    */
-  async planWindow(runId: string, attempt: number, step: string, firstSeq: number, chunks: readonly ChunkSpec[], next: Json | null): Promise<{ planned: number; fenced: boolean }> {
-    const payload = JSON.stringify(chunks.map((c, i) => ({ key: c.key, seq: firstSeq + i, spec: c })));
-    const { rows } = await this.#run(sql<{ inserted: number; existing: number; updated: number }>`
-      with fence as (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt} for share),
-      x as (select * from jsonb_to_recordset(${payload}::jsonb) as x(key text, seq int, spec jsonb)),
-      ins as (
-        insert into ${this.#chunks} (run_id, step, key, seq, spec)
-        select ${runId}, ${step}, x.key, x.seq, x.spec from x where exists (select 1 from fence)
-        on conflict (run_id, step, key) do nothing returning 1
-      ),
-      upd as (
-        update ${this.#steps} set cursor = ${JSON.stringify(next)}::jsonb, planned_all = ${next === null},
-          planned = planned + (select count(*) from ins), status = 'running', started_at = coalesce(started_at, now())
-        where run_id = ${runId} and name = ${step} and exists (select 1 from fence) returning 1
-      )
-      select (select count(*) from ins)::int as inserted,
-        (select count(*) from ${this.#chunks} c join x on c.key = x.key and c.seq = x.seq where c.run_id = ${runId} and c.step = ${step})::int as existing,
-        (select count(*) from upd)::int as updated`);
-    return { planned: rows[0]!.inserted + rows[0]!.existing, fenced: rows[0]!.updated === 0 };
+  async planWindow(runId: string, attempt: number, step: string, after: number, chunks: readonly ChunkSpec[], next: Json | null): Promise<PlanResult> {
+    const keys = chunks.map((c) => c.key);
+    return retrying(() =>
+      this.#db.transaction().execute(async (trx): Promise<PlanResult> => {
+        const { rows: [row] } = await sql<StepRow & { current: boolean }>`
+          select s.name, s.position, s.status, s.cursor, s.planned_all, s.planned, s.estimated_chunks, r.attempt = ${attempt} as current
+          from ${this.#runs} r join ${this.#steps} s on s.run_id = r.id
+          where r.id = ${runId} and s.name = ${step}
+          for share of r for update of s`.execute(trx);
+        if (!row || !row.current) return { kind: 'fenced' };
+        const { current: _, ...stepRow } = row;
+        if (row.planned !== after) {
+          const { rows } = await sql<{ key: string }>`select key from ${this.#chunks}
+            where run_id = ${runId} and step = ${step} and seq > ${after} and seq <= ${after + keys.length} order by seq`.execute(trx);
+          const ours = rows.length === keys.length && rows.every((r, i) => r.key === keys[i]) && row.planned === after + keys.length;
+          return ours ? { kind: 'planned' } : { kind: 'moved', step: stepRow };
+        }
+        const { rows: [dup] } = await sql<{ key: string; seq: number }>`select key, seq from ${this.#chunks}
+          where run_id = ${runId} and step = ${step} and key = any(${keys}::text[]) order by seq limit 1`.execute(trx);
+        if (dup) return { kind: 'duplicate', key: dup.key, seq: dup.seq };
+        if (keys.length > 0) {
+          const payload = JSON.stringify(chunks.map((c, i) => ({ key: c.key, seq: after + 1 + i, spec: c })));
+          await sql`insert into ${this.#chunks} (run_id, step, key, seq, spec)
+            select ${runId}, ${step}, x.key, x.seq, x.spec from jsonb_to_recordset(${payload}::jsonb) as x(key text, seq int, spec jsonb)`.execute(trx);
+        }
+        await sql`update ${this.#steps} set cursor = ${JSON.stringify(next)}::jsonb, planned_all = ${next === null},
+            planned = ${after + keys.length}, status = 'running', started_at = coalesce(started_at, now())
+          where run_id = ${runId} and name = ${step}`.execute(trx);
+        return { kind: 'planned' };
+      }),
+    );
   }
 
   /** The next unfinished chunks of a step in plan order (the partial index serves this). */

@@ -1,0 +1,74 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { defineJob, RunFailedError, Runner, sql, type ChunkSource, type Job } from '../src/index.ts';
+import { query } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+
+// Issue 8 (correctness hardening): each test here failed on the code before its fix.
+
+let database: TestDatabase;
+let url: string;
+let runner: Runner;
+
+beforeAll(async () => {
+  database = await createTestDatabase();
+  url = database.url;
+  await query(url, 'create table hits (item int primary key, n int not null)');
+  runner = await Runner.connect({ connectionString: url });
+});
+
+afterAll(async () => {
+  await runner?.close();
+  await database?.drop();
+});
+
+/** Items 1..6 in windows of two; with `dup`, the 4th chunk reuses the 1st chunk's key. */
+function itemSource(dup: boolean): ChunkSource {
+  return (cursor) => {
+    const from = (cursor as number | null) ?? 1;
+    const chunks = [from, from + 1].map((item) => ({ key: dup && item === 4 ? 'item-1' : `item-${item}`, item }));
+    return { chunks, next: from + 2 > 6 ? null : from + 2 };
+  };
+}
+
+/** Counts every execution of an item (a delta on purpose: a second commit of a chunk shows as n = 2). */
+function itemsJob(name: string, dup: boolean): Job {
+  return defineJob({
+    name,
+    steps: [
+      {
+        name: 'items',
+        chunks: itemSource(dup),
+        async run({ db }, chunk: { item: number }) {
+          await sql`insert into hits (item, n) values (${chunk.item}, 1) on conflict (item) do update set n = hits.n + 1`.execute(db);
+        },
+      },
+    ],
+  });
+}
+
+describe('planning a window is all or nothing (item 1)', () => {
+  it('a duplicate chunk key moves nothing, fails the run naming the key, and a fixed rerun processes every chunk once', async () => {
+    const err = await runner.run(itemsJob('dup-key', true), { key: 'k', planWindow: 2 }).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(RunFailedError);
+    expect((err as Error).message).toContain('"item-1"');
+    expect((err as Error).message).toContain('chunk keys must be unique and stable');
+
+    // The window [item-3, item-1(dup)] left no trace: not a chunk row, not the cursor, not the count.
+    const [step] = await query<{ cursor: unknown; planned: number; planned_all: boolean }>(url,
+      `select s.cursor, s.planned, s.planned_all from idem.steps s join idem.runs r on r.id = s.run_id where r.job = 'dup-key'`);
+    expect(step).toEqual({ cursor: 3, planned: 2, planned_all: false });
+    const keys = await query<{ key: string; seq: number }>(url,
+      `select c.key, c.seq from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'dup-key' order by c.seq`);
+    expect(keys).toEqual([{ key: 'item-1', seq: 1 }, { key: 'item-2', seq: 2 }]);
+
+    // The source is fixed; the rerun resumes at the window that failed and does every item once.
+    const outcome = await runner.run(itemsJob('dup-key', false), { key: 'k', planWindow: 2 });
+    expect(outcome.status).toBe('succeeded');
+    expect(outcome.summary?.chunks).toBe(6);
+    const hits = await query<{ item: number; n: number }>(url, 'select item, n from hits order by item');
+    expect(hits).toEqual([1, 2, 3, 4, 5, 6].map((item) => ({ item, n: 1 })));
+    const seqs = await query<{ seq: number }>(url,
+      `select c.seq from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'dup-key' order by c.seq`);
+    expect(seqs.map((r) => r.seq)).toEqual([1, 2, 3, 4, 5, 6]);
+  });
+});
