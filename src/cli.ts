@@ -9,7 +9,7 @@ import { parseDuration } from './operations.ts';
 import { latestSlot, parseCatchUp, parseSchedule, renderCrontab, runCronLoop, slotKey, slotsSince, type ScheduledJob } from './schedule.ts';
 import { createProgressReporter } from './progress-reporter.ts';
 import { createLogger, LOG_LEVELS, type LogLevel } from './log.ts';
-import { DEFAULT_SCHEMA, Runner, type RunOutcome, type RunStatusRow } from './runner.ts';
+import { DEFAULT_SCHEMA, POOL_HEADROOM, Runner, type RunOutcome, type RunStatusRow } from './runner.ts';
 
 interface GlobalOptions {
   databaseUrl?: string;
@@ -246,7 +246,7 @@ export function buildProgram(state: { exitCode: number }): Command {
           process.stdout.write(`no slot of job "${job.name}" falls within --catch-up ${o.catchUp}\n`);
           return ExitCode.Ok;
         }
-        const runner = await openRunner(g, log, session, o.concurrency + 2);
+        const runner = await openRunner(g, log, session, o.concurrency + POOL_HEADROOM);
         const signals = installSignals(log, g.shutdownTimeout, force);
         const throttle = {
           ...(o.maxRate !== undefined ? { maxRate: o.maxRate } : {}),

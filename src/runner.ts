@@ -14,6 +14,11 @@ import { retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, type RunRow, type RunSummary } from './store.ts';
 
+/** Default size of the work pool (RunnerOptions.poolSize). */
+export const DEFAULT_POOL_SIZE = 10;
+/** Connections a run needs beside one per concurrent chunk: the planner's prefetch, and effects and control polls. */
+export const POOL_HEADROOM = 2;
+
 /** Default name of the schema holding idem's own tables. */
 export const DEFAULT_SCHEMA = 'idem';
 
@@ -24,7 +29,11 @@ export interface RunnerOptions {
   readonly schema?: string;
   /** Root logger. Defaults to a silent one. */
   readonly log?: Logger;
-  /** Most connections the work pool opens (the lock takes one more). Defaults to `10`. */
+  /**
+   * Most connections the work pool opens (the lock takes one more). A run needs its concurrency
+   * plus 2 (planning ahead, effects and control polls beside the chunks' transactions); a run that
+   * asks for more concurrency than that is refused rather than left to deadlock. Defaults to `10`.
+   */
   readonly poolSize?: number;
 }
 
@@ -115,11 +124,13 @@ export class Runner {
   readonly #database: Database;
   readonly #connectionString: string;
   readonly #log: Logger;
+  readonly #poolSize: number;
 
   private constructor(database: Database, opts: RunnerOptions, schema: string, log: Logger) {
     this.#database = database;
     this.#connectionString = opts.connectionString;
     this.#log = log;
+    this.#poolSize = opts.poolSize ?? DEFAULT_POOL_SIZE;
     this.schema = schema;
     this.store = new Store(database.db, schema);
   }
@@ -131,7 +142,7 @@ export class Runner {
       throw new UsageError('invalidSchema', `schema name ${JSON.stringify(schema)} is not a plain identifier; use letters, digits and _`);
     }
     const log = opts.log ?? pino({ level: 'silent' });
-    const database = await openDatabase(opts.connectionString, { poolSize: opts.poolSize ?? 10, log });
+    const database = await openDatabase(opts.connectionString, { poolSize: opts.poolSize ?? DEFAULT_POOL_SIZE, log });
     try {
       await retrying(() => ensureRunnerSchema(database.db, schema));
     } catch (err) {
@@ -152,6 +163,7 @@ export class Runner {
 
   /** Runs a job to completion (or finds it done). Throws an IdemError subclass on every other outcome. */
   async run(job: Job, opts: RunJobOptions = {}): Promise<RunOutcome> {
+    this.#checkConcurrency(opts.concurrency);
     const params = (await validateParams(job, opts.params)) as Json;
     const fp = fingerprint(params);
     const runKey = opts.key ?? fp;
@@ -184,6 +196,7 @@ export class Runner {
    * the others wait (by default) and then find each migration done.
    */
   async migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: Omit<RunJobOptions, 'key' | 'params' | 'dryRun'> = {}): Promise<RunOutcome[]> {
+    this.#checkConcurrency(opts.concurrency);
     const outcomes: RunOutcome[] = [];
     const fp = fingerprint({});
     // Fast path: every migration already done means no lock and no waiting at all.
@@ -243,6 +256,22 @@ export class Runner {
   /** Deletes succeeded and cancelled runs older than `olderThanMs`, in batches. */
   prune(olderThanMs: number): Promise<PruneResult> {
     return pruneRuns(this.#ops(), olderThanMs);
+  }
+
+  /**
+   * A chunk holds a pool connection for its whole transaction, and `ctx.effect` and the planner
+   * need one more beside it: with every connection inside a chunk, they would wait forever.
+   */
+  #checkConcurrency(concurrency = 1): void {
+    if (!Number.isInteger(concurrency) || concurrency < 1) {
+      throw new UsageError('invalidConcurrency', `concurrency must be an integer >= 1 (got ${JSON.stringify(concurrency)})`);
+    }
+    if (concurrency + POOL_HEADROOM > this.#poolSize) {
+      throw new UsageError(
+        'poolTooSmall',
+        `concurrency ${concurrency} needs a pool of at least ${concurrency + POOL_HEADROOM} connections, but poolSize is ${this.#poolSize}; raise poolSize or lower concurrency`,
+      );
+    }
   }
 
   #ops(): OperationsHost {

@@ -1,5 +1,5 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { defineJob, RunFailedError, Runner, sql, type ChunkSource, type Job } from '../src/index.ts';
+import { defineJob, exitCodeOf, RunFailedError, Runner, sql, type ChunkSource, type Job } from '../src/index.ts';
 import { query } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 
@@ -70,5 +70,37 @@ describe('planning a window is all or nothing (item 1)', () => {
     const seqs = await query<{ seq: number }>(url,
       `select c.seq from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'dup-key' order by c.seq`);
     expect(seqs.map((r) => r.seq)).toEqual([1, 2, 3, 4, 5, 6]);
+  });
+});
+
+describe('the work pool fits the requested concurrency (item 2)', () => {
+  const effectJob = defineJob({
+    name: 'effect-at-pool-size',
+    steps: [
+      {
+        name: 'mail',
+        chunks: (cursor) => ({ chunks: [1, 2, 3, 4, 5, 6, 7, 8].map((i) => ({ key: `m${i}`, i })), next: null }),
+        async run(ctx, chunk: { i: number }) {
+          await sql`select pg_sleep(0.05)`.execute(ctx.db);
+          await ctx.effect('send', () => ({ sent: chunk.i }));
+        },
+      },
+    ],
+  });
+
+  it('a concurrency the pool cannot serve is refused at once with both numbers, and nothing is written', async () => {
+    const small = await Runner.connect({ connectionString: url, poolSize: 4 });
+    try {
+      const err = await small.run(effectJob, { concurrency: 4 }).catch((e: unknown) => e);
+      expect((err as Error).message).toBe('concurrency 4 needs a pool of at least 6 connections, but poolSize is 4; raise poolSize or lower concurrency');
+      expect(exitCodeOf(err)).toBe(2);
+      expect(await query(url, `select 1 from idem.runs where job = 'effect-at-pool-size'`)).toEqual([]);
+      // The largest concurrency that fits runs with an effect in every chunk, and does not deadlock.
+      const ok = await small.run(effectJob, { concurrency: 2 });
+      expect(ok).toMatchObject({ status: 'succeeded', executed: 8 });
+      expect(await query(url, `select count(*)::int as n from idem.effects e join idem.runs r on r.id = e.run_id where r.job = 'effect-at-pool-size' and e.status = 'done'`)).toEqual([{ n: 8 }]);
+    } finally {
+      await small.close();
+    }
   });
 });
