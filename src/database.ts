@@ -30,6 +30,17 @@ export function redactSecrets(text: string, connectionString: string): string {
   return password.length >= 3 ? text.split(password).join('***') : text;
 }
 
+/**
+ * Server-side TCP keepalives for every idem session (lock and work): if this host vanishes (power,
+ * network), the server notices within about a minute (30 s idle + 3 probes 10 s apart) and ends
+ * the session, freeing its advisory lock and row locks, instead of after the OS defaults' ~2 hours.
+ * `tcp_user_timeout` bounds the same when the server has unacknowledged data in flight.
+ */
+export const SERVER_KEEPALIVES = 'set tcp_keepalives_idle = 30; set tcp_keepalives_interval = 10; set tcp_keepalives_count = 3; set tcp_user_timeout = 60000';
+
+/** Default of `idleInTransactionTimeoutMs`: a vanished process's open chunk transaction is ended after this. */
+export const DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT_MS = 60_000;
+
 export interface Database {
   readonly db: Kysely<any>;
   readonly pool: pg.Pool;
@@ -38,16 +49,25 @@ export interface Database {
 }
 
 /** Opens the work pool and proves the server answers, mapping failures to one-line errors that say the fix. */
-export async function openDatabase(connectionString: string, opts: { readonly poolSize: number; readonly log: Logger }): Promise<Database> {
+export async function openDatabase(
+  connectionString: string,
+  opts: { readonly poolSize: number; readonly log: Logger; readonly idleInTransactionTimeoutMs?: number },
+): Promise<Database> {
+  const idleMs = opts.idleInTransactionTimeoutMs ?? DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT_MS;
+  if (!Number.isInteger(idleMs) || idleMs < 0) throw new TypeError(`idleInTransactionTimeoutMs must be an integer >= 0 (got ${idleMs})`);
   const pool = new pg.Pool({ connectionString, max: opts.poolSize, application_name: 'idem', keepAlive: true, connectionTimeoutMillis: 10_000 });
   // An idle client's socket error is emitted on the pool; unhandled, it would kill the process.
   pool.on('error', (err) => opts.log.warn({ err: { message: redactSecrets(err.message, connectionString) } }, 'idle database connection failed'));
   // A checked-out client whose backend dies between two statements (pg_terminate_backend, a
   // restart) emits 'error' on itself, not on the pool; unhandled, that would crash the process.
   // The next statement on it then fails with a connection error, which the chunk retry handles.
-  pool.on('connect', (client) =>
-    client.on('error', (err) => opts.log.warn({ err: { message: redactSecrets(err.message, connectionString), code: (err as { code?: string }).code } }, 'database connection lost')),
-  );
+  pool.on('connect', (client) => {
+    client.on('error', (err) => opts.log.warn({ err: { message: redactSecrets(err.message, connectionString), code: (err as { code?: string }).code } }, 'database connection lost'));
+    // Queued before any statement of whoever checked the client out (pg-pool emits 'connect' first).
+    // A work session whose process vanished mid-chunk holds the chunk's row locks: the server ends
+    // it after idle_in_transaction_session_timeout, so another worker can redo the chunk.
+    client.query(`${SERVER_KEEPALIVES}; set idle_in_transaction_session_timeout = ${idleMs}`).catch(() => {});
+  });
   try {
     const client = await pool.connect();
     client.release();

@@ -3,6 +3,7 @@ import pg from 'pg';
 import { deferredMarker, registerMarkerStatement } from './marker-at-commit.ts';
 import { retrying } from './retry.ts';
 import type { ChunkSpec, Json } from './job.ts';
+import type { HeldLock } from './advisory-lock.ts';
 
 export type RunStatus = 'pending' | 'running' | 'succeeded' | 'failed' | 'interrupted' | 'paused' | 'cancelled';
 
@@ -24,6 +25,7 @@ export interface RunRow {
   attempt_started_at: Date | null;
   requested: 'pause' | 'cancel' | null;
   lock_name: string | null;
+  lock_pid: number | null;
 }
 
 export interface StepRow {
@@ -147,14 +149,22 @@ export class Store {
     return rows[0] && normalizeRun(rows[0]);
   }
 
-  /** Takes the run over: bumps the fencing token. Only called while holding the job's advisory lock. */
-  async beginAttempt(runId: string, holder: string, lockName: string): Promise<{ attempt: number; startedAt: Date }> {
-    const { rows } = await this.#run(sql<{ attempt: number; started_at: Date }>`
-      update ${this.#runs} set attempt = attempt + 1, status = 'running', holder = ${holder}, lock_name = ${lockName},
-        started_at = coalesce(started_at, now()), updated_at = now(), error = null,
+  /**
+   * Takes the run over: bumps the fencing token. Sent on the lock's own session, and only while that
+   * session holds the lock, so a process whose lock session died cannot bump after a successor did
+   * (and fence the successor off). Refuses (null) a run an operator paused or cancelled meanwhile.
+   */
+  async beginAttempt(runId: string, holder: string, lock: HeldLock): Promise<{ attempt: number; startedAt: Date } | null> {
+    const q = sql<{ attempt: number; started_at: Date }>`
+      update ${this.#runs} set attempt = attempt + 1, status = 'running', holder = ${holder}, lock_name = ${lock.name},
+        lock_pid = pg_backend_pid(), started_at = coalesce(started_at, now()), updated_at = now(), error = null,
         attempt_started_at = clock_timestamp() -- evaluated after any wait for the row lock
-      where id = ${runId} returning attempt, started_at`);
-    return { attempt: rows[0]!.attempt, startedAt: rows[0]!.started_at };
+      where id = ${runId} and status not in ('paused', 'cancelled')
+        and exists (select 1 from pg_locks where locktype = 'advisory' and granted and pid = pg_backend_pid() and objsubid = 1
+          and ((classid::bigint << 32) | objid::bigint) = ${lock.key}::bigint)
+      returning attempt, started_at`.compile(this.#db);
+    const rows = await lock.query<{ attempt: number; started_at: Date }>(q.sql, q.parameters);
+    return rows[0] ? { attempt: rows[0].attempt, startedAt: rows[0].started_at } : null;
   }
 
   /** Creates the step rows a run has not seen yet and returns all of them, in order. */

@@ -1,6 +1,8 @@
+import pg from 'pg';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { defineJob, exitCodeOf, RunFailedError, Runner, sql, type ChunkSource, type Job } from '../src/index.ts';
-import { query } from './support/cli.ts';
+import { acquireAdvisoryLock } from '../src/advisory-lock.ts';
+import { defineJob, exitCodeOf, fingerprint, RunFailedError, Runner, sql, type ChunkSource, type Job } from '../src/index.ts';
+import { query, waitFor } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 
 // Issue 8 (correctness hardening): each test here failed on the code before its fix.
@@ -102,5 +104,78 @@ describe('the work pool fits the requested concurrency (item 2)', () => {
     } finally {
       await small.close();
     }
+  });
+});
+
+describe('operator actions are compare-and-set (item 3)', () => {
+  const tiny = defineJob({ name: 'tiny', steps: [{ name: 'one', run: () => {} }] });
+
+  it('a cancel that read the run as unfinished does not bring it back after it succeeded', async () => {
+    await runner.run(tiny, { key: 'cas' });
+    // The run as a crashed attempt leaves it: running, nobody holding its lock.
+    await query(url, `update idem.runs set status = 'running', finished_at = null where job = 'tiny' and run_key = 'cas'`);
+    const finisher = new pg.Client({ connectionString: url });
+    await finisher.connect();
+    try {
+      // The run finishes (not yet committed) while the cancel is deciding.
+      await finisher.query('begin');
+      await finisher.query(`update idem.runs set status = 'succeeded', finished_at = now() where job = 'tiny' and run_key = 'cas'`);
+      const cancelling = runner.cancel('tiny', 'cas').then(
+        (r) => ({ ok: r }),
+        (e: Error) => ({ err: e }),
+      );
+      await waitFor(async () => (await query(url, `select 1 from pg_stat_activity where wait_event_type = 'Lock' and query like '%requested%'`)).length > 0 || undefined, 'the cancel to wait for the row lock');
+      await finisher.query('commit');
+      const outcome = await cancelling;
+      expect('err' in outcome && outcome.err.message).toBe('run "cas" of job "tiny" had already succeeded (it changed while the request was made): nothing to cancel');
+    } finally {
+      await finisher.end();
+    }
+    expect(await query(url, `select status, requested from idem.runs where job = 'tiny' and run_key = 'cas'`)).toEqual([{ status: 'succeeded', requested: null }]);
+  });
+});
+
+describe('the attempt bump is tied to holding the lock (item 5)', () => {
+  it('a process whose lock session died cannot bump the attempt', async () => {
+    const { run } = await runner.store.claimRun('bump', 'k', {}, fingerprint({}));
+    const lock = await acquireAdvisoryLock({ connectionString: url, name: runner.jobLockName('bump'), what: 'job "bump"' });
+    try {
+      await query(url, 'select pg_terminate_backend($1)', [lock.pid]);
+      const begun = await runner.store.beginAttempt(run.id, 'test:1', lock).catch(() => null);
+      expect(begun).toBeNull();
+    } finally {
+      await lock.release();
+    }
+    expect(await query(url, `select attempt, status from idem.runs where id = $1`, [run.id])).toEqual([{ attempt: 0, status: 'pending' }]);
+  });
+});
+
+describe('liveness is per run, not per job (item 6)', () => {
+  let open!: () => void;
+  const gate = new Promise<void>((resolve) => (open = resolve));
+  const gated = defineJob({
+    name: 'gated',
+    steps: [{ name: 'wait', run: async (ctx) => { if (ctx.run.runKey === 'k2') await gate; } }],
+  });
+
+  it('a crashed run stays crashed while another run of the job is live, and pausing it takes effect at once', async () => {
+    await runner.run(gated, { key: 'k1' });
+    // k1 as a crash leaves it: running, its lock session gone.
+    await query(url, `update idem.runs set status = 'running', finished_at = null where job = 'gated' and run_key = 'k1'`);
+    const live = runner.run(gated, { key: 'k2' });
+    try {
+      const states = async () => Object.fromEntries((await runner.status('gated')).map((r) => [r.runKey, r.state]));
+      await waitFor(async () => ((await states()).k2 === 'running' ? true : undefined), 'k2 to run');
+      expect(await states()).toEqual({ k1: 'crashed', k2: 'running' });
+      const paused = await runner.pause('gated', 'k1');
+      expect(paused).toMatchObject({ live: false, status: 'paused' });
+    } finally {
+      open();
+      await live;
+    }
+    expect(await query(url, `select run_key, status from idem.runs where job = 'gated' order by run_key`)).toEqual([
+      { run_key: 'k1', status: 'paused' },
+      { run_key: 'k2', status: 'succeeded' },
+    ]);
   });
 });
