@@ -68,13 +68,22 @@ export async function openDatabase(
     // it after idle_in_transaction_session_timeout, so another worker can redo the chunk.
     client.query(`${SERVER_KEEPALIVES}; set idle_in_transaction_session_timeout = ${idleMs}`).catch(() => {});
   });
+  let clients: pg.PoolClient[] = [];
   try {
-    const client = await pool.connect();
-    client.release();
+    clients = await Promise.all([pool.connect(), pool.connect()]);
   } catch (err) {
+    for (const c of clients) c.release();
     await pool.end().catch(() => {});
     throw describeConnectError(err, connectionString);
   }
+  try {
+    await refuseSessionlessPooler(clients[0]!, clients[1]!, connectionString);
+  } catch (err) {
+    for (const c of clients) c.release();
+    await pool.end().catch(() => {});
+    throw err;
+  }
+  for (const c of clients) c.release();
   const db = new Kysely<any>({ dialect: new IdemPostgresDialect({ pool }) });
   let closed: Promise<void> | undefined;
   return {
@@ -82,6 +91,31 @@ export async function openDatabase(
     pool,
     close: () => (closed ??= db.destroy().catch(() => {})),
   };
+}
+
+/**
+ * idem keeps state in sessions (the advisory lock, the marker's prepared statement), so it must
+ * never run behind a pooler that hands each transaction or statement to another server session
+ * (PgBouncer pool_mode=transaction or statement). Checked on every start, before anything is
+ * written: two connections of ours, both open, ask for their backend pid in turn (A, B, A, B).
+ * A direct server or a session pooler gives each its own backend for the connection's life, so the
+ * pids differ and stay put. A transaction pooler releases A's server session after each statement,
+ * hands that same idle session to B (PgBouncer reuses the most recently used one) or another one to
+ * A's next statement: either shows. A pooler is also seen when the pid the protocol announced at
+ * connect (BackendKeyData) is not the backend's own, which names the pooler in the message.
+ */
+async function refuseSessionlessPooler(a: pg.PoolClient, b: pg.PoolClient, connectionString: string): Promise<void> {
+  const pid = async (c: pg.PoolClient) => (await c.query<{ pid: number }>('select pg_backend_pid() as pid')).rows[0]!.pid;
+  const a1 = await pid(a);
+  const b1 = await pid(b);
+  const a2 = await pid(a);
+  const b2 = await pid(b);
+  if (a1 !== b1 && a1 === a2 && b1 === b2) return;
+  const announced = (a as unknown as { processID?: number }).processID;
+  const what = announced !== undefined && announced !== a1 ? 'a connection pooler (PgBouncer or similar)' : 'a pooler';
+  throw new DatabaseUnavailableError(
+    `${redactUrl(connectionString)} goes through ${what} in transaction or statement mode, which does not keep sessions, and idem needs its session (advisory lock): set pool_mode = session for idem's database, or point idem at PostgreSQL directly`,
+  );
 }
 
 export function describeConnectError(err: unknown, connectionString: string): DatabaseUnavailableError {
