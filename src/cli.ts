@@ -205,7 +205,8 @@ export function buildProgram(state: { exitCode: number }): Command {
     } finally {
       // The same watchdog on the normal path: releasing the lock, pool and embedded server must
       // not hang the process.
-      setTimeout(() => process.exit(state.exitCode), 10_000).unref();
+      // A lost lock often means a dead network: closing the pool would wait on its sockets.
+      setTimeout(() => process.exit(state.exitCode), state.exitCode === ExitCode.LockLost ? 2_000 : 10_000).unref();
       await session.close();
     }
   };
