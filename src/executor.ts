@@ -137,7 +137,10 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
     let pending: PendingChunk[] = await store.pendingChunks(run.runId, step.name, fetchAfter, planWindow);
     while (pending.length === 0 && !plannedAll) {
       // A source that reads the database (keyRange) may hit a dropped connection: ask it again.
-      const page: ChunkPage = await retrying(async () => source(cursor, planCtx()));
+      // A source that fails for good fails the step it belongs to, not "(runner)".
+      const page: ChunkPage = await retrying(async () => source(cursor, planCtx())).catch((err: unknown) => {
+        throw err instanceof ChunkFailure || err instanceof FencedError ? err : new ChunkFailure(step.name, null, 1, err);
+      });
       checkPage(step.name, page);
       const result = await store.planWindow(run.runId, run.attempt, step.name, nextSeq - 1, page.chunks, page.next);
       if (result.kind === 'fenced') throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was taken over by a newer attempt while planning`);

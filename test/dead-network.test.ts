@@ -26,7 +26,7 @@ describe('a network that goes dead mid-run', () => {
     const params = JSON.stringify({ chunks: 400, pauseMs: 50, label: 'x', gate: null });
     const proc = spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params, '--key', 'cut', '--concurrency', '2'], { url: viaProxy.toString(), timeoutMs: 120_000 });
     await waitFor(async () => {
-      const [{ n }] = await query<{ n: number }>(database.url, `select count(*)::int as n from work_log where run_key = 'cut' and step = 'work'`);
+      const n = (await query<{ n: number }>(database.url, `select count(*)::int as n from work_log where run_key = 'cut' and step = 'work'`))[0]?.n ?? 0;
       return n >= 5 || undefined;
     }, 'the run to commit a few chunks', { timeoutMs: 60_000 });
     proxy.cut();

@@ -1,7 +1,7 @@
 import pg from 'pg';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { acquireAdvisoryLock } from '../src/advisory-lock.ts';
-import { defineJob, exitCodeOf, fingerprint, RunFailedError, Runner, sql, type ChunkSource, type Job } from '../src/index.ts';
+import { defineJob, exitCodeOf, fingerprint, keyRange, RunFailedError, Runner, sql, type ChunkSource, type Job } from '../src/index.ts';
 import { query, waitFor } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 
@@ -177,5 +177,44 @@ describe('liveness is per run, not per job (item 6)', () => {
       { run_key: 'k1', status: 'paused' },
       { run_key: 'k2', status: 'succeeded' },
     ]);
+  });
+});
+
+describe('the rest the review found (item 6)', () => {
+  it('defineJob refuses a bad throttle or retry anywhere in the job at load, naming each', () => {
+    const err = (() => {
+      try {
+        defineJob({
+          name: 'bad-settings',
+          retry: { attempts: 0 },
+          steps: [
+            { name: 'one', run: () => {} },
+            { name: 'two', throttle: { maxRate: 0 }, retry: { factor: 0.5 }, run: () => {} },
+          ],
+        });
+      } catch (e) {
+        return e as Error;
+      }
+      return null;
+    })();
+    expect(exitCodeOf(err)).toBe(2);
+    expect(err?.message).toBe(
+      'defineJob(): invalid job definition: retry: attempts must be an integer >= 1 (got 0); steps[1].throttle: maxRate must be a number > 0 (got 0); steps[1].retry: factor must be a number >= 1 (got 0.5)',
+    );
+  });
+
+  it('keyRange refuses a text column and a column without a unique index, before planning a chunk', async () => {
+    await query(url, `create table texty (id text primary key); insert into texty select g::text from generate_series(1, 30) g`);
+    await query(url, `create table repeated (id int not null); insert into repeated select g / 10 from generate_series(1, 30) g`);
+    for (const [table, expected] of [
+      ['texty', 'keyRange(): column "id" of "texty" is text, but keyRange cuts by integer order'],
+      ['repeated', 'keyRange(): column "id" of "repeated" has no unique index'],
+    ] as const) {
+      const job = defineJob({ name: `kr-${table}`, steps: [{ name: 'cut', chunks: keyRange({ table, column: 'id', size: 5 }), run: () => {} }] });
+      const err = await runner.run(job).catch((e: Error) => e);
+      expect(exitCodeOf(err)).toBe(1);
+      expect((err as Error).message).toContain(`failed in step "cut" after 1 try: ${expected}`);
+      expect(await query(url, `select count(*)::int as n from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = $1`, [`kr-${table}`])).toEqual([{ n: 0 }]);
+    }
   });
 });

@@ -53,7 +53,7 @@ describe.skipIf(unavailable !== null)('a host that vanishes mid-run', () => {
     const chunks = 200;
     const params = JSON.stringify({ chunks, pauseMs: 50, label: 'x', gate: null });
     const args = [...FIXTURE_DIRS, 'run', 'counted', '--params', params, '--key', 'apart'];
-    const env = { ...process.env, DATABASE_URL: nsUrl };
+    const env: NodeJS.ProcessEnv = { ...process.env, DATABASE_URL: nsUrl };
     delete env.NODE_OPTIONS;
     const cutOff = spawn(host.exec[0]!, [...host.exec.slice(1), process.execPath, BIN, ...args], { cwd: REPO, env, stdio: ['ignore', 'pipe', 'pipe'] });
     let cutOffErr = '';
@@ -61,7 +61,7 @@ describe.skipIf(unavailable !== null)('a host that vanishes mid-run', () => {
     const cutOffExit = new Promise<number | null>((resolve) => cutOff.once('exit', (code) => resolve(code)));
     try {
       await waitFor(async () => {
-        const [{ n }] = await query<{ n: number }>(url, `select count(*)::int as n from work_log where run_key = 'apart' and step = 'work'`);
+        const n = (await query<{ n: number }>(url, `select count(*)::int as n from work_log where run_key = 'apart' and step = 'work'`))[0]?.n ?? 0;
         return n >= 10 || undefined;
       }, 'the namespaced run to commit some chunks', { timeoutMs: 60_000 });
       host.cut();
