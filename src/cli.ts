@@ -6,7 +6,7 @@ import { ExitCode, exitCodeOf, IdemError, InterruptedError, messageOf, UsageErro
 import { validateParams } from './job.ts';
 import { findJob, loadJobDir } from './loader.ts';
 import { parseDuration } from './operations.ts';
-import { latestSlot, parseCatchUp, parseSchedule, renderCrontab, runCronLoop, slotKey, slotsSince, type ScheduledJob } from './schedule.ts';
+import { latestSlot, parseCatchUp, parseSchedule, renderCrontab, runCronLoop, shellQuote, slotKey, slotsSince, type ScheduledJob } from './schedule.ts';
 import { createProgressReporter } from './progress-reporter.ts';
 import { createLogger, LOG_LEVELS, type LogLevel } from './log.ts';
 import { DEFAULT_SCHEMA, POOL_HEADROOM, Runner, type RunOutcome, type RunStatusRow } from './runner.ts';
@@ -346,8 +346,16 @@ export function buildProgram(state: { exitCode: number }): Command {
       runWithSession(async (g) => {
         const entries = await scheduledJobs(g.jobsDir);
         if (entries.length === 0) throw new UsageError('noScheduledJobs', `no job in ${g.jobsDir}/ declares a schedule; add schedule: '0 3 * * *' to one`);
-        const dirs = g.jobsDir === 'jobs' ? '' : ` --jobs-dir ${g.jobsDir}`;
-        process.stdout.write(renderCrontab(entries, { cwd: process.cwd(), command: `${o.command}${dirs}`, ...(o.logFile ? { logFile: o.logFile } : {}), ...(o.catchUp ? { catchUp: o.catchUp } : {}) }));
+        // Every global flag that changes which lock, tables or files a run uses goes on the line,
+        // quoted: a cron run under another schema would take another lock than a manual run.
+        // The database URL is not (it holds the password): cron's environment sets DATABASE_URL.
+        const identity = [
+          ...(g.schema !== DEFAULT_SCHEMA ? ['--schema', g.schema] : []),
+          ...(g.jobsDir !== 'jobs' ? ['--jobs-dir', g.jobsDir] : []),
+          ...(g.migrationsDir !== 'migrations' ? ['--migrations-dir', g.migrationsDir] : []),
+        ];
+        const flags = identity.map(shellQuote).map((w) => ` ${w}`).join('');
+        process.stdout.write(renderCrontab(entries, { cwd: process.cwd(), command: `${o.command}${flags}`, ...(o.logFile ? { logFile: o.logFile } : {}), ...(o.catchUp ? { catchUp: o.catchUp } : {}) }));
         return ExitCode.Ok;
       }),
     );

@@ -237,7 +237,8 @@ export interface CrontabOptions {
   readonly catchUp?: string;
 }
 
-function shellQuote(s: string): string {
+/** Quotes a word for a POSIX shell (a crontab line), leaving plain words as they are. */
+export function shellQuote(s: string): string {
   return /^[A-Za-z0-9_./:@+=,-]+$/.test(s) ? s : `'${s.replace(/'/g, `'\\''`)}'`;
 }
 
