@@ -264,12 +264,12 @@ export class Store {
   }
 
   /** Why a marker was refused: the run's current attempt and whether the chunk is done. */
-  async markerRefusal(runId: string, step: string, key: string): Promise<{ attempt: number; done: boolean }> {
-    const { rows } = await this.#run(sql<{ attempt: number; done: boolean }>`
-      select r.attempt, (c.done_at is not null) as done from ${this.#runs} r
+  async markerRefusal(runId: string, step: string, key: string): Promise<{ attempt: number; done: boolean; doneAttempt: number | null }> {
+    const { rows } = await this.#run(sql<{ attempt: number; done: boolean; doneAttempt: number | null }>`
+      select r.attempt, (c.done_at is not null) as done, c.done_attempt as "doneAttempt" from ${this.#runs} r
       left join ${this.#chunks} c on c.run_id = r.id and c.step = ${step} and c.key = ${key}
       where r.id = ${runId}`);
-    return rows[0] ?? { attempt: -1, done: false };
+    return rows[0] ?? { attempt: -1, done: false, doneAttempt: null };
   }
 
   /** Records a failed try of a chunk (outside its rolled-back transaction). */
@@ -282,8 +282,9 @@ export class Store {
    * Records a chunk that failed for good as skipped (the step's skip policy allows it); fenced.
    * Returns false when an older attempt tries it.
    */
-  async skipChunk(runId: string, attempt: number, step: string, key: string, tries: number, message: string): Promise<boolean> {
-    const { rows } = await this.#run(sql`update ${this.#chunks} set skipped_at = now(), attempts = attempts + ${tries}, error = ${message}
+  async skipChunk(runId: string, attempt: number, step: string, key: string, message: string): Promise<boolean> {
+    // The tries were counted already, by recordChunkFailure when the chunk failed for good.
+    const { rows } = await this.#run(sql`update ${this.#chunks} set skipped_at = now(), error = ${message}
       where run_id = ${runId} and step = ${step} and key = ${key} and done_at is null
         and exists (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt} for share)
       returning 1`);
@@ -326,10 +327,13 @@ export class Store {
    * chunk's rollback): new or still `started` → returns it to perform (tries counted); `done` →
    * returns its recorded result, and the caller must not perform it again.
    */
-  async beginEffect(runId: string, step: string, chunk: string, name: string, idemKey: string): Promise<{ status: 'started' | 'done'; result: Json | null; tries: number }> {
+  async beginEffect(runId: string, attempt: number, step: string, chunk: string, name: string, idemKey: string): Promise<{ status: 'started' | 'done'; result: Json | null; tries: number } | null> {
+    // Fenced like the marker: an attempt that lost the run starts no effect (null).
     const { rows } = await this.#run(sql<{ status: 'started' | 'done'; result: Json | null; tries: number }>`
-      with up as (
-        insert into ${this.#effects} (run_id, step, chunk, name, idem_key) values (${runId}, ${step}, ${chunk}, ${name}, ${idemKey})
+      with fence as (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt} for share),
+      up as (
+        insert into ${this.#effects} (run_id, step, chunk, name, idem_key)
+        select ${runId}, ${step}, ${chunk}, ${name}, ${idemKey} where exists (select 1 from fence)
         on conflict (run_id, step, chunk, name) do update set tries = ${this.#effects}.tries + 1, started_at = now()
           where ${this.#effects}.status = 'started'
         returning status, result, tries
@@ -337,8 +341,9 @@ export class Store {
       select * from up
       union all
       select status, result, tries from ${this.#effects}
-      where run_id = ${runId} and step = ${step} and chunk = ${chunk} and name = ${name} and not exists (select 1 from up)`);
-    return rows[0]!;
+      where run_id = ${runId} and step = ${step} and chunk = ${chunk} and name = ${name} and not exists (select 1 from up)
+        and exists (select 1 from fence)`);
+    return rows[0] ?? null;
   }
 
   async completeEffect(runId: string, step: string, chunk: string, name: string, result: Json | null): Promise<void> {

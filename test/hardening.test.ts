@@ -1,5 +1,5 @@
 import pg from 'pg';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import { acquireAdvisoryLock } from '../src/advisory-lock.ts';
 import { defineJob, exitCodeOf, fingerprint, keyRange, RunFailedError, Runner, sql, type ChunkSource, type Job } from '../src/index.ts';
 import { query, waitFor } from './support/cli.ts';
@@ -50,6 +50,7 @@ function itemsJob(name: string, dup: boolean): Job {
 
 describe('planning a window is all or nothing (item 1)', () => {
   it('a duplicate chunk key moves nothing, fails the run naming the key, and a fixed rerun processes every chunk once', async () => {
+    await query(url, 'truncate hits');
     const err = await runner.run(itemsJob('dup-key', true), { key: 'k', planWindow: 2 }).catch((e: unknown) => e);
     expect(err).toBeInstanceOf(RunFailedError);
     expect((err as Error).message).toContain('"item-1"');
@@ -216,5 +217,60 @@ describe('the rest the review found (item 6)', () => {
       expect((err as Error).message).toContain(`failed in step "cut" after 1 try: ${expected}`);
       expect(await query(url, `select count(*)::int as n from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = $1`, [`kr-${table}`])).toEqual([{ n: 0 }]);
     }
+  });
+});
+
+describe('bookkeeping counts what happened (item 6)', () => {
+  it('a chunk skipped after one permanent failure shows one try, not two', async () => {
+    const job = defineJob({
+      name: 'skip-once',
+      steps: [{
+        name: 'items',
+        maxFailedChunks: 1,
+        chunks: () => ({ chunks: [{ key: 'good' }, { key: 'bad' }], next: null }),
+        run: (_ctx, chunk: { key: string }) => {
+          if (chunk.key === 'bad') throw new Error('permanent');
+        },
+      }],
+    });
+    const out = await runner.run(job);
+    expect(out.summary).toMatchObject({ chunks: 2, skipped: 1 });
+    const [row] = await runner.status('skip-once');
+    expect(row?.skipped).toEqual([{ step: 'items', key: 'bad', error: 'permanent', attempts: 1 }]);
+  });
+
+  it('a chunk whose COMMIT acknowledgement was lost counts as executed by this invocation, and its work happened once', async () => {
+    const job = itemsJob('lost-ack', false);
+    const original = pg.Client.prototype.query;
+    let dropped = 0;
+    const spy = vi.spyOn(pg.Client.prototype, 'query').mockImplementation(function (this: pg.Client, ...args: any[]) {
+      const text = typeof args[0] === 'string' ? args[0] : args[0]?.text;
+      const result = (original as any).apply(this, args);
+      if (dropped === 0 && typeof text === 'string' && /;\s*commit$/i.test(text) && text.includes("'item-3'")) {
+        dropped++;
+        // The server committed; the client never hears so.
+        return Promise.resolve(result).then(() => {
+          throw Object.assign(new Error('Connection terminated unexpectedly'), { code: 'ECONNRESET' });
+        });
+      }
+      return result;
+    });
+    try {
+      await query(url, 'truncate hits');
+      const out = await runner.run(job, { key: 'ack', planWindow: 2 });
+      expect(dropped).toBe(1);
+      expect(out).toMatchObject({ status: 'succeeded', executed: 6 });
+    } finally {
+      spy.mockRestore();
+    }
+    expect(await query(url, 'select item, n from hits order by item')).toEqual([1, 2, 3, 4, 5, 6].map((item) => ({ item, n: 1 })));
+  });
+
+  it('an attempt that lost the run starts no effect', async () => {
+    const { run } = await runner.store.claimRun('fenced-effect', 'k', {}, fingerprint({}));
+    await query(url, 'update idem.runs set attempt = 2 where id = $1', [run.id]);
+    expect(await runner.store.beginEffect(run.id, 1, 'step', 'chunk', 'mail', 'idem-key')).toBeNull();
+    expect(await query(url, 'select count(*)::int as n from idem.effects where run_id = $1', [run.id])).toEqual([{ n: 0 }]);
+    expect(await runner.store.beginEffect(run.id, 2, 'step', 'chunk', 'mail', 'idem-key')).toMatchObject({ status: 'started', tries: 1 });
   });
 });
