@@ -215,7 +215,7 @@ describe('signals and lost locks', () => {
       await waitFor(async () => (await sessions(db.url, 'idem-lock')) >= 2, 'the second run waiting for the lock', { timeoutMs: 60_000 });
       const holder = await query<{ pid: number }>(
         db.url,
-        `select l.pid from pg_locks l join pg_stat_activity a on a.pid = l.pid
+        `select distinct l.pid from pg_locks l join pg_stat_activity a on a.pid = l.pid
          where l.locktype = 'advisory' and l.granted and a.application_name = 'idem-lock' and a.datname = current_database()`,
       );
       expect(holder).toHaveLength(1);
