@@ -2,7 +2,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { defineJob, RunFailedError, Runner, sql } from '../src/index.ts';
 import { FAULT_POINTS } from '../src/fault-points.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
-import { FIXTURE_DIRS, killLeftovers, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, holdGate } from './support/cli.ts';
+import { expectFaultCrash, FIXTURE_DIRS, killLeftovers, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, holdGate } from './support/cli.ts';
 import { createFixtureTables } from './fixtures/tables.ts';
 import counted, { maybeFail } from './fixtures/jobs/counted.ts';
 
@@ -146,8 +146,7 @@ describe('fault points: a crash at every protocol boundary converges on rerun', 
       const chunkPoint = ['after-claim', 'after-work', 'after-marker', 'after-commit'].includes(point);
       const args = [...FIXTURE_DIRS, '--log-level', 'error', 'run', 'counted', '--key', key, '--param', 'chunks=8', '--concurrency', '2'];
       const crashed = await runCli(args, { url: db.url, env: { IDEM_FAULT: `${point}:crash:${chunkPoint ? 4 : 1}` } });
-      expect(crashed.signal).toBe('SIGKILL');
-      expect(crashed.stderr).toContain(`fault injected at ${point}`);
+      expectFaultCrash(crashed, point);
       const before = await runRow(db.url, 'counted', key);
       expect(before?.status ?? 'none').not.toBe('succeeded');
       const rerun = await runCli(args, { url: db.url });
