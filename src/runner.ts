@@ -269,7 +269,11 @@ export class Runner {
     const poll = setInterval(() => {
       this.store.requested(runId).then(
         (what) => {
-          if (what && !control.signal.aborted) control.abort(new ControlRequest(what));
+          if (what && !control.signal.aborted) {
+            // Logged when seen, so an operator (and a test) can tell the request has reached the run.
+            log.warn({ requested: what }, `${what} requested by an operator; no new chunk starts, in-flight chunks finish`);
+            control.abort(new ControlRequest(what));
+          }
         },
         () => {},
       );

@@ -57,6 +57,11 @@ async function someoneBlocked(): Promise<void> {
   );
 }
 
+/** Waits until a live CLI run logs that it saw the operator's request (it polls every second). */
+async function requestSeen(child: ReturnType<typeof spawnCli>, what: 'pause' | 'cancel'): Promise<void> {
+  await waitFor(async () => child.stderr().includes(`${what} requested by an operator`), `the live run to see the ${what} request`);
+}
+
 const RUN_TABLES = ['idem.runs', 'idem.steps', 'idem.chunks', 'idem.effects', 'work_log', 'counted_state'] as const;
 
 describe('pause and resume', () => {
@@ -72,8 +77,8 @@ describe('pause and resume', () => {
       expect(paused.code, paused.stderr).toBe(0);
       expect(paused.stdout).toBe(`pause: run ${key} of job "counted" requested: the live run stops at its next chunk boundary\n`);
       expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'running', requested: 'pause' });
-      // The live run looks for requests every second; give it time to see this one before c0001 ends.
-      await sleep(2_500);
+      // The live run looks for requests every second: wait until it has seen this one, c0001 still in flight.
+      await requestSeen(child, 'pause');
     } finally {
       await gate.release();
     }
@@ -133,7 +138,7 @@ describe('cancel and reset', () => {
       const cancelled = await idem(['cancel', 'counted', '--key', key]);
       expect(cancelled.code, cancelled.stderr).toBe(0);
       expect(cancelled.stdout).toMatch('requested: the live run stops at its next chunk boundary');
-      await sleep(2_500);
+      await requestSeen(child, 'cancel');
     } finally {
       await gate.release();
     }
@@ -320,22 +325,41 @@ describe('throttling', () => {
   const doneTimes = async (job: string, key: string, step: string) =>
     (await chunkRows(url, job, key, step)).map((c) => (c.done_at as Date).getTime());
 
-  it('--max-rate 20 starts 20 chunks no faster than 20 a second', async () => {
-    const r = await runCli(countedArgs('op-rate20', { chunks: 20 }, ['--max-rate', '20']), { url });
+  /** Gaps in ms between consecutive chunk commits of one run's work step, in commit order. */
+  const gapsOf = async (key: string) => {
+    const times = (await doneTimes('counted', key, 'work')).sort((a, b) => a - b);
+    return times.slice(1).map((t, i) => t - times[i]!);
+  };
+  const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!;
+
+  it('--max-rate 5 starts chunks no faster than 5 a second: far slower than the same run unthrottled', async () => {
+    // The unthrottled run, in the same test, measures this machine now: a slow machine alone
+    // must not pass for a throttle.
+    const free = await runCli(countedArgs('op-rate-free', { chunks: 10 }), { url });
+    expect(free.code, free.stderr).toBe(0);
+    const r = await runCli(countedArgs('op-rate5', { chunks: 10 }, ['--max-rate', '5']), { url });
     expect(r.code, r.stderr).toBe(0);
-    const times = await doneTimes('counted', 'op-rate20', 'work');
-    expect(times).toHaveLength(20);
-    // 19 intervals of 50 ms between the first and the last start.
-    expect(Math.max(...times) - Math.min(...times)).toBeGreaterThanOrEqual(900);
+    const span = (gaps: number[]) => gaps.reduce((a, b) => a + b, 0);
+    const [throttled, unthrottled] = [await gapsOf('op-rate5'), await gapsOf('op-rate-free')];
+    expect(throttled).toHaveLength(9);
+    // 9 intervals of 200 ms between the first and the last start (commits follow starts) ...
+    expect(span(throttled)).toBeGreaterThanOrEqual(1_700);
+    // ... and the throttle, not the machine, made it slow.
+    expect(span(throttled)).toBeGreaterThanOrEqual(2 * span(unthrottled));
+    console.log(`--max-rate 5: 10 chunks over ${span(throttled)} ms; unthrottled ${span(unthrottled)} ms`);
   });
 
-  it('--pause 100 spaces the chunks of one worker at least 100 ms apart', async () => {
+  it('--pause 100 spaces the chunks of one worker at least 100 ms apart, 100 ms more than unthrottled', async () => {
+    const free = await runCli(countedArgs('op-pause-free', { chunks: 6 }, ['--concurrency', '1']), { url });
+    expect(free.code, free.stderr).toBe(0);
     const r = await runCli(countedArgs('op-pause100', { chunks: 6 }, ['--pause', '100', '--concurrency', '1']), { url });
     expect(r.code, r.stderr).toBe(0);
-    const times = (await doneTimes('counted', 'op-pause100', 'work')).sort((a, b) => a - b);
-    const gaps = times.slice(1).map((t, i) => t - times[i]!);
-    expect(gaps).toHaveLength(5);
-    expect(Math.min(...gaps)).toBeGreaterThanOrEqual(95);
+    const [paused, unpaused] = [await gapsOf('op-pause100'), await gapsOf('op-pause-free')];
+    expect(paused).toHaveLength(5);
+    expect(Math.min(...paused)).toBeGreaterThanOrEqual(95);
+    // The pause adds to the chunk's own time: the typical gap grew by about 100 ms.
+    expect(median(paused) - median(unpaused)).toBeGreaterThanOrEqual(80);
+    console.log(`--pause 100: gaps ${paused.join(', ')} ms; unthrottled ${unpaused.join(', ')} ms`);
   });
 
   it('--target-chunk-ms grows keyRange chunks that finish early and shrinks chunks that run long', async () => {
