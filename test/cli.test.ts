@@ -1,6 +1,7 @@
 import pg from 'pg';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { Runner } from '../src/index.ts';
+import counted from './fixtures/jobs/counted.ts';
 import { lockKey } from '../src/fingerprint.ts';
 import { createFixtureTables } from './fixtures/tables.ts';
 import {
@@ -28,6 +29,9 @@ beforeAll(async () => {
   // Create idem's schema up front, so "changes nothing" compares real tables from the first test on.
   await (await Runner.connect({ connectionString: url })).close();
 });
+
+// A test that failed before its own cleanup must not make the next test's chunks fail.
+afterEach(() => query(url, 'delete from fail_chunks'));
 
 afterAll(async () => {
   await killLeftovers();
@@ -208,12 +212,24 @@ describe('idem help, status and list', () => {
   });
 
   it('status --json prints parseable runs with progress and state', async () => {
+    // Its own runs: one succeeded at once, one that failed and was resumed (attempt 2).
+    const runner = await Runner.connect({ connectionString: url });
+    try {
+      await runner.run(counted, { params: { chunks: 3 }, key: 'st-ok' });
+      await query(url, `insert into fail_chunks (chunk_key) values ('c0002')`);
+      await runner.run(counted, { params: { chunks: 3 }, key: 'st-resumed' }).catch(() => {});
+      await query(url, `delete from fail_chunks`);
+      await runner.run(counted, { params: { chunks: 3 }, key: 'st-resumed' });
+    } finally {
+      await query(url, `delete from fail_chunks`);
+      await runner.close();
+    }
     const r = await idem(['status', '--json']);
     expect(r.code, r.stderr).toBe(0);
     const rows = JSON.parse(r.stdout) as Array<Record<string, unknown>>;
     expect(Array.isArray(rows)).toBe(true);
-    expect(rows.find((x) => x.runKey === 'cli-ok')).toMatchObject({ job: 'counted', state: 'succeeded', attempt: 1, chunksDone: 5, chunksPlanned: 5, fullyPlanned: true });
-    expect(rows.find((x) => x.runKey === 'cli-fail')).toMatchObject({ state: 'succeeded', attempt: 2 });
+    expect(rows.find((x) => x.runKey === 'st-ok')).toMatchObject({ job: 'counted', state: 'succeeded', attempt: 1, chunksDone: 5, chunksPlanned: 5, fullyPlanned: true });
+    expect(rows.find((x) => x.runKey === 'st-resumed')).toMatchObject({ job: 'counted', state: 'succeeded', attempt: 2, chunksDone: 5 });
 
     const filtered = await idem(['status', 'ranged', '--json']);
     expect(filtered.code).toBe(0);
@@ -224,6 +240,13 @@ describe('idem help, status and list', () => {
   });
 
   it('list --json shows the fixture jobs and migrations with their latest state', async () => {
+    // counted's latest run is this one, whatever other tests ran before.
+    const runner = await Runner.connect({ connectionString: url });
+    try {
+      await runner.run(counted, { params: { chunks: 1 }, key: 'list-latest' });
+    } finally {
+      await runner.close();
+    }
     const r = await idem(['list', '--json']);
     expect(r.code, r.stderr).toBe(0);
     expect(JSON.parse(r.stdout)).toEqual([
