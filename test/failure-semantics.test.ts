@@ -1,10 +1,14 @@
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { fileURLToPath } from 'node:url';
+import pg from 'pg';
+import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { defineJob, RunFailedError, Runner, sql } from '../src/index.ts';
 import { FAULT_POINTS } from '../src/fault-points.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 import { expectFaultCrash, FIXTURE_DIRS, killLeftovers, logLines, type CliResult, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, holdGate } from './support/cli.ts';
 import { createFixtureTables } from './fixtures/tables.ts';
 import counted, { maybeFail } from './fixtures/jobs/counted.ts';
+
+const MORE_JOBS = fileURLToPath(new URL('./fixtures/more-jobs', import.meta.url));
 
 let db: TestDatabase;
 let runner: Runner;
@@ -13,6 +17,12 @@ beforeAll(async () => {
   db = await createTestDatabase();
   await createFixtureTables(db.url);
   runner = await Runner.connect({ connectionString: db.url });
+});
+
+// A test that failed before its own cleanup must not make the next test's chunks fail.
+afterEach(async () => {
+  await killLeftovers();
+  await query(db.url, 'delete from fail_chunks');
 });
 
 afterAll(async () => {
@@ -297,6 +307,79 @@ describe('database health at start-up', () => {
       expect(await runRow(db.url, 'counted', 'future')).toBeUndefined();
     } finally {
       await query(db.url, `delete from idem.idem_migration where name = '9999_from_the_future'`);
+    }
+  });
+});
+
+describe('a chunk that fails for good at --concurrency > 1', () => {
+  it('lets the chunks in flight finish, starts no new one, and the rerun resumes', async () => {
+    const key = 'permanent-parallel';
+    await query(db.url, `insert into fail_chunks values ('c0002', null, null)`);
+    // c0001 and c0003 block on uncommitted rows of the test's own transaction (their upsert waits
+    // on the unique key), so they are in flight, deterministically, when c0002 fails.
+    const blocker = new pg.Client({ connectionString: db.url });
+    await blocker.connect();
+    await blocker.query('begin');
+    await blocker.query(`insert into counted_state (run_key, chunk_key, value) values ($1, 'c0001', -1), ($1, 'c0003', -1)`, [key]);
+    const running = runner.run(counted, { key, params: { chunks: 10 }, concurrency: 3 }).then(() => null, (e: unknown) => e);
+    try {
+      await waitFor(async () => (await query(db.url, `select c.error from idem.chunks c join idem.runs r on r.id = c.run_id where r.run_key = $1 and c.key = 'c0002' and c.error is not null`, [key])).length > 0, 'c0002 to fail');
+      await waitFor(async () => (await query(db.url, `select 1 from pg_stat_activity where datname = current_database() and application_name = 'idem' and wait_event_type = 'Lock'`)).length === 2, 'c0001 and c0003 to wait on the blocker');
+    } finally {
+      await blocker.query('rollback');
+      await blocker.end();
+    }
+    const err = await running;
+    expect(err).toBeInstanceOf(RunFailedError);
+    expect((await runRow(db.url, 'counted', key)).error).toMatchObject({ step: 'work', chunk: 'c0002', tries: 1 });
+    // The two chunks in flight committed; none after c0003 started, and c0002's work rolled back.
+    expect(await workCounts(db.url, key)).toEqual(new Map([['c0001', 1], ['c0003', 1]]));
+    await query(db.url, `delete from fail_chunks`);
+    const again = await runner.run(counted, { key, params: { chunks: 10 }, concurrency: 3 });
+    expect(again).toMatchObject({ status: 'succeeded', attempt: 2, executed: 8 + 1 }); // c0002, c0004..c0010, finish
+    await expectConverged(key, 10);
+  });
+});
+
+describe('ctx.signal, observed from inside a job', () => {
+  const watch = (key: string, extra: string[] = []) => [...extra, '--jobs-dir', MORE_JOBS, '--log-level', 'warn', 'run', 'signal-watch', '--key', key];
+  const started = (child: ReturnType<typeof spawnCli>) => waitFor(async () => child.stderr().includes('signal-watch: chunk started'), 'the chunk to start');
+
+  it('aborts at the shutdown deadline with the interruption as its reason', async () => {
+    const child = spawnCli(watch('sig-deadline', ['--shutdown-timeout', '1']), { url: db.url, timeoutMs: 40_000 });
+    await started(child);
+    child.child.kill('SIGTERM');
+    const res = await child.done;
+    expect(res.timedOut, res.stderr).toBe(false);
+    expect(res.code, res.stderr).toBe(143);
+    expect(res.stderr).toContain('signal-watch: ctx.signal aborted: InterruptedError: interrupted by SIGTERM');
+  }, 90_000);
+
+  it('aborts when the lock session is lost, with the lost lock as its reason', async () => {
+    const child = spawnCli(watch('sig-lock'), { url: db.url, timeoutMs: 40_000 });
+    await started(child);
+    const [holder] = await query<{ pid: number }>(db.url, `select pid from pg_stat_activity where datname = current_database() and application_name = 'idem-lock'`);
+    await query(db.url, 'select pg_terminate_backend($1)', [holder!.pid]);
+    const res = await child.done;
+    expect(res.timedOut, res.stderr).toBe(false);
+    expect(res.code, res.stderr).toBe(69);
+    expect(res.stderr).toMatch(/signal-watch: ctx\.signal aborted: LockLostError: .*lost the advisory lock/);
+  }, 90_000);
+});
+
+describe('the retryable codes', () => {
+  it.each(['57P02', '57P03', 'ECONNREFUSED'])('%s is retried in a fresh transaction and the chunk commits once', async (code) => {
+    const key = `retry-${code}`;
+    await query(db.url, `insert into fail_chunks values ('c0002', $1, 2)`, [code]);
+    await query(db.url, `select setval('fixture_tries', 1, false)`);
+    try {
+      const out = await runner.run(counted, { key, params: { chunks: 3 } });
+      expect(out).toMatchObject({ status: 'succeeded', attempt: 1 });
+      // Two failed tries and the one that committed.
+      expect(await query(db.url, 'select last_value::int as n from fixture_tries')).toEqual([{ n: 3 }]);
+      await expectConverged(key, 3);
+    } finally {
+      await query(db.url, `delete from fail_chunks`);
     }
   });
 });
