@@ -1,3 +1,4 @@
+import { fileURLToPath } from 'node:url';
 import pg from 'pg';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { Runner } from '../src/index.ts';
@@ -18,6 +19,8 @@ import {
   type CliResult,
 } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
+
+const MORE_JOBS = fileURLToPath(new URL('./fixtures/more-jobs', import.meta.url));
 
 let database: TestDatabase;
 let url: string;
@@ -177,6 +180,32 @@ describe('idem run', () => {
     } finally {
       await holder.end();
     }
+  });
+
+  it('--dry-run prints the run\'s state and steps, exits 0 and writes nothing', async () => {
+    const before = await snapshot(url, ALL_TABLES);
+    const r = await idem(['run', 'counted', '--params', '{"chunks":2}', '--key', 'cli-dry', '--dry-run']);
+    expect(r.code, r.stderr).toBe(0);
+    expect(r.stdout).toBe('dry run: job "counted" run key cli-dry is new; steps: prepare, work (chunked), finish; nothing was written\n');
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+    expect(await runRow(url, 'counted', 'cli-dry')).toBeUndefined();
+  });
+
+  it('--retry-skipped runs the chunks a step skipped under maxFailedChunks, also in a succeeded run', async () => {
+    const skippy = (extra: string[] = []) => runCli(['--jobs-dir', MORE_JOBS, 'run', 'skippy', '--key', 'cli-skips', ...extra], { url });
+    await query(url, `insert into fail_chunks (chunk_key) values ('c0002'), ('c0004')`);
+    const first = await skippy();
+    expect(first.code, first.stderr).toBe(0);
+    expect(first.stdout).toContain('5 chunks in 1 step (2 skipped: see idem status, retry with --retry-skipped)');
+    expect([...(await workCounts(url, 'cli-skips')).keys()]).toEqual(['c0001', 'c0003', 'c0005']);
+    // A plain rerun is a no-op: skipped chunks wait for an explicit retry.
+    await query(url, 'delete from fail_chunks');
+    const plain = await skippy(['--json']);
+    expect(JSON.parse(plain.stdout)).toMatchObject({ status: 'already-succeeded', executed: 0 });
+    const retried = await skippy(['--retry-skipped', '--json']);
+    expect(retried.code, retried.stderr).toBe(0);
+    expect(JSON.parse(retried.stdout)).toMatchObject({ status: 'succeeded', attempt: 2, executed: 2, summary: { skipped: 0 } });
+    expect(await workCounts(url, 'cli-skips')).toEqual(new Map(['c0001', 'c0002', 'c0003', 'c0004', 'c0005'].map((k) => [k, 1])));
   });
 
   it('a job file that cannot be loaded exits 2 naming the file', async () => {

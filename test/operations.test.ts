@@ -126,6 +126,38 @@ describe('pause and resume', () => {
   });
 });
 
+describe('pause, resume and cancel without --key', () => {
+  it('act on the latest run they apply to, as documented, and name the problem when there is none', async () => {
+    // The latest counted run that can be paused is nk-failed; a newer, succeeded run is not a target.
+    await query(url, `insert into fail_chunks values ('c0002', null, null)`);
+    await expect(runner.run(counted, { key: 'nk-failed', params: { chunks: 3 } })).rejects.toThrow(/injected failure/);
+    await query(url, 'delete from fail_chunks');
+    await runner.run(counted, { key: 'nk-done', params: { chunks: 1 } });
+
+    const paused = await idem(['pause', 'counted']);
+    expect([paused.code, paused.stdout], paused.stderr).toEqual([0, 'pause: run nk-failed of job "counted" now paused\n']);
+    expect(await runRow(url, 'counted', 'nk-failed')).toMatchObject({ status: 'paused' });
+    expect(await runRow(url, 'counted', 'nk-done')).toMatchObject({ status: 'succeeded' });
+
+    // resume: the latest paused run; it is then interrupted (resumable) until it runs again.
+    const resumed = await idem(['resume', 'counted']);
+    expect([resumed.code, resumed.stdout], resumed.stderr).toEqual([0, 'resume: run nk-failed of job "counted" now interrupted\n']);
+
+    // cancel: the latest run not finished (interrupted, paused, failed, pending or running).
+    const cancelled = await idem(['cancel', 'counted']);
+    expect([cancelled.code, cancelled.stdout], cancelled.stderr).toEqual([0, 'cancel: run nk-failed of job "counted" now cancelled\n']);
+    expect(await runRow(url, 'counted', 'nk-failed')).toMatchObject({ status: 'cancelled' });
+    expect(await runRow(url, 'counted', 'nk-done')).toMatchObject({ status: 'succeeded' });
+
+    // A job whose runs all succeeded has nothing to pause: exit 2, naming why, nothing changed.
+    await runner.run(ranged, { key: 'nk-ranged' });
+    const nothing = await idem(['pause', 'ranged']);
+    expect(nothing.code).toBe(2);
+    expect(nothing.stderr).toContain('job "ranged" has no run to pause');
+    expect(await runRow(url, 'ranged', 'nk-ranged')).toMatchObject({ status: 'succeeded' });
+  });
+});
+
 describe('cancel and reset', () => {
   it('cancelling a live run ends it with exit 1; reruns are refused until idem reset, after which it runs afresh', async () => {
     const key = 'op-cancel';
