@@ -254,7 +254,7 @@ describe('signals and lost locks', () => {
       const holder = await query<{ pid: number }>(
         db.url,
         `select distinct l.pid from pg_locks l join pg_stat_activity a on a.pid = l.pid
-         where l.locktype = 'advisory' and l.granted and a.application_name = 'idem-lock' and a.datname = current_database()`,
+         where l.locktype = 'advisory' and l.granted and a.application_name like 'idem-lock %' and a.datname = current_database()`,
       );
       expect(holder).toHaveLength(1);
       t0 = Date.now();
@@ -358,7 +358,7 @@ describe('ctx.signal, observed from inside a job', () => {
   it('aborts when the lock session is lost, with the lost lock as its reason', async () => {
     const child = spawnCli(watch('sig-lock'), { url: db.url, timeoutMs: 40_000 });
     await started(child);
-    const [holder] = await query<{ pid: number }>(db.url, `select pid from pg_stat_activity where datname = current_database() and application_name = 'idem-lock'`);
+    const [holder] = await query<{ pid: number }>(db.url, `select pid from pg_stat_activity where datname = current_database() and application_name like 'idem-lock %'`);
     await query(db.url, 'select pg_terminate_backend($1)', [holder!.pid]);
     const res = await child.done;
     expect(res.timedOut, res.stderr).toBe(false);

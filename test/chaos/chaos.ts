@@ -133,7 +133,7 @@ async function settle(client: pg.Client, children: Child[], stats: ChaosStats, l
 
 async function idemSessions(client: pg.Client): Promise<number[]> {
   const { rows } = await client.query<{ pid: number }>(
-    `select pid from pg_stat_activity where datname = current_database() and application_name in ('idem', 'idem-lock') and pid <> pg_backend_pid()`,
+    `select pid from pg_stat_activity where datname = current_database() and (application_name = 'idem' or application_name like 'idem-lock %') and pid <> pg_backend_pid()`,
   );
   return rows.map((r) => r.pid);
 }

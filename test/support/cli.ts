@@ -198,7 +198,8 @@ export async function holdGate(url: string, name: string): Promise<{ release(): 
 export async function sessions(url: string, applicationName: string): Promise<number> {
   const rows = await query<{ n: number }>(
     url,
-    'select count(*)::int as n from pg_stat_activity where datname = current_database() and application_name = $1',
+    // A lock session is named `idem-lock host:pid`.
+    `select count(*)::int as n from pg_stat_activity where datname = current_database() and (application_name = $1 or application_name like $1 || ' %')`,
     [applicationName],
   );
   return rows[0]!.n;
