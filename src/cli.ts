@@ -4,6 +4,7 @@ import type { Logger } from 'pino';
 import { redactUrl } from './database.ts';
 import { ExitCode, exitCodeOf, IdemError, InterruptedError, messageOf, UsageError } from './errors.ts';
 import { validateParams } from './job.ts';
+import { assertKnownJob, checkJobFolders } from './job-lookup.ts';
 import { findJob, loadJobDir } from './loader.ts';
 import { parseDuration } from './operations.ts';
 import { latestSlot, parseCatchUp, parseSchedule, renderCrontab, runCronLoop, slotKey, slotsSince, type ScheduledJob } from './schedule.ts';
@@ -196,6 +197,13 @@ export function buildProgram(state: { exitCode: number }): Command {
       process.exit(code);
     };
     try {
+      await checkJobFolders(
+        [
+          { flag: '--jobs-dir', dir: g.jobsDir, explicit: program.getOptionValueSource('jobsDir') === 'cli', what: 'jobs' },
+          { flag: '--migrations-dir', dir: g.migrationsDir, explicit: program.getOptionValueSource('migrationsDir') === 'cli', what: 'migrations' },
+        ],
+        log,
+      );
       state.exitCode = await fn(g, log, session, (code) => void finish(code, 2_000));
     } catch (err) {
       state.exitCode = exitCodeOf(err);
@@ -231,7 +239,7 @@ export function buildProgram(state: { exitCode: number }): Command {
       runWithSession(async (g, log, session, force) => {
         const params = parseParams(o.params, o.param);
         if (o.key !== undefined && (o.key.length === 0 || o.key.length > 200)) throw new UsageError('invalidKey', '--key must be 1 to 200 characters');
-        const job = await findJob(g.jobsDir, name);
+        const job = await findJob(g.jobsDir, name, { migrationsDir: g.migrationsDir });
         // Bad params are refused before any connection: nothing, not even idem's schema, is created.
         await validateParams(job, params);
         // A scheduled job run without --key is the run of its most recent due slot: cron firing
@@ -329,6 +337,7 @@ export function buildProgram(state: { exitCode: number }): Command {
     .action((job: string | undefined, o: { json?: boolean; limit: number }) =>
       runWithSession(async (g, log, session) => {
         const runner = await openRunner(g, log, session);
+        if (job !== undefined) await assertKnownJob(runner, job, g);
         const rows = await runner.status(job, o.limit);
         process.stdout.write(o.json ? `${JSON.stringify(rows)}\n` : `${formatStatus(rows)}\n`);
         return ExitCode.Ok;
@@ -390,6 +399,7 @@ export function buildProgram(state: { exitCode: number }): Command {
       .action((job: string, o: { key?: string; json?: boolean }) =>
         runWithSession(async (g, log, session) => {
           const runner = await openRunner(g, log, session);
+          await assertKnownJob(runner, job, g);
           const r = await runner[name](job, o.key);
           const how = r.live ? `requested: the live run stops at its next chunk boundary` : `now ${r.status}`;
           process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `${name}: run ${r.runKey} of job "${r.job}" ${how}\n`);
@@ -408,6 +418,7 @@ export function buildProgram(state: { exitCode: number }): Command {
     .action((job: string, o: { key: string }) =>
       runWithSession(async (g, log, session) => {
         const runner = await openRunner(g, log, session);
+        await assertKnownJob(runner, job, g);
         const r = await runner.reset(job, o.key);
         process.stdout.write(`reset: forgot run ${o.key} of job "${job}" (${r.chunks} chunk markers, ${r.effects} effects)\n`);
         return ExitCode.Ok;
