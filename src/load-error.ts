@@ -39,7 +39,10 @@ export async function explainLoadError(file: string, err: unknown): Promise<Load
   }
   const code = (err as { code?: unknown }).code;
   if (code === 'ERR_MODULE_NOT_FOUND') return missingImport(err.message);
-  if (code === 'ERR_REQUIRE_CYCLE_MODULE' || code === 'ERR_REQUIRE_ESM' || code === 'ERR_REQUIRE_ASYNC_MODULE') {
+  // Node 20 says "Cannot require() ES Module … in a cycle"; other versions and paths word it otherwise.
+  const esmAsCommonJs =
+    code === 'ERR_REQUIRE_CYCLE_MODULE' || code === 'ERR_REQUIRE_ESM' || code === 'ERR_REQUIRE_ASYNC_MODULE' || /Cannot use import statement outside a module|Unexpected token 'export'/.test(err.message);
+  if (esmAsCommonJs) {
     const commonJs = await notAModulePackage(file);
     if (commonJs) return commonJs;
   }

@@ -1,7 +1,7 @@
 import { readdir, stat } from 'node:fs/promises';
 import path from 'node:path';
 import { pathToFileURL } from 'node:url';
-import { UsageError } from './errors.ts';
+import { messageOf, UsageError } from './errors.ts';
 import { assertJob, type Job } from './job.ts';
 import { explainLoadError, formatLoadFailure } from './load-error.ts';
 import { quoteChoices, suggestSimilar } from './suggest.ts';
@@ -35,7 +35,9 @@ export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Prom
       mod = (await import(pathToFileURL(file).href)) as Record<string, unknown>;
     } catch (err) {
       // The first line says what and where; the source line with a caret follows it.
-      throw new UsageError('jobLoadFailed', formatLoadFailure(what, file, await explainLoadError(file, err)), { cause: err });
+      // Explaining must never hide the error it explains.
+      const failure = await explainLoadError(file, err).catch(() => ({ cause: messageOf(err), fix: 'fix the file' }));
+      throw new UsageError('jobLoadFailed', formatLoadFailure(what, file, failure), { cause: err });
     }
     const job = assertJob(mod.default ?? mod.job, path.relative(process.cwd(), file));
     const other = byName.get(job.name);

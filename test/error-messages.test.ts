@@ -119,10 +119,11 @@ describe('a job file that cannot load: file:line:column, the cause, the source l
 
   it('a .ts job in a package without "type": "module" says so, not "cannot require() ES Module in a cycle"', async () => {
     const dir = await jobFolder('commonjs', { 'ok.ts': `export default { name: 'ok', steps: [{ name: 'a', run: () => 1 }] };\n` }, { name: 'app' });
-    const out = refusal(await runCli(['--jobs-dir', dir, 'list'], { url }), 2);
-    expect(out).toEqual([
-      `idem: error: cannot load jobs file ${path.join(dir, 'ok.ts')}: it is an ES module but ${path.join(path.dirname(dir), 'package.json')} does not declare "type": "module"; add "type": "module" there, or rename the file to .mts`,
-    ]);
+    const r = await runCli(['--jobs-dir', dir, 'list', '--json'], { url });
+    const helpful = `idem: error: cannot load jobs file ${path.join(dir, 'ok.ts')}: it is an ES module but ${path.join(path.dirname(dir), 'package.json')} does not declare "type": "module"; add "type": "module" there, or rename the file to .mts`;
+    // Node 20 cannot load it; newer Node versions may (require(esm)): then it must simply work.
+    if (process.versions.node.startsWith('20.') || r.code !== 0) expect(refusal(r, 2)).toEqual([helpful]);
+    else expect(JSON.parse(r.stdout)).toEqual(expect.arrayContaining([expect.objectContaining({ kind: 'job', name: 'ok' })]));
   });
 });
 
