@@ -185,7 +185,14 @@ export function buildProgram(state: { exitCode: number }): Command {
 
   const globals = () => program.opts<GlobalOptions>();
 
-  const runWithSession = async (fn: (g: GlobalOptions, log: Logger, session: Session, force: (code: number) => void) => Promise<number>) => {
+  /**
+   * `uses`: the folders the command reads; one given explicitly must exist. `run`, `crontab` and
+   * `cron` read only the jobs folder (a crontab line carries --migrations-dir through unread).
+   */
+  const runWithSession = async (
+    fn: (g: GlobalOptions, log: Logger, session: Session, force: (code: number) => void) => Promise<number>,
+    uses: ReadonlyArray<'jobs' | 'migrations'> = ['jobs', 'migrations'],
+  ) => {
     const g = globals();
     const log = createLogger(g.logLevel);
     const session = new Session();
@@ -199,9 +206,9 @@ export function buildProgram(state: { exitCode: number }): Command {
     try {
       await checkJobFolders(
         [
-          { flag: '--jobs-dir', dir: g.jobsDir, explicit: program.getOptionValueSource('jobsDir') === 'cli', what: 'jobs' },
-          { flag: '--migrations-dir', dir: g.migrationsDir, explicit: program.getOptionValueSource('migrationsDir') === 'cli', what: 'migrations' },
-        ],
+          { flag: '--jobs-dir' as const, dir: g.jobsDir, explicit: program.getOptionValueSource('jobsDir') === 'cli', what: 'jobs' as const },
+          { flag: '--migrations-dir' as const, dir: g.migrationsDir, explicit: program.getOptionValueSource('migrationsDir') === 'cli', what: 'migrations' as const },
+        ].filter((f) => uses.includes(f.what)),
         log,
       );
       state.exitCode = await fn(g, log, session, (code) => void finish(code, 2_000));
@@ -283,7 +290,7 @@ export function buildProgram(state: { exitCode: number }): Command {
           process.stdout.write(o.json ? `${JSON.stringify(outcome)}\n` : `${describeOutcome(outcome)}\n`);
         }
         return ExitCode.Ok;
-      }),
+      }, ['jobs']),
     );
 
   program
@@ -305,7 +312,7 @@ export function buildProgram(state: { exitCode: number }): Command {
         else if (outcomes.length === 0) process.stdout.write(`no migrations in ${g.migrationsDir}/\n`);
         else for (const out of outcomes) process.stdout.write(`${out.runKey}: ${describeOutcome(out)}\n`);
         return ExitCode.Ok;
-      }),
+      }, ['migrations']),
     );
 
   program
@@ -366,7 +373,7 @@ export function buildProgram(state: { exitCode: number }): Command {
         const flags = identity.map(shellQuote).map((w) => ` ${w}`).join('');
         process.stdout.write(renderCrontab(entries, { cwd: process.cwd(), command: `${o.command}${flags}`, ...(o.logFile ? { logFile: o.logFile } : {}), ...(o.catchUp ? { catchUp: o.catchUp } : {}) }));
         return ExitCode.Ok;
-      }),
+      }, ['jobs']),
     );
 
   program
@@ -395,7 +402,7 @@ export function buildProgram(state: { exitCode: number }): Command {
         });
         const reason = signals.stop.reason;
         return reason instanceof InterruptedError ? reason.exitCode : ExitCode.Ok;
-      }),
+      }, ['jobs']),
     );
 
   const control = (name: 'pause' | 'resume' | 'cancel', description: string) =>
@@ -446,7 +453,7 @@ export function buildProgram(state: { exitCode: number }): Command {
         const r = await runner.prune(ms);
         process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `prune: removed ${r.runs} runs, ${r.steps} steps, ${r.chunks} chunk markers, ${r.effects} effects older than ${o.olderThan}\n`);
         return ExitCode.Ok;
-      }),
+      }, []),
     );
 
   return program;

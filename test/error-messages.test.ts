@@ -144,6 +144,12 @@ describe('a folder given with --jobs-dir or --migrations-dir must exist', () => 
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
   });
 
+  it('a folder the command does not read is not checked: run reads only the jobs folder', async () => {
+    const r = await runCli(['--jobs-dir', FIXTURE_JOBS, '--migrations-dir', path.join(tmp, 'no-such-folder'), 'run', 'counted', '--dry-run'], { url });
+    expect(r.code, r.stderr).toBe(0);
+    expect(r.stdout).toMatch(/^dry run: job "counted"/);
+  });
+
   it('a file given as a folder is refused too', async () => {
     const file = path.join(FIXTURE_JOBS, 'counted.ts');
     expect(refusal(await runCli(['--jobs-dir', file, 'list'], { url }), 2)).toEqual([`idem: error: --jobs-dir ${file}: not a folder; pass the folder that holds the job files`]);
