@@ -70,7 +70,7 @@ describe('idem run', () => {
   it('an unknown job exits 2 naming the known jobs, and changes nothing', async () => {
     const before = await snapshot(url, ALL_TABLES);
     const r = await idem(['run', 'nope']);
-    expectOneLineError(r, 2, /unknown job "nope": no file in .* defines it \(known jobs: counted, ranged\); check the name or --jobs-dir/);
+    expectOneLineError(r, 2, /no job named 'nope' in .*\/ \(known: counted, ranged\); check the name or --jobs-dir/);
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
   });
 
@@ -208,9 +208,12 @@ describe('idem run', () => {
     expect(await workCounts(url, 'cli-skips')).toEqual(new Map(['c0001', 'c0002', 'c0003', 'c0004', 'c0005'].map((k) => [k, 1])));
   });
 
-  it('a job file that cannot be loaded exits 2 naming the file', async () => {
+  it('a job file that cannot be loaded exits 2 naming the file, line and column, then the source line', async () => {
     const r = await runCli(['--jobs-dir', BROKEN_JOBS, 'run', 'counted'], { url });
-    expectOneLineError(r, 2, /cannot load jobs file .*does-not-compile\.js: .*; fix the file/);
+    expect({ code: r.code, stdout: r.stdout }).toEqual({ code: 2, stdout: '' });
+    // One line that says it all, then the offending line (here: the end of the file) with a caret.
+    expect(lines(r.stderr)[0]).toBe('idem: error: cannot load jobs file test/fixtures/broken-jobs/does-not-compile.js:6:1: syntax error: Expected identifier but found end of file; fix the file');
+    expect(lines(r.stderr)).toHaveLength(3);
   });
 
   it('never logs the database password, even at trace level', async () => {

@@ -41,6 +41,8 @@ export interface SpawnOptions {
   readonly url?: string;
   /** Extra environment. */
   readonly env?: Record<string, string | undefined>;
+  /** Working directory. Defaults to the repository root. */
+  readonly cwd?: string;
   /** Killed with SIGKILL after this long. Defaults to 60 s. */
   readonly timeoutMs?: number;
 }
@@ -57,7 +59,7 @@ export function spawnCli(args: readonly string[], opts: SpawnOptions = {}): CliP
   if (opts.url !== undefined) env.DATABASE_URL = opts.url;
   for (const [k, v] of Object.entries(env)) if (v === undefined) delete env[k];
   const started = performance.now();
-  const child = spawn(process.execPath, [BIN, ...args], { cwd: REPO, env, stdio: ['ignore', 'pipe', 'pipe'] });
+  const child = spawn(process.execPath, [BIN, ...args], { cwd: opts.cwd ?? REPO, env, stdio: ['ignore', 'pipe', 'pipe'] });
   live.add(child);
   let out = '';
   let err = '';
