@@ -4,7 +4,7 @@ import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { Runner } from '../src/index.ts';
 import { createFixtureTables } from './fixtures/tables.ts';
-import { ALL_TABLES, FIXTURE_DIRS, FIXTURE_JOBS, FIXTURE_MIGRATIONS, killLeftovers, lines, runCli, snapshot, type CliResult } from './support/cli.ts';
+import { ALL_TABLES, FIXTURE_DIRS, FIXTURE_JOBS, FIXTURE_MIGRATIONS, killLeftovers, lines, query, runCli, snapshot, type CliResult } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 
 // Issue 14: every common mistake of a new user ends in an error that says what and where, and how
@@ -186,8 +186,12 @@ describe('an unknown job name suggests the closest known ones', () => {
   it('suggests migrations by their job name, and lists the known names when none is close', async () => {
     const [migration, none] = await Promise.all([idem(['status', 'create-widget']), idem(['status', 'zzzzzzzzzzzzzzzz'])]);
     expect(refusal(migration!, 2)).toEqual([`idem: error: no job named 'create-widget'; did you mean 'create-widgets'?`]);
+    // Known: the fixture files' jobs and migrations, and any job with runs in the database (other
+    // tests of this file may have made some before this one, in a shuffled order).
+    const withRuns = (await query<{ job: string }>(url, `select distinct job from idem.runs`).catch(() => [])).map((r) => r.job);
+    const known = [...new Set(['backfill-widgets', 'counted', 'create-widgets', 'ranged', ...withRuns])].sort();
     expect(refusal(none!, 2)).toEqual([
-      `idem: error: no job named 'zzzzzzzzzzzzzzzz' in ${FIXTURE_JOBS}/ or ${FIXTURE_MIGRATIONS}/ (known: backfill-widgets, counted, create-widgets, ranged); check the name or --jobs-dir`,
+      `idem: error: no job named 'zzzzzzzzzzzzzzzz' in ${FIXTURE_JOBS}/ or ${FIXTURE_MIGRATIONS}/ (known: ${known.join(', ')}); check the name or --jobs-dir`,
     ]);
   });
 
