@@ -1,0 +1,181 @@
+import { sql, type Kysely } from 'kysely';
+import { lockKey } from '../fingerprint.ts';
+import type { Json } from '../job.ts';
+import type { RunErrorInfo, RunSummary } from '../store.ts';
+
+/** A step of a run as the API shows it. */
+export interface StepView {
+  readonly name: string;
+  readonly status: 'pending' | 'running' | 'done';
+  readonly done: number;
+  readonly planned: number;
+  readonly plannedAll: boolean;
+  readonly estimated: number | null;
+}
+
+/** A run as `GET /api/runs/:id` returns it (and every other endpoint that returns a run). */
+export interface RunView {
+  readonly id: string;
+  readonly job: string;
+  /** The run key: the Idempotency-Key it was created with over HTTP. */
+  readonly key: string;
+  /** `running` only while a process holds the job's lock; a dead run's row says `crashed`. */
+  readonly state: string;
+  readonly attempt: number;
+  readonly holder: string | null;
+  readonly params: Json;
+  readonly fingerprint: string;
+  readonly requested: 'pause' | 'cancel' | null;
+  readonly createdAt: string;
+  readonly startedAt: string | null;
+  readonly updatedAt: string;
+  readonly finishedAt: string | null;
+  readonly progress: { readonly done: number; readonly total: number | null; readonly fullyPlanned: boolean; readonly percent: number | null };
+  /** Chunks per second of the live attempt. */
+  readonly throughput: number | null;
+  readonly etaSeconds: number | null;
+  readonly steps: readonly StepView[];
+  readonly error: RunErrorInfo | null;
+  readonly summary: RunSummary | null;
+  /** True when the run was created through the HTTP API (so the server executes and resumes it). */
+  readonly viaApi: boolean;
+  readonly skipped?: ReadonlyArray<{ readonly step: string; readonly key: string; readonly error: string | null; readonly attempts: number }>;
+  readonly effects?: { readonly started: number; readonly done: number };
+  /** Chunks committed per minute (UTC minute start, count), oldest first, the last 60 minutes with work. */
+  readonly chunksPerMinute?: ReadonlyArray<readonly [string, number]>;
+}
+
+/** States a run can be filtered by. `active` is every state a run can still leave. */
+export const RUN_STATES = ['pending', 'running', 'crashed', 'succeeded', 'failed', 'interrupted', 'paused', 'cancelled', 'active'] as const;
+export type RunStateFilter = (typeof RUN_STATES)[number];
+
+/** Ended: the run will not change again without an operator (long-poll and SSE stop here). */
+export const ENDED_STATES: ReadonlySet<string> = new Set(['succeeded', 'failed', 'cancelled', 'paused']);
+
+export interface RunQuery {
+  readonly id?: string;
+  readonly job?: string;
+  readonly state?: RunStateFilter;
+  readonly limit?: number;
+  /** Newest first: only runs with an id below this one. */
+  readonly before?: string;
+}
+
+/**
+ * Read-only queries over idem's tables for the server. The same computations as `idem status`
+ * (state from the held advisory locks, rate of the live attempt, estimate where larger than planned).
+ */
+export class RunViews {
+  readonly #db: Kysely<any>;
+  readonly #schema: string;
+  readonly #heldLockKeys: () => Promise<Set<string>>;
+
+  constructor(db: Kysely<any>, schema: string, heldLockKeys: () => Promise<Set<string>>) {
+    this.#db = db;
+    this.#schema = schema;
+    this.#heldLockKeys = heldLockKeys;
+  }
+
+  #t(name: string) {
+    return sql.id(this.#schema, name);
+  }
+
+  async list(q: RunQuery): Promise<RunView[]> {
+    const s = (n: string) => this.#t(n);
+    const statusFilter =
+      q.state === undefined
+        ? sql`true`
+        : q.state === 'active'
+          ? sql`r.status not in ('succeeded', 'cancelled')`
+          : q.state === 'crashed'
+            ? sql`r.status = 'running'`
+            : sql`r.status = ${q.state}`;
+    const { rows } = await sql<any>`
+      select r.*,
+        (select count(*) from ${s('chunks')} c where c.run_id = r.id and c.done_at is not null)::int as chunks_done,
+        (select count(*) from ${s('chunks')} c where c.run_id = r.id and c.done_attempt = r.attempt)::int as done_this_attempt,
+        extract(epoch from now() - r.attempt_started_at)::float8 as attempt_seconds,
+        coalesce((select json_agg(json_build_object(
+            'name', st.name, 'status', st.status, 'planned', st.planned, 'plannedAll', st.planned_all, 'estimated', st.estimated_chunks,
+            'done', (select count(*) from ${s('chunks')} c where c.run_id = st.run_id and c.step = st.name and c.done_at is not null)
+          ) order by st.position) from ${s('steps')} st where st.run_id = r.id), '[]'::json) as step_views,
+        exists (select 1 from ${s('api_requests')} a where a.run_id = r.id) as via_api
+      from ${s('runs')} r
+      where ${q.id === undefined ? sql`true` : sql`r.id = ${q.id}`}
+        and ${q.job === undefined ? sql`true` : sql`r.job = ${q.job}`}
+        and ${statusFilter}
+        and ${q.before === undefined ? sql`true` : sql`r.id < ${q.before}`}
+      order by r.id desc limit ${q.limit ?? 50}`.execute(this.#db);
+    const held = await this.#heldLockKeys();
+    const views = rows.map((r) => toView(r, held.has(lockKey(r.lock_name ?? `${this.#schema}:job:${r.job}`))));
+    // running vs crashed is known only after the lock check.
+    if (q.state === 'running' || q.state === 'crashed') return views.filter((v) => v.state === q.state);
+    return views;
+  }
+
+  /** One run with the detail of its page: skipped chunks, effects ledger counts, chunks per minute. */
+  async get(id: string): Promise<RunView | undefined> {
+    if (!/^\d{1,18}$/.test(id)) return undefined;
+    const [view] = await this.list({ id, limit: 1 });
+    if (!view) return undefined;
+    const s = (n: string) => this.#t(n);
+    const { rows: skipped } = await sql<{ step: string; key: string; error: string | null; attempts: number }>`
+      select step, key, error, attempts from ${s('chunks')} where run_id = ${id} and skipped_at is not null order by step, seq limit 20`.execute(this.#db);
+    const { rows: effects } = await sql<{ started: number; done: number }>`
+      select count(*) filter (where status = 'started')::int as started, count(*) filter (where status = 'done')::int as done
+      from ${s('effects')} where run_id = ${id}`.execute(this.#db);
+    const { rows: minutes } = await sql<{ m: Date; n: number }>`
+      select date_trunc('minute', done_at) as m, count(*)::int as n from ${s('chunks')}
+      where run_id = ${id} and done_at is not null group by 1 order by 1 desc limit 60`.execute(this.#db);
+    return {
+      ...view,
+      skipped,
+      effects: effects[0] ?? { started: 0, done: 0 },
+      chunksPerMinute: minutes.reverse().map((r) => [r.m.toISOString(), r.n] as const),
+    };
+  }
+}
+
+function iso(d: Date | null): string | null {
+  return d === null ? null : d.toISOString();
+}
+
+function toView(r: any, locked: boolean): RunView {
+  const state = r.status === 'running' ? (locked ? 'running' : 'crashed') : r.status;
+  const steps: StepView[] = (r.step_views as any[]).map((st) => ({
+    name: st.name,
+    status: st.status,
+    done: Number(st.done),
+    planned: st.planned,
+    plannedAll: st.plannedAll,
+    estimated: st.estimated,
+  }));
+  const fullyPlanned = steps.length > 0 && steps.every((st) => st.plannedAll);
+  const planned = steps.reduce((a, st) => a + (st.plannedAll ? st.planned : Math.max(st.planned, st.estimated ?? 0)), 0);
+  const total = steps.length === 0 ? null : planned;
+  const done: number = r.chunks_done;
+  const percent = state === 'succeeded' ? 100 : total ? Math.min(99, Math.floor((done / total) * 100)) : total === 0 ? 0 : null;
+  const rate = state === 'running' && r.attempt_seconds > 0 && r.done_this_attempt > 0 ? r.done_this_attempt / r.attempt_seconds : null;
+  return {
+    id: String(r.id),
+    job: r.job,
+    key: r.run_key,
+    state,
+    attempt: r.attempt,
+    holder: state === 'running' ? r.holder : null,
+    params: r.params,
+    fingerprint: r.fingerprint,
+    requested: r.requested ?? null,
+    createdAt: r.created_at.toISOString(),
+    startedAt: iso(r.started_at),
+    updatedAt: r.updated_at.toISOString(),
+    finishedAt: iso(r.finished_at),
+    progress: { done, total, fullyPlanned, percent },
+    throughput: rate === null ? null : Math.round(rate * 100) / 100,
+    etaSeconds: rate && total !== null ? Math.max(0, Math.round((total - done) / rate)) : null,
+    steps,
+    error: r.error ?? null,
+    summary: r.summary ?? null,
+    viaApi: r.via_api,
+  };
+}
