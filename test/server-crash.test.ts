@@ -1,0 +1,70 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { Runner } from '../src/index.ts';
+import { chunkKey } from './fixtures/jobs/counted.ts';
+import { createFixtureTables } from './fixtures/tables.ts';
+import { killLeftovers, runRow, sessions, waitFor, workCounts } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { api, startServe } from './support/server.ts';
+
+let database: TestDatabase;
+let url: string;
+
+beforeAll(async () => {
+  database = await createTestDatabase();
+  url = database.url;
+  await createFixtureTables(url);
+  await (await Runner.connect({ connectionString: url })).close();
+});
+
+afterAll(async () => {
+  await killLeftovers();
+  await database?.drop();
+});
+
+const CHUNKS = 40;
+
+describe('idem serve killed with SIGKILL mid-run', () => {
+  it('resumes the run when it starts again; it ends succeeded with every chunk committed once', async () => {
+    const first = await startServe(url);
+    const created = await api(first.base, 'POST', '/api/jobs/counted/runs', { key: 'k-crash', body: { chunks: CHUNKS, pauseMs: 50 } });
+    expect(created.status).toBe(201);
+    await waitFor(async () => (await workCounts(url, 'k-crash')).size >= 5, 'five chunks to commit', { timeoutMs: 60_000 });
+    first.proc.child.kill('SIGKILL');
+    expect((await first.proc.done).signal).toBe('SIGKILL');
+    // Nothing of the dead server can commit once its sessions are gone.
+    await waitFor(async () => (await sessions(url, 'idem')) + (await sessions(url, 'idem-lock')) === 0, "the killed server's sessions to end");
+    const committed = (await workCounts(url, 'k-crash')).size;
+    expect(committed).toBeLessThan(CHUNKS);
+    expect(await runRow(url, 'counted', 'k-crash')).toMatchObject({ status: 'running', attempt: 1 });
+
+    const second = await startServe(url);
+    // Before anyone asks: the restarted server picks the run up by itself.
+    const done = await api(second.base, 'GET', `/api/runs/${created.body.id}?wait=60`);
+    expect(done.body).toMatchObject({ state: 'succeeded', attempt: 2, progress: { done: CHUNKS + 2, percent: 100 } });
+    expect(await workCounts(url, 'k-crash')).toEqual(new Map(Array.from({ length: CHUNKS }, (_, i) => [chunkKey(i + 1), 1])));
+    expect(await workCounts(url, 'k-crash', 'prepare')).toEqual(new Map([['step', 1]]));
+    expect(await workCounts(url, 'k-crash', 'finish')).toEqual(new Map([['step', 1]]));
+    // A replay after the crash is the same run, not a second one.
+    const replay = await api(second.base, 'POST', '/api/jobs/counted/runs', { key: 'k-crash', body: { chunks: CHUNKS, pauseMs: 50 } });
+    expect(replay).toMatchObject({ status: 200, body: { id: created.body.id, state: 'succeeded' } });
+
+    second.proc.child.kill('SIGTERM');
+    const stopped = await second.proc.done;
+    expect(stopped.code, stopped.stderr).toBe(143);
+  });
+
+  it('SIGTERM stops live runs at a chunk boundary as interrupted; the next start finishes them', async () => {
+    const first = await startServe(url);
+    const created = await api(first.base, 'POST', '/api/jobs/counted/runs', { key: 'k-term', body: { chunks: CHUNKS, pauseMs: 50 } });
+    await waitFor(async () => (await workCounts(url, 'k-term')).size >= 3, 'three chunks to commit', { timeoutMs: 60_000 });
+    first.proc.child.kill('SIGTERM');
+    expect((await first.proc.done).code).toBe(143);
+    expect(await runRow(url, 'counted', 'k-term')).toMatchObject({ status: 'interrupted' });
+    const second = await startServe(url);
+    const done = await api(second.base, 'GET', `/api/runs/${created.body.id}?wait=60`);
+    expect(done.body).toMatchObject({ state: 'succeeded', attempt: 2 });
+    expect([...(await workCounts(url, 'k-term')).values()]).toEqual(Array.from({ length: CHUNKS }, () => 1));
+    second.proc.child.kill('SIGTERM');
+    await second.proc.done;
+  });
+});
