@@ -67,4 +67,26 @@ describe('idem serve killed with SIGKILL mid-run', () => {
     second.proc.child.kill('SIGTERM');
     await second.proc.done;
   });
+
+  it('--max-runs bounds the runs executing at once; the others wait their turn, pending', async () => {
+    const srv = await startServe(url, ['--max-runs', '1']);
+    const slow = await api(srv.base, 'POST', '/api/jobs/counted/runs', { key: 'k-slot', body: { chunks: 10, pauseMs: 200 } });
+    await waitFor(async () => (await workCounts(url, 'k-slot')).size >= 1, 'the first run to be executing');
+    const queued = await api(srv.base, 'POST', '/api/jobs/ranged/runs', { key: 'k-queued', body: {} });
+    expect(queued.status).toBe(201);
+    expect(queued.body.state).toBe('pending');
+    const metrics = (await api(srv.base, 'GET', '/metrics')).text;
+    expect(metrics).toMatch(/^idem_runs_executing 1$/m);
+    expect(metrics).toMatch(/^idem_runs_queued 1$/m);
+    // Still pending while the slot is taken: the second run has not started.
+    expect((await api(srv.base, 'GET', `/api/runs/${queued.body.id}`)).body).toMatchObject({ state: 'pending', attempt: 0 });
+    const first = await api(srv.base, 'GET', `/api/runs/${slow.body.id}?wait=60`);
+    expect(first.body.state).toBe('succeeded');
+    const second = await api(srv.base, 'GET', `/api/runs/${queued.body.id}?wait=60`);
+    expect(second.body).toMatchObject({ state: 'succeeded', attempt: 1 });
+    // It started only after the first had finished.
+    expect(Date.parse(second.body.startedAt)).toBeGreaterThanOrEqual(Date.parse(first.body.finishedAt));
+    srv.proc.child.kill('SIGTERM');
+    await srv.proc.done;
+  });
 });

@@ -48,9 +48,10 @@ h2{font-size:13px;text-transform:uppercase;letter-spacing:.06em;color:var(--mute
 @media (prefers-reduced-motion:reduce){.tag-running::before{animation:none}}
 .bar{height:8px;border-radius:999px;background:var(--idle-soft);overflow:hidden}
 .bar .fill{height:100%;background:var(--accent);border-radius:999px;transition:width .4s ease}
-[data-state=succeeded] .bar .fill,.bar-complete .fill{background:var(--ok)}
+[data-state=succeeded] .bar .fill{background:var(--ok)}
 [data-state=failed] .bar .fill,[data-state=crashed] .bar .fill{background:var(--bad)}
 [data-state=paused] .bar .fill,[data-state=interrupted] .bar .fill{background:var(--warn)}
+.bar.bar-complete .fill{background:var(--ok)}
 .bar-unknown .fill{width:30%;opacity:.5}
 .progress-line{display:flex;gap:10px;align-items:baseline;margin:6px 0 10px;font-size:13px;color:var(--muted)}
 .pct{font-weight:700;color:var(--text);font-variant-numeric:tabular-nums}
