@@ -2,7 +2,7 @@ import type { FastifyInstance, FastifyReply } from 'fastify';
 import { UsageError } from '../errors.ts';
 import { fingerprint } from '../fingerprint.ts';
 import { validateParams, type Job, type Json } from '../job.ts';
-import { claimRequest, printable } from './claim-request.ts';
+import { claimRequest, paramsMismatch, printable } from './claim-request.ts';
 import { HttpProblem } from './problem.ts';
 import { ENDED_STATES, RUN_STATES, type RunStateFilter, type RunView } from './run-view.ts';
 import type { ServerContext } from './server-context.ts';
@@ -73,6 +73,12 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
       throw err;
     }
     const fp = fingerprint(params);
+    // Replay fast path: a committed run for the key needs no transaction and no lock, one read.
+    const existing = await ctx.views.byKey(job.name, key);
+    if (existing) {
+      if (existing.fingerprint !== fp) throw paramsMismatch(job.name, key, existing.fingerprint, fp);
+      return sendRun(reply, 200, existing, true);
+    }
     const outcome = await claimRequest(ctx.runner.db, ctx.runner.schema, job.name, key, params, fp);
     if (outcome.kind === 'created') ctx.executor.enqueue({ runId: outcome.run.id, job: job.name, key });
     const view = await ctx.views.get(outcome.run.id);

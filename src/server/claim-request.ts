@@ -26,18 +26,21 @@ export async function claimRequest(db: Kysely<any>, schema: string, job: string,
     }
     // A Store on the transaction: the claim statement is the CLI's own, inside this transaction.
     const { run, created } = await new Store(trx, schema).claimRun(job, key, params, fp);
-    if (run.fingerprint !== fp) {
-      throw new HttpProblem(
-        422,
-        'idem.paramsMismatch',
-        `Idempotency-Key "${printable(key)}" of job "${job}" was already used with other params (${run.fingerprint}, now ${fp}); send a new Idempotency-Key to run with these params, or the original params to get the original run`,
-        { storedFingerprint: run.fingerprint, requestFingerprint: fp },
-      );
-    }
+    if (run.fingerprint !== fp) throw paramsMismatch(job, key, run.fingerprint, fp);
     if (!created) return { kind: 'replayed', run };
     await sql`insert into ${sql.id(schema, 'api_requests')} (run_id, job, idempotency_key, fingerprint) values (${run.id}, ${job}, ${key}, ${fp})`.execute(trx);
     return { kind: 'created', run };
   });
+}
+
+/** 422: the key was used with other params. Names both fingerprints. */
+export function paramsMismatch(job: string, key: string, stored: string, requested: string): HttpProblem {
+  return new HttpProblem(
+    422,
+    'idem.paramsMismatch',
+    `Idempotency-Key "${printable(key)}" of job "${job}" was already used with other params (${stored}, now ${requested}); send a new Idempotency-Key to run with these params, or the original params to get the original run`,
+    { storedFingerprint: stored, requestFingerprint: requested },
+  );
 }
 
 /** A key quoted in a message: clients choose it, so cut it short. */

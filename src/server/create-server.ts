@@ -1,4 +1,4 @@
-import Fastify, { type FastifyBaseLogger, type FastifyInstance } from 'fastify';
+import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance } from 'fastify';
 import { sql } from 'kysely';
 import pino, { type Logger } from 'pino';
 import { UsageError } from '../errors.ts';
@@ -101,7 +101,7 @@ export function createServer(opts: ServerOptions): IdemServer {
   const app = Fastify({
     loggerInstance: log as FastifyBaseLogger,
     // Request lines go to debug from onResponse below: a busy API would otherwise flood the log.
-    disableRequestLogging: true,
+    logController: new LogController({ disableRequestLogging: true }),
     bodyLimit: opts.bodyLimit ?? DEFAULT_BODY_LIMIT,
     // Behind a proxy the operator sets X-Forwarded-*; idem does not trust them itself.
     trustProxy: false,

@@ -55,6 +55,10 @@ export const ENDED_STATES: ReadonlySet<string> = new Set(['succeeded', 'failed',
 export interface RunQuery {
   readonly id?: string;
   readonly job?: string;
+  /** The run key (with `job`: at most one run). */
+  readonly key?: string;
+  /** Add the run page's detail (skipped chunks, effects ledger counts, chunks per minute). */
+  readonly detail?: boolean;
   readonly state?: RunStateFilter;
   readonly limit?: number;
   /** Newest first: only runs with an id below this one. */
@@ -100,39 +104,53 @@ export class RunViews {
             'done', (select count(*) from ${s('chunks')} c where c.run_id = st.run_id and c.step = st.name and c.done_at is not null)
           ) order by st.position) from ${s('steps')} st where st.run_id = r.id), '[]'::json) as step_views,
         exists (select 1 from ${s('api_requests')} a where a.run_id = r.id) as via_api
+        ${q.detail ? sql`, ${this.#detailColumns()}` : sql``}
       from ${s('runs')} r
       where ${q.id === undefined ? sql`true` : sql`r.id = ${q.id}`}
         and ${q.job === undefined ? sql`true` : sql`r.job = ${q.job}`}
+        and ${q.key === undefined ? sql`true` : sql`r.run_key = ${q.key}`}
         and ${statusFilter}
         and ${q.before === undefined ? sql`true` : sql`r.id < ${q.before}`}
       order by r.id desc limit ${q.limit ?? 50}`.execute(this.#db);
-    const held = await this.#heldLockKeys();
-    const views = rows.map((r) => toView(r, held.has(lockKey(r.lock_name ?? `${this.#schema}:job:${r.job}`))));
+    // pg_locks is only consulted when a row says running: a replay of a finished run is one query.
+    const held = rows.some((r) => r.status === 'running') ? await this.#heldLockKeys() : new Set<string>();
+    const views = rows.map((r) => {
+      const view = toView(r, held.has(lockKey(r.lock_name ?? `${this.#schema}:job:${r.job}`)));
+      if (!q.detail) return view;
+      const minutes = (r.chunks_per_minute ?? []) as Array<[string, number]>;
+      return {
+        ...view,
+        skipped: r.skipped_chunks ?? [],
+        effects: { started: r.effects_started, done: r.effects_done },
+        chunksPerMinute: minutes.map(([m, n]) => [new Date(m).toISOString(), n] as const).reverse(),
+      };
+    });
     // running vs crashed is known only after the lock check.
     if (q.state === 'running' || q.state === 'crashed') return views.filter((v) => v.state === q.state);
     return views;
   }
 
-  /** One run with the detail of its page: skipped chunks, effects ledger counts, chunks per minute. */
+  /** One run with the detail of its page (one statement): skipped chunks, effects ledger counts, chunks per minute. */
   async get(id: string): Promise<RunView | undefined> {
     if (!/^\d{1,18}$/.test(id)) return undefined;
-    const [view] = await this.list({ id, limit: 1 });
-    if (!view) return undefined;
+    return (await this.list({ id, limit: 1, detail: true }))[0];
+  }
+
+  /** The run of (job, key) with its detail, or undefined. */
+  async byKey(job: string, key: string): Promise<RunView | undefined> {
+    return (await this.list({ job, key, limit: 1, detail: true }))[0];
+  }
+
+  #detailColumns() {
     const s = (n: string) => this.#t(n);
-    const { rows: skipped } = await sql<{ step: string; key: string; error: string | null; attempts: number }>`
-      select step, key, error, attempts from ${s('chunks')} where run_id = ${id} and skipped_at is not null order by step, seq limit 20`.execute(this.#db);
-    const { rows: effects } = await sql<{ started: number; done: number }>`
-      select count(*) filter (where status = 'started')::int as started, count(*) filter (where status = 'done')::int as done
-      from ${s('effects')} where run_id = ${id}`.execute(this.#db);
-    const { rows: minutes } = await sql<{ m: Date; n: number }>`
-      select date_trunc('minute', done_at) as m, count(*)::int as n from ${s('chunks')}
-      where run_id = ${id} and done_at is not null group by 1 order by 1 desc limit 60`.execute(this.#db);
-    return {
-      ...view,
-      skipped,
-      effects: effects[0] ?? { started: 0, done: 0 },
-      chunksPerMinute: minutes.reverse().map((r) => [r.m.toISOString(), r.n] as const),
-    };
+    return sql`
+      coalesce((select json_agg(json_build_object('step', k.step, 'key', k.key, 'error', k.error, 'attempts', k.attempts))
+        from (select step, key, error, attempts from ${s('chunks')} where run_id = r.id and skipped_at is not null order by step, seq limit 20) k), '[]'::json) as skipped_chunks,
+      (select count(*) from ${s('effects')} e where e.run_id = r.id and e.status = 'started')::int as effects_started,
+      (select count(*) from ${s('effects')} e where e.run_id = r.id and e.status = 'done')::int as effects_done,
+      (select json_agg(json_build_array(m.m, m.n)) from (
+        select date_trunc('minute', done_at) as m, count(*)::int as n from ${s('chunks')}
+        where run_id = r.id and done_at is not null group by 1 order by 1 desc limit 60) m) as chunks_per_minute`;
   }
 }
 
