@@ -2,7 +2,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { Runner } from '../src/index.ts';
 import { chunkKey } from './fixtures/jobs/counted.ts';
 import { createFixtureTables } from './fixtures/tables.ts';
-import { ALL_TABLES, killLeftovers, query, snapshot, waitFor, workCounts } from './support/cli.ts';
+import { ALL_TABLES, FIXTURE_JOBS, killLeftovers, runCli, query, snapshot, waitFor, workCounts } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
 
@@ -55,6 +55,29 @@ describe('authentication', () => {
     expect(await snapshot(url, TABLES)).toEqual(before);
     // No response carries the token back.
     expect(missing.text).not.toContain(TOKEN);
+  });
+});
+
+describe('starting the server', () => {
+  it('refuses to start without a token, or with a short one: exit 2, one line, nothing created', async () => {
+    const fresh = await createTestDatabase();
+    try {
+      const none = await runCli(['--jobs-dir', FIXTURE_JOBS, 'serve', '--port', '0'], { url: fresh.url, env: { IDEM_API_TOKEN: undefined } });
+      expect(none.code).toBe(2);
+      expect(none.stderr.trim()).toMatch(/^idem: error: idem serve needs an API token: set IDEM_API_TOKEN or pass --token-file <file>/);
+      expect(none.stderr.trim().split('\n')).toHaveLength(1);
+      const short = await runCli(['--jobs-dir', FIXTURE_JOBS, 'serve', '--port', '0'], { url: fresh.url, env: { IDEM_API_TOKEN: 'short' } });
+      expect(short.code).toBe(2);
+      expect(short.stderr).toContain('at least 16 characters');
+      expect(short.stderr).not.toContain('short;');
+      const missingFile = await runCli(['--jobs-dir', FIXTURE_JOBS, 'serve', '--token-file', '/nonexistent/token'], { url: fresh.url });
+      expect(missingFile.code).toBe(2);
+      expect(missingFile.stderr).toContain('cannot read the token file /nonexistent/token (ENOENT); fix --token-file');
+      // Refused before connecting: idem's schema was not even created.
+      expect(await query(fresh.url, `select count(*)::int as n from pg_namespace where nspname = 'idem'`)).toEqual([{ n: 0 }]);
+    } finally {
+      await fresh.drop();
+    }
   });
 });
 
