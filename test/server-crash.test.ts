@@ -2,7 +2,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { Runner } from '../src/index.ts';
 import { chunkKey } from './fixtures/jobs/counted.ts';
 import { createFixtureTables } from './fixtures/tables.ts';
-import { killLeftovers, runRow, sessions, waitFor, workCounts } from './support/cli.ts';
+import { killLeftovers, query, runRow, sessions, waitFor, workCounts } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 import { api, startServe } from './support/server.ts';
 
@@ -88,5 +88,22 @@ describe('idem serve killed with SIGKILL mid-run', () => {
     expect(Date.parse(second.body.startedAt)).toBeGreaterThanOrEqual(Date.parse(first.body.finishedAt));
     srv.proc.child.kill('SIGTERM');
     await srv.proc.done;
+  });
+
+  it('--retention prunes finished runs at start; their Idempotency-Keys start new runs after', async () => {
+    const first = await startServe(url);
+    const old = await api(first.base, 'POST', '/api/jobs/counted/runs', { key: 'k-retained', body: { chunks: 2 } });
+    expect((await api(first.base, 'GET', `/api/runs/${old.body.id}?wait=30`)).body.state).toBe('succeeded');
+    first.proc.child.kill('SIGTERM');
+    await first.proc.done;
+    await new Promise((r) => setTimeout(r, 1100)); // older than the 1 s retention below
+    const second = await startServe(url, ['--retention', '1s']);
+    await waitFor(async () => (await runRow(url, 'counted', 'k-retained')) === undefined, 'the finished run to be pruned');
+    expect(await query(url, `select count(*)::int as n from idem.api_requests where idempotency_key = 'k-retained'`)).toEqual([{ n: 0 }]);
+    const again = await api(second.base, 'POST', '/api/jobs/counted/runs', { key: 'k-retained', body: { chunks: 3 } });
+    expect(again.status).toBe(201);
+    expect(again.body.id).not.toBe(old.body.id);
+    second.proc.child.kill('SIGTERM');
+    await second.proc.done;
   });
 });

@@ -116,11 +116,18 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
     }
     const deadline = Date.now() + wait * 1000;
     let gone = false;
-    request.raw.socket.once('close', () => (gone = true));
-    for (;;) {
-      const view = await getRun(request.params.id);
-      if (ENDED_STATES.has(view.state) || Date.now() >= deadline || gone || ctx.closing.aborted) return view;
-      await new Promise((r) => setTimeout(r, Math.min(250, Math.max(1, deadline - Date.now()))));
+    const onClose = () => (gone = true);
+    // A keep-alive socket serves many requests: the listener must not outlive this one.
+    const socket = request.raw.socket;
+    if (wait > 0) socket.once('close', onClose);
+    try {
+      for (;;) {
+        const view = await getRun(request.params.id);
+        if (ENDED_STATES.has(view.state) || Date.now() >= deadline || gone || ctx.closing.aborted) return view;
+        await new Promise((r) => setTimeout(r, Math.min(250, Math.max(1, deadline - Date.now()))));
+      }
+    } finally {
+      socket.off('close', onClose);
     }
   });
 

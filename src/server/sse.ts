@@ -39,15 +39,17 @@ export function streamEvents(request: FastifyRequest, reply: FastifyReply, next:
   let last = '';
   let timer: NodeJS.Timeout | undefined;
   let lastWrite = Date.now();
+  const socket = request.raw.socket;
   const close = () => {
     if (closed) return;
     closed = true;
     clearTimeout(timer);
     opts.open.delete(close);
+    socket.off('close', close);
     res.end();
   };
   opts.open.add(close);
-  request.raw.socket.on('close', close);
+  socket.on('close', close);
   const tick = async () => {
     if (closed) return;
     try {
