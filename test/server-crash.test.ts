@@ -106,4 +106,26 @@ describe('idem serve killed with SIGKILL mid-run', () => {
     second.proc.child.kill('SIGTERM');
     await second.proc.done;
   });
+
+  it('a second server takes over the run of one that was SIGKILLed, without a restart; chunks once', async () => {
+    const env = { IDEM_SERVE_RESCAN_MS: '300' };
+    const a = await startServe(url, [], env);
+    const b = await startServe(url, [], env);
+    const created = await api(a.base, 'POST', '/api/jobs/counted/runs', { key: 'k-takeover', body: { chunks: CHUNKS, pauseMs: 50 } });
+    await waitFor(async () => (await workCounts(url, 'k-takeover')).size >= 5, 'five chunks to commit', { timeoutMs: 60_000 });
+    // While A is alive, B leaves its run alone: after several of its rescans it executes nothing
+    // and has not queued up behind A's lock.
+    await new Promise((r) => setTimeout(r, 1_000));
+    const metrics = (await api(b.base, 'GET', '/metrics')).text;
+    expect(metrics).toMatch(/^idem_runs_executing 0$/m);
+    expect(metrics).not.toMatch(/^idem_lock_waits_total\{/m);
+    expect((await api(b.base, 'GET', `/api/runs/${created.body.id}`)).body).toMatchObject({ state: 'running', attempt: 1 });
+    a.proc.child.kill('SIGKILL');
+    await a.proc.done;
+    const done = await api(b.base, 'GET', `/api/runs/${created.body.id}?wait=60`);
+    expect(done.body).toMatchObject({ state: 'succeeded', attempt: 2 });
+    expect(await workCounts(url, 'k-takeover')).toEqual(new Map(Array.from({ length: CHUNKS }, (_, i) => [chunkKey(i + 1), 1])));
+    b.proc.child.kill('SIGTERM');
+    await b.proc.done;
+  });
 });

@@ -19,6 +19,8 @@ export const DEFAULT_HOST = '127.0.0.1';
 export const DEFAULT_PORT = 7070;
 /** Default most runs executed at once by one server. */
 export const DEFAULT_MAX_RUNS = 4;
+/** Default interval of the rescan for unfinished runs nobody executes. */
+export const DEFAULT_RESCAN_MS = 30_000;
 /** Default largest request body: params are small; 64 KiB leaves room and bounds abuse. */
 export const DEFAULT_BODY_LIMIT = 64 * 1024;
 
@@ -41,6 +43,8 @@ export interface ServerOptions {
   readonly controlPollMs?: number;
   /** How often event streams look for changes, in ms. Defaults to `500`. */
   readonly sseIntervalMs?: number;
+  /** How often the server looks for unfinished runs created over HTTP that nobody executes, in ms. Defaults to `30000`. */
+  readonly rescanMs?: number;
   /** Prune succeeded and cancelled runs older than this (ms), hourly; their keys become free again. Defaults to `null` (never). */
   readonly retentionMs?: number | null;
 }
@@ -156,6 +160,7 @@ export function createServer(opts: ServerOptions): IdemServer {
   });
 
   let pruneTimer: NodeJS.Timeout | undefined;
+  let rescanTimer: NodeJS.Timeout | undefined;
   const prune = async () => {
     if (!opts.retentionMs) return;
     try {
@@ -174,6 +179,15 @@ export function createServer(opts: ServerOptions): IdemServer {
       const address = await app.listen({ host, port });
       const resumed = await executor.resumeUnfinished();
       if (resumed > 0) log.info({ runs: resumed }, 'resuming unfinished runs');
+      // Later too: a run another server left behind when it crashed, or one `idem resume` released,
+      // is picked up within a rescan interval.
+      rescanTimer = setInterval(() => {
+        executor.resumeUnfinished().then(
+          (n) => n > 0 && log.info({ runs: n }, 'resuming unfinished runs'),
+          (err: unknown) => log.warn({ err: { message: (err as Error).message } }, 'rescan for unfinished runs failed; the next one tries again'),
+        );
+      }, opts.rescanMs ?? DEFAULT_RESCAN_MS);
+      rescanTimer.unref();
       if (opts.retentionMs) {
         void prune();
         pruneTimer = setInterval(prune, 3_600_000);
@@ -185,6 +199,7 @@ export function createServer(opts: ServerOptions): IdemServer {
       return (closed ??= (async () => {
         closing.abort();
         clearInterval(pruneTimer);
+        clearInterval(rescanTimer);
         for (const close of [...ctx.openStreams]) close();
         await Promise.all([app.close(), executor.shutdown(deadlineMs)]);
       })());

@@ -40,7 +40,20 @@ export async function serveCommand(o: ServeFlags, deps: ServeDeps): Promise<numb
   const jobs = (await loadJobDir(deps.jobsDir, 'jobs')).map((l) => l.job);
   // Each executing run takes up to `concurrency` pool connections; the API's reads need a few more.
   const runner = await deps.openRunner(o.maxRuns * o.concurrency + 4);
-  const server = createServer({ runner, jobs, token, publicRead: o.publicRead ?? false, maxRuns: o.maxRuns, concurrency: o.concurrency, bodyLimit: o.bodyLimit, log: deps.log, retentionMs });
+  // IDEM_SERVE_RESCAN_MS: for tests, which cannot wait the default 30 s for a takeover.
+  const rescan = Number(process.env.IDEM_SERVE_RESCAN_MS);
+  const server = createServer({
+    runner,
+    jobs,
+    token,
+    publicRead: o.publicRead ?? false,
+    maxRuns: o.maxRuns,
+    concurrency: o.concurrency,
+    bodyLimit: o.bodyLimit,
+    log: deps.log,
+    retentionMs,
+    ...(Number.isInteger(rescan) && rescan > 0 ? { rescanMs: rescan } : {}),
+  });
   const address = await server.listen({ host: o.host, port: o.port });
   deps.log.info({ address, jobs: jobs.map((j) => j.name), publicRead: o.publicRead ?? false, maxRuns: o.maxRuns }, 'idem serve listening');
   process.stdout.write(`idem serve: listening on ${address} (${jobs.length} job${jobs.length === 1 ? '' : 's'}; dashboard at ${address}/)\n`);
