@@ -2,9 +2,10 @@ import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance } 
 import { sql } from 'kysely';
 import pino, { type Logger } from 'pino';
 import { UsageError } from '../errors.ts';
-import { lockKey } from '../fingerprint.ts';
+import { runIsLive } from '../operations.ts';
 import type { Job } from '../job.ts';
 import type { Runner } from '../runner.ts';
+import type { RunStatus } from '../store.ts';
 import { bearerToken, tokenMatches } from './api-token.ts';
 import { registerApiRoutes } from './api-routes.ts';
 import { registerDashboardRoutes } from './dashboard-routes.ts';
@@ -65,15 +66,16 @@ export function createServer(opts: ServerOptions): IdemServer {
   const log = opts.log ?? pino({ level: 'silent' });
   const jobs = new Map(opts.jobs.map((j) => [j.name, j]));
   const runner = opts.runner;
-  const held = () => runner.heldLockKeys();
+  const held = () => runner.heldLocks();
   const views = new RunViews(runner.db, runner.schema, held);
   const metrics = new ServerMetrics(async () => {
-    const { rows } = await sql<{ job: string; status: string; lock_name: string | null; n: number }>`
-      select job, status, lock_name, count(*)::int as n from ${sql.id(runner.schema, 'runs')} group by 1, 2, 3`.execute(runner.db);
-    const keys = await held();
+    const { rows } = await sql<{ job: string; status: RunStatus; lock_name: string | null; lock_pid: number | null; n: number }>`
+      select job, status, lock_name, case when status = 'running' then lock_pid end as lock_pid, count(*)::int as n
+      from ${sql.id(runner.schema, 'runs')} group by 1, 2, 3, 4`.execute(runner.db);
+    const locks = await held();
     const out = new Map<string, { job: string; state: string; n: number }>();
     for (const r of rows) {
-      const state = r.status === 'running' && !keys.has(lockKey(r.lock_name ?? runner.jobLockName(r.job))) ? 'crashed' : r.status;
+      const state = r.status === 'running' && !runIsLive(r, locks, (j) => runner.jobLockName(j)) ? 'crashed' : r.status;
       const k = `${r.job}\0${state}`;
       out.set(k, { job: r.job, state, n: (out.get(k)?.n ?? 0) + r.n });
     }

@@ -1,9 +1,10 @@
 import { sql } from 'kysely';
 import type { Logger } from 'pino';
-import { lockKey } from '../fingerprint.ts';
+import { runIsLive } from '../operations.ts';
 import { BusyError, CancelledError, InterruptedError, PausedError, RunFailedError, messageOf } from '../errors.ts';
 import type { Job, Step } from '../job.ts';
 import type { Runner } from '../runner.ts';
+import type { RunStatus } from '../store.ts';
 import type { ServerMetrics } from './server-metrics.ts';
 
 export interface RunExecutorOptions {
@@ -63,15 +64,15 @@ export class RunExecutor {
   async resumeUnfinished(): Promise<number> {
     const { runner } = this.#o;
     const s = runner.schema;
-    const { rows } = await sql<{ id: string; job: string; run_key: string; status: string; lock_name: string | null }>`
-      select r.id::text as id, r.job, r.run_key, r.status, r.lock_name from ${sql.id(s, 'runs')} r join ${sql.id(s, 'api_requests')} a on a.run_id = r.id
+    const { rows } = await sql<{ id: string; job: string; run_key: string; status: RunStatus; lock_name: string | null; lock_pid: number | null }>`
+      select r.id::text as id, r.job, r.run_key, r.status, r.lock_name, r.lock_pid from ${sql.id(s, 'runs')} r join ${sql.id(s, 'api_requests')} a on a.run_id = r.id
       where r.status in ('pending', 'running', 'interrupted') order by r.id`.execute(runner.db);
     // A run another live process executes (a second server, idem run) is theirs: waiting for its
     // lock here would only hold a slot.
-    const held = rows.some((r) => r.status === 'running') ? await runner.heldLockKeys() : new Set<string>();
+    const held = rows.some((r) => r.status === 'running') ? await runner.heldLocks() : { keys: new Set<string>(), byPid: new Set<string>() };
     let n = 0;
     for (const r of rows) {
-      if (r.status === 'running' && held.has(lockKey(r.lock_name ?? runner.jobLockName(r.job)))) continue;
+      if (runIsLive(r, held, (j) => runner.jobLockName(j))) continue;
       if (this.#running.has(r.id) || this.#queue.some((q) => q.runId === r.id)) continue;
       if (!this.#o.jobs.has(r.job)) {
         this.#o.log.warn({ job: r.job, runId: r.id }, 'unfinished run of a job this server does not know; start the server with its --jobs-dir to resume it');

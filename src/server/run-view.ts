@@ -1,6 +1,6 @@
 import { sql, type Kysely } from 'kysely';
-import { lockKey } from '../fingerprint.ts';
 import type { Json } from '../job.ts';
+import { runIsLive, type HeldLocks } from '../operations.ts';
 import type { RunErrorInfo, RunSummary } from '../store.ts';
 
 /** A step of a run as the API shows it. */
@@ -72,12 +72,12 @@ export interface RunQuery {
 export class RunViews {
   readonly #db: Kysely<any>;
   readonly #schema: string;
-  readonly #heldLockKeys: () => Promise<Set<string>>;
+  readonly #heldLocks: () => Promise<HeldLocks>;
 
-  constructor(db: Kysely<any>, schema: string, heldLockKeys: () => Promise<Set<string>>) {
+  constructor(db: Kysely<any>, schema: string, heldLocks: () => Promise<HeldLocks>) {
     this.#db = db;
     this.#schema = schema;
-    this.#heldLockKeys = heldLockKeys;
+    this.#heldLocks = heldLocks;
   }
 
   #t(name: string) {
@@ -113,9 +113,9 @@ export class RunViews {
         and ${q.before === undefined ? sql`true` : sql`r.id < ${q.before}`}
       order by r.id desc limit ${q.limit ?? 50}`.execute(this.#db);
     // pg_locks is only consulted when a row says running: a replay of a finished run is one query.
-    const held = rows.some((r) => r.status === 'running') ? await this.#heldLockKeys() : new Set<string>();
+    const held: HeldLocks = rows.some((r) => r.status === 'running') ? await this.#heldLocks() : { keys: new Set(), byPid: new Set() };
     const views = rows.map((r) => {
-      const view = toView(r, held.has(lockKey(r.lock_name ?? `${this.#schema}:job:${r.job}`)));
+      const view = toView(r, runIsLive(r, held, (job) => `${this.#schema}:job:${job}`));
       if (!q.detail) return view;
       const minutes = (r.chunks_per_minute ?? []) as Array<[string, number]>;
       return {
