@@ -66,19 +66,19 @@ export function createServer(opts: ServerOptions): IdemServer {
   const log = opts.log ?? pino({ level: 'silent' });
   const jobs = new Map(opts.jobs.map((j) => [j.name, j]));
   const runner = opts.runner;
-  const held = () => runner.heldLocks();
-  const views = new RunViews(runner.db, runner.schema, held);
+  const views = new RunViews(runner.db, runner.schema, runner);
   const metrics = new ServerMetrics(async () => {
-    const { rows } = await sql<{ job: string; status: RunStatus; lock_name: string | null; lock_pid: number | null; n: number }>`
-      select job, status, lock_name, case when status = 'running' then lock_pid end as lock_pid, count(*)::int as n
-      from ${sql.id(runner.schema, 'runs')} group by 1, 2, 3, 4`.execute(runner.db);
-    const locks = await held();
+    const runs = sql.id(runner.schema, 'runs');
+    // Rows that say running are judged one by one (live or crashed); the rest are counted.
+    const { rows: counted } = await sql<{ job: string; status: string; n: number }>`
+      select job, status, count(*)::int as n from ${runs} where status <> 'running' group by 1, 2`.execute(runner.db);
+    const { rows: running } = await sql<{ id: string; job: string; status: RunStatus; lock_name: string | null; lock_pid: number | null }>`
+      select id::text as id, job, status, lock_name, lock_pid from ${runs} where status = 'running'`.execute(runner.db);
+    const locks = running.length > 0 ? await runner.heldLocks() : { keys: new Set<string>(), byPid: new Set<string>() };
     const out = new Map<string, { job: string; state: string; n: number }>();
-    for (const r of rows) {
-      const state = r.status === 'running' && !runIsLive(r, locks, (j) => runner.jobLockName(j)) ? 'crashed' : r.status;
-      const k = `${r.job}\0${state}`;
-      out.set(k, { job: r.job, state, n: (out.get(k)?.n ?? 0) + r.n });
-    }
+    const add = (job: string, state: string, n: number) => out.set(`${job}\0${state}`, { job, state, n: (out.get(`${job}\0${state}`)?.n ?? 0) + n });
+    for (const r of counted) add(r.job, r.status, r.n);
+    for (const r of running) add(r.job, runIsLive(r, locks, runner) ? 'running' : 'crashed', 1);
     return [...out.values()];
   });
   const executor = new RunExecutor({

@@ -72,7 +72,7 @@ export class RunExecutor {
     const held = rows.some((r) => r.status === 'running') ? await runner.heldLocks() : { keys: new Set<string>(), byPid: new Set<string>() };
     let n = 0;
     for (const r of rows) {
-      if (runIsLive(r, held, (j) => runner.jobLockName(j))) continue;
+      if (runIsLive(r, held, runner)) continue;
       if (this.#running.has(r.id) || this.#queue.some((q) => q.runId === r.id)) continue;
       if (!this.#o.jobs.has(r.job)) {
         this.#o.log.warn({ job: r.job, runId: r.id }, 'unfinished run of a job this server does not know; start the server with its --jobs-dir to resume it');
@@ -124,15 +124,17 @@ export class RunExecutor {
           committed.set(p.step, p.executedNow);
         },
       };
+      // join: `idem run --join` workers share the run with the server, and the server shares
+      // theirs: whoever comes second works under the live attempt instead of failing busy.
       try {
-        await runner.run(job, { ...base, wait: false });
+        await runner.run(job, { ...base, join: true, wait: false });
       } catch (err) {
         if (!(err instanceof BusyError)) throw err;
-        // Another process (idem run, idem run --join, a second server) holds the job: wait for it,
-        // then this run continues where that one left it (or finds it done).
+        // Another run of the job is live elsewhere (its lock is exclusive per run key): wait for
+        // it, then this run starts or continues (or is found done).
         metrics.lockWaits.inc({ job: q.job });
         log.info('job locked by another process; waiting for it');
-        await runner.run(job, { ...base, wait: true });
+        await runner.run(job, { ...base, join: true, wait: true });
       }
       log.info('run executed');
     } catch (err) {

@@ -1,6 +1,9 @@
 import { sql, type Kysely } from 'kysely';
 import type { Json } from '../job.ts';
-import { runIsLive, type HeldLocks } from '../operations.ts';
+import { runIsLive, type HeldLocks, type OperationsHost } from '../operations.ts';
+
+/** How liveness is decided: the runner's lock names and the locks held right now. */
+export type LockHost = Pick<OperationsHost, 'jobLockName' | 'runLockName' | 'heldLocks'>;
 import type { RunErrorInfo, RunSummary } from '../store.ts';
 
 /** A step of a run as the API shows it. */
@@ -72,12 +75,12 @@ export interface RunQuery {
 export class RunViews {
   readonly #db: Kysely<any>;
   readonly #schema: string;
-  readonly #heldLocks: () => Promise<HeldLocks>;
+  readonly #locks: LockHost;
 
-  constructor(db: Kysely<any>, schema: string, heldLocks: () => Promise<HeldLocks>) {
+  constructor(db: Kysely<any>, schema: string, locks: LockHost) {
     this.#db = db;
     this.#schema = schema;
-    this.#heldLocks = heldLocks;
+    this.#locks = locks;
   }
 
   #t(name: string) {
@@ -113,9 +116,9 @@ export class RunViews {
         and ${q.before === undefined ? sql`true` : sql`r.id < ${q.before}`}
       order by r.id desc limit ${q.limit ?? 50}`.execute(this.#db);
     // pg_locks is only consulted when a row says running: a replay of a finished run is one query.
-    const held: HeldLocks = rows.some((r) => r.status === 'running') ? await this.#heldLocks() : { keys: new Set(), byPid: new Set() };
+    const held: HeldLocks = rows.some((r) => r.status === 'running') ? await this.#locks.heldLocks() : { keys: new Set(), byPid: new Set() };
     const views = rows.map((r) => {
-      const view = toView(r, runIsLive(r, held, (job) => `${this.#schema}:job:${job}`));
+      const view = toView(r, runIsLive(r, held, this.#locks));
       if (!q.detail) return view;
       const minutes = (r.chunks_per_minute ?? []) as Array<[string, number]>;
       return {
