@@ -2,7 +2,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { Runner } from '../src/index.ts';
 import { chunkKey } from './fixtures/jobs/counted.ts';
 import { createFixtureTables } from './fixtures/tables.ts';
-import { killLeftovers, query, runRow, sessions, waitFor, workCounts } from './support/cli.ts';
+import { FIXTURE_DIRS, holdGate, killLeftovers, query, runRow, sessions, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 import { api, startServe } from './support/server.ts';
 
@@ -127,5 +127,28 @@ describe('idem serve killed with SIGKILL mid-run', () => {
     expect(await workCounts(url, 'k-takeover')).toEqual(new Map(Array.from({ length: CHUNKS }, (_, i) => [chunkKey(i + 1), 1])));
     b.proc.child.kill('SIGTERM');
     await b.proc.done;
+  });
+
+  it('idem run --join workers share a run the server executes: every chunk once, by both', async () => {
+    const srv = await startServe(url);
+    // Every chunk waits on a gate held here: the run cannot end before the worker has joined.
+    const gate = await holdGate(url, 'g-join');
+    const body = { chunks: 60, pauseMs: 20, gate: 'g-join' };
+    const created = await api(srv.base, 'POST', '/api/jobs/counted/runs', { key: 'k-join', body });
+    const worker = spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', JSON.stringify(body), '--key', 'k-join', '--join'], { url, timeoutMs: 180_000 });
+    // Joined: a chunk of the server and one of the worker both wait at the gate.
+    const blocked = async () =>
+      (await query<{ n: number }>(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and application_name = 'idem' and wait_event_type = 'Lock'`))[0]!.n;
+    await waitFor(async () => (await blocked()) >= 2, 'the server and the worker to each hold a chunk', { timeoutMs: 120_000 });
+    await gate.release();
+    const joined = await worker.done;
+    expect(joined.code, joined.stderr).toBe(0);
+    const done = await api(srv.base, 'GET', `/api/runs/${created.body.id}?wait=60`);
+    expect(done.body).toMatchObject({ state: 'succeeded', attempt: 1 });
+    expect([...(await workCounts(url, 'k-join')).values()]).toEqual(Array.from({ length: 60 }, () => 1));
+    const pids = await query<{ n: number }>(url, `select count(distinct pid)::int as n from work_log where run_key = 'k-join' and step = 'work'`);
+    expect(pids).toEqual([{ n: 2 }]);
+    srv.proc.child.kill('SIGTERM');
+    await srv.proc.done;
   });
 });
