@@ -202,8 +202,7 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
     const otherWorkers = async () => {
       if (!runKey) return 0;
       const rows = await query<{ n: number }>(
-        `select count(*)::int as n from pg_locks where locktype = 'advisory' and granted and objsubid = 1
-           and ((classid::bigint << 32) | objid::bigint) = $1::bigint and pid <> pg_backend_pid()`,
+        `select ${OTHER_HOLDERS('$1')}::int as n`,
         [runKey],
       );
       return rows[0]!.n;
@@ -220,8 +219,12 @@ function destroySocket(client: pg.Client): void {
   (client as unknown as { connection?: { stream?: { destroy(): void } } }).connection?.stream?.destroy();
 }
 
-/** Holders of a 64-bit advisory key other than this session (granted, any mode). */
+/**
+ * Holders of a 64-bit advisory key other than this session (granted, any mode), in this database:
+ * advisory locks are per database, and pg_locks shows every database's.
+ */
 const OTHER_HOLDERS = (param: string) => `(select count(*) from pg_locks where locktype = 'advisory' and granted and objsubid = 1
+  and database = (select oid from pg_database where datname = current_database())
   and ((classid::bigint << 32) | objid::bigint) = ${param}::bigint and pid <> pg_backend_pid())`;
 
 /**

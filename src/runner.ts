@@ -332,7 +332,11 @@ export class Runner {
       this.store.control(runId).then(
         ({ requested, status, error }) => {
           if (control.signal.aborted) return;
-          if (requested) control.abort(new ControlRequest(requested));
+          if (requested) {
+            // Logged when seen, so an operator (and a test) can tell the request has reached the run.
+            log.warn({ requested }, `${requested} requested by an operator; no new chunk starts, in-flight chunks finish`);
+            control.abort(new ControlRequest(requested));
+          }
           // Another worker on this run failed it: this one stops too, and records nothing.
           else if (status === 'failed') control.abort(new FailedElsewhere(error?.message ?? 'unknown error'));
         },

@@ -1,6 +1,7 @@
 import { spawn, type ChildProcess } from 'node:child_process';
 import { fileURLToPath } from 'node:url';
 import pg from 'pg';
+import { expect } from 'vitest';
 
 /** The repository root: the CLI runs from here, as a user would run it. */
 export const REPO = fileURLToPath(new URL('../../', import.meta.url));
@@ -98,6 +99,21 @@ export async function killLeftovers(): Promise<void> {
       }),
   );
   await Promise.all(waits);
+}
+
+/**
+ * The process died of a SIGKILL the test (or the process itself) sent, not of the helper's
+ * time-out kill: a hang must fail the test, never pass for the expected crash.
+ */
+export function expectKilled(r: CliResult): void {
+  expect(r.timedOut, `the process hung until the helper's time-out killed it: ${r.stderr}`).toBe(false);
+  expect(r.signal, r.stderr).toBe('SIGKILL');
+}
+
+/** The process crashed at the IDEM_FAULT point it was given, and nowhere else. */
+export function expectFaultCrash(r: CliResult, point: string): void {
+  expectKilled(r);
+  expect(r.stderr).toContain(`idem: fault injected at ${point} (crash)`);
 }
 
 /** The non-empty lines of a stream's output. */
