@@ -124,6 +124,8 @@ describe('the dashboard in a real browser', () => {
   }, 240_000);
 
   it('reads without JavaScript: the HTML itself carries every run and its state', async () => {
+    const created = await api(server.base, 'POST', '/api/jobs/counted/runs', { key: 'nightly-2026-11-29', body: { chunks: 12 } });
+    expect((await api(server.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body.state).toBe('succeeded');
     const res = await api(server.base, 'GET', '/', { token: null });
     expect(res.status).toBe(200);
     expect(res.headers.get('content-type')).toMatch(/^text\/html/);
