@@ -112,6 +112,20 @@ function runnerMigrations(schema: string): Record<string, Migration> {
         await sql`alter table ${t('chunks')} add column done_by text`.execute(db);
       },
     },
+    '0007_api_requests': {
+      async up(db) {
+        // The request that created a run over HTTP (idem serve), written in the transaction that
+        // claims the run: the run is "the server's to execute and resume". Deleted with its run
+        // (prune, reset), after which the Idempotency-Key may be used again.
+        await sql`create table ${t('api_requests')} (
+          run_id bigint primary key references ${t('runs')} (id) on delete cascade,
+          job text not null,
+          idempotency_key text not null,
+          fingerprint text not null,
+          created_at timestamptz not null default now()
+        )`.execute(db);
+      },
+    },
   };
 }
 

@@ -5,6 +5,7 @@
  */
 import { writeFile } from 'node:fs/promises';
 import pg from 'pg';
+import { benchHttp } from './bench-http.ts';
 import { benchMemory } from './bench-memory.ts';
 import { benchNoopRerun } from './bench-noop-rerun.ts';
 import { benchOverhead } from './bench-overhead.ts';
@@ -26,6 +27,7 @@ const BENCHES: Record<BenchName, (ctx: BenchContext) => Promise<BenchResult>> = 
   statements: benchStatements,
   memory: benchMemory,
   parallel: benchParallelism,
+  http: benchHttp,
 };
 
 const log = (msg: string) => process.stderr.write(`${new Date().toISOString().slice(11, 19)} ${msg}\n`);

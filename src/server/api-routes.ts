@@ -1,0 +1,161 @@
+import type { FastifyInstance, FastifyReply } from 'fastify';
+import { UsageError } from '../errors.ts';
+import { fingerprint } from '../fingerprint.ts';
+import { validateParams, type Job, type Json } from '../job.ts';
+import { claimRequest, paramsMismatch, printable } from './claim-request.ts';
+import { HttpProblem } from './problem.ts';
+import { ENDED_STATES, RUN_STATES, type RunStateFilter, type RunView } from './run-view.ts';
+import type { ServerContext } from './server-context.ts';
+import { streamEvents } from './sse.ts';
+
+/** What an Idempotency-Key may be: opaque, printable, URL- and log-safe (UUIDs, ULIDs, base64url…). */
+export const IDEMPOTENCY_KEY = /^[A-Za-z0-9._:~+=/-]{1,200}$/;
+
+/** Longest `?wait=` for a long-poll, in seconds. */
+export const MAX_WAIT_SECONDS = 60;
+
+/** JSON Schema of a job's params, where its validator can give one (Standard JSON Schema, zod 4). */
+export function paramsSchema(job: Job): Json | null {
+  const v = job.params as any;
+  if (!v) return { type: 'object', properties: {}, additionalProperties: false };
+  try {
+    const std = v['~standard']?.jsonSchema;
+    if (std && typeof std.input === 'function') return std.input({ target: 'draft-2020-12' }) as Json;
+    if (typeof v.toJSONSchema === 'function') return v.toJSONSchema() as Json;
+  } catch {
+    // A validator that cannot describe itself: the form falls back to a JSON box.
+  }
+  return null;
+}
+
+function sendRun(reply: FastifyReply, status: number, view: RunView, replayed: boolean | null) {
+  reply.code(status).header('location', `/api/runs/${view.id}`);
+  if (replayed !== null) reply.header('idempotent-replayed', String(replayed));
+  return view;
+}
+
+export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): void {
+  app.get('/api/jobs', async () => ({
+    jobs: [...ctx.jobs.values()].map((j) => ({
+      name: j.name,
+      description: j.description ?? null,
+      schedule: j.schedule === undefined ? null : typeof j.schedule === 'string' ? j.schedule : j.schedule,
+      steps: j.steps.map((s) => ({ name: s.name, chunked: s.chunks !== undefined })),
+      params: paramsSchema(j),
+    })),
+  }));
+
+  app.post<{ Params: { job: string }; Body: unknown }>('/api/jobs/:job/runs', async (request, reply) => {
+    const key = request.headers['idempotency-key'];
+    if (key === undefined || key === '') {
+      throw new HttpProblem(400, 'idem.missingIdempotencyKey', 'the request has no Idempotency-Key header; send one unique key per intended run (e.g. a UUID), and the same key again on a retry');
+    }
+    if (Array.isArray(key) || !IDEMPOTENCY_KEY.test(key)) {
+      throw new HttpProblem(
+        400,
+        'idem.invalidIdempotencyKey',
+        `the Idempotency-Key header must be 1 to 200 characters of letters, digits and . _ : ~ + = / -; got ${Array.isArray(key) ? 'several' : `${key.length} characters`}; send e.g. a UUID`,
+      );
+    }
+    const job = ctx.jobs.get(request.params.job);
+    if (!job) {
+      throw new HttpProblem(404, 'idem.unknownJob', `unknown job "${printable(request.params.job)}"; GET /api/jobs lists the jobs this server runs`);
+    }
+    const raw = request.body ?? {};
+    if (typeof raw !== 'object' || raw === null || Array.isArray(raw)) {
+      throw new HttpProblem(400, 'idem.invalidParams', 'the body must be a JSON object of params; send {} for none');
+    }
+    let params: Json;
+    try {
+      params = (await validateParams(job, raw)) as Json;
+    } catch (err) {
+      if (err instanceof UsageError) throw new HttpProblem(400, 'idem.invalidParams', `${err.message.replace(/; drop --params\/--param$/, '')}; fix the body`);
+      throw err;
+    }
+    const fp = fingerprint(params);
+    // Replay fast path: a committed run for the key needs no transaction and no lock, one read.
+    const existing = await ctx.views.byKey(job.name, key);
+    if (existing) {
+      if (existing.fingerprint !== fp) throw paramsMismatch(job.name, key, existing.fingerprint, fp);
+      return sendRun(reply, 200, existing, true);
+    }
+    const outcome = await claimRequest(ctx.runner.db, ctx.runner.schema, job.name, key, params, fp);
+    if (outcome.kind === 'created') ctx.executor.enqueue({ runId: outcome.run.id, job: job.name, key });
+    const view = await ctx.views.get(outcome.run.id);
+    if (!view) throw new HttpProblem(404, 'idem.unknownRun', `run ${outcome.run.id} was removed (reset or pruned) while answering; send the request again`);
+    return sendRun(reply, outcome.kind === 'created' ? 201 : 200, view, outcome.kind === 'replayed');
+  });
+
+  app.get<{ Querystring: { job?: string; state?: string; limit?: string; cursor?: string } }>('/api/runs', async (request) => {
+    const q = request.query;
+    const limit = q.limit === undefined ? 50 : Number(q.limit);
+    if (!Number.isInteger(limit) || limit < 1 || limit > 500) throw new HttpProblem(400, 'idem.invalidLimit', `limit must be an integer from 1 to 500, got "${printable(String(q.limit))}"; page with cursor for more`);
+    if (q.state !== undefined && !(RUN_STATES as readonly string[]).includes(q.state)) {
+      throw new HttpProblem(400, 'idem.invalidState', `state must be one of ${RUN_STATES.join(', ')}; got "${printable(q.state)}"`);
+    }
+    if (q.cursor !== undefined && !/^\d{1,18}$/.test(q.cursor)) throw new HttpProblem(400, 'idem.invalidCursor', 'cursor is not a run id; pass the nextCursor of a previous page');
+    const runs = await ctx.views.list({
+      ...(q.job !== undefined ? { job: q.job } : {}),
+      ...(q.state !== undefined ? { state: q.state as RunStateFilter } : {}),
+      ...(q.cursor !== undefined ? { before: q.cursor } : {}),
+      limit,
+    });
+    return { runs, nextCursor: runs.length === limit ? runs.at(-1)!.id : null };
+  });
+
+  const getRun = async (id: string): Promise<RunView> => {
+    const view = await ctx.views.get(id);
+    if (!view) throw new HttpProblem(404, 'idem.unknownRun', `no run with id "${printable(id)}"; GET /api/runs lists the runs`);
+    return view;
+  };
+
+  app.get<{ Params: { id: string }; Querystring: { wait?: string } }>('/api/runs/:id', async (request) => {
+    const wait = request.query.wait === undefined ? 0 : Number(request.query.wait);
+    if (!Number.isFinite(wait) || wait < 0 || wait > MAX_WAIT_SECONDS) {
+      throw new HttpProblem(400, 'idem.invalidWait', `wait must be a number of seconds from 0 to ${MAX_WAIT_SECONDS}; got "${printable(String(request.query.wait))}"`);
+    }
+    const deadline = Date.now() + wait * 1000;
+    let gone = false;
+    const onClose = () => (gone = true);
+    // A keep-alive socket serves many requests: the listener must not outlive this one.
+    const socket = request.raw.socket;
+    if (wait > 0) socket.once('close', onClose);
+    try {
+      for (;;) {
+        const view = await getRun(request.params.id);
+        if (ENDED_STATES.has(view.state) || Date.now() >= deadline || gone || ctx.closing.aborted) return view;
+        await new Promise((r) => setTimeout(r, Math.min(250, Math.max(1, deadline - Date.now()))));
+      }
+    } finally {
+      socket.off('close', onClose);
+    }
+  });
+
+  for (const action of ['pause', 'resume', 'cancel'] as const) {
+    // The CLI's operator actions (compare-and-set on the run row); their refusals map to 404/409.
+    app.post<{ Params: { id: string } }>(`/api/runs/:id/${action}`, async (request) => {
+      const before = await getRun(request.params.id);
+      const result = await ctx.runner[action](before.job, before.key);
+      // A run created over HTTP is this server's to execute: resuming it means continuing it now.
+      // Other runs continue on their next invocation, as with idem resume.
+      if (action === 'resume' && !result.live && before.viaApi && ctx.jobs.has(before.job)) {
+        ctx.executor.enqueue({ runId: before.id, job: before.job, key: before.key });
+      }
+      return getRun(before.id);
+    });
+  }
+
+  app.get<{ Params: { id: string } }>('/api/runs/:id/events', async (request, reply) => {
+    await getRun(request.params.id);
+    streamEvents(
+      request,
+      reply,
+      async () => {
+        const view = await ctx.views.get(request.params.id);
+        if (!view) return { event: 'gone', data: JSON.stringify({ id: request.params.id }), end: true };
+        return { event: 'progress', data: JSON.stringify(view), end: ENDED_STATES.has(view.state) };
+      },
+      { intervalMs: ctx.sseIntervalMs, open: ctx.openStreams },
+    );
+  });
+}

@@ -1,0 +1,47 @@
+import { createHash, timingSafeEqual } from 'node:crypto';
+import { readFile } from 'node:fs/promises';
+import { UsageError } from '../errors.ts';
+
+/** Shortest token accepted: a guessable token would make the bearer check decoration. */
+export const MIN_TOKEN_LENGTH = 16;
+
+/**
+ * The API token from a file (first line, trimmed: the shape of a Kubernetes or systemd secret) or
+ * from `IDEM_API_TOKEN`. The file wins, so a secret mount overrides a stray variable.
+ */
+export async function loadApiToken(opts: { readonly file?: string; readonly env?: string }): Promise<string> {
+  let token = opts.env;
+  let from = 'IDEM_API_TOKEN';
+  if (opts.file !== undefined) {
+    try {
+      token = (await readFile(opts.file, 'utf8')).split('\n')[0]?.trim();
+    } catch (err) {
+      throw new UsageError('tokenFile', `cannot read the token file ${opts.file} (${(err as { code?: string }).code ?? 'error'}); fix --token-file`, { cause: err });
+    }
+    from = `token file ${opts.file}`;
+  }
+  if (!token) {
+    throw new UsageError('noToken', 'idem serve needs an API token: set IDEM_API_TOKEN or pass --token-file <file> (e.g. openssl rand -hex 32 > token)');
+  }
+  if (token.length < MIN_TOKEN_LENGTH || /\s/.test(token)) {
+    throw new UsageError('weakToken', `the API token from ${from} must be at least ${MIN_TOKEN_LENGTH} characters without spaces; generate one with openssl rand -hex 32`);
+  }
+  return token;
+}
+
+/**
+ * Compares a presented token with the expected one in constant time. Both sides are hashed first
+ * so timingSafeEqual gets equal lengths and the comparison leaks neither content nor length.
+ */
+export function tokenMatches(presented: string, expected: string): boolean {
+  const a = createHash('sha256').update(presented).digest();
+  const b = createHash('sha256').update(expected).digest();
+  return timingSafeEqual(a, b);
+}
+
+/** The token of an `Authorization: Bearer <token>` header, or null when there is none. */
+export function bearerToken(header: string | undefined): string | null {
+  if (!header) return null;
+  const m = /^Bearer[ ]+(\S+)\s*$/i.exec(header);
+  return m ? m[1]! : '';
+}

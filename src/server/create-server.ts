@@ -1,0 +1,218 @@
+import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance } from 'fastify';
+import { sql } from 'kysely';
+import pino, { type Logger } from 'pino';
+import { UsageError } from '../errors.ts';
+import { runIsLive } from '../operations.ts';
+import type { Job } from '../job.ts';
+import type { Runner } from '../runner.ts';
+import type { RunStatus } from '../store.ts';
+import { bearerToken, tokenMatches } from './api-token.ts';
+import { registerApiRoutes } from './api-routes.ts';
+import { registerDashboardRoutes } from './dashboard-routes.ts';
+import { HttpProblem, PROBLEM_TYPE, problemBody, toProblem } from './problem.ts';
+import { RunExecutor } from './run-executor.ts';
+import { RunViews } from './run-view.ts';
+import type { ServerContext } from './server-context.ts';
+import { ServerMetrics } from './server-metrics.ts';
+
+/** Default address: loopback only; exposing the API is an explicit decision (--host 0.0.0.0). */
+export const DEFAULT_HOST = '127.0.0.1';
+export const DEFAULT_PORT = 7070;
+/** Default most runs executed at once by one server. */
+export const DEFAULT_MAX_RUNS = 4;
+/** Default interval of the rescan for unfinished runs nobody executes. */
+export const DEFAULT_RESCAN_MS = 30_000;
+/** Default largest request body: params are small; 64 KiB leaves room and bounds abuse. */
+export const DEFAULT_BODY_LIMIT = 64 * 1024;
+
+export interface ServerOptions {
+  readonly runner: Runner;
+  readonly jobs: readonly Job[];
+  /** The bearer token every mutating request (and every read, without publicRead) must present. */
+  readonly token: string;
+  /** Let GET requests (dashboard, API reads, metrics) through without a token. Defaults to `false`. */
+  readonly publicRead?: boolean;
+  /** Runs executed at once in this process. Defaults to `4`. */
+  readonly maxRuns?: number;
+  /** Chunks run at once within one run. Defaults to `1`. */
+  readonly concurrency?: number;
+  /** Largest request body in bytes. Defaults to `65536`. */
+  readonly bodyLimit?: number;
+  /** Root logger. Defaults to a silent one. */
+  readonly log?: Logger;
+  /** How often a live run looks for pause/cancel, in ms. Defaults to `1000`. */
+  readonly controlPollMs?: number;
+  /** How often event streams look for changes, in ms. Defaults to `500`. */
+  readonly sseIntervalMs?: number;
+  /** How often the server looks for unfinished runs created over HTTP that nobody executes, in ms. Defaults to `30000`. */
+  readonly rescanMs?: number;
+  /** Prune succeeded and cancelled runs older than this (ms), hourly; their keys become free again. Defaults to `null` (never). */
+  readonly retentionMs?: number | null;
+}
+
+export interface IdemServer {
+  readonly app: FastifyInstance;
+  readonly executor: RunExecutor;
+  /** Listens, then queues the unfinished runs created over HTTP. Returns the bound address. */
+  listen(opts: { readonly host?: string; readonly port?: number }): Promise<string>;
+  /** Stops accepting requests, lets live runs stop at a chunk boundary (interrupted, resumed on next start). Idempotent. */
+  close(deadlineMs?: number): Promise<void>;
+}
+
+const PUBLIC_PATHS = new Set(['/healthz', '/assets/dashboard.css', '/assets/dashboard.js', '/favicon.svg']);
+
+/** Builds the HTTP server: Fastify with the API, the dashboard and /metrics over one Runner. */
+export function createServer(opts: ServerOptions): IdemServer {
+  const log = opts.log ?? pino({ level: 'silent' });
+  const jobs = new Map(opts.jobs.map((j) => [j.name, j]));
+  const runner = opts.runner;
+  const views = new RunViews(runner.db, runner.schema, runner);
+  const metrics = new ServerMetrics(async () => {
+    const runs = sql.id(runner.schema, 'runs');
+    // Rows that say running are judged one by one (live or crashed); the rest are counted.
+    const { rows: counted } = await sql<{ job: string; status: string; n: number }>`
+      select job, status, count(*)::int as n from ${runs} where status <> 'running' group by 1, 2`.execute(runner.db);
+    const { rows: running } = await sql<{ id: string; job: string; status: RunStatus; lock_name: string | null; lock_pid: number | null }>`
+      select id::text as id, job, status, lock_name, lock_pid from ${runs} where status = 'running'`.execute(runner.db);
+    const locks = running.length > 0 ? await runner.heldLocks() : { keys: new Set<string>(), byPid: new Set<string>() };
+    const out = new Map<string, { job: string; state: string; n: number }>();
+    const add = (job: string, state: string, n: number) => out.set(`${job}\0${state}`, { job, state, n: (out.get(`${job}\0${state}`)?.n ?? 0) + n });
+    for (const r of counted) add(r.job, r.status, r.n);
+    for (const r of running) add(r.job, runIsLive(r, locks, runner) ? 'running' : 'crashed', 1);
+    return [...out.values()];
+  });
+  const executor = new RunExecutor({
+    runner,
+    jobs,
+    log,
+    metrics,
+    maxRuns: opts.maxRuns ?? DEFAULT_MAX_RUNS,
+    concurrency: opts.concurrency ?? 1,
+    controlPollMs: opts.controlPollMs ?? 1_000,
+  });
+  const closing = new AbortController();
+  const ctx: ServerContext = {
+    runner,
+    jobs,
+    views,
+    executor,
+    metrics,
+    log,
+    sseIntervalMs: opts.sseIntervalMs ?? 500,
+    openStreams: new Set(),
+    closing: closing.signal,
+    publicRead: opts.publicRead ?? false,
+  };
+
+  const app = Fastify({
+    loggerInstance: log as FastifyBaseLogger,
+    // Request lines go to debug from onResponse below: a busy API would otherwise flood the log.
+    logController: new LogController({ disableRequestLogging: true }),
+    bodyLimit: opts.bodyLimit ?? DEFAULT_BODY_LIMIT,
+    // Behind a proxy the operator sets X-Forwarded-*; idem does not trust them itself.
+    trustProxy: false,
+    return503OnClosing: true,
+  });
+
+  // Params are JSON only: a text/plain body (Fastify parses it by default) is refused with 415.
+  app.removeContentTypeParser('text/plain');
+
+  app.addHook('onRequest', async (request, reply) => {
+    const path = request.url.split('?')[0]!;
+    if (PUBLIC_PATHS.has(path)) return;
+    if (ctx.publicRead && (request.method === 'GET' || request.method === 'HEAD')) return;
+    const token = bearerToken(request.headers.authorization);
+    if (token === null) {
+      reply.header('www-authenticate', 'Bearer realm="idem"');
+      throw new HttpProblem(401, 'idem.unauthorized', 'this endpoint needs the server\'s API token; send Authorization: Bearer <token> with the token from IDEM_API_TOKEN or --token-file');
+    }
+    if (!tokenMatches(token, opts.token)) {
+      throw new HttpProblem(403, 'idem.forbidden', 'the bearer token is not the server\'s API token; send the token from IDEM_API_TOKEN or the --token-file of the server');
+    }
+  });
+
+  app.addHook('onResponse', async (request, reply) => {
+    // The route pattern, never the URL: a key or id in a label would grow the series without bound.
+    const route = request.routeOptions.url ?? 'unmatched';
+    metrics.httpRequests.inc({ method: request.method, route, status: String(reply.statusCode) });
+    request.log.debug({ method: request.method, route, status: reply.statusCode, ms: Math.round(reply.elapsedTime) }, 'request');
+  });
+
+  app.setErrorHandler(async (err, request, reply) => {
+    const problem = toProblem(err);
+    if (problem.status >= 500) request.log.error({ err: { message: (err as Error).message, code: (err as { code?: string }).code } }, 'request failed');
+    return reply.code(problem.status).type(PROBLEM_TYPE).send(problemBody(problem));
+  });
+
+  app.setNotFoundHandler(async (request, reply) => {
+    const problem = new HttpProblem(404, 'idem.notFound', `no route ${request.method} ${request.url.split('?')[0]!.slice(0, 100)}; see the API reference in the README`);
+    return reply.code(404).type(PROBLEM_TYPE).send(problemBody(problem));
+  });
+
+  app.get('/healthz', async () => ({ ok: true }));
+  app.get('/metrics', async (_request, reply) => {
+    const text = await metrics.registry.metrics();
+    return reply.type(metrics.registry.contentType).send(text);
+  });
+  registerApiRoutes(app, ctx);
+  registerDashboardRoutes(app, ctx);
+
+  app.addHook('onClose', async () => {
+    for (const close of [...ctx.openStreams]) close();
+  });
+
+  let pruneTimer: NodeJS.Timeout | undefined;
+  let rescanTimer: NodeJS.Timeout | undefined;
+  const prune = async () => {
+    if (!opts.retentionMs) return;
+    try {
+      const r = await runner.prune(opts.retentionMs);
+      if (r.runs > 0) log.info({ runs: r.runs, chunks: r.chunks }, 'pruned runs past the retention');
+    } catch (err) {
+      log.warn({ err: { message: (err as Error).message } }, 'prune failed; the next hour tries again');
+    }
+  };
+
+  let closed: Promise<void> | undefined;
+  return {
+    app,
+    executor,
+    async listen({ host = DEFAULT_HOST, port = DEFAULT_PORT }) {
+      const address = await app.listen({ host, port });
+      const resumed = await executor.resumeUnfinished();
+      if (resumed > 0) log.info({ runs: resumed }, 'resuming unfinished runs');
+      // Later too: a run another server left behind when it crashed, or one `idem resume` released,
+      // is picked up within a rescan interval.
+      rescanTimer = setInterval(() => {
+        executor.resumeUnfinished().then(
+          (n) => n > 0 && log.info({ runs: n }, 'resuming unfinished runs'),
+          (err: unknown) => log.warn({ err: { message: (err as Error).message } }, 'rescan for unfinished runs failed; the next one tries again'),
+        );
+      }, opts.rescanMs ?? DEFAULT_RESCAN_MS);
+      rescanTimer.unref();
+      if (opts.retentionMs) {
+        void prune();
+        pruneTimer = setInterval(prune, 3_600_000);
+        pruneTimer.unref();
+      }
+      return address;
+    },
+    close(deadlineMs = 30_000) {
+      return (closed ??= (async () => {
+        closing.abort();
+        clearInterval(pruneTimer);
+        clearInterval(rescanTimer);
+        for (const close of [...ctx.openStreams]) close();
+        await Promise.all([app.close(), executor.shutdown(deadlineMs)]);
+      })());
+    },
+  };
+}
+
+/** Checks the serve flags together and throws once with every problem. */
+export function checkServeFlags(o: { readonly port: number; readonly host: string }): void {
+  const problems: string[] = [];
+  if (!Number.isInteger(o.port) || o.port < 0 || o.port > 65535) problems.push(`--port must be 0 to 65535, got ${o.port}`);
+  if (!o.host) problems.push('--host must not be empty');
+  if (problems.length) throw new UsageError('invalidServeFlags', `${problems.join('; ')}; see idem serve --help`);
+}

@@ -1,0 +1,244 @@
+import type { Job } from '../job.ts';
+import type { RunView } from './run-view.ts';
+
+/** Escapes text for HTML content and attribute values. */
+export function esc(value: unknown): string {
+  return String(value ?? '').replace(/[&<>"']/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' })[c]!);
+}
+
+const ACTIVE = new Set(['pending', 'running', 'paused', 'failed', 'interrupted', 'crashed']);
+export const isActive = (r: RunView) => ACTIVE.has(r.state);
+
+/** UTC time, with the date when it is not today: absolute, so a live fragment only changes with the run. */
+function when(iso: string | null): string {
+  if (!iso) return '—';
+  const d = new Date(iso);
+  const today = new Date().toISOString().slice(0, 10) === iso.slice(0, 10);
+  const text = today ? iso.slice(11, 19) : `${iso.slice(0, 10)} ${iso.slice(11, 16)}`;
+  return `<time datetime="${esc(iso)}" title="${esc(d.toISOString())}">${esc(text)}</time>`;
+}
+
+function duration(seconds: number | null): string {
+  if (seconds === null) return '—';
+  if (seconds < 60) return `${seconds}s`;
+  if (seconds < 3600) return `${Math.floor(seconds / 60)}m ${seconds % 60}s`;
+  return `${Math.floor(seconds / 3600)}h ${Math.floor((seconds % 3600) / 60)}m`;
+}
+
+export function stateTag(state: string): string {
+  return `<span class="tag tag-${esc(state)}" data-state="${esc(state)}">${esc(state)}</span>`;
+}
+
+export function progressBar(percent: number | null, label: string): string {
+  if (percent === null) return `<div class="bar bar-unknown" role="progressbar" aria-label="${esc(label)}"><div class="fill"></div></div>`;
+  return `<div class="bar${percent === 100 ? ' bar-complete' : ''}" role="progressbar" aria-label="${esc(label)}" aria-valuemin="0" aria-valuemax="100" aria-valuenow="${percent}"><div class="fill" style="width:${percent}%"></div></div>`;
+}
+
+function chunkText(r: RunView): string {
+  const p = r.progress;
+  if (p.total === null) return 'not planned yet';
+  return `chunk ${p.done} of ${p.total}${p.fullyPlanned ? '' : '+'}`;
+}
+
+/** The buttons an operator may press for a run in this state. */
+export function actions(r: RunView): string {
+  const b: string[] = [];
+  if (['running', 'pending', 'failed', 'interrupted', 'crashed'].includes(r.state) && r.requested !== 'pause') b.push(`<button type="button" class="btn" data-action="pause" data-run="${esc(r.id)}">Pause</button>`);
+  if (r.state === 'paused' || r.requested === 'pause') b.push(`<button type="button" class="btn" data-action="resume" data-run="${esc(r.id)}">Resume</button>`);
+  if (!['succeeded', 'cancelled'].includes(r.state) && r.requested !== 'cancel') {
+    b.push(`<button type="button" class="btn btn-danger" data-action="cancel" data-run="${esc(r.id)}" data-confirm="Cancel run ${esc(r.key)} of ${esc(r.job)}? Finished chunks are kept; the run never continues.">Cancel</button>`);
+  }
+  return b.length ? `<div class="actions">${b.join('')}</div>` : '';
+}
+
+function facts(pairs: Array<[string, string]>): string {
+  return `<dl class="facts">${pairs.map(([k, v]) => `<div><dt>${esc(k)}</dt><dd>${v}</dd></div>`).join('')}</dl>`;
+}
+
+/** One run as a card on the dashboard. */
+export function runCard(r: RunView): string {
+  const pct = r.progress.percent;
+  const requested = r.requested && r.state === 'running' ? ` <span class="muted">(${esc(r.requested)} requested)</span>` : '';
+  return `<article class="card run" data-run-id="${esc(r.id)}" data-state="${esc(r.state)}">
+  <header class="card-head"><a class="title" href="/runs/${esc(r.id)}">${esc(r.job)}</a>${stateTag(r.state)}</header>
+  <div class="key" title="run key (Idempotency-Key)">${esc(r.key)}</div>
+  ${progressBar(pct, `progress of run ${r.id}`)}
+  <div class="progress-line"><span class="pct">${pct === null ? '…' : `${pct}%`}</span><span>${esc(chunkText(r))}</span>${requested}</div>
+  ${facts([
+    ['rate', r.throughput === null ? '—' : `${esc(r.throughput)}/s`],
+    ['ETA', duration(r.etaSeconds)],
+    ['attempt', esc(r.attempt)],
+    ['holder', r.holder ? `<span class="mono">${esc(r.holder)}</span>` : '—'],
+    ['started', when(r.startedAt ?? r.createdAt)],
+    ['finished', when(r.finishedAt)],
+  ])}
+  ${r.error ? `<p class="error-line" title="${esc(r.error.message)}">✖ ${esc(r.error.step)}${r.error.chunk ? ` · ${esc(r.error.chunk)}` : ''}: ${esc(r.error.message)}</p>` : ''}
+  ${actions(r)}
+</article>`;
+}
+
+/** The live part of the dashboard: active and completed runs. */
+export function homeLive(runs: readonly RunView[]): string {
+  const active = runs.filter(isActive);
+  const completed = runs.filter((r) => !isActive(r)).slice(0, 24);
+  const section = (id: string, title: string, items: readonly RunView[], empty: string) => `
+<section class="group" id="${id}" aria-labelledby="${id}-h">
+  <h2 id="${id}-h">${esc(title)} <span class="count">${items.length}</span></h2>
+  ${items.length ? `<div class="grid">${items.map(runCard).join('')}</div>` : `<p class="empty">${esc(empty)}</p>`}
+</section>`;
+  return `${section('active', 'Active', active, 'Nothing is running. Start a run from a job below.')}${section('completed', 'Completed', completed, 'No run has finished yet.')}`;
+}
+
+function paramsForm(job: Job, schema: any, key: string): string {
+  const props = schema && typeof schema === 'object' && schema.properties && typeof schema.properties === 'object' ? (schema.properties as Record<string, any>) : null;
+  let fields: string;
+  if (props && Object.keys(props).length > 0) {
+    const required = new Set<string>(Array.isArray(schema.required) ? schema.required : []);
+    fields = Object.entries(props)
+      .map(([name, p]) => {
+        const id = `p-${job.name}-${name}`;
+        const label = `<label for="${esc(id)}">${esc(name)}${required.has(name) ? ' <span class="req">*</span>' : ''}${p.description ? ` <span class="muted">${esc(p.description)}</span>` : ''}</label>`;
+        if (Array.isArray(p.enum)) return `<div class="field">${label}<select id="${esc(id)}" name="${esc(name)}" data-type="enum">${p.enum.map((v: unknown) => `<option value="${esc(JSON.stringify(v))}">${esc(v)}</option>`).join('')}</select></div>`;
+        if (p.type === 'boolean') return `<div class="field field-check"><input type="checkbox" id="${esc(id)}" name="${esc(name)}" data-type="boolean">${label}</div>`;
+        const type = p.type === 'integer' || p.type === 'number' ? 'number' : p.format === 'date' ? 'date' : 'text';
+        const dflt = p.default === undefined ? '' : ` value="${esc(p.default)}"`;
+        return `<div class="field">${label}<input id="${esc(id)}" name="${esc(name)}" type="${type}" data-type="${esc(p.type ?? 'string')}"${dflt}${required.has(name) ? ' required' : ''}></div>`;
+      })
+      .join('');
+  } else if (props) {
+    fields = '<p class="muted">This job takes no params.</p>';
+  } else {
+    fields = `<div class="field"><label for="p-${esc(job.name)}">params (JSON object)</label><textarea id="p-${esc(job.name)}" name="__json" rows="3" spellcheck="false">{}</textarea></div>`;
+  }
+  return `<form class="run-form" data-job="${esc(job.name)}" method="post" action="/api/jobs/${esc(job.name)}/runs">
+  ${fields}
+  <div class="field"><label for="k-${esc(job.name)}">Idempotency-Key <span class="muted">a fresh one per intended run; a retry reuses it</span></label><input id="k-${esc(job.name)}" name="__key" class="mono" value="${esc(key)}" pattern="[A-Za-z0-9._:~+=/\\-]{1,200}" required></div>
+  <div class="form-foot"><button type="submit" class="btn btn-primary">Run ${esc(job.name)}</button><output class="form-result" aria-live="polite"></output></div>
+</form>`;
+}
+
+/** The jobs this server runs, each with its Run form: "New" when it never ran. */
+export function jobsSection(jobs: readonly Job[], schemas: ReadonlyMap<string, unknown>, latest: ReadonlyMap<string, RunView>, newKey: () => string): string {
+  const cards = jobs.map((j) => {
+    const last = latest.get(j.name);
+    const tag = last ? `${stateTag(last.state)}` : '<span class="tag tag-new">new</span>';
+    const sched = j.schedule === undefined ? '' : `<span class="chip" title="schedule">⏱ ${esc(typeof j.schedule === 'string' ? j.schedule : j.schedule.cron)}</span>`;
+    return `<article class="card job" data-job="${esc(j.name)}">
+  <header class="card-head"><span class="title">${esc(j.name)}</span>${tag}</header>
+  ${j.description ? `<p class="desc">${esc(j.description)}</p>` : ''}
+  <div class="chips">${j.steps.map((s) => `<span class="chip">${esc(s.name)}${s.chunks ? ' ▦' : ''}</span>`).join('')}${sched}</div>
+  ${last ? `<p class="muted small">last run <a href="/runs/${esc(last.id)}">${esc(last.key)}</a> · ${when(last.updatedAt)}</p>` : ''}
+  <details class="run-details"><summary class="btn btn-primary">Run…</summary>${paramsForm(j, schemas.get(j.name), newKey())}</details>
+</article>`;
+  });
+  return `<section class="group" id="jobs" aria-labelledby="jobs-h"><h2 id="jobs-h">Jobs <span class="count">${jobs.length}</span></h2>
+  ${jobs.length ? `<div class="grid">${cards.join('')}</div>` : '<p class="empty">No job files found; start idem serve with --jobs-dir.</p>'}</section>`;
+}
+
+/** Chunks per minute as an inline SVG bar chart (no script, no library). */
+export function throughputChart(series: ReadonlyArray<readonly [string, number]>): string {
+  if (series.length === 0) return '<p class="empty">No chunk has committed yet.</p>';
+  const byMinute = new Map(series.map(([m, n]) => [Date.parse(m), n]));
+  const first = Date.parse(series[0]![0]);
+  const last = Date.parse(series.at(-1)![0]);
+  // At least a quarter of an hour on the axis, so one busy minute reads as a bar, not a wall.
+  const minutes = Math.min(60, Math.max(15, Math.round((last - first) / 60_000) + 1));
+  const start = last - (minutes - 1) * 60_000;
+  const values = Array.from({ length: minutes }, (_, i) => byMinute.get(start + i * 60_000) ?? 0);
+  const max = Math.max(...values, 1);
+  const W = 600;
+  const H = 140;
+  const pad = 28;
+  const bw = (W - pad) / Math.max(values.length, 8);
+  const bars = values
+    .map((v, i) => {
+      const h = Math.round((v / max) * (H - 30));
+      const t = new Date(start + i * 60_000).toISOString().slice(11, 16);
+      return `<rect x="${(pad + i * bw + 1).toFixed(1)}" y="${H - 16 - h}" width="${Math.max(1, bw - 2).toFixed(1)}" height="${h}" rx="2"><title>${t} UTC: ${v} chunks</title></rect>`;
+    })
+    .join('');
+  const t0 = new Date(start).toISOString().slice(11, 16);
+  const t1 = new Date(last).toISOString().slice(11, 16);
+  return `<svg class="chart" viewBox="0 0 ${W} ${H}" role="img" aria-label="chunks per minute, ${t0} to ${t1} UTC, peak ${max}">
+  <line x1="${pad}" y1="${H - 16}" x2="${W}" y2="${H - 16}" class="axis"/>
+  <text x="0" y="12" class="label">${max}</text><text x="0" y="${H - 18}" class="label">0</text>
+  <text x="${pad}" y="${H - 2}" class="label">${t0}</text><text x="${W}" y="${H - 2}" class="label" text-anchor="end">${t1} UTC</text>
+  <g class="bars">${bars}</g>
+</svg>`;
+}
+
+/** The live part of a run page. */
+export function runLive(r: RunView): string {
+  const steps = r.steps
+    .map((s) => {
+      const total = s.plannedAll ? s.planned : Math.max(s.planned, s.estimated ?? 0);
+      const pct = s.status === 'done' ? 100 : total > 0 ? Math.min(99, Math.floor((s.done / total) * 100)) : s.status === 'pending' ? 0 : null;
+      // A step of a run nobody executes is not "running": it is partly done.
+      const status = s.status === 'running' && r.state !== 'running' ? 'partial' : s.status;
+      return `<tr><td>${esc(s.name)}</td><td>${stateTag(status)}</td><td class="bar-cell">${progressBar(pct, `step ${s.name}`)}</td><td class="num">${s.done} / ${total}${s.plannedAll ? '' : '+'}</td></tr>`;
+    })
+    .join('');
+  const skipped = r.skipped?.length
+    ? `<table class="table"><thead><tr><th>step</th><th>chunk</th><th>tries</th><th>error</th></tr></thead><tbody>${r.skipped
+        .map((k) => `<tr><td>${esc(k.step)}</td><td class="mono">${esc(k.key)}</td><td class="num">${k.attempts}</td><td>${esc(k.error)}</td></tr>`)
+        .join('')}</tbody></table>`
+    : '<p class="empty">None.</p>';
+  const pct = r.progress.percent;
+  return `<div class="run-live" data-state="${esc(r.state)}"><div class="run-head" data-run-id="${esc(r.id)}" data-state="${esc(r.state)}">
+  <div class="run-title"><h1>${esc(r.job)} ${stateTag(r.state)}</h1><div class="key">${esc(r.key)}</div></div>
+  ${actions(r)}
+</div>
+<section class="panel">
+  ${progressBar(pct, `progress of run ${r.id}`)}
+  <div class="progress-line"><span class="pct">${pct === null ? '…' : `${pct}%`}</span><span>${esc(chunkText(r))}</span>${r.requested && r.state === 'running' ? `<span class="muted">(${esc(r.requested)} requested)</span>` : ''}</div>
+  ${facts([
+    ['rate', r.throughput === null ? '—' : `${esc(r.throughput)}/s`],
+    ['ETA', duration(r.etaSeconds)],
+    ['attempt', esc(r.attempt)],
+    ['holder', r.holder ? `<span class="mono">${esc(r.holder)}</span>` : '—'],
+    ['created', when(r.createdAt)],
+    ['started', when(r.startedAt)],
+    ['finished', when(r.finishedAt)],
+    ['effects', r.effects ? `${r.effects.done} done${r.effects.started ? `, ${r.effects.started} open` : ''}` : '—'],
+  ])}
+</section>
+${r.error ? `<section class="panel panel-error"><h2>Last error</h2><p><strong>${esc(r.error.step)}${r.error.chunk ? ` · chunk ${esc(r.error.chunk)}` : ''}</strong> after ${esc(r.error.tries)} ${r.error.tries === 1 ? 'try' : 'tries'}${r.error.code ? ` <span class="mono">(${esc(r.error.code)})</span>` : ''}</p><pre>${esc(r.error.message)}</pre><p class="muted small">${when(r.error.at)}</p></section>` : ''}
+<div class="two">
+  <section class="panel"><h2>Steps</h2><table class="table steps"><thead><tr><th>step</th><th>status</th><th class="bar-cell">progress</th><th class="num">chunks</th></tr></thead><tbody>${steps || '<tr><td colspan="4" class="empty">not started</td></tr>'}</tbody></table></section>
+  <section class="panel"><h2>Chunks per minute</h2>${throughputChart(r.chunksPerMinute ?? [])}</section>
+</div>
+<section class="panel"><h2>Skipped chunks</h2>${skipped}</section></div>`;
+}
+
+/** The page around a body: head, header with the token field, assets served by idem itself. */
+export function page(title: string, live: string, rest: string, opts: { readonly liveUrl: string; readonly publicRead: boolean }): string {
+  return `<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>${esc(title)} · idem</title>
+<link rel="icon" href="/favicon.svg" type="image/svg+xml">
+<link rel="stylesheet" href="/assets/dashboard.css">
+<noscript><meta http-equiv="refresh" content="10"></noscript>
+<script src="/assets/dashboard.js" defer></script>
+</head>
+<body>
+<header class="top">
+  <a class="brand" href="/"><svg viewBox="0 0 24 24" width="22" height="22" aria-hidden="true"><rect x="2" y="2" width="20" height="20" rx="6" fill="currentColor"/><path d="M7 12.5l3.2 3.2L17 8.8" stroke="var(--bg)" stroke-width="2.4" fill="none" stroke-linecap="round" stroke-linejoin="round"/></svg><span>idem</span></a>
+  <nav><a href="/">Runs</a><a href="/#jobs">Jobs</a><a href="/api/runs">API</a><a href="/metrics">Metrics</a></nav>
+  <details class="token"><summary title="Actions need the API token"><svg viewBox="0 0 24 24" width="14" height="14" aria-hidden="true"><circle cx="8" cy="12" r="4" fill="none" stroke="currentColor" stroke-width="2"/><path d="M12 12h9M18 12v3M21 12v2" stroke="currentColor" stroke-width="2" stroke-linecap="round"/></svg> <span class="token-state">API token</span></summary>
+    <form class="token-form"><label for="token">API token <span class="muted">kept in this tab only (sessionStorage)</span></label><input id="token" type="password" autocomplete="off" spellcheck="false"><button class="btn" type="submit">Save</button></form>
+  </details>
+</header>
+<main>
+<div class="live" data-live="${esc(opts.liveUrl)}">
+${live}
+</div>
+${rest}
+</main>
+<footer class="foot"><span>idem serve</span><span class="live-state" aria-live="polite">${opts.publicRead ? 'read-only without a token' : ''}</span></footer>
+<div class="toast" role="status" aria-live="polite" hidden></div>
+</body>
+</html>`;
+}

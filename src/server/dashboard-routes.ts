@@ -1,0 +1,64 @@
+import { randomUUID } from 'node:crypto';
+import type { FastifyInstance } from 'fastify';
+import { paramsSchema } from './api-routes.ts';
+import { DASHBOARD_CSS, DASHBOARD_JS, FAVICON_SVG } from './dashboard-assets.ts';
+import { esc, homeLive, jobsSection, page, runLive } from './dashboard-html.ts';
+import { HttpProblem } from './problem.ts';
+import type { RunView } from './run-view.ts';
+import type { ServerContext } from './server-context.ts';
+import { streamEvents } from './sse.ts';
+
+/** Runs the dashboard lists: every active one and the latest finished ones. */
+async function homeRuns(ctx: ServerContext): Promise<RunView[]> {
+  const [active, recent] = await Promise.all([ctx.views.list({ state: 'active', limit: 100 }), ctx.views.list({ limit: 60 })]);
+  const seen = new Set(active.map((r) => r.id));
+  return [...active, ...recent.filter((r) => !seen.has(r.id))];
+}
+
+/**
+ * The operator's page: server-rendered HTML (readable without JavaScript), a stylesheet and a small
+ * script served from here, and live regions fed by server-sent events carrying re-rendered HTML.
+ */
+export function registerDashboardRoutes(app: FastifyInstance, ctx: ServerContext): void {
+  const asset = (type: string, body: string) => async (_req: unknown, reply: any) => reply.type(type).header('cache-control', 'public, max-age=300').send(body);
+  app.get('/assets/dashboard.css', asset('text/css; charset=utf-8', DASHBOARD_CSS));
+  app.get('/assets/dashboard.js', asset('text/javascript; charset=utf-8', DASHBOARD_JS));
+  app.get('/favicon.svg', asset('image/svg+xml', FAVICON_SVG));
+
+  const schemas = new Map([...ctx.jobs.values()].map((j) => [j.name, paramsSchema(j)]));
+  // Strict CSP: only idem's own script and style; inline styles only for progress widths.
+  const csp = "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'; form-action 'self'";
+
+  app.get('/', async (_request, reply) => {
+    const runs = await homeRuns(ctx);
+    const latest = new Map<string, RunView>();
+    for (const r of runs) if (!latest.has(r.job) || Number(latest.get(r.job)!.id) < Number(r.id)) latest.set(r.job, r);
+    const jobs = [...ctx.jobs.values()].sort((a, b) => (a.name < b.name ? -1 : 1));
+    const html = page('Runs', homeLive(runs), jobsSection(jobs, schemas, latest, randomUUID), { liveUrl: '/live', publicRead: ctx.publicRead });
+    return reply.type('text/html; charset=utf-8').header('content-security-policy', csp).header('cache-control', 'no-store').send(html);
+  });
+
+  app.get('/live', async (request, reply) => {
+    streamEvents(request, reply, async () => ({ event: 'html', data: homeLive(await homeRuns(ctx)) }), { intervalMs: ctx.sseIntervalMs, open: ctx.openStreams });
+  });
+
+  app.get<{ Params: { id: string } }>('/runs/:id', async (request, reply) => {
+    const run = await ctx.views.get(request.params.id);
+    if (!run) throw new HttpProblem(404, 'idem.unknownRun', `no run with id "${request.params.id.slice(0, 40)}"; the dashboard at / lists the runs`);
+    const params = `<section class="panel"><h2>Params</h2><pre>${esc(JSON.stringify(run.params, null, 2))}</pre><p class="muted small mono">${esc(run.fingerprint)}</p></section>`;
+    const html = page(`${run.job} ${run.key}`, runLive(run), params, { liveUrl: `/runs/${run.id}/live`, publicRead: ctx.publicRead });
+    return reply.type('text/html; charset=utf-8').header('content-security-policy', csp).header('cache-control', 'no-store').send(html);
+  });
+
+  app.get<{ Params: { id: string } }>('/runs/:id/live', async (request, reply) => {
+    streamEvents(
+      request,
+      reply,
+      async () => {
+        const run = await ctx.views.get(request.params.id);
+        return run ? { event: 'html', data: runLive(run) } : { event: 'gone', data: request.params.id, end: true };
+      },
+      { intervalMs: ctx.sseIntervalMs, open: ctx.openStreams },
+    );
+  });
+}

@@ -1,0 +1,183 @@
+import { sql } from 'kysely';
+import type { Logger } from 'pino';
+import { runIsLive } from '../operations.ts';
+import { BusyError, CancelledError, InterruptedError, PausedError, RunFailedError, messageOf } from '../errors.ts';
+import type { Job, Step } from '../job.ts';
+import type { Runner } from '../runner.ts';
+import type { RunStatus } from '../store.ts';
+import type { ServerMetrics } from './server-metrics.ts';
+
+export interface RunExecutorOptions {
+  readonly runner: Runner;
+  readonly jobs: ReadonlyMap<string, Job>;
+  readonly log: Logger;
+  readonly metrics: ServerMetrics;
+  /** Runs executed at once. */
+  readonly maxRuns: number;
+  /** Chunks run at once within one run. */
+  readonly concurrency: number;
+  /** How often a live run looks for an operator's pause/cancel, in ms. */
+  readonly controlPollMs: number;
+}
+
+interface Queued {
+  readonly runId: string;
+  readonly job: string;
+  readonly key: string;
+}
+
+/**
+ * Executes runs inside the server process: at most `maxRuns` at once, one run per job at a time
+ * (runs of one job serialize on its advisory lock anyway, so a second would only hold a slot while
+ * waiting). Each execution is a plain `Runner.run` with the run's key and stored params: the same
+ * protocol as `idem run`, so a CLI worker and the server can take turns on one run.
+ */
+export class RunExecutor {
+  readonly #o: RunExecutorOptions;
+  readonly #queue: Queued[] = [];
+  readonly #running = new Map<string, Promise<void>>();
+  readonly #busyJobs = new Set<string>();
+  readonly #stop = new AbortController();
+  readonly #abort = new AbortController();
+
+  constructor(opts: RunExecutorOptions) {
+    this.#o = opts;
+  }
+
+  /** Queues a run for execution unless it is queued or executing here already. */
+  enqueue(run: Queued): void {
+    if (this.#stop.signal.aborted || this.#running.has(run.runId) || this.#queue.some((q) => q.runId === run.runId)) return;
+    this.#queue.push(run);
+    this.#pump();
+  }
+
+  /** Run ids executing in this process now. */
+  executing(): ReadonlySet<string> {
+    return new Set(this.#running.keys());
+  }
+
+  /**
+   * At start: every run created over HTTP that has not ended (never started, interrupted by a
+   * shutdown, or left `running` by a crashed server) is queued again, oldest first. Failed, paused
+   * and cancelled runs wait for an operator.
+   */
+  async resumeUnfinished(): Promise<number> {
+    const { runner } = this.#o;
+    const s = runner.schema;
+    const { rows } = await sql<{ id: string; job: string; run_key: string; status: RunStatus; lock_name: string | null; lock_pid: number | null }>`
+      select r.id::text as id, r.job, r.run_key, r.status, r.lock_name, r.lock_pid from ${sql.id(s, 'runs')} r join ${sql.id(s, 'api_requests')} a on a.run_id = r.id
+      where r.status in ('pending', 'running', 'interrupted') order by r.id`.execute(runner.db);
+    // A run another live process executes (a second server, idem run) is theirs: waiting for its
+    // lock here would only hold a slot.
+    const held = rows.some((r) => r.status === 'running') ? await runner.heldLocks() : { keys: new Set<string>(), byPid: new Set<string>() };
+    let n = 0;
+    for (const r of rows) {
+      if (runIsLive(r, held, runner)) continue;
+      if (this.#running.has(r.id) || this.#queue.some((q) => q.runId === r.id)) continue;
+      if (!this.#o.jobs.has(r.job)) {
+        this.#o.log.warn({ job: r.job, runId: r.id }, 'unfinished run of a job this server does not know; start the server with its --jobs-dir to resume it');
+        continue;
+      }
+      this.enqueue({ runId: r.id, job: r.job, key: r.run_key });
+      n++;
+    }
+    return n;
+  }
+
+  #pump(): void {
+    this.#o.metrics.runsQueued.set(this.#queue.length);
+    while (this.#running.size < this.#o.maxRuns && !this.#stop.signal.aborted) {
+      const i = this.#queue.findIndex((q) => !this.#busyJobs.has(q.job));
+      if (i < 0) break;
+      const next = this.#queue.splice(i, 1)[0]!;
+      this.#busyJobs.add(next.job);
+      const p = this.#execute(next).finally(() => {
+        this.#running.delete(next.runId);
+        this.#busyJobs.delete(next.job);
+        this.#o.metrics.runsExecuting.set(this.#running.size);
+        this.#pump();
+      });
+      this.#running.set(next.runId, p);
+      this.#o.metrics.runsExecuting.set(this.#running.size);
+    }
+    this.#o.metrics.runsQueued.set(this.#queue.length);
+  }
+
+  async #execute(q: Queued): Promise<void> {
+    const { runner, metrics } = this.#o;
+    const log = this.#o.log.child({ job: q.job, runId: q.runId });
+    const job = instrument(this.#o.jobs.get(q.job)!, metrics);
+    let outcome = 'succeeded';
+    try {
+      const run = await runner.store.getRun(q.runId);
+      const committed = new Map<string, number>();
+      const base = {
+        params: run.params,
+        key: run.run_key,
+        concurrency: this.#o.concurrency,
+        controlPollMs: this.#o.controlPollMs,
+        signal: this.#stop.signal,
+        abortSignal: this.#abort.signal,
+        onProgress: (p: { step: string; executedNow: number }) => {
+          const before = committed.get(p.step) ?? 0;
+          if (p.executedNow > before) metrics.chunksCommitted.inc({ job: q.job, step: p.step }, p.executedNow - before);
+          committed.set(p.step, p.executedNow);
+        },
+      };
+      // join: `idem run --join` workers share the run with the server, and the server shares
+      // theirs: whoever comes second works under the live attempt instead of failing busy.
+      try {
+        await runner.run(job, { ...base, join: true, wait: false });
+      } catch (err) {
+        if (!(err instanceof BusyError)) throw err;
+        // Another run of the job is live elsewhere (its lock is exclusive per run key): wait for
+        // it, then this run starts or continues (or is found done).
+        metrics.lockWaits.inc({ job: q.job });
+        log.info('job locked by another process; waiting for it');
+        await runner.run(job, { ...base, join: true, wait: true });
+      }
+      log.info('run executed');
+    } catch (err) {
+      outcome =
+        err instanceof PausedError ? 'paused' : err instanceof CancelledError ? 'cancelled' : err instanceof InterruptedError ? 'interrupted' : err instanceof RunFailedError ? 'failed' : 'error';
+      const level = outcome === 'failed' || outcome === 'error' ? 'error' : 'info';
+      log[level]({ outcome, err: { message: messageOf(err) } }, `run ${outcome}`);
+    } finally {
+      metrics.runsEnded.inc({ job: q.job, outcome });
+    }
+  }
+
+  /**
+   * Graceful stop: nothing new starts, live runs stop after their in-flight chunks and are
+   * recorded `interrupted` (resumed at the next start). After `deadlineMs` the job code is aborted.
+   */
+  async shutdown(deadlineMs: number): Promise<void> {
+    this.#queue.length = 0;
+    this.#stop.abort(new InterruptedError('SIGTERM'));
+    const timer = setTimeout(() => this.#abort.abort(new InterruptedError('SIGTERM')), deadlineMs);
+    timer.unref();
+    await Promise.allSettled([...this.#running.values()]);
+    clearTimeout(timer);
+  }
+}
+
+/** The job with every step's work timed and its thrown tries counted (metrics only; behaviour unchanged). */
+function instrument(job: Job, metrics: ServerMetrics): Job {
+  const steps = job.steps.map((step): Step => {
+    const labels = { job: job.name, step: step.name };
+    const orig = step.run as (...args: unknown[]) => unknown;
+    const run = async (...args: unknown[]) => {
+      const end = metrics.chunkDuration.startTimer(labels);
+      try {
+        return await orig.apply(step, args);
+      } catch (err) {
+        metrics.chunkErrors.inc(labels);
+        throw err;
+      } finally {
+        end();
+      }
+    };
+    return { ...step, run } as Step;
+  });
+  return Object.freeze({ ...job, steps: Object.freeze(steps) });
+}

@@ -1,0 +1,202 @@
+import { sql, type Kysely } from 'kysely';
+import type { Json } from '../job.ts';
+import { runIsLive, type HeldLocks, type OperationsHost } from '../operations.ts';
+
+/** How liveness is decided: the runner's lock names and the locks held right now. */
+export type LockHost = Pick<OperationsHost, 'jobLockName' | 'runLockName' | 'heldLocks'>;
+import type { RunErrorInfo, RunSummary } from '../store.ts';
+
+/** A step of a run as the API shows it. */
+export interface StepView {
+  readonly name: string;
+  readonly status: 'pending' | 'running' | 'done';
+  readonly done: number;
+  readonly planned: number;
+  readonly plannedAll: boolean;
+  readonly estimated: number | null;
+}
+
+/** A run as `GET /api/runs/:id` returns it (and every other endpoint that returns a run). */
+export interface RunView {
+  readonly id: string;
+  readonly job: string;
+  /** The run key: the Idempotency-Key it was created with over HTTP. */
+  readonly key: string;
+  /** `running` only while a process holds the job's lock; a dead run's row says `crashed`. */
+  readonly state: string;
+  readonly attempt: number;
+  readonly holder: string | null;
+  readonly params: Json;
+  readonly fingerprint: string;
+  readonly requested: 'pause' | 'cancel' | null;
+  readonly createdAt: string;
+  readonly startedAt: string | null;
+  readonly updatedAt: string;
+  readonly finishedAt: string | null;
+  readonly progress: { readonly done: number; readonly total: number | null; readonly fullyPlanned: boolean; readonly percent: number | null };
+  /** Chunks per second of the live attempt. */
+  readonly throughput: number | null;
+  readonly etaSeconds: number | null;
+  readonly steps: readonly StepView[];
+  readonly error: RunErrorInfo | null;
+  readonly summary: RunSummary | null;
+  /** True when the run was created through the HTTP API (so the server executes and resumes it). */
+  readonly viaApi: boolean;
+  readonly skipped?: ReadonlyArray<{ readonly step: string; readonly key: string; readonly error: string | null; readonly attempts: number }>;
+  readonly effects?: { readonly started: number; readonly done: number };
+  /** Chunks committed per minute (UTC minute start, count), oldest first, the last 60 minutes with work. */
+  readonly chunksPerMinute?: ReadonlyArray<readonly [string, number]>;
+}
+
+/** States a run can be filtered by. `active` is every state a run can still leave. */
+export const RUN_STATES = ['pending', 'running', 'crashed', 'succeeded', 'failed', 'interrupted', 'paused', 'cancelled', 'active'] as const;
+export type RunStateFilter = (typeof RUN_STATES)[number];
+
+/** Ended: the run will not change again without an operator (long-poll and SSE stop here). */
+export const ENDED_STATES: ReadonlySet<string> = new Set(['succeeded', 'failed', 'cancelled', 'paused']);
+
+export interface RunQuery {
+  readonly id?: string;
+  readonly job?: string;
+  /** The run key (with `job`: at most one run). */
+  readonly key?: string;
+  /** Add the run page's detail (skipped chunks, effects ledger counts, chunks per minute). */
+  readonly detail?: boolean;
+  readonly state?: RunStateFilter;
+  readonly limit?: number;
+  /** Newest first: only runs with an id below this one. */
+  readonly before?: string;
+}
+
+/**
+ * Read-only queries over idem's tables for the server. The same computations as `idem status`
+ * (state from the held advisory locks, rate of the live attempt, estimate where larger than planned).
+ */
+export class RunViews {
+  readonly #db: Kysely<any>;
+  readonly #schema: string;
+  readonly #locks: LockHost;
+
+  constructor(db: Kysely<any>, schema: string, locks: LockHost) {
+    this.#db = db;
+    this.#schema = schema;
+    this.#locks = locks;
+  }
+
+  #t(name: string) {
+    return sql.id(this.#schema, name);
+  }
+
+  async list(q: RunQuery): Promise<RunView[]> {
+    const s = (n: string) => this.#t(n);
+    const statusFilter =
+      q.state === undefined
+        ? sql`true`
+        : q.state === 'active'
+          ? sql`r.status not in ('succeeded', 'cancelled')`
+          : q.state === 'crashed'
+            ? sql`r.status = 'running'`
+            : sql`r.status = ${q.state}`;
+    const { rows } = await sql<any>`
+      select r.*,
+        (select count(*) from ${s('chunks')} c where c.run_id = r.id and c.done_at is not null)::int as chunks_done,
+        (select count(*) from ${s('chunks')} c where c.run_id = r.id and c.done_attempt = r.attempt)::int as done_this_attempt,
+        extract(epoch from now() - r.attempt_started_at)::float8 as attempt_seconds,
+        coalesce((select json_agg(json_build_object(
+            'name', st.name, 'status', st.status, 'planned', st.planned, 'plannedAll', st.planned_all, 'estimated', st.estimated_chunks,
+            'done', (select count(*) from ${s('chunks')} c where c.run_id = st.run_id and c.step = st.name and c.done_at is not null)
+          ) order by st.position) from ${s('steps')} st where st.run_id = r.id), '[]'::json) as step_views,
+        exists (select 1 from ${s('api_requests')} a where a.run_id = r.id) as via_api
+        ${q.detail ? sql`, ${this.#detailColumns()}` : sql``}
+      from ${s('runs')} r
+      where ${q.id === undefined ? sql`true` : sql`r.id = ${q.id}`}
+        and ${q.job === undefined ? sql`true` : sql`r.job = ${q.job}`}
+        and ${q.key === undefined ? sql`true` : sql`r.run_key = ${q.key}`}
+        and ${statusFilter}
+        and ${q.before === undefined ? sql`true` : sql`r.id < ${q.before}`}
+      order by r.id desc limit ${q.limit ?? 50}`.execute(this.#db);
+    // pg_locks is only consulted when a row says running: a replay of a finished run is one query.
+    const held: HeldLocks = rows.some((r) => r.status === 'running') ? await this.#locks.heldLocks() : { keys: new Set(), byPid: new Set() };
+    const views = rows.map((r) => {
+      const view = toView(r, runIsLive(r, held, this.#locks));
+      if (!q.detail) return view;
+      const minutes = (r.chunks_per_minute ?? []) as Array<[string, number]>;
+      return {
+        ...view,
+        skipped: r.skipped_chunks ?? [],
+        effects: { started: r.effects_started, done: r.effects_done },
+        chunksPerMinute: minutes.map(([m, n]) => [new Date(m).toISOString(), n] as const).reverse(),
+      };
+    });
+    // running vs crashed is known only after the lock check.
+    if (q.state === 'running' || q.state === 'crashed') return views.filter((v) => v.state === q.state);
+    return views;
+  }
+
+  /** One run with the detail of its page (one statement): skipped chunks, effects ledger counts, chunks per minute. */
+  async get(id: string): Promise<RunView | undefined> {
+    if (!/^\d{1,18}$/.test(id)) return undefined;
+    return (await this.list({ id, limit: 1, detail: true }))[0];
+  }
+
+  /** The run of (job, key) with its detail, or undefined. */
+  async byKey(job: string, key: string): Promise<RunView | undefined> {
+    return (await this.list({ job, key, limit: 1, detail: true }))[0];
+  }
+
+  #detailColumns() {
+    const s = (n: string) => this.#t(n);
+    return sql`
+      coalesce((select json_agg(json_build_object('step', k.step, 'key', k.key, 'error', k.error, 'attempts', k.attempts))
+        from (select step, key, error, attempts from ${s('chunks')} where run_id = r.id and skipped_at is not null order by step, seq limit 20) k), '[]'::json) as skipped_chunks,
+      (select count(*) from ${s('effects')} e where e.run_id = r.id and e.status = 'started')::int as effects_started,
+      (select count(*) from ${s('effects')} e where e.run_id = r.id and e.status = 'done')::int as effects_done,
+      (select json_agg(json_build_array(m.m, m.n)) from (
+        select date_trunc('minute', done_at) as m, count(*)::int as n from ${s('chunks')}
+        where run_id = r.id and done_at is not null group by 1 order by 1 desc limit 60) m) as chunks_per_minute`;
+  }
+}
+
+function iso(d: Date | null): string | null {
+  return d === null ? null : d.toISOString();
+}
+
+function toView(r: any, locked: boolean): RunView {
+  const state = r.status === 'running' ? (locked ? 'running' : 'crashed') : r.status;
+  const steps: StepView[] = (r.step_views as any[]).map((st) => ({
+    name: st.name,
+    status: st.status,
+    done: Number(st.done),
+    planned: st.planned,
+    plannedAll: st.plannedAll,
+    estimated: st.estimated,
+  }));
+  const fullyPlanned = steps.length > 0 && steps.every((st) => st.plannedAll);
+  const planned = steps.reduce((a, st) => a + (st.plannedAll ? st.planned : Math.max(st.planned, st.estimated ?? 0)), 0);
+  const total = steps.length === 0 ? null : planned;
+  const done: number = r.chunks_done;
+  const percent = state === 'succeeded' ? 100 : total ? Math.min(99, Math.floor((done / total) * 100)) : total === 0 ? 0 : null;
+  const rate = state === 'running' && r.attempt_seconds > 0 && r.done_this_attempt > 0 ? r.done_this_attempt / r.attempt_seconds : null;
+  return {
+    id: String(r.id),
+    job: r.job,
+    key: r.run_key,
+    state,
+    attempt: r.attempt,
+    holder: state === 'running' ? r.holder : null,
+    params: r.params,
+    fingerprint: r.fingerprint,
+    requested: r.requested ?? null,
+    createdAt: r.created_at.toISOString(),
+    startedAt: iso(r.started_at),
+    updatedAt: r.updated_at.toISOString(),
+    finishedAt: iso(r.finished_at),
+    progress: { done, total, fullyPlanned, percent },
+    throughput: rate === null ? null : Math.round(rate * 100) / 100,
+    etaSeconds: rate && total !== null ? Math.max(0, Math.round((total - done) / rate)) : null,
+    steps,
+    error: r.error ?? null,
+    summary: r.summary ?? null,
+    viaApi: r.via_api,
+  };
+}

@@ -1,0 +1,65 @@
+import type { Logger } from 'pino';
+import { ExitCode, InterruptedError } from '../errors.ts';
+import { loadJobDir } from '../loader.ts';
+import { parseDuration } from '../operations.ts';
+import type { Runner } from '../runner.ts';
+import { loadApiToken } from './api-token.ts';
+import { checkServeFlags, createServer } from './create-server.ts';
+
+/** The flags of `idem serve` (defaults in cli.ts's option list). */
+export interface ServeFlags {
+  readonly host: string;
+  readonly port: number;
+  readonly tokenFile?: string;
+  readonly publicRead?: boolean;
+  readonly maxRuns: number;
+  readonly concurrency: number;
+  readonly bodyLimit: number;
+  readonly retention?: string;
+}
+
+export interface ServeDeps {
+  readonly jobsDir: string;
+  readonly log: Logger;
+  readonly shutdownTimeoutSeconds: number;
+  /** Opens the runner with a pool of this size (DATABASE_URL or the embedded server). */
+  openRunner(poolSize: number): Promise<Runner>;
+  /** Aborts on the first SIGINT/SIGTERM. */
+  readonly stop: AbortSignal;
+}
+
+/**
+ * `idem serve`: checks every flag and the token before opening anything, serves until the first
+ * signal, then stops accepting requests and lets live runs stop at a chunk boundary (they are
+ * `interrupted` and resume at the next start).
+ */
+export async function serveCommand(o: ServeFlags, deps: ServeDeps): Promise<number> {
+  checkServeFlags(o);
+  const retentionMs = o.retention === undefined ? null : parseDuration(o.retention, '--retention');
+  const token = await loadApiToken({ ...(o.tokenFile !== undefined ? { file: o.tokenFile } : {}), ...(process.env.IDEM_API_TOKEN ? { env: process.env.IDEM_API_TOKEN } : {}) });
+  const jobs = (await loadJobDir(deps.jobsDir, 'jobs')).map((l) => l.job);
+  // Each executing run takes up to `concurrency` pool connections; the API's reads need a few more.
+  const runner = await deps.openRunner(o.maxRuns * o.concurrency + 4);
+  // IDEM_SERVE_RESCAN_MS: for tests, which cannot wait the default 30 s for a takeover.
+  const rescan = Number(process.env.IDEM_SERVE_RESCAN_MS);
+  const server = createServer({
+    runner,
+    jobs,
+    token,
+    publicRead: o.publicRead ?? false,
+    maxRuns: o.maxRuns,
+    concurrency: o.concurrency,
+    bodyLimit: o.bodyLimit,
+    log: deps.log,
+    retentionMs,
+    ...(Number.isInteger(rescan) && rescan > 0 ? { rescanMs: rescan } : {}),
+  });
+  const address = await server.listen({ host: o.host, port: o.port });
+  deps.log.info({ address, jobs: jobs.map((j) => j.name), publicRead: o.publicRead ?? false, maxRuns: o.maxRuns }, 'idem serve listening');
+  process.stdout.write(`idem serve: listening on ${address} (${jobs.length} job${jobs.length === 1 ? '' : 's'}; dashboard at ${address}/)\n`);
+  await new Promise<void>((resolve) => (deps.stop.aborted ? resolve() : deps.stop.addEventListener('abort', () => resolve(), { once: true })));
+  deps.log.info('idem serve stopping: no new requests; live runs stop at their next chunk boundary');
+  await server.close(deps.shutdownTimeoutSeconds * 1000);
+  const reason = deps.stop.reason;
+  return reason instanceof InterruptedError ? reason.exitCode : ExitCode.Ok;
+}

@@ -1,0 +1,52 @@
+import { Counter, Gauge, Histogram, Registry, collectDefaultMetrics } from 'prom-client';
+
+/**
+ * The server's Prometheus metrics (prom-client). Labels are job, step, state, route and status:
+ * never a run key or an Idempotency-Key, which are unbounded and chosen by clients.
+ */
+export class ServerMetrics {
+  readonly registry = new Registry();
+  readonly chunksCommitted: Counter<'job' | 'step'>;
+  readonly chunkDuration: Histogram<'job' | 'step'>;
+  readonly chunkErrors: Counter<'job' | 'step'>;
+  readonly runsEnded: Counter<'job' | 'outcome'>;
+  readonly lockWaits: Counter<'job'>;
+  readonly httpRequests: Counter<'method' | 'route' | 'status'>;
+  readonly runsExecuting: Gauge;
+  readonly runsQueued: Gauge;
+
+  /** `runCounts` is read at scrape time: runs per job and state, from the database. */
+  constructor(runCounts: () => Promise<ReadonlyArray<{ job: string; state: string; n: number }>>) {
+    const registers = [this.registry];
+    collectDefaultMetrics({ register: this.registry, prefix: 'idem_' });
+    this.chunksCommitted = new Counter({ name: 'idem_chunks_committed_total', help: 'Chunks committed by runs this server executes.', labelNames: ['job', 'step'], registers });
+    this.chunkDuration = new Histogram({
+      name: 'idem_chunk_duration_seconds',
+      help: "Time a chunk's work took (one try), in runs this server executes.",
+      labelNames: ['job', 'step'],
+      buckets: [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60],
+      registers,
+    });
+    this.chunkErrors = new Counter({
+      name: 'idem_chunk_errors_total',
+      help: "Chunk tries that threw: each is retried (transient) or fails the chunk (the run's failure or a skip).",
+      labelNames: ['job', 'step'],
+      registers,
+    });
+    this.runsEnded = new Counter({ name: 'idem_runs_ended_total', help: 'Runs this server executed, by how the execution ended.', labelNames: ['job', 'outcome'], registers });
+    this.lockWaits = new Counter({ name: 'idem_lock_waits_total', help: "Executions that had to wait for the job's advisory lock (another process ran the job).", labelNames: ['job'], registers });
+    this.httpRequests = new Counter({ name: 'idem_http_requests_total', help: 'API requests by route pattern and status code.', labelNames: ['method', 'route', 'status'], registers });
+    this.runsExecuting = new Gauge({ name: 'idem_runs_executing', help: 'Runs executing in this server now (at most --max-runs).', registers });
+    this.runsQueued = new Gauge({ name: 'idem_runs_queued', help: 'Runs waiting for a free execution slot in this server.', registers });
+    new Gauge({
+      name: 'idem_runs',
+      help: 'Runs in the database by job and state (running only where the lock is held; crashed otherwise).',
+      labelNames: ['job', 'state'],
+      registers,
+      async collect() {
+        this.reset();
+        for (const r of await runCounts()) this.set({ job: r.job, state: r.state }, r.n);
+      },
+    });
+  }
+}

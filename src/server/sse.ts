@@ -1,0 +1,75 @@
+import type { FastifyReply, FastifyRequest } from 'fastify';
+
+/** One server-sent event; `data` may span lines (each becomes its own `data:` line). */
+export interface SseEvent {
+  readonly event: string;
+  readonly data: string;
+}
+
+export interface SseOptions {
+  /** How often `next` is asked for the current state, in ms. */
+  readonly intervalMs: number;
+  /** Streams still open when the server closes are ended by it. */
+  readonly open: Set<() => void>;
+}
+
+const HEARTBEAT_MS = 15_000;
+
+function frame(e: SseEvent): string {
+  return `event: ${e.event}\n${e.data.split('\n').map((l) => `data: ${l}`).join('\n')}\n\n`;
+}
+
+/**
+ * Streams `text/event-stream`: asks `next()` for the current state every `intervalMs` and sends it
+ * only when it changed; `next()` returning `end: true` sends that last event and closes. Polling
+ * the database (not an in-process bus) shows work done by any process: CLI workers included.
+ */
+export function streamEvents(request: FastifyRequest, reply: FastifyReply, next: () => Promise<SseEvent & { readonly end?: boolean }>, opts: SseOptions): void {
+  reply.hijack();
+  const res = reply.raw;
+  res.writeHead(200, {
+    'content-type': 'text/event-stream; charset=utf-8',
+    'cache-control': 'no-store',
+    connection: 'keep-alive',
+    // Reverse proxies (nginx) would otherwise buffer the stream.
+    'x-accel-buffering': 'no',
+  });
+  res.write('retry: 2000\n\n');
+  let closed = false;
+  let last = '';
+  let timer: NodeJS.Timeout | undefined;
+  let lastWrite = Date.now();
+  const socket = request.raw.socket;
+  const close = () => {
+    if (closed) return;
+    closed = true;
+    clearTimeout(timer);
+    opts.open.delete(close);
+    socket.off('close', close);
+    res.end();
+  };
+  opts.open.add(close);
+  socket.on('close', close);
+  const tick = async () => {
+    if (closed) return;
+    try {
+      const e = await next();
+      if (closed) return;
+      const text = frame(e);
+      if (text !== last) {
+        res.write(text);
+        last = text;
+        lastWrite = Date.now();
+      } else if (Date.now() - lastWrite > HEARTBEAT_MS) {
+        res.write(': keep-alive\n\n');
+        lastWrite = Date.now();
+      }
+      if (e.end) return close();
+    } catch (err) {
+      request.log.warn({ err: { message: (err as Error).message } }, 'event stream failed; closing it (the client reconnects)');
+      return close();
+    }
+    timer = setTimeout(tick, opts.intervalMs);
+  };
+  void tick();
+}

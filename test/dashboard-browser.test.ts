@@ -1,0 +1,138 @@
+import { existsSync } from 'node:fs';
+import { mkdir, mkdtemp, rm } from 'node:fs/promises';
+import { tmpdir } from 'node:os';
+import path from 'node:path';
+import { chromium, type BrowserContext, type Page } from 'playwright-core';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { Runner } from '../src/index.ts';
+import { createFixtureTables } from './fixtures/tables.ts';
+import { killLeftovers, query, REPO } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
+
+/** Debian's chromium (.ci/run installs it), driven by playwright-core: no browser download. */
+const CHROMIUM = '/usr/bin/chromium';
+const FLAGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync'];
+/** Git-ignored: look at them after a run. */
+export const SCREENSHOTS = path.join(REPO, 'screenshots');
+
+let database: TestDatabase;
+let url: string;
+let server: ServeProcess;
+let profile: string;
+let context: BrowserContext;
+let page: Page;
+
+beforeAll(async () => {
+  if (!existsSync(CHROMIUM)) throw new Error(`${CHROMIUM} is missing; install it with apt-get install -y chromium (.ci/run does)`);
+  database = await createTestDatabase();
+  url = database.url;
+  await createFixtureTables(url);
+  await (await Runner.connect({ connectionString: url })).close();
+  server = await startServe(url, ['--public-read', '--max-runs', '4']);
+  await mkdir(SCREENSHOTS, { recursive: true });
+  profile = await mkdtemp(path.join(tmpdir(), 'idem-chromium-'));
+  context = await chromium.launchPersistentContext(profile, { executablePath: CHROMIUM, headless: true, args: FLAGS, viewport: { width: 1280, height: 900 } });
+  page = context.pages()[0] ?? (await context.newPage());
+});
+
+afterAll(async () => {
+  await context?.close().catch(() => {});
+  if (profile) await rm(profile, { recursive: true, force: true });
+  await killLeftovers();
+  await database?.drop();
+});
+
+const runCard = (key: string) => page.locator('#active, #completed').locator('article.run', { has: page.locator('.key', { hasText: key }) });
+
+describe('the dashboard in a real browser', () => {
+  it('starts a run from the form (a double click starts one), shows live progress to 100 %, pauses and resumes from the buttons', async () => {
+    // Some history so the page shows each kind of run.
+    const nightly = await api(server.base, 'POST', '/api/jobs/counted/runs', { key: 'nightly-2026-11-29', body: { chunks: 12 } });
+    expect((await api(server.base, 'GET', `/api/runs/${nightly.body.id}?wait=30`)).body.state).toBe('succeeded');
+    // One failed run: its chunk c0007 throws, then the cause is "fixed" for the runs after it.
+    await query(url, `insert into fail_chunks (chunk_key) values ('c0007')`);
+    const failing = await api(server.base, 'POST', '/api/jobs/counted/runs', { key: 'backfill-orders', body: { chunks: 20, label: 'orders' } });
+    expect((await api(server.base, 'GET', `/api/runs/${failing.body.id}?wait=30`)).body.state).toBe('failed');
+    await query(url, `delete from fail_chunks`);
+
+    await page.goto(`${server.base}/`);
+    await page.evaluate(() => ((window as any).__sameDocument = true));
+    // The token goes in once per tab; actions send it as a bearer header.
+    await page.locator('.token summary').click();
+    await page.locator('#token').fill(TOKEN);
+    await page.locator('.token-form button').click();
+    await expect.poll(() => page.locator('.token-state').textContent()).toBe('token set');
+
+    const job = page.locator('article.job[data-job="counted"]');
+    await job.locator('summary').click();
+    await job.locator('textarea').fill('{"chunks": 40, "pauseMs": 150, "label": "from the browser"}');
+    const key = await job.locator('input[name=__key]').inputValue();
+    expect(key).toMatch(/^[0-9a-f-]{36}$/);
+    await job.locator('button[type=submit]').dblclick();
+    await expect.poll(() => job.locator('.form-result a').textContent()).toMatch(/run /);
+    expect(await job.locator('input[name=__key]').inputValue()).not.toBe(key);
+    const rows = await query(url, 'select id::text from idem.runs where run_key = $1', [key]);
+    expect(rows).toHaveLength(1);
+    const card = runCard(key);
+    await expect.poll(() => card.getAttribute('data-state'), { timeout: 20_000 }).toBe('running');
+    await expect.poll(async () => Number(await card.locator('[role=progressbar]').getAttribute('aria-valuenow')), { timeout: 20_000 }).toBeGreaterThan(0);
+
+    await card.locator('button[data-action=pause]').click();
+    await expect.poll(() => card.getAttribute('data-state'), { timeout: 20_000 }).toBe('paused');
+    expect(await card.locator('.tag').textContent()).toBe('paused');
+    await page.screenshot({ path: path.join(SCREENSHOTS, 'dashboard-paused.png'), fullPage: true });
+    await card.locator('button[data-action=resume]').click();
+    await expect.poll(() => card.getAttribute('data-state'), { timeout: 20_000 }).toBe('running');
+    await expect.poll(() => card.getAttribute('data-state'), { timeout: 60_000 }).toBe('succeeded');
+    expect(await card.locator('[role=progressbar]').getAttribute('aria-valuenow')).toBe('100');
+    expect(await card.locator('.tag').textContent()).toBe('succeeded');
+    // Every change arrived over server-sent events: the page was never reloaded.
+    expect(await page.evaluate(() => (window as any).__sameDocument)).toBe(true);
+
+    // A run left paused and one running, for the picture.
+    await api(server.base, 'POST', '/api/jobs/counted/runs', { key: 'reindex-search', body: { chunks: 400, pauseMs: 100, label: 'search' } });
+    await expect.poll(() => runCard('reindex-search').getAttribute('data-state'), { timeout: 20_000 }).toBe('running');
+    await expect.poll(async () => Number(await runCard('reindex-search').locator('[role=progressbar]').getAttribute('aria-valuenow')), { timeout: 30_000 }).toBeGreaterThan(2);
+    await page.screenshot({ path: path.join(SCREENSHOTS, 'dashboard.png'), fullPage: true });
+    await page.setViewportSize({ width: 390, height: 844 });
+    await page.screenshot({ path: path.join(SCREENSHOTS, 'dashboard-phone.png'), fullPage: true });
+    await page.setViewportSize({ width: 1280, height: 900 });
+
+    await card.locator('a.title').click();
+    await page.waitForURL(/\/runs\/\d+$/);
+    expect(await page.locator('.run-head .tag').first().textContent()).toBe('succeeded');
+    expect(await page.locator('table.steps tbody tr').count()).toBe(3);
+    expect(await page.locator('svg.chart rect').count()).toBeGreaterThan(0);
+    await page.screenshot({ path: path.join(SCREENSHOTS, 'run-page.png'), fullPage: true });
+
+    const failed = (await query(url, `select id::text from idem.runs where run_key = 'backfill-orders'`))[0].id;
+    await page.goto(`${server.base}/runs/${failed}`);
+    expect(await page.locator('.run-head .tag').first().textContent()).toBe('failed');
+    expect(await page.locator('.panel-error').textContent()).toContain('injected failure in chunk c0007');
+    await page.screenshot({ path: path.join(SCREENSHOTS, 'run-page-failed.png'), fullPage: true });
+
+    // Cancel asks first; dismissing the dialog changes nothing, accepting cancels.
+    const live = (await query(url, `select id::text from idem.runs where run_key = 'reindex-search'`))[0].id;
+    await page.goto(`${server.base}/runs/${live}`);
+    page.once('dialog', (d) => void d.dismiss());
+    await page.locator('button[data-action=cancel]').click();
+    expect((await api(server.base, 'GET', `/api/runs/${live}`)).body.requested).toBeNull();
+    page.once('dialog', (d) => void d.accept());
+    await page.locator('button[data-action=cancel]').click();
+    await expect.poll(() => page.locator('.run-head').getAttribute('data-state'), { timeout: 20_000 }).toBe('cancelled');
+  }, 240_000);
+
+  it('reads without JavaScript: the HTML itself carries every run and its state', async () => {
+    const created = await api(server.base, 'POST', '/api/jobs/counted/runs', { key: 'nightly-2026-11-29', body: { chunks: 12 } });
+    expect((await api(server.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body.state).toBe('succeeded');
+    const res = await api(server.base, 'GET', '/', { token: null });
+    expect(res.status).toBe(200);
+    expect(res.headers.get('content-type')).toMatch(/^text\/html/);
+    expect(res.text).toMatch(/<article class="card run" data-run-id="\d+" data-state="succeeded">/);
+    expect(res.text).toContain('nightly-2026-11-29');
+    expect(res.text).not.toContain(TOKEN);
+    // Every asset is served by idem: no other origin is referenced.
+    expect(res.text).not.toMatch(/(src|href)="https?:/);
+  });
+});

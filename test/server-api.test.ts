@@ -1,0 +1,254 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { Runner } from '../src/index.ts';
+import { chunkKey } from './fixtures/jobs/counted.ts';
+import { createFixtureTables } from './fixtures/tables.ts';
+import { ALL_TABLES, FIXTURE_JOBS, killLeftovers, runCli, query, snapshot, waitFor, workCounts } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
+
+let database: TestDatabase;
+let url: string;
+let server: ServeProcess;
+const TABLES = [...ALL_TABLES, 'idem.api_requests'];
+
+beforeAll(async () => {
+  database = await createTestDatabase();
+  url = database.url;
+  await createFixtureTables(url);
+  await (await Runner.connect({ connectionString: url })).close();
+  server = await startServe(url, ['--max-runs', '4']);
+});
+
+afterAll(async () => {
+  await killLeftovers();
+  await database?.drop();
+});
+
+const post = (key: string | undefined, body: unknown, opts: { token?: string | null; job?: string } = {}) =>
+  api(server.base, 'POST', `/api/jobs/${opts.job ?? 'counted'}/runs`, { body, ...(key !== undefined ? { key } : {}), ...(opts.token !== undefined ? { token: opts.token } : {}) });
+
+/** Asserts a problem+json refusal with one sentence naming the fix. */
+function expectProblem(res: { status: number; headers: Headers; body: any }, status: number, code: string) {
+  expect(res.status, JSON.stringify(res.body)).toBe(status);
+  expect(res.headers.get('content-type')).toMatch(/^application\/problem\+json/);
+  expect(res.body).toMatchObject({ type: `urn:idem:problem:${code}`, status });
+  // The server's own refusals say the fix after a semicolon; operator refusals carry the CLI's wording.
+  if (code !== 'idem.cannotControl') expect(res.body.detail).toMatch(/;/);
+  expect(res.body.detail).not.toContain('\n');
+}
+
+async function runCount(): Promise<number> {
+  return (await query<{ n: number }>(url, 'select count(*)::int as n from idem.runs'))[0]!.n;
+}
+
+describe('authentication', () => {
+  it('refuses a missing token with 401 and a wrong one with 403, for writes and reads, writing nothing', async () => {
+    const before = await snapshot(url, TABLES);
+    const missing = await post('k-auth', {}, { token: null });
+    expectProblem(missing, 401, 'idem.unauthorized');
+    expect(missing.headers.get('www-authenticate')).toBe('Bearer realm="idem"');
+    expectProblem(await post('k-auth', {}, { token: 'wrong-token-0123456789' }), 403, 'idem.forbidden');
+    expectProblem(await api(server.base, 'GET', '/api/runs', { token: null }), 401, 'idem.unauthorized');
+    expectProblem(await api(server.base, 'GET', '/api/jobs', { token: `${TOKEN}x` }), 403, 'idem.forbidden');
+    expectProblem(await api(server.base, 'GET', '/', { token: null }), 401, 'idem.unauthorized');
+    expectProblem(await api(server.base, 'GET', '/metrics', { token: null }), 401, 'idem.unauthorized');
+    expect(await snapshot(url, TABLES)).toEqual(before);
+    // No response carries the token back.
+    expect(missing.text).not.toContain(TOKEN);
+  });
+});
+
+describe('starting the server', () => {
+  it('refuses to start without a token, or with a short one: exit 2, one line, nothing created', async () => {
+    const fresh = await createTestDatabase();
+    try {
+      const none = await runCli(['--jobs-dir', FIXTURE_JOBS, 'serve', '--port', '0'], { url: fresh.url, env: { IDEM_API_TOKEN: undefined } });
+      expect(none.code).toBe(2);
+      expect(none.stderr.trim()).toMatch(/^idem: error: idem serve needs an API token: set IDEM_API_TOKEN or pass --token-file <file>/);
+      expect(none.stderr.trim().split('\n')).toHaveLength(1);
+      const short = await runCli(['--jobs-dir', FIXTURE_JOBS, 'serve', '--port', '0'], { url: fresh.url, env: { IDEM_API_TOKEN: 'short' } });
+      expect(short.code).toBe(2);
+      expect(short.stderr).toContain('at least 16 characters');
+      expect(short.stderr).not.toContain('short;');
+      const missingFile = await runCli(['--jobs-dir', FIXTURE_JOBS, 'serve', '--token-file', '/nonexistent/token'], { url: fresh.url });
+      expect(missingFile.code).toBe(2);
+      expect(missingFile.stderr).toContain('cannot read the token file /nonexistent/token (ENOENT); fix --token-file');
+      // Refused before connecting: idem's schema was not even created.
+      expect(await query(fresh.url, `select count(*)::int as n from pg_namespace where nspname = 'idem'`)).toEqual([{ n: 0 }]);
+    } finally {
+      await fresh.drop();
+    }
+  });
+});
+
+describe('bad requests write nothing', () => {
+  it('answers each with one clear problem', async () => {
+    const before = await snapshot(url, TABLES);
+    expectProblem(await post(undefined, { chunks: 2 }), 400, 'idem.missingIdempotencyKey');
+    expectProblem(await post('k-unknown', {}, { job: 'no-such-job' }), 404, 'idem.unknownJob');
+    const invalid = await post('k-invalid', { chunks: 'many' });
+    expectProblem(invalid, 400, 'idem.invalidParams');
+    expect(invalid.body.detail).toContain('chunks must be an integer');
+    expectProblem(await post('k-array', [1, 2]), 400, 'idem.invalidParams');
+    expectProblem(await api(server.base, 'POST', '/api/jobs/counted/runs', { key: 'k-malformed', rawBody: '{"chunks": 2,' }), 400, 'idem.malformedJson');
+    expectProblem(await api(server.base, 'POST', '/api/jobs/counted/runs', { key: 'k-big', rawBody: JSON.stringify({ label: 'x'.repeat(100_000) }) }), 413, 'idem.bodyTooLarge');
+    expectProblem(await api(server.base, 'POST', '/api/jobs/counted/runs', { key: 'k-text', rawBody: 'chunks=2', headers: { 'content-type': 'text/plain' } }), 415, 'idem.unsupportedMediaType');
+    for (const key of ['k'.repeat(201), "1' or '1'='1", 'x;drop table idem.runs;--', 'clé-été', '\u00ff\u00fe']) {
+      const res = await api(server.base, 'POST', '/api/jobs/counted/runs', { body: {}, headers: { 'idempotency-key': Buffer.from(key, 'utf8').toString('latin1') } });
+      expectProblem(res, 400, 'idem.invalidIdempotencyKey');
+    }
+    expectProblem(await api(server.base, 'GET', '/api/runs/999999'), 404, 'idem.unknownRun');
+    expectProblem(await api(server.base, 'GET', '/api/runs/drop%20table'), 404, 'idem.unknownRun');
+    expectProblem(await api(server.base, 'GET', '/api/runs?state=bogus'), 400, 'idem.invalidState');
+    expectProblem(await api(server.base, 'GET', '/api/runs?limit=0'), 400, 'idem.invalidLimit');
+    expectProblem(await api(server.base, 'POST', '/api/runs/999999/pause'), 404, 'idem.unknownRun');
+    expectProblem(await api(server.base, 'GET', '/api/nothing-here'), 404, 'idem.notFound');
+    expect(await snapshot(url, TABLES)).toEqual(before);
+  });
+});
+
+describe('POST /api/jobs/:job/runs', () => {
+  it('creates once (201), replays the stored run (200, Idempotent-Replayed), refuses other params (422)', async () => {
+    const created = await post('k-first', { chunks: 3 });
+    expect(created.status, created.text).toBe(201);
+    expect(created.headers.get('location')).toBe(`/api/runs/${created.body.id}`);
+    expect(created.headers.get('idempotent-replayed')).toBe('false');
+    expect(created.body).toMatchObject({ job: 'counted', key: 'k-first', params: { chunks: 3, pauseMs: 0, label: '', gate: null }, viaApi: true });
+
+    const done = await api(server.base, 'GET', `${created.headers.get('location')}?wait=30`);
+    expect(done.status).toBe(200);
+    // A single step counts as one chunk: 1 + 3 + 1.
+    expect(done.body).toMatchObject({ id: created.body.id, state: 'succeeded', progress: { done: 5, total: 5, percent: 100 } });
+    expect(done.body.steps.map((s: any) => [s.name, s.status, s.done])).toEqual([
+      ['prepare', 'done', 1],
+      ['work', 'done', 3],
+      ['finish', 'done', 1],
+    ]);
+
+    const replay = await post('k-first', { chunks: 3 });
+    expect(replay.status).toBe(200);
+    expect(replay.headers.get('idempotent-replayed')).toBe('true');
+    expect(replay.headers.get('location')).toBe(`/api/runs/${created.body.id}`);
+    expect(replay.body).toMatchObject({ id: created.body.id, state: 'succeeded' });
+    // Key order and defaults do not matter: the fingerprint is of the validated params.
+    expect((await post('k-first', { pauseMs: 0, chunks: 3 })).status).toBe(200);
+
+    const before = await snapshot(url, TABLES);
+    const other = await post('k-first', { chunks: 4 });
+    expectProblem(other, 422, 'idem.paramsMismatch');
+    expect(other.body.storedFingerprint).toBe(created.body.fingerprint);
+    expect(other.body.requestFingerprint).toMatch(/^sha256:/);
+    expect(other.body.detail).toContain(created.body.fingerprint);
+    expect(await snapshot(url, TABLES)).toEqual(before);
+    expect(await workCounts(url, 'k-first')).toEqual(new Map([[chunkKey(1), 1], [chunkKey(2), 1], [chunkKey(3), 1]]));
+  });
+
+  it('100 concurrent POSTs with one key: one 201, the rest 200 replays or 409, one run, one execution', async () => {
+    const responses = await Promise.all(Array.from({ length: 100 }, () => post('k-hundred', { chunks: 5 })));
+    const statuses = responses.map((r) => r.status);
+    expect(statuses.filter((s) => s === 201)).toHaveLength(1);
+    expect(statuses.every((s) => s === 201 || s === 200 || s === 409)).toBe(true);
+    for (const r of responses.filter((x) => x.status === 409)) expectProblem(r, 409, 'idem.requestInProgress');
+    for (const r of responses.filter((x) => x.status === 200)) expect(r.headers.get('idempotent-replayed')).toBe('true');
+    const ids = new Set(responses.filter((r) => r.status < 300).map((r) => r.body.id));
+    expect(ids.size).toBe(1);
+    const rows = await query(url, `select id::text from idem.runs where run_key = 'k-hundred'`);
+    expect(rows).toHaveLength(1);
+    expect((await api(server.base, 'GET', `/api/runs/${rows[0].id}?wait=30`)).body.state).toBe('succeeded');
+    // One execution: the single steps ran once, every chunk committed once.
+    expect(await workCounts(url, 'k-hundred', 'prepare')).toEqual(new Map([['step', 1]]));
+    expect([...(await workCounts(url, 'k-hundred')).values()]).toEqual([1, 1, 1, 1, 1]);
+  });
+
+  it('10 different keys at once make 10 runs, each executed once', async () => {
+    const keys = Array.from({ length: 10 }, (_, i) => `k-ten-${i}`);
+    const responses = await Promise.all(keys.map((k) => post(k, { chunks: 2 })));
+    expect(responses.map((r) => r.status)).toEqual(keys.map(() => 201));
+    for (const r of responses) expect((await api(server.base, 'GET', `/api/runs/${r.body.id}?wait=60`)).body.state).toBe('succeeded');
+    for (const k of keys) expect(await workCounts(url, k, 'prepare')).toEqual(new Map([['step', 1]]));
+    const list = await api(server.base, 'GET', '/api/runs?job=counted&state=succeeded&limit=4');
+    expect(list.body.runs).toHaveLength(4);
+    const page2 = await api(server.base, 'GET', `/api/runs?job=counted&state=succeeded&limit=4&cursor=${list.body.nextCursor}`);
+    expect(page2.body.runs).toHaveLength(4);
+    expect(Number(page2.body.runs[0].id)).toBeLessThan(Number(list.body.runs[3].id));
+  });
+});
+
+describe('operator actions', () => {
+  // 30 chunks of 200 ms: the live run sees a request within its 1 s control poll, long before its end.
+  const SLOW = { chunks: 30, pauseMs: 200 };
+  const chunksDone = async (key: string) => (await workCounts(url, key)).size;
+
+  it('pause stops a live run at a chunk boundary, resume continues it in the server, cancel is refused once it ended', async () => {
+    const created = await post('k-pause', SLOW);
+    expect(created.status).toBe(201);
+    const id = created.body.id;
+    await waitFor(async () => (await chunksDone('k-pause')) >= 1, 'the first chunk');
+    const paused = await api(server.base, 'POST', `/api/runs/${id}/pause`);
+    expect(paused.status).toBe(200);
+    expect(paused.body).toMatchObject({ id, requested: 'pause' });
+    const stopped = await api(server.base, 'GET', `/api/runs/${id}?wait=30`);
+    expect(stopped.body.state).toBe('paused');
+    expect(stopped.body.progress.done).toBeLessThan(32);
+    expectProblem(await api(server.base, 'POST', `/api/runs/${id}/pause`), 409, 'idem.cannotControl');
+    const resumed = await api(server.base, 'POST', `/api/runs/${id}/resume`);
+    expect(resumed.status).toBe(200);
+    const done = await api(server.base, 'GET', `/api/runs/${id}?wait=30`);
+    expect(done.body).toMatchObject({ state: 'succeeded', progress: { done: 32 } });
+    expect([...(await workCounts(url, 'k-pause')).values()]).toEqual(Array.from({ length: 30 }, () => 1));
+    expectProblem(await api(server.base, 'POST', `/api/runs/${id}/cancel`), 409, 'idem.cannotControl');
+    // Mutations need the token.
+    expectProblem(await api(server.base, 'POST', `/api/runs/${id}/cancel`, { token: null }), 401, 'idem.unauthorized');
+  });
+
+  it('cancel stops a live run; it never continues', async () => {
+    const created = await post('k-cancel', SLOW);
+    const id = created.body.id;
+    await waitFor(async () => (await chunksDone('k-cancel')) >= 1, 'the first chunk');
+    expect((await api(server.base, 'POST', `/api/runs/${id}/cancel`)).status).toBe(200);
+    const ended = await api(server.base, 'GET', `/api/runs/${id}?wait=30`);
+    expect(ended.body.state).toBe('cancelled');
+    expect(ended.body.progress.done).toBeLessThan(32);
+    expectProblem(await api(server.base, 'POST', `/api/runs/${id}/resume`), 409, 'idem.cannotControl');
+    // A replay of the creating request shows the cancelled run and starts nothing.
+    const replay = await post('k-cancel', SLOW);
+    expect(replay).toMatchObject({ status: 200, body: { id, state: 'cancelled' } });
+  });
+});
+
+describe('reads', () => {
+  it('GET /api/jobs lists the jobs with their steps and params schema where known', async () => {
+    const res = await api(server.base, 'GET', '/api/jobs');
+    expect(res.status).toBe(200);
+    const ranged = res.body.jobs.find((j: any) => j.name === 'ranged');
+    expect(ranged).toMatchObject({ description: expect.any(String), steps: [{ name: 'double', chunked: true }], params: { type: 'object', properties: {} } });
+    expect(res.body.jobs.find((j: any) => j.name === 'counted').params).toBeNull();
+  });
+
+  it('GET /api/runs/:id/events streams progress until the run ends', async () => {
+    const created = await post('k-events', { chunks: 3, pauseMs: 100 });
+    const res = await fetch(`${server.base}/api/runs/${created.body.id}/events`, { headers: { authorization: `Bearer ${TOKEN}` } });
+    expect(res.status).toBe(200);
+    expect(res.headers.get('content-type')).toMatch(/^text\/event-stream/);
+    const text = await res.text(); // the server ends the stream when the run has ended
+    const events = text.split('\n\n').filter((b) => b.startsWith('event: progress')).map((b) => JSON.parse(b.split('\n').slice(1).map((l) => l.slice(6)).join('\n')));
+    expect(events.length).toBeGreaterThanOrEqual(1);
+    expect(events.at(-1)).toMatchObject({ id: created.body.id, state: 'succeeded', progress: { done: 5, percent: 100 } });
+  });
+
+  it('GET /metrics speaks Prometheus text, labelled by job and step, never by key', async () => {
+    const created = await post('k-metrics', { chunks: 2 });
+    expect(created.status).toBe(201);
+    expect((await api(server.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body.state).toBe('succeeded');
+    const res = await api(server.base, 'GET', '/metrics');
+    expect(res.status).toBe(200);
+    expect(res.headers.get('content-type')).toMatch(/^text\/plain/);
+    expect(res.text).toMatch(/idem_chunks_committed_total\{job="counted",step="work"\} \d+/);
+    expect(res.text).toMatch(/idem_chunk_duration_seconds_bucket\{le="[^"]+",job="counted",step="work"\} \d+/);
+    expect(res.text).toMatch(/idem_runs\{job="counted",state="succeeded"\} \d+/);
+    expect(res.text).toMatch(/idem_http_requests_total\{method="POST",route="\/api\/jobs\/:job\/runs",status="201"\} \d+/);
+    expect(res.text).toMatch(/idem_http_requests_total\{method="GET",route="\/api\/runs\/:id",status="200"\} \d+/);
+    expect(res.text).not.toContain('k-metrics');
+    expect(res.text).not.toContain(TOKEN);
+  });
+});

@@ -1,0 +1,154 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { Runner } from '../src/index.ts';
+import { chunkKey } from './fixtures/jobs/counted.ts';
+import { createFixtureTables } from './fixtures/tables.ts';
+import { FIXTURE_DIRS, holdGate, killLeftovers, query, runRow, sessions, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { api, startServe } from './support/server.ts';
+
+let database: TestDatabase;
+let url: string;
+
+beforeAll(async () => {
+  database = await createTestDatabase();
+  url = database.url;
+  await createFixtureTables(url);
+  await (await Runner.connect({ connectionString: url })).close();
+});
+
+afterAll(async () => {
+  await killLeftovers();
+  await database?.drop();
+});
+
+const CHUNKS = 40;
+
+describe('idem serve killed with SIGKILL mid-run', () => {
+  it('resumes the run when it starts again; it ends succeeded with every chunk committed once', async () => {
+    const first = await startServe(url);
+    const created = await api(first.base, 'POST', '/api/jobs/counted/runs', { key: 'k-crash', body: { chunks: CHUNKS, pauseMs: 50 } });
+    expect(created.status).toBe(201);
+    await waitFor(async () => (await workCounts(url, 'k-crash')).size >= 5, 'five chunks to commit', { timeoutMs: 60_000 });
+    first.proc.child.kill('SIGKILL');
+    expect((await first.proc.done).signal).toBe('SIGKILL');
+    // Nothing of the dead server can commit once its sessions are gone.
+    await waitFor(async () => (await sessions(url, 'idem')) + (await sessions(url, 'idem-lock')) === 0, "the killed server's sessions to end");
+    const committed = (await workCounts(url, 'k-crash')).size;
+    expect(committed).toBeLessThan(CHUNKS);
+    expect(await runRow(url, 'counted', 'k-crash')).toMatchObject({ status: 'running', attempt: 1 });
+
+    const second = await startServe(url);
+    // Before anyone asks: the restarted server picks the run up by itself.
+    const done = await api(second.base, 'GET', `/api/runs/${created.body.id}?wait=60`);
+    expect(done.body).toMatchObject({ state: 'succeeded', attempt: 2, progress: { done: CHUNKS + 2, percent: 100 } });
+    expect(await workCounts(url, 'k-crash')).toEqual(new Map(Array.from({ length: CHUNKS }, (_, i) => [chunkKey(i + 1), 1])));
+    expect(await workCounts(url, 'k-crash', 'prepare')).toEqual(new Map([['step', 1]]));
+    expect(await workCounts(url, 'k-crash', 'finish')).toEqual(new Map([['step', 1]]));
+    // A replay after the crash is the same run, not a second one.
+    const replay = await api(second.base, 'POST', '/api/jobs/counted/runs', { key: 'k-crash', body: { chunks: CHUNKS, pauseMs: 50 } });
+    expect(replay).toMatchObject({ status: 200, body: { id: created.body.id, state: 'succeeded' } });
+
+    second.proc.child.kill('SIGTERM');
+    const stopped = await second.proc.done;
+    expect(stopped.code, stopped.stderr).toBe(143);
+  });
+
+  it('SIGTERM stops live runs at a chunk boundary as interrupted; the next start finishes them', async () => {
+    const first = await startServe(url);
+    const created = await api(first.base, 'POST', '/api/jobs/counted/runs', { key: 'k-term', body: { chunks: CHUNKS, pauseMs: 50 } });
+    await waitFor(async () => (await workCounts(url, 'k-term')).size >= 3, 'three chunks to commit', { timeoutMs: 60_000 });
+    first.proc.child.kill('SIGTERM');
+    expect((await first.proc.done).code).toBe(143);
+    expect(await runRow(url, 'counted', 'k-term')).toMatchObject({ status: 'interrupted' });
+    const second = await startServe(url);
+    const done = await api(second.base, 'GET', `/api/runs/${created.body.id}?wait=60`);
+    expect(done.body).toMatchObject({ state: 'succeeded', attempt: 2 });
+    expect([...(await workCounts(url, 'k-term')).values()]).toEqual(Array.from({ length: CHUNKS }, () => 1));
+    second.proc.child.kill('SIGTERM');
+    await second.proc.done;
+  });
+
+  it('--max-runs bounds the runs executing at once; the others wait their turn, pending', async () => {
+    const srv = await startServe(url, ['--max-runs', '1']);
+    const slow = await api(srv.base, 'POST', '/api/jobs/counted/runs', { key: 'k-slot', body: { chunks: 10, pauseMs: 200 } });
+    await waitFor(async () => (await workCounts(url, 'k-slot')).size >= 1, 'the first run to be executing');
+    const queued = await api(srv.base, 'POST', '/api/jobs/ranged/runs', { key: 'k-queued', body: {} });
+    expect(queued.status).toBe(201);
+    expect(queued.body.state).toBe('pending');
+    const metrics = (await api(srv.base, 'GET', '/metrics')).text;
+    expect(metrics).toMatch(/^idem_runs_executing 1$/m);
+    expect(metrics).toMatch(/^idem_runs_queued 1$/m);
+    // Still pending while the slot is taken: the second run has not started.
+    expect((await api(srv.base, 'GET', `/api/runs/${queued.body.id}`)).body).toMatchObject({ state: 'pending', attempt: 0 });
+    const first = await api(srv.base, 'GET', `/api/runs/${slow.body.id}?wait=60`);
+    expect(first.body.state).toBe('succeeded');
+    const second = await api(srv.base, 'GET', `/api/runs/${queued.body.id}?wait=60`);
+    expect(second.body).toMatchObject({ state: 'succeeded', attempt: 1 });
+    // It started only after the first had finished.
+    expect(Date.parse(second.body.startedAt)).toBeGreaterThanOrEqual(Date.parse(first.body.finishedAt));
+    srv.proc.child.kill('SIGTERM');
+    await srv.proc.done;
+  });
+
+  it('--retention prunes finished runs at start; their Idempotency-Keys start new runs after', async () => {
+    const first = await startServe(url);
+    const old = await api(first.base, 'POST', '/api/jobs/counted/runs', { key: 'k-retained', body: { chunks: 2 } });
+    expect((await api(first.base, 'GET', `/api/runs/${old.body.id}?wait=30`)).body.state).toBe('succeeded');
+    first.proc.child.kill('SIGTERM');
+    await first.proc.done;
+    await new Promise((r) => setTimeout(r, 1100)); // older than the 1 s retention below
+    const second = await startServe(url, ['--retention', '1s']);
+    await waitFor(async () => (await runRow(url, 'counted', 'k-retained')) === undefined, 'the finished run to be pruned');
+    expect(await query(url, `select count(*)::int as n from idem.api_requests where idempotency_key = 'k-retained'`)).toEqual([{ n: 0 }]);
+    const again = await api(second.base, 'POST', '/api/jobs/counted/runs', { key: 'k-retained', body: { chunks: 3 } });
+    expect(again.status).toBe(201);
+    expect(again.body.id).not.toBe(old.body.id);
+    second.proc.child.kill('SIGTERM');
+    await second.proc.done;
+  });
+
+  it('a second server takes over the run of one that was SIGKILLed, without a restart; chunks once', async () => {
+    const env = { IDEM_SERVE_RESCAN_MS: '300' };
+    const a = await startServe(url, [], env);
+    const b = await startServe(url, [], env);
+    const created = await api(a.base, 'POST', '/api/jobs/counted/runs', { key: 'k-takeover', body: { chunks: CHUNKS, pauseMs: 50 } });
+    await waitFor(async () => (await workCounts(url, 'k-takeover')).size >= 5, 'five chunks to commit', { timeoutMs: 60_000 });
+    // While A is alive, B leaves its run alone: after several of its rescans it executes nothing
+    // and has not queued up behind A's lock.
+    await new Promise((r) => setTimeout(r, 1_000));
+    const metrics = (await api(b.base, 'GET', '/metrics')).text;
+    expect(metrics).toMatch(/^idem_runs_executing 0$/m);
+    expect(metrics).not.toMatch(/^idem_lock_waits_total\{/m);
+    expect((await api(b.base, 'GET', `/api/runs/${created.body.id}`)).body).toMatchObject({ state: 'running', attempt: 1 });
+    a.proc.child.kill('SIGKILL');
+    await a.proc.done;
+    const done = await api(b.base, 'GET', `/api/runs/${created.body.id}?wait=60`);
+    expect(done.body).toMatchObject({ state: 'succeeded', attempt: 2 });
+    expect(await workCounts(url, 'k-takeover')).toEqual(new Map(Array.from({ length: CHUNKS }, (_, i) => [chunkKey(i + 1), 1])));
+    b.proc.child.kill('SIGTERM');
+    await b.proc.done;
+  });
+
+  it('idem run --join workers share a run the server executes: every chunk once, by both', async () => {
+    const srv = await startServe(url);
+    // Every chunk waits on a gate held here: the run cannot end before the worker has joined.
+    const gate = await holdGate(url, 'g-join');
+    const body = { chunks: 60, pauseMs: 20, gate: 'g-join' };
+    const created = await api(srv.base, 'POST', '/api/jobs/counted/runs', { key: 'k-join', body });
+    const worker = spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', JSON.stringify(body), '--key', 'k-join', '--join'], { url, timeoutMs: 180_000 });
+    // Joined: a chunk of the server and one of the worker both wait at the gate.
+    const blocked = async () =>
+      (await query<{ n: number }>(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and application_name = 'idem' and wait_event_type = 'Lock'`))[0]!.n;
+    await waitFor(async () => (await blocked()) >= 2, 'the server and the worker to each hold a chunk', { timeoutMs: 120_000 });
+    await gate.release();
+    const joined = await worker.done;
+    expect(joined.code, joined.stderr).toBe(0);
+    const done = await api(srv.base, 'GET', `/api/runs/${created.body.id}?wait=60`);
+    expect(done.body).toMatchObject({ state: 'succeeded', attempt: 1 });
+    expect([...(await workCounts(url, 'k-join')).values()]).toEqual(Array.from({ length: 60 }, () => 1));
+    const pids = await query<{ n: number }>(url, `select count(distinct pid)::int as n from work_log where run_key = 'k-join' and step = 'work'`);
+    expect(pids).toEqual([{ n: 2 }]);
+    srv.proc.child.kill('SIGTERM');
+    await srv.proc.done;
+  });
+});
