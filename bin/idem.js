@@ -1,8 +1,6 @@
 #!/usr/bin/env node
-// Job and migration files are TypeScript: tsx's loader compiles them (and idem's own sources) on
-// import, so there is no build step between editing a job and running it.
-import { register } from 'tsx/esm/api';
+// The CLI runs compiled JavaScript from dist/: no TypeScript compiler at start-up. tsx is loaded
+// later, and only when a job or migration file is TypeScript (see src/loader.ts).
+import { main } from '../dist/cli.js';
 
-register();
-const { main } = await import('../src/cli.ts');
 await main(process.argv);

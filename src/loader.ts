@@ -5,6 +5,24 @@ import { UsageError } from './errors.ts';
 import { assertJob, type Job } from './job.ts';
 
 const JOB_FILE = /^(?!_)(?!.*\.d\.[cm]?ts$)(?!.*\.test\.).*\.(?:[cm]?ts|[cm]?js)$/;
+const TYPESCRIPT = /\.[cm]?ts$/;
+
+let typescriptReady: Promise<void> | undefined;
+
+/**
+ * Teaches Node to load TypeScript, once per process and only when a folder holds a .ts, .mts or
+ * .cts file: tsx costs about 100 ms at start-up, which a JavaScript project, `idem --help` and
+ * `idem status` should not pay. Both of tsx's hooks: the ESM one for .mts and .ts in a
+ * "type": "module" project, the CommonJS one for .cts and .ts in a CommonJS project (and what
+ * those require()).
+ */
+function loadTypeScript(): Promise<void> {
+  return (typescriptReady ??= (async () => {
+    const [esm, cjs] = await Promise.all([import('tsx/esm/api'), import('tsx/cjs/api')]);
+    esm.register();
+    cjs.register();
+  })());
+}
 
 export interface LoadedJob {
   readonly file: string;
@@ -13,7 +31,7 @@ export interface LoadedJob {
   readonly job: Job;
 }
 
-/** Imports every job module in a folder (TypeScript loads through tsx), sorted by file name. */
+/** Imports every job module in a folder (TypeScript through tsx, loaded on demand), sorted by file name. */
 export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Promise<LoadedJob[]> {
   const abs = path.resolve(dir);
   let names: string[];
@@ -23,6 +41,7 @@ export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Prom
     if ((err as { code?: string }).code === 'ENOENT') return [];
     throw err;
   }
+  if (names.some((n) => TYPESCRIPT.test(n))) await loadTypeScript();
   const loaded: LoadedJob[] = [];
   const byName = new Map<string, string>();
   for (const name of names) {
@@ -34,13 +53,27 @@ export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Prom
     } catch (err) {
       throw new UsageError('jobLoadFailed', `cannot load ${what} file ${path.relative(process.cwd(), file)}: ${(err as Error).message?.split('\n')[0]}; fix the file`, { cause: err });
     }
-    const job = assertJob(mod.default ?? mod.job, path.relative(process.cwd(), file));
+    const job = assertJob(jobExport(mod), path.relative(process.cwd(), file));
     const other = byName.get(job.name);
     if (other) throw new UsageError('duplicateJob', `job name "${job.name}" is defined twice (${other} and ${name}); rename one`);
     byName.set(job.name, name);
     loaded.push({ file, id: name.replace(/\.[cm]?[jt]s$/, ''), job });
   }
   return loaded;
+}
+
+/**
+ * The job a module exports: `export default` or `export const job` in ESM. A CommonJS module
+ * (a .cjs file, or TypeScript compiled for a CommonJS project) arrives as `{ default: module.exports }`,
+ * where `export default` became `exports.default` and `module.exports = job` is the job itself.
+ */
+function jobExport(mod: Record<string, unknown>): unknown {
+  const top = mod.default ?? mod.job;
+  if (top && typeof top === 'object' && !('steps' in top)) {
+    const inner = (top as Record<string, unknown>).default ?? (top as Record<string, unknown>).job;
+    if (inner !== undefined) return inner;
+  }
+  return top;
 }
 
 /** Finds a job by name among the folder's job files; an unknown name lists the known ones. */
