@@ -1,10 +1,9 @@
 import path from 'node:path';
 import type { Command } from 'commander';
 import type { Logger } from 'pino';
-import { redactUrl } from './database.ts';
 import { ExitCode, exitCodeOf, IdemError, InterruptedError, messageOf } from './errors.ts';
-import { createLogger, type LogLevel } from './log.ts';
-import { Runner } from './runner.ts';
+import type { LogLevel } from './log-level.ts';
+import type { Runner } from './runner.ts';
 
 /** The global flags every command sees. */
 export interface GlobalOptions {
@@ -41,6 +40,8 @@ export function createCliContext(program: Command, state: { exitCode: number }):
 
   const runWithSession = async (fn: CommandBody) => {
     const g = globals();
+    // Loaded here, not at the top: `idem --help` and parse errors never need pino.
+    const { createLogger } = await import('./log.ts');
     const log = createLogger(g.logLevel);
     const session = new Session();
     const finish = async (code: number, graceMs = 10_000) => {
@@ -69,6 +70,8 @@ export function createCliContext(program: Command, state: { exitCode: number }):
 
 /** Opens a Runner on DATABASE_URL, or on the embedded server under .idem/ when none is given. */
 export async function openRunner(g: GlobalOptions, log: Logger, session: Session, poolSize = 10): Promise<Runner> {
+  // The runner brings kysely and pg: loaded by the commands that talk to the database, when they do.
+  const [{ Runner }, { redactUrl }] = await Promise.all([import('./runner.ts'), import('./database.ts')]);
   let url = g.databaseUrl;
   if (!url) {
     const { startEmbeddedPostgres } = await import('./embedded-postgres.ts');

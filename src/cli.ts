@@ -11,18 +11,25 @@ import { registerResetCommand } from './commands/reset.ts';
 import { registerRunCommand } from './commands/run.ts';
 import { registerStatusCommand } from './commands/status.ts';
 import { ExitCode, exitCodeOf, messageOf } from './errors.ts';
-import { LOG_LEVELS } from './log.ts';
-import { DEFAULT_SCHEMA } from './runner.ts';
+import { LOG_LEVELS } from './log-level.ts';
+
+/**
+ * runner.ts's DEFAULT_SCHEMA, repeated here so that `idem --help` need not load the runner (and
+ * kysely, pg, pino with it); test/cli-startup.test.ts keeps the two equal.
+ */
+export const CLI_DEFAULT_SCHEMA = 'idem';
 
 /**
  * The `idem` program: the global flags here, each command (its flags, help and action together)
- * in its own module under src/commands/.
+ * in its own module under src/commands/. Start-up time matters (cron fires it, operators type
+ * it): this module and the command modules load only commander and small modules; each action
+ * imports what it needs (the runner, kysely, pg, pino, tsx) when it runs.
  */
 export function buildProgram(state: { exitCode: number }): Command {
   const program = new Command('idem')
     .description('Idempotent batch and data-migration jobs for PostgreSQL: safe to run twice, resumable after a crash.')
     .addOption(new Option('--database-url <url>', 'PostgreSQL connection string (default: DATABASE_URL, else an embedded server under .idem/)').env('DATABASE_URL'))
-    .option('--schema <name>', "schema for idem's own tables", DEFAULT_SCHEMA)
+    .option('--schema <name>', "schema for idem's own tables", CLI_DEFAULT_SCHEMA)
     .option('--jobs-dir <dir>', 'folder of job files', 'jobs')
     .option('--migrations-dir <dir>', 'folder of ordered migration files', 'migrations')
     .addOption(new Option('--log-level <level>', 'log level (logs go to stderr)').choices(LOG_LEVELS as string[]).default('info'))

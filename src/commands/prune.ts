@@ -1,7 +1,6 @@
 import type { Command } from 'commander';
 import { openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode } from '../errors.ts';
-import { parseDuration } from '../operations.ts';
 
 /** `idem prune --older-than D`: delete old finished runs in batches. */
 export function registerPruneCommand(program: Command, cli: CliContext): void {
@@ -12,6 +11,7 @@ export function registerPruneCommand(program: Command, cli: CliContext): void {
     .option('--json', 'print the counts as JSON')
     .action((o: { olderThan: string; json?: boolean }) =>
       cli.runWithSession(async (g, log, session) => {
+        const { parseDuration } = await import('../operations.ts');
         const ms = parseDuration(o.olderThan, '--older-than');
         const runner = await openRunner(g, log, session);
         const r = await runner.prune(ms);
