@@ -1,4 +1,6 @@
+import { existsSync, readFileSync } from 'node:fs';
 import { readdir, stat } from 'node:fs/promises';
+import { createRequire } from 'node:module';
 import path from 'node:path';
 import { pathToFileURL } from 'node:url';
 import { UsageError } from './errors.ts';
@@ -7,21 +9,52 @@ import { assertJob, type Job } from './job.ts';
 const JOB_FILE = /^(?!_)(?!.*\.d\.[cm]?ts$)(?!.*\.test\.).*\.(?:[cm]?ts|[cm]?js)$/;
 const TYPESCRIPT = /\.[cm]?ts$/;
 
-let typescriptReady: Promise<void> | undefined;
+/**
+ * Whether Node treats this file as CommonJS: .cjs/.cts always, .mjs/.mts never, .js/.ts by the
+ * "type" of the nearest package.json (CommonJS when absent, as in a fresh `npm init` project).
+ */
+export function isCommonJsFile(file: string): boolean {
+  if (/\.c[jt]s$/.test(file)) return true;
+  if (/\.m[jt]s$/.test(file)) return false;
+  for (let dir = path.dirname(file); ; dir = path.dirname(dir)) {
+    try {
+      return (JSON.parse(readFileSync(path.join(dir, 'package.json'), 'utf8')) as { type?: string }).type !== 'module';
+    } catch (err) {
+      if ((err as { code?: string }).code !== 'ENOENT') return true;
+    }
+    if (path.dirname(dir) === dir) return true;
+  }
+}
+
+let requireHook: Promise<void> | undefined;
+
+/** The directory of the nearest package.json above a file (the file's own directory when none). */
+function packageRoot(file: string): string {
+  for (let dir = path.dirname(file); ; dir = path.dirname(dir)) {
+    if (existsSync(path.join(dir, 'package.json'))) return dir;
+    if (path.dirname(dir) === dir) return path.dirname(file);
+  }
+}
 
 /**
- * Teaches Node to load TypeScript, once per process and only when a folder holds a .ts, .mts or
- * .cts file: tsx costs about 100 ms at start-up, which a JavaScript project, `idem --help` and
- * `idem status` should not pay. Both of tsx's hooks: the ESM one for .mts and .ts in a
- * "type": "module" project, the CommonJS one for .cts and .ts in a CommonJS project (and what
- * those require()).
+ * Loads one job module as Node would run it; a CommonJS module comes back as `{ default: module.exports }`.
+ * TypeScript costs nothing until a folder holds some: CommonJS TypeScript (.cts, or .ts in a
+ * CommonJS project) is require()d through tsx's require hook, which is cheap (it patches
+ * require); ES-module TypeScript is compiled once by esbuild into the package's .idem/cache/
+ * (see compile-typescript.ts) and imported as JavaScript.
  */
-function loadTypeScript(): Promise<void> {
-  return (typescriptReady ??= (async () => {
-    const [esm, cjs] = await Promise.all([import('tsx/esm/api'), import('tsx/cjs/api')]);
-    esm.register();
-    cjs.register();
-  })());
+async function importJobFile(file: string): Promise<Record<string, unknown>> {
+  if (TYPESCRIPT.test(file) && isCommonJsFile(file)) {
+    await (requireHook ??= import('tsx/cjs/api').then((m) => void m.register()));
+    return { default: createRequire(file)(file) as unknown };
+  }
+  if (TYPESCRIPT.test(file)) {
+    const { compileTypeScriptModule } = await import('./compile-typescript.ts');
+    const compiled = await compileTypeScriptModule(file, path.join(packageRoot(file), '.idem', 'cache'));
+    process.setSourceMapsEnabled(true);
+    return (await import(pathToFileURL(compiled).href)) as Record<string, unknown>;
+  }
+  return (await import(pathToFileURL(file).href)) as Record<string, unknown>;
 }
 
 export interface LoadedJob {
@@ -41,7 +74,6 @@ export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Prom
     if ((err as { code?: string }).code === 'ENOENT') return [];
     throw err;
   }
-  if (names.some((n) => TYPESCRIPT.test(n))) await loadTypeScript();
   const loaded: LoadedJob[] = [];
   const byName = new Map<string, string>();
   for (const name of names) {
@@ -49,7 +81,7 @@ export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Prom
     if (!(await stat(file)).isFile()) continue;
     let mod: Record<string, unknown>;
     try {
-      mod = (await import(pathToFileURL(file).href)) as Record<string, unknown>;
+      mod = await importJobFile(file);
     } catch (err) {
       throw new UsageError('jobLoadFailed', `cannot load ${what} file ${path.relative(process.cwd(), file)}: ${(err as Error).message?.split('\n')[0]}; fix the file`, { cause: err });
     }
