@@ -56,7 +56,11 @@ export function createCliContext(program: Command, state: { exitCode: number }):
     } catch (err) {
       state.exitCode = exitCodeOf(err);
       const msg = err instanceof IdemError ? err.message : messageOf(err);
-      process.stderr.write(`idem: error: ${msg}\n`);
+      // Busy (75: another process holds the run, or it is paused) is the expected outcome of cron
+      // firing twice, not a failure: an info log line, so a cron mail filter or --log-level warn
+      // keeps it quiet, while every real failure stays an `idem: error:` line.
+      if (state.exitCode === ExitCode.Busy) log.info({ exitCode: state.exitCode, code: (err as IdemError).code }, `busy: ${msg}`);
+      else process.stderr.write(`idem: error: ${msg}\n`);
       if (!(err instanceof IdemError)) log.debug({ err }, 'unexpected error');
     } finally {
       // The same watchdog on the normal path: releasing the lock, pool and embedded server must

@@ -1,6 +1,6 @@
-import { createRequire } from 'node:module';
 import pino, { type Logger } from 'pino';
 import type { LogLevel } from './log-level.ts';
+import { terminalDestination } from './terminal-log.ts';
 
 export { LOG_LEVELS, type LogLevel } from './log-level.ts';
 
@@ -14,9 +14,7 @@ const REDACT = ['password', '*.password', 'connectionString', '*.connectionStrin
 export function createLogger(level: LogLevel = 'info', opts: { readonly pretty?: boolean } = {}): Logger {
   const base = { level, redact: { paths: REDACT, censor: '***' }, base: { pid: process.pid } };
   if (opts.pretty ?? process.stderr.isTTY) {
-    // Required on demand: only a terminal needs pino-pretty (and its dependencies).
-    const pretty = createRequire(import.meta.url)('pino-pretty') as typeof import('pino-pretty');
-    return pino(base, pretty({ destination: 2, sync: true, ignore: 'pid,hostname', translateTime: 'HH:MM:ss.l' }));
+    return pino(base, terminalDestination());
   }
   return pino(base, pino.destination({ fd: 2, sync: true }));
 }
