@@ -42,3 +42,12 @@ describe('the progress bar', () => {
     expect(truncate('\x1b[32mabcdef\x1b[39m', 3)).toBe('\x1b[32mabc\x1b[39m');
   });
 });
+
+describe('relative times in idem status', () => {
+  it('say how long ago, in the largest whole unit', async () => {
+    const { relativeTime } = await import('../src/commands/status.ts');
+    const now = new Date(Date.UTC(2026, 10, 30, 12));
+    const ago = (s: number) => relativeTime(new Date(now.getTime() - s * 1000), now);
+    expect([ago(2), ago(42), ago(3 * 60 + 5), ago(5 * 3600), ago(2 * 86_400 + 7)]).toEqual(['just now', '42 s ago', '3 min ago', '5 h ago', '2 d ago']);
+  });
+});
