@@ -5,7 +5,10 @@ export default defineConfig({
   resolve: {
     // Job fixtures import 'idem' as users do; in the tests that is the source the tests import
     // too (one copy of every class), not the built dist/ the package exports point at.
-    alias: [{ find: /^idem$/, replacement: fileURLToPath(new URL('./src/index.ts', import.meta.url)) }],
+    alias: [
+      { find: /^idem$/, replacement: fileURLToPath(new URL('./src/index.ts', import.meta.url)) },
+      { find: /^idem\/testing$/, replacement: fileURLToPath(new URL('./src/testing.ts', import.meta.url)) },
+    ],
   },
   test: {
     include: ['test/**/*.test.ts'],
