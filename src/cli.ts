@@ -4,6 +4,7 @@ import { createCliContext } from './cli-session.ts';
 import { registerControlCommands } from './commands/control.ts';
 import { registerCronCommand } from './commands/cron.ts';
 import { registerCrontabCommand } from './commands/crontab.ts';
+import { registerInitCommand } from './commands/init.ts';
 import { registerListCommand } from './commands/list.ts';
 import { registerMigrateCommand } from './commands/migrate.ts';
 import { registerPruneCommand } from './commands/prune.ts';
@@ -39,6 +40,7 @@ export function buildProgram(state: { exitCode: number }): Command {
     .exitOverride();
 
   const cli = createCliContext(program, state);
+  registerInitCommand(program);
   registerRunCommand(program, cli);
   registerMigrateCommand(program, cli);
   registerListCommand(program, cli);

@@ -180,6 +180,25 @@ describe.each(PROJECTS)('installed into a fresh $name project', (p) => {
     expect(status.map((r) => `${r.job} ${r.state}`).sort()).toEqual(['create-greetings succeeded', ...p.jobs.map((j) => `${j} succeeded`)].sort());
   });
 
+  it.runIf(p.name === 'esm-ts')('npx idem init scaffolds a job, a migration and a kit test that run there; a second init refuses', async () => {
+    const init = await idem(dir, ['init']);
+    expect(init.stdout).toContain('created jobs/example-customer-totals.ts');
+    expect(init.stdout).toMatch(/npx idem migrate[\s\S]*npx idem run example-customer-totals[\s\S]*npx idem status/);
+    expect(await fs.readFile(path.join(dir, '.gitignore'), 'utf8')).toMatch(/^\.idem\/$/m);
+    await idem(dir, ['migrate'], url);
+    const ran = await idem(dir, ['run', 'example-customer-totals'], url);
+    expect(ran.stdout).toMatch(/^job "example-customer-totals" succeeded: 5 chunks in 1 step/);
+    expect(await query(url, 'select count(*)::int as n, sum(orders)::int as orders from example_customer_totals')).toEqual([{ n: 5, orders: 200 }]);
+    // The scaffolded convergence test passes with the installed idem/testing (vitest from the repo).
+    const vitest = path.join(REPO, 'node_modules', 'vitest', 'vitest.mjs');
+    const kit = await sh(dir, process.execPath, [vitest, 'run', 'test/idem-examples.test.ts'], userEnv(url));
+    expect(kit.stdout).toMatch(/2 passed/);
+    // Again: refused, exit 2, nothing rewritten.
+    const before = await fs.readFile(path.join(dir, 'jobs', 'example-customer-totals.ts'), 'utf8');
+    await expect(idem(dir, ['init'])).rejects.toThrow(/idem init would overwrite migrations\/0001_create_example_tables\.ts, jobs\/example-customer-totals\.ts, test\/idem-examples\.test\.ts/);
+    expect(await fs.readFile(path.join(dir, 'jobs', 'example-customer-totals.ts'), 'utf8')).toBe(before);
+  });
+
   it.runIf(p.typescript)('its TypeScript jobs type-check against the shipped declarations', async () => {
     const tsconfig = { compilerOptions: { module: 'NodeNext', moduleResolution: 'NodeNext', target: 'ES2022', strict: true, noEmit: true, skipLibCheck: true, types: [] }, include: ['jobs', 'migrations'] };
     await fs.writeFile(path.join(dir, 'tsconfig.json'), JSON.stringify(tsconfig));
