@@ -39,6 +39,12 @@ export async function compileTypeScriptModule(file: string, cacheDir: string): P
     sourcemap: 'inline',
     logLevel: 'silent',
     absWorkingDir: path.dirname(file),
+  }).catch((err: { errors?: Array<{ text: string; location: { file: string; line: number; column: number } | null }> }) => {
+    // esbuild's message starts "Build failed with 1 error:"; the loader shows one line, so lead with the first error and its place.
+    const first = err.errors?.[0];
+    if (!first) throw err;
+    const where = first.location ? `${first.location.file}:${first.location.line}:${first.location.column + 1}: ` : '';
+    throw new Error(`${where}${first.text}`, { cause: err });
   });
   const inputs = await Promise.all(
     Object.keys(result.metafile.inputs).map(async (rel) => {
