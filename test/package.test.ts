@@ -101,6 +101,14 @@ const PROJECTS: Project[] = [
       'jobs/hello.ts': esmJob('hello-ts', upsert('hello-ts')),
       // A .cts file in an ESM project is CommonJS TypeScript: import compiles to require().
       'jobs/hello-cts.cts': esmJob('hello-cts', upsert('hello-cts')),
+      // Not a job (a leading _ is skipped by the loader), but type-checked: the ESM entry's types
+      // carry the runner and the kit, not only the job API.
+      'jobs/_embed.ts': `import { Runner, type RunOutcome } from 'idem';
+import { expectConvergent } from 'idem/testing';
+export const connect = (url: string): Promise<Runner> => Runner.connect({ connectionString: url });
+export type Outcome = RunOutcome;
+export const kit: typeof expectConvergent = expectConvergent;
+`,
     },
   },
   {
