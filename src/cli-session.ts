@@ -5,6 +5,12 @@ import { ExitCode, exitCodeOf, IdemError, InterruptedError, messageOf } from './
 import type { LogLevel } from './log-level.ts';
 import type { Runner } from './runner.ts';
 
+/**
+ * runner.ts's DEFAULT_SCHEMA, repeated here so that `idem --help` need not load the runner (and
+ * kysely, pg, pino with it); test/cli-startup.test.ts keeps the two equal.
+ */
+export const CLI_DEFAULT_SCHEMA = 'idem';
+
 /** The global flags every command sees. */
 export interface GlobalOptions {
   databaseUrl?: string;
@@ -65,7 +71,8 @@ export function createCliContext(program: Command, state: { exitCode: number }):
     } finally {
       // The same watchdog on the normal path: releasing the lock, pool and embedded server must
       // not hang the process.
-      setTimeout(() => process.exit(state.exitCode), 10_000).unref();
+      // A lost lock often means a dead network: closing the pool would wait on its sockets.
+      setTimeout(() => process.exit(state.exitCode), state.exitCode === ExitCode.LockLost ? 2_000 : 10_000).unref();
       await session.close();
     }
   };

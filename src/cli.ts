@@ -1,6 +1,6 @@
 import { Command, CommanderError, Option } from 'commander';
 import { positiveInt } from './cli-parsers.ts';
-import { createCliContext } from './cli-session.ts';
+import { CLI_DEFAULT_SCHEMA, createCliContext } from './cli-session.ts';
 import { registerControlCommands } from './commands/control.ts';
 import { registerCronCommand } from './commands/cron.ts';
 import { registerCrontabCommand } from './commands/crontab.ts';
@@ -14,11 +14,7 @@ import { registerStatusCommand } from './commands/status.ts';
 import { ExitCode, exitCodeOf, messageOf } from './errors.ts';
 import { LOG_LEVELS } from './log-level.ts';
 
-/**
- * runner.ts's DEFAULT_SCHEMA, repeated here so that `idem --help` need not load the runner (and
- * kysely, pg, pino with it); test/cli-startup.test.ts keeps the two equal.
- */
-export const CLI_DEFAULT_SCHEMA = 'idem';
+export { CLI_DEFAULT_SCHEMA };
 
 /**
  * The `idem` program: the global flags here, each command (its flags, help and action together)

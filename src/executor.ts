@@ -5,7 +5,7 @@ import type { Logger } from 'pino';
 import { FencedError, InterruptedError, messageOf } from './errors.ts';
 import type { ChunkPage, ChunkSpec, ChunkSource, Job, Json, RunIdentity, Step, StepContext } from './job.ts';
 import { faultArmed, faultPoint } from './fault-points.ts';
-import { isMarkerRefusal, markerRefusal } from './marker-at-commit.ts';
+import { isClaimRefusal, isMarkerRefusal, markerRefusal } from './marker-at-commit.ts';
 import { backoffDelay, DEFAULT_BACKOFF, isRetryable, retrying, type BackoffOptions } from './retry.ts';
 import type { PendingChunk, StepRow, Store } from './store.ts';
 import { resolveThrottle, Throttle, type ThrottleOptions } from './throttle.ts';
@@ -137,13 +137,24 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
     let pending: PendingChunk[] = await store.pendingChunks(run.runId, step.name, fetchAfter, planWindow);
     while (pending.length === 0 && !plannedAll) {
       // A source that reads the database (keyRange) may hit a dropped connection: ask it again.
-      const page: ChunkPage = await retrying(async () => source(cursor, planCtx()));
+      // A source that fails for good fails the step it belongs to, not "(runner)".
+      const page: ChunkPage = await retrying(async () => source(cursor, planCtx())).catch((err: unknown) => {
+        throw err instanceof ChunkFailure || err instanceof FencedError ? err : new ChunkFailure(step.name, null, 1, err);
+      });
       checkPage(step.name, page);
-      const { planned, fenced } = await store.planWindow(run.runId, run.attempt, step.name, nextSeq, page.chunks, page.next);
-      if (fenced) throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was taken over by a newer attempt while planning`);
-      if (planned !== page.chunks.length) {
-        throw new ChunkFailure(step.name, null, 1, new Error(`chunk source returned ${page.chunks.length - planned} key(s) that were already planned; chunk keys must be unique and stable`));
+      const result = await store.planWindow(run.runId, run.attempt, step.name, nextSeq - 1, page.chunks, page.next);
+      if (result.kind === 'fenced') throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was taken over by a newer attempt while planning`);
+      if (result.kind === 'duplicate') {
+        throw new ChunkFailure(step.name, null, 1, new Error(`chunk source returned key ${JSON.stringify(result.key)}, which is already planned as chunk ${result.seq} of the step; chunk keys must be unique and stable`));
       }
+      if (result.kind === 'moved') {
+        // Planned past us meanwhile: nothing was written; continue from where the step is now.
+        ({ cursor, planned_all: plannedAll } = result.step);
+        nextSeq = result.step.planned + 1;
+        pending = await store.pendingChunks(run.runId, step.name, fetchAfter, planWindow);
+        continue;
+      }
+      const planned = page.chunks.length;
       pending = page.chunks.map((spec, i) => ({ seq: nextSeq + i, key: spec.key, spec }));
       nextSeq += planned;
       cursor = page.next;
@@ -162,17 +173,11 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
     await upcoming?.catch(() => {});
   };
 
-  for (;;) {
-    if (opts.stop.aborted) await settleUpcoming();
-    throwIfStopped(opts.stop);
-    const pending = await (upcoming ?? nextWindow());
-    upcoming = undefined;
-    if (pending.length === 0) break;
-    if (prefetch) {
-      upcoming = nextWindow();
-      upcoming.catch(() => {}); // awaited (and its error seen) at the top of the next turn
-    }
-
+  /**
+   * Runs one window's chunks with bounded concurrency. `waitForLocks`: claim each chunk even if
+   * another worker holds it (wait for that worker's transaction) instead of passing it by.
+   */
+  const runWindow = async (pending: PendingChunk[], waitForLocks: boolean): Promise<number[]> => {
     let failure: unknown;
     const durations: number[] = [];
     await Promise.all(
@@ -184,7 +189,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
           if (wait > 0) await sleep(wait, opts.stop);
           if (failure !== undefined || opts.stop.aborted) return;
           try {
-            const ms = await runChunk(opts, step, chunk, retry, log);
+            const ms = await runChunk(opts, step, chunk, retry, log, waitForLocks);
             if (ms !== null) {
               executed++;
               done++;
@@ -194,7 +199,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
           } catch (err) {
             if (err instanceof ChunkFailure && skipped < maxSkips && !opts.stop.aborted) {
               skipped++;
-              if (!(await store.skipChunk(run.runId, run.attempt, step.name, chunk.key, err.tries, err.message))) {
+              if (!(await store.skipChunk(run.runId, run.attempt, step.name, chunk.key, err.message))) {
                 failure ??= new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off while skipping chunk ${chunk.key}`);
               } else {
                 log.warn({ chunk: chunk.key, tries: err.tries, skipped, maxFailedChunks: maxSkips, err: { message: err.message } }, 'chunk failed for good; skipped under the step policy');
@@ -211,7 +216,30 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
       await settleUpcoming();
       throw failure;
     }
+    return durations;
+  };
+
+  for (;;) {
+    if (opts.stop.aborted) await settleUpcoming();
+    throwIfStopped(opts.stop);
+    const pending = await (upcoming ?? nextWindow());
+    upcoming = undefined;
+    if (pending.length === 0) break;
+    if (prefetch) {
+      upcoming = nextWindow();
+      upcoming.catch(() => {}); // awaited (and its error seen) at the top of the next turn
+    }
+    const durations = await runWindow(pending, false);
     if (throttle.options.targetChunkMs) throttle.adapt(durations);
+  }
+  // Everything is planned and this worker has been through it. Chunks another worker held as we
+  // passed them (and chunks it left behind when it died) are still open: take each, waiting for
+  // the holder's transaction, until none is left. Alone on a run this is one empty query.
+  for (;;) {
+    throwIfStopped(opts.stop);
+    const left = await store.pendingChunks(run.runId, step.name, 0, planWindow);
+    if (left.length === 0) break;
+    await runWindow(left, true);
   }
   throwIfStopped(opts.stop);
   return executed;
@@ -221,7 +249,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
  * One chunk: a transaction with the job's work and the marker, retried on transient errors.
  * Returns the committed try's duration in ms, or null when the chunk turned out done already.
  */
-async function runChunk(opts: ExecuteOptions, step: Step, chunk: PendingChunk, retry: Required<BackoffOptions>, stepLog: Logger): Promise<number | null> {
+async function runChunk(opts: ExecuteOptions, step: Step, chunk: PendingChunk, retry: Required<BackoffOptions>, stepLog: Logger, waitForLock: boolean): Promise<number | null> {
   const { store, run } = opts;
   const chunkKey = step.chunks ? chunk.key : null;
   const effect = <T>(name: string, fn: (key: string) => Promise<T> | T) => performEffect(opts, step.name, chunk.key, name, fn);
@@ -229,6 +257,9 @@ async function runChunk(opts: ExecuteOptions, step: Step, chunk: PendingChunk, r
     const started = performance.now();
     try {
       await opts.db.transaction().execute(async (trx) => {
+        // The row lock is the lease: it lives exactly as long as this transaction (and its
+        // backend), so another worker sharing the run passes this chunk by, or waits for it.
+        await store.claimChunk(run.runId, step.name, chunk.seq, waitForLock).execute(trx);
         await faultPoint('after-claim');
         const ctx: StepContext = {
           db: trx,
@@ -259,12 +290,18 @@ async function runChunk(opts: ExecuteOptions, step: Step, chunk: PendingChunk, r
       await faultPoint('after-commit');
       return performance.now() - started;
     } catch (caught) {
+      // Nothing to claim: done (by another worker, or by an earlier try whose acknowledgement was
+      // lost), skipped, or held by another worker, which the step's last pass waits for.
+      if (isClaimRefusal(caught)) return tries > 1 && (await store.markerRefusal(run.runId, step.name, chunk.key)).doneAttempt === run.attempt ? performance.now() - started : null;
       let err = caught;
       if (isMarkerRefusal(caught)) {
         // Nothing committed. Why was the marker refused: fenced off, or done by someone else?
         const why = await store.markerRefusal(run.runId, step.name, chunk.key);
         if (why.attempt !== run.attempt) {
           err = new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off by attempt ${why.attempt}; its chunk ${chunk.key} rolled back`);
+        } else if (why.done && why.doneAttempt === run.attempt && tries > 1) {
+          // An earlier try of ours committed, and only its acknowledgement was lost: it was executed here.
+          return performance.now() - started;
         } else if (why.done) {
           err = ALREADY_DONE;
         } else {
@@ -292,8 +329,11 @@ async function performEffect<T>(opts: ExecuteOptions, step: string, chunk: strin
   if (typeof fn !== 'function') throw new TypeError('ctx.effect(): fn must be a function (idempotencyKey) => result');
   const { run, store } = opts;
   const key = `idem-${createHash('sha256').update([store.schema, run.job, run.runKey, step, chunk, name].join('\0')).digest('hex').slice(0, 40)}`;
-  const record = await store.beginEffect(run.runId, step, chunk, name, key);
+  const record = await store.beginEffect(run.runId, run.attempt, step, chunk, name, key);
+  if (!record) throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off; effect "${name}" of chunk ${chunk} was not started`);
   if (record.status === 'done') return record.result as T;
+  // A run that lost its lock (or must stop at once) starts no new effect.
+  if (opts.abort.aborted) throw opts.abort.reason ?? new FencedError(`attempt ${run.attempt} of job "${run.job}" stopped before effect "${name}"`);
   const result = await fn(key);
   await store.completeEffect(run.runId, step, chunk, name, (result ?? null) as Json);
   return result;

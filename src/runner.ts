@@ -3,16 +3,21 @@ import { sql } from 'kysely';
 import pino, { type Logger } from 'pino';
 import { acquireAdvisoryLock, type HeldLock } from './advisory-lock.ts';
 import { openDatabase, type Database } from './database.ts';
-import { CancelledError, FencedError, InterruptedError, LockLostError, ParamsMismatchError, PausedError, RunFailedError, UsageError } from './errors.ts';
+import { BusyError, CancelledError, FencedError, InterruptedError, LockLostError, ParamsMismatchError, PausedError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import { faultPoint } from './fault-points.ts';
-import { pruneRuns, requestControl, resetRun, resumeRun, type ControlResult, type OperationsHost, type PruneResult } from './operations.ts';
+import { pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
 import { retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
-import { Store, type RunRow, type RunSummary } from './store.ts';
+import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
+
+/** Default size of the work pool (RunnerOptions.poolSize). */
+export const DEFAULT_POOL_SIZE = 10;
+/** Connections a run needs beside one per concurrent chunk: the planner's prefetch, and effects and control polls. */
+export const POOL_HEADROOM = 2;
 
 /** Default name of the schema holding idem's own tables. */
 export const DEFAULT_SCHEMA = 'idem';
@@ -24,7 +29,11 @@ export interface RunnerOptions {
   readonly schema?: string;
   /** Root logger. Defaults to a silent one. */
   readonly log?: Logger;
-  /** Most connections the work pool opens (the lock takes one more). Defaults to `10`. */
+  /**
+   * Most connections the work pool opens (the lock takes one more). A run needs its concurrency
+   * plus 2 (planning ahead, effects and control polls beside the chunks' transactions); a run that
+   * asks for more concurrency than that is refused rather than left to deadlock. Defaults to `10`.
+   */
   readonly poolSize?: number;
 }
 
@@ -37,6 +46,12 @@ export interface RunJobOptions {
   readonly concurrency?: number;
   /** When another process holds the lock: `false` fail at once (busy), `true` wait, n wait n seconds. Defaults to `false`. */
   readonly wait?: boolean | number;
+  /**
+   * When the run is live in other processes, join them as one more worker instead of failing busy
+   * (when nothing is live, start it as usual). Only processes on the same run key join; a plain
+   * run never overlaps anyone. Defaults to `false`.
+   */
+  readonly join?: boolean;
   /** Report what would run without writing anything. Defaults to `false`. */
   readonly dryRun?: boolean;
   /** Aborting stops the run gracefully: no new chunk starts, in-flight ones finish. */
@@ -79,7 +94,7 @@ export interface RunStatusRow {
   readonly job: string;
   readonly runKey: string;
   readonly runId: string;
-  /** `running` only while a process really holds the job's lock; a dead run's row says `crashed`. */
+  /** `running` only while the backend that took this run's lock still holds it; a dead run's row says `crashed`. */
   readonly state: string;
   readonly attempt: number;
   readonly holder: string | null;
@@ -115,11 +130,13 @@ export class Runner {
   readonly #database: Database;
   readonly #connectionString: string;
   readonly #log: Logger;
+  readonly #poolSize: number;
 
   private constructor(database: Database, opts: RunnerOptions, schema: string, log: Logger) {
     this.#database = database;
     this.#connectionString = opts.connectionString;
     this.#log = log;
+    this.#poolSize = opts.poolSize ?? DEFAULT_POOL_SIZE;
     this.schema = schema;
     this.store = new Store(database.db, schema);
   }
@@ -131,7 +148,7 @@ export class Runner {
       throw new UsageError('invalidSchema', `schema name ${JSON.stringify(schema)} is not a plain identifier; use letters, digits and _`);
     }
     const log = opts.log ?? pino({ level: 'silent' });
-    const database = await openDatabase(opts.connectionString, { poolSize: opts.poolSize ?? 10, log });
+    const database = await openDatabase(opts.connectionString, { poolSize: opts.poolSize ?? DEFAULT_POOL_SIZE, log });
     try {
       await retrying(() => ensureRunnerSchema(database.db, schema));
     } catch (err) {
@@ -152,6 +169,7 @@ export class Runner {
 
   /** Runs a job to completion (or finds it done). Throws an IdemError subclass on every other outcome. */
   async run(job: Job, opts: RunJobOptions = {}): Promise<RunOutcome> {
+    this.#checkConcurrency(opts.concurrency);
     const params = (await validateParams(job, opts.params)) as Json;
     const fp = fingerprint(params);
     const runKey = opts.key ?? fp;
@@ -162,21 +180,38 @@ export class Runner {
     if (run.status === 'succeeded' && !(opts.retrySkipped && (run.summary?.skipped ?? 0) > 0)) return alreadyDone(run);
     refuseControlled(run);
 
+    // Every process on a run is a worker: it holds the job's lock shared and the run's own lock.
+    // The first one in bumps the attempt; a plain run refuses to overlap anyone (busy, exit 75);
+    // with `join`, a process finding the same run live joins it under that attempt.
+    const lockName = this.jobLockName(job.name);
+    const allowSucceeded = !!opts.retrySkipped;
     // A lock session killed while still waiting held nothing yet: simply open another.
     const lock = await retrying(() =>
       acquireAdvisoryLock({
         connectionString: this.#connectionString,
-        name: this.jobLockName(job.name),
+        name: lockName,
         what: `job "${job.name}"`,
         wait: opts.wait ?? false,
         ...(opts.signal ? { signal: opts.signal } : {}),
+        worker: {
+          runName: this.runLockName(run.id),
+          join: opts.join ?? false,
+          first: this.store.beginAttemptSql(run.id, `${hostname()}:${process.pid}`, lockName, lockKey(lockName), allowSucceeded),
+          joiner: this.store.joinAttemptSql(run.id),
+        },
       }),
     );
     try {
-      return await this.#runLocked(job, run.id, params, lock, opts);
+      const begin = async () => (lock.entry ? toAttemptStart(lock.entry) : null);
+      return await this.#runLocked(job, run.id, params, lock, opts, begin);
     } finally {
       await lock.release();
     }
+  }
+
+  /** The run's own advisory lock, held shared by every worker on it: "is this run live?" */
+  runLockName(runId: string): string {
+    return `${this.schema}:run:${runId}`;
   }
 
   /**
@@ -184,6 +219,7 @@ export class Runner {
    * the others wait (by default) and then find each migration done.
    */
   async migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: Omit<RunJobOptions, 'key' | 'params' | 'dryRun'> = {}): Promise<RunOutcome[]> {
+    this.#checkConcurrency(opts.concurrency);
     const outcomes: RunOutcome[] = [];
     const fp = fingerprint({});
     // Fast path: every migration already done means no lock and no waiting at all.
@@ -212,7 +248,8 @@ export class Runner {
           outcomes.push(alreadyDone(run));
           continue;
         }
-        outcomes.push(await this.#runLocked(m.job, run.id, {}, lock, opts));
+        const begin = () => this.store.beginAttempt(run.id, `${hostname()}:${process.pid}`, lock);
+        outcomes.push(await this.#runLocked(m.job, run.id, {}, lock, opts, begin));
       }
     } finally {
       await lock.release();
@@ -245,31 +282,59 @@ export class Runner {
     return pruneRuns(this.#ops(), olderThanMs);
   }
 
+  /**
+   * A chunk holds a pool connection for its whole transaction, and `ctx.effect` and the planner
+   * need one more beside it: with every connection inside a chunk, they would wait forever.
+   */
+  #checkConcurrency(concurrency = 1): void {
+    if (!Number.isInteger(concurrency) || concurrency < 1) {
+      throw new UsageError('invalidConcurrency', `concurrency must be an integer >= 1 (got ${JSON.stringify(concurrency)})`);
+    }
+    if (concurrency + POOL_HEADROOM > this.#poolSize) {
+      throw new UsageError(
+        'poolTooSmall',
+        `concurrency ${concurrency} needs a pool of at least ${concurrency + POOL_HEADROOM} connections, but poolSize is ${this.#poolSize}; raise poolSize or lower concurrency`,
+      );
+    }
+  }
+
   #ops(): OperationsHost {
-    return { db: this.db, schema: this.schema, connectionString: this.#connectionString, jobLockName: (j) => this.jobLockName(j), heldLockKeys: () => this.heldLockKeys() };
+    return { db: this.db, schema: this.schema, connectionString: this.#connectionString, jobLockName: (j) => this.jobLockName(j), runLockName: (id) => this.runLockName(id), heldLocks: () => this.heldLocks() };
   }
 
   jobLockName(job: string): string {
     return `${this.schema}:job:${job}`;
   }
 
-  async #runLocked(job: Job, runId: string, params: Json, lock: HeldLock, opts: RunJobOptions): Promise<RunOutcome> {
+  async #runLocked(job: Job, runId: string, params: Json, lock: HeldLock, opts: RunJobOptions, begin: () => Promise<AttemptStart | null>): Promise<RunOutcome> {
     // Re-read under the lock: the holder we waited for has usually finished the run.
     const current = await this.store.getRun(runId);
+    const joined = !lock.firstWorker;
     if (current.status === 'succeeded' && !(opts.retrySkipped && (current.summary?.skipped ?? 0) > 0)) return alreadyDone(current);
     refuseControlled(current);
     await faultPoint('after-lock');
-    const { attempt, startedAt } = await this.store.beginAttempt(runId, `${hostname()}:${process.pid}`, lock.name);
+    const begun = await begin();
+    if (!begun) {
+      // An operator paused or cancelled it after the read above, or the lock is gone already.
+      if (lock.lost.aborted) throw lock.lost.reason;
+      refuseControlled(await this.store.getRun(runId));
+      if (joined) throw new BusyError(`run ${current.run_key} of job "${job.name}" is ending in the processes that share it (${current.status}); try again once they stopped`);
+      throw new LockLostError(`the lock for job "${job.name}" was no longer held when attempt bump ran; rerun to resume`);
+    }
+    const { attempt, startedAt } = begun;
     const invocationStarted = performance.now();
     const identity = { job: job.name, runKey: current.run_key, runId, attempt };
     const log = this.#log.child({ job: job.name, runKey: current.run_key, attempt });
-    log.info({ resumed: attempt > 1 }, attempt > 1 ? 'run resumed' : 'run started');
+    log.info({ resumed: attempt > 1, joined }, joined ? 'joined the run as another worker' : attempt > 1 ? 'run resumed' : 'run started');
     // Operators pause or cancel through the run row; the live attempt looks between chunks.
     const control = new AbortController();
     const poll = setInterval(() => {
-      this.store.requested(runId).then(
-        (what) => {
-          if (what && !control.signal.aborted) control.abort(new ControlRequest(what));
+      this.store.control(runId).then(
+        ({ requested, status, error }) => {
+          if (control.signal.aborted) return;
+          if (requested) control.abort(new ControlRequest(requested));
+          // Another worker on this run failed it: this one stops too, and records nothing.
+          else if (status === 'failed') control.abort(new FailedElsewhere(error?.message ?? 'unknown error'));
         },
         () => {},
       );
@@ -282,7 +347,7 @@ export class Runner {
         if (n > 0) log.info({ chunks: n }, 'retrying skipped chunks');
       }
       const steps = await this.store.loadSteps(runId, job.steps.map((s) => s.name));
-      const { executed } = await executeSteps(
+      const { executed } = await untilLost(lock.lost, executeSteps(
         {
           db: this.db,
           store: this.store,
@@ -299,24 +364,33 @@ export class Runner {
           abort,
         },
         steps,
-      );
+      ));
       if (lock.lost.aborted) throw lock.lost.reason;
       await faultPoint('before-finish');
-      const summary = await this.store.finishRun(runId, attempt, startedAt);
-      if (!summary) throw new FencedError(`attempt ${attempt} of job "${job.name}" was taken over before it could finish`);
+      let summary = await this.store.finishRun(runId, attempt, startedAt);
+      if (!summary) {
+        // Finishing is done once: another worker of this attempt may have found nothing left first.
+        const now = await this.store.getRun(runId);
+        if (now.status !== 'succeeded' || now.attempt !== attempt || !now.summary) throw new FencedError(`attempt ${attempt} of job "${job.name}" was taken over before it could finish`);
+        summary = now.summary;
+      }
       log.info({ executed, chunks: summary.chunks, durationMs: summary.durationMs }, 'run succeeded');
       return { status: 'succeeded', job: job.name, runKey: current.run_key, runId, attempt, summary, executed, elapsedMs: Math.round(performance.now() - invocationStarted) };
     } catch (err) {
       // Once the lock is gone, whatever failed next (often a statement on a connection killed in
       // the same sweep) is a symptom: the run was lost, not failed, and must not be marked failed.
-      throw await this.#recordEnd(runId, attempt, job, current.run_key, lock.lost.aborted ? lock.lost.reason : err, log);
+      throw await this.#recordEnd(runId, attempt, job, current.run_key, lock.lost.aborted ? lock.lost.reason : err, log, lock);
     } finally {
       clearInterval(poll);
     }
   }
 
   /** Records how an attempt ended and returns the error to throw. A fenced attempt writes nothing. */
-  async #recordEnd(runId: string, attempt: number, job: Job, runKey: string, err: unknown, log: Logger): Promise<unknown> {
+  async #recordEnd(runId: string, attempt: number, job: Job, runKey: string, err: unknown, log: Logger, lock: HeldLock): Promise<unknown> {
+    if (err instanceof FailedElsewhere) {
+      log.error({ err: { message: err.message } }, 'the run failed in another worker; stopping');
+      return new RunFailedError(`job "${job.name}" failed in another process sharing the run: ${err.message}; fix the cause and run the same command again to resume there`, { cause: err });
+    }
     if (err instanceof FencedError || err instanceof LockLostError) {
       log.error({ err: { message: err.message } }, 'lost the run to another attempt');
       return err instanceof LockLostError ? err : new LockLostError(err.message, { cause: err });
@@ -330,6 +404,12 @@ export class Runner {
         : new CancelledError(`job "${job.name}" cancelled by an operator; finished chunks are kept; idem reset ${job.name} --key ${runKey} forgets the run`);
     }
     if (err instanceof InterruptedError) {
+      // One worker stopping stops only itself while others still share the run.
+      const others = await lock.otherWorkers().catch(() => 0);
+      if (others > 0) {
+        log.warn({ signal: err.signal, otherWorkers: others }, 'worker stopped; the run goes on in the other workers');
+        return err;
+      }
       await this.store.endRun(runId, attempt, 'interrupted', null).catch(() => {});
       log.warn({ signal: err.signal }, 'run interrupted; rerun to resume');
       return err;
@@ -385,12 +465,11 @@ export class Runner {
       from ${sql.id(s, 'runs')} r
       where ${job === undefined ? sql`true` : sql`r.job = ${job}`}
       order by r.created_at desc, r.id desc limit ${limit}`.execute(this.db);
-    const held = await this.heldLockKeys();
+    const held = await this.heldLocks();
     const skippedByRun = new Map<string, RunStatusRow['skipped']>();
     for (const r of rows) if (r.has_skipped) skippedByRun.set(String(r.id), await this.store.skippedChunks(String(r.id)));
     return rows.map((r) => {
-      const locked = held.has(lockKey(r.lock_name ?? this.jobLockName(r.job)));
-      const state = r.status === 'running' ? (locked ? 'running' : 'crashed') : r.status;
+      const state = r.status === 'running' ? (runIsLive(r, held, this.#ops()) ? 'running' : 'crashed') : r.status;
       const rate = state === 'running' && r.attempt_seconds > 0 && r.done_this_attempt > 0 ? r.done_this_attempt / r.attempt_seconds : null;
       const estimated = r.estimated_total ?? null;
       return {
@@ -417,15 +496,38 @@ export class Runner {
     });
   }
 
-  /** 64-bit keys of the session advisory locks held in this database right now. */
-  async heldLockKeys(): Promise<Set<string>> {
-    const { rows } = await sql<{ key: string }>`
-      select ((classid::bigint << 32) | objid::bigint)::text as key from pg_locks
+  /** The session advisory locks held in this database right now. */
+  async heldLocks(): Promise<HeldLocks> {
+    const { rows } = await sql<{ key: string; pid: number }>`
+      select ((classid::bigint << 32) | objid::bigint)::text as key, pid from pg_locks
       where locktype = 'advisory' and objsubid = 1 and granted
         and database = (select oid from pg_database where datname = current_database())`.execute(this.db);
-    return new Set(rows.map((r) => r.key));
+    return { keys: new Set(rows.map((r) => r.key)), byPid: new Set(rows.map((r) => `${r.pid}:${r.key}`)) };
   }
 }
+
+/**
+ * Waits for the work unless the lock is lost first. In-flight chunks on a dead network never
+ * answer; once the lock is gone they cannot commit anyway (fencing), so they are abandoned, not
+ * awaited, and the run stops within the lock check's deadline.
+ */
+function untilLost<T>(lost: AbortSignal, work: Promise<T>): Promise<T> {
+  if (lost.aborted) {
+    work.catch(() => {});
+    return Promise.reject(lost.reason);
+  }
+  return new Promise<T>((resolve, reject) => {
+    const onLost = () => {
+      work.catch(() => {});
+      reject(lost.reason);
+    };
+    lost.addEventListener('abort', onLost, { once: true });
+    work.then(resolve, reject).finally(() => lost.removeEventListener('abort', onLost));
+  });
+}
+
+/** Why a worker stops when another worker on its run failed the run. */
+class FailedElsewhere extends Error {}
 
 /** Why a live attempt stops at an operator's request. */
 class ControlRequest extends Error {

@@ -29,7 +29,7 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
           onError: (name, slot, err) => {
             if (signals.stop.aborted) return;
             if (err instanceof IdemError && err.exitCode === ExitCode.Busy) log.info({ job: name, slot: slotKey(slot) }, `slot taken by another process: ${err.message}`);
-            else log.error({ job: name, slot: slotKey(slot), err: { message: messageOf(err) } }, 'scheduled run failed; the next tick or --catch-up retries it');
+            else log.error({ job: name, slot: slotKey(slot), err: { message: messageOf(err) } }, 'scheduled run failed; the next tick tries it once more, --catch-up after that');
           },
         });
         const reason = signals.stop.reason;

@@ -1,8 +1,8 @@
 import type { Command } from 'commander';
-import type { CliContext } from '../cli-session.ts';
+import { CLI_DEFAULT_SCHEMA, type CliContext } from '../cli-session.ts';
 import { ExitCode, UsageError } from '../errors.ts';
 import { loadJobDir } from '../loader.ts';
-import { parseSchedule, renderCrontab, type ScheduledJob } from '../schedule.ts';
+import { parseSchedule, renderCrontab, shellQuote, type ScheduledJob } from '../schedule.ts';
 
 /** Every job in the folder that declares a schedule, by name. */
 export async function scheduledJobs(dir: string): Promise<ScheduledJob[]> {
@@ -25,8 +25,16 @@ export function registerCrontabCommand(program: Command, cli: CliContext): void 
       cli.runWithSession(async (g) => {
         const entries = await scheduledJobs(g.jobsDir);
         if (entries.length === 0) throw new UsageError('noScheduledJobs', `no job in ${g.jobsDir}/ declares a schedule; add schedule: '0 3 * * *' to one`);
-        const dirs = g.jobsDir === 'jobs' ? '' : ` --jobs-dir ${g.jobsDir}`;
-        process.stdout.write(renderCrontab(entries, { cwd: process.cwd(), command: `${o.command}${dirs}`, ...(o.logFile ? { logFile: o.logFile } : {}), ...(o.catchUp ? { catchUp: o.catchUp } : {}) }));
+        // Every global flag that changes which lock, tables or files a run uses goes on the line,
+        // quoted: a cron run under another schema would take another lock than a manual run.
+        // The database URL is not (it holds the password): cron's environment sets DATABASE_URL.
+        const identity = [
+          ...(g.schema !== CLI_DEFAULT_SCHEMA ? ['--schema', g.schema] : []),
+          ...(g.jobsDir !== 'jobs' ? ['--jobs-dir', g.jobsDir] : []),
+          ...(g.migrationsDir !== 'migrations' ? ['--migrations-dir', g.migrationsDir] : []),
+        ];
+        const flags = identity.map(shellQuote).map((w) => ` ${w}`).join('');
+        process.stdout.write(renderCrontab(entries, { cwd: process.cwd(), command: `${o.command}${flags}`, ...(o.logFile ? { logFile: o.logFile } : {}), ...(o.catchUp ? { catchUp: o.catchUp } : {}) }));
         return ExitCode.Ok;
       }),
     );

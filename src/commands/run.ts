@@ -14,6 +14,7 @@ interface RunFlags {
   param: Record<string, unknown>;
   concurrency: number;
   wait?: number | boolean;
+  join?: boolean;
   dryRun?: boolean;
   retrySkipped?: boolean;
   json?: boolean;
@@ -35,6 +36,7 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
     .option('--param <key=value>', 'one param (value parsed as JSON when it parses, else a string); repeatable', collectParam, {})
     .option('--concurrency <n>', 'chunks run at once', positiveInt(64), 1)
     .option('--wait [seconds]', 'if another process runs this job, wait for it (forever, or this many seconds) instead of exiting 75', waitSeconds)
+    .option('--join', 'if this run is live in other processes, join them as one more worker (start it when nobody runs it)')
     .option('--dry-run', 'show what would run; write nothing')
     .option('--retry-skipped', "retry chunks skipped under a step's maxFailedChunks policy (also in a succeeded run)")
     .option('--max-rate <chunks/s>', 'start at most this many chunks per second', positiveNumber)
@@ -62,7 +64,9 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
           process.stdout.write(`no slot of job "${job.name}" falls within --catch-up ${o.catchUp}\n`);
           return ExitCode.Ok;
         }
-        const runner = await openRunner(g, log, session, o.concurrency + 2);
+        // Loaded by openRunner anyway; imported here, not at the top, so --help does not load it.
+        const { POOL_HEADROOM } = await import('../runner.ts');
+        const runner = await openRunner(g, log, session, o.concurrency + POOL_HEADROOM);
         const signals = installSignals(log, g.shutdownTimeout, force);
         const throttle = {
           ...(o.maxRate !== undefined ? { maxRate: o.maxRate } : {}),
@@ -81,6 +85,7 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
             slot,
             concurrency: o.concurrency,
             wait: o.wait ?? false,
+            join: o.join ?? false,
             dryRun: o.dryRun ?? false,
             retrySkipped: o.retrySkipped ?? false,
             signal: signals.stop,
