@@ -38,13 +38,18 @@ export type CommandBody = (g: GlobalOptions, log: Logger, session: Session, forc
 /** What a command module gets from the program: the globals and the one way to run a command body. */
 export interface CliContext {
   globals(): GlobalOptions;
-  runWithSession(fn: CommandBody): Promise<void>;
+  /**
+   * `uses`: the folders the command reads; one given explicitly must exist. `run`, `crontab` and
+   * `cron` read only the jobs folder (a crontab line carries --migrations-dir through unread).
+   * Defaults to both.
+   */
+  runWithSession(fn: CommandBody, uses?: ReadonlyArray<'jobs' | 'migrations'>): Promise<void>;
 }
 
 export function createCliContext(program: Command, state: { exitCode: number }): CliContext {
   const globals = () => program.opts<GlobalOptions>();
 
-  const runWithSession = async (fn: CommandBody) => {
+  const runWithSession = async (fn: CommandBody, uses: ReadonlyArray<'jobs' | 'migrations'> = ['jobs', 'migrations']) => {
     const g = globals();
     // Loaded here, not at the top: `idem --help` and parse errors never need pino.
     const { createLogger } = await import('./log.ts');
@@ -58,6 +63,15 @@ export function createCliContext(program: Command, state: { exitCode: number }):
       process.exit(code);
     };
     try {
+      // job-lookup brings kysely: loaded when a command runs, not for --help.
+      const { checkJobFolders } = await import('./job-lookup.ts');
+      await checkJobFolders(
+        [
+          { flag: '--jobs-dir' as const, dir: g.jobsDir, explicit: program.getOptionValueSource('jobsDir') === 'cli', what: 'jobs' as const },
+          { flag: '--migrations-dir' as const, dir: g.migrationsDir, explicit: program.getOptionValueSource('migrationsDir') === 'cli', what: 'migrations' as const },
+        ].filter((f) => uses.includes(f.what)),
+        log,
+      );
       state.exitCode = await fn(g, log, session, (code) => void finish(code, 2_000));
     } catch (err) {
       state.exitCode = exitCodeOf(err);

@@ -1,3 +1,4 @@
+import os from 'node:os';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { createFixtureTables } from './fixtures/tables.ts';
 import { FIXTURE_DIRS, query, runCli, spawnCli, waitFor, type CliProcess } from './support/cli.ts';
@@ -50,6 +51,13 @@ describe('idem run --join', () => {
     await waitFor(async () => ((await doneCount('plain')) >= 3 ? true : undefined), 'the shared run to be under way');
     const plain = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params(400, 30), '--key', 'plain'], { url });
     expect(plain.code).toBe(75);
+    // status names both live workers (host:pid) with their chunks and rate.
+    const status = await runCli([...FIXTURE_DIRS, 'status', 'counted', '--json'], { url });
+    const run = (JSON.parse(status.stdout) as Array<{ runKey: string; state: string; workers: Array<{ worker: string; chunks: number; rate: number }> }>).find((r) => r.runKey === 'plain');
+    expect(run?.state).toBe('running');
+    expect(run?.workers).toHaveLength(2);
+    expect(run?.workers.map((w) => w.worker).sort()).toEqual([first.pid, second.pid].map((pid) => `${os.hostname()}:${pid}`).sort());
+    expect(run!.workers.reduce((n, w) => n + w.chunks, 0)).toBeGreaterThan(0);
     const waiting = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params(400, 30), '--key', 'plain', '--wait', '90'], { url, timeoutMs: 120_000 });
     expect(waiting.code).toBe(0);
     expect(waiting.stdout).toMatch(/already/);

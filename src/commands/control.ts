@@ -12,6 +12,8 @@ function registerControl(program: Command, cli: CliContext, name: 'pause' | 'res
     .action((job: string, o: { key?: string; json?: boolean }) =>
       cli.runWithSession(async (g, log, session) => {
         const runner = await openRunner(g, log, session);
+        const { assertKnownJob } = await import('../job-lookup.ts');
+        await assertKnownJob(runner, job, g);
         const r = await runner[name](job, o.key);
         const how = r.live ? `requested: the live run stops at its next chunk boundary` : `now ${r.status}`;
         process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `${name}: run ${r.runKey} of job "${r.job}" ${how}\n`);

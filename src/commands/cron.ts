@@ -34,6 +34,6 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
         });
         const reason = signals.stop.reason;
         return reason instanceof InterruptedError ? reason.exitCode : ExitCode.Ok;
-      }),
+      }, ['jobs']),
     );
 }

@@ -36,6 +36,6 @@ export function registerCrontabCommand(program: Command, cli: CliContext): void 
         const flags = identity.map(shellQuote).map((w) => ` ${w}`).join('');
         process.stdout.write(renderCrontab(entries, { cwd: process.cwd(), command: `${o.command}${flags}`, ...(o.logFile ? { logFile: o.logFile } : {}), ...(o.catchUp ? { catchUp: o.catchUp } : {}) }));
         return ExitCode.Ok;
-      }),
+      }, ['jobs']),
     );
 }

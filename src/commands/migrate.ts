@@ -26,6 +26,6 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
         else if (outcomes.length === 0) process.stdout.write(`no migrations in ${g.migrationsDir}/\n`);
         else for (const out of outcomes) process.stdout.write(`${out.runKey}: ${describeOutcome(out)}\n`);
         return ExitCode.Ok;
-      }),
+      }, ['migrations']),
     );
 }

@@ -17,6 +17,6 @@ export function registerPruneCommand(program: Command, cli: CliContext): void {
         const r = await runner.prune(ms);
         process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `prune: removed ${r.runs} runs, ${r.steps} steps, ${r.chunks} chunk markers, ${r.effects} effects older than ${o.olderThan}\n`);
         return ExitCode.Ok;
-      }),
+      }, []),
     );
 }

@@ -49,7 +49,7 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
       cli.runWithSession(async (g, log, session, force) => {
         const params = parseParams(o.params, o.param);
         if (o.key !== undefined && (o.key.length === 0 || o.key.length > 200)) throw new UsageError('invalidKey', '--key must be 1 to 200 characters');
-        const job = await findJob(g.jobsDir, name);
+        const job = await findJob(g.jobsDir, name, { migrationsDir: g.migrationsDir });
         // Bad params are refused before any connection: nothing, not even idem's schema, is created.
         await validateParams(job, params);
         // A scheduled job run without --key is the run of its most recent due slot: cron firing
@@ -95,6 +95,6 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
           process.stdout.write(o.json ? `${JSON.stringify(outcome)}\n` : `${describeOutcome(outcome)}\n`);
         }
         return ExitCode.Ok;
-      }),
+      }, ['jobs']),
     );
 }

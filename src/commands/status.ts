@@ -121,6 +121,10 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
       cli.runWithSession(async (g, log, session) => {
         if (o.key !== undefined && job === undefined) throw new UsageError('invalidKey', '--key needs the job too: idem status <job> --key <key>');
         const runner = await openRunner(g, log, session);
+        if (job !== undefined) {
+          const { assertKnownJob } = await import('../job-lookup.ts');
+          await assertKnownJob(runner, job, g);
+        }
         const tty = process.stdout.isTTY === true && !process.env.NO_COLOR;
         if (o.key !== undefined) {
           // status() lists newest first; a run key is unique per job, so search that job's runs.
