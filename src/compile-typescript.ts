@@ -40,11 +40,22 @@ export async function compileTypeScriptModule(file: string, cacheDir: string): P
     logLevel: 'silent',
     absWorkingDir: path.dirname(file),
   }).catch((err: { errors?: Array<{ text: string; location: { file: string; line: number; column: number } | null }> }) => {
-    // esbuild's message starts "Build failed with 1 error:"; the loader shows one line, so lead with the first error and its place.
+    // Worded as tsx's TransformError (an absolute path, then ERROR:), which load-error.ts
+    // explains with the source line: the same message whichever way the file was compiled.
     const first = err.errors?.[0];
     if (!first) throw err;
-    const where = first.location ? `${first.location.file}:${first.location.line}:${first.location.column + 1}: ` : '';
-    throw new Error(`${where}${first.text}`, { cause: err });
+    // A relative import esbuild cannot find: worded as Node's own, so it is explained the same way.
+    const unresolved = /^Could not resolve "(\.{1,2}\/[^"]+)"/.exec(first.text);
+    if (unresolved && first.location) {
+      const importer = path.resolve(path.dirname(file), first.location.file);
+      const e = new Error(`Cannot find module '${path.resolve(path.dirname(importer), unresolved[1]!)}' imported from ${importer}`, { cause: err });
+      (e as Error & { code?: string }).code = 'ERR_MODULE_NOT_FOUND';
+      throw e;
+    }
+    const where = first.location ? `${path.resolve(path.dirname(file), first.location.file)}:${first.location.line}:${first.location.column}: ` : '';
+    const e = new Error(`Transform failed with 1 error:\n${where}ERROR: ${first.text}`, { cause: err });
+    e.name = 'TransformError';
+    throw e;
   });
   const inputs = await Promise.all(
     Object.keys(result.metafile.inputs).map(async (rel) => {

@@ -54,7 +54,13 @@ async function importJobFile(file: string): Promise<Record<string, unknown>> {
     const { compileTypeScriptModule } = await import('./compile-typescript.ts');
     const compiled = await compileTypeScriptModule(file, path.join(packageRoot(file), '.idem', 'cache'));
     process.setSourceMapsEnabled(true);
-    return (await import(pathToFileURL(compiled).href)) as Record<string, unknown>;
+    try {
+      return (await import(pathToFileURL(compiled).href)) as Record<string, unknown>;
+    } catch (err) {
+      // A missing import is reported "imported from" the compiled file: name the user's file.
+      if (err instanceof Error) err.message = err.message.split(compiled).join(file);
+      throw err;
+    }
   }
   return (await import(pathToFileURL(file).href)) as Record<string, unknown>;
 }

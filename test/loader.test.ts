@@ -84,7 +84,7 @@ describe('loading job folders', () => {
     await writeFile(path.join(root, 'jobs', 'bad.ts'), `export default { name: 'bad', steps: [ ) };`);
     const err = await loadJobDir(path.join(root, 'jobs'), 'jobs').catch((e: unknown) => e);
     expect(err).toBeInstanceOf(UsageError);
-    expect((err as Error).message).toMatch(/^cannot load jobs file .*bad\.ts: bad\.ts:1:\d+: Unexpected "\)"; fix the file$/);
+    expect((err as Error).message.split('\n')[0]).toMatch(/^cannot load jobs file .*bad\.ts:1:\d+: syntax error: Unexpected "\)"; fix the file$/);
   });
 });
 
