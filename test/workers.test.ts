@@ -1,7 +1,7 @@
 import os from 'node:os';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { createFixtureTables } from './fixtures/tables.ts';
-import { FIXTURE_DIRS, query, runCli, spawnCli, waitFor, type CliProcess } from './support/cli.ts';
+import { FIXTURE_DIRS, query, runCli, sessions, spawnCli, waitFor, type CliProcess } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 
 // Issue 9: many worker processes share one run (`idem run --join`).
@@ -67,7 +67,8 @@ describe('idem run --join', () => {
 
   it('SIGTERM stops only that worker (its in-flight chunk committed); a SIGKILLed worker loses nothing; the others finish the run', async () => {
     const workers: CliProcess[] = Array.from({ length: 3 }, () => join('kill', 150, 40));
-    await waitFor(async () => ((await doneCount('kill')) >= 10 ? true : undefined), 'the shared run to be under way');
+    // All three are in (a worker that starts late would find the run interrupted, not shared).
+    await waitFor(async () => ((await sessions(url, 'idem-lock')) === 3 && (await doneCount('kill')) >= 10 ? true : undefined), 'three workers on the run', { timeoutMs: 60_000 });
     workers[0]!.child.kill('SIGTERM');
     const stopped = await workers[0]!.done;
     expect(stopped.code).toBe(143);
