@@ -1,3 +1,4 @@
+import { fileURLToPath } from 'node:url';
 import { defineConfig } from 'vitest/config';
 
 /**
@@ -10,6 +11,14 @@ const seed = Number(process.env.IDEM_TEST_SEED ?? Math.floor(Math.random() * 1_0
 if (shuffle) console.log(`tests shuffled within each file with seed ${seed} (replay: IDEM_TEST_SHUFFLE=1 IDEM_TEST_SEED=${seed} npm test)`);
 
 export default defineConfig({
+  resolve: {
+    // Job fixtures import 'idem' as users do; in the tests that is the source the tests import
+    // too (one copy of every class), not the built dist/ the package exports point at.
+    alias: [
+      { find: /^idem$/, replacement: fileURLToPath(new URL('./src/index.ts', import.meta.url)) },
+      { find: /^idem\/testing$/, replacement: fileURLToPath(new URL('./src/testing.ts', import.meta.url)) },
+    ],
+  },
   test: {
     include: ['test/**/*.test.ts'],
     exclude: ['test/bench/**', '**/node_modules/**'],

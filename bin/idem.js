@@ -1,8 +1,18 @@
 #!/usr/bin/env node
-// Job and migration files are TypeScript: tsx's loader compiles them (and idem's own sources) on
-// import, so there is no build step between editing a job and running it.
-import { register } from 'tsx/esm/api';
+// The CLI runs compiled JavaScript from dist/: no TypeScript compiler at start-up. TypeScript job
+// files are handled later, and only when a folder holds some (see src/loader.ts).
+import module from 'node:module';
 
-register();
-const { main } = await import('../src/cli.ts');
-await main(process.argv);
+// Node 22.1+ keeps V8's compiled code of idem and its dependencies on disk between runs (a
+// faster start for cron and operators); Node 20 has no such cache, and nothing happens.
+module.enableCompileCache?.();
+
+let cli;
+try {
+  cli = await import('../dist/cli.js');
+} catch (err) {
+  if (err?.code !== 'ERR_MODULE_NOT_FOUND' || !String(err.message).includes('dist/cli.js')) throw err;
+  process.stderr.write('idem: error: dist/cli.js is missing: this is a checkout of the repository, build it first with npm run build\n');
+  process.exit(2);
+}
+await cli.main(process.argv);

@@ -1,46 +1,10 @@
 /**
  * idem's public API: what job and migration files (and programs embedding the runner) import.
- * Everything not exported here is internal.
+ * Everything not exported here is internal. The job-authoring half lives in job-api.ts, which is
+ * also the CommonJS entry; the runner is ESM only.
  */
-export { defineJob } from './job.ts';
-export type {
-  ChunkPage,
-  ChunkSource,
-  ChunkSpec,
-  ChunkedStep,
-  Job,
-  JobDefinition,
-  Json,
-  ParamsValidator,
-  PlanContext,
-  RunIdentity,
-  SingleStep,
-  StandardSchemaV1,
-  Step,
-  StepContext,
-} from './job.ts';
-export { keyRange } from './key-range.ts';
-export type { KeyRangeChunk, KeyRangeOptions } from './key-range.ts';
+export * from './job-api.ts';
 export { Runner, DEFAULT_SCHEMA } from './runner.ts';
 export type { RunJobOptions, RunOutcome, RunnerOptions, RunStatusRow } from './runner.ts';
 export type { RunSummary, RunErrorInfo } from './store.ts';
-export {
-  BusyError,
-  CancelledError,
-  PausedError,
-  DatabaseUnavailableError,
-  ExitCode,
-  FencedError,
-  IdemError,
-  InterruptedError,
-  LockLostError,
-  ParamsMismatchError,
-  RunFailedError,
-  UsageError,
-  exitCodeOf,
-} from './errors.ts';
-export { backoffDelay, isRetryable, SqlState, DEFAULT_BACKOFF } from './retry.ts';
-export type { BackoffOptions } from './retry.ts';
-export { canonicalJson, fingerprint } from './fingerprint.ts';
 export { redactUrl } from './database.ts';
-export { sql } from 'kysely';

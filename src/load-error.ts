@@ -53,7 +53,8 @@ export async function explainLoadError(file: string, err: unknown): Promise<Load
   const linked = await linkErrorLocation(err.stack);
   if (linked) return { cause: firstLine(err.message), fix: 'fix the file', location: linked };
   // idem's own refusal at load time (defineJob with a bad definition) already says what is wrong.
-  if (err instanceof IdemError) return { cause: firstLine(err.message), fix: 'fix the file', ...spread(await thrownAt(err.stack)) };
+  // By shape as well as class: a CommonJS job file's defineJob() throws the CommonJS copy's errors.
+  if (err instanceof IdemError || isIdemShaped(err)) return { cause: firstLine(err.message), fix: 'fix the file', ...spread(await thrownAt(err.stack)) };
   return { cause: `it threw while loading: ${err.name}: ${firstLine(err.message)}`, fix: 'fix the file', ...spread(await thrownAt(err.stack)) };
 }
 
@@ -73,6 +74,11 @@ export function formatLoadFailure(what: 'jobs' | 'migrations', file: string, f: 
 export function displayPath(file: string): string {
   const rel = path.relative(process.cwd(), file);
   return rel && !rel.startsWith('..') && !path.isAbsolute(rel) ? rel : file;
+}
+
+function isIdemShaped(err: Error): boolean {
+  const e = err as { code?: unknown; exitCode?: unknown };
+  return typeof e.code === 'string' && e.code.startsWith('idem.') && typeof e.exitCode === 'number';
 }
 
 function firstLine(s: string): string {

@@ -1,4 +1,6 @@
+import { existsSync, readFileSync } from 'node:fs';
 import { readdir, stat } from 'node:fs/promises';
+import { createRequire } from 'node:module';
 import path from 'node:path';
 import { pathToFileURL } from 'node:url';
 import { messageOf, UsageError } from './errors.ts';
@@ -7,6 +9,61 @@ import { explainLoadError, formatLoadFailure } from './load-error.ts';
 import { quoteChoices, suggestSimilar } from './suggest.ts';
 
 const JOB_FILE = /^(?!_)(?!.*\.d\.[cm]?ts$)(?!.*\.test\.).*\.(?:[cm]?ts|[cm]?js)$/;
+const TYPESCRIPT = /\.[cm]?ts$/;
+
+/**
+ * Whether Node treats this file as CommonJS: .cjs/.cts always, .mjs/.mts never, .js/.ts by the
+ * "type" of the nearest package.json (CommonJS when absent, as in a fresh `npm init` project).
+ */
+export function isCommonJsFile(file: string): boolean {
+  if (/\.c[jt]s$/.test(file)) return true;
+  if (/\.m[jt]s$/.test(file)) return false;
+  for (let dir = path.dirname(file); ; dir = path.dirname(dir)) {
+    try {
+      return (JSON.parse(readFileSync(path.join(dir, 'package.json'), 'utf8')) as { type?: string }).type !== 'module';
+    } catch (err) {
+      if ((err as { code?: string }).code !== 'ENOENT') return true;
+    }
+    if (path.dirname(dir) === dir) return true;
+  }
+}
+
+let requireHook: Promise<void> | undefined;
+
+/** The directory of the nearest package.json above a file (the file's own directory when none). */
+function packageRoot(file: string): string {
+  for (let dir = path.dirname(file); ; dir = path.dirname(dir)) {
+    if (existsSync(path.join(dir, 'package.json'))) return dir;
+    if (path.dirname(dir) === dir) return path.dirname(file);
+  }
+}
+
+/**
+ * Loads one job module as Node would run it; a CommonJS module comes back as `{ default: module.exports }`.
+ * TypeScript costs nothing until a folder holds some: CommonJS TypeScript (.cts, or .ts in a
+ * CommonJS project) is require()d through tsx's require hook, which is cheap (it patches
+ * require); ES-module TypeScript is compiled once by esbuild into the package's .idem/cache/
+ * (see compile-typescript.ts) and imported as JavaScript.
+ */
+async function importJobFile(file: string): Promise<Record<string, unknown>> {
+  if (TYPESCRIPT.test(file) && isCommonJsFile(file)) {
+    await (requireHook ??= import('tsx/cjs/api').then((m) => void m.register()));
+    return { default: createRequire(file)(file) as unknown };
+  }
+  if (TYPESCRIPT.test(file)) {
+    const { compileTypeScriptModule } = await import('./compile-typescript.ts');
+    const compiled = await compileTypeScriptModule(file, path.join(packageRoot(file), '.idem', 'cache'));
+    process.setSourceMapsEnabled(true);
+    try {
+      return (await import(pathToFileURL(compiled).href)) as Record<string, unknown>;
+    } catch (err) {
+      // A missing import is reported "imported from" the compiled file: name the user's file.
+      if (err instanceof Error) err.message = err.message.split(compiled).join(file);
+      throw err;
+    }
+  }
+  return (await import(pathToFileURL(file).href)) as Record<string, unknown>;
+}
 
 export interface LoadedJob {
   readonly file: string;
@@ -15,7 +72,7 @@ export interface LoadedJob {
   readonly job: Job;
 }
 
-/** Imports every job module in a folder (TypeScript loads through tsx), sorted by file name. */
+/** Imports every job module in a folder (TypeScript through tsx, loaded on demand), sorted by file name. */
 export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Promise<LoadedJob[]> {
   const abs = path.resolve(dir);
   let names: string[];
@@ -32,20 +89,34 @@ export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Prom
     if (!(await stat(file)).isFile()) continue;
     let mod: Record<string, unknown>;
     try {
-      mod = (await import(pathToFileURL(file).href)) as Record<string, unknown>;
+      mod = await importJobFile(file);
     } catch (err) {
       // The first line says what and where; the source line with a caret follows it.
       // Explaining must never hide the error it explains.
       const failure = await explainLoadError(file, err).catch(() => ({ cause: messageOf(err), fix: 'fix the file' }));
       throw new UsageError('jobLoadFailed', formatLoadFailure(what, file, failure), { cause: err });
     }
-    const job = assertJob(mod.default ?? mod.job, path.relative(process.cwd(), file));
+    const job = assertJob(jobExport(mod), path.relative(process.cwd(), file));
     const other = byName.get(job.name);
     if (other) throw new UsageError('duplicateJob', `job name "${job.name}" is defined twice (${other} and ${name}); rename one`);
     byName.set(job.name, name);
     loaded.push({ file, id: name.replace(/\.[cm]?[jt]s$/, ''), job });
   }
   return loaded;
+}
+
+/**
+ * The job a module exports: `export default` or `export const job` in ESM. A CommonJS module
+ * (a .cjs file, or TypeScript compiled for a CommonJS project) arrives as `{ default: module.exports }`,
+ * where `export default` became `exports.default` and `module.exports = job` is the job itself.
+ */
+function jobExport(mod: Record<string, unknown>): unknown {
+  const top = mod.default ?? mod.job;
+  if (top && typeof top === 'object' && !('steps' in top)) {
+    const inner = (top as Record<string, unknown>).default ?? (top as Record<string, unknown>).job;
+    if (inner !== undefined) return inner;
+  }
+  return top;
 }
 
 /**

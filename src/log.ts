@@ -1,8 +1,8 @@
 import pino, { type Logger } from 'pino';
-import pretty from 'pino-pretty';
+import type { LogLevel } from './log-level.ts';
+import { terminalDestination } from './terminal-log.ts';
 
-export type LogLevel = 'trace' | 'debug' | 'info' | 'warn' | 'error' | 'fatal' | 'silent';
-export const LOG_LEVELS: readonly LogLevel[] = ['trace', 'debug', 'info', 'warn', 'error', 'fatal', 'silent'];
+export { LOG_LEVELS, type LogLevel } from './log-level.ts';
 
 /** Paths pino blanks out wherever they appear: a connection string or password must never reach a log. */
 const REDACT = ['password', '*.password', 'connectionString', '*.connectionString', 'databaseUrl', '*.databaseUrl'];
@@ -14,7 +14,7 @@ const REDACT = ['password', '*.password', 'connectionString', '*.connectionStrin
 export function createLogger(level: LogLevel = 'info', opts: { readonly pretty?: boolean } = {}): Logger {
   const base = { level, redact: { paths: REDACT, censor: '***' }, base: { pid: process.pid } };
   if (opts.pretty ?? process.stderr.isTTY) {
-    return pino(base, pretty({ destination: 2, sync: true, ignore: 'pid,hostname', translateTime: 'HH:MM:ss.l' }));
+    return pino(base, terminalDestination());
   }
   return pino(base, pino.destination({ fd: 2, sync: true }));
 }

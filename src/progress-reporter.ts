@@ -1,5 +1,6 @@
 import type { Logger } from 'pino';
 import type { Progress } from './executor.ts';
+import { colours, setStatusLine, type Colours } from './terminal.ts';
 
 export interface ProgressReporter {
   readonly update: (p: Progress) => void;
@@ -18,6 +19,21 @@ export function formatProgress(job: string, p: Progress, now = performance.now()
   return `${job} step ${p.stepIndex + 1}/${p.steps} ${p.step}: ${of} chunks, ${rate.toFixed(1)}/s, ${eta}`;
 }
 
+/**
+ * The pinned progress bar on a terminal: step, a bar of done/planned (or the estimate, marked ~),
+ * the rate of this invocation and the ETA. Pure; exported for tests.
+ */
+export function formatProgressBar(p: Progress, now = performance.now(), width = 24, c: Colours = colours(false)): string {
+  const total = p.fullyPlanned ? p.planned : Math.max(p.planned, p.estimated ?? 0);
+  const secs = (now - p.since) / 1000;
+  const rate = secs > 0 ? p.executedNow / secs : 0;
+  const eta = rate > 0 && total > 0 ? formatSeconds((total - p.done) / rate) : '?';
+  const filled = total > 0 ? Math.min(width, Math.round((p.done / total) * width)) : 0;
+  const bar = c.green('█'.repeat(filled)) + c.gray('░'.repeat(width - filled));
+  const of = total > 0 ? `${p.done}/${total}${p.fullyPlanned ? '' : '~'}` : `${p.done}`;
+  return `${c.dim(`step ${p.stepIndex + 1}/${p.steps}`)} ${p.step} ${bar} ${of} chunks · ${rate.toFixed(1)}/s · ETA ${eta}`;
+}
+
 function formatSeconds(seconds: number): string {
   if (!Number.isFinite(seconds)) return '?';
   // Round once, then split: rounding the parts separately shows 119.5 s as "1m60s".
@@ -28,16 +44,18 @@ function formatSeconds(seconds: number): string {
 }
 
 /**
- * A live progress line on a terminal (redrawn at most 4 times a second), or a JSON log line every
- * `intervalMs` otherwise, so a long run in cron or Kubernetes still shows it is moving.
+ * A progress bar pinned below the log lines on a terminal (redrawn at most 4 times a second), or
+ * a JSON log line every `intervalMs` otherwise, so a long run in cron or Kubernetes still shows
+ * it is moving.
  */
 export function createProgressReporter(opts: { readonly job: string; readonly tty: boolean; readonly log: Logger; readonly intervalMs?: number }): ProgressReporter {
   let last: Progress | undefined;
   let drawn = false;
+  const c = colours();
   const draw = () => {
     if (!last) return;
     if (opts.tty) {
-      process.stderr.write(`\r\x1b[K${formatProgress(opts.job, last)}`);
+      setStatusLine(formatProgressBar(last, performance.now(), 24, c));
       drawn = true;
     } else {
       opts.log.info({ step: last.step, done: last.done, planned: last.planned, estimated: last.estimated, executedNow: last.executedNow }, formatProgress(opts.job, last));
@@ -54,7 +72,7 @@ export function createProgressReporter(opts: { readonly job: string; readonly tt
       if (stopped) return;
       stopped = true;
       clearInterval(timer);
-      if (drawn) process.stderr.write('\r\x1b[K');
+      if (drawn) setStatusLine(undefined);
     },
   };
 }

@@ -11,6 +11,7 @@ import {
   FIXTURE_DIRS,
   killLeftovers,
   lines,
+  logLines,
   query,
   runCli,
   runRow,
@@ -175,7 +176,9 @@ describe('idem run', () => {
     try {
       await holder.query('select pg_advisory_lock($1::bigint)', [lockKey('idem:job:counted')]);
       const r = await idem(['run', 'counted', '--params', '{"chunks":2}', '--key', 'cli-busy']);
-      expectOneLineError(r, 75, 'job "counted" is running in another process (its advisory lock is held); try again later or pass --wait');
+      // Busy is the expected outcome of cron firing twice: one info log line saying "busy", no error line.
+      expect({ code: r.code, stdout: r.stdout, errorLines: lines(r.stderr).filter((l) => !l.startsWith('{')) }).toEqual({ code: 75, stdout: '', errorLines: [] });
+      expect(logLines(r.stderr)).toEqual([expect.objectContaining({ level: 30, msg: 'busy: job "counted" is running in another process (its advisory lock is held); try again later or pass --wait', exitCode: 75 })]);
       expect(await workCounts(url, 'cli-busy')).toEqual(new Map());
     } finally {
       await holder.end();
@@ -268,7 +271,25 @@ describe('idem help, status and list', () => {
     expect(JSON.parse(filtered.stdout)).toEqual([]);
     const text = await idem(['status', 'counted', '--limit', '1']);
     expect(lines(text.stdout)).toHaveLength(2);
-    expect(text.stdout).toMatch(/^JOB\tRUN KEY\tSTATE\tATTEMPT\tCHUNKS\tUPDATED\ncounted\t/);
+    // An aligned table (columns start at the header's offsets), with the time since the last change.
+    const [head, row] = lines(text.stdout) as [string, string];
+    expect(head).toMatch(/^JOB +RUN KEY +STATE +ATTEMPT +CHUNKS +UPDATED$/);
+    expect(row).toMatch(/^counted +\S+ +succeeded +\d+ +\d+\/\d+ +(just now|\d+ s ago|\d+ min ago)$/);
+    for (const column of ['RUN KEY', 'STATE', 'ATTEMPT', 'CHUNKS', 'UPDATED']) expect(row[head.indexOf(column) - 1]).toBe(' ');
+    for (const column of ['RUN KEY', 'STATE', 'ATTEMPT', 'CHUNKS', 'UPDATED']) expect(row[head.indexOf(column)]).not.toBe(' ');
+  });
+
+  it('status <job> --key K shows one run in detail: state, chunks, steps; an unknown key is a usage error', async () => {
+    const r = await idem(['status', 'counted', '--key', 'cli-ok']);
+    expect(r.code, r.stderr).toBe(0);
+    expect(lines(r.stdout).slice(0, 4)).toEqual(['job       counted', 'run key   cli-ok', 'state     succeeded, attempt 1', 'chunks    5/5 done']);
+    expect(r.stdout).toMatch(/\nsteps\n  1\. \S+ +done +1\/1 chunks\n/);
+    expect(r.stdout).toContain('/3 chunks');
+    const json = JSON.parse((await idem(['status', 'counted', '--key', 'cli-ok', '--json'])).stdout) as { runKey: string; steps: Array<{ name: string; done: number; planned: number }> };
+    expect(json.runKey).toBe('cli-ok');
+    expect(json.steps.reduce((n, s) => n + s.done, 0)).toBe(5);
+    const unknown = await idem(['status', 'counted', '--key', 'no-such-key']);
+    expectOneLineError(unknown, 2, 'job "counted" has no run with key "no-such-key"');
   });
 
   it('list --json shows the fixture jobs and migrations with their latest state', async () => {

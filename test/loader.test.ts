@@ -1,4 +1,4 @@
-import { mkdir, mkdtemp, rm, writeFile } from 'node:fs/promises';
+import { mkdir, mkdtemp, readdir, rm, writeFile } from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -70,4 +70,21 @@ describe('loading job folders', () => {
     await expect(findJob(d, 'known-on')).rejects.toThrow("no job named 'known-on'; did you mean 'known-one'?");
     expect(await loadJobDir(path.join(dir, 'does-not-exist'), 'jobs')).toEqual([]);
   });
+
+  it('loads ES-module TypeScript compiled once into the package\'s .idem/cache, and names file, line and column of a syntax error', async () => {
+    const root = await folder('esm-project', { 'package.json': '{ "type": "module" }' });
+    await mkdir(path.join(root, 'jobs'));
+    const good = path.join(root, 'jobs', 'good.ts');
+    await writeFile(good, `import { helper } from './_helper.ts';\nexport default { name: helper('esm'), steps: [{ name: 's', run() {} }] };`);
+    await writeFile(path.join(root, 'jobs', '_helper.ts'), `export const helper = (s: string): string => s + '-job';`);
+    expect((await loadJobDir(path.join(root, 'jobs'), 'jobs')).map((l) => l.job.name)).toEqual(['esm-job']);
+    const cached = (await readdir(path.join(root, '.idem', 'cache'))).sort();
+    expect(cached).toEqual([expect.stringMatching(/^good-[0-9a-f]{12}\.mjs$/), expect.stringMatching(/^good-[0-9a-f]{12}\.mjs\.json$/)]);
+
+    await writeFile(path.join(root, 'jobs', 'bad.ts'), `export default { name: 'bad', steps: [ ) };`);
+    const err = await loadJobDir(path.join(root, 'jobs'), 'jobs').catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(UsageError);
+    expect((err as Error).message.split('\n')[0]).toMatch(/^cannot load jobs file .*bad\.ts:1:\d+: syntax error: Unexpected "\)"; fix the file$/);
+  });
 });
+

@@ -10,7 +10,7 @@ import counted, { chunkKey } from './fixtures/jobs/counted.ts';
 import ranged from './fixtures/jobs/ranged.ts';
 import sized, { SIZED_DDL, SIZED_NOMINAL } from './fixtures/sized-jobs/sized.ts';
 import { createFixtureTables, withClient } from './fixtures/tables.ts';
-import { chunkRows, expectFaultCrash, FIXTURE_DIRS, holdGate, killLeftovers, query, runCli, runRow, sessions, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { busyMessage, chunkRows, expectFaultCrash, FIXTURE_DIRS, holdGate, killLeftovers, query, runCli, runRow, sessions, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 
 const SIZED_JOBS = fileURLToPath(new URL('./fixtures/sized-jobs', import.meta.url));
@@ -84,7 +84,7 @@ describe('pause and resume', () => {
     }
     const r = await child!.done;
     expect(r.code, r.stderr).toBe(75);
-    expect(r.stderr).toMatch(`job "counted" paused by an operator after finishing its in-flight chunks; run idem resume counted --key ${key} to let it continue`);
+    expect(busyMessage(r.stderr)).toMatch(`job "counted" paused by an operator after finishing its in-flight chunks; run idem resume counted --key ${key} to let it continue`);
     expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'paused', requested: null, attempt: 1 });
     // The in-flight chunk committed; no later chunk started.
     expect(await doneWork(key)).toEqual(['c0001']);
@@ -92,7 +92,7 @@ describe('pause and resume', () => {
 
     const again = await runCli(countedArgs(key, params), { url });
     expect(again.code).toBe(75);
-    expect(again.stderr).toMatch(`run ${key} of job "counted" is paused; run idem resume counted --key ${key} first`);
+    expect(busyMessage(again.stderr)).toMatch(`run ${key} of job "counted" is paused; run idem resume counted --key ${key} first`);
     expect(await workCounts(url, key)).toEqual(new Map([['c0001', 1]]));
 
     const resumed = await idem(['resume', 'counted', '--key', key]);
@@ -213,7 +213,7 @@ describe('cancel and reset', () => {
       const before = await snapshot(url, RUN_TABLES);
       const r = await idem(['reset', 'counted', '--key', key]);
       expect(r.code).toBe(75);
-      expect(r.stderr).toMatch('job "counted" is running in another process; idem cancel counted --key op-live first');
+      expect(busyMessage(r.stderr)).toMatch('job "counted" is running in another process; idem cancel counted --key op-live first');
       expect(await snapshot(url, RUN_TABLES)).toEqual(before);
     } finally {
       await gate.release();

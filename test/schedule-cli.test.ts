@@ -6,7 +6,7 @@ import { afterAll, afterEach, beforeAll, beforeEach, describe, expect, it } from
 import { latestSlot, parseSchedule, slotKey, slotsSince } from '../src/schedule.ts';
 import { TICK_SCHEDULE } from './fixtures/scheduled-jobs/hourly-tick.ts';
 import { createFixtureTables } from './fixtures/tables.ts';
-import { FIXTURE_JOBS, killLeftovers, lines, query, REPO, runCli, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { busyMessage, FIXTURE_JOBS, killLeftovers, lines, query, REPO, runCli, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 
 const SCHEDULED_JOBS = fileURLToPath(new URL('./fixtures/scheduled-jobs', import.meta.url));
@@ -64,7 +64,7 @@ describe('idem run on a scheduled job', () => {
     const loser = outcomes.find((o) => o !== winners[0])!;
     // The other found it busy (75), or, had it come after, done (0): never a second execution.
     if (loser.code === 0) expect(loser.out).toMatchObject({ status: 'already-succeeded', runKey: slotKey(slot), executed: 0 });
-    else expect([loser.code, loser.err]).toEqual([75, expect.stringMatching(/job "hourly-tick" is running in another process/)]);
+    else expect([loser.code, busyMessage(loser.err)]).toEqual([75, expect.stringMatching(/^busy: job "hourly-tick" is running in another process/)]);
 
     expect(await ticks('twice')).toEqual([{ run_key: slotKey(slot), chunk_key: slot.toISOString() }]);
     expect(await runsOf('sched_a')).toMatchObject([{ run_key: slotKey(slot), status: 'succeeded', attempt: 1 }]);

@@ -104,7 +104,7 @@ export async function benchNoopRerun(ctx: BenchContext): Promise<BenchResult> {
         },
         {
           benchmark: '3. no-op rerun via the CLI (process start included)',
-          contenders: '`node bin/idem.js run …` vs `node bin/idem.js --help` (node + tsx + module load floor)',
+          contenders: '`node bin/idem.js run …` vs `node bin/idem.js --help` (node + module-load floor; see the startup rows for ratios to `node -e 0`)',
           median: `${fmtMs(cliMs)} vs ${fmtMs(helpMs)}`,
           ratio: `${fmtMs(cliMs - helpMs)} above the floor`,
           goal: 'info',

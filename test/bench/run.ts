@@ -13,6 +13,7 @@ import { benchParallelism } from './bench-parallelism.ts';
 import { benchQueue } from './bench-queue.ts';
 import { benchResume } from './bench-resume.ts';
 import { benchStatements } from './bench-statements.ts';
+import { benchStartup } from './bench-startup.ts';
 import os from 'node:os';
 import { parseOptions, USAGE, type BenchName } from './options.ts';
 import { CostProbe } from './probe.ts';
@@ -22,6 +23,7 @@ import { openBenchServer } from './server.ts';
 const BENCHES: Record<BenchName, (ctx: BenchContext) => Promise<BenchResult>> = {
   overhead: benchOverhead,
   queue: benchQueue,
+  startup: benchStartup,
   noop: benchNoopRerun,
   resume: benchResume,
   statements: benchStatements,

@@ -128,6 +128,14 @@ export function logLines(stderr: string): Array<{ level: number; time: number; m
     .map((l) => JSON.parse(l));
 }
 
+/**
+ * The message of the busy exit (75): logged at info (level 30) as "busy: …", not as an
+ * `idem: error:` line, so cron stays quiet. Undefined when there is none.
+ */
+export function busyMessage(stderr: string): string | undefined {
+  return logLines(stderr).find((l) => l.level === 30 && l.msg.startsWith('busy: '))?.msg;
+}
+
 export async function query<R extends pg.QueryResultRow = any>(url: string, text: string, values: unknown[] = []): Promise<R[]> {
   const client = new pg.Client({ connectionString: url });
   await client.connect();

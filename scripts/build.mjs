@@ -1,0 +1,38 @@
+// Builds the published package into an empty dist/ (so a deleted source never lingers):
+// - dist/cli.js, dist/index.js (+ shared chunks): ESM, bundled by esbuild with kysely inlined.
+//   kysely ships ~900 small modules; loading them one by one cost a CLI start 200–400 ms, one
+//   bundled file costs ~20 ms. Every other dependency stays external (installed, deduplicated).
+//   Code splitting keeps one copy of each idem module across the entries and keeps the CLI's
+//   lazy import()s lazy.
+// - dist/cjs/job-api.js: the job-authoring API as CommonJS, for require('idem') (see job-api.ts).
+// - .d.ts next to them, by tsc (declarations only; the types refer to kysely's own).
+import { spawn } from 'node:child_process';
+import { mkdir, readFile, rm, writeFile } from 'node:fs/promises';
+import { createRequire } from 'node:module';
+import { fileURLToPath } from 'node:url';
+import { build } from 'esbuild';
+
+const root = fileURLToPath(new URL('..', import.meta.url));
+const tsc = createRequire(import.meta.url).resolve('typescript/bin/tsc');
+const pkg = JSON.parse(await readFile(new URL('../package.json', import.meta.url), 'utf8'));
+const external = Object.keys(pkg.dependencies).filter((name) => name !== 'kysely');
+
+const declarations = (project) =>
+  new Promise((resolve, reject) => {
+    const child = spawn(process.execPath, [tsc, '-p', project], { cwd: root, stdio: 'inherit' });
+    child.on('error', reject);
+    child.on('close', (code) => (code === 0 ? resolve() : reject(new Error(`tsc -p ${project} exited ${code}`))));
+  });
+
+const common = { absWorkingDir: root, bundle: true, platform: 'node', target: 'node20', external, logLevel: 'warning', legalComments: 'none' };
+
+await rm(new URL('../dist', import.meta.url), { recursive: true, force: true });
+await Promise.all([
+  declarations('tsconfig.build.json'),
+  declarations('tsconfig.cjs.json'),
+  build({ ...common, entryPoints: { cli: 'src/cli.ts', index: 'src/index.ts', testing: 'src/testing.ts' }, format: 'esm', splitting: true, outdir: 'dist', chunkNames: 'chunks/[name]-[hash]' }),
+  build({ ...common, entryPoints: { 'job-api': 'src/job-api.ts' }, format: 'cjs', outdir: 'dist/cjs' }),
+]);
+await mkdir(new URL('../dist/cjs', import.meta.url), { recursive: true });
+// The package is "type": "module"; this marks the .js files under dist/cjs/ as CommonJS.
+await writeFile(new URL('../dist/cjs/package.json', import.meta.url), '{ "type": "commonjs" }\n');

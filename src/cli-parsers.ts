@@ -1,0 +1,58 @@
+import { InvalidArgumentError } from 'commander';
+import { UsageError } from './errors.ts';
+
+/** Commander argument parsers and the params parser: pure, so every command refuses bad flags the same way. */
+export function positiveInt(max: number) {
+  return (value: string): number => {
+    const n = Number(value);
+    if (!Number.isInteger(n) || n < 1 || n > max) throw new InvalidArgumentError(`expected an integer from 1 to ${max}, got "${value}"`);
+    return n;
+  };
+}
+
+export function positiveNumber(value: string): number {
+  const n = Number(value);
+  if (!Number.isFinite(n) || n <= 0) throw new InvalidArgumentError(`expected a number > 0, got "${value}"`);
+  return n;
+}
+
+export function nonNegativeNumber(value: string): number {
+  const n = Number(value);
+  if (!Number.isFinite(n) || n < 0) throw new InvalidArgumentError(`expected a number >= 0, got "${value}"`);
+  return n;
+}
+
+export function waitSeconds(value: string | boolean): number | boolean {
+  if (typeof value === 'boolean') return value;
+  const n = Number(value);
+  if (!Number.isFinite(n) || n < 0) throw new InvalidArgumentError(`expected a number of seconds >= 0, got "${value}"`);
+  return n;
+}
+
+export function collectParam(value: string, previous: Record<string, unknown>): Record<string, unknown> {
+  const eq = value.indexOf('=');
+  if (eq < 1) throw new InvalidArgumentError(`expected key=value, got "${value}"`);
+  const raw = value.slice(eq + 1);
+  let parsed: unknown = raw;
+  try {
+    parsed = JSON.parse(raw);
+  } catch {
+    // Not JSON: the value is the plain string.
+  }
+  return { ...previous, [value.slice(0, eq)]: parsed };
+}
+
+export function parseParams(json: string | undefined, pairs: Record<string, unknown>): Record<string, unknown> {
+  let base: unknown = {};
+  if (json !== undefined) {
+    try {
+      base = JSON.parse(json);
+    } catch (err) {
+      throw new UsageError('invalidParams', `--params is not valid JSON (${(err as Error).message}); pass an object such as --params '{"day":"2026-11-30"}'`);
+    }
+    if (!base || typeof base !== 'object' || Array.isArray(base)) {
+      throw new UsageError('invalidParams', `--params must be a JSON object, got ${json}; pass e.g. --params '{"day":"2026-11-30"}'`);
+    }
+  }
+  return { ...(base as Record<string, unknown>), ...pairs };
+}

@@ -1,0 +1,141 @@
+import path from 'node:path';
+import type { Command } from 'commander';
+import type { Logger } from 'pino';
+import { ExitCode, exitCodeOf, IdemError, InterruptedError, messageOf } from './errors.ts';
+import type { LogLevel } from './log-level.ts';
+import type { Runner } from './runner.ts';
+
+/**
+ * runner.ts's DEFAULT_SCHEMA, repeated here so that `idem --help` need not load the runner (and
+ * kysely, pg, pino with it); test/cli-startup.test.ts keeps the two equal.
+ */
+export const CLI_DEFAULT_SCHEMA = 'idem';
+
+/** The global flags every command sees. */
+export interface GlobalOptions {
+  databaseUrl?: string;
+  schema: string;
+  jobsDir: string;
+  migrationsDir: string;
+  logLevel: LogLevel;
+  shutdownTimeout: number;
+}
+
+/** Resources a command opened, released in reverse order however the command ends. */
+export class Session {
+  readonly #cleanups: Array<() => Promise<void>> = [];
+  defer(fn: () => Promise<void>): void {
+    this.#cleanups.push(fn);
+  }
+  async close(): Promise<void> {
+    while (this.#cleanups.length) await this.#cleanups.pop()!().catch(() => {});
+  }
+}
+
+/** A command's body: returns the exit code; `force` ends the process after a second signal. */
+export type CommandBody = (g: GlobalOptions, log: Logger, session: Session, force: (code: number) => void) => Promise<number>;
+
+/** What a command module gets from the program: the globals and the one way to run a command body. */
+export interface CliContext {
+  globals(): GlobalOptions;
+  /**
+   * `uses`: the folders the command reads; one given explicitly must exist. `run`, `crontab` and
+   * `cron` read only the jobs folder (a crontab line carries --migrations-dir through unread).
+   * Defaults to both.
+   */
+  runWithSession(fn: CommandBody, uses?: ReadonlyArray<'jobs' | 'migrations'>): Promise<void>;
+}
+
+export function createCliContext(program: Command, state: { exitCode: number }): CliContext {
+  const globals = () => program.opts<GlobalOptions>();
+
+  const runWithSession = async (fn: CommandBody, uses: ReadonlyArray<'jobs' | 'migrations'> = ['jobs', 'migrations']) => {
+    const g = globals();
+    // Loaded here, not at the top: `idem --help` and parse errors never need pino.
+    const { createLogger } = await import('./log.ts');
+    const log = createLogger(g.logLevel);
+    const session = new Session();
+    const finish = async (code: number, graceMs = 10_000) => {
+      // Watchdog: a stuck close (a pool waiting on an in-flight transaction) must not keep a cron
+      // slot busy forever; exiting closes the sockets and Postgres rolls the transactions back.
+      setTimeout(() => process.exit(code), graceMs).unref();
+      await session.close();
+      process.exit(code);
+    };
+    try {
+      // job-lookup brings kysely: loaded when a command runs, not for --help.
+      const { checkJobFolders } = await import('./job-lookup.ts');
+      await checkJobFolders(
+        [
+          { flag: '--jobs-dir' as const, dir: g.jobsDir, explicit: program.getOptionValueSource('jobsDir') === 'cli', what: 'jobs' as const },
+          { flag: '--migrations-dir' as const, dir: g.migrationsDir, explicit: program.getOptionValueSource('migrationsDir') === 'cli', what: 'migrations' as const },
+        ].filter((f) => uses.includes(f.what)),
+        log,
+      );
+      state.exitCode = await fn(g, log, session, (code) => void finish(code, 2_000));
+    } catch (err) {
+      state.exitCode = exitCodeOf(err);
+      const msg = err instanceof IdemError ? err.message : messageOf(err);
+      // Busy (75: another process holds the run, or it is paused) is the expected outcome of cron
+      // firing twice, not a failure: an info log line, so a cron mail filter or --log-level warn
+      // keeps it quiet, while every real failure stays an `idem: error:` line.
+      if (state.exitCode === ExitCode.Busy) log.info({ exitCode: state.exitCode, code: (err as IdemError).code }, `busy: ${msg}`);
+      else process.stderr.write(`idem: error: ${msg}\n`);
+      if (!(err instanceof IdemError)) log.debug({ err }, 'unexpected error');
+    } finally {
+      // The same watchdog on the normal path: releasing the lock, pool and embedded server must
+      // not hang the process.
+      // A lost lock often means a dead network: closing the pool would wait on its sockets.
+      setTimeout(() => process.exit(state.exitCode), state.exitCode === ExitCode.LockLost ? 2_000 : 10_000).unref();
+      await session.close();
+    }
+  };
+  return { globals, runWithSession };
+}
+
+/** Opens a Runner on DATABASE_URL, or on the embedded server under .idem/ when none is given. */
+export async function openRunner(g: GlobalOptions, log: Logger, session: Session, poolSize = 10): Promise<Runner> {
+  // The runner brings kysely and pg: loaded by the commands that talk to the database, when they do.
+  const [{ Runner }, { redactUrl }] = await Promise.all([import('./runner.ts'), import('./database.ts')]);
+  let url = g.databaseUrl;
+  if (!url) {
+    const { startEmbeddedPostgres } = await import('./embedded-postgres.ts');
+    const server = await startEmbeddedPostgres({ dataDir: path.resolve('.idem', 'pg'), onLog: (msg) => log.info(msg) });
+    session.defer(() => server.release());
+    url = server.url;
+  } else {
+    log.debug({ database: redactUrl(url) }, 'using database');
+  }
+  const runner = await Runner.connect({ connectionString: url, schema: g.schema, log, poolSize });
+  session.defer(() => runner.close());
+  return runner;
+}
+
+/**
+ * Graceful first, forceful second: the first SIGINT/SIGTERM stops new chunks and lets in-flight
+ * ones finish; a second signal, or the deadline, aborts the job code and exits (Postgres rolls
+ * back whatever was in flight, so nothing is half-done).
+ */
+export function installSignals(log: Logger, deadlineSeconds: number, onForce: (code: number) => void) {
+  const stop = new AbortController();
+  const abort = new AbortController();
+  const handler = (sig: 'SIGINT' | 'SIGTERM') => {
+    const code = sig === 'SIGINT' ? ExitCode.Sigint : ExitCode.Sigterm;
+    if (!stop.signal.aborted) {
+      log.warn({ signal: sig, deadlineSeconds }, 'stopping: no new chunks; in-flight chunks may finish (signal again to abort them)');
+      stop.abort(new InterruptedError(sig));
+      setTimeout(() => {
+        log.error('shutdown deadline passed; aborting in-flight chunks');
+        abort.abort(new InterruptedError(sig));
+        onForce(code);
+      }, deadlineSeconds * 1000).unref();
+    } else {
+      log.error({ signal: sig }, 'second signal; aborting in-flight chunks');
+      abort.abort(new InterruptedError(sig));
+      onForce(code);
+    }
+  };
+  process.on('SIGINT', () => handler('SIGINT'));
+  process.on('SIGTERM', () => handler('SIGTERM'));
+  return { stop: stop.signal, abort: abort.signal };
+}

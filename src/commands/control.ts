@@ -1,0 +1,30 @@
+import type { Command } from 'commander';
+import { openRunner, type CliContext } from '../cli-session.ts';
+import { ExitCode } from '../errors.ts';
+
+function registerControl(program: Command, cli: CliContext, name: 'pause' | 'resume' | 'cancel', description: string): void {
+  program
+    .command(name)
+    .description(description)
+    .argument('<job>', 'job name')
+    .option('--key <key>', "the run's key (default: the job's latest run it applies to)")
+    .option('--json', 'print the result as JSON')
+    .action((job: string, o: { key?: string; json?: boolean }) =>
+      cli.runWithSession(async (g, log, session) => {
+        const runner = await openRunner(g, log, session);
+        const { assertKnownJob } = await import('../job-lookup.ts');
+        await assertKnownJob(runner, job, g);
+        const r = await runner[name](job, o.key);
+        const how = r.live ? `requested: the live run stops at its next chunk boundary` : `now ${r.status}`;
+        process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `${name}: run ${r.runKey} of job "${r.job}" ${how}\n`);
+        return ExitCode.Ok;
+      }),
+    );
+}
+
+/** `idem pause|resume|cancel <job>`: operator actions between chunks. */
+export function registerControlCommands(program: Command, cli: CliContext): void {
+  registerControl(program, cli, 'pause', 'pause a run between chunks; its re-invocations exit 75 until idem resume');
+  registerControl(program, cli, 'resume', 'let a paused run continue on its next invocation');
+  registerControl(program, cli, 'cancel', 'cancel a run between chunks; finished chunks are kept, the run never continues');
+}

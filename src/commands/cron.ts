@@ -1,0 +1,39 @@
+import type { Command } from 'commander';
+import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
+import { describeOutcome } from '../describe-outcome.ts';
+import { ExitCode, IdemError, InterruptedError, messageOf } from '../errors.ts';
+import { loadJobDir } from '../loader.ts';
+import { runCronLoop, slotKey } from '../schedule.ts';
+import { scheduledJobs } from './crontab.ts';
+
+/** `idem cron`: the schedules in this process, for containers without cron. */
+export function registerCronCommand(program: Command, cli: CliContext): void {
+  program
+    .command('cron')
+    .description('run the schedules in this process (for containers without cron); several on several hosts are safe')
+    .action(() =>
+      cli.runWithSession(async (g, log, session, force) => {
+        const loaded = await loadJobDir(g.jobsDir, 'jobs');
+        const byName = new Map(loaded.map((l) => [l.job.name, l.job]));
+        const entries = await scheduledJobs(g.jobsDir);
+        const runner = await openRunner(g, log, session);
+        const signals = installSignals(log, g.shutdownTimeout, force);
+        log.info({ jobs: entries.map((e) => `${e.job} (${e.schedule.expression})`) }, 'idem cron started');
+        await runCronLoop({
+          entries,
+          signal: signals.stop,
+          runSlot: async (name, slot) => {
+            const out = await runner.run(byName.get(name)!, { key: slotKey(slot), slot, signal: signals.stop, abortSignal: signals.abort });
+            log.info({ job: name, slot: slotKey(slot), status: out.status, executed: out.executed }, describeOutcome(out));
+          },
+          onError: (name, slot, err) => {
+            if (signals.stop.aborted) return;
+            if (err instanceof IdemError && err.exitCode === ExitCode.Busy) log.info({ job: name, slot: slotKey(slot) }, `slot taken by another process: ${err.message}`);
+            else log.error({ job: name, slot: slotKey(slot), err: { message: messageOf(err) } }, 'scheduled run failed; the next tick tries it once more, --catch-up after that');
+          },
+        });
+        const reason = signals.stop.reason;
+        return reason instanceof InterruptedError ? reason.exitCode : ExitCode.Ok;
+      }, ['jobs']),
+    );
+}

@@ -1,0 +1,41 @@
+import type { Command } from 'commander';
+import { CLI_DEFAULT_SCHEMA, type CliContext } from '../cli-session.ts';
+import { ExitCode, UsageError } from '../errors.ts';
+import { loadJobDir } from '../loader.ts';
+import { parseSchedule, renderCrontab, shellQuote, type ScheduledJob } from '../schedule.ts';
+
+/** Every job in the folder that declares a schedule, by name. */
+export async function scheduledJobs(dir: string): Promise<ScheduledJob[]> {
+  const loaded = await loadJobDir(dir, 'jobs');
+  return loaded
+    .filter((l) => l.job.schedule !== undefined)
+    .map((l) => ({ job: l.job.name, schedule: parseSchedule(l.job.schedule!) }))
+    .sort((a, b) => (a.job < b.job ? -1 : 1));
+}
+
+/** `idem crontab`: crontab lines for every scheduled job. */
+export function registerCrontabCommand(program: Command, cli: CliContext): void {
+  program
+    .command('crontab')
+    .description('print crontab lines for every scheduled job (install with: idem crontab | crontab -)')
+    .option('--command <command>', 'how cron invokes idem', 'npx idem')
+    .option('--log-file <file>', 'where cron appends output')
+    .option('--catch-up <N>', 'add --catch-up N to each line, so a failed or missed slot is retried by the next tick')
+    .action((o: { command: string; logFile?: string; catchUp?: string }) =>
+      cli.runWithSession(async (g) => {
+        const entries = await scheduledJobs(g.jobsDir);
+        if (entries.length === 0) throw new UsageError('noScheduledJobs', `no job in ${g.jobsDir}/ declares a schedule; add schedule: '0 3 * * *' to one`);
+        // Every global flag that changes which lock, tables or files a run uses goes on the line,
+        // quoted: a cron run under another schema would take another lock than a manual run.
+        // The database URL is not (it holds the password): cron's environment sets DATABASE_URL.
+        const identity = [
+          ...(g.schema !== CLI_DEFAULT_SCHEMA ? ['--schema', g.schema] : []),
+          ...(g.jobsDir !== 'jobs' ? ['--jobs-dir', g.jobsDir] : []),
+          ...(g.migrationsDir !== 'migrations' ? ['--migrations-dir', g.migrationsDir] : []),
+        ];
+        const flags = identity.map(shellQuote).map((w) => ` ${w}`).join('');
+        process.stdout.write(renderCrontab(entries, { cwd: process.cwd(), command: `${o.command}${flags}`, ...(o.logFile ? { logFile: o.logFile } : {}), ...(o.catchUp ? { catchUp: o.catchUp } : {}) }));
+        return ExitCode.Ok;
+      }, ['jobs']),
+    );
+}

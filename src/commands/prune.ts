@@ -1,0 +1,22 @@
+import type { Command } from 'commander';
+import { openRunner, type CliContext } from '../cli-session.ts';
+import { ExitCode } from '../errors.ts';
+
+/** `idem prune --older-than D`: delete old finished runs in batches. */
+export function registerPruneCommand(program: Command, cli: CliContext): void {
+  program
+    .command('prune')
+    .description('delete succeeded and cancelled runs older than a duration, with their markers and effects (in batches)')
+    .requiredOption('--older-than <duration>', 'e.g. 30d, 12h, 2w')
+    .option('--json', 'print the counts as JSON')
+    .action((o: { olderThan: string; json?: boolean }) =>
+      cli.runWithSession(async (g, log, session) => {
+        const { parseDuration } = await import('../operations.ts');
+        const ms = parseDuration(o.olderThan, '--older-than');
+        const runner = await openRunner(g, log, session);
+        const r = await runner.prune(ms);
+        process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `prune: removed ${r.runs} runs, ${r.steps} steps, ${r.chunks} chunk markers, ${r.effects} effects older than ${o.olderThan}\n`);
+        return ExitCode.Ok;
+      }, []),
+    );
+}

@@ -1,0 +1,22 @@
+import type { Command } from 'commander';
+import { openRunner, type CliContext } from '../cli-session.ts';
+import { ExitCode } from '../errors.ts';
+
+/** `idem reset <job> --key K`: forget a run so its key runs afresh. */
+export function registerResetCommand(program: Command, cli: CliContext): void {
+  program
+    .command('reset')
+    .description('forget a run (steps, chunk markers, effects) so its key runs afresh; refused while it runs')
+    .argument('<job>', 'job name')
+    .requiredOption('--key <key>', "the run's key (see idem status)")
+    .action((job: string, o: { key: string }) =>
+      cli.runWithSession(async (g, log, session) => {
+        const runner = await openRunner(g, log, session);
+        const { assertKnownJob } = await import('../job-lookup.ts');
+        await assertKnownJob(runner, job, g);
+        const r = await runner.reset(job, o.key);
+        process.stdout.write(`reset: forgot run ${o.key} of job "${job}" (${r.chunks} chunk markers, ${r.effects} effects)\n`);
+        return ExitCode.Ok;
+      }),
+    );
+}

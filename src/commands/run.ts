@@ -1,0 +1,100 @@
+import type { Command } from 'commander';
+import { collectParam, nonNegativeNumber, parseParams, positiveInt, positiveNumber, waitSeconds } from '../cli-parsers.ts';
+import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
+import { describeOutcome } from '../describe-outcome.ts';
+import { ExitCode, UsageError } from '../errors.ts';
+import { validateParams } from '../job.ts';
+import { findJob } from '../loader.ts';
+import { createProgressReporter } from '../progress-reporter.ts';
+import { latestSlot, parseCatchUp, parseSchedule, slotKey, slotsSince } from '../schedule.ts';
+
+interface RunFlags {
+  key?: string;
+  params?: string;
+  param: Record<string, unknown>;
+  concurrency: number;
+  wait?: number | boolean;
+  join?: boolean;
+  dryRun?: boolean;
+  retrySkipped?: boolean;
+  json?: boolean;
+  maxRate?: number;
+  pause?: number;
+  targetChunkMs?: number;
+  progress: boolean;
+  catchUp?: string;
+}
+
+/** `idem run <job>`: run a job, or find it done; resumes at the first unfinished chunk. */
+export function registerRunCommand(program: Command, cli: CliContext): void {
+  program
+    .command('run')
+    .description('run a job (or find it done): resumes at the first unfinished chunk')
+    .argument('<job>', 'job name, as defined in a file in the jobs folder')
+    .option('--key <key>', 'run key (idempotency key); default: the params fingerprint')
+    .option('--params <json>', 'params as a JSON object')
+    .option('--param <key=value>', 'one param (value parsed as JSON when it parses, else a string); repeatable', collectParam, {})
+    .option('--concurrency <n>', 'chunks run at once', positiveInt(64), 1)
+    .option('--wait [seconds]', 'if another process runs this job, wait for it (forever, or this many seconds) instead of exiting 75', waitSeconds)
+    .option('--join', 'if this run is live in other processes, join them as one more worker (start it when nobody runs it)')
+    .option('--dry-run', 'show what would run; write nothing')
+    .option('--retry-skipped', "retry chunks skipped under a step's maxFailedChunks policy (also in a succeeded run)")
+    .option('--max-rate <chunks/s>', 'start at most this many chunks per second', positiveNumber)
+    .option('--pause <ms>', 'pause this long after each chunk (per worker)', nonNegativeNumber)
+    .option('--target-chunk-ms <ms>', 'grow or shrink keyRange chunks toward this duration', positiveNumber)
+    .option('--no-progress', 'no live progress line on a terminal')
+    .option('--catch-up <N|duration>', 'scheduled jobs: run the missed slots oldest first, the last N or those within a duration (e.g. 3, 12h, 2d)')
+    .option('--json', 'print the outcome as JSON on stdout')
+    .action((name: string, o: RunFlags) =>
+      cli.runWithSession(async (g, log, session, force) => {
+        const params = parseParams(o.params, o.param);
+        if (o.key !== undefined && (o.key.length === 0 || o.key.length > 200)) throw new UsageError('invalidKey', '--key must be 1 to 200 characters');
+        const job = await findJob(g.jobsDir, name, { migrationsDir: g.migrationsDir });
+        // Bad params are refused before any connection: nothing, not even idem's schema, is created.
+        await validateParams(job, params);
+        // A scheduled job run without --key is the run of its most recent due slot: cron firing
+        // twice, or late, lands on the same run. --catch-up runs each missed slot as its own run.
+        const schedule = job.schedule === undefined ? undefined : parseSchedule(job.schedule);
+        if (o.catchUp !== undefined && (!schedule || o.key !== undefined)) {
+          throw new UsageError('invalidCatchUp', schedule ? '--catch-up picks run keys from the schedule; drop --key' : `--catch-up needs a scheduled job; "${job.name}" has no schedule`);
+        }
+        const slots: Array<Date | null> =
+          o.catchUp !== undefined ? slotsSince(schedule!, parseCatchUp(o.catchUp)) : [o.key === undefined && schedule ? latestSlot(schedule) : null];
+        if (slots.length === 0) {
+          process.stdout.write(`no slot of job "${job.name}" falls within --catch-up ${o.catchUp}\n`);
+          return ExitCode.Ok;
+        }
+        // Loaded by openRunner anyway; imported here, not at the top, so --help does not load it.
+        const { POOL_HEADROOM } = await import('../runner.ts');
+        const runner = await openRunner(g, log, session, o.concurrency + POOL_HEADROOM);
+        const signals = installSignals(log, g.shutdownTimeout, force);
+        const throttle = {
+          ...(o.maxRate !== undefined ? { maxRate: o.maxRate } : {}),
+          ...(o.pause !== undefined ? { pauseMs: o.pause } : {}),
+          ...(o.targetChunkMs !== undefined ? { targetChunkMs: o.targetChunkMs } : {}),
+        };
+        for (const slot of slots) {
+          const reporter = o.progress && !o.json && !o.dryRun ? createProgressReporter({ job: job.name, tty: process.stderr.isTTY === true, log }) : undefined;
+          if (reporter) session.defer(async () => reporter.stop());
+          const key = slot ? slotKey(slot) : o.key;
+          const outcome = await runner.run(job, {
+            throttle,
+            ...(reporter ? { onProgress: reporter.update } : {}),
+            params,
+            ...(key !== undefined ? { key } : {}),
+            slot,
+            concurrency: o.concurrency,
+            wait: o.wait ?? false,
+            join: o.join ?? false,
+            dryRun: o.dryRun ?? false,
+            retrySkipped: o.retrySkipped ?? false,
+            signal: signals.stop,
+            abortSignal: signals.abort,
+          });
+          reporter?.stop();
+          process.stdout.write(o.json ? `${JSON.stringify(outcome)}\n` : `${describeOutcome(outcome)}\n`);
+        }
+        return ExitCode.Ok;
+      }, ['jobs']),
+    );
+}

@@ -1,0 +1,142 @@
+import type { Command } from 'commander';
+import { positiveInt } from '../cli-parsers.ts';
+import { openRunner, type CliContext } from '../cli-session.ts';
+import { ExitCode, UsageError } from '../errors.ts';
+import type { Runner, RunStatusRow } from '../runner.ts';
+import { colours, type Colours } from '../terminal.ts';
+
+/** "just now", "42 s ago", "3 min ago", "5 h ago", "2 d ago". Pure; exported for tests. */
+export function relativeTime(date: Date, now: Date = new Date()): string {
+  const s = Math.round((now.getTime() - date.getTime()) / 1000);
+  if (s < 5) return 'just now';
+  if (s < 60) return `${s} s ago`;
+  if (s < 3600) return `${Math.floor(s / 60)} min ago`;
+  if (s < 86_400) return `${Math.floor(s / 3600)} h ago`;
+  return `${Math.floor(s / 86_400)} d ago`;
+}
+
+function stateColour(state: string, c: Colours): (s: string) => string {
+  if (state === 'succeeded') return c.green;
+  if (state === 'running') return c.cyan;
+  if (state === 'failed' || state === 'crashed') return c.red;
+  if (state === 'paused' || state === 'interrupted') return c.yellow;
+  if (state === 'cancelled') return c.gray;
+  return (s) => s;
+}
+
+function chunksOf(r: RunStatusRow): string {
+  return `${r.chunksDone}/${r.fullyPlanned ? r.chunksPlanned : `${Math.max(r.chunksPlanned, r.estimatedChunks ?? 0)}~`}`;
+}
+
+function errorOf(r: RunStatusRow): string {
+  const e = r.error!;
+  return `step "${e.step}"${e.chunk ? ` chunk ${e.chunk}` : ''} after ${e.tries} ${e.tries === 1 ? 'try' : 'tries'}: ${e.message}`;
+}
+
+/**
+ * `idem status` as an aligned table: one row per run, newest first, with the time since its last
+ * change and its state in colour; what a person needs next (who holds it, its rate and ETA, its
+ * error, a pending request, skipped chunks) after the columns. Pure; exported for tests.
+ */
+export function formatStatus(rows: readonly RunStatusRow[], now: Date = new Date(), c: Colours = colours(false)): string {
+  if (rows.length === 0) return 'no runs yet';
+  const header = ['JOB', 'RUN KEY', 'STATE', 'ATTEMPT', 'CHUNKS', 'UPDATED'];
+  const table = rows.map((r) => [r.job, r.runKey.length > 30 ? `${r.runKey.slice(0, 27)}...` : r.runKey, r.state, String(r.attempt), chunksOf(r), relativeTime(r.updatedAt, now)]);
+  const widths = header.map((h, i) => Math.max(h.length, ...table.map((cells) => cells[i]!.length)));
+  const line = (cells: string[], paint: (i: number, s: string) => string) => cells.map((cell, i) => paint(i, i === cells.length - 1 ? cell : cell.padEnd(widths[i]!))).join('  ');
+  const out = [line(header, (_, s) => c.bold(s))];
+  rows.forEach((r, n) => {
+    const live = r.state === 'running' ? [`held by ${r.holder ?? '?'}`, r.throughput !== null ? `${r.throughput}/s` : '', r.etaSeconds !== null ? `ETA ${r.etaSeconds}s` : ''].filter(Boolean).join(', ') : '';
+    const note = r.error ? c.red(`error: ${errorOf(r)}`) : [live, r.requested ? c.yellow(`${r.requested} requested`) : ''].filter(Boolean).join('  ');
+    out.push(line(table[n]!, (i, s) => (i === 2 ? stateColour(r.state, c)(s) : i === 5 ? c.dim(s) : s)) + (note ? `  ${note}` : ''));
+    for (const k of r.skipped) out.push(c.yellow(`    skipped: step "${k.step}" chunk ${k.key} after ${k.attempts} tries: ${k.error ?? ''}`));
+  });
+  return out.join('\n');
+}
+
+/** One step of a run, for the detail view. */
+export interface StepDetail {
+  readonly name: string;
+  readonly status: string;
+  readonly done: number;
+  readonly planned: number;
+  readonly plannedAll: boolean;
+  readonly estimated: number | null;
+  readonly skipped: number;
+}
+
+async function stepDetails(runner: Runner, runId: string): Promise<StepDetail[]> {
+  const { sql } = await import('kysely');
+  const s = runner.schema;
+  const { rows } = await sql<{ name: string; status: string; planned: number; planned_all: boolean; estimated_chunks: number | null; done: number; skipped: number }>`
+    select st.name, st.status, st.planned, st.planned_all, st.estimated_chunks,
+      (select count(*) from ${sql.id(s, 'chunks')} c where c.run_id = st.run_id and c.step = st.name and c.done_at is not null)::int as done,
+      (select count(*) from ${sql.id(s, 'chunks')} c where c.run_id = st.run_id and c.step = st.name and c.skipped_at is not null)::int as skipped
+    from ${sql.id(s, 'steps')} st where st.run_id = ${runId} order by st.position`.execute(runner.db);
+  return rows.map((r) => ({ name: r.name, status: r.status, done: r.done, planned: r.planned, plannedAll: r.planned_all, estimated: r.estimated_chunks, skipped: r.skipped }));
+}
+
+/** `idem status <job> --key K`: one run in detail. Pure; exported for tests. */
+export function formatRunDetail(r: RunStatusRow, steps: readonly StepDetail[], now: Date = new Date(), c: Colours = colours(false)): string {
+  const when = (d: Date | null) => (d ? `${d.toISOString()} (${relativeTime(d, now)})` : '—');
+  const fields: Array<[string, string]> = [
+    ['job', r.job],
+    ['run key', r.runKey],
+    ['state', `${stateColour(r.state, c)(r.state)}, attempt ${r.attempt}${r.requested ? c.yellow(` (${r.requested} requested)`) : ''}`],
+    ['chunks', `${chunksOf(r)} done${r.throughput !== null ? `, ${r.throughput}/s` : ''}${r.etaSeconds !== null ? `, ETA ${r.etaSeconds}s` : ''}`],
+    ...(r.holder ? ([['held by', r.holder]] as Array<[string, string]>) : []),
+    ['created', when(r.createdAt)],
+    ['updated', when(r.updatedAt)],
+    ['finished', when(r.finishedAt)],
+  ];
+  const width = Math.max(...fields.map(([k]) => k.length));
+  const out = fields.map(([k, v]) => `${c.bold(k.padEnd(width))}  ${v}`);
+  if (steps.length > 0) {
+    out.push('', c.bold('steps'));
+    const nameWidth = Math.max(...steps.map((s) => s.name.length));
+    steps.forEach((s, i) => {
+      const total = s.plannedAll ? `${s.planned}` : `${Math.max(s.planned, s.estimated ?? 0)}~`;
+      const skipped = s.skipped > 0 ? c.yellow(`, ${s.skipped} skipped`) : '';
+      out.push(`  ${i + 1}. ${s.name.padEnd(nameWidth)}  ${s.status.padEnd(7)}  ${s.done}/${total} chunks${skipped}`);
+    });
+  }
+  if (r.skipped.length > 0) {
+    out.push('', c.bold('skipped chunks') + c.dim(' (retry with idem run --retry-skipped)'));
+    for (const k of r.skipped) out.push(c.yellow(`  step "${k.step}" chunk ${k.key} after ${k.attempts} tries: ${k.error ?? ''}`));
+  }
+  if (r.error) out.push('', `${c.bold('last error')}  ${c.red(errorOf(r))}`);
+  return out.join('\n');
+}
+
+/** `idem status [job] [--key K]`: the runs, newest first, or one run in detail. */
+export function registerStatusCommand(program: Command, cli: CliContext): void {
+  program
+    .command('status')
+    .description("show runs: state ('running' only while a process holds the lock), attempt, chunks done/planned, last error; with <job> --key K, one run in detail")
+    .argument('[job]', 'only this job')
+    .option('--key <key>', 'show this run of <job> in detail: steps, chunks done/planned per step, rate, ETA, holder, skipped chunks, last error')
+    .option('--json', 'print as JSON')
+    .option('--limit <n>', 'how many runs', positiveInt(10_000), 50)
+    .action((job: string | undefined, o: { json?: boolean; limit: number; key?: string }) =>
+      cli.runWithSession(async (g, log, session) => {
+        if (o.key !== undefined && job === undefined) throw new UsageError('invalidKey', '--key needs the job too: idem status <job> --key <key>');
+        const runner = await openRunner(g, log, session);
+        if (job !== undefined) {
+          const { assertKnownJob } = await import('../job-lookup.ts');
+          await assertKnownJob(runner, job, g);
+        }
+        const tty = process.stdout.isTTY === true && !process.env.NO_COLOR;
+        if (o.key !== undefined) {
+          // status() lists newest first; a run key is unique per job, so search that job's runs.
+          const run = (await runner.status(job, 10_000)).find((r) => r.runKey === o.key);
+          if (!run) throw new UsageError('unknownRun', `job "${job}" has no run with key "${o.key}"; see idem status ${job} for its runs`);
+          const steps = await stepDetails(runner, run.runId);
+          process.stdout.write(o.json ? `${JSON.stringify({ ...run, steps })}\n` : `${formatRunDetail(run, steps, new Date(), colours(tty))}\n`);
+          return ExitCode.Ok;
+        }
+        const rows = await runner.status(job, o.limit);
+        process.stdout.write(o.json ? `${JSON.stringify(rows)}\n` : `${formatStatus(rows, new Date(), colours(tty))}\n`);
+        return ExitCode.Ok;
+      }),
+    );
+}

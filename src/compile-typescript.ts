@@ -1,0 +1,96 @@
+import { createHash } from 'node:crypto';
+import { mkdir, readFile, rename, stat, writeFile } from 'node:fs/promises';
+import path from 'node:path';
+
+/** What a compiled file was built from: each input's path, mtime and size, to know when it is stale. */
+interface Manifest {
+  readonly version: 1;
+  readonly inputs: ReadonlyArray<readonly [file: string, mtimeMs: number, size: number]>;
+}
+
+/**
+ * Compiles an ES-module TypeScript job file to one plain JavaScript module under `cacheDir` and
+ * returns its path; the next start finds it fresh (every input's mtime and size unchanged) and
+ * imports it without compiling anything.
+ *
+ * Why not tsx's loader hook: on Node 20 a loader hook runs in a thread of its own and every
+ * module loaded after it crosses to that thread and back, so a no-op `idem run` spent a second
+ * (10× `node -e 0`) loading one job. esbuild (which tsx itself uses) bundles the job with its
+ * relative imports in one call; packages stay imports, resolved as the job file would resolve
+ * them because the cache sits in the job's own package (`<package>/.idem/cache/`).
+ */
+export async function compileTypeScriptModule(file: string, cacheDir: string): Promise<string> {
+  const id = createHash('sha256').update(file).digest('hex').slice(0, 12);
+  const out = path.join(cacheDir, `${path.basename(file).replace(/\.[cm]?ts$/, '')}-${id}.mjs`);
+  const manifestFile = `${out}.json`;
+  if (await isFresh(manifestFile)) return out;
+  const { build } = await import('esbuild');
+  const result = await build({
+    entryPoints: [file],
+    bundle: true,
+    packages: 'external',
+    format: 'esm',
+    platform: 'node',
+    target: `node${process.versions.node.split('.')[0]}`,
+    write: false,
+    metafile: true,
+    outfile: out,
+    // Stack traces of job errors point at the TypeScript source (see enableSourceMaps below).
+    sourcemap: 'inline',
+    logLevel: 'silent',
+    absWorkingDir: path.dirname(file),
+  }).catch((err: { errors?: Array<{ text: string; location: { file: string; line: number; column: number } | null }> }) => {
+    // Worded as tsx's TransformError (an absolute path, then ERROR:), which load-error.ts
+    // explains with the source line: the same message whichever way the file was compiled.
+    const first = err.errors?.[0];
+    if (!first) throw err;
+    // A relative import esbuild cannot find: worded as Node's own, so it is explained the same way.
+    const unresolved = /^Could not resolve "(\.{1,2}\/[^"]+)"/.exec(first.text);
+    if (unresolved && first.location) {
+      const importer = path.resolve(path.dirname(file), first.location.file);
+      const e = new Error(`Cannot find module '${path.resolve(path.dirname(importer), unresolved[1]!)}' imported from ${importer}`, { cause: err });
+      (e as Error & { code?: string }).code = 'ERR_MODULE_NOT_FOUND';
+      throw e;
+    }
+    const where = first.location ? `${path.resolve(path.dirname(file), first.location.file)}:${first.location.line}:${first.location.column}: ` : '';
+    const e = new Error(`Transform failed with 1 error:\n${where}ERROR: ${first.text}`, { cause: err });
+    e.name = 'TransformError';
+    throw e;
+  });
+  const inputs = await Promise.all(
+    Object.keys(result.metafile.inputs).map(async (rel) => {
+      const abs = path.resolve(path.dirname(file), rel);
+      const s = await stat(abs);
+      return [abs, s.mtimeMs, s.size] as const;
+    }),
+  );
+  await mkdir(cacheDir, { recursive: true });
+  // Several processes may compile at once: each writes its own temp file and renames it over.
+  const tmp = `${out}.${process.pid}.tmp`;
+  await writeFile(tmp, result.outputFiles[0]!.contents);
+  await rename(tmp, out);
+  await writeFile(`${manifestFile}.${process.pid}.tmp`, JSON.stringify({ version: 1, inputs } satisfies Manifest));
+  await rename(`${manifestFile}.${process.pid}.tmp`, manifestFile);
+  return out;
+}
+
+async function isFresh(manifestFile: string): Promise<boolean> {
+  let manifest: Manifest;
+  try {
+    manifest = JSON.parse(await readFile(manifestFile, 'utf8')) as Manifest;
+  } catch {
+    return false;
+  }
+  if (manifest.version !== 1) return false;
+  const checks = await Promise.all(
+    manifest.inputs.map(async ([file, mtimeMs, size]) => {
+      try {
+        const s = await stat(file);
+        return s.mtimeMs === mtimeMs && s.size === size;
+      } catch {
+        return false;
+      }
+    }),
+  );
+  return checks.every(Boolean);
+}

@@ -1,0 +1,50 @@
+/**
+ * The terminal (stderr on a TTY): log lines scroll, one status line (the progress bar) stays
+ * pinned below them. Every write goes through here, so a log line never lands in the middle of
+ * the bar: the bar is cleared, the line written, the bar drawn again.
+ */
+const CLEAR_LINE = '\r\x1b[K';
+
+let status: string | undefined;
+
+/** Writes whole lines above the pinned status line. */
+export function writeLines(text: string): void {
+  const out = text.endsWith('\n') ? text : `${text}\n`;
+  process.stderr.write(status === undefined ? out : `${CLEAR_LINE}${out}${status}`);
+}
+
+/** Draws (or, with undefined, removes) the pinned status line, cut to the terminal's width. */
+export function setStatusLine(text: string | undefined): void {
+  const columns = process.stderr.columns || 100;
+  const next = text === undefined ? undefined : truncate(text, columns - 1);
+  if (next === status) return;
+  process.stderr.write(`${CLEAR_LINE}${next ?? ''}`);
+  status = next;
+}
+
+/** Cuts visible text (ANSI colour codes do not count, and all of them are kept so colours close) to `width` characters. */
+export function truncate(text: string, width: number): string {
+  let visible = 0;
+  let out = '';
+  for (let i = 0; i < text.length; i++) {
+    if (text[i] === '\x1b') {
+      const end = text.indexOf('m', i);
+      if (end !== -1) {
+        out += text.slice(i, end + 1);
+        i = end;
+        continue;
+      }
+    }
+    if (visible >= width) continue;
+    out += text[i];
+    visible++;
+  }
+  return out;
+}
+
+/** Colours when the terminal takes them: not with NO_COLOR set, not when stderr is not a TTY. */
+export function colours(enabled = process.stderr.isTTY === true && !process.env.NO_COLOR && process.env.TERM !== 'dumb') {
+  const wrap = (open: number, close: number) => (s: string) => (enabled ? `\x1b[${open}m${s}\x1b[${close}m` : s);
+  return { dim: wrap(2, 22), bold: wrap(1, 22), red: wrap(31, 39), green: wrap(32, 39), yellow: wrap(33, 39), blue: wrap(34, 39), magenta: wrap(35, 39), cyan: wrap(36, 39), gray: wrap(90, 39) };
+}
+export type Colours = ReturnType<typeof colours>;

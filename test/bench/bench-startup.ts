@@ -1,0 +1,93 @@
+import { randomBytes } from 'node:crypto';
+import { spawn } from 'node:child_process';
+import { Runner } from 'idem';
+import { benchBackfill } from './backfill-job.ts';
+import { BENCH_JOBS_DIR, REPO_ROOT } from './cli.ts';
+import { alternate, fmtMs, fmtRatio, median, type Contender } from './measure.ts';
+import type { BenchContext, BenchResult } from './report.ts';
+import { dropTable, prepareTable } from './tables.ts';
+
+const HELP_GOAL_MS = 150;
+const NOOP_GOAL_MS = 250;
+
+/** Wall time of one process from spawn to exit; throws unless it exits 0. */
+function timeProcess(args: readonly string[], env: NodeJS.ProcessEnv): Promise<number> {
+  return new Promise((resolve, reject) => {
+    const t0 = performance.now();
+    const child = spawn(process.execPath, args, { cwd: REPO_ROOT, env, stdio: ['ignore', 'ignore', 'pipe'] });
+    let stderr = '';
+    child.stderr!.on('data', (b: Buffer) => { stderr = (stderr + b.toString()).slice(-2000); });
+    child.on('error', reject);
+    child.on('close', (code) => (code === 0 ? resolve(performance.now() - t0) : reject(new Error(`node ${args.join(' ')} exited ${code}: ${stderr.trim()}`))));
+  });
+}
+
+/**
+ * Start-up: whole commands as cron or an operator runs them, side by side with `node -e 0` (the
+ * floor no Node CLI goes under), as medians of alternating rounds and as ratios to that floor.
+ * `idem --help` loads commander and the command modules only; the no-op rerun (`idem run` of a
+ * finished run, DATABASE_URL given) adds the TypeScript loader, the job file, the runner and one
+ * connection. Absolute goals from the issue hold on a quiet machine; the ratios are what compare
+ * across machines.
+ */
+export async function benchStartup(ctx: BenchContext): Promise<BenchResult> {
+  const tag = randomBytes(3).toString('hex');
+  const rounds = Math.max(ctx.opts.rounds, 15);
+  const table = `startup_${tag}`;
+  const params = { table, size: 10 };
+  const key = `startup-${tag}`;
+  await prepareTable(ctx.pool, table, 1_000);
+  const runner = await Runner.connect({ connectionString: ctx.url });
+  try {
+    await runner.run(benchBackfill, { params, key });
+  } finally {
+    await runner.close();
+  }
+  const env: NodeJS.ProcessEnv = { ...process.env, DATABASE_URL: ctx.url };
+  delete env.NODE_OPTIONS;
+  const proc = (name: string, args: string[]): Contender<number> => ({ name, prepare: async () => ({ run: () => timeProcess(args, env) }) });
+  const idem = ['bin/idem.js', '--jobs-dir', BENCH_JOBS_DIR];
+  const contenders = [
+    proc('node -e 0', ['-e', '0']),
+    proc('idem --help', [...idem, '--help']),
+    proc('idem run (no-op)', [...idem, 'run', 'bench-backfill', '--params', JSON.stringify(params), '--key', key]),
+    proc('idem status', [...idem, 'status', '--limit', '5']),
+  ];
+  try {
+    ctx.log(`startup: ${rounds} alternating rounds of ${contenders.map((c) => c.name).join(', ')}`);
+    const samples = await alternate(rounds, contenders, ctx.log);
+    const med = (n: string) => median(samples.get(n)!.map((s) => s.ms));
+    const [node, help, noop, status] = contenders.map((c) => med(c.name)) as [number, number, number, number];
+    return {
+      rows: [
+        {
+          benchmark: 'startup: `idem --help` (whole process)',
+          contenders: 'vs `node -e 0`',
+          median: `${fmtMs(help)} vs ${fmtMs(node)}`,
+          ratio: `${fmtRatio(help / node)} node -e 0`,
+          goal: `≤ ${HELP_GOAL_MS} ms`,
+          met: help <= HELP_GOAL_MS,
+        },
+        {
+          benchmark: 'startup: no-op rerun `idem run` of a finished run (whole process, DATABASE_URL)',
+          contenders: 'vs `node -e 0`',
+          median: `${fmtMs(noop)} vs ${fmtMs(node)}`,
+          ratio: `${fmtRatio(noop / node)} node -e 0`,
+          goal: `≤ ${NOOP_GOAL_MS} ms`,
+          met: noop <= NOOP_GOAL_MS,
+        },
+        {
+          benchmark: 'startup: `idem status` (whole process, DATABASE_URL)',
+          contenders: 'vs `node -e 0`',
+          median: `${fmtMs(status)} vs ${fmtMs(node)}`,
+          ratio: `${fmtRatio(status / node)} node -e 0`,
+          goal: 'info',
+          met: null,
+        },
+      ],
+      data: { samplesMs: Object.fromEntries([...samples].map(([k, v]) => [k, v.map((s) => s.ms)])), medianMs: { node, help, noop, status } },
+    };
+  } finally {
+    await dropTable(ctx.pool, table);
+  }
+}

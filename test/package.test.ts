@@ -1,0 +1,231 @@
+/**
+ * What a user does: `npm pack`, install the tarball into a fresh project, write jobs, and run
+ * `npx idem migrate`, `npx idem run`, `npx idem status` there. One project per kind of host (ESM +
+ * TypeScript, CommonJS + TypeScript, CommonJS + JavaScript), covering every job file extension
+ * (.ts .mts .cts .js .mjs .cjs), plus a type check of the TypeScript ones against the shipped .d.ts.
+ *
+ * The tarball is packed from the dist/ that `npm test` builds first. npm installs it with
+ * --prefer-offline: the dependencies come from npm's cache (filled by `npm ci`), the registry is
+ * asked only for what the cache lacks.
+ */
+import { execFile } from 'node:child_process';
+import { existsSync, promises as fs } from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import { promisify } from 'node:util';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { query, REPO } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+
+const exec = promisify(execFile);
+const TSC = path.join(REPO, 'node_modules', 'typescript', 'bin', 'tsc');
+
+let work: string;
+let tarball: string;
+const databases: TestDatabase[] = [];
+
+/** The environment of a user's shell: none of the npm_* variables `npm test` sets, no DATABASE_URL unless given. */
+function userEnv(databaseUrl?: string): NodeJS.ProcessEnv {
+  const env: NodeJS.ProcessEnv = {};
+  for (const [k, v] of Object.entries(process.env)) {
+    if (!/^npm_|^NODE_OPTIONS$|^DATABASE_URL$|^VITEST|^IDEM_/i.test(k)) env[k] = v;
+  }
+  if (databaseUrl) env.DATABASE_URL = databaseUrl;
+  return env;
+}
+
+async function sh(cwd: string, cmd: string, args: string[], env: NodeJS.ProcessEnv): Promise<{ stdout: string; stderr: string }> {
+  try {
+    return await exec(cmd, args, { cwd, env, timeout: 180_000, maxBuffer: 16 * 1024 * 1024 });
+  } catch (err) {
+    const e = err as { stdout?: string; stderr?: string; message: string };
+    throw new Error(`${cmd} ${args.join(' ')} failed in ${cwd}: ${e.message}\n${e.stdout ?? ''}\n${e.stderr ?? ''}`);
+  }
+}
+
+beforeAll(async () => {
+  if (!existsSync(path.join(REPO, 'dist', 'cli.js'))) throw new Error('dist/ is not built: run npm run build (npm test does) before this test');
+  work = await fs.mkdtemp(path.join(os.tmpdir(), 'idem-package-'));
+  // As root the embedded server runs as `postgres`, which must be able to enter the project.
+  await fs.chmod(work, 0o755);
+  const { stdout } = await sh(REPO, 'npm', ['pack', '--json', '--ignore-scripts', '--pack-destination', work], userEnv());
+  const [info] = JSON.parse(stdout) as Array<{ filename: string; files: Array<{ path: string }> }>;
+  tarball = path.join(work, info!.filename);
+  packedFiles = info!.files.map((f) => f.path);
+}, 180_000);
+
+afterAll(async () => {
+  await Promise.all(databases.map((d) => d.drop()));
+  if (work) await fs.rm(work, { recursive: true, force: true });
+});
+
+let packedFiles: string[] = [];
+
+/** The migration and the two jobs of a project: each job sets its own row (a state-setting upsert). */
+const SQL_CREATE = 'create table if not exists greetings (job text primary key, msg text not null)';
+const upsert = (job: string) => `insert into greetings (job, msg) values ('${job}', 'hello from ${job}') on conflict (job) do update set msg = excluded.msg`;
+
+const esmJob = (name: string, statement: string) => `import { defineJob, sql } from 'idem';
+
+export default defineJob({
+  name: '${name}',
+  steps: [{ name: 'only', async run({ db }) { await sql.raw(${JSON.stringify(statement)}).execute(db); } }],
+});
+`;
+const cjsJob = (name: string, statement: string) => `const { defineJob, sql } = require('idem');
+
+module.exports = defineJob({
+  name: '${name}',
+  steps: [{ name: 'only', async run({ db }) { await sql.raw(${JSON.stringify(statement)}).execute(db); } }],
+});
+`;
+
+interface Project {
+  readonly name: string;
+  readonly type: 'module' | 'commonjs';
+  /** Path under the project → content. */
+  readonly files: Record<string, string>;
+  /** The two job names, whatever their file extension. */
+  readonly jobs: readonly [string, string];
+  readonly typescript: boolean;
+}
+
+const PROJECTS: Project[] = [
+  {
+    name: 'esm-ts',
+    type: 'module',
+    typescript: true,
+    jobs: ['hello-ts', 'hello-cts'],
+    files: {
+      'migrations/0001_create_greetings.ts': esmJob('create-greetings', SQL_CREATE),
+      'jobs/hello.ts': esmJob('hello-ts', upsert('hello-ts')),
+      // A .cts file in an ESM project is CommonJS TypeScript: import compiles to require().
+      'jobs/hello-cts.cts': esmJob('hello-cts', upsert('hello-cts')),
+      // Not a job (a leading _ is skipped by the loader), but type-checked: the ESM entry's types
+      // carry the runner and the kit, not only the job API.
+      'jobs/_embed.ts': `import { Runner, type RunOutcome } from 'idem';
+import { expectConvergent } from 'idem/testing';
+export const connect = (url: string): Promise<Runner> => Runner.connect({ connectionString: url });
+export type Outcome = RunOutcome;
+export const kit: typeof expectConvergent = expectConvergent;
+`,
+    },
+  },
+  {
+    name: 'cjs-ts',
+    type: 'commonjs',
+    typescript: true,
+    jobs: ['hello-ts', 'hello-mts'],
+    files: {
+      'migrations/0001_create_greetings.ts': esmJob('create-greetings', SQL_CREATE),
+      // npm's default project is CommonJS: this .ts is compiled to CommonJS and requires idem.
+      'jobs/hello.ts': esmJob('hello-ts', upsert('hello-ts')),
+      'jobs/hello-mts.mts': esmJob('hello-mts', upsert('hello-mts')),
+    },
+  },
+  {
+    name: 'cjs-js',
+    type: 'commonjs',
+    typescript: false,
+    jobs: ['hello-js', 'hello-mjs'],
+    files: {
+      'migrations/0001_create_greetings.cjs': cjsJob('create-greetings', SQL_CREATE),
+      'jobs/hello.js': cjsJob('hello-js', upsert('hello-js')),
+      'jobs/hello-mjs.mjs': esmJob('hello-mjs', upsert('hello-mjs')),
+    },
+  },
+];
+
+/** A fresh `npm init`-like project with the tarball installed and the project's files written. */
+async function createProject(p: Project): Promise<string> {
+  const dir = path.join(work, p.name);
+  await fs.mkdir(dir, { mode: 0o755 });
+  const pkg = { name: `idem-user-${p.name}`, version: '1.0.0', private: true, ...(p.type === 'module' ? { type: 'module' } : {}) };
+  await fs.writeFile(path.join(dir, 'package.json'), `${JSON.stringify(pkg, null, 2)}\n`);
+  await sh(dir, 'npm', ['install', '--prefer-offline', '--no-audit', '--no-fund', tarball], userEnv());
+  for (const [file, content] of Object.entries(p.files)) {
+    await fs.mkdir(path.dirname(path.join(dir, file)), { recursive: true });
+    await fs.writeFile(path.join(dir, file), content);
+  }
+  return dir;
+}
+
+const idem = (dir: string, args: string[], databaseUrl?: string) => sh(dir, 'npx', ['--no', 'idem', ...args], userEnv(databaseUrl));
+
+describe('the packed tarball', () => {
+  it('holds the compiled package and nothing of the repository (sources, tests, demo)', () => {
+    expect(packedFiles).toEqual(expect.arrayContaining(['package.json', 'README.md', 'bin/idem.js', 'dist/cli.js', 'dist/index.js', 'dist/index.d.ts', 'dist/cjs/job-api.js', 'dist/cjs/job-api.d.ts', 'dist/cjs/package.json']));
+    expect(packedFiles.filter((f) => !/^(dist\/|bin\/idem\.js$|package\.json$|README\.md$)/.test(f))).toEqual([]);
+    expect(packedFiles.filter((f) => f.endsWith('.ts') && !f.endsWith('.d.ts'))).toEqual([]);
+  });
+});
+
+describe.each(PROJECTS)('installed into a fresh $name project', (p) => {
+  let dir: string;
+  let url: string;
+
+  beforeAll(async () => {
+    dir = await createProject(p);
+    const db = await createTestDatabase();
+    databases.push(db);
+    url = db.url;
+  }, 240_000);
+
+  it('npx idem migrate, run (every job file extension) and status succeed, and the rows are there', async () => {
+    const migrated = await idem(dir, ['migrate'], url);
+    expect(migrated.stdout).toMatch(/^0001_create_greetings: job "create-greetings" succeeded/);
+    for (const job of p.jobs) {
+      const ran = await idem(dir, ['run', job], url);
+      expect(ran.stdout).toMatch(new RegExp(`^job "${job}" succeeded: 1 chunk in 1 step`));
+    }
+    const again = await idem(dir, ['run', p.jobs[0]], url);
+    expect(again.stdout).toMatch(new RegExp(`^job "${p.jobs[0]}" already done`));
+
+    expect(await query(url, 'select job, msg from greetings order by job')).toEqual(
+      [...p.jobs].sort().map((job) => ({ job, msg: `hello from ${job}` })),
+    );
+    const status = JSON.parse((await idem(dir, ['status', '--json'], url)).stdout) as Array<{ job: string; state: string }>;
+    expect(status.map((r) => `${r.job} ${r.state}`).sort()).toEqual(['create-greetings succeeded', ...p.jobs.map((j) => `${j} succeeded`)].sort());
+  });
+
+  it.runIf(p.name === 'esm-ts')('npx idem init scaffolds a job, a migration and a kit test that run there; a second init refuses', async () => {
+    const init = await idem(dir, ['init']);
+    expect(init.stdout).toContain('created jobs/example-customer-totals.ts');
+    expect(init.stdout).toMatch(/npx idem migrate[\s\S]*npx idem run example-customer-totals[\s\S]*npx idem status/);
+    expect(await fs.readFile(path.join(dir, '.gitignore'), 'utf8')).toMatch(/^\.idem\/$/m);
+    await idem(dir, ['migrate'], url);
+    const ran = await idem(dir, ['run', 'example-customer-totals'], url);
+    expect(ran.stdout).toMatch(/^job "example-customer-totals" succeeded: 5 chunks in 1 step/);
+    expect(await query(url, 'select count(*)::int as n, sum(orders)::int as orders from example_customer_totals')).toEqual([{ n: 5, orders: 200 }]);
+    // The scaffolded convergence test passes with the installed idem/testing (vitest from the repo).
+    const vitest = path.join(REPO, 'node_modules', 'vitest', 'vitest.mjs');
+    const kit = await sh(dir, process.execPath, [vitest, 'run', 'test/idem-examples.test.ts'], userEnv(url));
+    expect(kit.stdout).toMatch(/2 passed/);
+    // Again: refused, exit 2, nothing rewritten.
+    const before = await fs.readFile(path.join(dir, 'jobs', 'example-customer-totals.ts'), 'utf8');
+    await expect(idem(dir, ['init'])).rejects.toThrow(/idem init would overwrite migrations\/0001_create_example_tables\.ts, jobs\/example-customer-totals\.ts, test\/idem-examples\.test\.ts/);
+    expect(await fs.readFile(path.join(dir, 'jobs', 'example-customer-totals.ts'), 'utf8')).toBe(before);
+  });
+
+  it.runIf(p.typescript)('its TypeScript jobs type-check against the shipped declarations', async () => {
+    const tsconfig = { compilerOptions: { module: 'NodeNext', moduleResolution: 'NodeNext', target: 'ES2022', strict: true, noEmit: true, skipLibCheck: true, types: [] }, include: ['jobs', 'migrations'] };
+    await fs.writeFile(path.join(dir, 'tsconfig.json'), JSON.stringify(tsconfig));
+    // Throws, with tsc's messages, on any type error.
+    await sh(dir, process.execPath, [TSC, '-p', '.'], userEnv());
+  });
+});
+
+describe('on the embedded default (no DATABASE_URL)', () => {
+  it('migrate, run and status start PostgreSQL under .idem/ in the project and keep the runs there', async () => {
+    const p = PROJECTS[2]!;
+    const dir = path.join(work, p.name);
+    // The cjs-js project exists once its describe block ran; make it if this test runs alone.
+    if (!existsSync(dir)) await createProject(p);
+    await idem(dir, ['migrate']);
+    const ran = await idem(dir, ['run', p.jobs[0]]);
+    expect(ran.stdout).toMatch(new RegExp(`^job "${p.jobs[0]}" succeeded`));
+    expect(existsSync(path.join(dir, '.idem', 'pg', 'PG_VERSION'))).toBe(true);
+    const status = JSON.parse((await idem(dir, ['status', '--json'])).stdout) as Array<{ job: string; state: string }>;
+    expect(status.map((r) => `${r.job} ${r.state}`).sort()).toEqual(['create-greetings succeeded', `${p.jobs[0]} succeeded`]);
+  }, 180_000);
+});

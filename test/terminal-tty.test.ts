@@ -1,0 +1,48 @@
+/**
+ * `idem run` on a real pseudo-terminal (util-linux `script`): one line per log event, the run's
+ * header once, and a progress bar that no log line is written into.
+ */
+import { execFile } from 'node:child_process';
+import { existsSync } from 'node:fs';
+import { promisify } from 'node:util';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { createFixtureTables } from './fixtures/tables.ts';
+import { BIN, FIXTURE_DIRS, REPO } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+
+const exec = promisify(execFile);
+const SCRIPT = '/usr/bin/script';
+let database: TestDatabase;
+
+beforeAll(async () => {
+  database = await createTestDatabase();
+  await createFixtureTables(database.url);
+});
+afterAll(() => database?.drop());
+
+const quote = (s: string) => `'${s.replace(/'/g, `'\\''`)}'`;
+
+describe.runIf(existsSync(SCRIPT))('idem run on a terminal', () => {
+  it('prints one line per event and keeps the progress bar below the log lines', async () => {
+    const args = [BIN, ...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":12,"pauseMs":120}', '--key', 'tty'];
+    const env: NodeJS.ProcessEnv = { ...process.env, DATABASE_URL: database.url, NO_COLOR: '1', COLUMNS: '120' };
+    delete env.NODE_OPTIONS;
+    const { stdout } = await exec(SCRIPT, ['-qec', [process.execPath, ...args].map(quote).join(' '), '/dev/null'], { cwd: REPO, env, timeout: 60_000 });
+    // What a terminal shows: each \r\x1b[K (clear line) starts the line over.
+    const screen = stdout
+      .split(/\r?\n/)
+      .map((l) => l.split('\r\x1b[K').at(-1)!.replace(/\r$/, ''))
+      .filter((l) => l !== '');
+    expect(screen.filter((l) => l.startsWith('── job counted'))).toEqual(['── job counted · run key tty · attempt 1']);
+    const logLines = screen.filter((l) => / (info|warn|error) {1,2}/.test(l));
+    expect(logLines.map((l) => l.replace(/^\d\d:\d\d:\d\d /, ''))).toEqual(
+      expect.arrayContaining([expect.stringMatching(/^info  run started resumed=false\b/), 'info  step started step=work', 'info  step done step=work']),
+    );
+    // No log line glued to the bar (the bug: `… ETA 1s[18:11:35.519] INFO: step done`), none spread over several lines.
+    for (const l of logLines) expect(l).not.toMatch(/chunks · /);
+    expect(screen.filter((l) => /^\s+(job|runKey|attempt):/.test(l))).toEqual([]);
+    // The bar was drawn: the raw output holds at least one bar frame.
+    expect(stdout).toMatch(/step 2\/3 work [█░]+ \d+\/12 chunks · [\d.]+\/s · ETA /);
+    expect(screen.at(-1)).toMatch(/^job "counted" succeeded: 14 chunks in 3 steps/);
+  });
+});

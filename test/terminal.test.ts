@@ -1,0 +1,53 @@
+import { describe, expect, it } from 'vitest';
+import { formatProgressBar } from '../src/progress-reporter.ts';
+import { formatLogLine } from '../src/terminal-log.ts';
+import { truncate } from '../src/terminal.ts';
+
+const at = Date.UTC(2026, 10, 30, 18, 11, 35);
+const event = (fields: Record<string, unknown>) => JSON.stringify({ level: 30, time: at, pid: 42, hostname: 'h', ...fields });
+
+describe('log lines on a terminal', () => {
+  it('are one line per event; the job, run key and attempt appear once, in a header, until they change', () => {
+    const state = {};
+    const run = { job: 'counted', runKey: 'k1', attempt: 2 };
+    const first = formatLogLine(event({ ...run, step: 'work', msg: 'step started' }), state).split('\n');
+    const time = new Date(at).toTimeString().slice(0, 8);
+    expect(first).toEqual(['── job counted · run key k1 · attempt 2', `${time} info  step started step=work`]);
+    expect(formatLogLine(event({ ...run, step: 'work', msg: 'step done' }), state)).toBe(`${time} info  step done step=work`);
+    expect(formatLogLine(event({ ...run, attempt: 3, msg: 'run succeeded', chunks: 5 }), state).split('\n')).toEqual([
+      '── job counted · run key k1 · attempt 3',
+      `${time} info  run succeeded chunks=5`,
+    ]);
+  });
+
+  it('keep the level and quote values with spaces; an error shows its message', () => {
+    const line = formatLogLine(JSON.stringify({ level: 50, time: at, msg: 'run failed', err: { message: 'boom here', stack: 'x' }, chunk: 'c 1' }), {});
+    expect(line).toMatch(/ error run failed err="boom here" chunk="c 1"$/);
+  });
+
+  it('pass a line that is not JSON through', () => {
+    expect(formatLogLine('plain text\n', {})).toBe('plain text');
+  });
+});
+
+describe('the progress bar', () => {
+  const p = { step: 'work', stepIndex: 1, steps: 3, done: 25, planned: 100, estimated: null, fullyPlanned: true, executedNow: 20, since: 0 };
+  it('shows the step, a bar of done/planned, the rate and the ETA', () => {
+    expect(formatProgressBar(p, 10_000, 10)).toBe('step 2/3 work ███░░░░░░░ 25/100 chunks · 2.0/s · ETA 38s');
+  });
+  it('marks an estimate with ~ and an unknown ETA with ?', () => {
+    expect(formatProgressBar({ ...p, fullyPlanned: false, estimated: 400, executedNow: 0 }, 10_000, 8)).toBe('step 2/3 work █░░░░░░░ 25/400~ chunks · 0.0/s · ETA ?');
+  });
+  it('is cut to the terminal width without counting colour codes', () => {
+    expect(truncate('\x1b[32mabcdef\x1b[39m', 3)).toBe('\x1b[32mabc\x1b[39m');
+  });
+});
+
+describe('relative times in idem status', () => {
+  it('say how long ago, in the largest whole unit', async () => {
+    const { relativeTime } = await import('../src/commands/status.ts');
+    const now = new Date(Date.UTC(2026, 10, 30, 12));
+    const ago = (s: number) => relativeTime(new Date(now.getTime() - s * 1000), now);
+    expect([ago(2), ago(42), ago(3 * 60 + 5), ago(5 * 3600), ago(2 * 86_400 + 7)]).toEqual(['just now', '42 s ago', '3 min ago', '5 h ago', '2 d ago']);
+  });
+});

@@ -1,0 +1,95 @@
+/**
+ * The convergence kit (idem/testing) on every example job in jobs/ and migrations/, and the proof
+ * that it can fail: a delta-style job (`n = n + 1` per chunk) is caught by the new-run-key scenario.
+ */
+import http from 'node:http';
+import type { AddressInfo } from 'node:net';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { inject } from 'vitest';
+import { defineJob, sql, type Job } from '../src/index.ts';
+import { expectConvergent } from '../src/testing.ts';
+import expireKeys from '../jobs/expire-idempotency-keys.ts';
+import dailyTotals from '../jobs/reservation-daily-totals.ts';
+import seed from '../jobs/seed-demo-data.ts';
+import reminders from '../jobs/send-reservation-reminders.ts';
+import createTables from '../migrations/0001_create_tables.ts';
+import normalize from '../migrations/0002_normalize_reserved_by.ts';
+
+const databaseUrl = () => inject('adminUrl');
+/** Few crash points per job: each is a fresh database; the kit's default (20) is for users' suites. */
+const kit = { maxCrashPoints: 3 };
+const rows = (db: any, text: string) => sql.raw(text).execute(db).then((r) => r.rows);
+const SEED = { job: seed, params: { rows: 2500 } };
+/** Each scenario creates and drops a database: on a loaded 2-core machine a job's scenarios take minutes. */
+const KIT_TIMEOUT = 240_000;
+
+describe('expectConvergent on the example migrations and jobs', () => {
+  it('0001_create_tables converges', async () => {
+    const report = await expectConvergent(createTables, { ...kit, databaseUrl: databaseUrl(), snapshot: (db) => rows(db, `select table_name, column_name, data_type from information_schema.columns where table_schema = 'public' order by 1, 2`) });
+    expect(report.scenarios).toEqual(expect.arrayContaining(['a clean run', 'the same run twice', '3 concurrent invocations', 'a new run key after a finished run']));
+    expect(report.scenarios.filter((s) => s.startsWith('a crash'))).toHaveLength(2 * Math.min(3, 2));
+  }, KIT_TIMEOUT);
+
+  it('0002_normalize_reserved_by converges', async () => {
+    await expectConvergent(normalize, { ...kit, databaseUrl: databaseUrl(), setup: [createTables, SEED], snapshot: (db) => rows(db, 'select id, reserved_by, reserved_by_normalized from reservations order by id') });
+  }, KIT_TIMEOUT);
+
+  it('seed-demo-data converges', async () => {
+    await expectConvergent(seed, { ...kit, params: { rows: 2500 }, databaseUrl: databaseUrl(), setup: [createTables], snapshot: (db) => rows(db, 'select (select json_agg(r order by id) from reservations r) r, (select json_agg(k order by idem_key) from (select scope, idem_key, request_hash, expires_at from idempotency_keys) k) k') });
+  }, KIT_TIMEOUT);
+
+  it('reservation-daily-totals converges', async () => {
+    await expectConvergent(dailyTotals, { ...kit, params: { from: '2026-11-01', to: '2026-11-05' }, databaseUrl: databaseUrl(), setup: [createTables, SEED], snapshot: (db) => rows(db, 'select * from reservation_daily_totals order by day, item_code') });
+  }, KIT_TIMEOUT);
+
+  it('expire-idempotency-keys converges', async () => {
+    await expectConvergent(expireKeys, { ...kit, params: { asOf: '2026-11-15T00:00:00Z' }, databaseUrl: databaseUrl(), setup: [createTables, SEED], snapshot: (db) => rows(db, 'select scope, idem_key from idempotency_keys order by 1, 2') });
+  }, KIT_TIMEOUT);
+
+  describe('send-reservation-reminders (effects through ctx.effect)', () => {
+    let server: http.Server;
+    let url: string;
+    beforeAll(async () => {
+      server = http.createServer((req, res) => {
+        req.resume();
+        req.on('end', () => res.writeHead(200, { 'content-type': 'application/json' }).end('{}'));
+      });
+      await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
+      url = `http://127.0.0.1:${(server.address() as AddressInfo).port}/reminders`;
+    });
+    afterAll(() => new Promise<void>((resolve) => server.close(() => resolve())));
+
+    it('converges (one reminder row per reservation, whatever the run)', async () => {
+      await expectConvergent(reminders, { ...kit, params: { url }, databaseUrl: databaseUrl(), setup: [createTables, { job: seed, params: { rows: 150 } }], snapshot: (db) => rows(db, 'select reservation_id, receiver_status from reservation_reminders order by 1') });
+    }, KIT_TIMEOUT);
+  });
+});
+
+describe('expectConvergent can fail', () => {
+  /** Adds 1 per chunk: a rerun of a finished key skips it (markers), but a new run key adds again. */
+  const deltaStyle: Job = defineJob({
+    name: 'delta-style',
+    steps: [
+      {
+        name: 'create',
+        async run({ db }) {
+          await sql`create table if not exists counter (id int primary key, n int not null default 0)`.execute(db);
+          await sql`insert into counter (id) values (1) on conflict do nothing`.execute(db);
+        },
+      },
+      {
+        name: 'bump',
+        chunks: () => ({ chunks: [{ key: 'a' }, { key: 'b' }], next: null }),
+        async run({ db }: { db: any }) {
+          await sql`update counter set n = n + 1 where id = 1`.execute(db);
+        },
+      },
+    ],
+  });
+
+  it('a delta-style job fails it, naming the scenario and showing the difference', async () => {
+    const run = expectConvergent(deltaStyle, { ...kit, databaseUrl: databaseUrl(), snapshot: (db) => rows(db, 'select n from counter') });
+    await expect(run).rejects.toThrow(/job "delta-style" did not converge in scenario "a new run key after a finished run"/);
+    await expect(run).rejects.toThrow(/- +"n": 2\n\+ +"n": 4/);
+  }, KIT_TIMEOUT);
+});
