@@ -160,6 +160,9 @@ describe('the packed tarball', () => {
   });
 });
 
+// Each project's tests are the stages of one user's session (install, run, then init in the same
+// folder), so they keep their order under the shuffled CI run.
+describe('installed projects', { shuffle: false }, () => {
 describe.each(PROJECTS)('installed into a fresh $name project', (p) => {
   let dir: string;
   let url: string;
@@ -205,7 +208,7 @@ describe.each(PROJECTS)('installed into a fresh $name project', (p) => {
     const before = await fs.readFile(path.join(dir, 'jobs', 'example-customer-totals.ts'), 'utf8');
     await expect(idem(dir, ['init'])).rejects.toThrow(/idem init would overwrite migrations\/0001_create_example_tables\.ts, jobs\/example-customer-totals\.ts, test\/idem-examples\.test\.ts/);
     expect(await fs.readFile(path.join(dir, 'jobs', 'example-customer-totals.ts'), 'utf8')).toBe(before);
-  });
+  }, 240_000);
 
   it.runIf(p.typescript)('its TypeScript jobs type-check against the shipped declarations', async () => {
     const tsconfig = { compilerOptions: { module: 'NodeNext', moduleResolution: 'NodeNext', target: 'ES2022', strict: true, noEmit: true, skipLibCheck: true, types: [] }, include: ['jobs', 'migrations'] };
@@ -213,6 +216,7 @@ describe.each(PROJECTS)('installed into a fresh $name project', (p) => {
     // Throws, with tsc's messages, on any type error.
     await sh(dir, process.execPath, [TSC, '-p', '.'], userEnv());
   });
+});
 });
 
 describe('on the embedded default (no DATABASE_URL)', () => {
