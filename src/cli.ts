@@ -161,7 +161,7 @@ function formatStatus(rows: RunStatusRow[]): string {
   const lines = rows.map((r) => {
     const progress = `${r.chunksDone}/${r.fullyPlanned ? r.chunksPlanned : `${Math.max(r.chunksPlanned, r.estimatedChunks ?? 0)}~`}`;
     const live = r.state === 'running' ? `  held by ${r.holder ?? '?'}${r.throughput !== null ? `, ${r.throughput}/s` : ''}${r.etaSeconds !== null ? `, ETA ${r.etaSeconds}s` : ''}` : '';
-    const asked = r.requested ? `  (${r.requested} requested)` : '';
+    const asked = `${r.requested ? `  (${r.requested} requested)` : ''}${r.healthPause ? `  paused for health: ${r.healthPause.reason}` : ''}${r.codeChanges.length ? `  code changed (allowed) at attempt ${r.codeChanges.map((c) => c.attempt).join(', ')}` : ''}`;
     const extra = r.error ? `  error: step "${r.error.step}"${r.error.chunk ? ` chunk ${r.error.chunk}` : ''} after ${r.error.tries} tries: ${r.error.message}` : live + asked;
     const skips = r.skipped.map((k) => `\n    skipped: step "${k.step}" chunk ${k.key} after ${k.attempts} tries: ${k.error ?? ''}`).join('');
     return `${r.job}\t${r.runKey.length > 30 ? `${r.runKey.slice(0, 27)}...` : r.runKey}\t${r.state}\tattempt ${r.attempt}\tchunks ${progress}\t${r.updatedAt.toISOString()}${extra}${skips}`;
@@ -227,7 +227,8 @@ export function buildProgram(state: { exitCode: number }): Command {
     .option('--no-progress', 'no live progress line on a terminal')
     .option('--catch-up <N|duration>', 'scheduled jobs: run the missed slots oldest first, the last N or those within a duration (e.g. 3, 12h, 2d)')
     .option('--json', 'print the outcome as JSON on stdout')
-    .action((name: string, o: { key?: string; params?: string; param: Record<string, unknown>; concurrency: number; wait?: number | boolean; dryRun?: boolean; retrySkipped?: boolean; json?: boolean; maxRate?: number; pause?: number; targetChunkMs?: number; progress: boolean; catchUp?: string }) =>
+    .option('--allow-changed-code', 'resume a run even though its job file (or version) changed since it started; recorded on the run')
+    .action((name: string, o: { key?: string; params?: string; param: Record<string, unknown>; concurrency: number; wait?: number | boolean; dryRun?: boolean; retrySkipped?: boolean; json?: boolean; maxRate?: number; pause?: number; targetChunkMs?: number; progress: boolean; catchUp?: string; allowChangedCode?: boolean }) =>
       runWithSession(async (g, log, session, force) => {
         const params = parseParams(o.params, o.param);
         if (o.key !== undefined && (o.key.length === 0 || o.key.length > 200)) throw new UsageError('invalidKey', '--key must be 1 to 200 characters');
@@ -267,6 +268,7 @@ export function buildProgram(state: { exitCode: number }): Command {
             wait: o.wait ?? false,
             dryRun: o.dryRun ?? false,
             retrySkipped: o.retrySkipped ?? false,
+            allowChangedCode: o.allowChangedCode ?? false,
             signal: signals.stop,
             abortSignal: signals.abort,
           });
@@ -283,14 +285,15 @@ export function buildProgram(state: { exitCode: number }): Command {
     .option('--wait [seconds]', 'wait for another migrating process (default: forever)', waitSeconds)
     .option('--no-wait', 'exit 75 at once if another process is migrating')
     .option('--json', 'print the outcomes as JSON on stdout')
-    .action((o: { wait?: number | boolean; json?: boolean }) =>
+    .option('--allow-changed-code', 'resume migrations whose file (or version) changed since they started; recorded on the run')
+    .action((o: { wait?: number | boolean; json?: boolean; allowChangedCode?: boolean }) =>
       runWithSession(async (g, log, session, force) => {
         const migrations = await loadJobDir(g.migrationsDir, 'migrations');
         const runner = await openRunner(g, log, session);
         const signals = installSignals(log, g.shutdownTimeout, force);
         const outcomes = await runner.migrate(
           migrations.map((m) => ({ runKey: m.id, job: m.job })),
-          { wait: o.wait ?? true, signal: signals.stop, abortSignal: signals.abort },
+          { wait: o.wait ?? true, allowChangedCode: o.allowChangedCode ?? false, signal: signals.stop, abortSignal: signals.abort },
         );
         if (o.json) process.stdout.write(`${JSON.stringify(outcomes)}\n`);
         else if (outcomes.length === 0) process.stdout.write(`no migrations in ${g.migrationsDir}/\n`);

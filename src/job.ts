@@ -138,6 +138,14 @@ export interface JobDefinition<P = any, DB = any> {
   /** Unique job name; the advisory lock and every run row are keyed by it. */
   readonly name: string;
   readonly description?: string;
+  /**
+   * The version of this job's code, recorded on each run: a resume under another version is
+   * refused (exit 65) unless `--allow-changed-code`. Defaults to the SHA-256 of the job's file, so
+   * any edit of the file counts as a change; declare a version to decide yourself what counts
+   * (e.g. when the job imports helpers from other files, which the file hash does not cover).
+   * @example version: '2026-11-30.1'
+   */
+  readonly version?: string | number;
   /** Validates and types `ctx.params`. Defaults to accepting only `{}` or no params. */
   readonly params?: ParamsValidator<P>;
   /** Ordered, state-setting steps: each must leave the same state however often it runs. */
@@ -188,6 +196,9 @@ export function assertJob(value: unknown, origin: string): Job {
     } catch (err) {
       problems.push((err as Error).message);
     }
+  }
+  if (def.version !== undefined && !((typeof def.version === 'string' && def.version !== '' && def.version.length <= 200) || Number.isFinite(def.version))) {
+    problems.push(`version must be a non-empty string (at most 200 characters) or a number (got ${JSON.stringify(def.version)})`);
   }
   if (def.params !== undefined && typeof def.params !== 'function' && !isStandardSchema(def.params)) {
     problems.push('params must be a Standard Schema (zod, valibot, arktype…) or a function (raw) => params');

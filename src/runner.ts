@@ -7,6 +7,7 @@ import { CancelledError, FencedError, InterruptedError, LockLostError, ParamsMis
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
+import { checkCodeFingerprint } from './code-fingerprint.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import { faultPoint } from './fault-points.ts';
 import { pruneRuns, requestControl, resetRun, resumeRun, type ControlResult, type OperationsHost, type PruneResult } from './operations.ts';
@@ -55,6 +56,8 @@ export interface RunJobOptions {
   readonly onProgress?: (p: Progress) => void;
   /** How often the live run checks for an operator's pause/cancel, in ms. Defaults to `1000`. */
   readonly controlPollMs?: number;
+  /** Resume a run started under other job code (recorded on the run). Defaults to `false`: refused, exit 65. */
+  readonly allowChangedCode?: boolean;
 }
 
 export type RunStatusOutcome = 'succeeded' | 'already-succeeded' | 'dry-run';
@@ -101,6 +104,10 @@ export interface RunStatusRow {
   readonly requested: 'pause' | 'cancel' | null;
   /** Chunks skipped under a step's skip policy (the first 20), with their errors. */
   readonly skipped: ReadonlyArray<{ readonly step: string; readonly key: string; readonly error: string | null; readonly attempts: number }>;
+  /** Changes of job code an operator allowed between attempts (`--allow-changed-code`). */
+  readonly codeChanges: ReadonlyArray<{ readonly from: string; readonly to: string; readonly attempt: number; readonly at: string }>;
+  /** Why the live run waits for the database's health, and since when; else null. */
+  readonly healthPause: { readonly reason: string; readonly since: string } | null;
 }
 
 /**
@@ -258,6 +265,7 @@ export class Runner {
     const current = await this.store.getRun(runId);
     if (current.status === 'succeeded' && !(opts.retrySkipped && (current.summary?.skipped ?? 0) > 0)) return alreadyDone(current);
     refuseControlled(current);
+    await checkCodeFingerprint(this.db, this.schema, current, job, opts.allowChangedCode ?? false);
     await faultPoint('after-lock');
     const { attempt, startedAt } = await this.store.beginAttempt(runId, `${hostname()}:${process.pid}`, lock.name);
     const invocationStarted = performance.now();
@@ -413,6 +421,8 @@ export class Runner {
         estimatedChunks: estimated,
         etaSeconds: rate && estimated !== null ? Math.max(0, Math.round((estimated - r.chunks_done) / rate)) : null,
         requested: r.requested ?? null,
+        codeChanges: r.code_changes ?? [],
+        healthPause: state === 'running' ? (r.health_pause ?? null) : null,
       };
     });
   }

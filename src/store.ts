@@ -24,6 +24,7 @@ export interface RunRow {
   attempt_started_at: Date | null;
   requested: 'pause' | 'cancel' | null;
   lock_name: string | null;
+  code_fingerprint?: string | null;
 }
 
 export interface StepRow {
