@@ -5,6 +5,7 @@ import { redactUrl } from './database.ts';
 import { ExitCode, exitCodeOf, IdemError, InterruptedError, messageOf, UsageError } from './errors.ts';
 import { validateParams } from './job.ts';
 import { findJob, loadJobDir } from './loader.ts';
+import { finalizeMigration, finalizeRun, type FinalizeOutcome } from './finalize.ts';
 import { parseDuration } from './operations.ts';
 import { latestSlot, parseCatchUp, parseSchedule, renderCrontab, runCronLoop, slotKey, slotsSince, type ScheduledJob } from './schedule.ts';
 import { createProgressReporter } from './progress-reporter.ts';
@@ -156,6 +157,11 @@ function describeOutcome(o: RunOutcome): string {
   return `job "${o.job}" succeeded: ${counts}, ${o.executed} executed now in ${((o.elapsedMs ?? s?.durationMs ?? 0) / 1000).toFixed(1)}s${took} (run key ${o.runKey}, attempt ${o.attempt})`;
 }
 
+function describeFinalize(o: FinalizeOutcome): string {
+  const how = o.how === 'waited' ? 'finished by another process while finalize waited' : o.how === 'ran-inline' ? 'the rest ran here' : 'had already succeeded';
+  return `finalize: ${how}; ${describeOutcome(o)}`;
+}
+
 function formatStatus(rows: RunStatusRow[]): string {
   if (rows.length === 0) return 'no runs yet';
   const lines = rows.map((r) => {
@@ -286,11 +292,26 @@ export function buildProgram(state: { exitCode: number }): Command {
     .option('--no-wait', 'exit 75 at once if another process is migrating')
     .option('--json', 'print the outcomes as JSON on stdout')
     .option('--allow-changed-code', 'resume migrations whose file (or version) changed since they started; recorded on the run')
-    .action((o: { wait?: number | boolean; json?: boolean; allowChangedCode?: boolean }) =>
+    .option('--finalize <name>', 'deploys: make sure this migration (and those before it) succeeded: done → exit 0, running elsewhere → wait, idle → run it here, failed → exit 1')
+    .option('--timeout <seconds>', 'with --finalize: how long to wait for a migration running elsewhere (default: no bound)', nonNegativeNumber)
+    .action((o: { wait?: number | boolean; json?: boolean; allowChangedCode?: boolean; finalize?: string; timeout?: number }) =>
       runWithSession(async (g, log, session, force) => {
         const migrations = await loadJobDir(g.migrationsDir, 'migrations');
+        if (o.timeout !== undefined && o.finalize === undefined) throw new UsageError('invalidTimeout', '--timeout bounds the wait of --finalize; pass --finalize <name>, or use --wait for a plain migrate');
         const runner = await openRunner(g, log, session);
         const signals = installSignals(log, g.shutdownTimeout, force);
+        if (o.finalize !== undefined) {
+          const list = migrations.map((m) => ({ runKey: m.id, job: m.job }));
+          const outcomes = await finalizeMigration(runner, list, o.finalize, {
+            ...(o.timeout !== undefined ? { timeoutSeconds: o.timeout } : {}),
+            allowChangedCode: o.allowChangedCode ?? false,
+            signal: signals.stop,
+            abortSignal: signals.abort,
+          });
+          if (o.json) process.stdout.write(`${JSON.stringify(outcomes)}\n`);
+          else for (const out of outcomes) process.stdout.write(`${out.runKey}: ${describeFinalize(out)}\n`);
+          return ExitCode.Ok;
+        }
         const outcomes = await runner.migrate(
           migrations.map((m) => ({ runKey: m.id, job: m.job })),
           { wait: o.wait ?? true, allowChangedCode: o.allowChangedCode ?? false, signal: signals.stop, abortSignal: signals.abort },
@@ -298,6 +319,37 @@ export function buildProgram(state: { exitCode: number }): Command {
         if (o.json) process.stdout.write(`${JSON.stringify(outcomes)}\n`);
         else if (outcomes.length === 0) process.stdout.write(`no migrations in ${g.migrationsDir}/\n`);
         else for (const out of outcomes) process.stdout.write(`${out.runKey}: ${describeOutcome(out)}\n`);
+        return ExitCode.Ok;
+      }),
+    );
+
+  program
+    .command('finalize')
+    .description('deploys: make sure a run succeeded: done → exit 0, running elsewhere → wait, unfinished and idle → run the rest here, failed → exit 1')
+    .argument('<job>', 'job name')
+    .requiredOption('--key <key>', "the run's key")
+    .option('--timeout <seconds>', 'how long to wait for the run when another process runs it (default: no bound)', nonNegativeNumber)
+    .option('--params <json>', 'params, only for a run that does not exist yet (an existing run keeps its own)')
+    .option('--param <key=value>', 'one param, as for idem run; repeatable', collectParam, {})
+    .option('--concurrency <n>', 'chunks run at once when the rest runs here', positiveInt(64), 1)
+    .option('--allow-changed-code', 'resume even though the job file (or version) changed since the run started')
+    .option('--json', 'print the outcome as JSON on stdout')
+    .action((name: string, o: { key: string; timeout?: number; params?: string; param: Record<string, unknown>; concurrency: number; allowChangedCode?: boolean; json?: boolean }) =>
+      runWithSession(async (g, log, session, force) => {
+        const params = parseParams(o.params, o.param);
+        const job = await findJob(g.jobsDir, name);
+        const runner = await openRunner(g, log, session, o.concurrency + 2);
+        const signals = installSignals(log, g.shutdownTimeout, force);
+        const outcome = await finalizeRun(runner, job, {
+          key: o.key,
+          params,
+          concurrency: o.concurrency,
+          ...(o.timeout !== undefined ? { timeoutSeconds: o.timeout } : {}),
+          allowChangedCode: o.allowChangedCode ?? false,
+          signal: signals.stop,
+          abortSignal: signals.abort,
+        });
+        process.stdout.write(o.json ? `${JSON.stringify(outcome)}\n` : `${describeFinalize(outcome)}\n`);
         return ExitCode.Ok;
       }),
     );

@@ -22,6 +22,9 @@ export type {
 export { keyRange } from './key-range.ts';
 export type { KeyRangeChunk, KeyRangeOptions } from './key-range.ts';
 export { Runner, DEFAULT_SCHEMA } from './runner.ts';
+export { finalizeRun, finalizeMigration } from './finalize.ts';
+export type { FinalizeHow, FinalizeOptions, FinalizeOutcome } from './finalize.ts';
+export { CodeChangedError } from './code-fingerprint.ts';
 export type { RunJobOptions, RunOutcome, RunnerOptions, RunStatusRow } from './runner.ts';
 export type { RunSummary, RunErrorInfo } from './store.ts';
 export {

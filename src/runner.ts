@@ -8,6 +8,7 @@ import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from '
 import type { ThrottleOptions } from './throttle.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
 import { checkCodeFingerprint } from './code-fingerprint.ts';
+import { recordedFailure } from './finalize.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import { faultPoint } from './fault-points.ts';
 import { pruneRuns, requestControl, resetRun, resumeRun, type ControlResult, type OperationsHost, type PruneResult } from './operations.ts';
@@ -58,6 +59,8 @@ export interface RunJobOptions {
   readonly controlPollMs?: number;
   /** Resume a run started under other job code (recorded on the run). Defaults to `false`: refused, exit 65. */
   readonly allowChangedCode?: boolean;
+  /** `false`: a failed run is not resumed; its recorded error is thrown instead (finalize). Defaults to `true`. */
+  readonly resumeFailed?: boolean;
 }
 
 export type RunStatusOutcome = 'succeeded' | 'already-succeeded' | 'dry-run';
@@ -265,6 +268,7 @@ export class Runner {
     const current = await this.store.getRun(runId);
     if (current.status === 'succeeded' && !(opts.retrySkipped && (current.summary?.skipped ?? 0) > 0)) return alreadyDone(current);
     refuseControlled(current);
+    if (opts.resumeFailed === false && current.status === 'failed') throw recordedFailure(current);
     await checkCodeFingerprint(this.db, this.schema, current, job, opts.allowChangedCode ?? false);
     await faultPoint('after-lock');
     const { attempt, startedAt } = await this.store.beginAttempt(runId, `${hostname()}:${process.pid}`, lock.name);
