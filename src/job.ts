@@ -84,6 +84,8 @@ export type ChunkSource<P = any, DB = any, C extends ChunkSpec = ChunkSpec> = ((
 ) => ChunkPage<C> | Promise<ChunkPage<C>>) & {
   /** Optional: an estimate of how many chunks the whole source yields, for progress and ETA. */
   estimate?: (ctx: PlanContext<P, DB>) => Promise<number | null> | number | null;
+  /** Optional: the tables the step's chunks touch (keyRange knows its own), for the autovacuum health check. */
+  tables?: readonly string[];
 };
 
 interface StepCommon {
