@@ -6,6 +6,7 @@ import { ExitCode, exitCodeOf, IdemError, InterruptedError, messageOf, UsageErro
 import { validateParams } from './job.ts';
 import { findJob, loadJobDir } from './loader.ts';
 import { finalizeMigration, finalizeRun, type FinalizeOutcome } from './finalize.ts';
+import { parseHealthFlag, type HealthOptions, type HealthSetting } from './health-check.ts';
 import { parseDuration } from './operations.ts';
 import { latestSlot, parseCatchUp, parseSchedule, renderCrontab, runCronLoop, slotKey, slotsSince, type ScheduledJob } from './schedule.ts';
 import { createProgressReporter } from './progress-reporter.ts';
@@ -157,6 +158,18 @@ function describeOutcome(o: RunOutcome): string {
   return `job "${o.job}" succeeded: ${counts}, ${o.executed} executed now in ${((o.elapsedMs ?? s?.durationMs ?? 0) / 1000).toFixed(1)}s${took} (run key ${o.runKey}, attempt ${o.attempt})`;
 }
 
+/** The health flags every command that runs chunks takes. */
+function withHealthFlags(cmd: Command): Command {
+  return cmd
+    .option('--health <name=value>', 'change a health-check threshold or turn it off (e.g. transactionAgeSeconds=600, lockWaitMs=off); repeatable', (v: string, prev: HealthOptions) => parseHealthFlag(v, prev), {})
+    .option('--no-health-check', 'do not wait for the database to be healthy before each chunk');
+}
+
+function healthSetting(o: { health?: HealthOptions; healthCheck?: boolean }): { health?: HealthSetting } {
+  if (o.healthCheck === false) return { health: false };
+  return o.health && Object.keys(o.health).length > 0 ? { health: o.health } : {};
+}
+
 function describeFinalize(o: FinalizeOutcome): string {
   const how = o.how === 'waited' ? 'finished by another process while finalize waited' : o.how === 'ran-inline' ? 'the rest ran here' : 'had already succeeded';
   return `finalize: ${how}; ${describeOutcome(o)}`;
@@ -216,8 +229,8 @@ export function buildProgram(state: { exitCode: number }): Command {
     }
   };
 
-  program
-    .command('run')
+  withHealthFlags(program
+    .command('run'))
     .description('run a job (or find it done): resumes at the first unfinished chunk')
     .argument('<job>', 'job name, as defined in a file in the jobs folder')
     .option('--key <key>', 'run key (idempotency key); default: the params fingerprint')
@@ -234,7 +247,7 @@ export function buildProgram(state: { exitCode: number }): Command {
     .option('--catch-up <N|duration>', 'scheduled jobs: run the missed slots oldest first, the last N or those within a duration (e.g. 3, 12h, 2d)')
     .option('--json', 'print the outcome as JSON on stdout')
     .option('--allow-changed-code', 'resume a run even though its job file (or version) changed since it started; recorded on the run')
-    .action((name: string, o: { key?: string; params?: string; param: Record<string, unknown>; concurrency: number; wait?: number | boolean; dryRun?: boolean; retrySkipped?: boolean; json?: boolean; maxRate?: number; pause?: number; targetChunkMs?: number; progress: boolean; catchUp?: string; allowChangedCode?: boolean }) =>
+    .action((name: string, o: { key?: string; params?: string; param: Record<string, unknown>; concurrency: number; wait?: number | boolean; dryRun?: boolean; retrySkipped?: boolean; json?: boolean; maxRate?: number; pause?: number; targetChunkMs?: number; progress: boolean; catchUp?: string; allowChangedCode?: boolean; health?: HealthOptions; healthCheck?: boolean }) =>
       runWithSession(async (g, log, session, force) => {
         const params = parseParams(o.params, o.param);
         if (o.key !== undefined && (o.key.length === 0 || o.key.length > 200)) throw new UsageError('invalidKey', '--key must be 1 to 200 characters');
@@ -275,6 +288,7 @@ export function buildProgram(state: { exitCode: number }): Command {
             dryRun: o.dryRun ?? false,
             retrySkipped: o.retrySkipped ?? false,
             allowChangedCode: o.allowChangedCode ?? false,
+            ...healthSetting(o),
             signal: signals.stop,
             abortSignal: signals.abort,
           });
@@ -285,8 +299,8 @@ export function buildProgram(state: { exitCode: number }): Command {
       }),
     );
 
-  program
-    .command('migrate')
+  withHealthFlags(program
+    .command('migrate'))
     .description('run the ordered migrations in the migrations folder; every pod may call it at once')
     .option('--wait [seconds]', 'wait for another migrating process (default: forever)', waitSeconds)
     .option('--no-wait', 'exit 75 at once if another process is migrating')
@@ -294,7 +308,7 @@ export function buildProgram(state: { exitCode: number }): Command {
     .option('--allow-changed-code', 'resume migrations whose file (or version) changed since they started; recorded on the run')
     .option('--finalize <name>', 'deploys: make sure this migration (and those before it) succeeded: done → exit 0, running elsewhere → wait, idle → run it here, failed → exit 1')
     .option('--timeout <seconds>', 'with --finalize: how long to wait for a migration running elsewhere (default: no bound)', nonNegativeNumber)
-    .action((o: { wait?: number | boolean; json?: boolean; allowChangedCode?: boolean; finalize?: string; timeout?: number }) =>
+    .action((o: { wait?: number | boolean; json?: boolean; allowChangedCode?: boolean; finalize?: string; timeout?: number; health?: HealthOptions; healthCheck?: boolean }) =>
       runWithSession(async (g, log, session, force) => {
         const migrations = await loadJobDir(g.migrationsDir, 'migrations');
         if (o.timeout !== undefined && o.finalize === undefined) throw new UsageError('invalidTimeout', '--timeout bounds the wait of --finalize; pass --finalize <name>, or use --wait for a plain migrate');
@@ -305,6 +319,7 @@ export function buildProgram(state: { exitCode: number }): Command {
           const outcomes = await finalizeMigration(runner, list, o.finalize, {
             ...(o.timeout !== undefined ? { timeoutSeconds: o.timeout } : {}),
             allowChangedCode: o.allowChangedCode ?? false,
+            ...healthSetting(o),
             signal: signals.stop,
             abortSignal: signals.abort,
           });
@@ -314,7 +329,7 @@ export function buildProgram(state: { exitCode: number }): Command {
         }
         const outcomes = await runner.migrate(
           migrations.map((m) => ({ runKey: m.id, job: m.job })),
-          { wait: o.wait ?? true, allowChangedCode: o.allowChangedCode ?? false, signal: signals.stop, abortSignal: signals.abort },
+          { wait: o.wait ?? true, allowChangedCode: o.allowChangedCode ?? false, ...healthSetting(o), signal: signals.stop, abortSignal: signals.abort },
         );
         if (o.json) process.stdout.write(`${JSON.stringify(outcomes)}\n`);
         else if (outcomes.length === 0) process.stdout.write(`no migrations in ${g.migrationsDir}/\n`);
@@ -323,8 +338,8 @@ export function buildProgram(state: { exitCode: number }): Command {
       }),
     );
 
-  program
-    .command('finalize')
+  withHealthFlags(program
+    .command('finalize'))
     .description('deploys: make sure a run succeeded: done → exit 0, running elsewhere → wait, unfinished and idle → run the rest here, failed → exit 1')
     .argument('<job>', 'job name')
     .requiredOption('--key <key>', "the run's key")
@@ -334,7 +349,7 @@ export function buildProgram(state: { exitCode: number }): Command {
     .option('--concurrency <n>', 'chunks run at once when the rest runs here', positiveInt(64), 1)
     .option('--allow-changed-code', 'resume even though the job file (or version) changed since the run started')
     .option('--json', 'print the outcome as JSON on stdout')
-    .action((name: string, o: { key: string; timeout?: number; params?: string; param: Record<string, unknown>; concurrency: number; allowChangedCode?: boolean; json?: boolean }) =>
+    .action((name: string, o: { key: string; timeout?: number; params?: string; param: Record<string, unknown>; concurrency: number; allowChangedCode?: boolean; json?: boolean; health?: HealthOptions; healthCheck?: boolean }) =>
       runWithSession(async (g, log, session, force) => {
         const params = parseParams(o.params, o.param);
         const job = await findJob(g.jobsDir, name);
@@ -346,6 +361,7 @@ export function buildProgram(state: { exitCode: number }): Command {
           concurrency: o.concurrency,
           ...(o.timeout !== undefined ? { timeoutSeconds: o.timeout } : {}),
           allowChangedCode: o.allowChangedCode ?? false,
+          ...healthSetting(o),
           signal: signals.stop,
           abortSignal: signals.abort,
         });

@@ -11,7 +11,7 @@ export interface FinalizeOutcome extends RunOutcome {
   readonly how: FinalizeHow;
 }
 
-export interface FinalizeOptions extends Pick<RunJobOptions, 'concurrency' | 'signal' | 'abortSignal' | 'onProgress' | 'allowChangedCode' | 'throttle'> {
+export interface FinalizeOptions extends Pick<RunJobOptions, 'concurrency' | 'signal' | 'abortSignal' | 'onProgress' | 'allowChangedCode' | 'throttle' | 'health'> {
   /** The run's key. */
   readonly key: string;
   /** Params for a run that does not exist yet; an existing run keeps its own. Defaults to `{}`. */
@@ -115,5 +115,6 @@ function pick(opts: Omit<FinalizeOptions, 'key'>): Partial<RunJobOptions> {
     ...(opts.onProgress ? { onProgress: opts.onProgress } : {}),
     ...(opts.allowChangedCode !== undefined ? { allowChangedCode: opts.allowChangedCode } : {}),
     ...(opts.throttle ? { throttle: opts.throttle } : {}),
+    ...(opts.health !== undefined ? { health: opts.health } : {}),
   };
 }

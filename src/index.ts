@@ -29,6 +29,8 @@ export { Runner, DEFAULT_SCHEMA } from './runner.ts';
 export { finalizeRun, finalizeMigration } from './finalize.ts';
 export type { FinalizeHow, FinalizeOptions, FinalizeOutcome } from './finalize.ts';
 export { CodeChangedError } from './code-fingerprint.ts';
+export { DEFAULT_HEALTH, StandbyError } from './health-check.ts';
+export type { HealthOptions, HealthSetting } from './health-check.ts';
 export type { RunJobOptions, RunOutcome, RunnerOptions, RunStatusRow } from './runner.ts';
 export type { RunSummary, RunErrorInfo } from './store.ts';
 export {

@@ -2,6 +2,7 @@ import type { Kysely, Transaction } from 'kysely';
 import type { Logger } from 'pino';
 import type { BackoffOptions } from './retry.ts';
 import type { ThrottleOptions } from './throttle.ts';
+import { resolveHealth, type HealthSetting } from './health-check.ts';
 import { UsageError } from './errors.ts';
 import { parseSchedule } from './schedule.ts';
 
@@ -101,6 +102,10 @@ interface StepCommon {
   readonly maxFailedChunks?: number;
   /** Throttling for this step; overrides the job's, overridden by command-line flags. */
   readonly throttle?: ThrottleOptions;
+  /** Health checks for this step (thresholds, `false` per indicator, or `false` for none); overrides the job's. */
+  readonly health?: HealthSetting;
+  /** Tables this step's chunks write, watched for autovacuum (a chunk source may name its own). Defaults to none. */
+  readonly tables?: readonly string[];
 }
 
 /** A step whose whole work is one transaction. */
@@ -156,6 +161,8 @@ export interface JobDefinition<P = any, DB = any> {
   readonly retry?: BackoffOptions;
   /** Default throttling for the job's steps. Defaults to none. */
   readonly throttle?: ThrottleOptions;
+  /** Health checks before each chunk (see HealthOptions). Defaults to every indicator on with its default threshold. */
+  readonly health?: HealthSetting;
   /**
    * Cron schedule (5 fields, optional IANA timezone, default UTC). A scheduled job run without
    * --key uses its most recent due slot as run key, so cron firing twice hits the same run.
@@ -202,6 +209,16 @@ export function assertJob(value: unknown, origin: string): Job {
   if (def.version !== undefined && !((typeof def.version === 'string' && def.version !== '' && def.version.length <= 200) || Number.isFinite(def.version))) {
     problems.push(`version must be a non-empty string (at most 200 characters) or a number (got ${JSON.stringify(def.version)})`);
   }
+  const checkHealth = (setting: unknown, where: string) => {
+    if (setting === undefined) return;
+    try {
+      if (setting !== false && (typeof setting !== 'object' || setting === null)) throw new Error('health must be an object of thresholds or false');
+      resolveHealth(setting as HealthSetting);
+    } catch (err) {
+      problems.push(`${where}${(err as Error).message}`);
+    }
+  };
+  checkHealth(def.health, '');
   if (def.params !== undefined && typeof def.params !== 'function' && !isStandardSchema(def.params)) {
     problems.push('params must be a Standard Schema (zod, valibot, arktype…) or a function (raw) => params');
   }
@@ -216,6 +233,10 @@ export function assertJob(value: unknown, origin: string): Job {
       if (!s || typeof s.run !== 'function') problems.push(`steps[${i}].run must be a function`);
       if (s && s.maxFailedChunks !== undefined && !(Number.isInteger(s.maxFailedChunks) && s.maxFailedChunks >= 0)) {
         problems.push(`steps[${i}].maxFailedChunks must be an integer >= 0`);
+      }
+      if (s) checkHealth(s.health, `steps[${i}]: `);
+      if (s && s.tables !== undefined && !(Array.isArray(s.tables) && s.tables.every((t) => typeof t === 'string' && t !== ''))) {
+        problems.push(`steps[${i}].tables must be an array of table names`);
       }
       if (s && s.chunks !== undefined && typeof s.chunks !== 'function') {
         problems.push(`steps[${i}].chunks must be a chunk source function such as keyRange({...})`);

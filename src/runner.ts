@@ -9,6 +9,7 @@ import type { ThrottleOptions } from './throttle.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
 import { checkCodeFingerprint } from './code-fingerprint.ts';
 import { recordedFailure } from './finalize.ts';
+import { refuseOnStandby, type HealthSetting } from './health-check.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import { faultPoint } from './fault-points.ts';
 import { pruneRuns, requestControl, resetRun, resumeRun, type ControlResult, type OperationsHost, type PruneResult } from './operations.ts';
@@ -61,6 +62,8 @@ export interface RunJobOptions {
   readonly allowChangedCode?: boolean;
   /** `false`: a failed run is not resumed; its recorded error is thrown instead (finalize). Defaults to `true`. */
   readonly resumeFailed?: boolean;
+  /** Health checks that override the job's and steps' (`false`: none). Defaults to theirs. */
+  readonly health?: HealthSetting;
 }
 
 export type RunStatusOutcome = 'succeeded' | 'already-succeeded' | 'dry-run';
@@ -167,7 +170,7 @@ export class Runner {
     const runKey = opts.key ?? fp;
     if (opts.dryRun) return this.#dryRun(job, runKey, fp);
 
-    const { run } = await this.store.claimRun(job.name, runKey, params, fp);
+    const { run } = await refuseOnStandby(this.db, () => this.store.claimRun(job.name, runKey, params, fp));
     checkFingerprint(job.name, runKey, run, fp);
     if (run.status === 'succeeded' && !(opts.retrySkipped && (run.summary?.skipped ?? 0) > 0)) return alreadyDone(run);
     refuseControlled(run);
@@ -216,7 +219,7 @@ export class Runner {
     );
     try {
       for (const m of pending) {
-        const { run } = await this.store.claimRun(m.job.name, m.runKey, {}, fp);
+        const { run } = await refuseOnStandby(this.db, () => this.store.claimRun(m.job.name, m.runKey, {}, fp));
         checkFingerprint(m.job.name, m.runKey, run, fp);
         if (run.status === 'succeeded') {
           outcomes.push(alreadyDone(run));
@@ -306,6 +309,7 @@ export class Runner {
           planWindow: opts.planWindow ?? DEFAULT_PLAN_WINDOW,
           slot: opts.slot ?? null,
           ...(opts.throttle ? { throttle: opts.throttle } : {}),
+          ...(opts.health !== undefined ? { health: opts.health } : {}),
           ...(opts.onProgress ? { onProgress: opts.onProgress } : {}),
           stop,
           abort,
