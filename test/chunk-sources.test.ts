@@ -102,7 +102,8 @@ describe('keyList', () => {
 
   it('a file larger than the process may hold is streamed through in a heap too small to load it whole', async () => {
     const file = path.join(dir, 'big.txt');
-    const lines = 6_000_000;
+    // 1.6 M keys of 40 characters: 66 MB, more than twice the child's 32 MB heap.
+    const lines = 1_600_000;
     await new Promise<void>((resolve, reject) => {
       const out = createWriteStream(file);
       out.on('error', reject);
@@ -110,7 +111,7 @@ describe('keyList', () => {
       const write = () => {
         while (i < lines) {
           const block: string[] = [];
-          for (let j = 0; j < 100_000 && i < lines; j++, i++) block.push(`k${String(i).padStart(9, '0')}`);
+          for (let j = 0; j < 100_000 && i < lines; j++, i++) block.push(`k${String(i).padStart(39, '0')}`);
           if (!out.write(`${block.join('\n')}\n`)) return void out.once('drain', write);
         }
         out.end(resolve);
@@ -148,12 +149,12 @@ console.log(JSON.stringify({ keys, chunks, last }));
     const streamed = await walk('stream');
     expect(streamed.err).toBe('');
     expect(streamed.code).toBe(0);
-    expect(JSON.parse(streamed.out)).toEqual({ keys: lines, chunks: lines / 1000, last: `k${String(lines - 1).padStart(9, '0')}` });
+    expect(JSON.parse(streamed.out)).toEqual({ keys: lines, chunks: lines / 1000, last: `k${String(lines - 1).padStart(39, '0')}` });
     // The control: the same heap cannot hold the file's keys loaded whole.
     const whole = await walk('whole');
     expect(whole.code).not.toBe(0);
     expect(whole.err).toMatch(/heap out of memory|Invalid string length/);
-  });
+  }, 180_000);
 });
 
 describe('keysetQuery', () => {
