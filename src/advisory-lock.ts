@@ -2,6 +2,7 @@ import pg from 'pg';
 import { BusyError, DatabaseUnavailableError, InterruptedError, LockLostError } from './errors.ts';
 import { lockKey } from './fingerprint.ts';
 import { sleep } from './sleep.ts';
+import { SERVER_KEEPALIVES } from './database.ts';
 
 export interface AdvisoryLockOptions {
   readonly connectionString: string;
@@ -15,7 +16,16 @@ export interface AdvisoryLockOptions {
   readonly signal?: AbortSignal;
   /** How often the held session is checked for life, in ms. Defaults to `2000`. */
   readonly checkIntervalMs?: number;
+  /**
+   * How long a check, or a statement sent on the lock's session, may go unanswered before the lock
+   * counts as lost, in ms: a host whose network vanished never answers, and never errors either.
+   * Defaults to `5000` (checks), 6 times that for statements (which may wait for a row lock).
+   */
+  readonly checkTimeoutMs?: number;
 }
+
+/** Default of `checkTimeoutMs`. */
+export const LOCK_CHECK_TIMEOUT_MS = 5_000;
 
 /** A held session-level advisory lock; `lost` aborts when its session dies. */
 export interface HeldLock {
@@ -26,7 +36,12 @@ export interface HeldLock {
   readonly lost: AbortSignal;
   /** Backend pid of the session holding the lock. */
   readonly pid: number;
-  /** Releases the lock and closes its session. Idempotent. */
+  /**
+   * Runs one statement on the lock's own session, so it can only succeed while the lock is held
+   * (the attempt bump). No answer in time counts as a lost lock.
+   */
+  query<R extends pg.QueryResultRow>(text: string, values: readonly unknown[]): Promise<R[]>;
+  /** Releases the lock and closes its session. Idempotent, and bounded even on a dead socket. */
   release(): Promise<void>;
 }
 
@@ -43,7 +58,31 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
   const client = new pg.Client({ connectionString: opts.connectionString, keepAlive: true, keepAliveInitialDelayMillis: 5_000, application_name: 'idem-lock' });
   const lostController = new AbortController();
   const loseLock = (why: string, cause?: unknown) => {
-    if (!lostController.signal.aborted) lostController.abort(new LockLostError(`lost the advisory lock for ${opts.what}: ${why}; another process may take the run over, rerun to resume`, { cause }));
+    if (lostController.signal.aborted) return;
+    lostController.abort(new LockLostError(`lost the advisory lock for ${opts.what}: ${why}; another process may take the run over, rerun to resume`, { cause }));
+    // A socket that stopped answering would keep every later statement (and end()) waiting forever.
+    destroySocket(client);
+  };
+  const checkTimeout = opts.checkTimeoutMs ?? LOCK_CHECK_TIMEOUT_MS;
+  /** Statements in flight on the session; the periodic check never queues behind one. */
+  let busy = 0;
+  /** One statement, raced against a deadline: no answer in time is a lost lock, not a wait. */
+  const timed = async <R extends pg.QueryResultRow>(text: string, values: readonly unknown[], ms: number): Promise<R[]> => {
+    busy++;
+    let timer: NodeJS.Timeout | undefined;
+    try {
+      const deadline = new Promise<never>((_, reject) => {
+        timer = setTimeout(() => {
+          loseLock(`its session did not answer within ${ms / 1000}s (network gone?)`);
+          reject(lostController.signal.reason);
+        }, ms);
+      });
+      const { rows } = await Promise.race([client.query<R>(text, values as unknown[]), deadline]);
+      return rows;
+    } finally {
+      clearTimeout(timer);
+      busy--;
+    }
   };
   // Without an 'error' listener a dropped socket would crash the process instead of failing the run.
   client.on('error', (err) => loseLock(err.message, err));
@@ -63,18 +102,22 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
     client.removeAllListeners('error');
     client.on('error', () => {});
     try {
-      if (!lostController.signal.aborted) await client.query('select pg_advisory_unlock($1::bigint)', [key]);
+      if (!lostController.signal.aborted) await timed('select pg_advisory_unlock($1::bigint)', [key], checkTimeout);
     } catch {
       // The session is going away anyway, and with it the lock.
     }
-    await client.end().catch(() => {});
+    // end() waits for the server's goodbye, which a dead network never sends.
+    const ended = client.end().catch(() => {});
+    const bound = new Promise<void>((resolve) => setTimeout(resolve, checkTimeout).unref());
+    await Promise.race([ended, bound]);
+    destroySocket(client);
   };
 
   try {
     // Server-side keepalives for this session only: if this host vanishes (power, network), the
     // server notices within about a minute and drops the session and its lock, instead of keeping
     // the job "busy" for the hours the OS defaults would take.
-    await client.query('set tcp_keepalives_idle = 30; set tcp_keepalives_interval = 10; set tcp_keepalives_count = 3');
+    await client.query(SERVER_KEEPALIVES);
     const { rows: [first] } = await client.query<{ pid: number }>('select pg_backend_pid() as pid');
     const pid = first!.pid;
     const deadline = opts.wait === true ? Infinity : opts.wait ? Date.now() + opts.wait * 1000 : 0;
@@ -101,17 +144,28 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
     }
     const interval = opts.checkIntervalMs ?? 2_000;
     timer = setInterval(() => {
-      client.query<{ pid: number }>('select pg_backend_pid() as pid').then(
-        ({ rows }) => {
+      // Never queue a check behind one that has not answered: the deadline of that one decides.
+      if (busy > 0 || lostController.signal.aborted) return;
+      timed<{ pid: number }>('select pg_backend_pid() as pid', [], checkTimeout).then(
+        (rows) => {
           if (rows[0]?.pid !== pid) loseLock('the session behind the lock changed');
         },
         (err) => loseLock((err as Error).message, err),
       );
     }, interval);
     timer.unref();
-    return { name: opts.name, key, pid, lost: lostController.signal, release };
+    const query = <R extends pg.QueryResultRow>(text: string, values: readonly unknown[]) => {
+      if (lostController.signal.aborted) return Promise.reject(lostController.signal.reason);
+      return timed<R>(text, values, checkTimeout * 6);
+    };
+    return { name: opts.name, key, pid, lost: lostController.signal, query, release };
   } catch (err) {
     await release();
     throw err;
   }
+}
+
+/** Drops a client's socket at once (no goodbye): for a session that has stopped answering. */
+function destroySocket(client: pg.Client): void {
+  (client as unknown as { connection?: { stream?: { destroy(): void } } }).connection?.stream?.destroy();
 }

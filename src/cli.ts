@@ -8,10 +8,10 @@ import { findJob, loadJobDir } from './loader.ts';
 import { finalizeMigration, finalizeRun, type FinalizeOutcome } from './finalize.ts';
 import { parseHealthFlag, type HealthOptions, type HealthSetting } from './health-check.ts';
 import { parseDuration } from './operations.ts';
-import { latestSlot, parseCatchUp, parseSchedule, renderCrontab, runCronLoop, slotKey, slotsSince, type ScheduledJob } from './schedule.ts';
+import { latestSlot, parseCatchUp, parseSchedule, renderCrontab, runCronLoop, shellQuote, slotKey, slotsSince, type ScheduledJob } from './schedule.ts';
 import { createProgressReporter } from './progress-reporter.ts';
 import { createLogger, LOG_LEVELS, type LogLevel } from './log.ts';
-import { DEFAULT_SCHEMA, Runner, type RunOutcome, type RunStatusRow } from './runner.ts';
+import { DEFAULT_SCHEMA, POOL_HEADROOM, Runner, type RunOutcome, type RunStatusRow } from './runner.ts';
 
 interface GlobalOptions {
   databaseUrl?: string;
@@ -224,7 +224,8 @@ export function buildProgram(state: { exitCode: number }): Command {
     } finally {
       // The same watchdog on the normal path: releasing the lock, pool and embedded server must
       // not hang the process.
-      setTimeout(() => process.exit(state.exitCode), 10_000).unref();
+      // A lost lock often means a dead network: closing the pool would wait on its sockets.
+      setTimeout(() => process.exit(state.exitCode), state.exitCode === ExitCode.LockLost ? 2_000 : 10_000).unref();
       await session.close();
     }
   };
@@ -266,7 +267,7 @@ export function buildProgram(state: { exitCode: number }): Command {
           process.stdout.write(`no slot of job "${job.name}" falls within --catch-up ${o.catchUp}\n`);
           return ExitCode.Ok;
         }
-        const runner = await openRunner(g, log, session, o.concurrency + 2);
+        const runner = await openRunner(g, log, session, o.concurrency + POOL_HEADROOM);
         const signals = installSignals(log, g.shutdownTimeout, force);
         const throttle = {
           ...(o.maxRate !== undefined ? { maxRate: o.maxRate } : {}),
@@ -416,8 +417,16 @@ export function buildProgram(state: { exitCode: number }): Command {
       runWithSession(async (g) => {
         const entries = await scheduledJobs(g.jobsDir);
         if (entries.length === 0) throw new UsageError('noScheduledJobs', `no job in ${g.jobsDir}/ declares a schedule; add schedule: '0 3 * * *' to one`);
-        const dirs = g.jobsDir === 'jobs' ? '' : ` --jobs-dir ${g.jobsDir}`;
-        process.stdout.write(renderCrontab(entries, { cwd: process.cwd(), command: `${o.command}${dirs}`, ...(o.logFile ? { logFile: o.logFile } : {}), ...(o.catchUp ? { catchUp: o.catchUp } : {}) }));
+        // Every global flag that changes which lock, tables or files a run uses goes on the line,
+        // quoted: a cron run under another schema would take another lock than a manual run.
+        // The database URL is not (it holds the password): cron's environment sets DATABASE_URL.
+        const identity = [
+          ...(g.schema !== DEFAULT_SCHEMA ? ['--schema', g.schema] : []),
+          ...(g.jobsDir !== 'jobs' ? ['--jobs-dir', g.jobsDir] : []),
+          ...(g.migrationsDir !== 'migrations' ? ['--migrations-dir', g.migrationsDir] : []),
+        ];
+        const flags = identity.map(shellQuote).map((w) => ` ${w}`).join('');
+        process.stdout.write(renderCrontab(entries, { cwd: process.cwd(), command: `${o.command}${flags}`, ...(o.logFile ? { logFile: o.logFile } : {}), ...(o.catchUp ? { catchUp: o.catchUp } : {}) }));
         return ExitCode.Ok;
       }),
     );
@@ -443,7 +452,7 @@ export function buildProgram(state: { exitCode: number }): Command {
           onError: (name, slot, err) => {
             if (signals.stop.aborted) return;
             if (err instanceof IdemError && err.exitCode === ExitCode.Busy) log.info({ job: name, slot: slotKey(slot) }, `slot taken by another process: ${err.message}`);
-            else log.error({ job: name, slot: slotKey(slot), err: { message: messageOf(err) } }, 'scheduled run failed; the next tick or --catch-up retries it');
+            else log.error({ job: name, slot: slotKey(slot), err: { message: messageOf(err) } }, 'scheduled run failed; the next tick tries it once more, --catch-up after that');
           },
         });
         const reason = signals.stop.reason;

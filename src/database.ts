@@ -30,6 +30,17 @@ export function redactSecrets(text: string, connectionString: string): string {
   return password.length >= 3 ? text.split(password).join('***') : text;
 }
 
+/**
+ * Server-side TCP keepalives for every idem session (lock and work): if this host vanishes (power,
+ * network), the server notices within about a minute (30 s idle + 3 probes 10 s apart) and ends
+ * the session, freeing its advisory lock and row locks, instead of after the OS defaults' ~2 hours.
+ * `tcp_user_timeout` bounds the same when the server has unacknowledged data in flight.
+ */
+export const SERVER_KEEPALIVES = 'set tcp_keepalives_idle = 30; set tcp_keepalives_interval = 10; set tcp_keepalives_count = 3; set tcp_user_timeout = 60000';
+
+/** Default of `idleInTransactionTimeoutMs`: a vanished process's open chunk transaction is ended after this. */
+export const DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT_MS = 60_000;
+
 export interface Database {
   readonly db: Kysely<any>;
   readonly pool: pg.Pool;
@@ -38,23 +49,41 @@ export interface Database {
 }
 
 /** Opens the work pool and proves the server answers, mapping failures to one-line errors that say the fix. */
-export async function openDatabase(connectionString: string, opts: { readonly poolSize: number; readonly log: Logger }): Promise<Database> {
+export async function openDatabase(
+  connectionString: string,
+  opts: { readonly poolSize: number; readonly log: Logger; readonly idleInTransactionTimeoutMs?: number },
+): Promise<Database> {
+  const idleMs = opts.idleInTransactionTimeoutMs ?? DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT_MS;
+  if (!Number.isInteger(idleMs) || idleMs < 0) throw new TypeError(`idleInTransactionTimeoutMs must be an integer >= 0 (got ${idleMs})`);
   const pool = new pg.Pool({ connectionString, max: opts.poolSize, application_name: 'idem', keepAlive: true, connectionTimeoutMillis: 10_000 });
   // An idle client's socket error is emitted on the pool; unhandled, it would kill the process.
   pool.on('error', (err) => opts.log.warn({ err: { message: redactSecrets(err.message, connectionString) } }, 'idle database connection failed'));
   // A checked-out client whose backend dies between two statements (pg_terminate_backend, a
   // restart) emits 'error' on itself, not on the pool; unhandled, that would crash the process.
   // The next statement on it then fails with a connection error, which the chunk retry handles.
-  pool.on('connect', (client) =>
-    client.on('error', (err) => opts.log.warn({ err: { message: redactSecrets(err.message, connectionString), code: (err as { code?: string }).code } }, 'database connection lost')),
-  );
+  pool.on('connect', (client) => {
+    client.on('error', (err) => opts.log.warn({ err: { message: redactSecrets(err.message, connectionString), code: (err as { code?: string }).code } }, 'database connection lost'));
+    // Queued before any statement of whoever checked the client out (pg-pool emits 'connect' first).
+    // A work session whose process vanished mid-chunk holds the chunk's row locks: the server ends
+    // it after idle_in_transaction_session_timeout, so another worker can redo the chunk.
+    client.query(`${SERVER_KEEPALIVES}; set idle_in_transaction_session_timeout = ${idleMs}`).catch(() => {});
+  });
+  let clients: pg.PoolClient[] = [];
   try {
-    const client = await pool.connect();
-    client.release();
+    clients = await Promise.all([pool.connect(), pool.connect()]);
   } catch (err) {
+    for (const c of clients) c.release();
     await pool.end().catch(() => {});
     throw describeConnectError(err, connectionString);
   }
+  try {
+    await refuseSessionlessPooler(clients[0]!, clients[1]!, connectionString);
+  } catch (err) {
+    for (const c of clients) c.release();
+    await pool.end().catch(() => {});
+    throw err;
+  }
+  for (const c of clients) c.release();
   const db = new Kysely<any>({ dialect: new IdemPostgresDialect({ pool }) });
   let closed: Promise<void> | undefined;
   return {
@@ -62,6 +91,31 @@ export async function openDatabase(connectionString: string, opts: { readonly po
     pool,
     close: () => (closed ??= db.destroy().catch(() => {})),
   };
+}
+
+/**
+ * idem keeps state in sessions (the advisory lock, the marker's prepared statement), so it must
+ * never run behind a pooler that hands each transaction or statement to another server session
+ * (PgBouncer pool_mode=transaction or statement). Checked on every start, before anything is
+ * written: two connections of ours, both open, ask for their backend pid in turn (A, B, A, B).
+ * A direct server or a session pooler gives each its own backend for the connection's life, so the
+ * pids differ and stay put. A transaction pooler releases A's server session after each statement,
+ * hands that same idle session to B (PgBouncer reuses the most recently used one) or another one to
+ * A's next statement: either shows. A pooler is also seen when the pid the protocol announced at
+ * connect (BackendKeyData) is not the backend's own, which names the pooler in the message.
+ */
+async function refuseSessionlessPooler(a: pg.PoolClient, b: pg.PoolClient, connectionString: string): Promise<void> {
+  const pid = async (c: pg.PoolClient) => (await c.query<{ pid: number }>('select pg_backend_pid() as pid')).rows[0]!.pid;
+  const a1 = await pid(a);
+  const b1 = await pid(b);
+  const a2 = await pid(a);
+  const b2 = await pid(b);
+  if (a1 !== b1 && a1 === a2 && b1 === b2) return;
+  const announced = (a as unknown as { processID?: number }).processID;
+  const what = announced !== undefined && announced !== a1 ? 'a connection pooler (PgBouncer or similar)' : 'a pooler';
+  throw new DatabaseUnavailableError(
+    `${redactUrl(connectionString)} goes through ${what} in transaction or statement mode, which does not keep sessions, and idem needs its session (advisory lock): set pool_mode = session for idem's database, or point idem at PostgreSQL directly`,
+  );
 }
 
 export function describeConnectError(err: unknown, connectionString: string): DatabaseUnavailableError {

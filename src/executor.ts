@@ -141,13 +141,24 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
     let pending: PendingChunk[] = await store.pendingChunks(run.runId, step.name, fetchAfter, planWindow);
     while (pending.length === 0 && !plannedAll) {
       // A source that reads the database (keyRange) may hit a dropped connection: ask it again.
-      const page: ChunkPage = await retrying(async () => source(cursor, planCtx()));
+      // A source that fails for good fails the step it belongs to, not "(runner)".
+      const page: ChunkPage = await retrying(async () => source(cursor, planCtx())).catch((err: unknown) => {
+        throw err instanceof ChunkFailure || err instanceof FencedError ? err : new ChunkFailure(step.name, null, 1, err);
+      });
       checkPage(step.name, page);
-      const { planned, fenced } = await store.planWindow(run.runId, run.attempt, step.name, nextSeq, page.chunks, page.next);
-      if (fenced) throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was taken over by a newer attempt while planning`);
-      if (planned !== page.chunks.length) {
-        throw new ChunkFailure(step.name, null, 1, new Error(`chunk source returned ${page.chunks.length - planned} key(s) that were already planned; chunk keys must be unique and stable`));
+      const result = await store.planWindow(run.runId, run.attempt, step.name, nextSeq - 1, page.chunks, page.next);
+      if (result.kind === 'fenced') throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was taken over by a newer attempt while planning`);
+      if (result.kind === 'duplicate') {
+        throw new ChunkFailure(step.name, null, 1, new Error(`chunk source returned key ${JSON.stringify(result.key)}, which is already planned as chunk ${result.seq} of the step; chunk keys must be unique and stable`));
       }
+      if (result.kind === 'moved') {
+        // Planned past us meanwhile: nothing was written; continue from where the step is now.
+        ({ cursor, planned_all: plannedAll } = result.step);
+        nextSeq = result.step.planned + 1;
+        pending = await store.pendingChunks(run.runId, step.name, fetchAfter, planWindow);
+        continue;
+      }
+      const planned = page.chunks.length;
       pending = page.chunks.map((spec, i) => ({ seq: nextSeq + i, key: spec.key, spec }));
       nextSeq += planned;
       cursor = page.next;
@@ -199,7 +210,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
           } catch (err) {
             if (err instanceof ChunkFailure && skipped < maxSkips && !opts.stop.aborted) {
               skipped++;
-              if (!(await store.skipChunk(run.runId, run.attempt, step.name, chunk.key, err.tries, err.message))) {
+              if (!(await store.skipChunk(run.runId, run.attempt, step.name, chunk.key, err.message))) {
                 failure ??= new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off while skipping chunk ${chunk.key}`);
               } else {
                 log.warn({ chunk: chunk.key, tries: err.tries, skipped, maxFailedChunks: maxSkips, err: { message: err.message } }, 'chunk failed for good; skipped under the step policy');
@@ -270,6 +281,9 @@ async function runChunk(opts: ExecuteOptions, step: Step, chunk: PendingChunk, r
         const why = await store.markerRefusal(run.runId, step.name, chunk.key);
         if (why.attempt !== run.attempt) {
           err = new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off by attempt ${why.attempt}; its chunk ${chunk.key} rolled back`);
+        } else if (why.done && why.doneAttempt === run.attempt && tries > 1) {
+          // An earlier try of ours committed, and only its acknowledgement was lost: it was executed here.
+          return performance.now() - started;
         } else if (why.done) {
           err = ALREADY_DONE;
         } else {
@@ -297,8 +311,11 @@ async function performEffect<T>(opts: ExecuteOptions, step: string, chunk: strin
   if (typeof fn !== 'function') throw new TypeError('ctx.effect(): fn must be a function (idempotencyKey) => result');
   const { run, store } = opts;
   const key = `idem-${createHash('sha256').update([store.schema, run.job, run.runKey, step, chunk, name].join('\0')).digest('hex').slice(0, 40)}`;
-  const record = await store.beginEffect(run.runId, step, chunk, name, key);
+  const record = await store.beginEffect(run.runId, run.attempt, step, chunk, name, key);
+  if (!record) throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off; effect "${name}" of chunk ${chunk} was not started`);
   if (record.status === 'done') return record.result as T;
+  // A run that lost its lock (or must stop at once) starts no new effect.
+  if (opts.abort.aborted) throw opts.abort.reason ?? new FencedError(`attempt ${run.attempt} of job "${run.job}" stopped before effect "${name}"`);
   const result = await fn(key);
   await store.completeEffect(run.runId, step, chunk, name, (result ?? null) as Json);
   return result;

@@ -1,5 +1,5 @@
 import { BusyError, RunFailedError, UsageError } from './errors.ts';
-import { lockKey } from './fingerprint.ts';
+import { runIsLive } from './operations.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import type { RunJobOptions, Runner, RunOutcome } from './runner.ts';
 import type { RunRow } from './store.ts';
@@ -83,11 +83,10 @@ export function recordedFailure(run: Pick<RunRow, 'job' | 'run_key' | 'error'>):
   );
 }
 
-/** Whether a process holds the lock the run's last attempt ran under (its job's, or migrate's). */
+/** Whether the backend that took the run's lock (its job's, or migrate's) still holds it. */
 async function isLive(runner: Runner, run: RunRow): Promise<boolean> {
   if (run.status !== 'running') return false;
-  const held = await runner.heldLockKeys();
-  return held.has(lockKey(run.lock_name ?? runner.jobLockName(run.job)));
+  return runIsLive(run, await runner.heldLocks(), (j) => runner.jobLockName(j));
 }
 
 function how(outcome: RunOutcome, wasLive: boolean): FinalizeHow {

@@ -1,7 +1,7 @@
 import type { Kysely, Transaction } from 'kysely';
 import type { Logger } from 'pino';
-import type { BackoffOptions } from './retry.ts';
-import type { ThrottleOptions } from './throttle.ts';
+import { backoffProblems, type BackoffOptions } from './retry.ts';
+import { throttleProblems, type ThrottleOptions } from './throttle.ts';
 import { resolveHealth, type HealthSetting } from './health-check.ts';
 import { UsageError } from './errors.ts';
 import { parseSchedule } from './schedule.ts';
@@ -222,6 +222,8 @@ export function assertJob(value: unknown, origin: string): Job {
   if (def.params !== undefined && typeof def.params !== 'function' && !isStandardSchema(def.params)) {
     problems.push('params must be a Standard Schema (zod, valibot, arktype…) or a function (raw) => params');
   }
+  if (def.throttle !== undefined) for (const m of throttleProblems(def.throttle)) problems.push(`throttle: ${m}`);
+  if (def.retry !== undefined) for (const m of backoffProblems(def.retry)) problems.push(`retry: ${m}`);
   if (!Array.isArray(def.steps) || def.steps.length === 0) {
     problems.push('steps must be a non-empty array');
   } else {
@@ -234,6 +236,8 @@ export function assertJob(value: unknown, origin: string): Job {
       if (s && s.maxFailedChunks !== undefined && !(Number.isInteger(s.maxFailedChunks) && s.maxFailedChunks >= 0)) {
         problems.push(`steps[${i}].maxFailedChunks must be an integer >= 0`);
       }
+      if (s?.throttle !== undefined) for (const m of throttleProblems(s.throttle)) problems.push(`steps[${i}].throttle: ${m}`);
+      if (s?.retry !== undefined) for (const m of backoffProblems(s.retry)) problems.push(`steps[${i}].retry: ${m}`);
       if (s) checkHealth(s.health, `steps[${i}]: `);
       if (s && s.tables !== undefined && !(Array.isArray(s.tables) && s.tables.every((t) => typeof t === 'string' && t !== ''))) {
         problems.push(`steps[${i}].tables must be an array of table names`);

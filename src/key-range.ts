@@ -39,7 +39,16 @@ export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, unknown, K
   const column = sql.ref(opts.column);
   const extra = opts.where === undefined ? sql`true` : typeof opts.where === 'string' ? sql.raw(`(${opts.where})`) : opts.where;
 
+  // Once per database handle: a source object is usually module-level and outlives runs.
+  const checked = new WeakMap<object, Promise<void>>();
   const source: ChunkSource<unknown, unknown, KeyRangeChunk> = async (cursor, ctx) => {
+    let check = checked.get(ctx.db);
+    if (!check) {
+      check = checkKeyColumn(ctx.db, opts.table, opts.column);
+      checked.set(ctx.db, check);
+      check.catch(() => checked.delete(ctx.db));
+    }
+    await check;
     const from = cursor === null ? null : toSafeInt(cursor, 'cursor');
     const windowChunks = Math.max(1, ctx.windowSize);
     // Adaptive sizing (--target-chunk-ms) scales the nominal size; 1 otherwise.
@@ -99,6 +108,38 @@ export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, unknown, K
   source.tables = [opts.table];
   return source;
 }
+
+/**
+ * keyRange cuts `[lo, hi)` ranges by the column's integer order, so the column must be an integer
+ * type (a text column of digits sorts '10' < '9', and a job filtering `id >= lo and id < hi` would
+ * silently skip rows) with a unique index (a key repeated more than `size` times cannot be cut
+ * into ranges: the source would emit `[5,5)` forever).
+ */
+async function checkKeyColumn(db: PlanDb, table: string, column: string): Promise<void> {
+  const name = column.split('.').pop()!.replace(/^"(.*)"$/, '$1');
+  const { rows } = await sql<{ found: boolean; type: string | null; unique_indexed: boolean }>`
+    select to_regclass(${table}) is not null as found,
+      (select format_type(a.atttypid, null) from pg_attribute a
+        where a.attrelid = to_regclass(${table}) and a.attname = ${name} and a.attnum > 0 and not a.attisdropped) as type,
+      exists (select 1 from pg_index i join pg_attribute a on a.attrelid = i.indrelid and a.attnum = i.indkey[0]
+        where i.indrelid = to_regclass(${table}) and a.attname = ${name} and i.indisunique and i.indisvalid
+          and i.indnatts = 1 and i.indpred is null) as unique_indexed`.execute(db);
+  const r = rows[0]!;
+  if (!r.found) throw new TypeError(`keyRange(): table ${JSON.stringify(table)} does not exist; create it before the step runs, or fix the table name`);
+  if (r.type === null) throw new TypeError(`keyRange(): table ${JSON.stringify(table)} has no column ${JSON.stringify(name)}; fix the column name`);
+  if (!['smallint', 'integer', 'bigint'].includes(r.type)) {
+    throw new TypeError(
+      `keyRange(): column ${JSON.stringify(name)} of ${JSON.stringify(table)} is ${r.type}, but keyRange cuts by integer order (a text key sorts '10' before '9', so rows would be skipped); use an integer column or a custom chunk source`,
+    );
+  }
+  if (!r.unique_indexed) {
+    throw new TypeError(
+      `keyRange(): column ${JSON.stringify(name)} of ${JSON.stringify(table)} has no unique index, and a key repeated more than size times cannot be cut into ranges; add a unique index (usually the primary key) or use a custom chunk source`,
+    );
+  }
+}
+
+type PlanDb = Parameters<RawBuilder<unknown>['execute']>[0];
 
 function toSafeInt(v: unknown, what: string): number {
   const n = typeof v === 'number' ? v : Number(v);

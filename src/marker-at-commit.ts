@@ -82,7 +82,15 @@ class MarkerAtCommitDriver implements Driver {
     const prepare = name === undefined ? undefined : preparations.get(name);
     // PREPARE is not transactional: once sent, it stays for the session even if this chunk rolls back.
     if (name !== undefined && prepare !== undefined && !c.prepared.has(name)) {
-      await c.inner.executeQuery(CompiledQuery.raw(prepare));
+      try {
+        await c.inner.executeQuery(CompiledQuery.raw(prepare));
+      } catch (err) {
+        // 42P05 duplicate_prepared_statement: the server session is older than this connection
+        // object (a session pooler whose server_reset_query was turned off hands it on). The
+        // statement was prepared by idem for the same schema, so use it. Poolers that do not keep
+        // sessions at all are refused at connect (database.ts), before any chunk runs.
+        if ((err as { code?: string }).code !== '42P05') throw err;
+      }
       c.prepared.add(name);
     }
     try {

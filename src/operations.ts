@@ -10,7 +10,24 @@ export interface OperationsHost {
   readonly schema: string;
   readonly connectionString: string;
   jobLockName(job: string): string;
-  heldLockKeys(): Promise<Set<string>>;
+  heldLocks(): Promise<HeldLocks>;
+}
+
+/** Session advisory locks held right now: by 64-bit key, and as `pid:key`. */
+export interface HeldLocks {
+  readonly keys: ReadonlySet<string>;
+  readonly byPid: ReadonlySet<string>;
+}
+
+/**
+ * Is this run being worked right now? Not "someone holds the job's lock": the backend that took
+ * this run's attempt must still hold the lock it took (a crashed run of the same job stays crashed
+ * while another run of it is live). Rows from before lock_pid was recorded fall back to the key.
+ */
+export function runIsLive(run: Pick<RunRow, 'status' | 'job' | 'lock_name' | 'lock_pid'>, held: HeldLocks, jobLockName: (job: string) => string): boolean {
+  if (run.status !== 'running') return false;
+  const key = lockKey(run.lock_name ?? jobLockName(run.job));
+  return run.lock_pid == null ? held.keys.has(key) : held.byPid.has(`${run.lock_pid}:${key}`);
 }
 
 export interface ControlResult {
@@ -49,9 +66,11 @@ async function targetRun(h: OperationsHost, job: string, key: string | undefined
 
 async function isLive(h: OperationsHost, run: RunRow): Promise<boolean> {
   if (run.status !== 'running') return false;
-  const held = await h.heldLockKeys();
-  return held.has(lockKey(run.lock_name ?? h.jobLockName(run.job)));
+  return runIsLive(run, await h.heldLocks(), (j) => h.jobLockName(j));
 }
+
+/** How many times an operator command re-reads a run that changed under it before giving up. */
+const CAS_TRIES = 5;
 
 /**
  * Pause or cancel: cooperative. A live run sees the request within a second, lets its in-flight
@@ -59,29 +78,42 @@ async function isLive(h: OperationsHost, run: RunRow): Promise<boolean> {
  */
 export async function requestControl(h: OperationsHost, job: string, what: 'pause' | 'cancel', key?: string): Promise<ControlResult> {
   const open = what === 'pause' ? ['running', 'pending', 'failed', 'interrupted'] : ['running', 'pending', 'failed', 'interrupted', 'paused'];
-  const run = await targetRun(h, job, key, open, what);
-  if (!open.includes(run.status)) {
-    throw new UsageError('cannotControl', `run "${run.run_key}" of job "${job}" is ${run.status}: nothing to ${what}`);
+  let run = await targetRun(h, job, key, open, what);
+  for (let tries = 1; ; tries++) {
+    if (!open.includes(run.status)) {
+      const was = run.status === 'succeeded' ? 'had already succeeded' : `is ${run.status}`;
+      throw new UsageError('cannotControl', `run "${run.run_key}" of job "${job}" ${was}${tries > 1 ? ' (it changed while the request was made)' : ''}: nothing to ${what}`);
+    }
+    const live = await isLive(h, run);
+    const newStatus = live ? run.status : what === 'pause' ? 'paused' : 'cancelled';
+    // Compare-and-set on what was read: a run that finished (or was taken over) in between is not
+    // brought back to life; the request is re-decided on its new state instead.
+    // `requested` is set even for a run nobody executes: a process that starts in between sees it.
+    const { rows } = await sql<{ status: string }>`update ${t(h, 'runs')} set requested = ${what}, status = ${newStatus}, updated_at = now(),
+        finished_at = case when ${newStatus} = 'cancelled' then now() else finished_at end
+      where id = ${run.id} and status = ${run.status} and attempt = ${run.attempt} and requested is not distinct from ${run.requested}
+      returning status`.execute(h.db);
+    if (rows[0]) return { job, runKey: run.run_key, status: rows[0].status, live };
+    if (tries >= CAS_TRIES) throw new BusyError(`run "${run.run_key}" of job "${job}" kept changing while the ${what} was requested; try again`);
+    run = await targetRun(h, job, run.run_key, open, what);
   }
-  const live = await isLive(h, run);
-  const newStatus = live ? run.status : what === 'pause' ? 'paused' : 'cancelled';
-  // `requested` is set even for a run nobody executes: a process that starts in between sees it.
-  await sql`update ${t(h, 'runs')} set requested = ${what}, status = ${newStatus}, updated_at = now(),
-      finished_at = case when ${newStatus} = 'cancelled' then now() else finished_at end
-    where id = ${run.id}`.execute(h.db);
-  return { job, runKey: run.run_key, status: newStatus, live };
 }
 
 /** Undoes a pause: the run becomes resumable (the next `idem run` or cron tick continues it). */
 export async function resumeRun(h: OperationsHost, job: string, key?: string): Promise<ControlResult> {
-  const run = await targetRun(h, job, key, ['paused'], 'resume');
-  if (run.status !== 'paused' && !(run.status === 'running' && run.requested === 'pause')) {
-    throw new UsageError('cannotControl', `run "${run.run_key}" of job "${job}" is ${run.status}, not paused: nothing to resume`);
+  let run = await targetRun(h, job, key, ['paused'], 'resume');
+  for (let tries = 1; ; tries++) {
+    if (run.status !== 'paused' && !(run.status === 'running' && run.requested === 'pause')) {
+      throw new UsageError('cannotControl', `run "${run.run_key}" of job "${job}" is ${run.status}, not paused: nothing to resume`);
+    }
+    const { rows } = await sql<{ status: string }>`update ${t(h, 'runs')}
+      set status = case when status = 'paused' then 'interrupted' else status end, requested = null, updated_at = now()
+      where id = ${run.id} and status = ${run.status} and attempt = ${run.attempt} and requested is not distinct from ${run.requested}
+      returning status`.execute(h.db);
+    if (rows[0]) return { job, runKey: run.run_key, status: rows[0].status, live: run.status === 'running' };
+    if (tries >= CAS_TRIES) throw new BusyError(`run "${run.run_key}" of job "${job}" kept changing while the resume was requested; try again`);
+    run = await targetRun(h, job, run.run_key, ['paused'], 'resume');
   }
-  const { rows } = await sql<{ status: string }>`update ${t(h, 'runs')}
-    set status = case when status = 'paused' then 'interrupted' else status end, requested = null, updated_at = now()
-    where id = ${run.id} returning status`.execute(h.db);
-  return { job, runKey: run.run_key, status: rows[0]!.status, live: run.status === 'running' };
 }
 
 /**

@@ -52,6 +52,18 @@ export interface BackoffOptions {
   readonly attempts?: number;
 }
 
+/** What is wrong with a retry policy (empty when nothing is); defineJob reports these at load. */
+export function backoffProblems(b: BackoffOptions): string[] {
+  if (!b || typeof b !== 'object') return ['retry must be an object { base?, max?, factor?, attempts? }'];
+  const problems: string[] = [];
+  const num = (v: unknown) => typeof v === 'number' && Number.isFinite(v);
+  if (b.base !== undefined && !(num(b.base) && b.base >= 0)) problems.push(`base must be a number of ms >= 0 (got ${JSON.stringify(b.base)})`);
+  if (b.max !== undefined && !(num(b.max) && b.max >= 0)) problems.push(`max must be a number of ms >= 0 (got ${JSON.stringify(b.max)})`);
+  if (b.factor !== undefined && !(num(b.factor) && b.factor >= 1)) problems.push(`factor must be a number >= 1 (got ${JSON.stringify(b.factor)})`);
+  if (b.attempts !== undefined && !(Number.isInteger(b.attempts) && b.attempts >= 1)) problems.push(`attempts must be an integer >= 1 (got ${JSON.stringify(b.attempts)})`);
+  return problems;
+}
+
 export const DEFAULT_BACKOFF: Required<BackoffOptions> = Object.freeze({ base: 100, max: 30_000, factor: 2, attempts: 5 });
 
 /**

@@ -6,16 +6,21 @@ import { openDatabase, type Database } from './database.ts';
 import { CancelledError, FencedError, InterruptedError, LockLostError, ParamsMismatchError, PausedError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
-import { fingerprint, lockKey } from './fingerprint.ts';
+import { fingerprint } from './fingerprint.ts';
 import { checkCodeFingerprint } from './code-fingerprint.ts';
 import { recordedFailure } from './finalize.ts';
 import { refuseOnStandby, type HealthSetting } from './health-check.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import { faultPoint } from './fault-points.ts';
-import { pruneRuns, requestControl, resetRun, resumeRun, type ControlResult, type OperationsHost, type PruneResult } from './operations.ts';
+import { pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
 import { retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, type RunRow, type RunSummary } from './store.ts';
+
+/** Default size of the work pool (RunnerOptions.poolSize). */
+export const DEFAULT_POOL_SIZE = 10;
+/** Connections a run needs beside one per concurrent chunk: the planner's prefetch, and effects and control polls. */
+export const POOL_HEADROOM = 2;
 
 /** Default name of the schema holding idem's own tables. */
 export const DEFAULT_SCHEMA = 'idem';
@@ -27,7 +32,11 @@ export interface RunnerOptions {
   readonly schema?: string;
   /** Root logger. Defaults to a silent one. */
   readonly log?: Logger;
-  /** Most connections the work pool opens (the lock takes one more). Defaults to `10`. */
+  /**
+   * Most connections the work pool opens (the lock takes one more). A run needs its concurrency
+   * plus 2 (planning ahead, effects and control polls beside the chunks' transactions); a run that
+   * asks for more concurrency than that is refused rather than left to deadlock. Defaults to `10`.
+   */
   readonly poolSize?: number;
 }
 
@@ -88,7 +97,7 @@ export interface RunStatusRow {
   readonly job: string;
   readonly runKey: string;
   readonly runId: string;
-  /** `running` only while a process really holds the job's lock; a dead run's row says `crashed`. */
+  /** `running` only while the backend that took this run's lock still holds it; a dead run's row says `crashed`. */
   readonly state: string;
   readonly attempt: number;
   readonly holder: string | null;
@@ -128,11 +137,13 @@ export class Runner {
   readonly #database: Database;
   readonly #connectionString: string;
   readonly #log: Logger;
+  readonly #poolSize: number;
 
   private constructor(database: Database, opts: RunnerOptions, schema: string, log: Logger) {
     this.#database = database;
     this.#connectionString = opts.connectionString;
     this.#log = log;
+    this.#poolSize = opts.poolSize ?? DEFAULT_POOL_SIZE;
     this.schema = schema;
     this.store = new Store(database.db, schema);
   }
@@ -144,7 +155,7 @@ export class Runner {
       throw new UsageError('invalidSchema', `schema name ${JSON.stringify(schema)} is not a plain identifier; use letters, digits and _`);
     }
     const log = opts.log ?? pino({ level: 'silent' });
-    const database = await openDatabase(opts.connectionString, { poolSize: opts.poolSize ?? 10, log });
+    const database = await openDatabase(opts.connectionString, { poolSize: opts.poolSize ?? DEFAULT_POOL_SIZE, log });
     try {
       await retrying(() => ensureRunnerSchema(database.db, schema));
     } catch (err) {
@@ -165,6 +176,7 @@ export class Runner {
 
   /** Runs a job to completion (or finds it done). Throws an IdemError subclass on every other outcome. */
   async run(job: Job, opts: RunJobOptions = {}): Promise<RunOutcome> {
+    this.#checkConcurrency(opts.concurrency);
     const params = (await validateParams(job, opts.params)) as Json;
     const fp = fingerprint(params);
     const runKey = opts.key ?? fp;
@@ -197,6 +209,7 @@ export class Runner {
    * the others wait (by default) and then find each migration done.
    */
   async migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: Omit<RunJobOptions, 'key' | 'params' | 'dryRun'> = {}): Promise<RunOutcome[]> {
+    this.#checkConcurrency(opts.concurrency);
     const outcomes: RunOutcome[] = [];
     const fp = fingerprint({});
     // Fast path: every migration already done means no lock and no waiting at all.
@@ -258,8 +271,24 @@ export class Runner {
     return pruneRuns(this.#ops(), olderThanMs);
   }
 
+  /**
+   * A chunk holds a pool connection for its whole transaction, and `ctx.effect` and the planner
+   * need one more beside it: with every connection inside a chunk, they would wait forever.
+   */
+  #checkConcurrency(concurrency = 1): void {
+    if (!Number.isInteger(concurrency) || concurrency < 1) {
+      throw new UsageError('invalidConcurrency', `concurrency must be an integer >= 1 (got ${JSON.stringify(concurrency)})`);
+    }
+    if (concurrency + POOL_HEADROOM > this.#poolSize) {
+      throw new UsageError(
+        'poolTooSmall',
+        `concurrency ${concurrency} needs a pool of at least ${concurrency + POOL_HEADROOM} connections, but poolSize is ${this.#poolSize}; raise poolSize or lower concurrency`,
+      );
+    }
+  }
+
   #ops(): OperationsHost {
-    return { db: this.db, schema: this.schema, connectionString: this.#connectionString, jobLockName: (j) => this.jobLockName(j), heldLockKeys: () => this.heldLockKeys() };
+    return { db: this.db, schema: this.schema, connectionString: this.#connectionString, jobLockName: (j) => this.jobLockName(j), heldLocks: () => this.heldLocks() };
   }
 
   jobLockName(job: string): string {
@@ -274,7 +303,14 @@ export class Runner {
     if (opts.resumeFailed === false && current.status === 'failed') throw recordedFailure(current);
     await checkCodeFingerprint(this.db, this.schema, current, job, opts.allowChangedCode ?? false);
     await faultPoint('after-lock');
-    const { attempt, startedAt } = await this.store.beginAttempt(runId, `${hostname()}:${process.pid}`, lock.name);
+    const begun = await this.store.beginAttempt(runId, `${hostname()}:${process.pid}`, lock);
+    if (!begun) {
+      // An operator paused or cancelled it after the read above, or the lock is gone already.
+      if (lock.lost.aborted) throw lock.lost.reason;
+      refuseControlled(await this.store.getRun(runId));
+      throw new LockLostError(`the lock for job "${job.name}" was no longer held when attempt bump ran; rerun to resume`);
+    }
+    const { attempt, startedAt } = begun;
     const invocationStarted = performance.now();
     const identity = { job: job.name, runKey: current.run_key, runId, attempt };
     const log = this.#log.child({ job: job.name, runKey: current.run_key, attempt });
@@ -297,7 +333,7 @@ export class Runner {
         if (n > 0) log.info({ chunks: n }, 'retrying skipped chunks');
       }
       const steps = await this.store.loadSteps(runId, job.steps.map((s) => s.name));
-      const { executed } = await executeSteps(
+      const { executed } = await untilLost(lock.lost, executeSteps(
         {
           db: this.db,
           store: this.store,
@@ -315,7 +351,7 @@ export class Runner {
           abort,
         },
         steps,
-      );
+      ));
       if (lock.lost.aborted) throw lock.lost.reason;
       await faultPoint('before-finish');
       const summary = await this.store.finishRun(runId, attempt, startedAt);
@@ -401,12 +437,11 @@ export class Runner {
       from ${sql.id(s, 'runs')} r
       where ${job === undefined ? sql`true` : sql`r.job = ${job}`}
       order by r.created_at desc, r.id desc limit ${limit}`.execute(this.db);
-    const held = await this.heldLockKeys();
+    const held = await this.heldLocks();
     const skippedByRun = new Map<string, RunStatusRow['skipped']>();
     for (const r of rows) if (r.has_skipped) skippedByRun.set(String(r.id), await this.store.skippedChunks(String(r.id)));
     return rows.map((r) => {
-      const locked = held.has(lockKey(r.lock_name ?? this.jobLockName(r.job)));
-      const state = r.status === 'running' ? (locked ? 'running' : 'crashed') : r.status;
+      const state = r.status === 'running' ? (runIsLive(r, held, (j) => this.jobLockName(j)) ? 'running' : 'crashed') : r.status;
       const rate = state === 'running' && r.attempt_seconds > 0 && r.done_this_attempt > 0 ? r.done_this_attempt / r.attempt_seconds : null;
       const estimated = r.estimated_total ?? null;
       return {
@@ -435,14 +470,34 @@ export class Runner {
     });
   }
 
-  /** 64-bit keys of the session advisory locks held in this database right now. */
-  async heldLockKeys(): Promise<Set<string>> {
-    const { rows } = await sql<{ key: string }>`
-      select ((classid::bigint << 32) | objid::bigint)::text as key from pg_locks
+  /** The session advisory locks held in this database right now. */
+  async heldLocks(): Promise<HeldLocks> {
+    const { rows } = await sql<{ key: string; pid: number }>`
+      select ((classid::bigint << 32) | objid::bigint)::text as key, pid from pg_locks
       where locktype = 'advisory' and objsubid = 1 and granted
         and database = (select oid from pg_database where datname = current_database())`.execute(this.db);
-    return new Set(rows.map((r) => r.key));
+    return { keys: new Set(rows.map((r) => r.key)), byPid: new Set(rows.map((r) => `${r.pid}:${r.key}`)) };
   }
+}
+
+/**
+ * Waits for the work unless the lock is lost first. In-flight chunks on a dead network never
+ * answer; once the lock is gone they cannot commit anyway (fencing), so they are abandoned, not
+ * awaited, and the run stops within the lock check's deadline.
+ */
+function untilLost<T>(lost: AbortSignal, work: Promise<T>): Promise<T> {
+  if (lost.aborted) {
+    work.catch(() => {});
+    return Promise.reject(lost.reason);
+  }
+  return new Promise<T>((resolve, reject) => {
+    const onLost = () => {
+      work.catch(() => {});
+      reject(lost.reason);
+    };
+    lost.addEventListener('abort', onLost, { once: true });
+    work.then(resolve, reject).finally(() => lost.removeEventListener('abort', onLost));
+  });
 }
 
 /** Why a live attempt stops at an operator's request. */

@@ -1,5 +1,5 @@
 import { Cron } from 'croner';
-import { messageOf, UsageError } from './errors.ts';
+import { ExitCode, exitCodeOf, messageOf, UsageError } from './errors.ts';
 import { sleep as abortableSleep } from './sleep.ts';
 
 /**
@@ -237,7 +237,8 @@ export interface CrontabOptions {
   readonly catchUp?: string;
 }
 
-function shellQuote(s: string): string {
+/** Quotes a word for a POSIX shell (a crontab line), leaving plain words as they are. */
+export function shellQuote(s: string): string {
   return /^[A-Za-z0-9_./:@+=,-]+$/.test(s) ? s : `'${s.replace(/'/g, `'\\''`)}'`;
 }
 
@@ -292,6 +293,20 @@ export interface CronLoopOptions {
   readonly sleep?: (ms: number, signal: AbortSignal) => Promise<void>;
   /** Gets every error runSlot throws, also an interruption after `signal` aborted. Defaults to one line on stderr. */
   readonly onError?: (job: string, slot: Date, err: unknown) => void;
+  /**
+   * Whether a failed slot is tried again, once, at the job's next tick (before that tick's own slot).
+   * Defaults to: failed runs (exit 1) and runs that lost their lock (69); not a busy slot (another
+   * process has it), bad input, or a paused or cancelled run.
+   */
+  readonly retryFailed?: (err: unknown) => boolean;
+}
+
+/** Most failed slots per job kept for retry by the cron loop; older ones are left to --catch-up. */
+export const MAX_RETRY_SLOTS = 24;
+
+function retryByDefault(err: unknown): boolean {
+  const code = exitCodeOf(err);
+  return code === ExitCode.Failed || code === ExitCode.LockLost;
 }
 
 function reportToStderr(job: string, slot: Date, err: unknown): void {
@@ -303,7 +318,7 @@ function reportToStderr(job: string, slot: Date, err: unknown): void {
  * then sleeps until the earliest next slot and runs every job due then, in order, one at a time.
  * A job that falls behind (a run longer than its period, a clock jump) runs only its latest due
  * slot, as at start; `--catch-up` is the way to run missed ones. Errors go to `onError` and never
- * stop the loop. Resolves once `signal` aborts.
+ * stop the loop; a slot that failed is tried again once, at the job's next tick (see `retryFailed`). Resolves once `signal` aborts.
  */
 export async function runCronLoop(opts: CronLoopOptions): Promise<void> {
   const { entries, runSlot, signal } = opts;
@@ -313,16 +328,37 @@ export async function runCronLoop(opts: CronLoopOptions): Promise<void> {
   if (entries.length === 0) {
     throw new UsageError('noScheduledJobs', 'no job declares a schedule; add one to a job definition, e.g. schedule: "0 3 * * *"');
   }
-  const attempt = async (job: string, slot: Date) => {
+  const retryFailed = opts.retryFailed ?? retryByDefault;
+  /** Per job: slots that failed and are tried again at the job's next tick, oldest first. */
+  const failed = new Map<string, Date[]>();
+  const attempt = async (job: string, slot: Date, isRetry = false): Promise<void> => {
+    const retry = failed.get(job) ?? [];
+    const i = retry.findIndex((d) => d.getTime() === slot.getTime());
+    if (i >= 0) retry.splice(i, 1);
     try {
       await runSlot(job, slot);
     } catch (err) {
+      // Tried again once: a slot that fails its retry too is left to --catch-up, so a job that
+      // fails for good costs at most two runs a tick, not one more for every tick it failed.
+      if (!isRetry && !signal.aborted && retryFailed(err)) {
+        retry.push(slot);
+        if (retry.length > MAX_RETRY_SLOTS) retry.shift();
+      }
       try {
         onError(job, slot, err);
       } catch {
         // A failing reporter must not end the scheduler either.
       }
     }
+    failed.set(job, retry);
+  };
+  /** A tick of `job`: first the slots that failed before (each once), then the tick's own. */
+  const tick = async (job: string, slot: Date): Promise<void> => {
+    for (const old of [...(failed.get(job) ?? [])]) {
+      if (signal.aborted || old.getTime() === slot.getTime()) break;
+      await attempt(job, old, true);
+    }
+    if (!signal.aborted) await attempt(job, slot);
   };
   // last[i]: the newest slot handed to runSlot for entries[i]; its next slot is the first after it.
   const last: Date[] = [];
@@ -348,7 +384,7 @@ export async function runCronLoop(opts: CronLoopOptions): Promise<void> {
       const latest = latestSlot(schedule, t);
       const slot = latest > next[i]! ? latest : next[i]!;
       last[i] = slot;
-      await attempt(job, slot);
+      await tick(job, slot);
       if (signal.aborted) return;
     }
   }

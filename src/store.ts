@@ -3,6 +3,7 @@ import pg from 'pg';
 import { deferredMarker, registerMarkerStatement } from './marker-at-commit.ts';
 import { retrying } from './retry.ts';
 import type { ChunkSpec, Json } from './job.ts';
+import type { HeldLock } from './advisory-lock.ts';
 
 export type RunStatus = 'pending' | 'running' | 'succeeded' | 'failed' | 'interrupted' | 'paused' | 'cancelled';
 
@@ -24,6 +25,7 @@ export interface RunRow {
   attempt_started_at: Date | null;
   requested: 'pause' | 'cancel' | null;
   lock_name: string | null;
+  lock_pid: number | null;
   code_fingerprint?: string | null;
 }
 
@@ -42,6 +44,16 @@ export interface PendingChunk {
   key: string;
   spec: ChunkSpec;
 }
+
+/** How planning a window ended (Store.planWindow). */
+export type PlanResult =
+  | { readonly kind: 'planned' }
+  /** The run belongs to a newer attempt: this one must stop. */
+  | { readonly kind: 'fenced' }
+  /** A key of the window is already planned in the step (as chunk `seq`); nothing was written. */
+  | { readonly kind: 'duplicate'; readonly key: string; readonly seq: number }
+  /** The step was planned past `after` by someone else; nothing was written; `step` is where it is now. */
+  | { readonly kind: 'moved'; readonly step: StepRow };
 
 /** What a finished run reports, stored on the run and printed again by a no-op rerun. */
 export interface RunSummary {
@@ -138,14 +150,22 @@ export class Store {
     return rows[0] && normalizeRun(rows[0]);
   }
 
-  /** Takes the run over: bumps the fencing token. Only called while holding the job's advisory lock. */
-  async beginAttempt(runId: string, holder: string, lockName: string): Promise<{ attempt: number; startedAt: Date }> {
-    const { rows } = await this.#run(sql<{ attempt: number; started_at: Date }>`
-      update ${this.#runs} set attempt = attempt + 1, status = 'running', holder = ${holder}, lock_name = ${lockName},
-        started_at = coalesce(started_at, now()), updated_at = now(), error = null,
+  /**
+   * Takes the run over: bumps the fencing token. Sent on the lock's own session, and only while that
+   * session holds the lock, so a process whose lock session died cannot bump after a successor did
+   * (and fence the successor off). Refuses (null) a run an operator paused or cancelled meanwhile.
+   */
+  async beginAttempt(runId: string, holder: string, lock: HeldLock): Promise<{ attempt: number; startedAt: Date } | null> {
+    const q = sql<{ attempt: number; started_at: Date }>`
+      update ${this.#runs} set attempt = attempt + 1, status = 'running', holder = ${holder}, lock_name = ${lock.name},
+        lock_pid = pg_backend_pid(), started_at = coalesce(started_at, now()), updated_at = now(), error = null,
         attempt_started_at = clock_timestamp() -- evaluated after any wait for the row lock
-      where id = ${runId} returning attempt, started_at`);
-    return { attempt: rows[0]!.attempt, startedAt: rows[0]!.started_at };
+      where id = ${runId} and status not in ('paused', 'cancelled')
+        and exists (select 1 from pg_locks where locktype = 'advisory' and granted and pid = pg_backend_pid() and objsubid = 1
+          and ((classid::bigint << 32) | objid::bigint) = ${lock.key}::bigint)
+      returning attempt, started_at`.compile(this.#db);
+    const rows = await lock.query<{ attempt: number; started_at: Date }>(q.sql, q.parameters);
+    return rows[0] ? { attempt: rows[0].attempt, startedAt: rows[0].started_at } : null;
   }
 
   /** Creates the step rows a run has not seen yet and returns all of them, in order. */
@@ -164,30 +184,48 @@ export class Store {
   }
 
   /**
-   * Persists one planned window and the cursor after it, in one fenced statement: a zombie attempt
-   * can neither add chunks nor move the cursor. Idempotent, so it can be retried after a lost
-   * connection: a chunk already stored under the same key and seq counts as planned. Returns how
-   * many of the window's chunks are planned (fewer means the source repeated an older key).
+   * Persists one planned window and the cursor after it, all or nothing, in one transaction:
+   * - the step row is locked (`for update`), so planning is single-writer per step, and the run row
+   *   is share-locked with its attempt checked, so a zombie attempt can neither add chunks nor move
+   *   the cursor, and a takeover's attempt bump waits for this commit;
+   * - `after` is the planned count the caller planned from (compare-and-set): if the step moved on
+   *   meanwhile, nothing is written and the caller re-reads the step;
+   * - a key that is already planned in this step writes nothing at all: no chunk rows, no cursor, no
+   *   count, so the window is asked for again after the source is fixed, and seqs stay dense.
+   * Retried as a whole after a lost connection; a retry that finds its own window committed (the
+   * acknowledgement was lost) reports it as planned.
    */
-  async planWindow(runId: string, attempt: number, step: string, firstSeq: number, chunks: readonly ChunkSpec[], next: Json | null): Promise<{ planned: number; fenced: boolean }> {
-    const payload = JSON.stringify(chunks.map((c, i) => ({ key: c.key, seq: firstSeq + i, spec: c })));
-    const { rows } = await this.#run(sql<{ inserted: number; existing: number; updated: number }>`
-      with fence as (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt} for share),
-      x as (select * from jsonb_to_recordset(${payload}::jsonb) as x(key text, seq int, spec jsonb)),
-      ins as (
-        insert into ${this.#chunks} (run_id, step, key, seq, spec)
-        select ${runId}, ${step}, x.key, x.seq, x.spec from x where exists (select 1 from fence)
-        on conflict (run_id, step, key) do nothing returning 1
-      ),
-      upd as (
-        update ${this.#steps} set cursor = ${JSON.stringify(next)}::jsonb, planned_all = ${next === null},
-          planned = planned + (select count(*) from ins), status = 'running', started_at = coalesce(started_at, now())
-        where run_id = ${runId} and name = ${step} and exists (select 1 from fence) returning 1
-      )
-      select (select count(*) from ins)::int as inserted,
-        (select count(*) from ${this.#chunks} c join x on c.key = x.key and c.seq = x.seq where c.run_id = ${runId} and c.step = ${step})::int as existing,
-        (select count(*) from upd)::int as updated`);
-    return { planned: rows[0]!.inserted + rows[0]!.existing, fenced: rows[0]!.updated === 0 };
+  async planWindow(runId: string, attempt: number, step: string, after: number, chunks: readonly ChunkSpec[], next: Json | null): Promise<PlanResult> {
+    const keys = chunks.map((c) => c.key);
+    return retrying(() =>
+      this.#db.transaction().execute(async (trx): Promise<PlanResult> => {
+        const { rows: [row] } = await sql<StepRow & { current: boolean }>`
+          select s.name, s.position, s.status, s.cursor, s.planned_all, s.planned, s.estimated_chunks, r.attempt = ${attempt} as current
+          from ${this.#runs} r join ${this.#steps} s on s.run_id = r.id
+          where r.id = ${runId} and s.name = ${step}
+          for share of r for update of s`.execute(trx);
+        if (!row || !row.current) return { kind: 'fenced' };
+        const { current: _, ...stepRow } = row;
+        if (row.planned !== after) {
+          const { rows } = await sql<{ key: string }>`select key from ${this.#chunks}
+            where run_id = ${runId} and step = ${step} and seq > ${after} and seq <= ${after + keys.length} order by seq`.execute(trx);
+          const ours = rows.length === keys.length && rows.every((r, i) => r.key === keys[i]) && row.planned === after + keys.length;
+          return ours ? { kind: 'planned' } : { kind: 'moved', step: stepRow };
+        }
+        const { rows: [dup] } = await sql<{ key: string; seq: number }>`select key, seq from ${this.#chunks}
+          where run_id = ${runId} and step = ${step} and key = any(${keys}::text[]) order by seq limit 1`.execute(trx);
+        if (dup) return { kind: 'duplicate', key: dup.key, seq: dup.seq };
+        if (keys.length > 0) {
+          const payload = JSON.stringify(chunks.map((c, i) => ({ key: c.key, seq: after + 1 + i, spec: c })));
+          await sql`insert into ${this.#chunks} (run_id, step, key, seq, spec)
+            select ${runId}, ${step}, x.key, x.seq, x.spec from jsonb_to_recordset(${payload}::jsonb) as x(key text, seq int, spec jsonb)`.execute(trx);
+        }
+        await sql`update ${this.#steps} set cursor = ${JSON.stringify(next)}::jsonb, planned_all = ${next === null},
+            planned = ${after + keys.length}, status = 'running', started_at = coalesce(started_at, now())
+          where run_id = ${runId} and name = ${step}`.execute(trx);
+        return { kind: 'planned' };
+      }),
+    );
   }
 
   /** The next unfinished chunks of a step in plan order (the partial index serves this). */
@@ -227,12 +265,12 @@ export class Store {
   }
 
   /** Why a marker was refused: the run's current attempt and whether the chunk is done. */
-  async markerRefusal(runId: string, step: string, key: string): Promise<{ attempt: number; done: boolean }> {
-    const { rows } = await this.#run(sql<{ attempt: number; done: boolean }>`
-      select r.attempt, (c.done_at is not null) as done from ${this.#runs} r
+  async markerRefusal(runId: string, step: string, key: string): Promise<{ attempt: number; done: boolean; doneAttempt: number | null }> {
+    const { rows } = await this.#run(sql<{ attempt: number; done: boolean; doneAttempt: number | null }>`
+      select r.attempt, (c.done_at is not null) as done, c.done_attempt as "doneAttempt" from ${this.#runs} r
       left join ${this.#chunks} c on c.run_id = r.id and c.step = ${step} and c.key = ${key}
       where r.id = ${runId}`);
-    return rows[0] ?? { attempt: -1, done: false };
+    return rows[0] ?? { attempt: -1, done: false, doneAttempt: null };
   }
 
   /** Records a failed try of a chunk (outside its rolled-back transaction). */
@@ -245,8 +283,9 @@ export class Store {
    * Records a chunk that failed for good as skipped (the step's skip policy allows it); fenced.
    * Returns false when an older attempt tries it.
    */
-  async skipChunk(runId: string, attempt: number, step: string, key: string, tries: number, message: string): Promise<boolean> {
-    const { rows } = await this.#run(sql`update ${this.#chunks} set skipped_at = now(), attempts = attempts + ${tries}, error = ${message}
+  async skipChunk(runId: string, attempt: number, step: string, key: string, message: string): Promise<boolean> {
+    // The tries were counted already, by recordChunkFailure when the chunk failed for good.
+    const { rows } = await this.#run(sql`update ${this.#chunks} set skipped_at = now(), error = ${message}
       where run_id = ${runId} and step = ${step} and key = ${key} and done_at is null
         and exists (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt} for share)
       returning 1`);
@@ -289,10 +328,13 @@ export class Store {
    * chunk's rollback): new or still `started` → returns it to perform (tries counted); `done` →
    * returns its recorded result, and the caller must not perform it again.
    */
-  async beginEffect(runId: string, step: string, chunk: string, name: string, idemKey: string): Promise<{ status: 'started' | 'done'; result: Json | null; tries: number }> {
+  async beginEffect(runId: string, attempt: number, step: string, chunk: string, name: string, idemKey: string): Promise<{ status: 'started' | 'done'; result: Json | null; tries: number } | null> {
+    // Fenced like the marker: an attempt that lost the run starts no effect (null).
     const { rows } = await this.#run(sql<{ status: 'started' | 'done'; result: Json | null; tries: number }>`
-      with up as (
-        insert into ${this.#effects} (run_id, step, chunk, name, idem_key) values (${runId}, ${step}, ${chunk}, ${name}, ${idemKey})
+      with fence as (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt} for share),
+      up as (
+        insert into ${this.#effects} (run_id, step, chunk, name, idem_key)
+        select ${runId}, ${step}, ${chunk}, ${name}, ${idemKey} where exists (select 1 from fence)
         on conflict (run_id, step, chunk, name) do update set tries = ${this.#effects}.tries + 1, started_at = now()
           where ${this.#effects}.status = 'started'
         returning status, result, tries
@@ -300,8 +342,9 @@ export class Store {
       select * from up
       union all
       select status, result, tries from ${this.#effects}
-      where run_id = ${runId} and step = ${step} and chunk = ${chunk} and name = ${name} and not exists (select 1 from up)`);
-    return rows[0]!;
+      where run_id = ${runId} and step = ${step} and chunk = ${chunk} and name = ${name} and not exists (select 1 from up)
+        and exists (select 1 from fence)`);
+    return rows[0] ?? null;
   }
 
   async completeEffect(runId: string, step: string, chunk: string, name: string, result: Json | null): Promise<void> {

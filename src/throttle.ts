@@ -40,12 +40,19 @@ export function resolveThrottle(...layers: ReadonlyArray<ThrottleOptions | undef
     if (l.pauseMs !== undefined) merged.pauseMs = l.pauseMs;
     if (l.targetChunkMs !== undefined) merged.targetChunkMs = l.targetChunkMs;
   }
-  const problems: string[] = [];
-  if (merged.maxRate !== undefined && !(merged.maxRate > 0)) problems.push(`maxRate must be > 0 (got ${merged.maxRate})`);
-  if (merged.pauseMs !== undefined && !(Number.isFinite(merged.pauseMs) && merged.pauseMs >= 0)) problems.push(`pauseMs must be >= 0 (got ${merged.pauseMs})`);
-  if (merged.targetChunkMs !== undefined && !(merged.targetChunkMs > 0)) problems.push(`targetChunkMs must be > 0 (got ${merged.targetChunkMs})`);
+  const problems = throttleProblems(merged);
   if (problems.length) throw new TypeError(`invalid throttle: ${problems.join('; ')}`);
   return merged;
+}
+
+/** What is wrong with a throttle setting (empty when nothing is); defineJob reports these at load. */
+export function throttleProblems(t: ThrottleOptions): string[] {
+  const problems: string[] = [];
+  if (!t || typeof t !== 'object') return ['throttle must be an object { maxRate?, pauseMs?, targetChunkMs? }'];
+  if (t.maxRate !== undefined && !(typeof t.maxRate === 'number' && t.maxRate > 0 && Number.isFinite(t.maxRate))) problems.push(`maxRate must be a number > 0 (got ${JSON.stringify(t.maxRate)})`);
+  if (t.pauseMs !== undefined && !(typeof t.pauseMs === 'number' && Number.isFinite(t.pauseMs) && t.pauseMs >= 0)) problems.push(`pauseMs must be a number >= 0 (got ${JSON.stringify(t.pauseMs)})`);
+  if (t.targetChunkMs !== undefined && !(typeof t.targetChunkMs === 'number' && t.targetChunkMs > 0 && Number.isFinite(t.targetChunkMs))) problems.push(`targetChunkMs must be a number > 0 (got ${JSON.stringify(t.targetChunkMs)})`);
+  return problems;
 }
 
 /**

@@ -1,3 +1,5 @@
+import { promises as fs } from 'node:fs';
+import os from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { afterAll, afterEach, beforeAll, beforeEach, describe, expect, it } from 'vitest';
@@ -106,6 +108,19 @@ describe('idem crontab and --catch-up refusals', () => {
       `0 * * * * cd ${path.resolve(REPO)} && npx idem --jobs-dir ${SCHEDULED_JOBS} run hourly-tick >> idem-cron.log 2>&1`,
     ]);
     expect(r.stdout).toContain('# hourly-tick: 0 * * * * (UTC)');
+  });
+
+  it('crontab carries --schema, --jobs-dir and --migrations-dir, shell-quoted, so cron runs take the same lock as manual ones', async () => {
+    const spaced = path.join(os.tmpdir(), `idem crontab ${process.pid}`);
+    await fs.symlink(SCHEDULED_JOBS, spaced);
+    try {
+      const r = await runCli(['--schema', 'ops', '--jobs-dir', spaced, '--migrations-dir', "db/it's here", 'crontab', '--command', 'npx idem']);
+      expect(r.code, r.stderr).toBe(0);
+      const line = r.stdout.split('\n').find((l) => l.includes('run hourly-tick'));
+      expect(line).toBe(`0 * * * * cd ${path.resolve(REPO)} && npx idem --schema ops --jobs-dir '${spaced}' --migrations-dir 'db/it'\\''s here' run hourly-tick >> idem-cron.log 2>&1`);
+    } finally {
+      await fs.rm(spaced);
+    }
   });
 
   it('--catch-up with --key, or on a job without a schedule, exits 2 and creates nothing', async () => {

@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { UsageError } from '../src/errors.ts';
+import { RunFailedError, UsageError } from '../src/errors.ts';
 import {
   CRON_LOOP_MAX_SLEEP_MS,
   latestSlot,
@@ -246,6 +246,24 @@ describe('runCronLoop', () => {
   const daily = parseSchedule('0 3 * * *');
   const hourly = parseSchedule('0 * * * *');
 
+  it('a slot that failed is tried again at the next tick, before that tick\'s own slot', async () => {
+    const h = harness('2026-11-30T10:20:00Z', '2026-11-30T12:30:00Z');
+    let failures = 0;
+    await runCronLoop({
+      entries: [{ job: 'hourly', schedule: hourly }],
+      runSlot: async (job, slot) => {
+        h.record(`${job}@${slotKey(slot)}`);
+        // The 10:00 slot fails once (exit 1), then succeeds when retried.
+        if (slotKey(slot) === '2026-11-30T10:00:00Z' && failures++ === 0) throw new RunFailedError('boom');
+      },
+      onError: () => {},
+      signal: h.controller.signal,
+      now: h.now,
+      sleep: h.sleep,
+    });
+    expect(h.calls).toEqual(['hourly@2026-11-30T10:00:00Z', 'hourly@2026-11-30T10:00:00Z', 'hourly@2026-11-30T11:00:00Z', 'hourly@2026-11-30T12:00:00Z']);
+  });
+
   it('runs the latest due slot at start, then each next slot in order, and stops on abort', async () => {
     const h = harness('2026-11-30T10:20:00Z', '2026-11-30T13:30:00Z');
     await runCronLoop({
@@ -279,17 +297,23 @@ describe('runCronLoop', () => {
       now: h.now,
       sleep: h.sleep,
     });
+    // Each failed slot is tried once more, at the next tick, before that tick's own slot.
     expect(h.calls).toEqual([
       'flaky@2026-11-30T22:00:00Z',
       'daily@2026-11-30T03:00:00Z',
+      'flaky@2026-11-30T22:00:00Z',
+      'flaky@2026-11-30T23:00:00Z',
       'flaky@2026-11-30T23:00:00Z',
       'flaky@2026-12-01T00:00:00Z',
+      'flaky@2026-12-01T00:00:00Z',
       'flaky@2026-12-01T01:00:00Z',
+      'flaky@2026-12-01T01:00:00Z',
+      'flaky@2026-12-01T02:00:00Z',
       'flaky@2026-12-01T02:00:00Z',
       'flaky@2026-12-01T03:00:00Z',
       'daily@2026-12-01T03:00:00Z',
     ]);
-    expect(errors).toHaveLength(6);
+    expect(errors).toHaveLength(11);
     expect(errors[0]).toBe('flaky@2026-11-30T22:00:00Z: boom 2026-11-30T22:00:00Z');
   });
 

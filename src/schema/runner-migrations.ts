@@ -103,6 +103,13 @@ function runnerMigrations(schema: string): Record<string, Migration> {
         await sql`alter table ${t('runs')} add column lock_name text`.execute(db);
       },
     },
+    '0005_run_lock_pid': {
+      async up(db) {
+        // The backend that holds the live attempt's lock: "running" is per run (that backend holds
+        // that lock), not "someone holds this job's lock", which a crashed run's row would inherit.
+        await sql`alter table ${t('runs')} add column lock_pid integer`.execute(db);
+      },
+    },
     '0006_code_fingerprint_health': {
       async up(db) {
         // The job definition's fingerprint (its declared version, or its file's hash) the run was

@@ -1,0 +1,276 @@
+import pg from 'pg';
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { acquireAdvisoryLock } from '../src/advisory-lock.ts';
+import { defineJob, exitCodeOf, fingerprint, keyRange, RunFailedError, Runner, sql, type ChunkSource, type Job } from '../src/index.ts';
+import { query, waitFor } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+
+// Issue 8 (correctness hardening): each test here failed on the code before its fix.
+
+let database: TestDatabase;
+let url: string;
+let runner: Runner;
+
+beforeAll(async () => {
+  database = await createTestDatabase();
+  url = database.url;
+  await query(url, 'create table hits (item int primary key, n int not null)');
+  runner = await Runner.connect({ connectionString: url });
+});
+
+afterAll(async () => {
+  await runner?.close();
+  await database?.drop();
+});
+
+/** Items 1..6 in windows of two; with `dup`, the 4th chunk reuses the 1st chunk's key. */
+function itemSource(dup: boolean): ChunkSource {
+  return (cursor) => {
+    const from = (cursor as number | null) ?? 1;
+    const chunks = [from, from + 1].map((item) => ({ key: dup && item === 4 ? 'item-1' : `item-${item}`, item }));
+    return { chunks, next: from + 2 > 6 ? null : from + 2 };
+  };
+}
+
+/** Counts every execution of an item (a delta on purpose: a second commit of a chunk shows as n = 2). */
+function itemsJob(name: string, dup: boolean): Job {
+  return defineJob({
+    name,
+    steps: [
+      {
+        name: 'items',
+        chunks: itemSource(dup),
+        async run({ db }, chunk: { item: number }) {
+          await sql`insert into hits (item, n) values (${chunk.item}, 1) on conflict (item) do update set n = hits.n + 1`.execute(db);
+        },
+      },
+    ],
+  });
+}
+
+describe('planning a window is all or nothing (item 1)', () => {
+  it('a duplicate chunk key moves nothing, fails the run naming the key, and a fixed rerun processes every chunk once', async () => {
+    await query(url, 'truncate hits');
+    const err = await runner.run(itemsJob('dup-key', true), { key: 'k', planWindow: 2 }).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(RunFailedError);
+    expect((err as Error).message).toContain('"item-1"');
+    expect((err as Error).message).toContain('chunk keys must be unique and stable');
+
+    // The window [item-3, item-1(dup)] left no trace: not a chunk row, not the cursor, not the count.
+    const [step] = await query<{ cursor: unknown; planned: number; planned_all: boolean }>(url,
+      `select s.cursor, s.planned, s.planned_all from idem.steps s join idem.runs r on r.id = s.run_id where r.job = 'dup-key'`);
+    expect(step).toEqual({ cursor: 3, planned: 2, planned_all: false });
+    const keys = await query<{ key: string; seq: number }>(url,
+      `select c.key, c.seq from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'dup-key' order by c.seq`);
+    expect(keys).toEqual([{ key: 'item-1', seq: 1 }, { key: 'item-2', seq: 2 }]);
+
+    // The source is fixed; the rerun resumes at the window that failed and does every item once.
+    const outcome = await runner.run(itemsJob('dup-key', false), { key: 'k', planWindow: 2 });
+    expect(outcome.status).toBe('succeeded');
+    expect(outcome.summary?.chunks).toBe(6);
+    const hits = await query<{ item: number; n: number }>(url, 'select item, n from hits order by item');
+    expect(hits).toEqual([1, 2, 3, 4, 5, 6].map((item) => ({ item, n: 1 })));
+    const seqs = await query<{ seq: number }>(url,
+      `select c.seq from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'dup-key' order by c.seq`);
+    expect(seqs.map((r) => r.seq)).toEqual([1, 2, 3, 4, 5, 6]);
+  });
+});
+
+describe('the work pool fits the requested concurrency (item 2)', () => {
+  const effectJob = defineJob({
+    name: 'effect-at-pool-size',
+    steps: [
+      {
+        name: 'mail',
+        chunks: (cursor) => ({ chunks: [1, 2, 3, 4, 5, 6, 7, 8].map((i) => ({ key: `m${i}`, i })), next: null }),
+        async run(ctx, chunk: { i: number }) {
+          await sql`select pg_sleep(0.05)`.execute(ctx.db);
+          await ctx.effect('send', () => ({ sent: chunk.i }));
+        },
+      },
+    ],
+  });
+
+  it('a concurrency the pool cannot serve is refused at once with both numbers, and nothing is written', async () => {
+    const small = await Runner.connect({ connectionString: url, poolSize: 4 });
+    try {
+      const err = await small.run(effectJob, { concurrency: 4 }).catch((e: unknown) => e);
+      expect((err as Error).message).toBe('concurrency 4 needs a pool of at least 6 connections, but poolSize is 4; raise poolSize or lower concurrency');
+      expect(exitCodeOf(err)).toBe(2);
+      expect(await query(url, `select 1 from idem.runs where job = 'effect-at-pool-size'`)).toEqual([]);
+      // The largest concurrency that fits runs with an effect in every chunk, and does not deadlock.
+      const ok = await small.run(effectJob, { concurrency: 2 });
+      expect(ok).toMatchObject({ status: 'succeeded', executed: 8 });
+      expect(await query(url, `select count(*)::int as n from idem.effects e join idem.runs r on r.id = e.run_id where r.job = 'effect-at-pool-size' and e.status = 'done'`)).toEqual([{ n: 8 }]);
+    } finally {
+      await small.close();
+    }
+  });
+});
+
+describe('operator actions are compare-and-set (item 3)', () => {
+  const tiny = defineJob({ name: 'tiny', steps: [{ name: 'one', run: () => {} }] });
+
+  it('a cancel that read the run as unfinished does not bring it back after it succeeded', async () => {
+    await runner.run(tiny, { key: 'cas' });
+    // The run as a crashed attempt leaves it: running, nobody holding its lock.
+    await query(url, `update idem.runs set status = 'running', finished_at = null where job = 'tiny' and run_key = 'cas'`);
+    const finisher = new pg.Client({ connectionString: url });
+    await finisher.connect();
+    try {
+      // The run finishes (not yet committed) while the cancel is deciding.
+      await finisher.query('begin');
+      await finisher.query(`update idem.runs set status = 'succeeded', finished_at = now() where job = 'tiny' and run_key = 'cas'`);
+      const cancelling = runner.cancel('tiny', 'cas').then(
+        (r) => ({ ok: r }),
+        (e: Error) => ({ err: e }),
+      );
+      await waitFor(async () => (await query(url, `select 1 from pg_stat_activity where wait_event_type = 'Lock' and query like '%requested%'`)).length > 0 || undefined, 'the cancel to wait for the row lock');
+      await finisher.query('commit');
+      const outcome = await cancelling;
+      expect('err' in outcome && outcome.err.message).toBe('run "cas" of job "tiny" had already succeeded (it changed while the request was made): nothing to cancel');
+    } finally {
+      await finisher.end();
+    }
+    expect(await query(url, `select status, requested from idem.runs where job = 'tiny' and run_key = 'cas'`)).toEqual([{ status: 'succeeded', requested: null }]);
+  });
+});
+
+describe('the attempt bump is tied to holding the lock (item 5)', () => {
+  it('a process whose lock session died cannot bump the attempt', async () => {
+    const { run } = await runner.store.claimRun('bump', 'k', {}, fingerprint({}));
+    const lock = await acquireAdvisoryLock({ connectionString: url, name: runner.jobLockName('bump'), what: 'job "bump"' });
+    try {
+      await query(url, 'select pg_terminate_backend($1)', [lock.pid]);
+      const begun = await runner.store.beginAttempt(run.id, 'test:1', lock).catch(() => null);
+      expect(begun).toBeNull();
+    } finally {
+      await lock.release();
+    }
+    expect(await query(url, `select attempt, status from idem.runs where id = $1`, [run.id])).toEqual([{ attempt: 0, status: 'pending' }]);
+  });
+});
+
+describe('liveness is per run, not per job (item 6)', () => {
+  let open!: () => void;
+  const gate = new Promise<void>((resolve) => (open = resolve));
+  const gated = defineJob({
+    name: 'gated',
+    steps: [{ name: 'wait', run: async (ctx) => { if (ctx.run.runKey === 'k2') await gate; } }],
+  });
+
+  it('a crashed run stays crashed while another run of the job is live, and pausing it takes effect at once', async () => {
+    await runner.run(gated, { key: 'k1' });
+    // k1 as a crash leaves it: running, its lock session gone.
+    await query(url, `update idem.runs set status = 'running', finished_at = null where job = 'gated' and run_key = 'k1'`);
+    const live = runner.run(gated, { key: 'k2' });
+    try {
+      const states = async () => Object.fromEntries((await runner.status('gated')).map((r) => [r.runKey, r.state]));
+      await waitFor(async () => ((await states()).k2 === 'running' ? true : undefined), 'k2 to run');
+      expect(await states()).toEqual({ k1: 'crashed', k2: 'running' });
+      const paused = await runner.pause('gated', 'k1');
+      expect(paused).toMatchObject({ live: false, status: 'paused' });
+    } finally {
+      open();
+      await live;
+    }
+    expect(await query(url, `select run_key, status from idem.runs where job = 'gated' order by run_key`)).toEqual([
+      { run_key: 'k1', status: 'paused' },
+      { run_key: 'k2', status: 'succeeded' },
+    ]);
+  });
+});
+
+describe('the rest the review found (item 6)', () => {
+  it('defineJob refuses a bad throttle or retry anywhere in the job at load, naming each', () => {
+    const err = (() => {
+      try {
+        defineJob({
+          name: 'bad-settings',
+          retry: { attempts: 0 },
+          steps: [
+            { name: 'one', run: () => {} },
+            { name: 'two', throttle: { maxRate: 0 }, retry: { factor: 0.5 }, run: () => {} },
+          ],
+        });
+      } catch (e) {
+        return e as Error;
+      }
+      return null;
+    })();
+    expect(exitCodeOf(err)).toBe(2);
+    expect(err?.message).toBe(
+      'defineJob(): invalid job definition: retry: attempts must be an integer >= 1 (got 0); steps[1].throttle: maxRate must be a number > 0 (got 0); steps[1].retry: factor must be a number >= 1 (got 0.5)',
+    );
+  });
+
+  it('keyRange refuses a text column and a column without a unique index, before planning a chunk', async () => {
+    await query(url, `create table texty (id text primary key); insert into texty select g::text from generate_series(1, 30) g`);
+    await query(url, `create table repeated (id int not null); insert into repeated select g / 10 from generate_series(1, 30) g`);
+    for (const [table, expected] of [
+      ['texty', 'keyRange(): column "id" of "texty" is text, but keyRange cuts by integer order'],
+      ['repeated', 'keyRange(): column "id" of "repeated" has no unique index'],
+    ] as const) {
+      const job = defineJob({ name: `kr-${table}`, steps: [{ name: 'cut', chunks: keyRange({ table, column: 'id', size: 5 }), run: () => {} }] });
+      const err = await runner.run(job).catch((e: Error) => e);
+      expect(exitCodeOf(err)).toBe(1);
+      expect((err as Error).message).toContain(`failed in step "cut" after 1 try: ${expected}`);
+      expect(await query(url, `select count(*)::int as n from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = $1`, [`kr-${table}`])).toEqual([{ n: 0 }]);
+    }
+  });
+});
+
+describe('bookkeeping counts what happened (item 6)', () => {
+  it('a chunk skipped after one permanent failure shows one try, not two', async () => {
+    const job = defineJob({
+      name: 'skip-once',
+      steps: [{
+        name: 'items',
+        maxFailedChunks: 1,
+        chunks: () => ({ chunks: [{ key: 'good' }, { key: 'bad' }], next: null }),
+        run: (_ctx, chunk: { key: string }) => {
+          if (chunk.key === 'bad') throw new Error('permanent');
+        },
+      }],
+    });
+    const out = await runner.run(job);
+    expect(out.summary).toMatchObject({ chunks: 2, skipped: 1 });
+    const [row] = await runner.status('skip-once');
+    expect(row?.skipped).toEqual([{ step: 'items', key: 'bad', error: 'permanent', attempts: 1 }]);
+  });
+
+  it('a chunk whose COMMIT acknowledgement was lost counts as executed by this invocation, and its work happened once', async () => {
+    const job = itemsJob('lost-ack', false);
+    const original = pg.Client.prototype.query;
+    let dropped = 0;
+    const spy = vi.spyOn(pg.Client.prototype, 'query').mockImplementation(function (this: pg.Client, ...args: any[]) {
+      const text = typeof args[0] === 'string' ? args[0] : args[0]?.text;
+      const result = (original as any).apply(this, args);
+      if (dropped === 0 && typeof text === 'string' && /;\s*commit$/i.test(text) && text.includes("'item-3'")) {
+        dropped++;
+        // The server committed; the client never hears so.
+        return Promise.resolve(result).then(() => {
+          throw Object.assign(new Error('Connection terminated unexpectedly'), { code: 'ECONNRESET' });
+        });
+      }
+      return result;
+    });
+    try {
+      await query(url, 'truncate hits');
+      const out = await runner.run(job, { key: 'ack', planWindow: 2 });
+      expect(dropped).toBe(1);
+      expect(out).toMatchObject({ status: 'succeeded', executed: 6 });
+    } finally {
+      spy.mockRestore();
+    }
+    expect(await query(url, 'select item, n from hits order by item')).toEqual([1, 2, 3, 4, 5, 6].map((item) => ({ item, n: 1 })));
+  });
+
+  it('an attempt that lost the run starts no effect', async () => {
+    const { run } = await runner.store.claimRun('fenced-effect', 'k', {}, fingerprint({}));
+    await query(url, 'update idem.runs set attempt = 2 where id = $1', [run.id]);
+    expect(await runner.store.beginEffect(run.id, 1, 'step', 'chunk', 'mail', 'idem-key')).toBeNull();
+    expect(await query(url, 'select count(*)::int as n from idem.effects where run_id = $1', [run.id])).toEqual([{ n: 0 }]);
+    expect(await runner.store.beginEffect(run.id, 2, 'step', 'chunk', 'mail', 'idem-key')).toMatchObject({ status: 'started', tries: 1 });
+  });
+});

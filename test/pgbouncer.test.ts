@@ -1,0 +1,82 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { createFixtureTables } from './fixtures/tables.ts';
+import { FIXTURE_DIRS, query, runCli, spawnCli } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { pgbouncerBinary, startPgbouncer, type Bouncer } from './support/pgbouncer.ts';
+
+// Issue 8, item 8: idem never runs behind a pooler that does not keep sessions, and works through
+// one that does. A real PgBouncer of the test's own sits between the CLI and PostgreSQL.
+const missing = pgbouncerBinary() === null;
+if (missing) console.warn('pgbouncer tests skipped: pgbouncer is not installed (.ci/run installs it: apt-get install -y pgbouncer)');
+
+const COUNTED = (chunks: number, pauseMs = 0) => JSON.stringify({ chunks, pauseMs, label: 'x', gate: null });
+const REFUSAL = /^idem: error: postgres:\/\/[^ ]+ goes through a connection pooler \(PgBouncer or similar\) in transaction or statement mode, which does not keep sessions, and idem needs its session \(advisory lock\): set pool_mode = session for idem's database, or point idem at PostgreSQL directly$/;
+
+describe.skipIf(missing).each(['transaction', 'statement'] as const)('behind PgBouncer in %s mode', (mode) => {
+  let database: TestDatabase;
+  let bouncer: Bouncer;
+
+  beforeAll(async () => {
+    database = await createTestDatabase();
+    await createFixtureTables(database.url);
+    bouncer = await startPgbouncer(database.url, mode);
+  });
+  afterAll(async () => {
+    await bouncer?.stop();
+    await database?.drop();
+  });
+
+  /** Nothing of idem's and none of the job's work reached the server. */
+  async function expectNothingWritten(): Promise<void> {
+    expect(await query(database.url, `select nspname from pg_namespace where nspname = 'idem'`)).toEqual([]);
+    expect(await query(database.url, 'select count(*)::int as n from work_log')).toEqual([{ n: 0 }]);
+    expect(await query(database.url, `select to_regclass('widgets') as t`)).toEqual([{ t: null }]);
+  }
+
+  it('run, migrate and status refuse with exit 2 before writing anything: 20 in a row and 4 at once', async () => {
+    const commands = [
+      ['run', 'counted', '--params', COUNTED(5), '--concurrency', '1'],
+      ['run', 'counted', '--params', COUNTED(5), '--concurrency', '4'],
+      ['migrate'],
+      ['status'],
+    ];
+    for (let i = 0; i < 20; i++) {
+      const r = await runCli([...FIXTURE_DIRS, ...commands[i % commands.length]!], { url: bouncer.url });
+      expect({ i, code: r.code, stderr: r.stderr.trim() }).toMatchObject({ i, code: 2, stderr: expect.stringMatching(REFUSAL) });
+      expect(r.stderr).not.toContain(new URL(database.url).password);
+    }
+    const together = await Promise.all(commands.map((c) => runCli([...FIXTURE_DIRS, ...c], { url: bouncer.url })));
+    for (const r of together) expect({ code: r.code, stderr: r.stderr.trim() }).toMatchObject({ code: 2, stderr: expect.stringMatching(REFUSAL) });
+    await expectNothingWritten();
+  }, 240_000);
+});
+
+describe.skipIf(missing)('behind PgBouncer in session mode', () => {
+  let database: TestDatabase;
+  let bouncer: Bouncer;
+
+  beforeAll(async () => {
+    database = await createTestDatabase();
+    await createFixtureTables(database.url);
+    bouncer = await startPgbouncer(database.url, 'session');
+  });
+  afterAll(async () => {
+    await bouncer?.stop();
+    await database?.drop();
+  });
+
+  it('a run succeeds with every chunk once', async () => {
+    const r = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', COUNTED(30), '--key', 'one', '--concurrency', '4'], { url: bouncer.url });
+    expect(r.code).toBe(0);
+    const counts = await query(database.url, `select chunk_key, count(*)::int as n from work_log where run_key = 'one' and step = 'work' group by chunk_key having count(*) <> 1`);
+    expect(counts).toEqual([]);
+    expect(await query(database.url, `select count(distinct chunk_key)::int as n from work_log where run_key = 'one' and step = 'work'`)).toEqual([{ n: 30 }]);
+  });
+
+  it('5 invocations at once: one does the run, four exit 75', async () => {
+    const procs = Array.from({ length: 5 }, () => spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', COUNTED(40, 100), '--key', 'five'], { url: bouncer.url, timeoutMs: 90_000 }));
+    const results = await Promise.all(procs.map((p) => p.done));
+    expect(results.map((r) => r.code).sort()).toEqual([0, 75, 75, 75, 75]);
+    expect(await query(database.url, `select count(*)::int as n, count(distinct chunk_key)::int as d from work_log where run_key = 'five' and step = 'work'`)).toEqual([{ n: 40, d: 40 }]);
+  });
+});
