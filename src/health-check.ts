@@ -122,11 +122,11 @@ class HealthProbe {
   measure(maxAgeMs: number): Promise<Measurement> {
     const now = performance.now();
     if (this.#last && now - this.#last.at < maxAgeMs) return this.#last.value;
+    // A failed probe is kept for the interval too: a persistent failure costs one query per
+    // interval, not one per chunk.
     const value = this.#query();
+    value.catch(() => {});
     this.#last = { at: now, value };
-    value.catch(() => {
-      if (this.#last?.value === value) this.#last = null;
-    });
     return value;
   }
 

@@ -1,5 +1,8 @@
-import { describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { defineJob, keyRange, Runner, sql, type KeyRangeChunk } from '../src/index.ts';
 import { ADAPTIVE_SIZING, Throttle } from '../src/throttle.ts';
+import { query } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
 
 /** A deterministic ±5 % jitter (no Math.random: a failure must replay). */
 function jitter(seed: number): () => number {
@@ -73,5 +76,62 @@ describe('adaptive chunk sizing (--target-chunk-ms)', () => {
     expect(new Throttle({ targetChunkMs: 100 }).adapt([])).toBe(1);
     // A 0 ms chunk counts as 1 ms: growth is still capped.
     expect(new Throttle({ targetChunkMs: 50 }).adapt([0])).toBe(ADAPTIVE_SIZING.maxGrowth);
+  });
+});
+
+describe('adaptive chunk sizing in a real run', () => {
+  let database: TestDatabase;
+  beforeAll(async () => {
+    database = await createTestDatabase();
+    await query(database.url, `create table adapt_items (id bigint primary key); insert into adapt_items select generate_series(1, 480)`);
+    await query(database.url, `create table knob (ms_per_row float8 not null); insert into knob values (10)`);
+  });
+  afterAll(() => database?.drop());
+
+  it('when chunks suddenly take three times as long, keyRange chunks shrink within a few windows and stay there', async () => {
+    const job = defineJob({
+      name: 'adaptive',
+      steps: [
+        {
+          name: 'work',
+          chunks: keyRange({ table: 'adapt_items', column: 'id', size: 20 }),
+          // A chunk takes (rows × knob) ms: its duration is proportional to its size.
+          run: ({ db }, c: KeyRangeChunk) =>
+            sql`select pg_sleep(count(*) * (select ms_per_row from knob) / 1000) from adapt_items where id >= ${c.lo} and id < ${c.hi}`.execute(db),
+        },
+      ],
+    });
+    const runner = await Runner.connect({ connectionString: database.url });
+    try {
+      let flipped = false;
+      const out = await runner.run(job, {
+        key: 'a',
+        throttle: { targetChunkMs: 200 },
+        health: false,
+        onProgress: (p) => {
+          // After 12 chunks the rows get three times as expensive.
+          if (p.done === 12 && !flipped) {
+            flipped = true;
+            void query(database.url, 'update knob set ms_per_row = 30');
+          }
+        },
+      });
+      expect(out.status).toBe('succeeded');
+    } finally {
+      await runner.close();
+    }
+    const chunks = (await query(database.url, `select (spec->>'hi')::int - (spec->>'lo')::int as size, duration_ms from idem.chunks order by seq`)).slice(0, -1);
+    // The first chunk that ran at the new cost, and the size the run had reached before it.
+    const jump = chunks.findIndex((c, i) => i >= 12 && c.duration_ms > 1.8 * 200);
+    expect(jump).toBeGreaterThanOrEqual(12);
+    const before = chunks[jump]!.size;
+    // Within 4 windows (4 chunks each) every chunk is at most half the size it had…
+    const settled = chunks.slice(jump + 16);
+    expect(settled.length).toBeGreaterThan(4);
+    for (const c of settled) expect(c.size).toBeLessThanOrEqual(Math.ceil(before / 2));
+    // …and it does not oscillate: once down, it stays within one capped growth step (×1.2) of its
+    // smallest size. (No bound on durations: on a loaded machine one chunk may take long.)
+    const least = Math.min(...settled.map((c) => c.size));
+    for (const c of settled) expect(c.size).toBeLessThanOrEqual(Math.ceil(least * ADAPTIVE_SIZING.maxGrowth) + 1);
   });
 });
