@@ -1,6 +1,6 @@
 import pg from 'pg';
 import pino from 'pino';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import { defineJob, Runner, sql, UsageError, type HealthOptions } from '../src/index.ts';
 import { parseHealthFlag, resolveHealth } from '../src/health-check.ts';
 import counted from './fixtures/jobs/counted.ts';
@@ -154,6 +154,31 @@ describe('health checks before each chunk', () => {
     } finally {
       await gate.release();
       await blocked.end();
+    }
+  });
+
+  it('one probe serves every worker and step of a process within its interval', async () => {
+    // A runner of its own: its pool has never been probed.
+    const fresh = await Runner.connect({ connectionString: url });
+    const spy = vi.spyOn(pg.Client.prototype, 'query');
+    try {
+      const out = await fresh.run(counted, { params: { chunks: 40 }, key: 'shared-probe', concurrency: 4, health: { probeIntervalMs: 60_000 } });
+      expect(out).toMatchObject({ status: 'succeeded', executed: 42 });
+      const probes = spy.mock.calls.filter(([q]) => String(typeof q === 'string' ? q : (q as { text?: string }).text).includes('pg_stat_progress_vacuum'));
+      // 42 chunk starts in 3 steps on 4 workers: one probe.
+      expect(probes.length).toBe(1);
+    } finally {
+      spy.mockRestore();
+      await fresh.close();
+    }
+    const spy2 = vi.spyOn(pg.Client.prototype, 'query');
+    try {
+      await runner.run(counted, { params: { chunks: 10 }, key: 'probe-each', health: { probeIntervalMs: 0 } });
+      const probes = spy2.mock.calls.filter(([q]) => String(typeof q === 'string' ? q : (q as { text?: string }).text).includes('pg_stat_progress_vacuum'));
+      // With no interval, every one of the 12 chunk starts probes: the count above is the sharing, not a missing probe.
+      expect(probes.length).toBe(12);
+    } finally {
+      spy2.mockRestore();
     }
   });
 
