@@ -22,6 +22,27 @@ export interface AdvisoryLockOptions {
    * Defaults to `5000` (checks), 6 times that for statements (which may wait for a row lock).
    */
   readonly checkTimeoutMs?: number;
+  /**
+   * Worker mode, for a run that several processes may share: the lock `name` is taken *shared*,
+   * together with a shared lock on `worker.runName` (the run's own), under a short gate, so that
+   * entering is decided atomically. Alone → this process is the run's first worker. Others hold
+   * the job's lock → with `join` and the same run, this process joins them; else it is busy
+   * (a plain run never overlaps, whether the others work alone or together).
+   */
+  readonly worker?: {
+    readonly runName: string;
+    readonly join: boolean;
+    /** Run in the entry transaction by the first worker (the attempt bump); no row → refused. */
+    readonly first: CompiledSql;
+    /** Run in the entry transaction by a joining worker (read the attempt it joins). */
+    readonly joiner: CompiledSql;
+  };
+}
+
+/** A statement with its parameters, as Kysely's `compile()` gives it. */
+export interface CompiledSql {
+  readonly sql: string;
+  readonly parameters: readonly unknown[];
 }
 
 /** Default of `checkTimeoutMs`. */
@@ -36,6 +57,12 @@ export interface HeldLock {
   readonly lost: AbortSignal;
   /** Backend pid of the session holding the lock. */
   readonly pid: number;
+  /** Worker mode: true when no other worker held the run as this one entered. */
+  readonly firstWorker: boolean;
+  /** Worker mode: the row the entry statement returned (`first` or `joiner`), null when refused. */
+  readonly entry: Record<string, unknown> | null;
+  /** Worker mode: how many other processes hold the run's lock now (0 outside worker mode). */
+  otherWorkers(): Promise<number>;
   /**
    * Runs one statement on the lock's own session, so it can only succeed while the lock is held
    * (the attempt bump). No answer in time counts as a lost lock.
@@ -102,7 +129,8 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
     client.removeAllListeners('error');
     client.on('error', () => {});
     try {
-      if (!lostController.signal.aborted) await timed('select pg_advisory_unlock($1::bigint)', [key], checkTimeout);
+      // pg_advisory_unlock_all: the job's lock in either mode, and the run's lock in worker mode.
+      if (!lostController.signal.aborted) await timed('select pg_advisory_unlock_all()', [], checkTimeout);
     } catch {
       // The session is going away anyway, and with it the lock.
     }
@@ -121,9 +149,22 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
     const { rows: [first] } = await client.query<{ pid: number }>('select pg_backend_pid() as pid');
     const pid = first!.pid;
     const deadline = opts.wait === true ? Infinity : opts.wait ? Date.now() + opts.wait * 1000 : 0;
+    const runKey = opts.worker ? lockKey(opts.worker.runName) : null;
+    let firstWorker = true;
+    let entry: Record<string, unknown> | null = null;
     for (;;) {
-      const { rows } = await client.query<{ ok: boolean; pid: number }>('select pg_try_advisory_lock($1::bigint) as ok, pg_backend_pid() as pid', [key]);
-      const row = rows[0]!;
+      let row: { ok: boolean; pid: number };
+      if (opts.worker && runKey) {
+        const entered = await enterAsWorker(client, key, runKey, lockKey(`${opts.name}:gate`), opts.worker);
+        row = { ok: entered.ok, pid: entered.pid };
+        firstWorker = entered.first;
+        entry = entered.entry;
+        // Entered, but the run refuses (paused or cancelled meanwhile): hand back a held lock
+        // whose entry is null; the caller re-reads the run and says why.
+      } else {
+        const { rows } = await client.query<{ ok: boolean; pid: number }>('select pg_try_advisory_lock($1::bigint) as ok, pg_backend_pid() as pid', [key]);
+        row = rows[0]!;
+      }
       if (row.pid !== pid) {
         // A transaction-pooling proxy (PgBouncer pool_mode=transaction) hands each statement to any
         // server session, so a session lock would be taken on a session we no longer hold.
@@ -158,7 +199,16 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
       if (lostController.signal.aborted) return Promise.reject(lostController.signal.reason);
       return timed<R>(text, values, checkTimeout * 6);
     };
-    return { name: opts.name, key, pid, lost: lostController.signal, query, release };
+    const otherWorkers = async () => {
+      if (!runKey) return 0;
+      const rows = await query<{ n: number }>(
+        `select count(*)::int as n from pg_locks where locktype = 'advisory' and granted and objsubid = 1
+           and ((classid::bigint << 32) | objid::bigint) = $1::bigint and pid <> pg_backend_pid()`,
+        [runKey],
+      );
+      return rows[0]!.n;
+    };
+    return { name: opts.name, key, pid, firstWorker, entry, lost: lostController.signal, query, otherWorkers, release };
   } catch (err) {
     await release();
     throw err;
@@ -168,4 +218,47 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
 /** Drops a client's socket at once (no goodbye): for a session that has stopped answering. */
 function destroySocket(client: pg.Client): void {
   (client as unknown as { connection?: { stream?: { destroy(): void } } }).connection?.stream?.destroy();
+}
+
+/** Holders of a 64-bit advisory key other than this session (granted, any mode). */
+const OTHER_HOLDERS = (param: string) => `(select count(*) from pg_locks where locktype = 'advisory' and granted and objsubid = 1
+  and ((classid::bigint << 32) | objid::bigint) = ${param}::bigint and pid <> pg_backend_pid())`;
+
+/**
+ * One decision, made under a transaction-level gate lock (held for a few milliseconds, released by
+ * the COMMIT) so that two processes entering at once see each other: take the job's lock shared;
+ * alone → first worker; others on the same run and `join` → join; else let go and report busy.
+ * A process of an older idem holds the job's lock exclusively, so the shared try fails: busy.
+ */
+async function enterAsWorker(
+  client: pg.Client,
+  jobKey: string,
+  runKey: string,
+  gateKey: string,
+  worker: NonNullable<AdvisoryLockOptions['worker']>,
+): Promise<{ ok: boolean; first: boolean; pid: number; entry: Record<string, unknown> | null }> {
+  await client.query('begin');
+  try {
+    await client.query('select pg_advisory_xact_lock($1::bigint)', [gateKey]);
+    const { rows } = await client.query<{ got: boolean; others: number; on_run: number; pid: number }>(
+      `select pg_try_advisory_lock_shared($1::bigint) as got, ${OTHER_HOLDERS('$1')}::int as others, ${OTHER_HOLDERS('$2')}::int as on_run, pg_backend_pid() as pid`,
+      [jobKey, runKey],
+    );
+    const r = rows[0]!;
+    const enter = r.got && (r.others === 0 || (worker.join && r.on_run > 0));
+    let entry: Record<string, unknown> | null = null;
+    if (enter) {
+      await client.query('select pg_advisory_lock_shared($1::bigint)', [runKey]);
+      // Inside the gate: a worker joining later sees the first worker's attempt bump, never the one before.
+      const stmt = r.others === 0 ? worker.first : worker.joiner;
+      entry = (await client.query(stmt.sql, [...stmt.parameters])).rows[0] ?? null;
+    } else if (r.got) {
+      await client.query('select pg_advisory_unlock_shared($1::bigint)', [jobKey]);
+    }
+    await client.query('commit');
+    return { ok: enter, first: enter && r.others === 0, pid: r.pid, entry };
+  } catch (err) {
+    await client.query('rollback').catch(() => {});
+    throw err;
+  }
 }

@@ -239,6 +239,7 @@ export function buildProgram(state: { exitCode: number }): Command {
     .option('--param <key=value>', 'one param (value parsed as JSON when it parses, else a string); repeatable', collectParam, {})
     .option('--concurrency <n>', 'chunks run at once', positiveInt(64), 1)
     .option('--wait [seconds]', 'if another process runs this job, wait for it (forever, or this many seconds) instead of exiting 75', waitSeconds)
+    .option('--join', 'if this run is live in other processes, join them as one more worker (start it when nobody runs it)')
     .option('--dry-run', 'show what would run; write nothing')
     .option('--retry-skipped', "retry chunks skipped under a step's maxFailedChunks policy (also in a succeeded run)")
     .option('--max-rate <chunks/s>', 'start at most this many chunks per second', positiveNumber)
@@ -248,7 +249,7 @@ export function buildProgram(state: { exitCode: number }): Command {
     .option('--catch-up <N|duration>', 'scheduled jobs: run the missed slots oldest first, the last N or those within a duration (e.g. 3, 12h, 2d)')
     .option('--json', 'print the outcome as JSON on stdout')
     .option('--allow-changed-code', 'resume a run even though its job file (or version) changed since it started; recorded on the run')
-    .action((name: string, o: { key?: string; params?: string; param: Record<string, unknown>; concurrency: number; wait?: number | boolean; dryRun?: boolean; retrySkipped?: boolean; json?: boolean; maxRate?: number; pause?: number; targetChunkMs?: number; progress: boolean; catchUp?: string; allowChangedCode?: boolean; health?: HealthOptions; healthCheck?: boolean }) =>
+    .action((name: string, o: { key?: string; params?: string; param: Record<string, unknown>; concurrency: number; wait?: number | boolean; join?: boolean; dryRun?: boolean; retrySkipped?: boolean; json?: boolean; maxRate?: number; pause?: number; targetChunkMs?: number; progress: boolean; catchUp?: string; allowChangedCode?: boolean; health?: HealthOptions; healthCheck?: boolean }) =>
       runWithSession(async (g, log, session, force) => {
         const params = parseParams(o.params, o.param);
         if (o.key !== undefined && (o.key.length === 0 || o.key.length > 200)) throw new UsageError('invalidKey', '--key must be 1 to 200 characters');
@@ -286,6 +287,7 @@ export function buildProgram(state: { exitCode: number }): Command {
             slot,
             concurrency: o.concurrency,
             wait: o.wait ?? false,
+            join: o.join ?? false,
             dryRun: o.dryRun ?? false,
             retrySkipped: o.retrySkipped ?? false,
             allowChangedCode: o.allowChangedCode ?? false,

@@ -5,7 +5,7 @@ import type { Logger } from 'pino';
 import { FencedError, InterruptedError, messageOf } from './errors.ts';
 import type { ChunkPage, ChunkSpec, ChunkSource, Job, Json, RunIdentity, Step, StepContext } from './job.ts';
 import { faultArmed, faultPoint } from './fault-points.ts';
-import { isMarkerRefusal, markerRefusal } from './marker-at-commit.ts';
+import { isClaimRefusal, isMarkerRefusal, markerRefusal } from './marker-at-commit.ts';
 import { backoffDelay, DEFAULT_BACKOFF, isRetryable, retrying, type BackoffOptions } from './retry.ts';
 import type { PendingChunk, StepRow, Store } from './store.ts';
 import { resolveThrottle, Throttle, type ThrottleOptions } from './throttle.ts';
@@ -177,17 +177,11 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
     await upcoming?.catch(() => {});
   };
 
-  for (;;) {
-    if (opts.stop.aborted) await settleUpcoming();
-    throwIfStopped(opts.stop);
-    const pending = await (upcoming ?? nextWindow());
-    upcoming = undefined;
-    if (pending.length === 0) break;
-    if (prefetch) {
-      upcoming = nextWindow();
-      upcoming.catch(() => {}); // awaited (and its error seen) at the top of the next turn
-    }
-
+  /**
+   * Runs one window's chunks with bounded concurrency. `waitForLocks`: claim each chunk even if
+   * another worker holds it (wait for that worker's transaction) instead of passing it by.
+   */
+  const runWindow = async (pending: PendingChunk[], waitForLocks: boolean): Promise<number[]> => {
     let failure: unknown;
     const durations: number[] = [];
     await Promise.all(
@@ -200,7 +194,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
           if (wait > 0) await sleep(wait, opts.stop);
           if (failure !== undefined || opts.stop.aborted) return;
           try {
-            const ms = await runChunk(opts, step, chunk, retry, log);
+            const ms = await runChunk(opts, step, chunk, retry, log, waitForLocks);
             if (ms !== null) {
               executed++;
               done++;
@@ -227,7 +221,30 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
       await settleUpcoming();
       throw failure;
     }
+    return durations;
+  };
+
+  for (;;) {
+    if (opts.stop.aborted) await settleUpcoming();
+    throwIfStopped(opts.stop);
+    const pending = await (upcoming ?? nextWindow());
+    upcoming = undefined;
+    if (pending.length === 0) break;
+    if (prefetch) {
+      upcoming = nextWindow();
+      upcoming.catch(() => {}); // awaited (and its error seen) at the top of the next turn
+    }
+    const durations = await runWindow(pending, false);
     if (throttle.options.targetChunkMs) throttle.adapt(durations);
+  }
+  // Everything is planned and this worker has been through it. Chunks another worker held as we
+  // passed them (and chunks it left behind when it died) are still open: take each, waiting for
+  // the holder's transaction, until none is left. Alone on a run this is one empty query.
+  for (;;) {
+    throwIfStopped(opts.stop);
+    const left = await store.pendingChunks(run.runId, step.name, 0, planWindow);
+    if (left.length === 0) break;
+    await runWindow(left, true);
   }
   throwIfStopped(opts.stop);
   return executed;
@@ -237,7 +254,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
  * One chunk: a transaction with the job's work and the marker, retried on transient errors.
  * Returns the committed try's duration in ms, or null when the chunk turned out done already.
  */
-async function runChunk(opts: ExecuteOptions, step: Step, chunk: PendingChunk, retry: Required<BackoffOptions>, stepLog: Logger): Promise<number | null> {
+async function runChunk(opts: ExecuteOptions, step: Step, chunk: PendingChunk, retry: Required<BackoffOptions>, stepLog: Logger, waitForLock: boolean): Promise<number | null> {
   const { store, run } = opts;
   const chunkKey = step.chunks ? chunk.key : null;
   const effect = <T>(name: string, fn: (key: string) => Promise<T> | T) => performEffect(opts, step.name, chunk.key, name, fn);
@@ -245,6 +262,9 @@ async function runChunk(opts: ExecuteOptions, step: Step, chunk: PendingChunk, r
     const started = performance.now();
     try {
       await opts.db.transaction().execute(async (trx) => {
+        // The row lock is the lease: it lives exactly as long as this transaction (and its
+        // backend), so another worker sharing the run passes this chunk by, or waits for it.
+        await store.claimChunk(run.runId, step.name, chunk.seq, waitForLock).execute(trx);
         await faultPoint('after-claim');
         const ctx: StepContext = {
           db: trx,
@@ -275,6 +295,9 @@ async function runChunk(opts: ExecuteOptions, step: Step, chunk: PendingChunk, r
       await faultPoint('after-commit');
       return performance.now() - started;
     } catch (caught) {
+      // Nothing to claim: done (by another worker, or by an earlier try whose acknowledgement was
+      // lost), skipped, or held by another worker, which the step's last pass waits for.
+      if (isClaimRefusal(caught)) return tries > 1 && (await store.markerRefusal(run.runId, step.name, chunk.key)).doneAttempt === run.attempt ? performance.now() - started : null;
       let err = caught;
       if (isMarkerRefusal(caught)) {
         // Nothing committed. Why was the marker refused: fenced off, or done by someone else?

@@ -86,7 +86,7 @@ export function recordedFailure(run: Pick<RunRow, 'job' | 'run_key' | 'error'>):
 /** Whether the backend that took the run's lock (its job's, or migrate's) still holds it. */
 async function isLive(runner: Runner, run: RunRow): Promise<boolean> {
   if (run.status !== 'running') return false;
-  return runIsLive(run, await runner.heldLocks(), (j) => runner.jobLockName(j));
+  return runIsLive(run, await runner.heldLocks(), { jobLockName: (j) => runner.jobLockName(j), runLockName: (id) => runner.runLockName(id) });
 }
 
 function how(outcome: RunOutcome, wasLive: boolean): FinalizeHow {

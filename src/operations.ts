@@ -10,6 +10,7 @@ export interface OperationsHost {
   readonly schema: string;
   readonly connectionString: string;
   jobLockName(job: string): string;
+  runLockName(runId: string): string;
   heldLocks(): Promise<HeldLocks>;
 }
 
@@ -24,9 +25,11 @@ export interface HeldLocks {
  * this run's attempt must still hold the lock it took (a crashed run of the same job stays crashed
  * while another run of it is live). Rows from before lock_pid was recorded fall back to the key.
  */
-export function runIsLive(run: Pick<RunRow, 'status' | 'job' | 'lock_name' | 'lock_pid'>, held: HeldLocks, jobLockName: (job: string) => string): boolean {
+export function runIsLive(run: Pick<RunRow, 'id' | 'status' | 'job' | 'lock_name' | 'lock_pid'>, held: HeldLocks, h: Pick<OperationsHost, 'jobLockName' | 'runLockName'>): boolean {
   if (run.status !== 'running') return false;
-  const key = lockKey(run.lock_name ?? jobLockName(run.job));
+  // Any worker on the run holds the run's own lock (the first one may have gone, others go on).
+  if (held.keys.has(lockKey(h.runLockName(String(run.id))))) return true;
+  const key = lockKey(run.lock_name ?? h.jobLockName(run.job));
   return run.lock_pid == null ? held.keys.has(key) : held.byPid.has(`${run.lock_pid}:${key}`);
 }
 
@@ -66,7 +69,7 @@ async function targetRun(h: OperationsHost, job: string, key: string | undefined
 
 async function isLive(h: OperationsHost, run: RunRow): Promise<boolean> {
   if (run.status !== 'running') return false;
-  return runIsLive(run, await h.heldLocks(), (j) => h.jobLockName(j));
+  return runIsLive(run, await h.heldLocks(), h);
 }
 
 /** How many times an operator command re-reads a run that changed under it before giving up. */

@@ -3,10 +3,10 @@ import { sql } from 'kysely';
 import pino, { type Logger } from 'pino';
 import { acquireAdvisoryLock, type HeldLock } from './advisory-lock.ts';
 import { openDatabase, type Database } from './database.ts';
-import { CancelledError, FencedError, InterruptedError, LockLostError, ParamsMismatchError, PausedError, RunFailedError, UsageError } from './errors.ts';
+import { BusyError, CancelledError, FencedError, InterruptedError, LockLostError, ParamsMismatchError, PausedError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
-import { fingerprint } from './fingerprint.ts';
+import { fingerprint, lockKey } from './fingerprint.ts';
 import { checkCodeFingerprint } from './code-fingerprint.ts';
 import { recordedFailure } from './finalize.ts';
 import { refuseOnStandby, type HealthSetting } from './health-check.ts';
@@ -15,7 +15,7 @@ import { faultPoint } from './fault-points.ts';
 import { pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
 import { retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
-import { Store, type RunRow, type RunSummary } from './store.ts';
+import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
 
 /** Default size of the work pool (RunnerOptions.poolSize). */
 export const DEFAULT_POOL_SIZE = 10;
@@ -49,6 +49,12 @@ export interface RunJobOptions {
   readonly concurrency?: number;
   /** When another process holds the lock: `false` fail at once (busy), `true` wait, n wait n seconds. Defaults to `false`. */
   readonly wait?: boolean | number;
+  /**
+   * When the run is live in other processes, join them as one more worker instead of failing busy
+   * (when nothing is live, start it as usual). Only processes on the same run key join; a plain
+   * run never overlaps anyone. Defaults to `false`.
+   */
+  readonly join?: boolean;
   /** Report what would run without writing anything. Defaults to `false`. */
   readonly dryRun?: boolean;
   /** Aborting stops the run gracefully: no new chunk starts, in-flight ones finish. */
@@ -187,21 +193,38 @@ export class Runner {
     if (run.status === 'succeeded' && !(opts.retrySkipped && (run.summary?.skipped ?? 0) > 0)) return alreadyDone(run);
     refuseControlled(run);
 
+    // Every process on a run is a worker: it holds the job's lock shared and the run's own lock.
+    // The first one in bumps the attempt; a plain run refuses to overlap anyone (busy, exit 75);
+    // with `join`, a process finding the same run live joins it under that attempt.
+    const lockName = this.jobLockName(job.name);
+    const allowSucceeded = !!opts.retrySkipped;
     // A lock session killed while still waiting held nothing yet: simply open another.
     const lock = await retrying(() =>
       acquireAdvisoryLock({
         connectionString: this.#connectionString,
-        name: this.jobLockName(job.name),
+        name: lockName,
         what: `job "${job.name}"`,
         wait: opts.wait ?? false,
         ...(opts.signal ? { signal: opts.signal } : {}),
+        worker: {
+          runName: this.runLockName(run.id),
+          join: opts.join ?? false,
+          first: this.store.beginAttemptSql(run.id, `${hostname()}:${process.pid}`, lockName, lockKey(lockName), allowSucceeded),
+          joiner: this.store.joinAttemptSql(run.id),
+        },
       }),
     );
     try {
-      return await this.#runLocked(job, run.id, params, lock, opts);
+      const begin = async () => (lock.entry ? toAttemptStart(lock.entry) : null);
+      return await this.#runLocked(job, run.id, params, lock, opts, begin);
     } finally {
       await lock.release();
     }
+  }
+
+  /** The run's own advisory lock, held shared by every worker on it: "is this run live?" */
+  runLockName(runId: string): string {
+    return `${this.schema}:run:${runId}`;
   }
 
   /**
@@ -238,7 +261,8 @@ export class Runner {
           outcomes.push(alreadyDone(run));
           continue;
         }
-        outcomes.push(await this.#runLocked(m.job, run.id, {}, lock, opts));
+        const begin = () => this.store.beginAttempt(run.id, `${hostname()}:${process.pid}`, lock);
+        outcomes.push(await this.#runLocked(m.job, run.id, {}, lock, opts, begin));
       }
     } finally {
       await lock.release();
@@ -288,39 +312,44 @@ export class Runner {
   }
 
   #ops(): OperationsHost {
-    return { db: this.db, schema: this.schema, connectionString: this.#connectionString, jobLockName: (j) => this.jobLockName(j), heldLocks: () => this.heldLocks() };
+    return { db: this.db, schema: this.schema, connectionString: this.#connectionString, jobLockName: (j) => this.jobLockName(j), runLockName: (id) => this.runLockName(id), heldLocks: () => this.heldLocks() };
   }
 
   jobLockName(job: string): string {
     return `${this.schema}:job:${job}`;
   }
 
-  async #runLocked(job: Job, runId: string, params: Json, lock: HeldLock, opts: RunJobOptions): Promise<RunOutcome> {
+  async #runLocked(job: Job, runId: string, params: Json, lock: HeldLock, opts: RunJobOptions, begin: () => Promise<AttemptStart | null>): Promise<RunOutcome> {
     // Re-read under the lock: the holder we waited for has usually finished the run.
     const current = await this.store.getRun(runId);
+    const joined = !lock.firstWorker;
     if (current.status === 'succeeded' && !(opts.retrySkipped && (current.summary?.skipped ?? 0) > 0)) return alreadyDone(current);
     refuseControlled(current);
     if (opts.resumeFailed === false && current.status === 'failed') throw recordedFailure(current);
     await checkCodeFingerprint(this.db, this.schema, current, job, opts.allowChangedCode ?? false);
     await faultPoint('after-lock');
-    const begun = await this.store.beginAttempt(runId, `${hostname()}:${process.pid}`, lock);
+    const begun = await begin();
     if (!begun) {
       // An operator paused or cancelled it after the read above, or the lock is gone already.
       if (lock.lost.aborted) throw lock.lost.reason;
       refuseControlled(await this.store.getRun(runId));
+      if (joined) throw new BusyError(`run ${current.run_key} of job "${job.name}" is ending in the processes that share it (${current.status}); try again once they stopped`);
       throw new LockLostError(`the lock for job "${job.name}" was no longer held when attempt bump ran; rerun to resume`);
     }
     const { attempt, startedAt } = begun;
     const invocationStarted = performance.now();
     const identity = { job: job.name, runKey: current.run_key, runId, attempt };
     const log = this.#log.child({ job: job.name, runKey: current.run_key, attempt });
-    log.info({ resumed: attempt > 1 }, attempt > 1 ? 'run resumed' : 'run started');
+    log.info({ resumed: attempt > 1, joined }, joined ? 'joined the run as another worker' : attempt > 1 ? 'run resumed' : 'run started');
     // Operators pause or cancel through the run row; the live attempt looks between chunks.
     const control = new AbortController();
     const poll = setInterval(() => {
-      this.store.requested(runId).then(
-        (what) => {
-          if (what && !control.signal.aborted) control.abort(new ControlRequest(what));
+      this.store.control(runId).then(
+        ({ requested, status, error }) => {
+          if (control.signal.aborted) return;
+          if (requested) control.abort(new ControlRequest(requested));
+          // Another worker on this run failed it: this one stops too, and records nothing.
+          else if (status === 'failed') control.abort(new FailedElsewhere(error?.message ?? 'unknown error'));
         },
         () => {},
       );
@@ -354,21 +383,30 @@ export class Runner {
       ));
       if (lock.lost.aborted) throw lock.lost.reason;
       await faultPoint('before-finish');
-      const summary = await this.store.finishRun(runId, attempt, startedAt);
-      if (!summary) throw new FencedError(`attempt ${attempt} of job "${job.name}" was taken over before it could finish`);
+      let summary = await this.store.finishRun(runId, attempt, startedAt);
+      if (!summary) {
+        // Finishing is done once: another worker of this attempt may have found nothing left first.
+        const now = await this.store.getRun(runId);
+        if (now.status !== 'succeeded' || now.attempt !== attempt || !now.summary) throw new FencedError(`attempt ${attempt} of job "${job.name}" was taken over before it could finish`);
+        summary = now.summary;
+      }
       log.info({ executed, chunks: summary.chunks, durationMs: summary.durationMs }, 'run succeeded');
       return { status: 'succeeded', job: job.name, runKey: current.run_key, runId, attempt, summary, executed, elapsedMs: Math.round(performance.now() - invocationStarted) };
     } catch (err) {
       // Once the lock is gone, whatever failed next (often a statement on a connection killed in
       // the same sweep) is a symptom: the run was lost, not failed, and must not be marked failed.
-      throw await this.#recordEnd(runId, attempt, job, current.run_key, lock.lost.aborted ? lock.lost.reason : err, log);
+      throw await this.#recordEnd(runId, attempt, job, current.run_key, lock.lost.aborted ? lock.lost.reason : err, log, lock);
     } finally {
       clearInterval(poll);
     }
   }
 
   /** Records how an attempt ended and returns the error to throw. A fenced attempt writes nothing. */
-  async #recordEnd(runId: string, attempt: number, job: Job, runKey: string, err: unknown, log: Logger): Promise<unknown> {
+  async #recordEnd(runId: string, attempt: number, job: Job, runKey: string, err: unknown, log: Logger, lock: HeldLock): Promise<unknown> {
+    if (err instanceof FailedElsewhere) {
+      log.error({ err: { message: err.message } }, 'the run failed in another worker; stopping');
+      return new RunFailedError(`job "${job.name}" failed in another process sharing the run: ${err.message}; fix the cause and run the same command again to resume there`, { cause: err });
+    }
     if (err instanceof FencedError || err instanceof LockLostError) {
       log.error({ err: { message: err.message } }, 'lost the run to another attempt');
       return err instanceof LockLostError ? err : new LockLostError(err.message, { cause: err });
@@ -382,6 +420,12 @@ export class Runner {
         : new CancelledError(`job "${job.name}" cancelled by an operator; finished chunks are kept; idem reset ${job.name} --key ${runKey} forgets the run`);
     }
     if (err instanceof InterruptedError) {
+      // One worker stopping stops only itself while others still share the run.
+      const others = await lock.otherWorkers().catch(() => 0);
+      if (others > 0) {
+        log.warn({ signal: err.signal, otherWorkers: others }, 'worker stopped; the run goes on in the other workers');
+        return err;
+      }
       await this.store.endRun(runId, attempt, 'interrupted', null).catch(() => {});
       log.warn({ signal: err.signal }, 'run interrupted; rerun to resume');
       return err;
@@ -441,7 +485,7 @@ export class Runner {
     const skippedByRun = new Map<string, RunStatusRow['skipped']>();
     for (const r of rows) if (r.has_skipped) skippedByRun.set(String(r.id), await this.store.skippedChunks(String(r.id)));
     return rows.map((r) => {
-      const state = r.status === 'running' ? (runIsLive(r, held, (j) => this.jobLockName(j)) ? 'running' : 'crashed') : r.status;
+      const state = r.status === 'running' ? (runIsLive(r, held, this.#ops()) ? 'running' : 'crashed') : r.status;
       const rate = state === 'running' && r.attempt_seconds > 0 && r.done_this_attempt > 0 ? r.done_this_attempt / r.attempt_seconds : null;
       const estimated = r.estimated_total ?? null;
       return {
@@ -499,6 +543,9 @@ function untilLost<T>(lost: AbortSignal, work: Promise<T>): Promise<T> {
     work.then(resolve, reject).finally(() => lost.removeEventListener('abort', onLost));
   });
 }
+
+/** Why a worker stops when another worker on its run failed the run. */
+class FailedElsewhere extends Error {}
 
 /** Why a live attempt stops at an operator's request. */
 class ControlRequest extends Error {

@@ -1,9 +1,9 @@
 import { sql, type Kysely, type QueryResult, type RawBuilder, type Transaction } from 'kysely';
 import pg from 'pg';
-import { deferredMarker, registerMarkerStatement } from './marker-at-commit.ts';
+import { deferredClaim, deferredMarker, registerMarkerStatement } from './marker-at-commit.ts';
 import { retrying } from './retry.ts';
 import type { ChunkSpec, Json } from './job.ts';
-import type { HeldLock } from './advisory-lock.ts';
+import type { CompiledSql, HeldLock } from './advisory-lock.ts';
 
 export type RunStatus = 'pending' | 'running' | 'succeeded' | 'failed' | 'interrupted' | 'paused' | 'cancelled';
 
@@ -43,6 +43,16 @@ export interface PendingChunk {
   seq: number;
   key: string;
   spec: ChunkSpec;
+}
+
+/** Where an attempt (or a worker's share of it) starts. */
+export interface AttemptStart {
+  readonly attempt: number;
+  readonly startedAt: Date;
+}
+
+export function toAttemptStart(row: Record<string, unknown>): AttemptStart {
+  return { attempt: Number(row.attempt), startedAt: row.started_at as Date };
 }
 
 /** How planning a window ended (Store.planWindow). */
@@ -113,6 +123,13 @@ export class Store {
         returning 1)
       select 1 / count(*) as marked from m`;
     registerMarkerStatement(this.#markerName, this.#markerPrepare);
+    // The claim: lock the chunk's row for this transaction, or raise (1 / 0) when it is done,
+    // skipped, or (skip locked) held by another worker's transaction.
+    for (const [name, lock] of [[this.#claimName(false), 'for update skip locked'], [this.#claimName(true), 'for update']] as const) {
+      registerMarkerStatement(name, `prepare ${name}(bigint, text, integer) as
+        select 1 / count(*) as claimed from (select 1 from "${schema}"."chunks"
+          where run_id = $1 and step = $2 and seq = $3 and done_at is null and skipped_at is null ${lock}) c`);
+    }
   }
 
   /**
@@ -155,17 +172,28 @@ export class Store {
    * session holds the lock, so a process whose lock session died cannot bump after a successor did
    * (and fence the successor off). Refuses (null) a run an operator paused or cancelled meanwhile.
    */
-  async beginAttempt(runId: string, holder: string, lock: HeldLock): Promise<{ attempt: number; startedAt: Date } | null> {
-    const q = sql<{ attempt: number; started_at: Date }>`
-      update ${this.#runs} set attempt = attempt + 1, status = 'running', holder = ${holder}, lock_name = ${lock.name},
+  async beginAttempt(runId: string, holder: string, lock: HeldLock): Promise<AttemptStart | null> {
+    const q = this.beginAttemptSql(runId, holder, lock.name, lock.key, true);
+    const rows = await lock.query<{ attempt: number; started_at: Date }>(q.sql, q.parameters);
+    return rows[0] ? toAttemptStart(rows[0]) : null;
+  }
+
+  /** The attempt bump as a statement for the lock's session (also sent inside a worker's entry). */
+  beginAttemptSql(runId: string, holder: string, lockName: string, lockKey: string, allowSucceeded: boolean): CompiledSql {
+    return sql<{ attempt: number; started_at: Date }>`
+      update ${this.#runs} set attempt = attempt + 1, status = 'running', holder = ${holder}, lock_name = ${lockName},
         lock_pid = pg_backend_pid(), started_at = coalesce(started_at, now()), updated_at = now(), error = null,
         attempt_started_at = clock_timestamp() -- evaluated after any wait for the row lock
-      where id = ${runId} and status not in ('paused', 'cancelled')
+      where id = ${runId} and status not in ('paused', 'cancelled') and (status <> 'succeeded' or ${allowSucceeded})
         and exists (select 1 from pg_locks where locktype = 'advisory' and granted and pid = pg_backend_pid() and objsubid = 1
-          and ((classid::bigint << 32) | objid::bigint) = ${lock.key}::bigint)
+          and ((classid::bigint << 32) | objid::bigint) = ${lockKey}::bigint)
       returning attempt, started_at`.compile(this.#db);
-    const rows = await lock.query<{ attempt: number; started_at: Date }>(q.sql, q.parameters);
-    return rows[0] ? { attempt: rows[0].attempt, startedAt: rows[0].started_at } : null;
+  }
+
+  /** What a worker joining a live run works under: the attempt its first worker took. */
+  joinAttemptSql(runId: string): CompiledSql {
+    return sql`select attempt, started_at from ${this.#runs}
+      where id = ${runId} and status = 'running'`.compile(this.#db);
   }
 
   /** Creates the step rows a run has not seen yet and returns all of them, in order. */
@@ -264,6 +292,21 @@ export class Store {
     return deferredMarker(`execute ${this.#markerName}(${runId}, ${attempt}, ${q(step)}, ${seq}, ${q(key)}, ${durationMs})`);
   }
 
+  #claimName(wait: boolean): string {
+    return `idem_claim${wait ? 'wait' : ''}_${this.schema.toLowerCase()}`;
+  }
+
+  /**
+   * A chunk transaction's first statement: locks the chunk's row, or raises when there is nothing
+   * to claim. Sent together with BEGIN (marker-at-commit.ts), so it costs no round trip.
+   * `wait`: wait for another worker's transaction on it instead of passing it by.
+   */
+  claimChunk(runId: string, step: string, seq: number, wait: boolean): RawBuilder<unknown> {
+    if (!/^\d+$/.test(runId) || !Number.isSafeInteger(seq)) throw new TypeError('claim values must be integers');
+    const q = (v: string) => pg.Client.prototype.escapeLiteral(v);
+    return deferredClaim(`execute ${this.#claimName(wait)}(${runId}, ${q(step)}, ${seq})`);
+  }
+
   /** Why a marker was refused: the run's current attempt and whether the chunk is done. */
   async markerRefusal(runId: string, step: string, key: string): Promise<{ attempt: number; done: boolean; doneAttempt: number | null }> {
     const { rows } = await this.#run(sql<{ attempt: number; done: boolean; doneAttempt: number | null }>`
@@ -357,6 +400,13 @@ export class Store {
     await this.#run(sql`update ${this.#steps} set estimated_chunks = ${estimate} where run_id = ${runId} and name = ${step}`);
   }
 
+  /** What a live worker watches between chunks: an operator's request, and the run's status. */
+  async control(runId: string): Promise<{ requested: 'pause' | 'cancel' | null; status: RunStatus | null; error: RunErrorInfo | null }> {
+    const { rows } = await this.#run(sql<{ requested: 'pause' | 'cancel' | null; status: RunStatus; error: RunErrorInfo | null }>`
+      select requested, status, error from ${this.#runs} where id = ${runId}`);
+    return rows[0] ?? { requested: null, status: null, error: null };
+  }
+
   /** The operator's pending request for a run (pause/cancel), read between chunks. */
   async requested(runId: string): Promise<'pause' | 'cancel' | null> {
     const { rows } = await this.#run(sql<{ requested: 'pause' | 'cancel' | null }>`select requested from ${this.#runs} where id = ${runId}`);
@@ -386,7 +436,7 @@ export class Store {
           'startedAt', to_jsonb(${startedAt.toISOString()}::timestamptz),
           'finishedAt', to_jsonb(now()),
           'durationMs', (extract(epoch from (now() - ${startedAt.toISOString()}::timestamptz)) * 1000)::bigint)
-      where r.id = ${runId} and r.attempt = ${attempt}
+      where r.id = ${runId} and r.attempt = ${attempt} and r.status = 'running'
       returning r.summary`);
     return rows[0]?.summary ?? null;
   }

@@ -1,0 +1,73 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { createFixtureTables } from './fixtures/tables.ts';
+import { FIXTURE_DIRS, query, runCli, spawnCli, waitFor, type CliProcess } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+
+// Issue 9: many worker processes share one run (`idem run --join`).
+
+let database: TestDatabase;
+let url: string;
+
+beforeAll(async () => {
+  database = await createTestDatabase();
+  url = database.url;
+  await createFixtureTables(url);
+});
+afterAll(() => database?.drop());
+
+const params = (chunks: number, pauseMs: number) => JSON.stringify({ chunks, pauseMs, label: 'x', gate: null });
+const join = (key: string, chunks: number, pauseMs: number, extra: string[] = []) =>
+  spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params(chunks, pauseMs), '--key', key, '--join', ...extra], { url, timeoutMs: 120_000 });
+
+/** Every `work` chunk of the run committed exactly once; returns how many distinct processes did work. */
+async function expectExactlyOnce(key: string, chunks: number): Promise<number> {
+  expect(await query(url, `select chunk_key, count(*)::int as n from work_log where run_key = $1 and step = 'work' group by chunk_key having count(*) <> 1`, [key])).toEqual([]);
+  expect(await query(url, `select count(distinct chunk_key)::int as n from work_log where run_key = $1 and step = 'work'`, [key])).toEqual([{ n: chunks }]);
+  expect(await query(url, `select count(*)::int as n from work_log where run_key = $1 and step <> 'work'`, [key])).toEqual([{ n: 2 }]);
+  const [row] = await query<{ status: string; summary: { chunks: number; attempts: number } }>(url, `select status, summary from idem.runs where run_key = $1`, [key]);
+  expect(row?.status).toBe('succeeded');
+  expect(row?.summary).toMatchObject({ chunks: chunks + 2, attempts: 1 });
+  const rows = await query<{ pids: number }>(url, `select count(distinct pid)::int as pids from work_log where run_key = $1 and step = 'work'`, [key]);
+  return rows[0]?.pids ?? 0;
+}
+
+async function doneCount(key: string): Promise<number> {
+  return (await query<{ n: number }>(url, `select count(*)::int as n from work_log where run_key = $1 and step = 'work'`, [key]))[0]?.n ?? 0;
+}
+
+describe('idem run --join', () => {
+  it('4 workers share one run: every chunk committed exactly once, by several of them, one summary', async () => {
+    const workers = Array.from({ length: 4 }, () => join('four', 120, 40));
+    const results = await Promise.all(workers.map((w) => w.done));
+    expect(results.map((r) => ({ code: r.code, timedOut: r.timedOut }))).toEqual(Array(4).fill({ code: 0, timedOut: false }));
+    const pids = await expectExactlyOnce('four', 120);
+    expect(pids).toBeGreaterThanOrEqual(2);
+  });
+
+  it('a plain run while workers share the run exits 75 at once; --wait waits and then finds it done', async () => {
+    const first = join('plain', 400, 30);
+    const second = join('plain', 400, 30);
+    await waitFor(async () => ((await doneCount('plain')) >= 3 ? true : undefined), 'the shared run to be under way');
+    const plain = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params(400, 30), '--key', 'plain'], { url });
+    expect(plain.code).toBe(75);
+    const waiting = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params(400, 30), '--key', 'plain', '--wait', '90'], { url, timeoutMs: 120_000 });
+    expect(waiting.code).toBe(0);
+    expect(waiting.stdout).toMatch(/already/);
+    expect((await Promise.all([first.done, second.done])).map((r) => r.code)).toEqual([0, 0]);
+    await expectExactlyOnce('plain', 400);
+  });
+
+  it('SIGTERM stops only that worker (its in-flight chunk committed); a SIGKILLed worker loses nothing; the others finish the run', async () => {
+    const workers: CliProcess[] = Array.from({ length: 3 }, () => join('kill', 150, 40));
+    await waitFor(async () => ((await doneCount('kill')) >= 10 ? true : undefined), 'the shared run to be under way');
+    workers[0]!.child.kill('SIGTERM');
+    const stopped = await workers[0]!.done;
+    expect(stopped.code).toBe(143);
+    expect(stopped.stderr).toContain('the run goes on in the other workers');
+    workers[1]!.child.kill('SIGKILL');
+    const results = await Promise.all(workers.slice(1).map((w) => w.done));
+    expect(results[0]!.signal).toBe('SIGKILL');
+    expect(results[1]!.code).toBe(0);
+    await expectExactlyOnce('kill', 150);
+  });
+});
