@@ -42,31 +42,38 @@ interface RunCodeRow {
 }
 
 /**
- * Compares the code a run was started under with the code about to resume it; called under the
- * job's lock, before the attempt is taken over, so a refusal writes nothing. The first attempt
- * records its fingerprint; a resume under other code is refused unless `allowChanged`, which
- * records the change (shown by `idem status`) and adopts the new fingerprint.
+ * Records the code an attempt runs under, once it has taken the run over (`attempt` is its number):
+ * the first attempt adopts its fingerprint; a later one under other code (only reached when the
+ * operator allowed it: `refuseChangedCode` ran before the lock) appends the change, shown by
+ * `idem status`, and adopts the new fingerprint.
  */
-export async function checkCodeFingerprint(db: Kysely<any>, schema: string, run: RunCodeRow, job: Job, allowChanged: boolean): Promise<void> {
+export async function recordCodeFingerprint(db: Kysely<any>, schema: string, run: RunCodeRow, job: Job, attempt: number): Promise<void> {
   const now = codeFingerprint(job);
-  if (now === null) return;
   const before = run.code_fingerprint ?? null;
-  if (before === now) return;
+  if (now === null || before === now) return;
   const runs = sql.id(schema, 'runs');
-  // A run that never ran (or was recorded before idem kept fingerprints) adopts the current code.
-  if (before === null || run.attempt === 0) {
+  // A run's first attempt (or a run recorded before idem kept fingerprints) adopts the current code.
+  if (before === null || attempt === 1) {
     await sql`update ${runs} set code_fingerprint = ${now} where id = ${run.id}`.execute(db);
     return;
   }
-  if (!allowChanged) {
-    throw new CodeChangedError(
-      `run ${run.run_key} of job "${run.job}" was started under other code (${short(before)}, now ${short(now)}); resume it with the code it started with, or pass --allow-changed-code if the change is safe for the chunks already done`,
-    );
-  }
-  const change = { from: before, to: now, attempt: run.attempt + 1, at: new Date().toISOString() };
+  const change = { from: before, to: now, attempt, at: new Date().toISOString() };
   await sql`update ${runs} set code_fingerprint = ${now},
       code_changes = coalesce(code_changes, '[]'::jsonb) || ${JSON.stringify([change])}::jsonb
     where id = ${run.id}`.execute(db);
+}
+
+/**
+ * The refusal alone, writing nothing: called on the claimed row before the job's lock is taken
+ * (taking it bumps the attempt), so a refused resume leaves the run exactly as it was.
+ */
+export function refuseChangedCode(run: RunCodeRow, job: Job, allowChanged: boolean): void {
+  const now = codeFingerprint(job);
+  const before = run.code_fingerprint ?? null;
+  if (allowChanged || now === null || before === null || before === now || run.attempt === 0) return;
+  throw new CodeChangedError(
+    `run ${run.run_key} of job "${run.job}" was started under other code (${short(before)}, now ${short(now)}); resume it with the code it started with, or pass --allow-changed-code if the change is safe for the chunks already done`,
+  );
 }
 
 function short(fp: string): string {

@@ -1,5 +1,6 @@
 import { BusyError, RunFailedError, UsageError } from './errors.ts';
 import { runIsLive } from './operations.ts';
+import { sleep } from './sleep.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import type { RunJobOptions, Runner, RunOutcome } from './runner.ts';
 import type { RunRow } from './store.ts';
@@ -28,20 +29,38 @@ export interface FinalizeOptions extends Pick<RunJobOptions, 'concurrency' | 'si
  * @example await finalizeRun(runner, job, { key: 'backfill-2026-11', timeoutSeconds: 600 });
  */
 export async function finalizeRun(runner: Runner, job: Job, opts: FinalizeOptions): Promise<FinalizeOutcome> {
-  const existing = await runner.store.findRun(job.name, opts.key);
-  if (existing?.status === 'failed') throw recordedFailure(existing);
-  const params = existing ? existing.params : ((await validateParams(job, opts.params)) as Json);
-  const live = existing ? await isLive(runner, existing) : false;
-  const outcome = await bounded(opts.timeoutSeconds, `run ${opts.key} of job "${job.name}"`, () =>
-    runner.run(job, {
-      params,
-      key: opts.key,
-      wait: opts.timeoutSeconds ?? true,
-      resumeFailed: false,
-      ...pick(opts),
-    }),
-  );
-  return { ...outcome, how: how(outcome, live) };
+  const deadline = opts.timeoutSeconds === undefined ? Infinity : Date.now() + opts.timeoutSeconds * 1000;
+  let waited = false;
+  // Polls rather than waiting on the job's lock: whoever takes the lock bumps the attempt and
+  // resumes the run, and a run that failed while we waited must be reported, not resumed.
+  for (;;) {
+    const existing = await runner.store.findRun(job.name, opts.key);
+    if (existing?.status === 'failed') throw recordedFailure(existing);
+    if (existing && (await isLive(runner, existing))) {
+      if (Date.now() >= deadline) throw timedOut(opts.timeoutSeconds!, `run ${opts.key} of job "${job.name}"`);
+      waited = true;
+      await sleep(Math.min(POLL_MS, deadline - Date.now()), opts.signal);
+      if (opts.signal?.aborted) throw opts.signal.reason;
+      continue;
+    }
+    const params = existing ? existing.params : ((await validateParams(job, opts.params)) as Json);
+    try {
+      const outcome = await runner.run(job, { params, key: opts.key, wait: false, resumeFailed: false, ...pick(opts) });
+      return { ...outcome, how: how(outcome, waited) };
+    } catch (err) {
+      // Someone else took it between our look and our try: wait for them like any live run.
+      if (!(err instanceof BusyError)) throw err;
+      if (Date.now() >= deadline) throw timedOut(opts.timeoutSeconds!, `run ${opts.key} of job "${job.name}"`);
+      waited = true;
+    }
+  }
+}
+
+/** How often finalize looks again at a run live elsewhere. */
+const POLL_MS = 250;
+
+function timedOut(timeoutSeconds: number, what: string): BusyError {
+  return new BusyError(`${what} is still running in another process after --timeout ${timeoutSeconds}s; raise --timeout, or finalize again later`);
 }
 
 /**
@@ -99,9 +118,7 @@ async function bounded<T>(timeoutSeconds: number | undefined, what: string, fn: 
   try {
     return await fn();
   } catch (err) {
-    if (err instanceof BusyError && timeoutSeconds !== undefined) {
-      throw new BusyError(`${what} is still running in another process after --timeout ${timeoutSeconds}s; raise --timeout, or finalize again later`);
-    }
+    if (err instanceof BusyError && timeoutSeconds !== undefined) throw timedOut(timeoutSeconds, what);
     throw err;
   }
 }

@@ -7,7 +7,7 @@ import { BusyError, CancelledError, FencedError, InterruptedError, LockLostError
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
-import { checkCodeFingerprint } from './code-fingerprint.ts';
+import { recordCodeFingerprint, refuseChangedCode } from './code-fingerprint.ts';
 import { recordedFailure } from './finalize.ts';
 import { refuseOnStandby, type HealthSetting } from './health-check.ts';
 import { validateParams, type Job, type Json } from './job.ts';
@@ -192,6 +192,9 @@ export class Runner {
     checkFingerprint(job.name, runKey, run, fp);
     if (run.status === 'succeeded' && !(opts.retrySkipped && (run.summary?.skipped ?? 0) > 0)) return alreadyDone(run);
     refuseControlled(run);
+    // Refusals that must write nothing come before the lock: taking it bumps the attempt.
+    if (opts.resumeFailed === false && run.status === 'failed') throw recordedFailure(run);
+    refuseChangedCode(run, job, opts.allowChangedCode ?? false);
 
     // Every process on a run is a worker: it holds the job's lock shared and the run's own lock.
     // The first one in bumps the attempt; a plain run refuses to overlap anyone (busy, exit 75);
@@ -326,7 +329,7 @@ export class Runner {
     if (current.status === 'succeeded' && !(opts.retrySkipped && (current.summary?.skipped ?? 0) > 0)) return alreadyDone(current);
     refuseControlled(current);
     if (opts.resumeFailed === false && current.status === 'failed') throw recordedFailure(current);
-    await checkCodeFingerprint(this.db, this.schema, current, job, opts.allowChangedCode ?? false);
+    refuseChangedCode(current, job, opts.allowChangedCode ?? false);
     await faultPoint('after-lock');
     const begun = await begin();
     if (!begun) {
@@ -337,6 +340,7 @@ export class Runner {
       throw new LockLostError(`the lock for job "${job.name}" was no longer held when attempt bump ran; rerun to resume`);
     }
     const { attempt, startedAt } = begun;
+    await recordCodeFingerprint(this.db, this.schema, current, job, attempt);
     const invocationStarted = performance.now();
     const identity = { job: job.name, runKey: current.run_key, runId, attempt };
     const log = this.#log.child({ job: job.name, runKey: current.run_key, attempt });
