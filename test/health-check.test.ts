@@ -94,6 +94,7 @@ describe('health checks before each chunk', () => {
       const args = [...FIXTURE_DIRS, '--log-level', 'warn'];
       // The job lock allows one run of counted at a time: the unchecked run goes first.
       const off = await runCli([...args, 'run', 'counted', '--key', 'cli-off', '--param', 'chunks=2', '--no-progress', '--health', 'transactionAgeSeconds=1', '--no-health-check'], { url });
+      expect(off.stderr).toBe("");
       expect(off.code).toBe(0);
       const child = spawnCli([...args, 'run', 'counted', '--key', 'cli-tx', '--param', 'chunks=2', '--no-progress', '--health', 'transactionAgeSeconds=1', '--health', 'probeIntervalMs=100'], { url });
       await waitFor(async () => (await runRow(url, 'counted', 'cli-tx'))?.health_pause, 'the CLI run to pause for health');
