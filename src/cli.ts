@@ -161,7 +161,7 @@ function describeOutcome(o: RunOutcome): string {
 /** The health flags every command that runs chunks takes. */
 function withHealthFlags(cmd: Command): Command {
   return cmd
-    .option('--health <name=value>', 'change a health-check threshold or turn it off (e.g. transactionAgeSeconds=600, lockWaitMs=off); repeatable', (v: string, prev: HealthOptions) => parseHealthFlag(v, prev), {})
+    .option('--health <name=value>', 'change a health-check threshold or turn it off (e.g. transactionAgeSeconds=600, lockWaitMs=off); repeatable', (v: string, prev: HealthOptions | undefined) => parseHealthFlag(v, prev ?? {}))
     .option('--no-health-check', 'do not wait for the database to be healthy before each chunk');
 }
 

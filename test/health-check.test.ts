@@ -50,7 +50,9 @@ describe('health checks before each chunk', () => {
       await waitFor(() => olderThan(tx.pid, 1), 'the transaction to be older than 1 s');
       logs.length = 0;
       const running = runner.run(counted, { params: { chunks: 3 }, key: 'long-tx', health: { ...FAST, transactionAgeSeconds: 1 } });
-      const row = await waitFor(async () => (await runRow(url, 'counted', 'long-tx'))?.health_pause, 'the run to pause for health');
+      const row = await waitFor(async () => (await runRow(url, 'counted', 'long-tx'))?.health_pause, 'the run to pause for health').catch((err: Error) => {
+        throw new Error(`${err.message}; run ${JSON.stringify(logs.map((l) => l.msg))}`);
+      });
       expect(row.reason).toMatch(new RegExp(`^transaction of pid ${tx.pid} \\(idle in transaction\\) open \\d+ s > 1 s$`));
       // Several probes later: still nothing done (the first step waits too), still said once.
       await waitFor(async () => (await runRow(url, 'counted', 'long-tx')).health_pause.reason !== row.reason, 'a later probe');
