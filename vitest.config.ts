@@ -1,5 +1,14 @@
 import { defineConfig } from 'vitest/config';
 
+/**
+ * IDEM_TEST_SHUFFLE=1 runs the tests of each file in a random order (files keep theirs), so a test
+ * that reads what an earlier test left behind fails; on by default under CI (CI=true, as .ci/run
+ * runs), IDEM_TEST_SHUFFLE=0 turns it off. IDEM_TEST_SEED replays an order.
+ */
+const shuffle = process.env.IDEM_TEST_SHUFFLE === '1' || (process.env.CI === 'true' && process.env.IDEM_TEST_SHUFFLE !== '0');
+const seed = Number(process.env.IDEM_TEST_SEED ?? Math.floor(Math.random() * 1_000_000));
+if (shuffle) console.log(`tests shuffled within each file with seed ${seed} (replay: IDEM_TEST_SHUFFLE=1 IDEM_TEST_SEED=${seed} npm test)`);
+
 export default defineConfig({
   test: {
     include: ['test/**/*.test.ts'],
@@ -13,5 +22,6 @@ export default defineConfig({
     pool: 'forks',
     // The CI machine has 2 cores; more workers only make Postgres and the workers fight for them.
     maxWorkers: 2,
+    sequence: { shuffle: shuffle ? { files: false, tests: true } : false, seed },
   },
 });

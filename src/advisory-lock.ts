@@ -1,3 +1,4 @@
+import { hostname } from 'node:os';
 import pg from 'pg';
 import { BusyError, DatabaseUnavailableError, InterruptedError, LockLostError } from './errors.ts';
 import { lockKey } from './fingerprint.ts';
@@ -12,6 +13,8 @@ export interface AdvisoryLockOptions {
   readonly what: string;
   /** `false`: fail with BusyError at once. `true`: wait without bound. A number: wait that many seconds. Defaults to `false`. */
   readonly wait?: boolean | number;
+  /** Who holds the lock, shown in `application_name` as `idem-lock <holder>`. Defaults to `host:pid`. */
+  readonly holder?: string;
   /** Aborting stops a wait (the caller is being interrupted). */
   readonly signal?: AbortSignal;
   /** How often the held session is checked for life, in ms. Defaults to `2000`. */
@@ -82,7 +85,10 @@ const POLL_MS = 250;
  */
 export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<HeldLock> {
   const key = lockKey(opts.name);
-  const client = new pg.Client({ connectionString: opts.connectionString, keepAlive: true, keepAliveInitialDelayMillis: 5_000, application_name: 'idem-lock' });
+  // The worker's identity rides in the lock session's application_name (pg_stat_activity shows it
+  // to every role), so `idem status` can name the live workers of a run without a table of its own.
+  const appName = `idem-lock ${opts.holder ?? `${hostname()}:${process.pid}`}`.slice(0, 63);
+  const client = new pg.Client({ connectionString: opts.connectionString, keepAlive: true, keepAliveInitialDelayMillis: 5_000, application_name: appName });
   const lostController = new AbortController();
   const loseLock = (why: string, cause?: unknown) => {
     if (lostController.signal.aborted) return;
@@ -202,8 +208,7 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
     const otherWorkers = async () => {
       if (!runKey) return 0;
       const rows = await query<{ n: number }>(
-        `select count(*)::int as n from pg_locks where locktype = 'advisory' and granted and objsubid = 1
-           and ((classid::bigint << 32) | objid::bigint) = $1::bigint and pid <> pg_backend_pid()`,
+        `select ${OTHER_HOLDERS('$1')}::int as n`,
         [runKey],
       );
       return rows[0]!.n;
@@ -220,8 +225,12 @@ function destroySocket(client: pg.Client): void {
   (client as unknown as { connection?: { stream?: { destroy(): void } } }).connection?.stream?.destroy();
 }
 
-/** Holders of a 64-bit advisory key other than this session (granted, any mode). */
+/**
+ * Holders of a 64-bit advisory key other than this session (granted, any mode), in this database:
+ * advisory locks are per database, and pg_locks shows every database's.
+ */
 const OTHER_HOLDERS = (param: string) => `(select count(*) from pg_locks where locktype = 'advisory' and granted and objsubid = 1
+  and database = (select oid from pg_database where datname = current_database())
   and ((classid::bigint << 32) | objid::bigint) = ${param}::bigint and pid <> pg_backend_pid())`;
 
 /**

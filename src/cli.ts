@@ -4,6 +4,7 @@ import type { Logger } from 'pino';
 import { redactUrl } from './database.ts';
 import { ExitCode, exitCodeOf, IdemError, InterruptedError, messageOf, UsageError } from './errors.ts';
 import { validateParams } from './job.ts';
+import { assertKnownJob, checkJobFolders } from './job-lookup.ts';
 import { findJob, loadJobDir } from './loader.ts';
 import { finalizeMigration, finalizeRun, type FinalizeOutcome } from './finalize.ts';
 import { parseHealthFlag, type HealthOptions, type HealthSetting } from './health-check.ts';
@@ -203,7 +204,14 @@ export function buildProgram(state: { exitCode: number }): Command {
 
   const globals = () => program.opts<GlobalOptions>();
 
-  const runWithSession = async (fn: (g: GlobalOptions, log: Logger, session: Session, force: (code: number) => void) => Promise<number>) => {
+  /**
+   * `uses`: the folders the command reads; one given explicitly must exist. `run`, `crontab` and
+   * `cron` read only the jobs folder (a crontab line carries --migrations-dir through unread).
+   */
+  const runWithSession = async (
+    fn: (g: GlobalOptions, log: Logger, session: Session, force: (code: number) => void) => Promise<number>,
+    uses: ReadonlyArray<'jobs' | 'migrations'> = ['jobs', 'migrations'],
+  ) => {
     const g = globals();
     const log = createLogger(g.logLevel);
     const session = new Session();
@@ -215,6 +223,13 @@ export function buildProgram(state: { exitCode: number }): Command {
       process.exit(code);
     };
     try {
+      await checkJobFolders(
+        [
+          { flag: '--jobs-dir' as const, dir: g.jobsDir, explicit: program.getOptionValueSource('jobsDir') === 'cli', what: 'jobs' as const },
+          { flag: '--migrations-dir' as const, dir: g.migrationsDir, explicit: program.getOptionValueSource('migrationsDir') === 'cli', what: 'migrations' as const },
+        ].filter((f) => uses.includes(f.what)),
+        log,
+      );
       state.exitCode = await fn(g, log, session, (code) => void finish(code, 2_000));
     } catch (err) {
       state.exitCode = exitCodeOf(err);
@@ -253,7 +268,7 @@ export function buildProgram(state: { exitCode: number }): Command {
       runWithSession(async (g, log, session, force) => {
         const params = parseParams(o.params, o.param);
         if (o.key !== undefined && (o.key.length === 0 || o.key.length > 200)) throw new UsageError('invalidKey', '--key must be 1 to 200 characters');
-        const job = await findJob(g.jobsDir, name);
+        const job = await findJob(g.jobsDir, name, { migrationsDir: g.migrationsDir });
         // Bad params are refused before any connection: nothing, not even idem's schema, is created.
         await validateParams(job, params);
         // A scheduled job run without --key is the run of its most recent due slot: cron firing
@@ -299,7 +314,7 @@ export function buildProgram(state: { exitCode: number }): Command {
           process.stdout.write(o.json ? `${JSON.stringify(outcome)}\n` : `${describeOutcome(outcome)}\n`);
         }
         return ExitCode.Ok;
-      }),
+      }, ['jobs']),
     );
 
   withHealthFlags(program
@@ -338,7 +353,7 @@ export function buildProgram(state: { exitCode: number }): Command {
         else if (outcomes.length === 0) process.stdout.write(`no migrations in ${g.migrationsDir}/\n`);
         else for (const out of outcomes) process.stdout.write(`${out.runKey}: ${describeOutcome(out)}\n`);
         return ExitCode.Ok;
-      }),
+      }, ['migrations']),
     );
 
   withHealthFlags(program
@@ -403,6 +418,7 @@ export function buildProgram(state: { exitCode: number }): Command {
     .action((job: string | undefined, o: { json?: boolean; limit: number }) =>
       runWithSession(async (g, log, session) => {
         const runner = await openRunner(g, log, session);
+        if (job !== undefined) await assertKnownJob(runner, job, g);
         const rows = await runner.status(job, o.limit);
         process.stdout.write(o.json ? `${JSON.stringify(rows)}\n` : `${formatStatus(rows)}\n`);
         return ExitCode.Ok;
@@ -430,7 +446,7 @@ export function buildProgram(state: { exitCode: number }): Command {
         const flags = identity.map(shellQuote).map((w) => ` ${w}`).join('');
         process.stdout.write(renderCrontab(entries, { cwd: process.cwd(), command: `${o.command}${flags}`, ...(o.logFile ? { logFile: o.logFile } : {}), ...(o.catchUp ? { catchUp: o.catchUp } : {}) }));
         return ExitCode.Ok;
-      }),
+      }, ['jobs']),
     );
 
   program
@@ -459,7 +475,7 @@ export function buildProgram(state: { exitCode: number }): Command {
         });
         const reason = signals.stop.reason;
         return reason instanceof InterruptedError ? reason.exitCode : ExitCode.Ok;
-      }),
+      }, ['jobs']),
     );
 
   const control = (name: 'pause' | 'resume' | 'cancel', description: string) =>
@@ -472,6 +488,7 @@ export function buildProgram(state: { exitCode: number }): Command {
       .action((job: string, o: { key?: string; json?: boolean }) =>
         runWithSession(async (g, log, session) => {
           const runner = await openRunner(g, log, session);
+          await assertKnownJob(runner, job, g);
           const r = await runner[name](job, o.key);
           const how = r.live ? `requested: the live run stops at its next chunk boundary` : `now ${r.status}`;
           process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `${name}: run ${r.runKey} of job "${r.job}" ${how}\n`);
@@ -490,6 +507,7 @@ export function buildProgram(state: { exitCode: number }): Command {
     .action((job: string, o: { key: string }) =>
       runWithSession(async (g, log, session) => {
         const runner = await openRunner(g, log, session);
+        await assertKnownJob(runner, job, g);
         const r = await runner.reset(job, o.key);
         process.stdout.write(`reset: forgot run ${o.key} of job "${job}" (${r.chunks} chunk markers, ${r.effects} effects)\n`);
         return ExitCode.Ok;
@@ -508,7 +526,7 @@ export function buildProgram(state: { exitCode: number }): Command {
         const r = await runner.prune(ms);
         process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `prune: removed ${r.runs} runs, ${r.steps} steps, ${r.chunks} chunk markers, ${r.effects} effects older than ${o.olderThan}\n`);
         return ExitCode.Ok;
-      }),
+      }, []),
     );
 
   return program;

@@ -2,8 +2,10 @@ import { readdir, stat } from 'node:fs/promises';
 import path from 'node:path';
 import { pathToFileURL } from 'node:url';
 import { recordJobFile } from './code-fingerprint.ts';
-import { UsageError } from './errors.ts';
+import { messageOf, UsageError } from './errors.ts';
 import { assertJob, type Job } from './job.ts';
+import { explainLoadError, formatLoadFailure } from './load-error.ts';
+import { quoteChoices, suggestSimilar } from './suggest.ts';
 
 const JOB_FILE = /^(?!_)(?!.*\.d\.[cm]?ts$)(?!.*\.test\.).*\.(?:[cm]?ts|[cm]?js)$/;
 
@@ -33,7 +35,10 @@ export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Prom
     try {
       mod = (await import(pathToFileURL(file).href)) as Record<string, unknown>;
     } catch (err) {
-      throw new UsageError('jobLoadFailed', `cannot load ${what} file ${path.relative(process.cwd(), file)}: ${(err as Error).message?.split('\n')[0]}; fix the file`, { cause: err });
+      // The first line says what and where; the source line with a caret follows it.
+      // Explaining must never hide the error it explains.
+      const failure = await explainLoadError(file, err).catch(() => ({ cause: messageOf(err), fix: 'fix the file' }));
+      throw new UsageError('jobLoadFailed', formatLoadFailure(what, file, failure), { cause: err });
     }
     const job = assertJob(mod.default ?? mod.job, path.relative(process.cwd(), file));
     const other = byName.get(job.name);
@@ -45,11 +50,29 @@ export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Prom
   return loaded;
 }
 
-/** Finds a job by name among the folder's job files; an unknown name lists the known ones. */
-export async function findJob(dir: string, name: string): Promise<Job> {
+/**
+ * Finds a job by name among the folder's job files. An unknown name suggests the closest known
+ * ones; a migration's name says to use `idem migrate` (when the migrations folder is given).
+ */
+export async function findJob(dir: string, name: string, opts: { readonly migrationsDir?: string } = {}): Promise<Job> {
   const all = await loadJobDir(dir, 'jobs');
   const hit = all.find((j) => j.job.name === name);
   if (hit) return hit.job;
-  const known = all.map((j) => j.job.name).join(', ') || 'none';
-  throw new UsageError('unknownJob', `unknown job "${name}": no file in ${dir}/ defines it (known jobs: ${known}); check the name or --jobs-dir`);
+  if (opts.migrationsDir !== undefined) {
+    // Only to word the refusal: a migrations folder that does not load says nothing here.
+    const migrations = await loadJobDir(opts.migrationsDir, 'migrations').catch(() => []);
+    if (migrations.some((m) => m.job.name === name || m.id === name)) {
+      throw new UsageError('notAJob', `'${name}' is a migration in ${opts.migrationsDir}/, not a job; run it with idem migrate`);
+    }
+  }
+  throw unknownJobError(name, all.map((j) => j.job.name), [dir]);
+}
+
+/** `no job named 'x'; did you mean 'y'?`, or the known names when none is close. */
+export function unknownJobError(name: string, known: Iterable<string>, dirs: readonly string[]): UsageError {
+  const names = [...new Set(known)].sort();
+  const similar = suggestSimilar(name, names);
+  if (similar.length > 0) return new UsageError('unknownJob', `no job named '${name}'; did you mean ${quoteChoices(similar)}?`);
+  const where = dirs.map((d) => `${d}/`).join(' or ');
+  return new UsageError('unknownJob', `no job named '${name}' in ${where} (known: ${names.join(', ') || 'none'}); check the name or --jobs-dir`);
 }

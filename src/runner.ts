@@ -98,6 +98,16 @@ export interface RunOutcome {
   readonly plan?: { readonly state: string; readonly steps: ReadonlyArray<{ readonly name: string; readonly chunked: boolean }> };
 }
 
+/** One process working a run. */
+export interface RunWorker {
+  /** `host:pid` of the process. */
+  readonly worker: string;
+  /** Chunks it committed in the run's current attempt. */
+  readonly chunks: number;
+  /** Chunks per second it committed over the last minute. */
+  readonly rate: number;
+}
+
 /** A run's state as `idem status` reports it. */
 export interface RunStatusRow {
   readonly job: string;
@@ -129,6 +139,8 @@ export interface RunStatusRow {
   readonly codeChanges: ReadonlyArray<{ readonly from: string; readonly to: string; readonly attempt: number; readonly at: string }>;
   /** Why the live run waits for the database's health, and since when; else null. */
   readonly healthPause: { readonly reason: string; readonly since: string } | null;
+  /** The processes working the run now (one, or several with `--join`): chunks each committed in this attempt, and chunks/s over the last minute. */
+  readonly workers: ReadonlyArray<RunWorker>;
 }
 
 /**
@@ -351,7 +363,11 @@ export class Runner {
       this.store.control(runId).then(
         ({ requested, status, error }) => {
           if (control.signal.aborted) return;
-          if (requested) control.abort(new ControlRequest(requested));
+          if (requested) {
+            // Logged when seen, so an operator (and a test) can tell the request has reached the run.
+            log.warn({ requested }, `${requested} requested by an operator; no new chunk starts, in-flight chunks finish`);
+            control.abort(new ControlRequest(requested));
+          }
           // Another worker on this run failed it: this one stops too, and records nothing.
           else if (status === 'failed') control.abort(new FailedElsewhere(error?.message ?? 'unknown error'));
         },
@@ -487,6 +503,8 @@ export class Runner {
       order by r.created_at desc, r.id desc limit ${limit}`.execute(this.db);
     const held = await this.heldLocks();
     const skippedByRun = new Map<string, RunStatusRow['skipped']>();
+    const workersByRun = new Map<string, RunWorker[]>();
+    for (const r of rows) if (r.status === 'running') workersByRun.set(String(r.id), await this.#workers(String(r.id), Number(r.attempt)));
     for (const r of rows) if (r.has_skipped) skippedByRun.set(String(r.id), await this.store.skippedChunks(String(r.id)));
     return rows.map((r) => {
       const state = r.status === 'running' ? (runIsLive(r, held, this.#ops()) ? 'running' : 'crashed') : r.status;
@@ -508,6 +526,7 @@ export class Runner {
         error: r.error,
         summary: r.summary,
         skipped: skippedByRun.get(String(r.id)) ?? [],
+        workers: state === 'running' ? (workersByRun.get(String(r.id)) ?? []) : [],
         throughput: rate === null ? null : Math.round(rate * 100) / 100,
         estimatedChunks: estimated,
         etaSeconds: rate && estimated !== null ? Math.max(0, Math.round((estimated - r.chunks_done) / rate)) : null,
@@ -516,6 +535,27 @@ export class Runner {
         healthPause: state === 'running' ? (r.health_pause ?? null) : null,
       };
     });
+  }
+
+  /**
+   * Live workers of a run: the sessions holding the run's own lock, named `idem-lock host:pid`
+   * (a run of an older idem, or under idem migrate, shows its one lock holder by the run row).
+   */
+  async #workers(runId: string, attempt: number): Promise<RunWorker[]> {
+    const key = lockKey(this.runLockName(runId));
+    const { rows } = await sql<{ worker: string; chunks: number; last_minute: number }>`
+      with live as (
+        select distinct substr(a.application_name, length('idem-lock ') + 1) as worker
+        from pg_locks l join pg_stat_activity a on a.pid = l.pid
+        where l.locktype = 'advisory' and l.granted and l.objsubid = 1
+          and l.database = (select oid from pg_database where datname = current_database())
+          and ((l.classid::bigint << 32) | l.objid::bigint) = ${key}::bigint and a.application_name like 'idem-lock %'
+      )
+      select live.worker,
+        (select count(*) from ${sql.id(this.schema, 'chunks')} c where c.run_id = ${runId} and c.done_attempt = ${attempt} and c.done_by = live.worker)::int as chunks,
+        (select count(*) from ${sql.id(this.schema, 'chunks')} c where c.run_id = ${runId} and c.done_by = live.worker and c.done_at > now() - interval '60 seconds')::int as last_minute
+      from live order by live.worker`.execute(this.db);
+    return rows.map((r) => ({ worker: r.worker, chunks: r.chunks, rate: Math.round((r.last_minute / 60) * 100) / 100 }));
   }
 
   /** The session advisory locks held in this database right now. */

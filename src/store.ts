@@ -1,4 +1,5 @@
 import { sql, type Kysely, type QueryResult, type RawBuilder, type Transaction } from 'kysely';
+import { hostname } from 'node:os';
 import pg from 'pg';
 import { deferredClaim, deferredMarker, registerMarkerStatement } from './marker-at-commit.ts';
 import { retrying } from './retry.ts';
@@ -44,6 +45,9 @@ export interface PendingChunk {
   key: string;
   spec: ChunkSpec;
 }
+
+/** This process as a worker: `host:pid`, on its chunk markers and its lock session's name. */
+export const WORKER = `${hostname()}:${process.pid}`;
 
 /** Where an attempt (or a worker's share of it) starts. */
 export interface AttemptStart {
@@ -117,7 +121,8 @@ export class Store {
     this.#markerName = `idem_marker_${schema.toLowerCase()}`;
     this.#markerPrepare = `prepare ${this.#markerName}(bigint, integer, text, integer, text, integer) as
       with m as (
-        update "${schema}"."chunks" set done_at = clock_timestamp(), done_attempt = $2, duration_ms = $6, error = null
+        update "${schema}"."chunks" set done_at = clock_timestamp(), done_attempt = $2, duration_ms = $6, error = null,
+          done_by = ${pg.Client.prototype.escapeLiteral(WORKER)}
         where run_id = $1 and step = $3 and seq = $4 and key = $5 and done_at is null
           and exists (select 1 from "${schema}"."runs" where id = $1 and attempt = $2 for share)
         returning 1)
@@ -273,7 +278,7 @@ export class Store {
    */
   async markChunkDone(trx: Transaction<any>, runId: string, attempt: number, step: string, seq: number, key: string, durationMs: number): Promise<boolean> {
     const { rows } = await sql`
-      update ${this.#chunks} set done_at = clock_timestamp(), done_attempt = ${attempt}, duration_ms = ${durationMs}, error = null
+      update ${this.#chunks} set done_at = clock_timestamp(), done_attempt = ${attempt}, duration_ms = ${durationMs}, error = null, done_by = ${WORKER}
       where run_id = ${runId} and step = ${step} and seq = ${seq} and key = ${key} and done_at is null
         and exists (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt} for share)
       returning 1`.execute(trx);

@@ -1,5 +1,5 @@
 import { afterAll, beforeAll, expect, it } from 'vitest';
-import { runChaos, summaryLine } from './chaos/chaos.ts';
+import { chaosFailures, minMultiAttemptEpisodes, runChaos, summaryLine } from './chaos/chaos.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 
 // The small chaos round inside `npm test`; `npm run chaos` runs 200 rounds. CHAOS_SEED replays one.
@@ -12,14 +12,10 @@ beforeAll(async () => {
 });
 afterAll(() => db?.drop());
 
-it(`random kills, killed backends and overlapping runs converge on a clean run's state (seed ${seed})`, async () => {
+it(`random kills, killed backends and overlapping runs converge on the oracle's state (seed ${seed})`, async () => {
   const stats = await runChaos({ databaseUrl: db.url, rounds, seed });
   console.log(summaryLine(stats));
-  expect(stats.unexpectedExits).toEqual([]);
+  // Every check at once, so a failure names all of them (and the seed, in the test's name).
+  expect(chaosFailures(stats, minMultiAttemptEpisodes(rounds))).toEqual([]);
   expect(stats.episodes).toBeGreaterThanOrEqual(1);
-  expect(stats.kills + stats.terminations).toBeGreaterThan(0);
-  expect(stats.divergent).toBe(0);
-  expect(stats.duplicateCommits).toBe(0);
-  expect(stats.missingCommits).toBe(0);
-  expect(stats.markerMismatches).toBe(0);
-}, 300_000);
+}, 600_000);

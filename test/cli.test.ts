@@ -1,6 +1,8 @@
+import { fileURLToPath } from 'node:url';
 import pg from 'pg';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { Runner } from '../src/index.ts';
+import counted from './fixtures/jobs/counted.ts';
 import { lockKey } from '../src/fingerprint.ts';
 import { createFixtureTables } from './fixtures/tables.ts';
 import {
@@ -18,6 +20,8 @@ import {
 } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 
+const MORE_JOBS = fileURLToPath(new URL('./fixtures/more-jobs', import.meta.url));
+
 let database: TestDatabase;
 let url: string;
 
@@ -28,6 +32,9 @@ beforeAll(async () => {
   // Create idem's schema up front, so "changes nothing" compares real tables from the first test on.
   await (await Runner.connect({ connectionString: url })).close();
 });
+
+// A test that failed before its own cleanup must not make the next test's chunks fail.
+afterEach(() => query(url, 'delete from fail_chunks'));
 
 afterAll(async () => {
   await killLeftovers();
@@ -63,7 +70,7 @@ describe('idem run', () => {
   it('an unknown job exits 2 naming the known jobs, and changes nothing', async () => {
     const before = await snapshot(url, ALL_TABLES);
     const r = await idem(['run', 'nope']);
-    expectOneLineError(r, 2, /unknown job "nope": no file in .* defines it \(known jobs: counted, ranged\); check the name or --jobs-dir/);
+    expectOneLineError(r, 2, /no job named 'nope' in .*\/ \(known: counted, ranged\); check the name or --jobs-dir/);
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
   });
 
@@ -175,9 +182,38 @@ describe('idem run', () => {
     }
   });
 
-  it('a job file that cannot be loaded exits 2 naming the file', async () => {
+  it('--dry-run prints the run\'s state and steps, exits 0 and writes nothing', async () => {
+    const before = await snapshot(url, ALL_TABLES);
+    const r = await idem(['run', 'counted', '--params', '{"chunks":2}', '--key', 'cli-dry', '--dry-run']);
+    expect(r.code, r.stderr).toBe(0);
+    expect(r.stdout).toBe('dry run: job "counted" run key cli-dry is new; steps: prepare, work (chunked), finish; nothing was written\n');
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+    expect(await runRow(url, 'counted', 'cli-dry')).toBeUndefined();
+  });
+
+  it('--retry-skipped runs the chunks a step skipped under maxFailedChunks, also in a succeeded run', async () => {
+    const skippy = (extra: string[] = []) => runCli(['--jobs-dir', MORE_JOBS, 'run', 'skippy', '--key', 'cli-skips', ...extra], { url });
+    await query(url, `insert into fail_chunks (chunk_key) values ('c0002'), ('c0004')`);
+    const first = await skippy();
+    expect(first.code, first.stderr).toBe(0);
+    expect(first.stdout).toContain('5 chunks in 1 step (2 skipped: see idem status, retry with --retry-skipped)');
+    expect([...(await workCounts(url, 'cli-skips')).keys()]).toEqual(['c0001', 'c0003', 'c0005']);
+    // A plain rerun is a no-op: skipped chunks wait for an explicit retry.
+    await query(url, 'delete from fail_chunks');
+    const plain = await skippy(['--json']);
+    expect(JSON.parse(plain.stdout)).toMatchObject({ status: 'already-succeeded', executed: 0 });
+    const retried = await skippy(['--retry-skipped', '--json']);
+    expect(retried.code, retried.stderr).toBe(0);
+    expect(JSON.parse(retried.stdout)).toMatchObject({ status: 'succeeded', attempt: 2, executed: 2, summary: { skipped: 0 } });
+    expect(await workCounts(url, 'cli-skips')).toEqual(new Map(['c0001', 'c0002', 'c0003', 'c0004', 'c0005'].map((k) => [k, 1])));
+  });
+
+  it('a job file that cannot be loaded exits 2 naming the file, line and column, then the source line', async () => {
     const r = await runCli(['--jobs-dir', BROKEN_JOBS, 'run', 'counted'], { url });
-    expectOneLineError(r, 2, /cannot load jobs file .*does-not-compile\.js: .*; fix the file/);
+    expect({ code: r.code, stdout: r.stdout }).toEqual({ code: 2, stdout: '' });
+    // One line that says it all, then the offending line (here: the end of the file) with a caret.
+    expect(lines(r.stderr)[0]).toBe('idem: error: cannot load jobs file test/fixtures/broken-jobs/does-not-compile.js:6:1: syntax error: Expected identifier but found end of file; fix the file');
+    expect(lines(r.stderr)).toHaveLength(3);
   });
 
   it('never logs the database password, even at trace level', async () => {
@@ -208,12 +244,24 @@ describe('idem help, status and list', () => {
   });
 
   it('status --json prints parseable runs with progress and state', async () => {
+    // Its own runs: one succeeded at once, one that failed and was resumed (attempt 2).
+    const runner = await Runner.connect({ connectionString: url });
+    try {
+      await runner.run(counted, { params: { chunks: 3 }, key: 'st-ok' });
+      await query(url, `insert into fail_chunks (chunk_key) values ('c0002')`);
+      await runner.run(counted, { params: { chunks: 3 }, key: 'st-resumed' }).catch(() => {});
+      await query(url, `delete from fail_chunks`);
+      await runner.run(counted, { params: { chunks: 3 }, key: 'st-resumed' });
+    } finally {
+      await query(url, `delete from fail_chunks`);
+      await runner.close();
+    }
     const r = await idem(['status', '--json']);
     expect(r.code, r.stderr).toBe(0);
     const rows = JSON.parse(r.stdout) as Array<Record<string, unknown>>;
     expect(Array.isArray(rows)).toBe(true);
-    expect(rows.find((x) => x.runKey === 'cli-ok')).toMatchObject({ job: 'counted', state: 'succeeded', attempt: 1, chunksDone: 5, chunksPlanned: 5, fullyPlanned: true });
-    expect(rows.find((x) => x.runKey === 'cli-fail')).toMatchObject({ state: 'succeeded', attempt: 2 });
+    expect(rows.find((x) => x.runKey === 'st-ok')).toMatchObject({ job: 'counted', state: 'succeeded', attempt: 1, chunksDone: 5, chunksPlanned: 5, fullyPlanned: true });
+    expect(rows.find((x) => x.runKey === 'st-resumed')).toMatchObject({ job: 'counted', state: 'succeeded', attempt: 2, chunksDone: 5 });
 
     const filtered = await idem(['status', 'ranged', '--json']);
     expect(filtered.code).toBe(0);
@@ -224,6 +272,13 @@ describe('idem help, status and list', () => {
   });
 
   it('list --json shows the fixture jobs and migrations with their latest state', async () => {
+    // counted's latest run is this one, whatever other tests ran before.
+    const runner = await Runner.connect({ connectionString: url });
+    try {
+      await runner.run(counted, { params: { chunks: 1 }, key: 'list-latest' });
+    } finally {
+      await runner.close();
+    }
     const r = await idem(['list', '--json']);
     expect(r.code, r.stderr).toBe(0);
     expect(JSON.parse(r.stdout)).toEqual([

@@ -2,7 +2,7 @@ import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { Runner } from '../src/index.ts';
 import counted, { chunkKey } from './fixtures/jobs/counted.ts';
 import { createFixtureTables } from './fixtures/tables.ts';
-import { chunkRows, endState, FIXTURE_DIRS, killLeftovers, lines, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { chunkRows, endState, expectFaultCrash, expectKilled, FIXTURE_DIRS, holdGate, killLeftovers, lines, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 
 let database: TestDatabase;
@@ -58,8 +58,7 @@ describe('a run killed with SIGKILL', () => {
     const proc = run('crash');
     await waitFor(async () => (await doneKeys('crash')).length >= 5, 'five chunks to be done', { timeoutMs: 60_000 });
     proc.child.kill('SIGKILL');
-    const killed = await proc.done;
-    expect(killed.signal).toBe('SIGKILL');
+    expectKilled(await proc.done);
     await settled();
 
     const done = await doneKeys('crash');
@@ -90,30 +89,54 @@ describe('a run killed with SIGKILL', () => {
   }, 120_000);
 });
 
-describe('a run stopped with SIGTERM', () => {
-  it('lets the in-flight chunk finish, exits 143 as interrupted, and the same command resumes', async () => {
-    const proc = run('term');
-    await waitFor(async () => (await doneKeys('term')).length >= 3, 'three chunks to be done', { timeoutMs: 60_000 });
-    const signalledAt = Date.now();
-    proc.child.kill('SIGTERM');
+describe('a run stopped with one SIGTERM or SIGINT', () => {
+  it.each([
+    ['SIGTERM', 143],
+    ['SIGINT', 130],
+  ] as const)('%s: the chunk in flight commits, no new one starts, exit %i as interrupted, and the same command resumes', async (sig, exitCode) => {
+    const key = `stop-${sig}`;
+    const gate = `gate-${sig}`;
+    const params = { ...PARAMS, gate };
+    // The gate row exists from the start, so every chunk takes it (for share) while it runs.
+    await query(url, 'insert into gates (name) values ($1) on conflict do nothing', [gate]);
+    const proc = run(key, params);
+    let inFlight: string;
+    let doneBefore: string[];
+    await waitFor(async () => (await doneKeys(key)).length >= 3, 'three chunks to be done', { timeoutMs: 60_000 });
+    // Taking the gate waits for the chunk that holds it to commit; the next chunk then blocks on
+    // it, so exactly one chunk is in flight (concurrency 1) when the signal arrives.
+    const held = await holdGate(url, gate);
+    try {
+      await waitFor(async () => (await query(url, `select 1 from pg_stat_activity where datname = current_database() and application_name = 'idem' and wait_event_type = 'Lock'`)).length > 0, 'a chunk blocked at the gate');
+      doneBefore = await doneKeys(key);
+      inFlight = chunkKey(doneBefore.length + 1);
+      expect(doneBefore).toEqual(Array.from({ length: doneBefore.length }, (_, i) => chunkKey(i + 1)));
+      proc.child.kill(sig);
+      // The process has handled the signal (stop requested) while its chunk is still in flight.
+      await waitFor(async () => proc.stderr().includes('stopping: no new chunks'), 'the process to log that it is stopping');
+      expect(await doneKeys(key)).toEqual(doneBefore);
+    } finally {
+      await held.release();
+    }
     const stopped = await proc.done;
-    expect(stopped.code, stopped.stderr).toBe(143);
-    expect(stopped.endedAt - signalledAt).toBeLessThan(5_000);
+    expect(stopped.timedOut, stopped.stderr).toBe(false);
+    expect(stopped.code, stopped.stderr).toBe(exitCode);
     expect(lines(stopped.stderr).filter((l) => l.startsWith('idem: error:'))).toEqual([
-      'idem: error: interrupted by SIGTERM; finished chunks are kept, run the same command again to resume',
+      `idem: error: interrupted by ${sig}; finished chunks are kept, run the same command again to resume`,
     ]);
+    // It stopped because the chunk finished, not because the shutdown deadline aborted it.
+    expect(stopped.stderr).not.toContain('shutdown deadline passed');
     await settled();
-    const done = await doneKeys('term');
-    expect(done.length).toBeGreaterThanOrEqual(3);
-    expect(done.length).toBeLessThan(CHUNKS);
-    expect(await workCounts(url, 'term')).toEqual(new Map(done.map((k) => [k, 1])));
-    expect(await runRow(url, 'counted', 'term')).toMatchObject({ status: 'interrupted', attempt: 1, holder: null });
+    // The chunk in flight when the signal arrived committed, work and marker; nothing after it started.
+    expect(await doneKeys(key)).toEqual([...doneBefore, inFlight]);
+    expect(await workCounts(url, key)).toEqual(new Map([...doneBefore, inFlight].map((k) => [k, 1])));
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'interrupted', attempt: 1, holder: null });
 
-    const rerun = await run('term').done;
+    const rerun = await run(key, params).done;
     expect(rerun.code, rerun.stderr).toBe(0);
-    expect(await runRow(url, 'counted', 'term')).toMatchObject({ status: 'succeeded', attempt: 2 });
-    expect(await workCounts(url, 'term')).toEqual(ones(CHUNKS));
-  });
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'succeeded', attempt: 2 });
+    expect(await workCounts(url, key)).toEqual(ones(CHUNKS));
+  }, 120_000);
 });
 
 describe('a crash at a protocol boundary (IDEM_FAULT)', () => {
@@ -125,8 +148,7 @@ describe('a crash at a protocol boundary (IDEM_FAULT)', () => {
     const key = `fault-${point}`;
     const params = { chunks: 5, label: key };
     const crashed = await run(key, params, { IDEM_FAULT: `${point}:crash:3` }).done;
-    expect(crashed.signal).toBe('SIGKILL');
-    expect(crashed.stderr).toContain(`idem: fault injected at ${point} (crash)`);
+    expectFaultCrash(crashed, point);
     await settled();
     expect(await doneKeys(key)).toEqual(doneBeforeRerun);
     expect(await workCounts(url, key)).toEqual(new Map(doneBeforeRerun.map((k) => [k, 1])));
@@ -140,7 +162,7 @@ describe('a crash at a protocol boundary (IDEM_FAULT)', () => {
   it('before-finish: every step is done but the run is not marked; the rerun only marks it', async () => {
     const params = { chunks: 3, label: 'before-finish' };
     const crashed = await run('fault-before-finish', params, { IDEM_FAULT: 'before-finish:crash:1' }).done;
-    expect(crashed.signal).toBe('SIGKILL');
+    expectFaultCrash(crashed, 'before-finish');
     await settled();
     expect(await runRow(url, 'counted', 'fault-before-finish')).toMatchObject({ status: 'running', attempt: 1 });
     expect(await workCounts(url, 'fault-before-finish', 'finish')).toEqual(new Map([['step', 1]]));

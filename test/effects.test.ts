@@ -5,7 +5,7 @@ import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { exitCodeOf, RunFailedError, Runner } from '../src/index.ts';
 import notify, { NOTIFY_DDL, type NotifyResult } from './fixtures/effect-jobs/notify.ts';
 import { createFixtureTables, withClient } from './fixtures/tables.ts';
-import { killLeftovers, query, runCli, runRow, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { expectFaultCrash, expectKilled, killLeftovers, query, runCli, runRow, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 
 const EFFECT_JOBS = fileURLToPath(new URL('./fixtures/effect-jobs', import.meta.url));
@@ -198,7 +198,7 @@ describe('effect keys', () => {
     const first = spawnCli(args, { url });
     await waitFor(async () => deliveriesOf('fx-proc', 'c0002', 'notify').length === 1, 'the first process to hang in c0002');
     first.child.kill('SIGKILL');
-    expect((await first.done).signal).toBe('SIGKILL');
+    expectKilled(await first.done);
     const killed = await ledger('notify', 'fx-proc');
     expect(killed.get('c0002/notify')).toMatchObject({ status: 'started', tries: 1 });
     expect([...killed.keys()]).toEqual(['c0001/audit', 'c0001/notify', 'c0002/notify']);
@@ -284,8 +284,10 @@ describe('jobs/send-reservation-reminders', () => {
         expect(JSON.parse(r.stdout)).toMatchObject({ status: 'succeeded', job: 'send-reservation-reminders' });
       } else if (r.code === 1) {
         expect(r.stderr).toMatch(/receiver answered 500/);
+      } else if (crash) {
+        expectFaultCrash(r, 'after-work');
       } else {
-        expect(r.signal, `round ${round}: ${r.stderr}`).toBe('SIGKILL');
+        expectKilled(r);
       }
     }
     expect(succeeded, rounds.join(' ')).toBe(true);

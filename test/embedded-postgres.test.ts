@@ -4,7 +4,7 @@ import os from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import pg from 'pg';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { startEmbeddedPostgres, type EmbeddedServer } from '../src/embedded-postgres.ts';
 import { chownToPostgres } from './support/global-setup.ts';
 
@@ -43,10 +43,20 @@ const isRunning = (dataDir: string) => fs.access(path.join(dataDir, 'postmaster.
 const passwordOf = (url: string) => decodeURIComponent(new URL(url).password);
 
 describe('startEmbeddedPostgres', () => {
+  /**
+   * One initialised cluster the tests share (initdb once); every test starts it itself and leaves
+   * it stopped (afterEach), so no test depends on what an earlier one left running.
+   */
   let dataDir: string;
 
   beforeAll(async () => {
     dataDir = path.join(await freshStateDir(), 'pg');
+    await (await start(dataDir)).stop();
+  });
+
+  afterEach(async () => {
+    for (const server of servers.splice(0)) await server.stop().catch(() => undefined);
+    logs.length = 0;
   });
 
   afterAll(async () => {
@@ -56,12 +66,14 @@ describe('startEmbeddedPostgres', () => {
   });
 
   it('first start initialises a cluster, stores its credentials privately and answers queries', async () => {
-    const server = await start(dataDir);
+    const fresh = path.join(await freshStateDir(), 'pg');
+    const server = await start(fresh);
     expect(server.startedHere).toBe(true);
+    expect(logs.some((m) => m.includes('initialising embedded PostgreSQL'))).toBe(true);
     expect(server.url).toMatch(/^postgres:\/\/postgres:[0-9a-f]+@127\.0\.0\.1:\d+\/postgres$/);
     expect(new URL(server.url).port).not.toBe('5432');
     expect(await query(server.url, 'select 1 as one')).toEqual([{ one: 1 }]);
-    const connFile = path.join(path.dirname(dataDir), 'connection.json');
+    const connFile = path.join(path.dirname(fresh), 'connection.json');
     expect((await fs.stat(connFile)).mode & 0o777).toBe(0o600);
     const conn = JSON.parse(await fs.readFile(connFile, 'utf8'));
     expect(conn).toMatchObject({ user: 'postgres', password: passwordOf(server.url), port: Number(new URL(server.url).port) });
@@ -69,7 +81,8 @@ describe('startEmbeddedPostgres', () => {
   });
 
   it('a second start while the server runs joins it instead of starting another', async () => {
-    const first = servers[0]!;
+    const first = await start(dataDir);
+    expect(first.startedHere).toBe(true);
     const second = await start(dataDir);
     expect(second.startedHere).toBe(false);
     expect(second.url).toBe(first.url);
@@ -80,7 +93,8 @@ describe('startEmbeddedPostgres', () => {
   });
 
   it('release() while another client is connected leaves the server running', async () => {
-    const [first, second] = servers as [EmbeddedServer, EmbeddedServer];
+    const first = await start(dataDir);
+    const second = await start(dataDir);
     const other = new pg.Client({ connectionString: first.url });
     await other.connect();
     try {
@@ -96,8 +110,11 @@ describe('startEmbeddedPostgres', () => {
   });
 
   it('release() as the last client stops the server', async () => {
+    const first = await start(dataDir);
     const server = await start(dataDir);
     expect(server.startedHere).toBe(false);
+    await first.release();
+    expect(await isRunning(dataDir)).toBe(true); // the other handle is still connected
     await server.release();
     expect(await isRunning(dataDir)).toBe(false);
     await expect(query(server.url, 'select 1')).rejects.toMatchObject({ code: 'ECONNREFUSED' });
@@ -109,7 +126,7 @@ describe('startEmbeddedPostgres', () => {
   it('a restart reuses the data of the previous one', async () => {
     const before = await start(dataDir);
     expect(before.startedHere).toBe(true);
-    await query(before.url, 'create table kept (id int primary key); insert into kept values (42)');
+    await query(before.url, 'create table if not exists kept (id int primary key); insert into kept values (42) on conflict do nothing');
     await before.stop();
     expect(await isRunning(dataDir)).toBe(false);
 
@@ -120,19 +137,23 @@ describe('startEmbeddedPostgres', () => {
   });
 
   it('a start racing the last release ends with a running server', async () => {
-    const leaving = servers.at(-1)!;
+    const leaving = await start(dataDir);
     const [, joining] = await Promise.all([leaving.release(), start(dataDir)]);
     expect(await isRunning(dataDir)).toBe(true);
-    expect(await query(joining.url, 'select id from kept')).toEqual([{ id: 42 }]);
+    expect(await query(joining.url, 'select 3 as three')).toEqual([{ three: 3 }]);
     await joining.release();
     expect(await isRunning(dataDir)).toBe(false);
   });
 
-  it('never passes the password to onLog', () => {
-    const passwords = new Set(servers.map((s) => passwordOf(s.url)));
-    expect(passwords.size).toBe(1);
-    const password = [...passwords][0]!;
+  it('never passes the password to onLog', async () => {
+    const first = await start(dataDir);
+    const second = await start(dataDir);
+    await second.release();
+    await first.release();
+    const password = passwordOf(first.url);
     expect(logs.some((m) => m.includes('started on 127.0.0.1:'))).toBe(true);
+    expect(logs.some((m) => m.includes('already running on 127.0.0.1:'))).toBe(true);
+    expect(logs.some((m) => m.includes('stopped'))).toBe(true);
     expect(logs.filter((m) => m.includes(password))).toEqual([]);
     expect(logs.filter((m) => m.includes('\n'))).toEqual([]);
   });

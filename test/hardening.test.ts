@@ -200,7 +200,7 @@ describe('the rest the review found (item 6)', () => {
     })();
     expect(exitCodeOf(err)).toBe(2);
     expect(err?.message).toBe(
-      'defineJob(): invalid job definition: retry: attempts must be an integer >= 1 (got 0); steps[1].throttle: maxRate must be a number > 0 (got 0); steps[1].retry: factor must be a number >= 1 (got 0.5)',
+      'defineJob(): invalid job definition: retry: attempts must be an integer >= 1 (got 0); steps[1].throttle: maxRate must be > 0 (got 0); steps[1].retry: factor must be a number >= 1 (got 0.5)',
     );
   });
 

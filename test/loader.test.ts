@@ -48,6 +48,16 @@ describe('loading job folders', () => {
     expect((err as Error).message).toMatch(/bad\.ts: invalid job definition: name must match .*; steps must be a non-empty array/);
   });
 
+  it('an invalid defineJob() at load time points at the line in the job file, not inside idem', async () => {
+    const d = await folder('bad-define', {
+      'bad-define.ts': `import { defineJob } from ${JSON.stringify(INDEX)};\nexport default defineJob({ name: 'has space', steps: [] });\n`,
+    });
+    const err = await loadJobDir(d, 'jobs').catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(UsageError);
+    expect((err as Error).message.split('\n')[0]).toMatch(/bad-define\.ts:2:\d+: defineJob\(\): invalid job definition: name must match .*; fix the file$/);
+    expect((err as Error).message.split('\n')[1]).toBe(`    2 | export default defineJob({ name: 'has space', steps: [] });`);
+  });
+
   it('refuses two files that define the same job name', async () => {
     const job = `export default { name: 'twin', steps: [{ name: 's', run() {} }] };`;
     const d = await folder('twins', { 'a.ts': job, 'b.ts': job });
@@ -56,7 +66,8 @@ describe('loading job folders', () => {
 
   it('names the known jobs when asked for an unknown one; a missing folder has none', async () => {
     const d = await folder('known', { 'k.ts': `export default { name: 'known-one', steps: [{ name: 's', run() {} }] };` });
-    await expect(findJob(d, 'nope')).rejects.toThrow(/unknown job "nope".*known jobs: known-one/);
+    await expect(findJob(d, 'nope')).rejects.toThrow(/no job named 'nope' in .* \(known: known-one\)/);
+    await expect(findJob(d, 'known-on')).rejects.toThrow("no job named 'known-on'; did you mean 'known-one'?");
     expect(await loadJobDir(path.join(dir, 'does-not-exist'), 'jobs')).toEqual([]);
   });
 });

@@ -1,13 +1,8 @@
 import { spawn } from 'node:child_process';
-import { promises as fs } from 'node:fs';
-import os from 'node:os';
-import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { startEmbeddedPostgres, type EmbeddedServer } from '../src/embedded-postgres.ts';
 import { createFixtureTables } from './fixtures/tables.ts';
 import { BIN, FIXTURE_DIRS, query, REPO, runCli, waitFor } from './support/cli.ts';
-import { chownToPostgres } from './support/global-setup.ts';
-import { createNamespacedHost, netnsUnavailable, type NamespacedHost } from './support/netns.ts';
+import { createNamespacedHost, netnsUnavailable, startServerForHosts, type NamespacedHost } from './support/netns.ts';
 
 // Issue 8, item 4 (2): when a host vanishes, the server must see its sessions die so a successor
 // can take the run over. A user-space proxy cannot show that (its kernel answers the keepalives),
@@ -17,35 +12,22 @@ const unavailable = netnsUnavailable();
 if (unavailable) console.warn(`host-apart takeover test skipped: ${unavailable}`);
 
 let host: NamespacedHost;
-let server: EmbeddedServer;
-let dir: string;
+let server: Awaited<ReturnType<typeof startServerForHosts>>;
 let url: string;
 let nsUrl: string;
 
 beforeAll(async () => {
   if (unavailable) return;
   host = createNamespacedHost();
-  dir = await fs.mkdtemp(path.join(os.tmpdir(), 'idem-netns-'));
-  await chownToPostgres(dir);
-  const dataDir = path.join(dir, 'pg');
-  const first = await startEmbeddedPostgres({ dataDir });
-  await query(first.url, `alter system set listen_addresses = '127.0.0.1,${host.hostAddress}'`);
-  await fs.appendFile(path.join(dataDir, 'pg_hba.conf'), `\nhost all all ${host.nsAddress}/32 scram-sha-256\n`);
-  await first.stop();
-  server = await startEmbeddedPostgres({ dataDir });
-  await query(server.url, 'create database takeover');
-  const u = new URL(server.url);
-  u.pathname = '/takeover';
-  url = u.toString();
-  u.hostname = host.hostAddress;
-  nsUrl = u.toString();
+  server = await startServerForHosts([host], 'takeover');
+  url = server.url;
+  nsUrl = server.urlFor(host);
   await createFixtureTables(url);
 }, 120_000);
 
 afterAll(async () => {
   await server?.stop();
   host?.remove();
-  if (dir) await fs.rm(dir, { recursive: true, force: true });
 });
 
 describe.skipIf(unavailable !== null)('a host that vanishes mid-run', () => {

@@ -10,7 +10,7 @@ import counted, { chunkKey } from './fixtures/jobs/counted.ts';
 import ranged from './fixtures/jobs/ranged.ts';
 import sized, { SIZED_DDL, SIZED_NOMINAL } from './fixtures/sized-jobs/sized.ts';
 import { createFixtureTables, withClient } from './fixtures/tables.ts';
-import { chunkRows, FIXTURE_DIRS, holdGate, killLeftovers, query, runCli, runRow, sessions, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { chunkRows, expectFaultCrash, FIXTURE_DIRS, holdGate, killLeftovers, query, runCli, runRow, sessions, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 
 const SIZED_JOBS = fileURLToPath(new URL('./fixtures/sized-jobs', import.meta.url));
@@ -57,6 +57,11 @@ async function someoneBlocked(): Promise<void> {
   );
 }
 
+/** Waits until a live CLI run logs that it saw the operator's request (it polls every second). */
+async function requestSeen(child: ReturnType<typeof spawnCli>, what: 'pause' | 'cancel'): Promise<void> {
+  await waitFor(async () => child.stderr().includes(`${what} requested by an operator`), `the live run to see the ${what} request`);
+}
+
 const RUN_TABLES = ['idem.runs', 'idem.steps', 'idem.chunks', 'idem.effects', 'work_log', 'counted_state'] as const;
 
 describe('pause and resume', () => {
@@ -72,8 +77,8 @@ describe('pause and resume', () => {
       expect(paused.code, paused.stderr).toBe(0);
       expect(paused.stdout).toBe(`pause: run ${key} of job "counted" requested: the live run stops at its next chunk boundary\n`);
       expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'running', requested: 'pause' });
-      // The live run looks for requests every second; give it time to see this one before c0001 ends.
-      await sleep(2_500);
+      // The live run looks for requests every second: wait until it has seen this one, c0001 still in flight.
+      await requestSeen(child, 'pause');
     } finally {
       await gate.release();
     }
@@ -121,6 +126,38 @@ describe('pause and resume', () => {
   });
 });
 
+describe('pause, resume and cancel without --key', () => {
+  it('act on the latest run they apply to, as documented, and name the problem when there is none', async () => {
+    // The latest counted run that can be paused is nk-failed; a newer, succeeded run is not a target.
+    await query(url, `insert into fail_chunks values ('c0002', null, null)`);
+    await expect(runner.run(counted, { key: 'nk-failed', params: { chunks: 3 } })).rejects.toThrow(/injected failure/);
+    await query(url, 'delete from fail_chunks');
+    await runner.run(counted, { key: 'nk-done', params: { chunks: 1 } });
+
+    const paused = await idem(['pause', 'counted']);
+    expect([paused.code, paused.stdout], paused.stderr).toEqual([0, 'pause: run nk-failed of job "counted" now paused\n']);
+    expect(await runRow(url, 'counted', 'nk-failed')).toMatchObject({ status: 'paused' });
+    expect(await runRow(url, 'counted', 'nk-done')).toMatchObject({ status: 'succeeded' });
+
+    // resume: the latest paused run; it is then interrupted (resumable) until it runs again.
+    const resumed = await idem(['resume', 'counted']);
+    expect([resumed.code, resumed.stdout], resumed.stderr).toEqual([0, 'resume: run nk-failed of job "counted" now interrupted\n']);
+
+    // cancel: the latest run not finished (interrupted, paused, failed, pending or running).
+    const cancelled = await idem(['cancel', 'counted']);
+    expect([cancelled.code, cancelled.stdout], cancelled.stderr).toEqual([0, 'cancel: run nk-failed of job "counted" now cancelled\n']);
+    expect(await runRow(url, 'counted', 'nk-failed')).toMatchObject({ status: 'cancelled' });
+    expect(await runRow(url, 'counted', 'nk-done')).toMatchObject({ status: 'succeeded' });
+
+    // A job whose runs all succeeded has nothing to pause: exit 2, naming why, nothing changed.
+    await runner.run(ranged, { key: 'nk-ranged' });
+    const nothing = await idem(['pause', 'ranged']);
+    expect(nothing.code).toBe(2);
+    expect(nothing.stderr).toContain('job "ranged" has no run to pause');
+    expect(await runRow(url, 'ranged', 'nk-ranged')).toMatchObject({ status: 'succeeded' });
+  });
+});
+
 describe('cancel and reset', () => {
   it('cancelling a live run ends it with exit 1; reruns are refused until idem reset, after which it runs afresh', async () => {
     const key = 'op-cancel';
@@ -133,7 +170,7 @@ describe('cancel and reset', () => {
       const cancelled = await idem(['cancel', 'counted', '--key', key]);
       expect(cancelled.code, cancelled.stderr).toBe(0);
       expect(cancelled.stdout).toMatch('requested: the live run stops at its next chunk boundary');
-      await sleep(2_500);
+      await requestSeen(child, 'cancel');
     } finally {
       await gate.release();
     }
@@ -188,7 +225,7 @@ describe('cancel and reset', () => {
   it('reset forgets a crashed run (its process died; its row still says running)', async () => {
     const key = 'op-crashed';
     const crashed = await runCli(countedArgs(key, { chunks: 4 }), { url, env: { IDEM_FAULT: 'after-commit:crash:3' } });
-    expect(crashed.signal).toBe('SIGKILL');
+    expectFaultCrash(crashed, 'after-commit');
     // Postgres drops a dead process's lock with its session; wait for that, so only the row is left.
     await waitFor(async () => (await sessions(url, 'idem-lock')) === 0, 'the crashed lock session to end');
     expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'running' });
@@ -320,22 +357,41 @@ describe('throttling', () => {
   const doneTimes = async (job: string, key: string, step: string) =>
     (await chunkRows(url, job, key, step)).map((c) => (c.done_at as Date).getTime());
 
-  it('--max-rate 20 starts 20 chunks no faster than 20 a second', async () => {
-    const r = await runCli(countedArgs('op-rate20', { chunks: 20 }, ['--max-rate', '20']), { url });
+  /** Gaps in ms between consecutive chunk commits of one run's work step, in commit order. */
+  const gapsOf = async (key: string) => {
+    const times = (await doneTimes('counted', key, 'work')).sort((a, b) => a - b);
+    return times.slice(1).map((t, i) => t - times[i]!);
+  };
+  const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!;
+
+  it('--max-rate 5 starts chunks no faster than 5 a second: far slower than the same run unthrottled', async () => {
+    // The unthrottled run, in the same test, measures this machine now: a slow machine alone
+    // must not pass for a throttle.
+    const free = await runCli(countedArgs('op-rate-free', { chunks: 10 }), { url });
+    expect(free.code, free.stderr).toBe(0);
+    const r = await runCli(countedArgs('op-rate5', { chunks: 10 }, ['--max-rate', '5']), { url });
     expect(r.code, r.stderr).toBe(0);
-    const times = await doneTimes('counted', 'op-rate20', 'work');
-    expect(times).toHaveLength(20);
-    // 19 intervals of 50 ms between the first and the last start.
-    expect(Math.max(...times) - Math.min(...times)).toBeGreaterThanOrEqual(900);
+    const span = (gaps: number[]) => gaps.reduce((a, b) => a + b, 0);
+    const [throttled, unthrottled] = [await gapsOf('op-rate5'), await gapsOf('op-rate-free')];
+    expect(throttled).toHaveLength(9);
+    // 9 intervals of 200 ms between the first and the last start (commits follow starts) ...
+    expect(span(throttled)).toBeGreaterThanOrEqual(1_700);
+    // ... and the throttle, not the machine, made it slow.
+    expect(span(throttled)).toBeGreaterThanOrEqual(2 * span(unthrottled));
+    console.log(`--max-rate 5: 10 chunks over ${span(throttled)} ms; unthrottled ${span(unthrottled)} ms`);
   });
 
-  it('--pause 100 spaces the chunks of one worker at least 100 ms apart', async () => {
+  it('--pause 100 spaces the chunks of one worker at least 100 ms apart, 100 ms more than unthrottled', async () => {
+    const free = await runCli(countedArgs('op-pause-free', { chunks: 6 }, ['--concurrency', '1']), { url });
+    expect(free.code, free.stderr).toBe(0);
     const r = await runCli(countedArgs('op-pause100', { chunks: 6 }, ['--pause', '100', '--concurrency', '1']), { url });
     expect(r.code, r.stderr).toBe(0);
-    const times = (await doneTimes('counted', 'op-pause100', 'work')).sort((a, b) => a - b);
-    const gaps = times.slice(1).map((t, i) => t - times[i]!);
-    expect(gaps).toHaveLength(5);
-    expect(Math.min(...gaps)).toBeGreaterThanOrEqual(95);
+    const [paused, unpaused] = [await gapsOf('op-pause100'), await gapsOf('op-pause-free')];
+    expect(paused).toHaveLength(5);
+    expect(Math.min(...paused)).toBeGreaterThanOrEqual(95);
+    // The pause adds to the chunk's own time: the typical gap grew by about 100 ms.
+    expect(median(paused) - median(unpaused)).toBeGreaterThanOrEqual(80);
+    console.log(`--pause 100: gaps ${paused.join(', ')} ms; unthrottled ${unpaused.join(', ')} ms`);
   });
 
   it('--target-chunk-ms grows keyRange chunks that finish early and shrinks chunks that run long', async () => {

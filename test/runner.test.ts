@@ -1,5 +1,5 @@
 import pg from 'pg';
-import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { afterAll, afterEach, beforeAll, describe, expect, it, vi } from 'vitest';
 import { BusyError, defineJob, exitCodeOf, fingerprint, LockLostError, ParamsMismatchError, RunFailedError, Runner, sql, UsageError, type Json } from '../src/index.ts';
 import { lockKey } from '../src/fingerprint.ts';
 import counted, { chunkKey, maybeFail } from './fixtures/jobs/counted.ts';
@@ -18,6 +18,9 @@ beforeAll(async () => {
   await createFixtureTables(url);
   runner = await Runner.connect({ connectionString: url });
 });
+
+// A test that failed before its own cleanup must not make the next test's chunks fail.
+afterEach(() => query(url, 'delete from fail_chunks'));
 
 afterAll(async () => {
   await runner?.close();
@@ -64,7 +67,9 @@ describe('Runner.run', () => {
       expect(await workCounts(url, key, 'prepare')).toEqual(new Map([['step', 1]]));
       statementsOfRerun.push(statements);
     }
-    // One claim statement, whatever the run's size: no lock, no planning, no chunk scan.
+    // One claim statement, whatever the run's size: no lock, no planning, no chunk scan. The lower
+    // bound proves the spy counts (a spy on the wrong method would report 0).
+    expect(statementsOfRerun[0]).toBeGreaterThanOrEqual(1);
     expect(statementsOfRerun[0]).toBeLessThanOrEqual(2);
     expect(statementsOfRerun[1]).toBe(statementsOfRerun[0]);
   });
@@ -122,9 +127,14 @@ describe('Runner.run', () => {
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
   });
 
-  it('a failing chunk fails the run (exit 1) recording where and why; its work rolls back', async () => {
+  /** A run of 8 work chunks that fails for good at c0004 (the first test checks how). */
+  const failAtC0004 = async (key: string) => {
     await query(url, `insert into fail_chunks (chunk_key) values ('c0004')`);
-    const err = await rejectionOf(runner.run(counted, { params: { chunks: 8, label: 'fail' }, key: 'fail', planWindow: 3 }));
+    return rejectionOf(runner.run(counted, { params: { chunks: 8, label: 'fail' }, key, planWindow: 3 }));
+  };
+
+  it('a failing chunk fails the run (exit 1) recording where and why; its work rolls back', async () => {
+    const err = await failAtC0004('fail');
     expect(err).toBeInstanceOf(RunFailedError);
     expect(exitCodeOf(err)).toBe(1);
     expect(err.message).toContain('job "counted" failed in step "work", chunk c0004 after 1 try: injected failure in chunk c0004');
@@ -151,24 +161,26 @@ describe('Runner.run', () => {
   });
 
   it('after the cause is fixed, a rerun resumes at the failed chunk and never redoes finished ones', async () => {
+    expect(await failAtC0004('resume')).toBeInstanceOf(RunFailedError);
+    expect(await runRow(url, 'counted', 'resume')).toMatchObject({ status: 'failed', attempt: 1 });
     await query(url, `delete from fail_chunks where chunk_key = 'c0004'`);
-    const out = await runner.run(counted, { params: { chunks: 8, label: 'fail' }, key: 'fail', planWindow: 3 });
+    const out = await runner.run(counted, { params: { chunks: 8, label: 'fail' }, key: 'resume', planWindow: 3 });
     expect(out).toMatchObject({ status: 'succeeded', attempt: 2, executed: 6 });
     expect(out.summary).toMatchObject({ chunks: 10, attempts: 2 });
-    expect(await workCounts(url, 'fail')).toEqual(ones(8));
-    expect(await workCounts(url, 'fail', 'prepare')).toEqual(new Map([['step', 1]]));
-    expect(await workCounts(url, 'fail', 'finish')).toEqual(new Map([['step', 1]]));
-    const chunks = await chunkRows(url, 'counted', 'fail', 'work');
+    expect(await workCounts(url, 'resume')).toEqual(ones(8));
+    expect(await workCounts(url, 'resume', 'prepare')).toEqual(new Map([['step', 1]]));
+    expect(await workCounts(url, 'resume', 'finish')).toEqual(new Map([['step', 1]]));
+    const chunks = await chunkRows(url, 'counted', 'resume', 'work');
     expect(chunks.map((c) => [c.key, c.seq, c.done_attempt])).toEqual([
       ['c0001', 1, 1], ['c0002', 2, 1], ['c0003', 3, 1], ['c0004', 4, 2], ['c0005', 5, 2], ['c0006', 6, 2], ['c0007', 7, 2], ['c0008', 8, 2],
     ]);
     // The work log agrees with the markers: each chunk's work was done by the attempt that marked it.
-    const log = await query(url, `select chunk_key, attempt from work_log where run_key = 'fail' and step = 'work' order by chunk_key`);
+    const log = await query(url, `select chunk_key, attempt from work_log where run_key = 'resume' and step = 'work' order by chunk_key`);
     expect(log.map((r) => [r.chunk_key, r.attempt])).toEqual(chunks.map((c) => [c.key, c.done_attempt]));
-    const run = await runRow(url, 'counted', 'fail');
+    const run = await runRow(url, 'counted', 'resume');
     expect(run).toMatchObject({ status: 'succeeded', error: null, attempt: 2 });
-    const [status] = await runner.status('counted', 1);
-    expect(status).toMatchObject({ runKey: 'fail', state: 'succeeded', chunksDone: 10, chunksPlanned: 10, fullyPlanned: true, error: null });
+    const status = (await runner.status('counted')).find((r) => r.runKey === 'resume');
+    expect(status).toMatchObject({ runKey: 'resume', state: 'succeeded', chunksDone: 10, chunksPlanned: 10, fullyPlanned: true, error: null });
   });
 
   it('a transient error (40001) is retried with backoff and the chunk commits once', async () => {
@@ -280,7 +292,7 @@ describe('Runner.run', () => {
     const rows = 95 - 13;
     expect(out).toMatchObject({ status: 'succeeded', executed: Math.ceil(rows / 10) });
     expect(await query(url, 'select count(*)::int as n from items where doubled is distinct from value * 2')).toEqual([{ n: 0 }]);
-    const log = await query(url, `select chunk_key from work_log where job = 'ranged' order by id`);
+    const log = await query(url, `select chunk_key from work_log where job = 'ranged' and run_key = 'ranged' order by id`);
     expect(log.map((r) => r.chunk_key)).toEqual((await chunkRows(url, 'ranged', 'ranged', 'double')).map((c) => c.key));
   });
 
@@ -328,16 +340,23 @@ describe('Runner.run', () => {
   });
 
   it('status() lists runs newest first, filtered by job', async () => {
+    // Its own runs: two of counted (one finished, one whose row says running though nobody holds
+    // the lock, as after a crash) and one of another job.
+    await runner.run(counted, { params: { chunks: 10 }, key: 'status-ok' });
+    await runner.run(counted, { params: { chunks: 2 }, key: 'status-crashed' });
+    await query(url, `update idem.runs set status = 'running', finished_at = null where job = 'counted' and run_key = 'status-crashed'`);
+    await runner.run(ranged, { key: 'status-other' });
     const all = await runner.status();
     const mine = await runner.status('counted');
-    expect(mine.length).toBeGreaterThan(5);
+    expect(mine.length).toBeGreaterThanOrEqual(2);
     expect(mine.every((r) => r.job === 'counted')).toBe(true);
+    expect(all.some((r) => r.job === 'ranged' && r.runKey === 'status-other')).toBe(true);
     expect(all.length).toBeGreaterThan(mine.length);
     const created = all.map((r) => r.createdAt.getTime());
     expect(created).toEqual([...created].sort((a, b) => b - a));
-    expect((await runner.status('counted', 2)).length).toBe(2);
+    expect((await runner.status('counted', 2)).map((r) => r.runKey)).toEqual(mine.slice(0, 2).map((r) => r.runKey));
     // Nothing holds a lock now: a run row still saying `running` is reported as crashed.
-    expect(mine.find((r) => r.runKey === 'fence')).toMatchObject({ state: 'crashed', holder: null });
-    expect(mine.find((r) => r.runKey === 'twice-10')).toMatchObject({ state: 'succeeded', chunksDone: 12, chunksPlanned: 12, fullyPlanned: true });
+    expect(mine.find((r) => r.runKey === 'status-crashed')).toMatchObject({ state: 'crashed', holder: null });
+    expect(mine.find((r) => r.runKey === 'status-ok')).toMatchObject({ state: 'succeeded', chunksDone: 12, chunksPlanned: 12, fullyPlanned: true });
   });
 });

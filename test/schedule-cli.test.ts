@@ -6,7 +6,7 @@ import { afterAll, afterEach, beforeAll, beforeEach, describe, expect, it } from
 import { latestSlot, parseSchedule, slotKey, slotsSince } from '../src/schedule.ts';
 import { TICK_SCHEDULE } from './fixtures/scheduled-jobs/hourly-tick.ts';
 import { createFixtureTables } from './fixtures/tables.ts';
-import { FIXTURE_JOBS, killLeftovers, query, REPO, runCli, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { FIXTURE_JOBS, killLeftovers, lines, query, REPO, runCli, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 
 const SCHEDULED_JOBS = fileURLToPath(new URL('./fixtures/scheduled-jobs', import.meta.url));
@@ -95,6 +95,46 @@ describe('idem run on a scheduled job', () => {
     expect(second.stdout.trim().split('\n').map((l) => JSON.parse(l)).map((o) => [o.runKey, o.status, o.executed])).toEqual(keys.map((k) => [k, 'already-succeeded', 0]));
     expect(await ticks('catch-up')).toHaveLength(3);
     expect(await runsOf('sched_b')).toHaveLength(3);
+  });
+});
+
+describe('--catch-up when a slot fails', () => {
+  it('stops at the first failed slot (exit 1); the next tick retries it and goes on', async () => {
+    const slots = slotsSince(schedule, { count: 3 });
+    const keys = slots.map(slotKey);
+    const args = tick('sched_e', ['--param', 'tag=cu-fail', '--catch-up', '3', '--json']);
+    await query(url, 'insert into fail_chunks (chunk_key) values ($1)', [slots[1]!.toISOString()]);
+    try {
+      const first = await runCli(args, { url });
+      expect(first.code, first.stderr).toBe(1);
+      expect(first.stderr).toContain(`injected failure in slot ${slots[1]!.toISOString()}`);
+      // The slot before it ran; the failed one is recorded failed; the one after was not tried.
+      expect(lines(first.stdout).map((l) => JSON.parse(l)).map((o) => [o.runKey, o.status])).toEqual([[keys[0], 'succeeded']]);
+      expect((await runsOf('sched_e')).map((r) => [r.run_key, r.status])).toEqual([[keys[0], 'succeeded'], [keys[1], 'failed']]);
+      expect(await ticks('cu-fail')).toEqual([{ run_key: keys[0], chunk_key: slots[0]!.toISOString() }]);
+    } finally {
+      await query(url, 'delete from fail_chunks');
+    }
+    // The next tick (same command) finds the first slot done, retries the failed one, then runs the last.
+    const next = await runCli(args, { url });
+    expect(next.code, next.stderr).toBe(0);
+    expect(lines(next.stdout).map((l) => JSON.parse(l)).map((o) => [o.runKey, o.status, o.attempt])).toEqual([
+      [keys[0], 'already-succeeded', 1],
+      [keys[1], 'succeeded', 2],
+      [keys[2], 'succeeded', 1],
+    ]);
+    expect(await ticks('cu-fail')).toEqual(slots.map((s) => ({ run_key: slotKey(s), chunk_key: s.toISOString() })));
+  });
+
+  it('--catch-up 12h runs every hourly slot of the last 12 hours, oldest first', async () => {
+    const r = await runCli(tick('sched_f', ['--param', 'tag=cu-12h', '--catch-up', '12h', '--json']), { url });
+    expect(r.code, r.stderr).toBe(0);
+    const keys = lines(r.stdout).map((l) => JSON.parse(l)).map((o) => (expect(o).toMatchObject({ status: 'succeeded', executed: 1 }), o.runKey as string));
+    // Twelve consecutive hours ending with the latest due slot (computed here, not by src/).
+    const latest = Math.floor(Date.now() / 3_600_000) * 3_600_000;
+    const expected = Array.from({ length: 12 }, (_, i) => new Date(latest - (11 - i) * 3_600_000).toISOString().replace('.000Z', 'Z'));
+    expect(keys).toEqual(expected);
+    expect((await ticks('cu-12h')).map((t) => t.run_key)).toEqual(expected);
   });
 });
 

@@ -1,9 +1,7 @@
 import { describe, expect, it } from 'vitest';
 import { RunFailedError, UsageError } from '../src/errors.ts';
 import {
-  CRON_LOOP_MAX_SLEEP_MS,
   latestSlot,
-  MAX_CATCH_UP_SLOTS,
   parseCatchUp,
   parseSchedule,
   renderCrontab,
@@ -141,6 +139,8 @@ describe('slotsSince', () => {
     expect(slotsSince(parseSchedule('0 3 * * *'), { now, since: at('2026-12-01T00:00:00Z') })).toEqual([]);
   });
 
+  // The documented cap (README: "at most 1 000"), not the constant: a changed constant must fail here.
+  const MAX_CATCH_UP_SLOTS = 1000;
   it(`refuses more than ${MAX_CATCH_UP_SLOTS} slots, naming the cap`, () => {
     const minutely = parseSchedule('* * * * *');
     expect(slotsSince(minutely, { now, count: MAX_CATCH_UP_SLOTS })).toHaveLength(MAX_CATCH_UP_SLOTS);
@@ -280,7 +280,8 @@ describe('runCronLoop', () => {
       'hourly@2026-11-30T12:00:00Z',
       'hourly@2026-11-30T13:00:00Z',
     ]);
-    expect(Math.max(...h.sleeps)).toBeLessThanOrEqual(CRON_LOOP_MAX_SLEEP_MS);
+    // The documented bound: never more than 60 s asleep at a time (README, idem cron).
+    expect(Math.max(...h.sleeps)).toBeLessThanOrEqual(60_000);
   });
 
   it('runs every job due at the same instant, and an error in one does not stop the other or the loop', async () => {

@@ -1,6 +1,7 @@
+import os from 'node:os';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { createFixtureTables } from './fixtures/tables.ts';
-import { FIXTURE_DIRS, query, runCli, spawnCli, waitFor, type CliProcess } from './support/cli.ts';
+import { FIXTURE_DIRS, query, runCli, sessions, spawnCli, waitFor, type CliProcess } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 
 // Issue 9: many worker processes share one run (`idem run --join`).
@@ -50,6 +51,13 @@ describe('idem run --join', () => {
     await waitFor(async () => ((await doneCount('plain')) >= 3 ? true : undefined), 'the shared run to be under way');
     const plain = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params(400, 30), '--key', 'plain'], { url });
     expect(plain.code).toBe(75);
+    // status names both live workers (host:pid) with their chunks and rate.
+    const status = await runCli([...FIXTURE_DIRS, 'status', 'counted', '--json'], { url });
+    const run = (JSON.parse(status.stdout) as Array<{ runKey: string; state: string; workers: Array<{ worker: string; chunks: number; rate: number }> }>).find((r) => r.runKey === 'plain');
+    expect(run?.state).toBe('running');
+    expect(run?.workers).toHaveLength(2);
+    expect(run?.workers.map((w) => w.worker).sort()).toEqual([first.pid, second.pid].map((pid) => `${os.hostname()}:${pid}`).sort());
+    expect(run!.workers.reduce((n, w) => n + w.chunks, 0)).toBeGreaterThan(0);
     const waiting = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params(400, 30), '--key', 'plain', '--wait', '90'], { url, timeoutMs: 120_000 });
     expect(waiting.code).toBe(0);
     expect(waiting.stdout).toMatch(/already/);
@@ -59,7 +67,8 @@ describe('idem run --join', () => {
 
   it('SIGTERM stops only that worker (its in-flight chunk committed); a SIGKILLed worker loses nothing; the others finish the run', async () => {
     const workers: CliProcess[] = Array.from({ length: 3 }, () => join('kill', 150, 40));
-    await waitFor(async () => ((await doneCount('kill')) >= 10 ? true : undefined), 'the shared run to be under way');
+    // All three are in (a worker that starts late would find the run interrupted, not shared).
+    await waitFor(async () => ((await sessions(url, 'idem-lock')) === 3 && (await doneCount('kill')) >= 10 ? true : undefined), 'three workers on the run', { timeoutMs: 60_000 });
     workers[0]!.child.kill('SIGTERM');
     const stopped = await workers[0]!.done;
     expect(stopped.code).toBe(143);

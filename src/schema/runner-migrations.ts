@@ -103,11 +103,13 @@ function runnerMigrations(schema: string): Record<string, Migration> {
         await sql`alter table ${t('runs')} add column lock_name text`.execute(db);
       },
     },
-    '0005_run_lock_pid': {
+    '0005_run_lock_pid_chunk_done_by': {
       async up(db) {
         // The backend that holds the live attempt's lock: "running" is per run (that backend holds
         // that lock), not "someone holds this job's lock", which a crashed run's row would inherit.
         await sql`alter table ${t('runs')} add column lock_pid integer`.execute(db);
+        // Which worker (host:pid) committed a chunk: per-worker counts and rates in idem status.
+        await sql`alter table ${t('chunks')} add column done_by text`.execute(db);
       },
     },
     '0006_code_fingerprint_health': {
@@ -138,10 +140,23 @@ export async function ensureRunnerSchema(db: Kysely<any>, schema: string): Promi
   const known = knownMigrationNames(schema);
   let applied: string[] | null = null;
   try {
-    const { rows } = await sql<{ name: string }>`select name from ${sql.id(schema, MIGRATION_TABLE)}`.execute(db);
+    // The same statement checks that this role may use every runner table, so a role that was
+    // granted too little is refused here, before it writes anything, not halfway through a run.
+    const { rows } = await sql<{ name: string; lacking: string[] | null }>`
+      select m.name, (select array_agg(c.relname::text order by c.relname) from pg_class c
+          where c.relnamespace = (select oid from pg_namespace where nspname = ${schema})
+            and c.relkind in ('r', 'p') and c.relname not in (${MIGRATION_TABLE}, ${MIGRATION_LOCK_TABLE})
+            -- One privilege per call: given a list, has_table_privilege is true when any one is held.
+            and not (has_table_privilege(c.oid, 'select') and has_table_privilege(c.oid, 'insert')
+                 and has_table_privilege(c.oid, 'update') and has_table_privilege(c.oid, 'delete'))) as lacking
+      from ${sql.id(schema, MIGRATION_TABLE)} m`.execute(db);
     applied = rows.map((r) => r.name);
+    const lacking = rows[0]?.lacking;
+    if (lacking?.length) throw await privilegeRefusal(db, schema, 'use', `no SELECT, INSERT, UPDATE or DELETE on ${lacking.map((t) => `${schema}.${t}`).join(', ')}`);
   } catch (err) {
-    if ((err as { code?: string }).code !== '42P01') throw err; // undefined_table: a fresh database
+    const code = (err as { code?: string }).code;
+    if (code === INSUFFICIENT_PRIVILEGE) throw await privilegeRefusal(db, schema, 'use', (err as Error).message, err);
+    if (code !== UNDEFINED_TABLE) throw err; // undefined_table: a fresh database
   }
   if (applied) {
     const unknown = applied.filter((n) => !known.includes(n));
@@ -162,7 +177,33 @@ export async function ensureRunnerSchema(db: Kysely<any>, schema: string): Promi
   });
   const { error, results } = await migrator.migrateToLatest();
   if (error) {
-    const failed = results?.find((r) => r.status === 'Error')?.migrationName ?? 'unknown';
-    throw new DatabaseUnavailableError(`could not create or upgrade the runner schema "${schema}" (migration ${failed}): ${String((error as Error).message ?? error)}`, { cause: error });
+    const message = String((error as Error).message ?? error);
+    if ((error as { code?: string }).code === INSUFFICIENT_PRIVILEGE) throw await privilegeRefusal(db, schema, applied ? 'upgrade' : 'create', message, error);
+    // Kysely fails before any migration (creating the schema or its bookkeeping tables) without naming one.
+    const failed = results?.find((r) => r.status === 'Error')?.migrationName;
+    throw new DatabaseUnavailableError(`could not create or upgrade the runner schema "${schema}"${failed ? ` (migration ${failed})` : ''}: ${message}`, { cause: error });
   }
+}
+
+/** SQLSTATE 42P01: the runner schema's bookkeeping table is not there yet (a fresh database). */
+const UNDEFINED_TABLE = '42P01';
+/** SQLSTATE 42501: the role lacks a privilege. */
+const INSUFFICIENT_PRIVILEGE = '42501';
+
+/**
+ * What a role without enough privileges must do, in one line: the grant that lets it manage the
+ * schema itself (CREATE on the database), or the grants that let it use a schema its owner
+ * created. README, "Database privileges", documents the same statements.
+ */
+async function privilegeRefusal(db: Kysely<any>, schema: string, what: 'create' | 'upgrade' | 'use', reason: string, cause?: unknown): Promise<DatabaseUnavailableError> {
+  const { rows } = await sql<{ role: string; database: string }>`select quote_ident(current_user) as role, quote_ident(current_database()) as database`.execute(db);
+  const { role, database } = rows[0]!;
+  const grants = `GRANT USAGE ON SCHEMA ${schema} TO ${role}; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA ${schema} TO ${role}`;
+  const message =
+    what === 'create'
+      ? `role ${role} may not create the runner schema "${schema}" (${reason}): GRANT CREATE ON DATABASE ${database} TO ${role}, or let the database owner run idem once (it creates the schema) and then ${grants} (see README, Database privileges)`
+      : what === 'upgrade'
+        ? `role ${role} may not upgrade the runner schema "${schema}" to this idem's version (${reason}): let the schema's owner run idem once (it upgrades the schema), then ${grants} (see README, Database privileges)`
+        : `role ${role} may not use the runner schema "${schema}" (${reason}): as the schema's owner, ${grants} (see README, Database privileges)`;
+  return new DatabaseUnavailableError(message, cause === undefined ? undefined : { cause });
 }

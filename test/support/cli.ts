@@ -1,6 +1,7 @@
 import { spawn, type ChildProcess } from 'node:child_process';
 import { fileURLToPath } from 'node:url';
 import pg from 'pg';
+import { expect } from 'vitest';
 
 /** The repository root: the CLI runs from here, as a user would run it. */
 export const REPO = fileURLToPath(new URL('../../', import.meta.url));
@@ -40,6 +41,8 @@ export interface SpawnOptions {
   readonly url?: string;
   /** Extra environment. */
   readonly env?: Record<string, string | undefined>;
+  /** Working directory. Defaults to the repository root. */
+  readonly cwd?: string;
   /** Killed with SIGKILL after this long. Defaults to 60 s. */
   readonly timeoutMs?: number;
 }
@@ -56,7 +59,7 @@ export function spawnCli(args: readonly string[], opts: SpawnOptions = {}): CliP
   if (opts.url !== undefined) env.DATABASE_URL = opts.url;
   for (const [k, v] of Object.entries(env)) if (v === undefined) delete env[k];
   const started = performance.now();
-  const child = spawn(process.execPath, [BIN, ...args], { cwd: REPO, env, stdio: ['ignore', 'pipe', 'pipe'] });
+  const child = spawn(process.execPath, [BIN, ...args], { cwd: opts.cwd ?? REPO, env, stdio: ['ignore', 'pipe', 'pipe'] });
   live.add(child);
   let out = '';
   let err = '';
@@ -98,6 +101,21 @@ export async function killLeftovers(): Promise<void> {
       }),
   );
   await Promise.all(waits);
+}
+
+/**
+ * The process died of a SIGKILL the test (or the process itself) sent, not of the helper's
+ * time-out kill: a hang must fail the test, never pass for the expected crash.
+ */
+export function expectKilled(r: CliResult): void {
+  expect(r.timedOut, `the process hung until the helper's time-out killed it: ${r.stderr}`).toBe(false);
+  expect(r.signal, r.stderr).toBe('SIGKILL');
+}
+
+/** The process crashed at the IDEM_FAULT point it was given, and nowhere else. */
+export function expectFaultCrash(r: CliResult, point: string): void {
+  expectKilled(r);
+  expect(r.stderr).toContain(`idem: fault injected at ${point} (crash)`);
 }
 
 /** The non-empty lines of a stream's output. */
@@ -182,7 +200,8 @@ export async function holdGate(url: string, name: string): Promise<{ release(): 
 export async function sessions(url: string, applicationName: string): Promise<number> {
   const rows = await query<{ n: number }>(
     url,
-    'select count(*)::int as n from pg_stat_activity where datname = current_database() and application_name = $1',
+    // A lock session is named `idem-lock host:pid`.
+    `select count(*)::int as n from pg_stat_activity where datname = current_database() and (application_name = $1 or application_name like $1 || ' %')`,
     [applicationName],
   );
   return rows[0]!.n;

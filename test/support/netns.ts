@@ -76,3 +76,41 @@ export function createNamespacedHost(): NamespacedHost {
     remove,
   };
 }
+
+/**
+ * A PostgreSQL of the test's own (the embedded binaries, in a temp dir) that also listens on the
+ * host side of each namespaced host's veth pair, and lets those hosts in. `url` reaches it on
+ * loopback; `urlFor(host)` is the URL a process inside that host uses.
+ */
+export async function startServerForHosts(hosts: readonly NamespacedHost[], database: string): Promise<{ url: string; urlFor(host: NamespacedHost): string; stop(): Promise<void> }> {
+  const { promises: fs } = await import('node:fs');
+  const os = await import('node:os');
+  const path = await import('node:path');
+  const { startEmbeddedPostgres } = await import('../../src/embedded-postgres.ts');
+  const { chownToPostgres } = await import('./global-setup.ts');
+  const { query } = await import('./cli.ts');
+  const dir = await fs.mkdtemp(path.join(os.tmpdir(), 'idem-netns-'));
+  await chownToPostgres(dir);
+  const dataDir = path.join(dir, 'pg');
+  const first = await startEmbeddedPostgres({ dataDir });
+  await query(first.url, `alter system set listen_addresses = '${['127.0.0.1', ...hosts.map((h) => h.hostAddress)].join(',')}'`);
+  await fs.appendFile(path.join(dataDir, 'pg_hba.conf'), hosts.map((h) => `\nhost all all ${h.nsAddress}/32 scram-sha-256\n`).join(''));
+  await first.stop();
+  const server = await startEmbeddedPostgres({ dataDir });
+  await query(server.url, `create database ${database}`);
+  const u = new URL(server.url);
+  u.pathname = `/${database}`;
+  const url = u.toString();
+  return {
+    url,
+    urlFor: (host) => {
+      const v = new URL(url);
+      v.hostname = host.hostAddress;
+      return v.toString();
+    },
+    stop: async () => {
+      await server.stop();
+      await fs.rm(dir, { recursive: true, force: true });
+    },
+  };
+}

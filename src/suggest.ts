@@ -1,0 +1,50 @@
+/**
+ * "Did you mean …?" for a mistyped name, the way commander suggests a mistyped command: the
+ * optimal-string-alignment edit distance (Levenshtein plus swapped neighbours), keeping only the
+ * candidates at the best distance. Commander caps the distance at 3 because option names are
+ * short; job names are long and a forgotten word (`reservation-totals` for
+ * `reservation-daily-totals`) is 6 edits, so the cap here is relative: more than half of the
+ * longer name must survive. commander does not export its helper (package `exports`), hence these
+ * few lines.
+ *
+ * @example
+ * suggestSimilar('countd', ['counted', 'ranged']); // ['counted']
+ */
+export function suggestSimilar(word: string, candidates: Iterable<string>, max = 3): string[] {
+  let best = Infinity;
+  let similar: string[] = [];
+  for (const candidate of new Set(candidates)) {
+    if (candidate.length <= 1 || candidate === word) continue;
+    const distance = editDistance(word, candidate);
+    const length = Math.max(word.length, candidate.length);
+    if ((length - distance) / length <= 0.5) continue;
+    if (distance < best) {
+      best = distance;
+      similar = [candidate];
+    } else if (distance === best) {
+      similar.push(candidate);
+    }
+  }
+  return similar.sort().slice(0, max);
+}
+
+/** `'a'`, `'a' or 'b'`, `'a', 'b' or 'c'`. */
+export function quoteChoices(names: readonly string[]): string {
+  const q = names.map((n) => `'${n}'`);
+  return q.length <= 1 ? (q[0] ?? '') : `${q.slice(0, -1).join(', ')} or ${q.at(-1)}`;
+}
+
+/** Optimal string alignment distance: no substring is edited twice. */
+export function editDistance(a: string, b: string): number {
+  const d: number[][] = Array.from({ length: a.length + 1 }, (_, i) => [i]);
+  for (let j = 0; j <= b.length; j++) d[0]![j] = j;
+  for (let i = 1; i <= a.length; i++) {
+    for (let j = 1; j <= b.length; j++) {
+      const cost = a[i - 1] === b[j - 1] ? 0 : 1;
+      let v = Math.min(d[i - 1]![j]! + 1, d[i]![j - 1]! + 1, d[i - 1]![j - 1]! + cost);
+      if (i > 1 && j > 1 && a[i - 1] === b[j - 2] && a[i - 2] === b[j - 1]) v = Math.min(v, d[i - 2]![j - 2]! + 1);
+      d[i]![j] = v;
+    }
+  }
+  return d[a.length]![b.length]!;
+}

@@ -1,0 +1,240 @@
+import { mkdir, mkdtemp, rm, writeFile } from 'node:fs/promises';
+import os from 'node:os';
+import path from 'node:path';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { Runner } from '../src/index.ts';
+import { createFixtureTables } from './fixtures/tables.ts';
+import { ALL_TABLES, FIXTURE_DIRS, FIXTURE_JOBS, FIXTURE_MIGRATIONS, killLeftovers, lines, runCli, snapshot, type CliResult } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+
+// Issue 14: every common mistake of a new user ends in an error that says what and where, and how
+// to fix it; and nothing is written to the database.
+
+let database: TestDatabase;
+let url: string;
+let tmp: string;
+
+beforeAll(async () => {
+  database = await createTestDatabase();
+  url = database.url;
+  await createFixtureTables(url);
+  // idem's schema exists up front, so "changes nothing" compares real tables.
+  await (await Runner.connect({ connectionString: url })).close();
+  tmp = await mkdtemp(path.join(os.tmpdir(), 'idem-errors-'));
+});
+
+afterAll(async () => {
+  await killLeftovers();
+  await database?.drop();
+  if (tmp) await rm(tmp, { recursive: true, force: true });
+});
+
+const idem = (args: string[]) => runCli([...FIXTURE_DIRS, ...args], { url });
+
+/** The refusal's shape: the exit code, nothing on stdout, and stderr led by one `idem: error:` line. */
+function refusal(r: CliResult, code: number): string[] {
+  expect({ code: r.code, stdout: r.stdout }, r.stderr).toEqual({ code, stdout: '' });
+  const out = lines(r.stderr);
+  expect(out[0]).toMatch(/^idem: error: /);
+  return out;
+}
+
+/** A folder of job files in a package with "type": "module", as a user's project has. */
+async function jobFolder(name: string, files: Record<string, string>, pkg: object | null = { type: 'module' }): Promise<string> {
+  const root = path.join(tmp, name);
+  await mkdir(path.join(root, 'jobs'), { recursive: true });
+  if (pkg) await writeFile(path.join(root, 'package.json'), JSON.stringify(pkg));
+  for (const [file, text] of Object.entries(files)) await writeFile(path.join(root, 'jobs', file), text);
+  return path.join(root, 'jobs');
+}
+
+const BROKEN_SOURCE = `export default {\n  name: 'broken',\n  steps: [{ name: 'a' run: () => 1 }],\n};\n`;
+
+describe('a job file that cannot load: file:line:column, the cause, the source line', () => {
+  it('a syntax error in a .ts file, for run, list, migrate and an unknown name in status', async () => {
+    const dir = await jobFolder('syntax-ts', { 'broken.ts': BROKEN_SOURCE });
+    const file = path.join(dir, 'broken.ts');
+    const before = await snapshot(url, ALL_TABLES);
+    const [run, list, migrate, status] = await Promise.all([
+      runCli(['--jobs-dir', dir, 'run', 'broken'], { url }),
+      runCli(['--jobs-dir', dir, '--migrations-dir', FIXTURE_MIGRATIONS, 'list'], { url }),
+      runCli(['--migrations-dir', dir, 'migrate'], { url }),
+      runCli(['--jobs-dir', dir, '--migrations-dir', FIXTURE_MIGRATIONS, 'status', 'brokn'], { url }),
+    ]);
+    for (const [r, what] of [[run, 'jobs'], [list, 'jobs'], [migrate, 'migrations'], [status, 'jobs']] as const) {
+      const out = refusal(r!, 2);
+      // Columns are 1-based, as editors count them: `run` starts at column 23 of line 3.
+      expect(out[0]).toBe(`idem: error: cannot load ${what} file ${file}:3:23: syntax error: Expected "}" but found "run"; fix the file`);
+      expect(out.slice(1)).toEqual([`    3 |   steps: [{ name: 'a' run: () => 1 }],`, `      |                       ^`]);
+    }
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it('a syntax error in a .js file (which Node, not tsx, compiles) is located the same way', async () => {
+    const dir = await jobFolder('syntax-js', { 'broken.js': BROKEN_SOURCE });
+    const out = refusal(await runCli(['--jobs-dir', dir, 'run', 'broken'], { url }), 2);
+    expect(out[0]).toBe(`idem: error: cannot load jobs file ${path.join(dir, 'broken.js')}:3:23: syntax error: Expected "}" but found "run"; fix the file`);
+    expect(out[1]).toBe(`    3 |   steps: [{ name: 'a' run: () => 1 }],`);
+  });
+
+  it('a file that throws while loading names the line that threw, also in a helper it imports', async () => {
+    const dir = await jobFolder('throws', {
+      'throws.ts': `const ready = process.env.NOPE_NOT_SET;\nif (!ready) throw new Error('NOPE_NOT_SET is not set');\nexport default { name: 'throws', steps: [{ name: 'a', run: () => 1 }] };\n`,
+    });
+    const out = refusal(await runCli(['--jobs-dir', dir, 'list'], { url }), 2);
+    expect(out[0]).toBe(`idem: error: cannot load jobs file ${path.join(dir, 'throws.ts')}:2:19: it threw while loading: Error: NOPE_NOT_SET is not set; fix the file`);
+    expect(out[1]).toBe(`    2 | if (!ready) throw new Error('NOPE_NOT_SET is not set');`);
+
+    const deep = await jobFolder('throws-deep', {
+      'deep.ts': `import { limit } from './_config.ts';\nexport default { name: 'deep', steps: [{ name: 'a', run: () => limit }] };\n`,
+      '_config.ts': `export const limit = JSON.parse('{oops');\n`,
+    });
+    const d = refusal(await runCli(['--jobs-dir', deep, 'list'], { url }), 2);
+    expect(d[0]).toMatch(
+      new RegExp(`^idem: error: cannot load jobs file ${esc(path.join(deep, 'deep.ts'))}: at ${esc(path.join(deep, '_config.ts'))}:1:\\d+: it threw while loading: SyntaxError: .*JSON.*; fix the file$`),
+    );
+    expect(d[1]).toBe(`    1 | export const limit = JSON.parse('{oops');`);
+  });
+
+  it('a file that throws a non-Error while loading says what it threw', async () => {
+    const dir = await jobFolder('throws-string', { 'bad.ts': `throw 'a string at load';\n` });
+    const out = refusal(await runCli(['--jobs-dir', dir, 'list'], { url }), 2);
+    expect(out).toEqual([`idem: error: cannot load jobs file ${path.join(dir, 'bad.ts')}: it threw "a string at load" while loading (not an Error, so it has no line); fix the file`]);
+  });
+
+  it('an import of a package or a file that does not exist names the import line', async () => {
+    const dir = await jobFolder('missing', {
+      'pkg.ts': `// needs a package\nimport { nope } from 'no-such-package-idem-test';\nexport default { name: 'pkg', steps: [{ name: 'a', run: () => nope }] };\n`,
+    });
+    const pkg = refusal(await runCli(['--jobs-dir', dir, 'list'], { url }), 2);
+    expect(pkg[0]).toBe(`idem: error: cannot load jobs file ${path.join(dir, 'pkg.ts')}:2:22: cannot find package 'no-such-package-idem-test'; install it (npm install no-such-package-idem-test) or fix the import`);
+    expect(pkg[1]).toBe(`    2 | import { nope } from 'no-such-package-idem-test';`);
+
+    const rel = await jobFolder('missing-file', {
+      'rel.ts': `import helper from './no-such-helper.ts';\nexport default { name: 'rel', steps: [{ name: 'a', run: () => helper }] };\n`,
+    });
+    const r = refusal(await runCli(['--jobs-dir', rel, 'list'], { url }), 2);
+    expect(r[0]).toBe(`idem: error: cannot load jobs file ${path.join(rel, 'rel.ts')}:1:20: cannot find module './no-such-helper.ts' (${path.join(rel, 'no-such-helper.ts')}); fix the import path`);
+  });
+
+  it('a .ts job in a package without "type": "module" says so, not "cannot require() ES Module in a cycle"', async () => {
+    const dir = await jobFolder('commonjs', { 'ok.ts': `export default { name: 'ok', steps: [{ name: 'a', run: () => 1 }] };\n` }, { name: 'app' });
+    const r = await runCli(['--jobs-dir', dir, 'list', '--json'], { url });
+    const helpful = `idem: error: cannot load jobs file ${path.join(dir, 'ok.ts')}: it is an ES module but ${path.join(path.dirname(dir), 'package.json')} does not declare "type": "module"; add "type": "module" there, or rename the file to .mts`;
+    // Node 20 cannot load it; newer Node versions may (require(esm)): then it must simply work.
+    if (process.versions.node.startsWith('20.') || r.code !== 0) expect(refusal(r, 2)).toEqual([helpful]);
+    else expect(JSON.parse(r.stdout)).toEqual(expect.arrayContaining([expect.objectContaining({ kind: 'job', name: 'ok' })]));
+  });
+});
+
+describe('a folder given with --jobs-dir or --migrations-dir must exist', () => {
+  it('a missing explicit folder exits 2 naming it, for every command; nothing is written', async () => {
+    const missing = path.join(tmp, 'no-such-folder');
+    const before = await snapshot(url, ALL_TABLES);
+    const results = await Promise.all([
+      runCli(['--jobs-dir', missing, 'list'], { url }),
+      runCli(['--jobs-dir', missing, 'run', 'counted'], { url }),
+      runCli(['--migrations-dir', missing, 'migrate'], { url }),
+      runCli(['--jobs-dir', missing, 'status'], { url }),
+    ]);
+    expect(refusal(results[0]!, 2)).toEqual([`idem: error: --jobs-dir ${missing}: no such folder; create it or fix the path`]);
+    expect(refusal(results[1]!, 2)).toEqual([`idem: error: --jobs-dir ${missing}: no such folder; create it or fix the path`]);
+    expect(refusal(results[2]!, 2)).toEqual([`idem: error: --migrations-dir ${missing}: no such folder; create it or fix the path`]);
+    expect(refusal(results[3]!, 2)).toEqual([`idem: error: --jobs-dir ${missing}: no such folder; create it or fix the path`]);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it('a folder the command does not read is not checked: run reads only the jobs folder', async () => {
+    const r = await runCli(['--jobs-dir', FIXTURE_JOBS, '--migrations-dir', path.join(tmp, 'no-such-folder'), 'run', 'counted', '--dry-run'], { url });
+    expect(r.code, r.stderr).toBe(0);
+    expect(r.stdout).toMatch(/^dry run: job "counted"/);
+  });
+
+  it('a file given as a folder is refused too', async () => {
+    const file = path.join(FIXTURE_JOBS, 'counted.ts');
+    expect(refusal(await runCli(['--jobs-dir', file, 'list'], { url }), 2)).toEqual([`idem: error: --jobs-dir ${file}: not a folder; pass the folder that holds the job files`]);
+  });
+
+  it('the default folders may be absent: list works and says so at debug level', async () => {
+    // The repo root has jobs/ and migrations/; an empty project folder has neither.
+    const empty = path.join(tmp, 'empty-project');
+    await mkdir(empty, { recursive: true });
+    const r = await runCli(['--log-level', 'debug', 'list', '--json'], { url, cwd: empty });
+    expect(r.code, r.stderr).toBe(0);
+    expect(JSON.parse(r.stdout)).toEqual([]);
+    const debug = lines(r.stderr).filter((l) => l.includes('no jobs folder') || l.includes('no migrations folder'));
+    expect(debug).toHaveLength(2);
+    expect(debug.every((l) => JSON.parse(l).level === 20)).toBe(true);
+  });
+});
+
+describe('an unknown job name suggests the closest known ones', () => {
+  it('run, status, pause, resume, cancel and reset exit 2 with "did you mean", and write nothing', async () => {
+    const before = await snapshot(url, ALL_TABLES);
+    const results = await Promise.all([
+      idem(['run', 'countd']),
+      idem(['status', 'countd']),
+      idem(['pause', 'countd']),
+      idem(['resume', 'countd']),
+      idem(['cancel', 'countd']),
+      idem(['reset', 'countd', '--key', 'k']),
+    ]);
+    for (const r of results) expect(refusal(r, 2)).toEqual([`idem: error: no job named 'countd'; did you mean 'counted'?`]);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it('suggests migrations by their job name, and lists the known names when none is close', async () => {
+    const [migration, none] = await Promise.all([idem(['status', 'create-widget']), idem(['status', 'zzzzzzzzzzzzzzzz'])]);
+    expect(refusal(migration!, 2)).toEqual([`idem: error: no job named 'create-widget'; did you mean 'create-widgets'?`]);
+    expect(refusal(none!, 2)).toEqual([
+      `idem: error: no job named 'zzzzzzzzzzzzzzzz' in ${FIXTURE_JOBS}/ or ${FIXTURE_MIGRATIONS}/ (known: backfill-widgets, counted, create-widgets, ranged); check the name or --jobs-dir`,
+    ]);
+  });
+
+  it('run names a migration as one, not as a typo', async () => {
+    expect(refusal(await idem(['run', 'create-widgets']), 2)).toEqual([
+      `idem: error: 'create-widgets' is a migration in ${FIXTURE_MIGRATIONS}/, not a job; run it with idem migrate`,
+    ]);
+  });
+
+  it('a known job with no runs, and a name with runs but no file, are not errors', async () => {
+    const known = await idem(['status', 'ranged']);
+    expect(known.code, known.stderr).toBe(0);
+    expect(known.stdout).toBe('no runs yet\n');
+    // A run of a job whose file was since deleted: its history is still there to see.
+    const runner = await Runner.connect({ connectionString: url });
+    try {
+      await runner.run({ name: 'retired-job', steps: [{ name: 's', run: async () => {} }] } as never, { key: 'old' });
+    } finally {
+      await runner.close();
+    }
+    const retired = await idem(['status', 'retired-job', '--json']);
+    expect(retired.code, retired.stderr).toBe(0);
+    expect(JSON.parse(retired.stdout)).toEqual([expect.objectContaining({ job: 'retired-job', runKey: 'old', state: 'succeeded' })]);
+    // ... and it counts as a known name for suggestions.
+    expect(refusal(await idem(['status', 'retired-jobs']), 2)).toEqual([`idem: error: no job named 'retired-jobs'; did you mean 'retired-job'?`]);
+  });
+});
+
+describe('a job that throws a non-Error value', () => {
+  it("`throw 'a string'` in a chunk is reported as that string: exit 1, one line, the run recorded as failed", async () => {
+    const dir = await jobFolder('throws-string-in-run', {
+      'str.ts': `export default { name: 'throws-string', steps: [{ name: 'only', run: () => { throw 'a string from the job'; } }] };\n`,
+    });
+    const r = await runCli(['--jobs-dir', dir, 'run', 'throws-string', '--key', 'str'], { url });
+    expect(r.code, r.stderr).toBe(1);
+    expect(r.stdout).toBe('');
+    const errors = lines(r.stderr).filter((l) => l.startsWith('idem: error:'));
+    expect(errors).toEqual([
+      'idem: error: job "throws-string" failed in step "only" after 1 try: a string from the job; fix the cause and run the same command again to resume there',
+    ]);
+    const status = await runCli(['--jobs-dir', dir, 'status', 'throws-string', '--json'], { url });
+    expect(JSON.parse(status.stdout)).toEqual([
+      expect.objectContaining({ runKey: 'str', state: 'failed', error: expect.objectContaining({ step: 'only', message: 'a string from the job' }) }),
+    ]);
+  });
+});
+
+function esc(s: string): string {
+  return s.replace(/[.*+?^${}()|[\]\\]/g, '\\$&');
+}

@@ -1,0 +1,103 @@
+import pg from 'pg';
+import { afterEach, describe, expect, it } from 'vitest';
+import { lockKey } from '../src/fingerprint.ts';
+import { createFixtureTables } from './fixtures/tables.ts';
+import { FIXTURE_DIRS, killLeftovers, lines, query, runCli, sessions, spawnCli, waitFor } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+
+/**
+ * README, Migrations: a migration that fails stops the ones after it; the next `idem migrate`
+ * resumes it at its first unfinished chunk; `--wait <seconds>` bounds the wait for another pod.
+ * Each test has a database of its own: the fixture migrations create `widgets` in it.
+ */
+const databases: TestDatabase[] = [];
+async function freshDatabase(): Promise<string> {
+  const db = await createTestDatabase();
+  databases.push(db);
+  await createFixtureTables(db.url);
+  return db.url;
+}
+
+afterEach(async () => {
+  await killLeftovers();
+  for (const db of databases.splice(0)) await db.drop();
+});
+
+const migrate = (url: string, args: string[] = []) => runCli([...FIXTURE_DIRS, 'migrate', ...args], { url });
+const runsOf = (url: string) => query(url, `select run_key, status, attempt from idem.runs order by run_key`);
+const backfillLog = (url: string) => query(url, `select chunk_key, attempt from work_log where job = 'backfill-widgets' order by id`);
+
+describe('idem migrate', () => {
+  it('a failed migration stops the ones after it; the next migrate resumes it where it stopped', async () => {
+    const url = await freshDatabase();
+    // 1. The first migration fails: the second never starts.
+    await query(url, `insert into fail_chunks (chunk_key) values ('create-widgets')`);
+    const first = await migrate(url);
+    expect(first.code, first.stderr).toBe(1);
+    expect(lines(first.stderr).filter((l) => l.startsWith('idem: error:'))).toEqual([
+      expect.stringContaining('job "create-widgets" failed in step "create"'),
+    ]);
+    expect(await runsOf(url)).toEqual([{ run_key: '0001_create_widgets', status: 'failed', attempt: 1 }]);
+    expect(await query(url, `select to_regclass('widgets')::text as t`)).toEqual([{ t: null }]); // its work rolled back
+
+    // 2. Fixed; now the second one fails at its third chunk.
+    await query(url, `delete from fail_chunks`);
+    await query(url, `insert into fail_chunks (chunk_key) values ('[11,16)')`);
+    const second = await migrate(url);
+    expect(second.code, second.stderr).toBe(1);
+    expect(second.stderr).toContain('job "backfill-widgets" failed in step "backfill", chunk [11,16)');
+    expect(await runsOf(url)).toEqual([
+      { run_key: '0001_create_widgets', status: 'succeeded', attempt: 2 },
+      { run_key: '0002_backfill_widgets', status: 'failed', attempt: 1 },
+    ]);
+    expect(await backfillLog(url)).toEqual([{ chunk_key: '[1,6)', attempt: 1 }, { chunk_key: '[6,11)', attempt: 1 }]);
+
+    // 3. Fixed: the next migrate finds the first done and resumes the second at [11,16).
+    await query(url, `delete from fail_chunks`);
+    const third = await migrate(url, ['--json']);
+    expect(third.code, third.stderr).toBe(0);
+    expect(JSON.parse(third.stdout)).toMatchObject([
+      { runKey: '0001_create_widgets', status: 'already-succeeded', executed: 0 },
+      { runKey: '0002_backfill_widgets', status: 'succeeded', attempt: 2, executed: 4 },
+    ]);
+    expect(await backfillLog(url)).toEqual([
+      { chunk_key: '[1,6)', attempt: 1 },
+      { chunk_key: '[6,11)', attempt: 1 },
+      { chunk_key: '[11,16)', attempt: 2 },
+      { chunk_key: '[16,21)', attempt: 2 },
+      { chunk_key: '[21,26)', attempt: 2 },
+      { chunk_key: '[26,31)', attempt: 2 },
+    ]);
+    expect(await query(url, `select count(*)::int as n, count(*) filter (where name_upper = upper(name))::int as done from widgets`)).toEqual([{ n: 30, done: 30 }]);
+  });
+
+  it('--wait <seconds> gives up after that long with exit 75; a longer wait migrates once the other pod is done', async () => {
+    const url = await freshDatabase();
+    // Another "pod" holds the migrate lock.
+    const pod = new pg.Client({ connectionString: url });
+    await pod.connect();
+    let podEnded = false;
+    try {
+      await pod.query('select pg_advisory_lock($1::bigint)', [lockKey('idem:migrate')]);
+      const bounded = await migrate(url, ['--wait', '1']);
+      expect(bounded.code, bounded.stderr).toBe(75);
+      expect(lines(bounded.stderr)).toEqual(['idem: error: idem migrate is still running in another process after waiting 1s; try again later']);
+      expect(await runsOf(url)).toEqual([]);
+
+      const patient = spawnCli([...FIXTURE_DIRS, 'migrate', '--wait', '60', '--json'], { url, timeoutMs: 90_000 });
+      await waitFor(async () => (await sessions(url, 'idem-lock')) === 1, 'the waiting migrate to poll for the lock');
+      expect(patient.child.exitCode).toBeNull();
+      expect(await runsOf(url)).toEqual([]);
+      await pod.end();
+      podEnded = true;
+      const r = await patient.done;
+      expect(r.code, r.stderr).toBe(0);
+      expect(JSON.parse(r.stdout)).toMatchObject([
+        { runKey: '0001_create_widgets', status: 'succeeded', attempt: 1 },
+        { runKey: '0002_backfill_widgets', status: 'succeeded', attempt: 1, executed: 6 },
+      ]);
+    } finally {
+      if (!podEnded) await pod.end();
+    }
+  }, 120_000);
+});

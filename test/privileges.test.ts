@@ -1,0 +1,142 @@
+import { randomBytes } from 'node:crypto';
+import { readFile } from 'node:fs/promises';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { inject } from 'vitest';
+import { createFixtureTables } from './fixtures/tables.ts';
+import { FIXTURE_DIRS, killLeftovers, lines, query, runCli, workCounts, type CliResult } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+
+// A production role often may not CREATE in the database. idem then says what to grant, and a role
+// with exactly the grants the README documents can run jobs.
+
+let database: TestDatabase;
+/** The database's superuser URL: the "owner" who may create idem's schema. */
+let ownerUrl: string;
+/** The same database as a role with no privileges on it beyond what PUBLIC has. */
+let roleUrl: string;
+let role: string;
+let dbName: string;
+
+beforeAll(async () => {
+  database = await createTestDatabase();
+  ownerUrl = database.url;
+  dbName = new URL(ownerUrl).pathname.slice(1);
+  await createFixtureTables(ownerUrl);
+  role = `idem_jobs_${randomBytes(4).toString('hex')}`;
+  const password = randomBytes(12).toString('hex');
+  await query(ownerUrl, `create role ${role} login password '${password}'`);
+  // What the fixture jobs' own SQL needs: that is the application's business, not idem's.
+  await query(ownerUrl, `grant select, insert, update, delete on all tables in schema public to ${role}; grant usage on all sequences in schema public to ${role}`);
+  const u = new URL(ownerUrl);
+  u.username = role;
+  u.password = password;
+  roleUrl = u.toString();
+});
+
+afterAll(async () => {
+  await killLeftovers();
+  await database?.drop();
+  // Roles are cluster-wide: drop it once its database (and the grants in it) is gone.
+  if (role) await query(inject('adminUrl'), `drop role if exists ${role}`);
+});
+
+const asRole = (args: string[]) => runCli([...FIXTURE_DIRS, ...args], { url: roleUrl });
+
+function oneLine(r: CliResult, code: number): string {
+  expect({ code: r.code, stdout: r.stdout, lines: lines(r.stderr).length }, r.stderr).toEqual({ code, stdout: '', lines: 1 });
+  return r.stderr.trimEnd();
+}
+
+const schemaExists = async () => (await query(ownerUrl, `select to_regnamespace('idem') is not null as e`))[0].e as boolean;
+
+/** The grants README.md documents, for our role (the test runs exactly what users are told to run). */
+async function documentedGrants(): Promise<string> {
+  const readme = await readFile(new URL('../README.md', import.meta.url), 'utf8');
+  const section = readme.slice(readme.indexOf('### Database privileges'));
+  const block = /```sql\n([\s\S]*?)```/.exec(section)?.[1];
+  expect(block, 'README has a sql block under "### Database privileges"').toContain('GRANT');
+  return block!.replaceAll('app_jobs', role);
+}
+
+describe('a role without CREATE on the database', () => {
+  it('is refused with what to grant, before anything is written', async () => {
+    const r = await asRole(['run', 'counted', '--params', '{"chunks":2}', '--key', 'weak']);
+    expect(oneLine(r, 2)).toBe(
+      `idem: error: role ${role} may not create the runner schema "idem" (permission denied for database ${dbName}): GRANT CREATE ON DATABASE ${dbName} TO ${role}, ` +
+        `or let the database owner run idem once (it creates the schema) and then GRANT USAGE ON SCHEMA idem TO ${role}; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA idem TO ${role} (see README, Database privileges)`,
+    );
+    expect(r.stderr).not.toContain('migration unknown');
+    expect(await schemaExists()).toBe(false);
+    expect(await workCounts(ownerUrl, 'weak')).toEqual(new Map());
+  });
+
+  it('once the owner created the schema, is refused until granted, naming the grants', async () => {
+    const owner = await runCli([...FIXTURE_DIRS, 'status'], { url: ownerUrl });
+    expect(owner.code, owner.stderr).toBe(0);
+    expect(await schemaExists()).toBe(true);
+
+    const r = await asRole(['run', 'counted', '--params', '{"chunks":2}', '--key', 'weak']);
+    expect(oneLine(r, 2)).toBe(
+      `idem: error: role ${role} may not use the runner schema "idem" (permission denied for schema idem): as the schema's owner, ` +
+        `GRANT USAGE ON SCHEMA idem TO ${role}; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA idem TO ${role} (see README, Database privileges)`,
+    );
+    expect(await query(ownerUrl, 'select * from idem.runs')).toEqual([]);
+  });
+
+  it('with exactly the README grants runs, resumes, shows, resets and prunes jobs', async () => {
+    await query(ownerUrl, await documentedGrants());
+    const run = await asRole(['run', 'counted', '--params', '{"chunks":3}', '--key', 'weak']);
+    expect(run.code, run.stderr).toBe(0);
+    expect(run.stdout).toMatch(/^job "counted" succeeded: 5 chunks in 3 steps, 5 executed now/);
+    expect(await workCounts(ownerUrl, 'weak')).toEqual(new Map([['c0001', 1], ['c0002', 1], ['c0003', 1]]));
+
+    // A failed run resumes under the same role (update paths, retries, the fenced marker).
+    await query(ownerUrl, `insert into fail_chunks (chunk_key) values ('c0002')`);
+    expect((await asRole(['run', 'counted', '--params', '{"chunks":3}', '--key', 'weak-2'])).code).toBe(1);
+    await query(ownerUrl, `delete from fail_chunks`);
+    const resumed = await asRole(['run', 'counted', '--params', '{"chunks":3}', '--key', 'weak-2', '--json']);
+    expect(resumed.code, resumed.stderr).toBe(0);
+    expect(JSON.parse(resumed.stdout)).toMatchObject({ status: 'succeeded', attempt: 2 });
+
+    const [status, list] = await Promise.all([asRole(['status', 'counted', '--json']), asRole(['list', '--json'])]);
+    expect(status.code, status.stderr).toBe(0);
+    expect(JSON.parse(status.stdout).map((r: { runKey: string }) => r.runKey).sort()).toEqual(['weak', 'weak-2']);
+    expect(list.code, list.stderr).toBe(0);
+
+    const reset = await asRole(['reset', 'counted', '--key', 'weak']);
+    expect(reset.code, reset.stderr).toBe(0);
+    const prune = await asRole(['prune', '--older-than', '0s', '--json']);
+    expect(prune.code, prune.stderr).toBe(0);
+    expect(await query(ownerUrl, `select run_key from idem.runs where job = 'counted'`)).toEqual([]);
+  });
+
+  it('after an idem upgrade that adds to the schema, says the owner must run it once', async () => {
+    // As if this idem were newer than the schema: its last runner migration is not recorded.
+    const [last] = await query(ownerUrl, `delete from idem.idem_migration where name = (select max(name) from idem.idem_migration) returning *`);
+    try {
+      const r = await asRole(['run', 'counted', '--params', '{"chunks":2}', '--key', 'weak-upgrade']);
+      // The reason is PostgreSQL's own (the migration's ALTER TABLE: "must be owner of table runs").
+      expect(oneLine(r, 2)).toBe(
+        `idem: error: role ${role} may not upgrade the runner schema "idem" to this idem's version (must be owner of table runs): let the schema's owner run idem once (it upgrades the schema), ` +
+          `then GRANT USAGE ON SCHEMA idem TO ${role}; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA idem TO ${role} (see README, Database privileges)`,
+      );
+      expect(await query(ownerUrl, `select * from idem.runs where run_key = 'weak-upgrade'`)).toEqual([]);
+    } finally {
+      await query(ownerUrl, `insert into idem.idem_migration (name, timestamp) values ($1, $2)`, [last.name, last.timestamp]);
+    }
+  });
+
+  it('a grant taken back is named before anything is written', async () => {
+    await query(ownerUrl, `revoke delete on idem.chunks from ${role}`);
+    try {
+      const r = await asRole(['run', 'counted', '--params', '{"chunks":2}', '--key', 'weak-3']);
+      expect(oneLine(r, 2)).toBe(
+        `idem: error: role ${role} may not use the runner schema "idem" (no SELECT, INSERT, UPDATE or DELETE on idem.chunks): as the schema's owner, ` +
+          `GRANT USAGE ON SCHEMA idem TO ${role}; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA idem TO ${role} (see README, Database privileges)`,
+      );
+      expect(await query(ownerUrl, `select * from idem.runs where run_key = 'weak-3'`)).toEqual([]);
+    } finally {
+      await query(ownerUrl, `grant delete on idem.chunks to ${role}`);
+    }
+  });
+});
