@@ -64,6 +64,17 @@ export async function recordCodeFingerprint(db: Kysely<any>, schema: string, run
 }
 
 /**
+ * A run's very first invocation records its code before taking the lock, so the common path adds
+ * nothing after the attempt bump (where workers joining the run race to set it up). Only the first
+ * writer's fingerprint sticks.
+ */
+export async function adoptCodeFingerprint(db: Kysely<any>, schema: string, run: RunCodeRow, job: Job): Promise<void> {
+  const now = codeFingerprint(job);
+  if (now === null || run.attempt !== 0 || (run.code_fingerprint ?? null) !== null) return;
+  await sql`update ${sql.id(schema, 'runs')} set code_fingerprint = ${now} where id = ${run.id} and code_fingerprint is null`.execute(db);
+}
+
+/**
  * The refusal alone, writing nothing: called on the claimed row before the job's lock is taken
  * (taking it bumps the attempt), so a refused resume leaves the run exactly as it was.
  */

@@ -7,7 +7,7 @@ import { BusyError, CancelledError, FencedError, InterruptedError, LockLostError
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
-import { recordCodeFingerprint, refuseChangedCode } from './code-fingerprint.ts';
+import { adoptCodeFingerprint, recordCodeFingerprint, refuseChangedCode } from './code-fingerprint.ts';
 import { recordedFailure } from './finalize.ts';
 import { refuseOnStandby, type HealthSetting } from './health-check.ts';
 import { validateParams, type Job, type Json } from './job.ts';
@@ -207,6 +207,7 @@ export class Runner {
     // Refusals that must write nothing come before the lock: taking it bumps the attempt.
     if (opts.resumeFailed === false && run.status === 'failed') throw recordedFailure(run);
     refuseChangedCode(run, job, opts.allowChangedCode ?? false);
+    await adoptCodeFingerprint(this.db, this.schema, run, job);
 
     // Every process on a run is a worker: it holds the job's lock shared and the run's own lock.
     // The first one in bumps the attempt; a plain run refuses to overlap anyone (busy, exit 75);
@@ -352,7 +353,7 @@ export class Runner {
       throw new LockLostError(`the lock for job "${job.name}" was no longer held when attempt bump ran; rerun to resume`);
     }
     const { attempt, startedAt } = begun;
-    await recordCodeFingerprint(this.db, this.schema, current, job, attempt);
+    if (!joined) await recordCodeFingerprint(this.db, this.schema, current, job, attempt);
     const invocationStarted = performance.now();
     const identity = { job: job.name, runKey: current.run_key, runId, attempt };
     const log = this.#log.child({ job: job.name, runKey: current.run_key, attempt });
