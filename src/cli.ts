@@ -3,6 +3,7 @@ import { positiveInt } from './cli-parsers.ts';
 import { CLI_DEFAULT_SCHEMA, createCliContext } from './cli-session.ts';
 import { registerControlCommands } from './commands/control.ts';
 import { registerCronCommand } from './commands/cron.ts';
+import { registerFinalizeCommand } from './commands/finalize.ts';
 import { registerCrontabCommand } from './commands/crontab.ts';
 import { registerInitCommand } from './commands/init.ts';
 import { registerListCommand } from './commands/list.ts';
@@ -40,6 +41,7 @@ export function buildProgram(state: { exitCode: number }): Command {
   registerInitCommand(program);
   registerRunCommand(program, cli);
   registerMigrateCommand(program, cli);
+  registerFinalizeCommand(program, cli);
   registerListCommand(program, cli);
   registerStatusCommand(program, cli);
   registerCrontabCommand(program, cli);

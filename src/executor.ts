@@ -10,6 +10,7 @@ import { backoffDelay, DEFAULT_BACKOFF, isRetryable, retrying, type BackoffOptio
 import type { PendingChunk, StepRow, Store } from './store.ts';
 import { resolveThrottle, Throttle, type ThrottleOptions } from './throttle.ts';
 import { sleep } from './sleep.ts';
+import { createHealthGate, type HealthSetting } from './health-check.ts';
 
 /** How many chunks are planned (and persisted) per call to a chunk source. */
 export const DEFAULT_PLAN_WINDOW = 100;
@@ -45,6 +46,8 @@ export interface ExecuteOptions {
   readonly planWindow: number;
   /** Throttle flags from the command line; they override the job's and step's. */
   readonly throttle?: ThrottleOptions;
+  /** Health-check settings from the command line; they override the job's and step's. */
+  readonly health?: HealthSetting;
   /** Graceful stop: no new chunk starts once it aborts; its reason says why. */
   readonly stop: AbortSignal;
   /** Hard stop for the job's code (`ctx.signal`): lost lock, second signal, deadline. */
@@ -108,6 +111,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   // Adaptive sizing learns from each window, so windows are kept small while it steers.
   const planWindow = throttle.options.targetChunkMs && step.chunks ? Math.max(4, opts.concurrency * 2) : opts.planWindow;
   const limit = pLimit(opts.concurrency);
+  const health = await createHealthGate({ db: opts.db, schema: store.schema, run, job: opts.job, step, log, ...(opts.health !== undefined ? { override: opts.health } : {}) });
   let cursor: Json | null = row.cursor;
   let plannedAll = row.planned_all;
   let nextSeq = row.planned + 1;
@@ -185,6 +189,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         limit(async () => {
           // Fail fast and stop gracefully: queued chunks that have not started are simply not run.
           if (failure !== undefined || opts.stop.aborted) return;
+          await health?.wait(opts.stop);
           const wait = throttle.reserveStart();
           if (wait > 0) await sleep(wait, opts.stop);
           if (failure !== undefined || opts.stop.aborted) return;

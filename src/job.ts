@@ -2,6 +2,7 @@ import type { Kysely, Transaction } from 'kysely';
 import type { Logger } from 'pino';
 import { backoffProblems, type BackoffOptions } from './retry.ts';
 import { throttleProblems, type ThrottleOptions } from './throttle.ts';
+import { resolveHealth, type HealthSetting } from './health-check.ts';
 import { UsageError } from './errors.ts';
 import { parseSchedule } from './schedule.ts';
 
@@ -84,6 +85,8 @@ export type ChunkSource<P = any, DB = any, C extends ChunkSpec = ChunkSpec> = ((
 ) => ChunkPage<C> | Promise<ChunkPage<C>>) & {
   /** Optional: an estimate of how many chunks the whole source yields, for progress and ETA. */
   estimate?: (ctx: PlanContext<P, DB>) => Promise<number | null> | number | null;
+  /** Optional: the tables the step's chunks touch (keyRange knows its own), for the autovacuum health check. */
+  tables?: readonly string[];
 };
 
 interface StepCommon {
@@ -99,6 +102,10 @@ interface StepCommon {
   readonly maxFailedChunks?: number;
   /** Throttling for this step; overrides the job's, overridden by command-line flags. */
   readonly throttle?: ThrottleOptions;
+  /** Health checks for this step (thresholds, `false` per indicator, or `false` for none); overrides the job's. */
+  readonly health?: HealthSetting;
+  /** Tables this step's chunks write, watched for autovacuum (a chunk source may name its own). Defaults to none. */
+  readonly tables?: readonly string[];
 }
 
 /** A step whose whole work is one transaction. */
@@ -138,6 +145,14 @@ export interface JobDefinition<P = any, DB = any> {
   /** Unique job name; the advisory lock and every run row are keyed by it. */
   readonly name: string;
   readonly description?: string;
+  /**
+   * The version of this job's code, recorded on each run: a resume under another version is
+   * refused (exit 65) unless `--allow-changed-code`. Defaults to the SHA-256 of the job's file, so
+   * any edit of the file counts as a change; declare a version to decide yourself what counts
+   * (e.g. when the job imports helpers from other files, which the file hash does not cover).
+   * @example version: '2026-11-30.1'
+   */
+  readonly version?: string | number;
   /** Validates and types `ctx.params`. Defaults to accepting only `{}` or no params. */
   readonly params?: ParamsValidator<P>;
   /** Ordered, state-setting steps: each must leave the same state however often it runs. */
@@ -146,6 +161,8 @@ export interface JobDefinition<P = any, DB = any> {
   readonly retry?: BackoffOptions;
   /** Default throttling for the job's steps. Defaults to none. */
   readonly throttle?: ThrottleOptions;
+  /** Health checks before each chunk (see HealthOptions). Defaults to every indicator on with its default threshold. */
+  readonly health?: HealthSetting;
   /**
    * Cron schedule (5 fields, optional IANA timezone, default UTC). A scheduled job run without
    * --key uses its most recent due slot as run key, so cron firing twice hits the same run.
@@ -189,6 +206,19 @@ export function assertJob(value: unknown, origin: string): Job {
       problems.push((err as Error).message);
     }
   }
+  if (def.version !== undefined && !((typeof def.version === 'string' && def.version !== '' && def.version.length <= 200) || Number.isFinite(def.version))) {
+    problems.push(`version must be a non-empty string (at most 200 characters) or a number (got ${JSON.stringify(def.version)})`);
+  }
+  const checkHealth = (setting: unknown, where: string) => {
+    if (setting === undefined) return;
+    try {
+      if (setting !== false && (typeof setting !== 'object' || setting === null)) throw new Error('health must be an object of thresholds or false');
+      resolveHealth(setting as HealthSetting);
+    } catch (err) {
+      problems.push(`${where}${(err as Error).message}`);
+    }
+  };
+  checkHealth(def.health, '');
   if (def.params !== undefined && typeof def.params !== 'function' && !isStandardSchema(def.params)) {
     problems.push('params must be a Standard Schema (zod, valibot, arktype…) or a function (raw) => params');
   }
@@ -208,6 +238,10 @@ export function assertJob(value: unknown, origin: string): Job {
       }
       if (s?.throttle !== undefined) for (const m of throttleProblems(s.throttle)) problems.push(`steps[${i}].throttle: ${m}`);
       if (s?.retry !== undefined) for (const m of backoffProblems(s.retry)) problems.push(`steps[${i}].retry: ${m}`);
+      if (s) checkHealth(s.health, `steps[${i}]: `);
+      if (s && s.tables !== undefined && !(Array.isArray(s.tables) && s.tables.every((t) => typeof t === 'string' && t !== ''))) {
+        problems.push(`steps[${i}].tables must be an array of table names`);
+      }
       if (s && s.chunks !== undefined && typeof s.chunks !== 'function') {
         problems.push(`steps[${i}].chunks must be a chunk source function such as keyRange({...})`);
       }

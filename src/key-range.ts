@@ -105,6 +105,7 @@ export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, unknown, K
     const n = rows[0]?.n;
     return n === undefined || n <= 0 ? null : Math.ceil(n / opts.size);
   };
+  source.tables = [opts.table];
   return source;
 }
 

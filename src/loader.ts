@@ -3,6 +3,7 @@ import { readdir, stat } from 'node:fs/promises';
 import { createRequire } from 'node:module';
 import path from 'node:path';
 import { pathToFileURL } from 'node:url';
+import { recordJobFile } from './code-fingerprint.ts';
 import { messageOf, UsageError } from './errors.ts';
 import { assertJob, type Job } from './job.ts';
 import { explainLoadError, formatLoadFailure } from './load-error.ts';
@@ -100,6 +101,7 @@ export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Prom
     const other = byName.get(job.name);
     if (other) throw new UsageError('duplicateJob', `job name "${job.name}" is defined twice (${other} and ${name}); rename one`);
     byName.set(job.name, name);
+    await recordJobFile(job, file);
     loaded.push({ file, id: name.replace(/\.[cm]?[jt]s$/, ''), job });
   }
   return loaded;

@@ -7,6 +7,9 @@ import { BusyError, CancelledError, FencedError, InterruptedError, LockLostError
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
+import { adoptCodeFingerprint, recordCodeFingerprint, refuseChangedCode } from './code-fingerprint.ts';
+import { recordedFailure } from './finalize.ts';
+import { refuseOnStandby, type HealthSetting } from './health-check.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import { faultPoint } from './fault-points.ts';
 import { pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
@@ -70,6 +73,12 @@ export interface RunJobOptions {
   readonly onProgress?: (p: Progress) => void;
   /** How often the live run checks for an operator's pause/cancel, in ms. Defaults to `1000`. */
   readonly controlPollMs?: number;
+  /** Resume a run started under other job code (recorded on the run). Defaults to `false`: refused, exit 65. */
+  readonly allowChangedCode?: boolean;
+  /** `false`: a failed run is not resumed; its recorded error is thrown instead (finalize). Defaults to `true`. */
+  readonly resumeFailed?: boolean;
+  /** Health checks that override the job's and steps' (`false`: none). Defaults to theirs. */
+  readonly health?: HealthSetting;
 }
 
 export type RunStatusOutcome = 'succeeded' | 'already-succeeded' | 'dry-run';
@@ -126,6 +135,10 @@ export interface RunStatusRow {
   readonly requested: 'pause' | 'cancel' | null;
   /** Chunks skipped under a step's skip policy (the first 20), with their errors. */
   readonly skipped: ReadonlyArray<{ readonly step: string; readonly key: string; readonly error: string | null; readonly attempts: number }>;
+  /** Changes of job code an operator allowed between attempts (`--allow-changed-code`). */
+  readonly codeChanges: ReadonlyArray<{ readonly from: string; readonly to: string; readonly attempt: number; readonly at: string }>;
+  /** Why the live run waits for the database's health, and since when; else null. */
+  readonly healthPause: { readonly reason: string; readonly since: string } | null;
   /** The processes working the run now (one, or several with `--join`): chunks each committed in this attempt, and chunks/s over the last minute. */
   readonly workers: ReadonlyArray<RunWorker>;
 }
@@ -187,10 +200,14 @@ export class Runner {
     const runKey = opts.key ?? fp;
     if (opts.dryRun) return this.#dryRun(job, runKey, fp);
 
-    const { run } = await this.store.claimRun(job.name, runKey, params, fp);
+    const { run } = await refuseOnStandby(this.db, () => this.store.claimRun(job.name, runKey, params, fp));
     checkFingerprint(job.name, runKey, run, fp);
     if (run.status === 'succeeded' && !(opts.retrySkipped && (run.summary?.skipped ?? 0) > 0)) return alreadyDone(run);
     refuseControlled(run);
+    // Refusals that must write nothing come before the lock: taking it bumps the attempt.
+    if (opts.resumeFailed === false && run.status === 'failed') throw recordedFailure(run);
+    refuseChangedCode(run, job, opts.allowChangedCode ?? false);
+    await adoptCodeFingerprint(this.db, this.schema, run, job);
 
     // Every process on a run is a worker: it holds the job's lock shared and the run's own lock.
     // The first one in bumps the attempt; a plain run refuses to overlap anyone (busy, exit 75);
@@ -254,7 +271,7 @@ export class Runner {
     );
     try {
       for (const m of pending) {
-        const { run } = await this.store.claimRun(m.job.name, m.runKey, {}, fp);
+        const { run } = await refuseOnStandby(this.db, () => this.store.claimRun(m.job.name, m.runKey, {}, fp));
         checkFingerprint(m.job.name, m.runKey, run, fp);
         if (run.status === 'succeeded') {
           outcomes.push(alreadyDone(run));
@@ -324,6 +341,8 @@ export class Runner {
     const joined = !lock.firstWorker;
     if (current.status === 'succeeded' && !(opts.retrySkipped && (current.summary?.skipped ?? 0) > 0)) return alreadyDone(current);
     refuseControlled(current);
+    if (opts.resumeFailed === false && current.status === 'failed') throw recordedFailure(current);
+    refuseChangedCode(current, job, opts.allowChangedCode ?? false);
     await faultPoint('after-lock');
     const begun = await begin();
     if (!begun) {
@@ -334,6 +353,7 @@ export class Runner {
       throw new LockLostError(`the lock for job "${job.name}" was no longer held when attempt bump ran; rerun to resume`);
     }
     const { attempt, startedAt } = begun;
+    if (!joined) await recordCodeFingerprint(this.db, this.schema, current, job, attempt);
     const invocationStarted = performance.now();
     const identity = { job: job.name, runKey: current.run_key, runId, attempt };
     const log = this.#log.child({ job: job.name, runKey: current.run_key, attempt });
@@ -375,6 +395,7 @@ export class Runner {
           planWindow: opts.planWindow ?? DEFAULT_PLAN_WINDOW,
           slot: opts.slot ?? null,
           ...(opts.throttle ? { throttle: opts.throttle } : {}),
+          ...(opts.health !== undefined ? { health: opts.health } : {}),
           ...(opts.onProgress ? { onProgress: opts.onProgress } : {}),
           stop,
           abort,
@@ -511,6 +532,8 @@ export class Runner {
         estimatedChunks: estimated,
         etaSeconds: rate && estimated !== null ? Math.max(0, Math.round((estimated - r.chunks_done) / rate)) : null,
         requested: r.requested ?? null,
+        codeChanges: r.code_changes ?? [],
+        healthPause: state === 'running' ? (r.health_pause ?? null) : null,
       };
     });
   }

@@ -27,6 +27,7 @@ export interface RunRow {
   requested: 'pause' | 'cancel' | null;
   lock_name: string | null;
   lock_pid: number | null;
+  code_fingerprint?: string | null;
 }
 
 export interface StepRow {
@@ -212,7 +213,14 @@ export class Store {
       union all
       select name, position, status, cursor, planned_all, planned, estimated_chunks from ${this.#steps} where run_id = ${runId}
       order by position`);
-    return new Map(rows.map((r) => [r.name, r]));
+    const found = new Map(rows.map((r) => [r.name, r]));
+    if (names.every((n) => found.has(n))) return found;
+    // Workers joining one run insert its steps at once: a row another worker inserted after this
+    // statement's snapshot was skipped by the insert (conflict) yet is invisible to the select.
+    // A new statement sees it.
+    const { rows: again } = await this.#run(sql<StepRow>`
+      select name, position, status, cursor, planned_all, planned, estimated_chunks from ${this.#steps} where run_id = ${runId} order by position`);
+    return new Map(again.map((r) => [r.name, r]));
   }
 
   /**

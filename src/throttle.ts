@@ -5,15 +5,31 @@ export interface ThrottleOptions {
   /** Pause after each chunk, per worker, in ms (lets replicas and autovacuum keep up). Defaults to `0`. */
   readonly pauseMs?: number;
   /**
-   * Steer chunk sizes so a chunk takes about this long (GitLab's batched-migration approach): after
-   * each window the size factor moves toward target ÷ median duration, at most ×2 or ÷2 a window,
-   * within [1/16, 16] of the nominal size. Honoured by keyRange. Defaults to off.
+   * Steer chunk sizes so a chunk takes about this long, as GitLab's batch optimizer does (see
+   * `ADAPTIVE_SIZING` and `Throttle.adapt`). Honoured by keyRange, keyList and keysetQuery.
+   * Defaults to off.
    */
   readonly targetChunkMs?: number;
 }
 
-const MIN_FACTOR = 1 / 16;
-const MAX_FACTOR = 16;
+/**
+ * The adaptive-sizing constants (after GitLab's `BatchOptimizer`: smoothed efficiency, a target
+ * band, growth capped at 20 % per step, bounded sizes). Shrinking may go faster than growing:
+ * chunks that run long hurt the database, chunks that run short only cost throughput.
+ */
+export const ADAPTIVE_SIZING = Object.freeze({
+  /** Weight of the newest window in the moving average of a nominal chunk's cost. */
+  smoothing: 0.5,
+  /** No change while the predicted duration is within ±10 % of the target. */
+  deadBand: 0.1,
+  /** Growth per window, at most. */
+  maxGrowth: 1.2,
+  /** Shrink per window, at most (×0.5). */
+  maxShrink: 0.5,
+  /** Bounds of the size factor, relative to the nominal size. */
+  minFactor: 1 / 16,
+  maxFactor: 16,
+});
 
 /** Merges throttle settings (later ones win) and checks them, naming every bad value. */
 export function resolveThrottle(...layers: ReadonlyArray<ThrottleOptions | undefined>): ThrottleOptions {
@@ -46,6 +62,8 @@ export class Throttle {
   readonly options: ThrottleOptions;
   #nextStart = 0;
   #factor = 1;
+  /** Moving average of what a chunk of nominal size (factor 1) takes, in ms; null before the first window. */
+  #cost: number | null = null;
 
   constructor(options: ThrottleOptions) {
     this.options = options;
@@ -64,14 +82,28 @@ export class Throttle {
     return at - now;
   }
 
-  /** Feeds one window's chunk durations into the size factor. Pure arithmetic; exported for tests. */
+  /**
+   * Feeds one window's chunk durations (chunks cut with the current factor) into the size factor:
+   * 1. the window's median duration ÷ factor is what a nominal chunk costs now; an exponential
+   *    moving average smooths it (one slow chunk is noise, three slow windows are a trend);
+   * 2. predicted duration = average cost × factor; inside the dead band around the target nothing
+   *    changes, so noise cannot make the size oscillate;
+   * 3. outside it the factor moves by target ÷ predicted, capped at ×1.2 growth and ×0.5 shrink a
+   *    window, within [1/16, 16] of the nominal size.
+   * Pure arithmetic; exported for tests.
+   */
   adapt(durationsMs: readonly number[]): number {
     const target = this.options.targetChunkMs;
     if (!target || durationsMs.length === 0) return this.#factor;
+    const A = ADAPTIVE_SIZING;
     const sorted = [...durationsMs].sort((a, b) => a - b);
     const median = Math.max(1, sorted[Math.floor(sorted.length / 2)]!);
-    const step = Math.min(2, Math.max(0.5, target / median));
-    this.#factor = Math.min(MAX_FACTOR, Math.max(MIN_FACTOR, this.#factor * step));
+    const cost = median / this.#factor;
+    this.#cost = this.#cost === null ? cost : A.smoothing * cost + (1 - A.smoothing) * this.#cost;
+    const predicted = this.#cost * this.#factor;
+    if (Math.abs(predicted - target) <= A.deadBand * target) return this.#factor;
+    const step = Math.min(A.maxGrowth, Math.max(A.maxShrink, target / predicted));
+    this.#factor = Math.min(A.maxFactor, Math.max(A.minFactor, this.#factor * step));
     return this.#factor;
   }
 }

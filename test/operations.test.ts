@@ -420,29 +420,6 @@ describe('throttling', () => {
 });
 
 describe('Throttle', () => {
-  it('adapt() moves the size factor to target / median duration', () => {
-    const t = new Throttle({ targetChunkMs: 100 });
-    expect(t.sizeFactor).toBe(1);
-    expect(t.adapt([80, 10, 400])).toBeCloseTo(1.25); // median 80
-    expect(t.adapt([100, 100, 100, 100])).toBeCloseTo(1.25); // on target: unchanged
-    expect(t.adapt([10, 20, 125, 400])).toBeCloseTo(1); // upper median 125: × 0.8
-    expect(t.sizeFactor).toBeCloseTo(1);
-  });
-
-  it('adapt() changes the factor at most ×2 or ÷2 a call, within [1/16, 16]', () => {
-    const grow = new Throttle({ targetChunkMs: 1000 });
-    expect([1, 2, 3, 4, 5].map(() => grow.adapt([1]))).toEqual([2, 4, 8, 16, 16]);
-    const shrink = new Throttle({ targetChunkMs: 10 });
-    expect([1, 2, 3, 4, 5].map(() => shrink.adapt([10_000]))).toEqual([0.5, 0.25, 0.125, 1 / 16, 1 / 16]);
-    // A 0 ms chunk counts as 1 ms: still at most doubling.
-    expect(new Throttle({ targetChunkMs: 50 }).adapt([0])).toBe(2);
-  });
-
-  it('adapt() leaves the factor alone without a target or without durations', () => {
-    expect(new Throttle({}).adapt([1, 2, 3])).toBe(1);
-    expect(new Throttle({ targetChunkMs: 100 }).adapt([])).toBe(1);
-  });
-
   it('reserveStart() spaces starts 1000 / maxRate ms apart and does not bank idle time', () => {
     const t = new Throttle({ maxRate: 20 });
     expect([t.reserveStart(1000), t.reserveStart(1000), t.reserveStart(1000), t.reserveStart(1010)]).toEqual([0, 50, 100, 140]);

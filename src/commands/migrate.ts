@@ -1,26 +1,46 @@
 import type { Command } from 'commander';
-import { waitSeconds } from '../cli-parsers.ts';
+import { nonNegativeNumber, waitSeconds } from '../cli-parsers.ts';
 import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
 import { describeOutcome } from '../describe-outcome.ts';
-import { ExitCode } from '../errors.ts';
+import { ExitCode, UsageError } from '../errors.ts';
+import { describeFinalize } from './finalize.ts';
+import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
 import { loadJobDir } from '../loader.ts';
 
 /** `idem migrate`: the ordered migrations; every pod may call it at once. */
 export function registerMigrateCommand(program: Command, cli: CliContext): void {
-  program
-    .command('migrate')
+  withHealthFlags(program.command('migrate'))
     .description('run the ordered migrations in the migrations folder; every pod may call it at once')
     .option('--wait [seconds]', 'wait for another migrating process (default: forever)', waitSeconds)
     .option('--no-wait', 'exit 75 at once if another process is migrating')
     .option('--json', 'print the outcomes as JSON on stdout')
-    .action((o: { wait?: number | boolean; json?: boolean }) =>
+    .option('--allow-changed-code', 'resume migrations whose file (or version) changed since they started; recorded on the run')
+    .option('--finalize <name>', 'deploys: make sure this migration (and those before it) succeeded: done → exit 0, running elsewhere → wait, idle → run it here, failed → exit 1')
+    .option('--timeout <seconds>', 'with --finalize: how long to wait for a migration running elsewhere (default: no bound)', nonNegativeNumber)
+    .action((o: { wait?: number | boolean; json?: boolean; allowChangedCode?: boolean; finalize?: string; timeout?: number } & HealthFlags) =>
       cli.runWithSession(async (g, log, session, force) => {
         const migrations = await loadJobDir(g.migrationsDir, 'migrations');
+        if (o.timeout !== undefined && o.finalize === undefined) throw new UsageError('invalidTimeout', '--timeout bounds the wait of --finalize; pass --finalize <name>, or use --wait for a plain migrate');
+        const health = await healthSetting(o);
         const runner = await openRunner(g, log, session);
         const signals = installSignals(log, g.shutdownTimeout, force);
+        if (o.finalize !== undefined) {
+          const { finalizeMigration } = await import('../finalize.ts');
+          const list = migrations.map((m) => ({ runKey: m.id, job: m.job }));
+          const finalized = await finalizeMigration(runner, list, o.finalize, {
+            ...(o.timeout !== undefined ? { timeoutSeconds: o.timeout } : {}),
+            allowChangedCode: o.allowChangedCode ?? false,
+            ...health,
+            signal: signals.stop,
+            abortSignal: signals.abort,
+          });
+          if (o.json) process.stdout.write(`${JSON.stringify(finalized)}\n`);
+          else for (const out of finalized) process.stdout.write(`${out.runKey}: ${describeFinalize(out)}\n`);
+          return ExitCode.Ok;
+        }
         const outcomes = await runner.migrate(
           migrations.map((m) => ({ runKey: m.id, job: m.job })),
-          { wait: o.wait ?? true, signal: signals.stop, abortSignal: signals.abort },
+          { wait: o.wait ?? true, allowChangedCode: o.allowChangedCode ?? false, ...health, signal: signals.stop, abortSignal: signals.abort },
         );
         if (o.json) process.stdout.write(`${JSON.stringify(outcomes)}\n`);
         else if (outcomes.length === 0) process.stdout.write(`no migrations in ${g.migrationsDir}/\n`);

@@ -3,12 +3,13 @@ import { collectParam, nonNegativeNumber, parseParams, positiveInt, positiveNumb
 import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
 import { describeOutcome } from '../describe-outcome.ts';
 import { ExitCode, UsageError } from '../errors.ts';
+import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
 import { validateParams } from '../job.ts';
 import { findJob } from '../loader.ts';
 import { createProgressReporter } from '../progress-reporter.ts';
 import { latestSlot, parseCatchUp, parseSchedule, slotKey, slotsSince } from '../schedule.ts';
 
-interface RunFlags {
+interface RunFlags extends HealthFlags {
   key?: string;
   params?: string;
   param: Record<string, unknown>;
@@ -23,12 +24,12 @@ interface RunFlags {
   targetChunkMs?: number;
   progress: boolean;
   catchUp?: string;
+  allowChangedCode?: boolean;
 }
 
 /** `idem run <job>`: run a job, or find it done; resumes at the first unfinished chunk. */
 export function registerRunCommand(program: Command, cli: CliContext): void {
-  program
-    .command('run')
+  withHealthFlags(program.command('run'))
     .description('run a job (or find it done): resumes at the first unfinished chunk')
     .argument('<job>', 'job name, as defined in a file in the jobs folder')
     .option('--key <key>', 'run key (idempotency key); default: the params fingerprint')
@@ -45,6 +46,7 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
     .option('--no-progress', 'no live progress line on a terminal')
     .option('--catch-up <N|duration>', 'scheduled jobs: run the missed slots oldest first, the last N or those within a duration (e.g. 3, 12h, 2d)')
     .option('--json', 'print the outcome as JSON on stdout')
+    .option('--allow-changed-code', 'resume a run even though its job file (or version) changed since it started; recorded on the run')
     .action((name: string, o: RunFlags) =>
       cli.runWithSession(async (g, log, session, force) => {
         const params = parseParams(o.params, o.param);
@@ -52,6 +54,7 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
         const job = await findJob(g.jobsDir, name, { migrationsDir: g.migrationsDir });
         // Bad params are refused before any connection: nothing, not even idem's schema, is created.
         await validateParams(job, params);
+        const health = await healthSetting(o);
         // A scheduled job run without --key is the run of its most recent due slot: cron firing
         // twice, or late, lands on the same run. --catch-up runs each missed slot as its own run.
         const schedule = job.schedule === undefined ? undefined : parseSchedule(job.schedule);
@@ -88,6 +91,8 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
             join: o.join ?? false,
             dryRun: o.dryRun ?? false,
             retrySkipped: o.retrySkipped ?? false,
+            allowChangedCode: o.allowChangedCode ?? false,
+            ...health,
             signal: signals.stop,
             abortSignal: signals.abort,
           });

@@ -47,7 +47,9 @@ export function formatStatus(rows: readonly RunStatusRow[], now: Date = new Date
   const out = [line(header, (_, s) => c.bold(s))];
   rows.forEach((r, n) => {
     const live = r.state === 'running' ? [`held by ${r.holder ?? '?'}`, r.throughput !== null ? `${r.throughput}/s` : '', r.etaSeconds !== null ? `ETA ${r.etaSeconds}s` : ''].filter(Boolean).join(', ') : '';
-    const note = r.error ? c.red(`error: ${errorOf(r)}`) : [live, r.requested ? c.yellow(`${r.requested} requested`) : ''].filter(Boolean).join('  ');
+    const workers = r.workers.length > 1 ? `${r.workers.length} workers` : '';
+    const guards = [r.healthPause ? c.yellow(`paused for health: ${r.healthPause.reason}`) : '', r.codeChanges.length ? c.yellow(`code changed (allowed) at attempt ${r.codeChanges.map((x) => x.attempt).join(', ')}`) : ''];
+    const note = r.error ? c.red(`error: ${errorOf(r)}`) : [live, workers, r.requested ? c.yellow(`${r.requested} requested`) : '', ...guards].filter(Boolean).join('  ');
     out.push(line(table[n]!, (i, s) => (i === 2 ? stateColour(r.state, c)(s) : i === 5 ? c.dim(s) : s)) + (note ? `  ${note}` : ''));
     for (const k of r.skipped) out.push(c.yellow(`    skipped: step "${k.step}" chunk ${k.key} after ${k.attempts} tries: ${k.error ?? ''}`));
   });
@@ -85,6 +87,9 @@ export function formatRunDetail(r: RunStatusRow, steps: readonly StepDetail[], n
     ['state', `${stateColour(r.state, c)(r.state)}, attempt ${r.attempt}${r.requested ? c.yellow(` (${r.requested} requested)`) : ''}`],
     ['chunks', `${chunksOf(r)} done${r.throughput !== null ? `, ${r.throughput}/s` : ''}${r.etaSeconds !== null ? `, ETA ${r.etaSeconds}s` : ''}`],
     ...(r.holder ? ([['held by', r.holder]] as Array<[string, string]>) : []),
+    ...(r.workers.length > 0 ? ([['workers', r.workers.map((w) => `${w.worker} (${w.chunks} chunks, ${w.rate}/s)`).join(', ')]] as Array<[string, string]>) : []),
+    ...(r.healthPause ? ([['health', c.yellow(`paused for health: ${r.healthPause.reason}`)]] as Array<[string, string]>) : []),
+    ...(r.codeChanges.length ? ([['code', c.yellow(`changed (allowed) at attempt ${r.codeChanges.map((x) => x.attempt).join(', ')}`)]] as Array<[string, string]>) : []),
     ['created', when(r.createdAt)],
     ['updated', when(r.updatedAt)],
     ['finished', when(r.finishedAt)],

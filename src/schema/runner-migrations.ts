@@ -112,6 +112,17 @@ function runnerMigrations(schema: string): Record<string, Migration> {
         await sql`alter table ${t('chunks')} add column done_by text`.execute(db);
       },
     },
+    '0006_code_fingerprint_health': {
+      async up(db) {
+        // The job definition's fingerprint (its declared version, or its file's hash) the run was
+        // started under: a resume under other code is refused unless an operator allows it.
+        await sql`alter table ${t('runs')} add column code_fingerprint text`.execute(db);
+        // Every allowed change of code between attempts ({ from, to, attempt, at }), for idem status.
+        await sql`alter table ${t('runs')} add column code_changes jsonb`.execute(db);
+        // Why the live attempt is waiting for the database's health ({ reason, since }), else null.
+        await sql`alter table ${t('runs')} add column health_pause jsonb`.execute(db);
+      },
+    },
     '0007_api_requests': {
       async up(db) {
         // The request that created a run over HTTP (idem serve), written in the transaction that

@@ -1,0 +1,60 @@
+import type { Command } from 'commander';
+import { collectParam, nonNegativeNumber, parseParams, positiveInt } from '../cli-parsers.ts';
+import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
+import { describeOutcome } from '../describe-outcome.ts';
+import { ExitCode } from '../errors.ts';
+import type { FinalizeOutcome } from '../finalize.ts';
+import { findJob } from '../loader.ts';
+import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
+
+export function describeFinalize(o: FinalizeOutcome): string {
+  const how = o.how === 'waited' ? 'finished by another process while finalize waited' : o.how === 'ran-inline' ? 'the rest ran here' : 'had already succeeded';
+  return `finalize: ${how}; ${describeOutcome(o)}`;
+}
+
+interface FinalizeFlags extends HealthFlags {
+  key: string;
+  timeout?: number;
+  params?: string;
+  param: Record<string, unknown>;
+  concurrency: number;
+  allowChangedCode?: boolean;
+  json?: boolean;
+}
+
+/** `idem finalize <job> --key K`: for deploys, make sure a run succeeded (wait for it, or finish it here). */
+export function registerFinalizeCommand(program: Command, cli: CliContext): void {
+  withHealthFlags(program.command('finalize'))
+    .description('deploys: make sure a run succeeded: done → exit 0, running elsewhere → wait, unfinished and idle → run the rest here, failed → exit 1')
+    .argument('<job>', 'job name')
+    .requiredOption('--key <key>', "the run's key")
+    .option('--timeout <seconds>', 'how long to wait for the run when another process runs it (default: no bound)', nonNegativeNumber)
+    .option('--params <json>', 'params, only for a run that does not exist yet (an existing run keeps its own)')
+    .option('--param <key=value>', 'one param, as for idem run; repeatable', collectParam, {})
+    .option('--concurrency <n>', 'chunks run at once when the rest runs here', positiveInt(64), 1)
+    .option('--allow-changed-code', 'resume even though the job file (or version) changed since the run started')
+    .option('--json', 'print the outcome as JSON on stdout')
+    .action((name: string, o: FinalizeFlags) =>
+      cli.runWithSession(async (g, log, session, force) => {
+        const params = parseParams(o.params, o.param);
+        const job = await findJob(g.jobsDir, name);
+        const health = await healthSetting(o);
+        const { finalizeRun } = await import('../finalize.ts');
+        const { POOL_HEADROOM } = await import('../runner.ts');
+        const runner = await openRunner(g, log, session, o.concurrency + POOL_HEADROOM);
+        const signals = installSignals(log, g.shutdownTimeout, force);
+        const outcome = await finalizeRun(runner, job, {
+          key: o.key,
+          params,
+          concurrency: o.concurrency,
+          ...(o.timeout !== undefined ? { timeoutSeconds: o.timeout } : {}),
+          allowChangedCode: o.allowChangedCode ?? false,
+          ...health,
+          signal: signals.stop,
+          abortSignal: signals.abort,
+        });
+        process.stdout.write(o.json ? `${JSON.stringify(outcome)}\n` : `${describeFinalize(outcome)}\n`);
+        return ExitCode.Ok;
+      }, ['jobs']),
+    );
+}

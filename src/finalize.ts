@@ -1,0 +1,136 @@
+import { BusyError, RunFailedError, UsageError } from './errors.ts';
+import { runIsLive } from './operations.ts';
+import { sleep } from './sleep.ts';
+import { validateParams, type Job, type Json } from './job.ts';
+import type { RunJobOptions, Runner, RunOutcome } from './runner.ts';
+import type { RunRow } from './store.ts';
+
+/** How finalize got the run to succeeded. */
+export type FinalizeHow = 'already-succeeded' | 'waited' | 'ran-inline';
+
+export interface FinalizeOutcome extends RunOutcome {
+  readonly how: FinalizeHow;
+}
+
+export interface FinalizeOptions extends Pick<RunJobOptions, 'concurrency' | 'signal' | 'abortSignal' | 'onProgress' | 'allowChangedCode' | 'throttle' | 'health'> {
+  /** The run's key. */
+  readonly key: string;
+  /** Params for a run that does not exist yet; an existing run keeps its own. Defaults to `{}`. */
+  readonly params?: unknown;
+  /** How long to wait for a run that is live in another process, in seconds. Defaults to no bound. */
+  readonly timeoutSeconds?: number;
+}
+
+/**
+ * Makes sure a run has succeeded before a deploy goes on (GitLab's
+ * `ensure_batched_background_migration_is_finished`): succeeded → returns at once; live in another
+ * process → waits for it (bounded by `timeoutSeconds`); unfinished and idle (or never started) →
+ * runs the rest here; failed → throws a RunFailedError carrying the recorded error, runs nothing.
+ * @example await finalizeRun(runner, job, { key: 'backfill-2026-11', timeoutSeconds: 600 });
+ */
+export async function finalizeRun(runner: Runner, job: Job, opts: FinalizeOptions): Promise<FinalizeOutcome> {
+  const deadline = opts.timeoutSeconds === undefined ? Infinity : Date.now() + opts.timeoutSeconds * 1000;
+  let waited = false;
+  // Polls rather than waiting on the job's lock: whoever takes the lock bumps the attempt and
+  // resumes the run, and a run that failed while we waited must be reported, not resumed.
+  for (;;) {
+    const existing = await runner.store.findRun(job.name, opts.key);
+    if (existing?.status === 'failed') throw recordedFailure(existing);
+    if (existing && (await isLive(runner, existing))) {
+      if (Date.now() >= deadline) throw timedOut(opts.timeoutSeconds!, `run ${opts.key} of job "${job.name}"`);
+      waited = true;
+      await sleep(Math.min(POLL_MS, deadline - Date.now()), opts.signal);
+      if (opts.signal?.aborted) throw opts.signal.reason;
+      continue;
+    }
+    const params = existing ? existing.params : ((await validateParams(job, opts.params)) as Json);
+    try {
+      const outcome = await runner.run(job, { params, key: opts.key, wait: false, resumeFailed: false, ...pick(opts) });
+      return { ...outcome, how: how(outcome, waited) };
+    } catch (err) {
+      // Someone else took it between our look and our try: wait for them like any live run.
+      if (!(err instanceof BusyError)) throw err;
+      if (Date.now() >= deadline) throw timedOut(opts.timeoutSeconds!, `run ${opts.key} of job "${job.name}"`);
+      waited = true;
+    }
+  }
+}
+
+/** How often finalize looks again at a run live elsewhere. */
+const POLL_MS = 250;
+
+function timedOut(timeoutSeconds: number, what: string): BusyError {
+  return new BusyError(`${what} is still running in another process after --timeout ${timeoutSeconds}s; raise --timeout, or finalize again later`);
+}
+
+/**
+ * `idem migrate --finalize <name>`: the named migration (file id or job name) and every one before
+ * it must have succeeded; runs them here under the migrate lock when nobody else does. A failed one
+ * is not retried: its recorded error is thrown.
+ */
+export async function finalizeMigration(
+  runner: Runner,
+  migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>,
+  name: string,
+  opts: Omit<FinalizeOptions, 'key' | 'params'> = {},
+): Promise<FinalizeOutcome[]> {
+  const index = migrations.findIndex((m) => m.runKey === name || m.job.name === name);
+  if (index < 0) {
+    const known = migrations.map((m) => m.runKey).join(', ') || 'none';
+    throw new UsageError('unknownMigration', `unknown migration "${name}" (known: ${known}); pass a file name without its extension, or the migration's job name`);
+  }
+  const wanted = migrations.slice(0, index + 1);
+  const live = new Set<string>();
+  for (const m of wanted) {
+    const run = await runner.store.findRun(m.job.name, m.runKey);
+    if (run?.status === 'failed') throw recordedFailure(run);
+    if (run && (await isLive(runner, run))) live.add(m.runKey);
+  }
+  const outcomes = await bounded(opts.timeoutSeconds, `migration ${name}`, () =>
+    runner.migrate(wanted, { wait: opts.timeoutSeconds ?? true, resumeFailed: false, ...pick(opts) }),
+  );
+  return outcomes.map((o) => ({ ...o, how: how(o, live.has(o.runKey)) }));
+}
+
+/** The error a failed run recorded, as the one-line refusal finalize ends with (exit 1). */
+export function recordedFailure(run: Pick<RunRow, 'job' | 'run_key' | 'error'>): RunFailedError {
+  const e = run.error;
+  const where = e ? (e.chunk === null ? ` in step "${e.step}"` : ` in step "${e.step}", chunk ${e.chunk}`) : '';
+  const tries = e ? ` after ${e.tries} ${e.tries === 1 ? 'try' : 'tries'}` : '';
+  return new RunFailedError(
+    `run ${run.run_key} of job "${run.job}" failed${where}${tries}: ${e?.message ?? 'no error recorded'}; fix the cause, resume it (idem run ${run.job} --key ${run.run_key}, or idem migrate), then finalize again`,
+  );
+}
+
+/** Whether the backend that took the run's lock (its job's, or migrate's) still holds it. */
+async function isLive(runner: Runner, run: RunRow): Promise<boolean> {
+  if (run.status !== 'running') return false;
+  return runIsLive(run, await runner.heldLocks(), { jobLockName: (j) => runner.jobLockName(j), runLockName: (id) => runner.runLockName(id) });
+}
+
+function how(outcome: RunOutcome, wasLive: boolean): FinalizeHow {
+  if (outcome.status === 'succeeded') return 'ran-inline';
+  return wasLive ? 'waited' : 'already-succeeded';
+}
+
+/** A wait that ran out names the flag that bounds it. */
+async function bounded<T>(timeoutSeconds: number | undefined, what: string, fn: () => Promise<T>): Promise<T> {
+  try {
+    return await fn();
+  } catch (err) {
+    if (err instanceof BusyError && timeoutSeconds !== undefined) throw timedOut(timeoutSeconds, what);
+    throw err;
+  }
+}
+
+function pick(opts: Omit<FinalizeOptions, 'key'>): Partial<RunJobOptions> {
+  return {
+    ...(opts.concurrency !== undefined ? { concurrency: opts.concurrency } : {}),
+    ...(opts.signal ? { signal: opts.signal } : {}),
+    ...(opts.abortSignal ? { abortSignal: opts.abortSignal } : {}),
+    ...(opts.onProgress ? { onProgress: opts.onProgress } : {}),
+    ...(opts.allowChangedCode !== undefined ? { allowChangedCode: opts.allowChangedCode } : {}),
+    ...(opts.throttle ? { throttle: opts.throttle } : {}),
+    ...(opts.health !== undefined ? { health: opts.health } : {}),
+  };
+}

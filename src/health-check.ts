@@ -1,0 +1,295 @@
+import { sql, type Kysely } from 'kysely';
+import type { Logger } from 'pino';
+import { UsageError } from './errors.ts';
+import type { Job, RunIdentity, Step } from './job.ts';
+import { sleep } from './sleep.ts';
+
+/**
+ * Database-health indicators checked before each chunk starts; while one is over its threshold the
+ * step's workers wait (in-flight chunks finish). Each threshold can be changed, or turned off with
+ * `false`, per job, per step or per invocation (`--health name=value|off`); `health: false` (or
+ * `--no-health-check`) turns every indicator off.
+ */
+export interface HealthOptions {
+  /** Most seconds any standby may lag in replay (`pg_stat_replication.replay_lag`). Defaults to `10`. */
+  readonly replicationLagSeconds?: number | false;
+  /** Most WAL segments waiting for the archiver (`archive_status/*.ready`; GitLab stops at 42). Defaults to `42`. */
+  readonly walArchivePending?: number | false;
+  /** Wait while autovacuum works on a table the step touches (its `tables`, or the source's). Defaults to `true`. */
+  readonly autovacuum?: boolean;
+  /**
+   * Most seconds another session of the database may keep a transaction open, running or idle in
+   * transaction: it pins the xmin horizon, so every row a backfill rewrites stays as bloat.
+   * Defaults to `300`.
+   */
+  readonly transactionAgeSeconds?: number | false;
+  /** Most milliseconds a session may wait for a lock an idem chunk holds. Defaults to `1000`. */
+  readonly lockWaitMs?: number | false;
+  /** How often the database is probed, at most, per process (all workers share a probe), in ms. Defaults to `5000`. */
+  readonly probeIntervalMs?: number;
+}
+
+/** Health settings at one layer (job, step, invocation): options, or `false` for none at all. */
+export type HealthSetting = HealthOptions | false;
+
+/** The defaults, exported so the README and `--help` cannot drift from the code. */
+export const DEFAULT_HEALTH: Required<HealthOptions> = Object.freeze({
+  replicationLagSeconds: 10,
+  walArchivePending: 42,
+  autovacuum: true,
+  transactionAgeSeconds: 300,
+  lockWaitMs: 1000,
+  probeIntervalMs: 5000,
+});
+
+const NUMERIC = ['replicationLagSeconds', 'walArchivePending', 'transactionAgeSeconds', 'lockWaitMs', 'probeIntervalMs'] as const;
+
+/** Merges the layers (later ones win; `false` anywhere after the job turns all checks off), checking every value. */
+export function resolveHealth(...layers: ReadonlyArray<HealthSetting | undefined>): Required<HealthOptions> | null {
+  let merged: Record<string, unknown> | null = { ...DEFAULT_HEALTH };
+  for (const layer of layers) {
+    if (layer === undefined) continue;
+    if (layer === false) {
+      merged = null;
+      continue;
+    }
+    merged = { ...(merged ?? DEFAULT_HEALTH), ...Object.fromEntries(Object.entries(layer).filter(([, v]) => v !== undefined)) };
+  }
+  if (merged === null) return null;
+  const problems: string[] = [];
+  for (const [k, v] of Object.entries(merged)) {
+    if (k === 'autovacuum') {
+      if (typeof v !== 'boolean') problems.push(`autovacuum must be true or false (got ${JSON.stringify(v)})`);
+    } else if (!(NUMERIC as readonly string[]).includes(k)) {
+      problems.push(`unknown indicator "${k}" (known: ${[...NUMERIC, 'autovacuum'].join(', ')})`);
+    } else if (!(v === false && k !== 'probeIntervalMs') && !(typeof v === 'number' && Number.isFinite(v) && v >= 0)) {
+      problems.push(`${k} must be a number >= 0${k === 'probeIntervalMs' ? '' : ' or false'} (got ${JSON.stringify(v)})`);
+    }
+  }
+  if (problems.length) throw new UsageError('invalidHealth', `invalid health check settings: ${problems.join('; ')}; see "Health checks" in the README`);
+  return merged as Required<HealthOptions>;
+}
+
+/** Parses one `--health name=value` flag (`value`: a number, `off`, or for autovacuum `on`/`off`). */
+export function parseHealthFlag(value: string, previous: HealthOptions = {}): HealthOptions {
+  const eq = value.indexOf('=');
+  const name = eq < 0 ? value : value.slice(0, eq);
+  const raw = eq < 0 ? '' : value.slice(eq + 1).trim();
+  if (name === 'autovacuum') {
+    if (raw !== 'on' && raw !== 'off') throw new UsageError('invalidHealth', `--health autovacuum=${raw}: expected on or off`);
+    return { ...previous, autovacuum: raw === 'on' };
+  }
+  if (!(NUMERIC as readonly string[]).includes(name)) {
+    throw new UsageError('invalidHealth', `--health ${value}: unknown indicator "${name}"; use one of ${[...NUMERIC, 'autovacuum'].join(', ')} as name=value`);
+  }
+  const n = Number(raw);
+  if (raw === 'off' && name !== 'probeIntervalMs') return { ...previous, [name]: false };
+  if (raw === '' || !Number.isFinite(n) || n < 0) throw new UsageError('invalidHealth', `--health ${value}: expected ${name}=<number >= 0>${name === 'probeIntervalMs' ? '' : ' or off'}`);
+  return { ...previous, [name]: n };
+}
+
+/** The database is a standby (in recovery): idem must not try to write there. */
+export class StandbyError extends UsageError {
+  constructor(message: string) {
+    super('standby', message);
+  }
+}
+
+/** What one probe measured; thresholds are applied per step. */
+interface Measurement {
+  readonly inRecovery: boolean;
+  readonly replayDelaySeconds: number | null;
+  readonly replicationLagSeconds: number | null;
+  readonly walReady: number | null;
+  readonly vacuuming: ReadonlyArray<{ readonly oid: number; readonly name: string }>;
+  readonly oldestTransaction: { readonly pid: number; readonly state: string; readonly seconds: number } | null;
+  readonly longestLockWait: { readonly pid: number; readonly ms: number; readonly blocker: number } | null;
+}
+
+/**
+ * One process-wide probe per database: every step and worker asks it, and it queries at most once
+ * per interval (concurrent askers share the query in flight).
+ */
+class HealthProbe {
+  readonly #db: Kysely<any>;
+  #last: { at: number; value: Promise<Measurement> } | null = null;
+  #walVisible: Promise<boolean> | null = null;
+
+  constructor(db: Kysely<any>) {
+    this.#db = db;
+  }
+
+  measure(maxAgeMs: number): Promise<Measurement> {
+    const now = performance.now();
+    if (this.#last && now - this.#last.at < maxAgeMs) return this.#last.value;
+    // A failed probe is kept for the interval too: a persistent failure costs one query per
+    // interval, not one per chunk.
+    const value = this.#query();
+    value.catch(() => {});
+    this.#last = { at: now, value };
+    return value;
+  }
+
+  /** pg_ls_archive_statusdir needs superuser or pg_monitor; without it the indicator is skipped. */
+  #canSeeWal(): Promise<boolean> {
+    return (this.#walVisible ??= sql<{ ok: boolean }>`
+      select current_setting('archive_mode') <> 'off'
+        and ((select rolsuper from pg_roles where rolname = current_user) or pg_has_role(current_user, 'pg_monitor', 'member')) as ok`
+      .execute(this.#db)
+      .then((r) => r.rows[0]?.ok === true));
+  }
+
+  async #query(): Promise<Measurement> {
+    const wal = (await this.#canSeeWal()) ? sql`(select count(*)::int from pg_ls_archive_statusdir() where name like '%.ready')` : sql`null::int`;
+    // One statement; each part reads a statistics view, no table. Sessions of idem's own pool
+    // (application_name 'idem') never count as the long transaction that pins the horizon.
+    const { rows } = await sql<Measurement>`
+      select pg_is_in_recovery() as "inRecovery",
+        case when pg_is_in_recovery() then extract(epoch from now() - pg_last_xact_replay_timestamp())::float8 end as "replayDelaySeconds",
+        (select extract(epoch from max(replay_lag))::float8 from pg_stat_replication) as "replicationLagSeconds",
+        ${wal} as "walReady",
+        coalesce((select json_agg(json_build_object('oid', p.relid::int8, 'name', p.relid::regclass::text))
+          from pg_stat_progress_vacuum p join pg_stat_activity a on a.pid = p.pid
+          where a.backend_type = 'autovacuum worker' and p.datname = current_database()), '[]') as vacuuming,
+        (select json_build_object('pid', pid, 'state', state, 'seconds', extract(epoch from now() - xact_start)::float8)
+          from pg_stat_activity
+          where datname = current_database() and backend_type = 'client backend' and xact_start is not null
+            and pid <> pg_backend_pid() and application_name <> 'idem'
+          order by xact_start limit 1) as "oldestTransaction",
+        (select json_build_object('pid', w.pid, 'ms', extract(epoch from now() - w.query_start)::float8 * 1000, 'blocker', b.pid)
+          from pg_stat_activity w cross join lateral unnest(pg_blocking_pids(w.pid)) as bp(pid)
+          join pg_stat_activity b on b.pid = bp.pid and b.application_name = 'idem'
+          where w.datname = current_database() and w.wait_event_type = 'Lock' and w.application_name <> 'idem'
+          order by w.query_start limit 1) as "longestLockWait"`.execute(this.#db);
+    return rows[0]!;
+  }
+}
+
+const probes = new WeakMap<Kysely<any>, HealthProbe>();
+
+/** Why the database is unhealthy for this step, or null. */
+function diagnose(m: Measurement, o: Required<HealthOptions>, tables: ReadonlySet<number>): { indicator: string; reason: string } | null {
+  if (o.replicationLagSeconds !== false && m.replicationLagSeconds !== null && m.replicationLagSeconds > o.replicationLagSeconds) {
+    return { indicator: 'replicationLagSeconds', reason: `replication lag ${Math.round(m.replicationLagSeconds)} s > ${o.replicationLagSeconds} s` };
+  }
+  if (o.walArchivePending !== false && m.walReady !== null && m.walReady > o.walArchivePending) {
+    return { indicator: 'walArchivePending', reason: `${m.walReady} WAL segments not archived > ${o.walArchivePending}` };
+  }
+  if (o.autovacuum) {
+    const hit = m.vacuuming.find((v) => tables.has(Number(v.oid)));
+    if (hit) return { indicator: 'autovacuum', reason: `autovacuum running on ${hit.name}` };
+  }
+  if (o.transactionAgeSeconds !== false && m.oldestTransaction && m.oldestTransaction.seconds > o.transactionAgeSeconds) {
+    const t = m.oldestTransaction;
+    return { indicator: 'transactionAgeSeconds', reason: `transaction of pid ${t.pid} (${t.state}) open ${Math.round(t.seconds)} s > ${o.transactionAgeSeconds} s` };
+  }
+  if (o.lockWaitMs !== false && m.longestLockWait && m.longestLockWait.ms > o.lockWaitMs) {
+    const w = m.longestLockWait;
+    return { indicator: 'lockWaitMs', reason: `pid ${w.pid} waiting ${Math.round(w.ms)} ms > ${o.lockWaitMs} ms for a lock held by idem (pid ${w.blocker})` };
+  }
+  return null;
+}
+
+function standbyError(m: Measurement): StandbyError {
+  const behind = m.replayDelaySeconds === null ? '' : `, ${Math.round(m.replayDelaySeconds)} s behind its primary`;
+  return new StandbyError(`the database is a standby (in recovery${behind}) and cannot take writes; point DATABASE_URL at the primary`);
+}
+
+/**
+ * Turns the "read-only transaction" error a standby raises on idem's first write into a one-line
+ * refusal naming the fix. Wraps the run's claim, so a healthy primary pays nothing.
+ */
+export async function refuseOnStandby<T>(db: Kysely<any>, fn: () => Promise<T>): Promise<T> {
+  try {
+    return await fn();
+  } catch (err) {
+    if ((err as { code?: string }).code !== '25006') throw err;
+    const { rows } = await sql<{ inRecovery: boolean; replayDelaySeconds: number | null }>`
+      select pg_is_in_recovery() as "inRecovery", extract(epoch from now() - pg_last_xact_replay_timestamp())::float8 as "replayDelaySeconds"`.execute(db);
+    if (!rows[0]?.inRecovery) throw err;
+    throw standbyError({ ...rows[0], replicationLagSeconds: null, walReady: null, vacuuming: [], oldestTransaction: null, longestLockWait: null });
+  }
+}
+
+export interface HealthGateOptions {
+  readonly db: Kysely<any>;
+  readonly schema: string;
+  readonly run: RunIdentity;
+  readonly job: Job;
+  readonly step: Step;
+  readonly log: Logger;
+  /** The invocation's setting (flags); wins over the step's and job's. */
+  readonly override?: HealthSetting;
+}
+
+/** A step's gate: `wait()` before each chunk returns at once while the database is healthy. */
+export interface HealthGate {
+  wait(signal: AbortSignal): Promise<void>;
+}
+
+/**
+ * Builds the step's gate, or null when every indicator is off. The tables it watches for
+ * autovacuum are the step's `tables` and its chunk source's (`keyRange` knows its table).
+ */
+export async function createHealthGate(opts: HealthGateOptions): Promise<HealthGate | null> {
+  const o = resolveHealth(opts.job.health, opts.step.health, opts.override);
+  if (!o) return null;
+  let probe = probes.get(opts.db);
+  if (!probe) probes.set(opts.db, (probe = new HealthProbe(opts.db)));
+  const names = [...(opts.step.tables ?? []), ...(opts.step.chunks?.tables ?? [])];
+  const tables = new Set<number>();
+  if (o.autovacuum && names.length > 0) {
+    const { rows } = await sql<{ oid: string | null }>`select to_regclass(n)::oid::int8 as oid from unnest(${names}::text[]) n`.execute(opts.db);
+    for (const r of rows) if (r.oid !== null) tables.add(Number(r.oid));
+  }
+  const runs = sql.id(opts.schema, 'runs');
+  let paused: string | null = null;
+  let failing = false;
+  const record = (pause: { reason: string; since: string } | null) =>
+    sql`update ${runs} set health_pause = ${pause === null ? null : JSON.stringify(pause)}::jsonb where id = ${opts.run.runId} and attempt = ${opts.run.attempt}`
+      .execute(opts.db)
+      .catch(() => {});
+  const p = probe;
+  let since = '';
+  return {
+    async wait(signal) {
+      try {
+        while (!signal.aborted) {
+          let m: Measurement;
+          try {
+            m = await p.measure(o.probeIntervalMs);
+            failing = false;
+          } catch (err) {
+            // Monitoring that fails must not stop the work: log once, carry on as healthy.
+            if (!failing) opts.log.warn({ err: { message: (err as Error).message } }, 'health probe failed; continuing without it');
+            failing = true;
+            return;
+          }
+          if (m.inRecovery) throw standbyError(m);
+          const bad = diagnose(m, o, tables);
+          if (!bad) {
+            if (paused !== null) {
+              opts.log.info({ after: paused }, 'database healthy again; continuing');
+              paused = null;
+              await record(null);
+            }
+            return;
+          }
+          if (paused !== bad.indicator) {
+            // Said once per cause, not once per probe or worker.
+            opts.log.warn({ indicator: bad.indicator, reason: bad.reason }, `paused for health: ${bad.reason}`);
+            paused = bad.indicator;
+            since = new Date().toISOString();
+          }
+          await record({ reason: bad.reason, since });
+          await sleep(o.probeIntervalMs, signal);
+        }
+      } finally {
+        if (signal.aborted && paused !== null) {
+          paused = null;
+          await record(null);
+        }
+      }
+    },
+  };
+}

@@ -1,0 +1,115 @@
+import { sql, type RawBuilder } from 'kysely';
+import type { ChunkSource, ChunkSpec, Json } from './job.ts';
+
+export interface KeysetQueryOptions {
+  /**
+   * The rows to cut, as a query returning at least the key columns (trusted code, never user
+   * input): `'select tenant_id, id from orders where status = \'open\''` or a sql`` builder.
+   */
+  readonly query: string | RawBuilder<unknown>;
+  /** The key column or columns: unique together, not null, ideally an index's leading columns. */
+  readonly key: string | readonly string[];
+  /** Rows per chunk. */
+  readonly size: number;
+  /**
+   * Tables the step touches, for the autovacuum health indicator. Defaults to none (declare them
+   * on the step with `tables` instead, or here).
+   */
+  readonly tables?: readonly string[];
+}
+
+/**
+ * A slice `(after, through]` of the query's rows in key order: `after` is the previous chunk's last
+ * key (`null` for the first chunk), `through` this chunk's last key, both as text (exact for any
+ * type; Postgres casts them back when compared with the columns). Consecutive chunks leave no gap,
+ * so a row inserted between two chunks' keys while the run goes is still covered.
+ */
+export interface KeysetChunk extends ChunkSpec {
+  readonly key: string;
+  readonly after: string[] | null;
+  readonly through: string[];
+}
+
+export type KeysetSource = ChunkSource<unknown, unknown, KeysetChunk> & {
+  /** The chunk's condition on the key columns, for the step's statements: `where ${source.where(chunk)}`. */
+  where(chunk: KeysetChunk, alias?: string): RawBuilder<unknown>;
+};
+
+/**
+ * Keyset chunks over the rows of a query, for composite (or non-integer) keys: each boundary is one
+ * index probe (`where (k1, k2) > (…) order by k1, k2 offset size - 1 limit 1`) done by the server
+ * in one recursive statement per window, so gaps cost nothing and the rows never come to the client.
+ * @example
+ * const orders = keysetQuery({ query: 'select tenant_id, id from orders', key: ['tenant_id', 'id'], size: 1000 });
+ * steps: [{ name: 'backfill', chunks: orders,
+ *   run: ({ db }, c) => sql`update orders set total = … where ${orders.where(c)}`.execute(db) }]
+ */
+export function keysetQuery(opts: KeysetQueryOptions): KeysetSource {
+  const columns = typeof opts?.key === 'string' ? [opts.key] : Array.isArray(opts?.key) ? [...opts.key] : [];
+  const problems: string[] = [];
+  if (!(typeof opts?.query === 'string' ? opts.query.trim() !== '' : opts?.query && typeof (opts.query as RawBuilder<unknown>).compile === 'function')) {
+    problems.push('query must be a non-empty SQL string or a sql`` builder');
+  }
+  if (columns.length === 0 || columns.some((c) => typeof c !== 'string' || c === '')) problems.push('key must be a column name or a non-empty array of them');
+  if (new Set(columns).size !== columns.length) problems.push('key names a column twice');
+  if (!Number.isInteger(opts?.size) || opts.size < 1) problems.push(`size must be an integer >= 1 (got ${opts?.size})`);
+  if (problems.length) throw new TypeError(`keysetQuery(): ${problems.join('; ')}`);
+
+  const query = typeof opts.query === 'string' ? sql.raw(opts.query) : opts.query;
+  const cols = (alias: string) => sql.join(columns.map((c) => sql.ref(`${alias}.${c}`)));
+  const asText = (alias: string) => sql.join(columns.map((c) => sql`${sql.ref(`${alias}.${c}`)}::text`));
+  const generic = sql.join(columns.map((_, i) => sql.ref(`k${i}`)));
+  const bOf = sql.join(columns.map((_, i) => sql.ref(`b.k${i}`)));
+  const values = (v: readonly string[]) => sql.join(v.map((x) => sql`${x}`));
+  const order = (alias: string, dir: 'asc' | 'desc') => sql.join(columns.map((c) => sql`${sql.ref(`${alias}.${c}`)} ${sql.raw(dir)}`));
+  const keyOf = (through: readonly string[]) => JSON.stringify(through);
+
+  const plan: ChunkSource<unknown, unknown, KeysetChunk> = async (cursor, ctx) => {
+    const after = cursor === null ? null : (cursor as string[]);
+    if (after !== null && (!Array.isArray(after) || after.length !== columns.length)) {
+      throw new TypeError(`keysetQuery(): the stored cursor ${JSON.stringify(cursor)} does not match key (${columns.join(', ')}); the key of an unfinished run must not change`);
+    }
+    const windowChunks = Math.max(1, ctx.windowSize);
+    const size = Math.max(1, Math.round(opts.size * (ctx.sizeFactor ?? 1)));
+    const lower = after === null ? sql`true` : sql`(${cols('q')}) > (${values(after)})`;
+    // One probe per boundary: the row `size` rows past the previous boundary, found by the index.
+    const { rows } = await sql<{ k: string[]; i: number }>`
+      with recursive b(${generic}, i) as (
+        (select ${cols('q')}, 1 from (${query}) q where ${lower} order by ${order('q', 'asc')} offset ${size - 1} limit 1)
+        union all
+        select ${cols('n')}, b.i + 1 from b cross join lateral (
+          select ${cols('q')} from (${query}) q where (${cols('q')}) > (${bOf}) order by ${order('q', 'asc')} offset ${size - 1} limit 1
+        ) n where b.i < ${windowChunks}
+      )
+      select array[${sql.join(columns.map((_, i) => sql`${sql.ref(`b.k${i}`)}::text`))}] as k, i from b order by i`.execute(ctx.db);
+    const boundaries = rows.map((r) => r.k);
+    const chunks: KeysetChunk[] = [];
+    let prev = after;
+    for (const through of boundaries) {
+      chunks.push({ key: keyOf(through), after: prev, through });
+      prev = through;
+    }
+    if (boundaries.length === windowChunks) return { chunks, next: prev as Json };
+    // The window ran out of full chunks: the rest (fewer than `size` rows) is the last chunk.
+    const from = prev === null ? sql`true` : sql`(${cols('q')}) > (${values(prev)})`;
+    const { rows: last } = await sql<{ k: string[] }>`
+      select array[${asText('q')}] as k from (${query}) q where ${from} order by ${order('q', 'desc')} limit 1`.execute(ctx.db);
+    if (last[0]) chunks.push({ key: keyOf(last[0].k), after: prev, through: last[0].k });
+    return { chunks, next: null };
+  };
+
+  // From the planner's row estimate for the query: free, and good enough for an ETA.
+  plan.estimate = async (ctx) => {
+    const { rows } = await sql<{ 'QUERY PLAN': Array<{ Plan: { 'Plan Rows': number } }> }>`explain (format json) select 1 from (${query}) q`.execute(ctx.db);
+    const n = rows[0]?.['QUERY PLAN']?.[0]?.Plan?.['Plan Rows'];
+    return typeof n === 'number' && n > 0 ? Math.ceil(n / opts.size) : null;
+  };
+  if (opts.tables) plan.tables = [...opts.tables];
+  const where = (chunk: KeysetChunk, alias?: string): RawBuilder<unknown> => {
+    const ref = (c: string) => sql.ref(alias ? `${alias}.${c}` : c);
+    const row = sql.join(columns.map(ref));
+    const upper = sql`(${row}) <= (${values(chunk.through)})`;
+    return chunk.after === null ? upper : sql`(${row}) > (${values(chunk.after)}) and ${upper}`;
+  };
+  return Object.assign(plan, { where });
+}

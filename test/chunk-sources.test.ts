@@ -1,0 +1,212 @@
+import { spawn } from 'node:child_process';
+import { createWriteStream } from 'node:fs';
+import { mkdtemp, rm, stat, writeFile } from 'node:fs/promises';
+import os from 'node:os';
+import path from 'node:path';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { defineJob, InterruptedError, keyList, keysetQuery, Runner, sql, type KeyListChunk, type KeysetChunk, type PlanContext } from '../src/index.ts';
+import { query, runRow } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+
+let database: TestDatabase;
+let url: string;
+let runner: Runner;
+let dir: string;
+
+beforeAll(async () => {
+  database = await createTestDatabase();
+  url = database.url;
+  await query(url, `create table seen (key text primary key, n integer not null default 1)`);
+  runner = await Runner.connect({ connectionString: url });
+  dir = await mkdtemp(path.join(os.tmpdir(), 'idem-sources-'));
+});
+afterAll(async () => {
+  await runner?.close();
+  await database?.drop();
+  await rm(dir, { recursive: true, force: true });
+});
+
+/** Records each key of a chunk; a key seen twice counts 2, so "exactly once" is a check on n. */
+const recordKeys = async (db: Parameters<Parameters<typeof defineJob>[0]['steps'][0]['run']>[0]['db'], prefix: string, keys: readonly unknown[]) => {
+  await sql`insert into seen (key) select ${prefix} || k from unnest(${keys.map(String)}::text[]) k
+    on conflict (key) do update set n = seen.n + 1`.execute(db);
+};
+
+/** Runs a job, interrupted after `stopAfter` chunks of its step, then resumed to the end. */
+async function runInterrupted(job: ReturnType<typeof defineJob<any>>, key: string, stopAfter: number, params?: unknown) {
+  const stop = new AbortController();
+  const first = await runner
+    .run(job, { key, params, signal: stop.signal, onProgress: (p) => p.done >= stopAfter && stop.abort(new InterruptedError('SIGINT')) })
+    .catch((e: unknown) => e);
+  if (!(first instanceof InterruptedError)) throw first;
+  return runner.run(job, { key, params });
+}
+
+const planCtx = (windowSize: number, params: unknown = {}): PlanContext => ({ windowSize, sizeFactor: 1, params }) as PlanContext;
+
+describe('keyList', () => {
+  it('cuts keys given by the params into chunks with an estimate; every key once', async () => {
+    const job = defineJob<{ ids: number[] }>({
+      name: 'by-params',
+      params: (raw) => raw as { ids: number[] },
+      steps: [{ name: 'each', chunks: keyList<{ ids: number[] }>({ keys: (p) => p.ids, size: 3 }), run: ({ db }, c: KeyListChunk) => recordKeys(db, 'p:', c.keys) }],
+    });
+    const ids = [5, 3, 99, 1, 7, 42, 8, 13, 21, 34];
+    const out = await runner.run(job, { key: 'p', params: { ids } });
+    expect(out.summary?.steps[0]).toEqual({ name: 'each', chunks: 4 });
+    const chunks = await query(url, `select c.key, c.spec->'keys' as keys from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'by-params' order by seq`);
+    expect(chunks).toEqual([
+      { key: 'keys[0,3)', keys: [5, 3, 99] },
+      { key: 'keys[3,6)', keys: [1, 7, 42] },
+      { key: 'keys[6,9)', keys: [8, 13, 21] },
+      { key: 'keys[9,10)', keys: [34] },
+    ]);
+    expect(await query(url, `select estimated_chunks from idem.steps where name = 'each'`)).toEqual([{ estimated_chunks: 4 }]);
+    expect(await query(url, `select count(*)::int as keys, max(n) as most from seen where key like 'p:%'`)).toEqual([{ keys: 10, most: 1 }]);
+  });
+
+  it('streams a newline file from a byte offset: interrupted and resumed, every key exactly once', async () => {
+    const file = path.join(dir, 'ids.txt');
+    const n = 25_000;
+    // Blank lines and CRLF endings, as files from other systems have them.
+    await writeFile(file, Array.from({ length: n }, (_, i) => (i % 1000 === 0 ? `id-${i}\r\n\n` : `id-${i}\n`)).join(''));
+    const job = defineJob<{ file: string }>({
+      name: 'by-file',
+      params: (raw) => raw as { file: string },
+      steps: [{ name: 'each', chunks: keyList<{ file: string }>({ file: (p) => p.file, size: 500 }), run: ({ db }, c: KeyListChunk) => recordKeys(db, 'f:', c.keys) }],
+    });
+    const out = await runInterrupted(job, 'f', 7, { file });
+    expect(out).toMatchObject({ status: 'succeeded', attempt: 2 });
+    expect(out.summary?.steps[0]).toEqual({ name: 'each', chunks: n / 500 });
+    expect(await query(url, `select count(*)::int as keys, max(n) as most, min(n) as least from seen where key like 'f:%'`)).toEqual([{ keys: n, most: 1, least: 1 }]);
+    expect(await query(url, `select 1 from seen where key in ('f:id-0', 'f:id-24999', 'f:id-1000')`)).toHaveLength(3);
+    const [est] = await query(url, `select s.estimated_chunks from idem.steps s join idem.runs r on r.id = s.run_id where r.job = 'by-file'`);
+    // From the file size and the first keys' mean length: close, not exact.
+    expect(est.estimated_chunks).toBeGreaterThan(40);
+    expect(est.estimated_chunks).toBeLessThan(60);
+  });
+
+  it('reads a CSV column by header name, with quoted fields, and refuses a missing column', async () => {
+    const file = path.join(dir, 'users.csv');
+    await writeFile(file, 'name,email,id\r\n"Doe, Jane","jane@x.org",17\r\nBob,"say ""hi""@x.org",18\r\n\r\nEve,e@x.org,19');
+    const src = keyList({ file, column: 'email', size: 2 });
+    const first = await src(null, planCtx(1));
+    expect(first.chunks).toEqual([{ key: 'keys[0,2)', keys: ['jane@x.org', 'say "hi"@x.org'] }]);
+    const second = await src(first.next, planCtx(1));
+    expect(second).toEqual({ chunks: [{ key: 'keys[2,3)', keys: ['e@x.org'] }], next: null });
+    const byIndex = await keyList({ file, column: 2, size: 10 })(null, planCtx(1));
+    expect(byIndex.chunks[0]!.keys).toEqual(['17', '18', '19']);
+    await expect(keyList({ file, column: 'phone', size: 2 })(null, planCtx(1))).rejects.toThrow(`keyList(): ${file} has no column "phone" in its header; fix column, or the file`);
+    expect(() => keyList({ size: 2 })).toThrow('keyList(): pass exactly one of keys or file');
+  });
+
+  it('a file larger than the process may hold is streamed through in a heap too small to load it whole', async () => {
+    const file = path.join(dir, 'big.txt');
+    // 1.6 M keys of 40 characters: 66 MB, more than twice the child's 32 MB heap.
+    const lines = 1_600_000;
+    await new Promise<void>((resolve, reject) => {
+      const out = createWriteStream(file);
+      out.on('error', reject);
+      let i = 0;
+      const write = () => {
+        while (i < lines) {
+          const block: string[] = [];
+          for (let j = 0; j < 100_000 && i < lines; j++, i++) block.push(`k${String(i).padStart(39, '0')}`);
+          if (!out.write(`${block.join('\n')}\n`)) return void out.once('drain', write);
+        }
+        out.end(resolve);
+      };
+      write();
+    });
+    const bytes = (await stat(file)).size;
+    expect(bytes).toBeGreaterThan(60_000_000);
+    const script = path.join(dir, 'walk.mts');
+    await writeFile(
+      script,
+      `import { readFileSync } from 'node:fs';
+import { keyList } from ${JSON.stringify(path.resolve('src/key-list.ts'))};
+const [file, mode] = process.argv.slice(2);
+if (mode === 'whole') { console.log(readFileSync(file, 'utf8').split('\\n').length); process.exit(0); }
+const src = keyList({ file, size: 1000 });
+let cursor = null, keys = 0, chunks = 0, last = '';
+do {
+  const page = await src(cursor, { windowSize: 50, sizeFactor: 1, params: {} });
+  for (const c of page.chunks) { keys += c.keys.length; chunks++; last = c.keys[c.keys.length - 1]; }
+  cursor = page.next;
+} while (cursor !== null);
+console.log(JSON.stringify({ keys, chunks, last }));
+`,
+    );
+    const walk = (mode: string) =>
+      new Promise<{ code: number | null; out: string; err: string }>((resolve) => {
+        const child = spawn(process.execPath, ['--max-old-space-size=32', '--import', 'tsx', script, file, mode], { stdio: ['ignore', 'pipe', 'pipe'] });
+        let out = '';
+        let err = '';
+        child.stdout.on('data', (d) => (out += d));
+        child.stderr.on('data', (d) => (err += d));
+        child.on('close', (code) => resolve({ code, out, err }));
+      });
+    const streamed = await walk('stream');
+    expect(streamed.err).toBe('');
+    expect(streamed.code).toBe(0);
+    expect(JSON.parse(streamed.out)).toEqual({ keys: lines, chunks: lines / 1000, last: `k${String(lines - 1).padStart(39, '0')}` });
+    // The control: the same heap cannot hold the file's keys loaded whole.
+    const whole = await walk('whole');
+    expect(whole.code).not.toBe(0);
+    expect(whole.err).toMatch(/heap out of memory|Invalid string length/);
+  }, 180_000);
+});
+
+describe('keysetQuery', () => {
+  beforeAll(async () => {
+    // Composite key (text, bigint) with gaps: ids jump, whole tenants are missing, closed rows are filtered out.
+    await query(url, `create table orders (tenant text not null, id bigint not null, status text not null, touched integer not null default 0, primary key (tenant, id))`);
+    await query(url, `insert into orders (tenant, id, status)
+      select t, g * g, case when g % 7 = 0 then 'closed' else 'open' end
+      from unnest(array['acme', 'beta', 'zeta']) t, generate_series(1, 300) g where not (t = 'beta' and g between 50 and 250)`);
+    await query(url, 'analyze orders');
+  });
+
+  it('cuts a query by a composite key across gaps: each row once, chunks contiguous and full, resumable', async () => {
+    const orders = keysetQuery({ query: `select tenant, id from orders where status = 'open'`, key: ['tenant', 'id'], size: 37 });
+    const job = defineJob({
+      name: 'keyset',
+      steps: [
+        {
+          name: 'touch',
+          chunks: orders,
+          run: ({ db }, c: KeysetChunk) => sql`update orders set touched = touched + 1 where status = 'open' and ${orders.where(c)}`.execute(db),
+        },
+      ],
+    });
+    const out = await runInterrupted(job, 'k', 5);
+    expect(out).toMatchObject({ status: 'succeeded', attempt: 2 });
+    const [{ open }] = await query(url, `select count(*)::int as open from orders where status = 'open'`);
+    expect(await query(url, `select status, min(touched), max(touched) from orders group by status order by status`)).toEqual([
+      { status: 'closed', min: 0, max: 0 },
+      { status: 'open', min: 1, max: 1 },
+    ]);
+    const chunks = await query(url, `select c.spec from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'keyset' order by seq`);
+    expect(chunks).toHaveLength(Math.ceil(open / 37));
+    // No gap between chunks: each starts after the last key of the one before.
+    chunks.forEach((c, i) => expect(c.spec.after).toEqual(i === 0 ? null : chunks[i - 1]!.spec.through));
+    expect(chunks.at(-1)!.spec.through).toEqual(['zeta', String(300 * 300)]);
+    // Every chunk but the last holds exactly `size` rows.
+    for (const c of chunks.slice(0, -1)) {
+      const [{ n }] = await query(url, `select count(*)::int as n from orders where status = 'open' and (tenant, id) > ($1, $2) and (tenant, id) <= ($3, $4)`, [
+        ...(c.spec.after ?? ['', '-1']),
+        ...c.spec.through,
+      ]);
+      expect(n).toBe(37);
+    }
+    const [est] = await query(url, `select s.estimated_chunks from idem.steps s join idem.runs r on r.id = s.run_id where r.job = 'keyset'`);
+    expect(est.estimated_chunks).toBeGreaterThan(0);
+    expect(await runRow(url, 'keyset', 'k')).toMatchObject({ status: 'succeeded' });
+  });
+
+  it('refuses bad options at definition time', () => {
+    expect(() => keysetQuery({ query: '', key: [], size: 0 })).toThrow(
+      'keysetQuery(): query must be a non-empty SQL string or a sql`` builder; key must be a column name or a non-empty array of them; size must be an integer >= 1 (got 0)',
+    );
+  });
+});

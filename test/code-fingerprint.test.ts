@@ -1,0 +1,124 @@
+import { mkdtemp, rm, writeFile, appendFile } from 'node:fs/promises';
+import os from 'node:os';
+import path from 'node:path';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { defineJob, exitCodeOf, Runner, RunFailedError, sql } from '../src/index.ts';
+import { CodeChangedError } from '../src/code-fingerprint.ts';
+import { createFixtureTables } from './fixtures/tables.ts';
+import { killLeftovers, lines, query, runCli, runRow } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+
+const INDEX = path.resolve('src/index.ts');
+let database: TestDatabase;
+let url: string;
+let dir: string;
+
+beforeAll(async () => {
+  database = await createTestDatabase();
+  url = database.url;
+  await createFixtureTables(url);
+  dir = await mkdtemp(path.join(os.tmpdir(), 'idem-code-'));
+  // Outside the package, a .ts file is ESM only where a package.json says so.
+  await writeFile(path.join(dir, 'package.json'), '{ "type": "module" }');
+});
+afterAll(async () => {
+  await killLeftovers();
+  await rm(dir, { recursive: true, force: true });
+  await database?.drop();
+});
+
+/** A job of three chunks; a chunk whose key is in fail_chunks fails after its work (rolled back). */
+const JOB_FILE = `import { defineJob, sql } from ${JSON.stringify(INDEX)};
+export default defineJob({
+  name: 'code-check',
+  steps: [{
+    name: 'work',
+    chunks: () => ({ chunks: [{ key: 'a' }, { key: 'b' }, { key: 'c' }], next: null }),
+    async run({ db, run }, { key }) {
+      await sql\`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values ('code-check', \${run.runKey}, 'work', \${key}, \${run.attempt}, 0)\`.execute(db);
+      const { rows } = await sql\`select 1 from fail_chunks where chunk_key = \${key}\`.execute(db);
+      if (rows.length > 0) throw new Error('injected failure in chunk ' + key);
+    },
+  }],
+});
+`;
+
+const cli = (...args: string[]) => runCli(['--jobs-dir', dir, '--log-level', 'warn', ...args], { url });
+
+describe('code changes between attempts', () => {
+  it('a resume under an edited job file is refused with exit 65 and changes nothing; --allow-changed-code resumes and is recorded', async () => {
+    await writeFile(path.join(dir, 'code-check.ts'), JOB_FILE);
+    await query(url, `insert into fail_chunks (chunk_key) values ('b')`);
+    const failed = await cli('run', 'code-check', '--key', 'k1', '--no-progress');
+    expect(failed.code).toBe(1);
+    const first = await runRow(url, 'code-check', 'k1');
+    expect(first).toMatchObject({ status: 'failed', attempt: 1, code_changes: null });
+    expect(first.code_fingerprint).toMatch(/^sha256:[0-9a-f]{64}$/);
+    await query(url, `delete from fail_chunks where chunk_key = 'b'`);
+
+    // A deploy edits the job file between the attempts.
+    await appendFile(path.join(dir, 'code-check.ts'), '// a change deployed mid-backfill\n');
+    const refused = await cli('run', 'code-check', '--key', 'k1', '--no-progress');
+    expect(refused.code).toBe(65);
+    const errLines = lines(refused.stderr).filter((l) => !l.startsWith('{'));
+    expect(errLines).toHaveLength(1);
+    expect(errLines[0]).toMatch(/^idem: error: run k1 of job "code-check" was started under other code \(sha256:[0-9a-f]{12}…, now sha256:[0-9a-f]{12}…\); .*--allow-changed-code/);
+    expect(await runRow(url, 'code-check', 'k1')).toEqual(first);
+    expect(await query(url, `select chunk_key from work_log where run_key = 'k1' order by chunk_key`)).toEqual([{ chunk_key: 'a' }]);
+
+    const allowed = await cli('run', 'code-check', '--key', 'k1', '--no-progress', '--allow-changed-code');
+    expect(allowed.code).toBe(0);
+    const after = await runRow(url, 'code-check', 'k1');
+    expect(after).toMatchObject({ status: 'succeeded', attempt: 2 });
+    expect(after.code_fingerprint).not.toBe(first.code_fingerprint);
+    expect(after.code_changes).toEqual([{ from: first.code_fingerprint, to: after.code_fingerprint, attempt: 2, at: expect.any(String) }]);
+    expect(await query(url, `select chunk_key from work_log where run_key = 'k1' order by chunk_key`)).toEqual([{ chunk_key: 'a' }, { chunk_key: 'b' }, { chunk_key: 'c' }]);
+
+    const status = await cli('status', 'code-check', '--json');
+    expect(JSON.parse(status.stdout)[0].codeChanges).toEqual(after.code_changes);
+    expect((await cli('status', 'code-check')).stdout).toContain('code changed (allowed) at attempt 2');
+  });
+
+  it('an unchanged file resumes without the flag, and a declared version is what counts', async () => {
+    const runner = await Runner.connect({ connectionString: url });
+    try {
+      let fail = true;
+      const versioned = (version: string) =>
+        defineJob({
+          name: 'versioned',
+          version,
+          steps: [
+            {
+              name: 'work',
+              chunks: () => ({ chunks: [{ key: 'x' }, { key: 'y' }], next: null }),
+              async run({ db, run }, { key }) {
+                await sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values ('versioned', ${run.runKey}, 'work', ${key}, ${run.attempt}, 0)`.execute(db);
+                if (key === 'y' && fail) throw new Error('injected');
+              },
+            },
+          ],
+        });
+      await expect(runner.run(versioned('1'), { key: 'v' })).rejects.toBeInstanceOf(RunFailedError);
+      expect(await runRow(url, 'versioned', 'v')).toMatchObject({ status: 'failed', code_fingerprint: 'version:1' });
+      // The same version again (other object, same declared code): a plain resume, still failing.
+      await expect(runner.run(versioned('1'), { key: 'v' })).rejects.toBeInstanceOf(RunFailedError);
+      fail = false;
+      const err = await runner.run(versioned('2'), { key: 'v' }).catch((e: unknown) => e);
+      expect(err).toBeInstanceOf(CodeChangedError);
+      expect(exitCodeOf(err)).toBe(65);
+      expect((err as Error).message).toContain('(version:1, now version:2)');
+      expect(await runRow(url, 'versioned', 'v')).toMatchObject({ status: 'failed', attempt: 2, code_fingerprint: 'version:1', code_changes: null });
+      const out = await runner.run(versioned('2'), { key: 'v', allowChangedCode: true });
+      expect(out).toMatchObject({ status: 'succeeded', attempt: 3 });
+      expect(await runRow(url, 'versioned', 'v')).toMatchObject({ code_fingerprint: 'version:2', code_changes: [{ from: 'version:1', to: 'version:2', attempt: 3 }] });
+      // A finished run is never re-checked: a later deploy does not make old runs fail.
+      expect(await runner.run(versioned('3'), { key: 'v' })).toMatchObject({ status: 'already-succeeded' });
+    } finally {
+      await runner.close();
+    }
+  });
+
+  it('refuses a version that is neither a string nor a number at load time', () => {
+    expect(() => defineJob({ name: 'bad-version', version: {} as never, steps: [{ name: 's', run() {} }] })).toThrow(/version must be a non-empty string/);
+  });
+});

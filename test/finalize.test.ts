@@ -1,0 +1,131 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { BusyError, exitCodeOf, finalizeRun, InterruptedError, Runner, RunFailedError } from '../src/index.ts';
+import counted, { chunkKey } from './fixtures/jobs/counted.ts';
+import { createFixtureTables } from './fixtures/tables.ts';
+import { FIXTURE_DIRS, holdGate, killLeftovers, lines, query, runCli, runRow, snapshot, waitFor, workCounts } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+
+let database: TestDatabase;
+let url: string;
+let runner: Runner;
+
+beforeAll(async () => {
+  database = await createTestDatabase();
+  url = database.url;
+  await createFixtureTables(url);
+  runner = await Runner.connect({ connectionString: url });
+});
+
+afterAll(async () => {
+  await killLeftovers();
+  await runner?.close();
+  await database?.drop();
+});
+
+const ones = (n: number) => new Map(Array.from({ length: n }, (_, i) => [chunkKey(i + 1), 1]));
+const TABLES = ['idem.runs', 'idem.steps', 'idem.chunks', 'work_log', 'counted_state'];
+
+describe('finalize', () => {
+  it('a succeeded run: returns at once, runs nothing, writes nothing', async () => {
+    await runner.run(counted, { params: { chunks: 3 }, key: 'done' });
+    const before = await snapshot(url, TABLES);
+    const out = await finalizeRun(runner, counted, { key: 'done' });
+    expect(out).toMatchObject({ how: 'already-succeeded', status: 'already-succeeded', executed: 0, runKey: 'done' });
+    expect(await snapshot(url, TABLES)).toEqual(before);
+  });
+
+  it('a run live in another process: waits for it, bounded by the timeout, and does none of its work', async () => {
+    const gate = await holdGate(url, 'live');
+    const other = await Runner.connect({ connectionString: url });
+    try {
+      const elsewhere = other.run(counted, { params: { chunks: 4, gate: 'live' }, key: 'live' });
+      await waitFor(async () => (await runRow(url, 'counted', 'live'))?.status === 'running' && (await workCounts(url, 'live', 'prepare')).size === 1, 'the other run to start');
+
+      // Bounded: still running after the timeout → busy (75), nothing changed.
+      const err = await finalizeRun(runner, counted, { key: 'live', timeoutSeconds: 0.3 }).catch((e: unknown) => e);
+      expect(err).toBeInstanceOf(BusyError);
+      expect(exitCodeOf(err)).toBe(75);
+      expect((err as Error).message).toBe('run live of job "counted" is still running in another process after --timeout 0.3s; raise --timeout, or finalize again later');
+      expect(await runRow(url, 'counted', 'live')).toMatchObject({ status: 'running', attempt: 1 });
+
+      const waiting = finalizeRun(runner, counted, { key: 'live', timeoutSeconds: 60 });
+      await gate.release();
+      const out = await waiting;
+      await elsewhere;
+      expect(out).toMatchObject({ how: 'waited', status: 'already-succeeded', executed: 0, attempt: 1 });
+      expect(await workCounts(url, 'live')).toEqual(ones(4));
+      // Every chunk was done by the other process: finalize ran no chunk of its own.
+      expect(await query(url, `select distinct attempt from work_log where run_key = 'live'`)).toEqual([{ attempt: 1 }]);
+    } finally {
+      await gate.release();
+      await other.close();
+    }
+  });
+
+  it('an unfinished run nobody runs: runs the rest here, each chunk exactly once; a run never started runs whole', async () => {
+    const stop = new AbortController();
+    const first = await runner
+      .run(counted, {
+        params: { chunks: 6 },
+        key: 'idle',
+        signal: stop.signal,
+        onProgress: (p) => {
+          if (p.step === 'work' && p.done === 2) stop.abort(new InterruptedError('SIGTERM'));
+        },
+      })
+      .catch((e: unknown) => e);
+    expect(first).toBeInstanceOf(InterruptedError);
+    expect(await runRow(url, 'counted', 'idle')).toMatchObject({ status: 'interrupted', attempt: 1 });
+    const doneBefore = (await workCounts(url, 'idle')).size;
+
+    const out = await finalizeRun(runner, counted, { key: 'idle' });
+    expect(out).toMatchObject({ how: 'ran-inline', status: 'succeeded', attempt: 2, executed: 6 - doneBefore + 1 });
+    expect(await workCounts(url, 'idle')).toEqual(ones(6));
+    expect(await runRow(url, 'counted', 'idle')).toMatchObject({ status: 'succeeded' });
+
+    const fresh = await finalizeRun(runner, counted, { key: 'never', params: { chunks: 2 } });
+    expect(fresh).toMatchObject({ how: 'ran-inline', status: 'succeeded', attempt: 1, executed: 4 });
+    expect((await runRow(url, 'counted', 'never')).params).toMatchObject({ chunks: 2 });
+  });
+
+  it('a failed run: throws its recorded error (exit 1) and runs nothing, from the API and the CLI', async () => {
+    await query(url, `insert into fail_chunks (chunk_key) values ('c0002')`);
+    await expect(runner.run(counted, { params: { chunks: 3 }, key: 'failed' })).rejects.toBeInstanceOf(RunFailedError);
+    // The cause is fixed, but finalize must not resume a failed backfill behind the operator's back.
+    await query(url, `delete from fail_chunks`);
+    const before = await snapshot(url, TABLES);
+
+    const err = await finalizeRun(runner, counted, { key: 'failed' }).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(RunFailedError);
+    expect(exitCodeOf(err)).toBe(1);
+    expect((err as Error).message).toBe(
+      'run failed of job "counted" failed in step "work", chunk c0002 after 1 try: injected failure in chunk c0002; fix the cause, resume it (idem run counted --key failed, or idem migrate), then finalize again',
+    );
+    expect(await snapshot(url, TABLES)).toEqual(before);
+
+    const cli = await runCli([...FIXTURE_DIRS, '--log-level', 'warn', 'finalize', 'counted', '--key', 'failed'], { url });
+    expect(cli.code).toBe(1);
+    expect(lines(cli.stderr).filter((l) => !l.startsWith('{'))).toEqual([`idem: error: ${(err as Error).message}`]);
+    expect(await snapshot(url, TABLES)).toEqual(before);
+  });
+
+  it('idem migrate --finalize runs the named migration and those before it, then exits 0 at once; an unknown name exits 2', async () => {
+    const args = [...FIXTURE_DIRS, '--log-level', 'warn', 'migrate'];
+    const unknown = await runCli([...args, '--finalize', 'nope'], { url });
+    expect(unknown.code).toBe(2);
+    expect(unknown.stderr).toContain('unknown migration "nope" (known: 0001_create_widgets, 0002_backfill_widgets)');
+
+    const first = await runCli([...args, '--finalize', '0002_backfill_widgets'], { url });
+    expect(first.code).toBe(0);
+    expect(lines(first.stdout)).toEqual([
+      expect.stringMatching(/^0001_create_widgets: finalize: the rest ran here; job "create-widgets" succeeded/),
+      expect.stringMatching(/^0002_backfill_widgets: finalize: the rest ran here; job "backfill-widgets" succeeded: 6 chunks/),
+    ]);
+    expect(await query(url, `select count(*)::int as n from widgets where name_upper is null`)).toEqual([{ n: 0 }]);
+
+    const again = await runCli([...args, '--finalize', 'backfill-widgets', '--timeout', '5'], { url });
+    expect(again.code).toBe(0);
+    expect(lines(again.stdout)[1]).toMatch(/^0002_backfill_widgets: finalize: had already succeeded; job "backfill-widgets" already done/);
+    expect(await query(url, `select count(*)::int as n from work_log where job = 'backfill-widgets'`)).toEqual([{ n: 6 }]);
+  });
+});

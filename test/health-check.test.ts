@@ -1,0 +1,198 @@
+import pg from 'pg';
+import pino from 'pino';
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { defineJob, Runner, sql, UsageError, type HealthOptions } from '../src/index.ts';
+import { parseHealthFlag, resolveHealth } from '../src/health-check.ts';
+import counted from './fixtures/jobs/counted.ts';
+import { createFixtureTables } from './fixtures/tables.ts';
+import { FIXTURE_DIRS, holdGate, killLeftovers, query, runCli, runRow, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { createTestDatabase, type TestDatabase } from './support/database.ts';
+
+let database: TestDatabase;
+let url: string;
+let runner: Runner;
+const logs: Array<{ msg: string; indicator?: string; [k: string]: unknown }> = [];
+
+beforeAll(async () => {
+  database = await createTestDatabase();
+  url = database.url;
+  await createFixtureTables(url);
+  await query(url, `create table hot (id int primary key, n int not null default 0); insert into hot values (1, 0)`);
+  const log = pino({ level: 'info' }, { write: (line: string) => void logs.push(JSON.parse(line)) });
+  runner = await Runner.connect({ connectionString: url, log });
+});
+
+afterAll(async () => {
+  await killLeftovers();
+  await runner?.close();
+  await database?.drop();
+});
+
+/** A session that opens a transaction and keeps it open (idle in transaction) until release(). */
+async function openTransaction(): Promise<{ pid: number; release(): Promise<void> }> {
+  const client = new pg.Client({ connectionString: url, application_name: 'test-long-tx' });
+  await client.connect();
+  await client.query('begin');
+  const { rows } = await client.query<{ pid: number }>('select pg_backend_pid() as pid, txid_current()');
+  let done: Promise<void> | undefined;
+  return { pid: rows[0]!.pid, release: () => (done ??= client.query('commit').then(() => client.end())) };
+}
+
+const olderThan = async (pid: number, seconds: number) =>
+  (await query(url, `select 1 from pg_stat_activity where pid = $1 and now() - xact_start > make_interval(secs => $2)`, [pid, seconds])).length > 0;
+
+const FAST: HealthOptions = { probeIntervalMs: 100 };
+
+describe('health checks before each chunk', () => {
+  it('a long transaction in another session pauses the run, says why once, shows in status, and the run continues when it ends', async () => {
+    const tx = await openTransaction();
+    try {
+      await waitFor(() => olderThan(tx.pid, 1), 'the transaction to be older than 1 s');
+      logs.length = 0;
+      const running = runner.run(counted, { params: { chunks: 3 }, key: 'long-tx', health: { ...FAST, transactionAgeSeconds: 1 } });
+      const row = await waitFor(async () => (await runRow(url, 'counted', 'long-tx'))?.health_pause, 'the run to pause for health').catch((err: Error) => {
+        throw new Error(`${err.message}; run ${JSON.stringify(logs.map((l) => l.msg))}`);
+      });
+      expect(row.reason).toMatch(new RegExp(`^transaction of pid ${tx.pid} \\(idle in transaction\\) open \\d+ s > 1 s$`));
+      // Several probes later: still nothing done (the first step waits too), still said once.
+      await waitFor(async () => (await runRow(url, 'counted', 'long-tx')).health_pause.reason !== row.reason, 'a later probe');
+      expect(await workCounts(url, 'long-tx', 'prepare')).toEqual(new Map());
+      const [status] = await runner.status('counted');
+      expect(status).toMatchObject({ runKey: 'long-tx', state: 'running', healthPause: { reason: expect.stringMatching(/^transaction of pid \d+ \(idle in transaction\) open \d+ s > 1 s$/) } });
+      expect(logs.filter((l) => typeof l.msg === 'string' && l.msg.startsWith('paused for health: transaction of pid'))).toHaveLength(1);
+      await tx.release();
+      const out = await running;
+      expect(out).toMatchObject({ status: 'succeeded', executed: 5 });
+      expect((await runRow(url, 'counted', 'long-tx')).health_pause).toBeNull();
+      expect(logs.filter((l) => l.msg === 'database healthy again; continuing')).toHaveLength(1);
+    } finally {
+      await tx.release();
+    }
+  });
+
+  it('the same transaction does not stop a run whose indicator, or whole check, is off', async () => {
+    const tx = await openTransaction();
+    try {
+      await waitFor(() => olderThan(tx.pid, 1), 'the transaction to be older than 1 s');
+      expect(await runner.run(counted, { params: { chunks: 2 }, key: 'tx-off', health: { ...FAST, transactionAgeSeconds: false } })).toMatchObject({ status: 'succeeded' });
+      expect(await runner.run(counted, { params: { chunks: 2 }, key: 'all-off', health: false })).toMatchObject({ status: 'succeeded' });
+      // A step can turn it off for itself, under a job that sets a threshold the transaction exceeds.
+      const job = defineJob({
+        name: 'step-off',
+        health: { ...FAST, transactionAgeSeconds: 1 },
+        steps: [{ name: 'only', health: { transactionAgeSeconds: false }, run: ({ db }) => sql`update hot set n = n + 1 where id = 1`.execute(db) }],
+      });
+      expect(await runner.run(job, { key: 'x' })).toMatchObject({ status: 'succeeded', executed: 1 });
+      for (const key of ['tx-off', 'all-off']) expect((await runRow(url, 'counted', key)).health_pause).toBeNull();
+    } finally {
+      await tx.release();
+    }
+  });
+
+  it('idem run --health pauses and idem status says so; --no-health-check runs through', async () => {
+    const tx = await openTransaction();
+    try {
+      await waitFor(() => olderThan(tx.pid, 1), 'the transaction to be older than 1 s');
+      const args = [...FIXTURE_DIRS, '--log-level', 'warn'];
+      // The job lock allows one run of counted at a time: the unchecked run goes first.
+      const off = await runCli([...args, 'run', 'counted', '--key', 'cli-off', '--param', 'chunks=2', '--no-progress', '--health', 'transactionAgeSeconds=1', '--no-health-check'], { url });
+      expect(off.stderr).toBe("");
+      expect(off.code).toBe(0);
+      const child = spawnCli([...args, 'run', 'counted', '--key', 'cli-tx', '--param', 'chunks=2', '--no-progress', '--health', 'transactionAgeSeconds=1', '--health', 'probeIntervalMs=100'], { url });
+      await waitFor(async () => (await runRow(url, 'counted', 'cli-tx'))?.health_pause, 'the CLI run to pause for health');
+      const status = await runCli([...args, 'status', 'counted'], { url });
+      expect(status.stdout).toMatch(/cli-tx\trunning\t.*paused for health: transaction of pid \d+ \(idle in transaction\) open \d+ s > 1 s/);
+      await tx.release();
+      const done = await child.done;
+      expect(done.code).toBe(0);
+      // Said once on stderr, however many probes it took.
+      expect(done.stderr.match(/paused for health: transaction of pid/g)).toHaveLength(1);
+      const bad = await runCli([...args, 'run', 'counted', '--health', 'replicationLag=5'], { url });
+      expect(bad.code).toBe(2);
+      expect(bad.stderr).toContain('--health replicationLag=5: unknown indicator "replicationLag"');
+    } finally {
+      await tx.release();
+    }
+  });
+
+  it('a session waiting on a lock an idem chunk holds pauses the next chunks until it got its lock', async () => {
+    const gate = await holdGate(url, 'hot');
+    const job = defineJob({
+      name: 'locker',
+      steps: [
+        {
+          name: 'work',
+          chunks: (cursor) => ({ chunks: Array.from({ length: 30 }, (_, i) => ({ key: `k${String(i).padStart(2, '0')}` })), next: null }),
+          async run({ db }, { key }) {
+            if (key === 'k00') {
+              await sql`update hot set n = n + 1 where id = 1`.execute(db);
+              await sql`select 1 from gates where name = 'hot' for share`.execute(db);
+            } else {
+              await sql`select pg_sleep(0.1)`.execute(db);
+            }
+            await sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values ('locker', 'l', 'work', ${key}, 1, 0)`.execute(db);
+          },
+        },
+      ],
+    });
+    const [{ n: before }] = await query(url, `select n from hot where id = 1`);
+    const blocked = new pg.Client({ connectionString: url, application_name: 'test-blocked' });
+    await blocked.connect();
+    try {
+      const running = runner.run(job, { key: 'l', concurrency: 2, health: { ...FAST, lockWaitMs: 300 } });
+      await waitFor(async () => (await query(url, `select 1 from pg_stat_activity where application_name = 'idem' and wait_event_type = 'Lock'`)).length > 0, 'chunk k00 to hold the row and wait on the gate');
+      const update = blocked.query('update hot set n = n + 10 where id = 1');
+      const pause = await waitFor(async () => (await runRow(url, 'locker', 'l'))?.health_pause, 'the run to pause for the lock wait');
+      expect(pause.reason).toMatch(/^pid \d+ waiting \d+ ms > 300 ms for a lock held by idem \(pid \d+\)$/);
+      const doneAtPause = (await workCounts(url, 'l')).size;
+      expect(doneAtPause).toBeLessThan(29);
+      // While the session waits, no new chunk starts (a few probe intervals later, the count is the same).
+      await waitFor(async () => (await runRow(url, 'locker', 'l')).health_pause?.reason !== pause.reason, 'a later probe');
+      expect((await workCounts(url, 'l')).size).toBeLessThanOrEqual(doneAtPause + 1);
+      await gate.release();
+      await update;
+      expect(await running).toMatchObject({ status: 'succeeded' });
+      expect((await workCounts(url, 'l')).size).toBe(30);
+      expect(await query(url, `select n from hot where id = 1`)).toEqual([{ n: before + 11 }]);
+    } finally {
+      await gate.release();
+      await blocked.end();
+    }
+  });
+
+  it('one probe serves every worker and step of a process within its interval', async () => {
+    // A runner of its own: its pool has never been probed.
+    const fresh = await Runner.connect({ connectionString: url });
+    const spy = vi.spyOn(pg.Client.prototype, 'query');
+    try {
+      const out = await fresh.run(counted, { params: { chunks: 40 }, key: 'shared-probe', concurrency: 4, health: { probeIntervalMs: 60_000 } });
+      expect(out).toMatchObject({ status: 'succeeded', executed: 42 });
+      const probes = spy.mock.calls.filter(([q]) => String(typeof q === 'string' ? q : (q as { text?: string }).text).includes('pg_stat_progress_vacuum'));
+      // 42 chunk starts in 3 steps on 4 workers: one probe.
+      expect(probes.length).toBe(1);
+    } finally {
+      spy.mockRestore();
+      await fresh.close();
+    }
+    const spy2 = vi.spyOn(pg.Client.prototype, 'query');
+    try {
+      await runner.run(counted, { params: { chunks: 10 }, key: 'probe-each', health: { probeIntervalMs: 0 } });
+      const probes = spy2.mock.calls.filter(([q]) => String(typeof q === 'string' ? q : (q as { text?: string }).text).includes('pg_stat_progress_vacuum'));
+      // With no interval, every one of the 12 chunk starts probes: the count above is the sharing, not a missing probe.
+      expect(probes.length).toBe(12);
+    } finally {
+      spy2.mockRestore();
+    }
+  });
+
+  it('settings are checked: unknown names, bad values and bad flags are refused with the fix', () => {
+    expect(resolveHealth()).toMatchObject({ replicationLagSeconds: 10, walArchivePending: 42, autovacuum: true, transactionAgeSeconds: 300, lockWaitMs: 1000, probeIntervalMs: 5000 });
+    expect(resolveHealth({ lockWaitMs: 5 }, false)).toBeNull();
+    expect(resolveHealth(false, { lockWaitMs: 5 })).toMatchObject({ lockWaitMs: 5, transactionAgeSeconds: 300 });
+    expect(() => resolveHealth({ lockWait: 5 } as HealthOptions)).toThrow('invalid health check settings: unknown indicator "lockWait"');
+    expect(() => resolveHealth({ probeIntervalMs: false } as unknown as HealthOptions)).toThrow('probeIntervalMs must be a number >= 0 (got false)');
+    expect(parseHealthFlag('walArchivePending=off', parseHealthFlag('autovacuum=off'))).toEqual({ autovacuum: false, walArchivePending: false });
+    expect(() => parseHealthFlag('lockWaitMs=soon')).toThrow(UsageError);
+    expect(() => defineJob({ name: 'bad-health', health: { transactionAgeSeconds: -1 }, steps: [{ name: 's', run() {} }] })).toThrow(/transactionAgeSeconds must be a number >= 0 or false/);
+  });
+});

@@ -1,0 +1,136 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { defineJob, exitCodeOf, keyRange, Runner, sql, StandbyError, type HealthOptions } from '../src/index.ts';
+import counted from './fixtures/jobs/counted.ts';
+import { createFixtureTables } from './fixtures/tables.ts';
+import { FIXTURE_DIRS, killLeftovers, lines, query, runCli, runRow, waitFor, workCounts } from './support/cli.ts';
+import { clusterDir, removeDir, startPrimary, startStandby, systemPgBin, type Cluster } from './support/pg-cluster.ts';
+
+/**
+ * Health indicators that need a server of their own: a real streaming standby (pg_basebackup),
+ * archive_mode (a restart setting) and a one-second autovacuum naptime. .ci/run installs the
+ * system PostgreSQL that provides pg_basebackup.
+ */
+const bin = systemPgBin();
+let dir: string;
+let primary: Cluster;
+let standby: Cluster;
+let runner: Runner;
+
+const FAST: HealthOptions = { probeIntervalMs: 100 };
+
+beforeAll(async () => {
+  if (!bin) return;
+  dir = await clusterDir('idem-health-');
+  primary = await startPrimary(bin, dir, ['wal_level = replica', 'max_wal_senders = 5', 'archive_mode = on', "archive_command = 'true'", 'autovacuum_naptime = 1']);
+  standby = await startStandby(bin, dir, primary, ['hot_standby = on', 'wal_receiver_status_interval = 1']);
+  await waitFor(async () => (await query(primary.url, `select 1 from pg_stat_replication where state = 'streaming'`)).length === 1, 'the standby to stream');
+  await createFixtureTables(primary.url);
+  runner = await Runner.connect({ connectionString: primary.url });
+}, 120_000);
+
+afterAll(async () => {
+  await killLeftovers();
+  await runner?.close();
+  await standby?.stop();
+  await primary?.stop();
+  if (dir) await removeDir(dir);
+});
+
+describe.skipIf(!bin)('health indicators on a cluster of its own (system PostgreSQL with pg_basebackup)', () => {
+  it('pointed at a standby, idem refuses to write with a one-line error naming the fix (exit 2)', async () => {
+    await waitFor(async () => (await query(standby.url, `select to_regclass('idem.runs') as t`))[0].t !== null, 'the runner schema to reach the standby');
+    const onStandby = await Runner.connect({ connectionString: standby.url });
+    try {
+      const err = await onStandby.run(counted, { params: { chunks: 2 }, key: 'standby' }).catch((e: unknown) => e);
+      expect(err).toBeInstanceOf(StandbyError);
+      expect(exitCodeOf(err)).toBe(2);
+      expect((err as Error).message).toMatch(/^the database is a standby \(in recovery(, \d+ s behind its primary)?\) and cannot take writes; point DATABASE_URL at the primary$/);
+    } finally {
+      await onStandby.close();
+    }
+    const cli = await runCli([...FIXTURE_DIRS, '--log-level', 'warn', 'run', 'counted', '--key', 'standby-cli'], { url: standby.url });
+    expect(cli.code).toBe(2);
+    expect(lines(cli.stderr)).toEqual([expect.stringMatching(/^idem: error: the database is a standby .* point DATABASE_URL at the primary$/)]);
+    expect(await query(primary.url, `select run_key from idem.runs where run_key like 'standby%'`)).toEqual([]);
+  });
+
+  it('a standby lagging in replay pauses the run until it caught up', async () => {
+    await query(standby.url, 'select pg_wal_replay_pause()');
+    try {
+      // WAL keeps coming while replay stands still, so the lag the primary measures grows.
+      await waitFor(async () => {
+        await query(primary.url, `insert into work_log (job, run_key, step, chunk_key, attempt, pid) values ('lag', 'x', 'x', 'x', 0, 0)`);
+        const [r] = await query(primary.url, `select extract(epoch from replay_lag)::float8 as lag from pg_stat_replication`);
+        return r && r.lag > 1.5;
+      }, 'replay lag above 1.5 s', { intervalMs: 200 });
+      const running = runner.run(counted, { params: { chunks: 2 }, key: 'lag', health: { ...FAST, replicationLagSeconds: 1 } });
+      const pause = await waitFor(async () => (await runRow(primary.url, 'counted', 'lag'))?.health_pause, 'the run to pause for replication lag');
+      expect(pause.reason).toMatch(/^replication lag \d+ s > 1 s$/);
+      expect(await workCounts(primary.url, 'lag', 'prepare')).toEqual(new Map());
+      await query(standby.url, 'select pg_wal_replay_resume()');
+      expect(await running).toMatchObject({ status: 'succeeded', executed: 4 });
+      expect((await runRow(primary.url, 'counted', 'lag')).health_pause).toBeNull();
+    } finally {
+      await query(standby.url, 'select pg_wal_replay_resume()').catch(() => {});
+    }
+  });
+
+  it('WAL segments piling up unarchived pause the run until the archiver caught up', async () => {
+    const setArchive = async (command: string) => {
+      await query(primary.url, `alter system set archive_command = '${command}'`);
+      await query(primary.url, 'select pg_reload_conf()');
+    };
+    const ready = async () => (await query(primary.url, `select count(*)::int as n from pg_ls_archive_statusdir() where name like '%.ready'`))[0].n as number;
+    await setArchive('false');
+    try {
+      for (let i = 0; i < 4; i++) {
+        await query(primary.url, `insert into work_log (job, run_key, step, chunk_key, attempt, pid) values ('wal', 'x', 'x', 'x', 0, 0)`);
+        await query(primary.url, 'select pg_switch_wal()');
+      }
+      await waitFor(async () => (await ready()) > 2, 'more than 2 segments waiting for the archiver');
+      const running = runner.run(counted, { params: { chunks: 2 }, key: 'wal', health: { ...FAST, walArchivePending: 2, replicationLagSeconds: false } });
+      const pause = await waitFor(async () => (await runRow(primary.url, 'counted', 'wal'))?.health_pause, 'the run to pause for unarchived WAL');
+      expect(pause.reason).toMatch(/^\d+ WAL segments not archived > 2$/);
+      expect(await workCounts(primary.url, 'wal', 'prepare')).toEqual(new Map());
+      await setArchive('true');
+      await query(primary.url, 'select pg_switch_wal()'); // wakes the archiver
+      expect(await running).toMatchObject({ status: 'succeeded', executed: 4 });
+      expect(await ready()).toBeLessThanOrEqual(2);
+    } finally {
+      await setArchive('true');
+    }
+  });
+
+  it('autovacuum on a table the step touches pauses it; a step on other tables goes on', async () => {
+    // A table autovacuum will pick at once and work on slowly (cost limit 1, 100 ms naps).
+    await query(primary.url, `create table vac_target (id bigint primary key, pad text not null) with (autovacuum_vacuum_threshold = 0, autovacuum_vacuum_scale_factor = 0,
+      autovacuum_vacuum_cost_delay = 100, autovacuum_vacuum_cost_limit = 1)`);
+    await query(primary.url, `insert into vac_target select g, repeat('x', 200) from generate_series(1, 20000) g`);
+    await query(primary.url, `delete from vac_target where id > 10`);
+    const vacuuming = async () =>
+      query(primary.url, `select p.pid from pg_stat_progress_vacuum p join pg_stat_activity a using (pid) where p.relid = 'vac_target'::regclass and a.backend_type = 'autovacuum worker'`);
+    await waitFor(async () => (await vacuuming()).length > 0, 'autovacuum to work on vac_target', { timeoutMs: 60_000 });
+
+    const other = defineJob({ name: 'elsewhere', steps: [{ name: 'only', tables: ['work_log'], run: ({ db }) => sql`select 1`.execute(db) }] });
+    expect(await runner.run(other, { key: 'e', health: { ...FAST, transactionAgeSeconds: false } })).toMatchObject({ status: 'succeeded' });
+
+    // keyRange names its table: no `tables` needed on the step.
+    const job = defineJob({
+      name: 'vac-backfill',
+      steps: [{ name: 'fill', chunks: keyRange({ table: 'vac_target', column: 'id', size: 5 }), run: ({ db }, c: { lo: number; hi: number }) => sql`update vac_target set pad = 'y' where id >= ${c.lo} and id < ${c.hi}`.execute(db) }],
+    });
+    const running = runner.run(job, { key: 'v', health: { ...FAST, transactionAgeSeconds: false } });
+    const pause = await waitFor(async () => (await runRow(primary.url, 'vac-backfill', 'v'))?.health_pause, 'the run to pause for autovacuum');
+    expect(pause.reason).toBe('autovacuum running on vac_target');
+    expect(await query(primary.url, `select count(*)::int as n from vac_target where pad = 'y'`)).toEqual([{ n: 0 }]);
+    // Clear it: no more autovacuum on the table, and the running one cancelled.
+    await query(primary.url, `alter table vac_target set (autovacuum_enabled = false)`);
+    await waitFor(async () => {
+      const rows = await vacuuming();
+      for (const r of rows) await query(primary.url, 'select pg_cancel_backend($1)', [r.pid]);
+      return rows.length === 0;
+    }, 'the autovacuum worker to stop');
+    expect(await running).toMatchObject({ status: 'succeeded', executed: 2 });
+    expect(await query(primary.url, `select count(*)::int as n from vac_target where pad = 'y'`)).toEqual([{ n: 10 }]);
+  });
+});
