@@ -1,14 +1,12 @@
-import { mkdtemp, rm, writeFile, appendFile } from 'node:fs/promises';
-import os from 'node:os';
+import { appendFile, mkdir, mkdtemp, rm, writeFile } from 'node:fs/promises';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { defineJob, exitCodeOf, Runner, RunFailedError, sql } from '../src/index.ts';
 import { CodeChangedError } from '../src/code-fingerprint.ts';
 import { createFixtureTables } from './fixtures/tables.ts';
-import { killLeftovers, lines, query, runCli, runRow } from './support/cli.ts';
+import { killLeftovers, lines, query, REPO, runCli, runRow } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 
-const INDEX = path.resolve('src/index.ts');
 let database: TestDatabase;
 let url: string;
 let dir: string;
@@ -17,9 +15,10 @@ beforeAll(async () => {
   database = await createTestDatabase();
   url = database.url;
   await createFixtureTables(url);
-  dir = await mkdtemp(path.join(os.tmpdir(), 'idem-code-'));
-  // Outside the package, a .ts file is ESM only where a package.json says so.
-  await writeFile(path.join(dir, 'package.json'), '{ "type": "module" }');
+  // Inside the package (under the git-ignored .idem/), so the job imports 'idem' by name, as a
+  // user's job does, and loads as the package's ESM.
+  await mkdir(path.join(REPO, '.idem'), { recursive: true });
+  dir = await mkdtemp(path.join(REPO, '.idem', 'code-'));
 });
 afterAll(async () => {
   await killLeftovers();
@@ -28,7 +27,7 @@ afterAll(async () => {
 });
 
 /** A job of three chunks; a chunk whose key is in fail_chunks fails after its work (rolled back). */
-const JOB_FILE = `import { defineJob, sql } from ${JSON.stringify(INDEX)};
+const JOB_FILE = `import { defineJob, sql } from 'idem';
 export default defineJob({
   name: 'code-check',
   steps: [{
@@ -50,7 +49,7 @@ describe('code changes between attempts', () => {
     await writeFile(path.join(dir, 'code-check.ts'), JOB_FILE);
     await query(url, `insert into fail_chunks (chunk_key) values ('b')`);
     const failed = await cli('run', 'code-check', '--key', 'k1', '--no-progress');
-    expect(failed.code).toBe(1);
+    expect(failed.code, failed.stderr).toBe(1);
     const first = await runRow(url, 'code-check', 'k1');
     expect(first).toMatchObject({ status: 'failed', attempt: 1, code_changes: null });
     expect(first.code_fingerprint).toMatch(/^sha256:[0-9a-f]{64}$/);

@@ -101,7 +101,7 @@ describe('health checks before each chunk', () => {
       const child = spawnCli([...args, 'run', 'counted', '--key', 'cli-tx', '--param', 'chunks=2', '--no-progress', '--health', 'transactionAgeSeconds=1', '--health', 'probeIntervalMs=100'], { url });
       await waitFor(async () => (await runRow(url, 'counted', 'cli-tx'))?.health_pause, 'the CLI run to pause for health');
       const status = await runCli([...args, 'status', 'counted'], { url });
-      expect(status.stdout).toMatch(/cli-tx\trunning\t.*paused for health: transaction of pid \d+ \(idle in transaction\) open \d+ s > 1 s/);
+      expect(status.stdout).toMatch(/cli-tx +running +.*paused for health: transaction of pid \d+ \(idle in transaction\) open \d+ s > 1 s/);
       await tx.release();
       const done = await child.done;
       expect(done.code).toBe(0);
