@@ -21,6 +21,8 @@ function flag(name: string, fallback: number): number {
 
 const rounds = flag('rounds', 200);
 const workers = process.argv.includes('--workers');
+/** `--minutes N` (workers mode): start no new round after N minutes, so a bounded run still ends with its summary. */
+const minutes = flag('minutes', 0);
 const seed = flag('seed', Math.floor(Math.random() * 2 ** 31));
 let url = process.env.DATABASE_URL;
 let cleanup = async () => {};
@@ -52,8 +54,8 @@ try {
   const onLine = process.env.CHAOS_VERBOSE ? console.log : undefined;
   let problems: string[];
   if (workers) {
-    const stats = await runWorkersChaos({ databaseUrl: dbUrl.toString(), rounds, seed, onLine });
-    problems = workersChaosFailures(stats, minMultiAttemptEpisodes(rounds));
+    const stats = await runWorkersChaos({ databaseUrl: dbUrl.toString(), rounds, seed, onLine, ...(minutes > 0 ? { budgetMs: minutes * 60_000 } : {}) });
+    problems = workersChaosFailures(stats, minMultiAttemptEpisodes(stats.rounds));
     for (const p of problems) console.log(`failed: ${p}`);
     console.log(workersSummaryLine(stats));
   } else {

@@ -20,6 +20,8 @@ export interface WorkersChaosOptions {
   readonly maxWorkers?: number;
   /** Most workers joining after each blow. Defaults to `2`. */
   readonly maxLateJoiners?: number;
+  /** Start no new round after this many ms (the episode in flight is still finished and verified). Defaults to no limit. */
+  readonly budgetMs?: number;
   readonly onLine?: (line: string) => void;
 }
 
@@ -123,7 +125,8 @@ export async function runWorkersChaos(opts: WorkersChaosOptions): Promise<Worker
     };
 
     await newEpisode();
-    for (let round = 1; round <= opts.rounds; round++) {
+    const stopAt = opts.budgetMs === undefined ? Infinity : Date.now() + opts.budgetMs;
+    for (let round = 1; round <= opts.rounds && Date.now() < stopAt; round++) {
       stats.rounds = round;
       const children: Child[] = [];
       const terminated = new Set<Child>();
@@ -198,7 +201,7 @@ export async function runWorkersChaos(opts: WorkersChaosOptions): Promise<Worker
         await verify();
         await newEpisode();
       }
-      opts.onLine?.(`round ${round}: episode ${episode}, ${JSON.stringify({ workers: stats.workers, lateJoins: stats.lateJoins, kills: stats.kills, terminations: stats.terminations, terminatedExits: stats.terminatedExits, multiAttemptEpisodes: stats.multiAttemptEpisodes })}`);
+      opts.onLine?.(`round ${round}: episode ${episode}, ${JSON.stringify({ workers: stats.workers, lateJoins: stats.lateJoins, kills: stats.kills, terminations: stats.terminations, terminatedExits: stats.terminatedExits, multiAttemptEpisodes: stats.multiAttemptEpisodes, divergent: stats.divergent, duplicateCommits: stats.duplicateCommits, missingCommits: stats.missingCommits, unexpectedExits: stats.unexpectedExits.length, hangs: stats.hangs.length })}`);
     }
     // Finish the episode in flight with two undisturbed workers, then verify it too.
     if ((await runStatus(client, runKey)) !== undefined) {
