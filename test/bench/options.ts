@@ -1,7 +1,7 @@
 import { parseArgs } from 'node:util';
 
 /** Every benchmark `--only` can name, in the order they run. */
-export const BENCHMARKS = ['overhead', 'queue', 'noop', 'resume', 'statements', 'memory', 'parallel'] as const;
+export const BENCHMARKS = ['overhead', 'queue', 'noop', 'resume', 'statements', 'memory', 'parallel', 'workers'] as const;
 export type BenchName = (typeof BENCHMARKS)[number];
 
 export interface BenchOptions {

@@ -12,6 +12,7 @@ import { benchParallelism } from './bench-parallelism.ts';
 import { benchQueue } from './bench-queue.ts';
 import { benchResume } from './bench-resume.ts';
 import { benchStatements } from './bench-statements.ts';
+import { benchWorkers } from './bench-workers.ts';
 import os from 'node:os';
 import { parseOptions, USAGE, type BenchName } from './options.ts';
 import { CostProbe } from './probe.ts';
@@ -26,6 +27,7 @@ const BENCHES: Record<BenchName, (ctx: BenchContext) => Promise<BenchResult>> = 
   statements: benchStatements,
   memory: benchMemory,
   parallel: benchParallelism,
+  workers: benchWorkers,
 };
 
 const log = (msg: string) => process.stderr.write(`${new Date().toISOString().slice(11, 19)} ${msg}\n`);
