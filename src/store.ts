@@ -212,7 +212,13 @@ export class Store {
       union all
       select name, position, status, cursor, planned_all, planned, estimated_chunks from ${this.#steps} where run_id = ${runId}
       order by position`);
-    return new Map(rows.map((r) => [r.name, r]));
+    const found = new Map(rows.map((r) => [r.name, r]));
+    if (names.every((n) => found.has(n))) return found;
+    // Another worker inserted some of them concurrently: our insert waited for it and did nothing,
+    // and this statement's snapshot predates its commit. A new statement sees them.
+    const { rows: all } = await this.#run(sql<StepRow>`
+      select name, position, status, cursor, planned_all, planned, estimated_chunks from ${this.#steps} where run_id = ${runId} order by position`);
+    return new Map(all.map((r) => [r.name, r]));
   }
 
   /**
