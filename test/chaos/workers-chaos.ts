@@ -185,6 +185,7 @@ export async function runWorkersChaos(opts: WorkersChaosOptions): Promise<Worker
           await sleep(Math.floor(rnd() * 0.3 * stats.workMs));
         }
       }
+      const reported = stats.unexpectedExits.length + stats.hangs.length;
       await settle(client, children, stats, `round ${round} (${runKey})`);
       for (const c of children) {
         const { code, signal, stderr } = await c.done;
@@ -201,6 +202,7 @@ export async function runWorkersChaos(opts: WorkersChaosOptions): Promise<Worker
         await verify();
         await newEpisode();
       }
+      for (const e of [...stats.unexpectedExits, ...stats.hangs].slice(reported)) opts.onLine?.(`  ${e}`);
       opts.onLine?.(`round ${round}: episode ${episode}, ${JSON.stringify({ workers: stats.workers, lateJoins: stats.lateJoins, kills: stats.kills, terminations: stats.terminations, terminatedExits: stats.terminatedExits, multiAttemptEpisodes: stats.multiAttemptEpisodes, divergent: stats.divergent, duplicateCommits: stats.duplicateCommits, missingCommits: stats.missingCommits, unexpectedExits: stats.unexpectedExits.length, hangs: stats.hangs.length })}`);
     }
     // Finish the episode in flight with two undisturbed workers, then verify it too.
