@@ -14,6 +14,7 @@ import { benchQueue } from './bench-queue.ts';
 import { benchResume } from './bench-resume.ts';
 import { benchStatements } from './bench-statements.ts';
 import { benchStartup } from './bench-startup.ts';
+import { benchWorkers } from './bench-workers.ts';
 import os from 'node:os';
 import { parseOptions, USAGE, type BenchName } from './options.ts';
 import { CostProbe } from './probe.ts';
@@ -30,6 +31,7 @@ const BENCHES: Record<BenchName, (ctx: BenchContext) => Promise<BenchResult>> = 
   memory: benchMemory,
   parallel: benchParallelism,
   http: benchHttp,
+  workers: benchWorkers,
 };
 
 const log = (msg: string) => process.stderr.write(`${new Date().toISOString().slice(11, 19)} ${msg}\n`);

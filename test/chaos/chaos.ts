@@ -6,9 +6,9 @@ import pg from 'pg';
 
 const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..', '..');
 const JOBS_DIR = path.join(ROOT, 'test', 'fixtures', 'chaos-jobs');
-const ROWS = 3000; // 100 chunks of 30 rows
+export const ROWS = 3000; // 100 chunks of 30 rows
 /** How long a round may take before its processes count as hung (and are killed). */
-const SETTLE_MS = 60_000;
+export const SETTLE_MS = 60_000;
 
 /** The value and label every row must end with: the oracle, independent of the job's SQL. */
 export const chaosValue = (id: number) => (id * 7919) % 1000;
@@ -56,7 +56,7 @@ export interface ChaosStats {
 }
 
 /** mulberry32: a tiny seeded PRNG, so a failing seed replays the same schedule of abuse. */
-function prng(seed: number): () => number {
+export function prng(seed: number): () => number {
   let a = seed >>> 0;
   return () => {
     a = (a + 0x6d2b79f5) >>> 0;
@@ -67,9 +67,9 @@ function prng(seed: number): () => number {
   };
 }
 
-const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+export const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
-interface Child {
+export interface Child {
   proc: ChildProcess;
   /** What this process is: for the report. */
   role: string;
@@ -80,9 +80,10 @@ interface Child {
   done: Promise<{ code: number | null; signal: NodeJS.Signals | null; stderr: string }>;
 }
 
-function startRunner(databaseUrl: string, runKey: string, concurrency: number, wait: boolean, role: string, allowed: readonly number[]): Child {
+export function startRunner(databaseUrl: string, runKey: string, concurrency: number, wait: boolean, role: string, allowed: readonly number[], join = false): Child {
   const args = [path.join(ROOT, 'bin', 'idem.js'), '--jobs-dir', JOBS_DIR, '--log-level', 'error', 'run', 'chaos-backfill', '--key', runKey, '--concurrency', String(concurrency), '--param', 'sleepMs=30'];
   if (wait) args.push('--wait', '30');
+  if (join) args.push('--join');
   const proc = spawn(process.execPath, args, { cwd: ROOT, env: { ...process.env, DATABASE_URL: databaseUrl, IDEM_FAULT: '' }, stdio: ['ignore', 'ignore', 'pipe'] });
   let stderr = '';
   proc.stderr!.on('data', (d: Buffer) => (stderr += d.toString()));
@@ -97,7 +98,7 @@ function startRunner(databaseUrl: string, runKey: string, concurrency: number, w
 }
 
 /** Waits for every child and checks how each ended; then waits until their sessions are gone. */
-async function settle(client: pg.Client, children: Child[], stats: ChaosStats, label: string): Promise<void> {
+export async function settle(client: pg.Client, children: Child[], stats: ChaosStats, label: string): Promise<void> {
   let timedOut = false;
   const timer = setTimeout(() => {
     timedOut = true;
@@ -131,7 +132,7 @@ async function settle(client: pg.Client, children: Child[], stats: ChaosStats, l
   }
 }
 
-async function idemSessions(client: pg.Client): Promise<number[]> {
+export async function idemSessions(client: pg.Client): Promise<number[]> {
   const { rows } = await client.query<{ pid: number }>(
     `select pid from pg_stat_activity where datname = current_database() and (application_name = 'idem' or application_name like 'idem-lock %') and pid <> pg_backend_pid()`,
   );
@@ -147,13 +148,13 @@ export async function prepareChaosTables(client: pg.Client): Promise<void> {
   await client.query(`create table chaos_summary (run_key text primary key, total bigint not null)`);
 }
 
-async function stateHash(client: pg.Client): Promise<string> {
+export async function stateHash(client: pg.Client): Promise<string> {
   const { rows } = await client.query<{ h: string }>(`select md5(string_agg(id || ':' || value || ':' || coalesce(label, '-'), ',' order by id)) as h from chaos_items`);
   return rows[0]!.h;
 }
 
 /** Chunks (of any step) of this run committed so far. */
-async function commitsOf(client: pg.Client, runKey: string): Promise<number> {
+export async function commitsOf(client: pg.Client, runKey: string): Promise<number> {
   const { rows } = await client.query<{ n: number }>(`select count(*)::int as n from chaos_commits where run_key = $1`, [runKey]);
   return rows[0]!.n;
 }
@@ -162,7 +163,7 @@ async function commitsOf(client: pg.Client, runKey: string): Promise<number> {
  * Verifies one finished run: the table and summary hold the oracle's values and equal a clean run's
  * state; every chunk of every step committed exactly once, by the attempt its marker names.
  */
-async function verifyEpisode(client: pg.Client, runKey: string, reference: string, stats: ChaosStats): Promise<void> {
+export async function verifyEpisode(client: pg.Client, runKey: string, reference: string, stats: ChaosStats): Promise<void> {
   const hash = await stateHash(client);
   if (hash !== reference) stats.divergent++;
   const { rows: summary } = await client.query<{ total: string }>(`select total::text from chaos_summary where run_key = $1`, [runKey]);
@@ -191,7 +192,7 @@ async function verifyEpisode(client: pg.Client, runKey: string, reference: strin
   stats.episodes++;
 }
 
-async function runStatus(client: pg.Client, runKey: string): Promise<string | undefined> {
+export async function runStatus(client: pg.Client, runKey: string): Promise<string | undefined> {
   const { rows } = await client.query<{ status: string }>(`select status from idem.runs where job = 'chaos-backfill' and run_key = $1`, [runKey]).catch(() => ({ rows: [] as { status: string }[] }));
   return rows[0]?.status;
 }

@@ -1,0 +1,126 @@
+import { randomBytes } from 'node:crypto';
+import { assertOk, runCli } from './cli.ts';
+import { alternate, fmtMs, median, type Contender } from './measure.ts';
+import type { BenchContext, BenchResult, ReportRow } from './report.ts';
+import { dropTable, prepareTable, rowsLeft } from './tables.ts';
+import type { ChunkWork } from './backfill-job.ts';
+
+const LEVELS = [1, 2, 4] as const;
+
+interface Workload {
+  readonly name: string;
+  readonly work: ChunkWork;
+  readonly chunks: number;
+  /** Rows per chunk; the table has chunks × size rows. */
+  readonly size: number;
+  readonly sleepMs: number;
+  /** A fresh table per turn (writes) or one shared table (read-only work). */
+  readonly fresh: boolean;
+}
+
+const WORKLOADS: readonly Workload[] = [
+  { name: 'pg_sleep(5 ms) per chunk (I/O-bound)', work: 'sleep', chunks: 2000, size: 1, sleepMs: 5, fresh: false },
+  { name: 'UPDATE of 200 rows per chunk (CPU-bound)', work: 'update', chunks: 1500, size: 200, sleepMs: 0, fresh: true },
+];
+
+/** What one turn measured: the whole (process start included) and the part where every worker was working. */
+interface Turn {
+  /** Workers that committed at least one chunk. */
+  readonly workingProcesses: number;
+  /** Chunks per second between the moment the last worker committed its first chunk and the moment the first one committed its last. */
+  readonly steadyRate: number;
+  /** Chunks per second over the whole turn, from spawning the processes to the last one's exit. */
+  readonly wallRate: number;
+  /** Rolled-back transactions per chunk (server-counted): mostly claims refused because another worker held or had done the chunk. */
+  readonly rollbacksPerChunk: number;
+}
+
+/**
+ * 8. Parallel workers: 1, 2 and 4 `idem run --join` processes (concurrency 1 each) on one run,
+ * started together; throughput relative to one process. Node start-up (about a second of CPU per
+ * process) is in the wall figure but not in the steady one, which counts only while all are in.
+ */
+export async function benchWorkers(ctx: BenchContext): Promise<BenchResult> {
+  const tag = randomBytes(3).toString('hex');
+  const rows: ReportRow[] = [];
+  const data: Record<string, unknown> = {};
+  for (const w of WORKLOADS) {
+    const shared = `wrk_shared_${tag}`;
+    if (!w.fresh) await prepareTable(ctx.pool, shared, w.chunks * w.size);
+    const contenders: Contender<Turn>[] = LEVELS.map((n) => ({
+      name: `${n} process${n > 1 ? 'es' : ''}`,
+      async prepare(round) {
+        const table = w.fresh ? `wrk_${w.work}_${tag}_${n}_${round}` : shared;
+        if (w.fresh) await prepareTable(ctx.pool, table, w.chunks * w.size);
+        const key = `${table}-${n}-${round}`;
+        const args = ['--log-level', 'error', 'run', 'bench-backfill', '--params', JSON.stringify({ table, size: w.size, work: w.work, sleepMs: w.sleepMs }), '--key', key, '--join', '--concurrency', '1', '--no-progress'];
+        return {
+          async run() {
+            const rollbacks0 = await rollbacks(ctx);
+            const t0 = performance.now();
+            const results = await Promise.all(Array.from({ length: n }, () => runCli(args, { databaseUrl: ctx.url })));
+            const wallMs = performance.now() - t0;
+            for (const r of results) assertOk(r, `worker of ${n}`);
+            const rollbacksPerChunk = ((await rollbacks(ctx)) - rollbacks0) / w.chunks;
+            return { ...(await steady(ctx, key)), wallRate: (w.chunks / wallMs) * 1000, rollbacksPerChunk };
+          },
+          async cleanup() {
+            if (!w.fresh) return;
+            const left = await rowsLeft(ctx.pool, table);
+            await dropTable(ctx.pool, table);
+            if (left) throw new Error(`${n} processes left ${left} rows`);
+          },
+        };
+      },
+    }));
+    ctx.log(`workers: ${w.name}, ${w.chunks} chunks, ${ctx.opts.rounds} rounds`);
+    const samples = await alternate(ctx.opts.rounds, contenders, ctx.log, ctx.probe);
+    if (!w.fresh) await dropTable(ctx.pool, shared);
+    const per = LEVELS.map((n) => samples.get(`${n} process${n > 1 ? 'es' : ''}`)!);
+    const steadyRate = per.map((xs) => median(xs.map((s) => s.result.steadyRate)));
+    const wallRate = per.map((xs) => median(xs.map((s) => s.result.wallRate)));
+    const wallMs = per.map((xs) => median(xs.map((s) => s.ms)));
+    const rollbacksPerChunk = per.map((xs) => median(xs.map((s) => s.result.rollbacksPerChunk)));
+    const working = per.map((xs) => Math.min(...xs.map((s) => s.result.workingProcesses)));
+    const x = (rates: number[]) => rates.map((r) => `${(r / rates[0]!).toFixed(2)}×`).join(' / ');
+    rows.push({
+      benchmark: `8. workers (\`--join\`): ${w.name}, ${w.chunks} chunks`,
+      contenders: `${LEVELS.join(' / ')} processes, concurrency 1 each (fewest that did work: ${working.join(' / ')})`,
+      median: `${steadyRate.map((r) => `${r.toFixed(0)}`).join(' / ')} chunks/s steady; ${wallMs.map(fmtMs).join(' / ')} wall`,
+      ratio: `${x(steadyRate)} steady; ${x(wallRate)} wall (process start included); ${rollbacksPerChunk.map((r) => r.toFixed(2)).join(' / ')} rolled-back claims per chunk`,
+      goal: w.work === 'sleep' ? '≥ 3.5× at 4 (steady)' : 'info',
+      met: w.work === 'sleep' ? steadyRate[2]! / steadyRate[0]! >= 3.5 : null,
+    });
+    data[w.work] = { chunks: w.chunks, size: w.size, samples: Object.fromEntries(samples), steadyRate, wallRate, wallMs, rollbacksPerChunk };
+  }
+  return { rows, data };
+}
+
+/** Transactions rolled back in the bench database so far (a backend's counts are flushed when it exits, so read after the workers ended). */
+async function rollbacks(ctx: BenchContext): Promise<number> {
+  // Backends flush their counts as they exit, a moment after their client did: wait for that.
+  for (let i = 0; i < 200; i++) {
+    const { rows } = await ctx.pool.query<{ n: number }>(`select count(*)::int as n from pg_stat_activity where datname = current_database() and application_name like 'idem%'`);
+    if (rows[0]!.n === 0) break;
+    await new Promise((r) => setTimeout(r, 25));
+  }
+  const { rows } = await ctx.pool.query<{ n: string }>(`select xact_rollback::text as n from pg_stat_database where datname = current_database()`);
+  return Number(rows[0]!.n);
+}
+
+/** Throughput while every worker of the run was committing: per-worker first and last commit from `done_by`. */
+async function steady(ctx: BenchContext, runKey: string): Promise<Omit<Turn, 'wallRate' | 'rollbacksPerChunk'>> {
+  const { rows } = await ctx.pool.query<{ workers: number; n: number; ms: number }>(
+    `with c as (
+       select c.done_by, c.done_at from idem.chunks c join idem.runs r on r.id = c.run_id
+       where r.job = 'bench-backfill' and r.run_key = $1 and c.done_at is not null),
+     w as (select max(first) as lo, min(last) as hi, count(*)::int as workers from (select min(done_at) as first, max(done_at) as last from c group by done_by) x)
+     select w.workers, (select count(*)::int from c where c.done_at > w.lo and c.done_at <= w.hi) as n,
+            extract(epoch from w.hi - w.lo) * 1000 as ms
+     from w`,
+    [runKey],
+  );
+  const r = rows[0]!;
+  if (!(r.ms > 0)) throw new Error(`run ${runKey}: the workers never worked at the same time (${r.workers} did work); more chunks needed`);
+  return { workingProcesses: r.workers, steadyRate: (r.n / Number(r.ms)) * 1000 };
+}
