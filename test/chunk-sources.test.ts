@@ -61,7 +61,7 @@ describe('keyList', () => {
       { key: 'keys[6,9)', keys: [8, 13, 21] },
       { key: 'keys[9,10)', keys: [34] },
     ]);
-    expect(await query(url, `select estimated_chunks from idem.steps where name = 'each'`)).toEqual([{ estimated_chunks: 4 }]);
+    expect(await query(url, `select s.estimated_chunks from idem.steps s join idem.runs r on r.id = s.run_id where r.job = 'by-params'`)).toEqual([{ estimated_chunks: 4 }]);
     expect(await query(url, `select count(*)::int as keys, max(n) as most from seen where key like 'p:%'`)).toEqual([{ keys: 10, most: 1 }]);
   });
 

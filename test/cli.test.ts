@@ -280,13 +280,16 @@ describe('idem help, status and list', () => {
   });
 
   it('status <job> --key K shows one run in detail: state, chunks, steps; an unknown key is a usage error', async () => {
-    const r = await idem(['status', 'counted', '--key', 'cli-ok']);
+    // The run it shows.
+    const made = await idem(['run', 'counted', '--params', '{"chunks":3}', '--key', 'cli-detail']);
+    expect(made.code, made.stderr).toBe(0);
+    const r = await idem(['status', 'counted', '--key', 'cli-detail']);
     expect(r.code, r.stderr).toBe(0);
-    expect(lines(r.stdout).slice(0, 4)).toEqual(['job       counted', 'run key   cli-ok', 'state     succeeded, attempt 1', 'chunks    5/5 done']);
+    expect(lines(r.stdout).slice(0, 4)).toEqual(['job       counted', 'run key   cli-detail', 'state     succeeded, attempt 1', 'chunks    5/5 done']);
     expect(r.stdout).toMatch(/\nsteps\n  1\. \S+ +done +1\/1 chunks\n/);
     expect(r.stdout).toContain('/3 chunks');
-    const json = JSON.parse((await idem(['status', 'counted', '--key', 'cli-ok', '--json'])).stdout) as { runKey: string; steps: Array<{ name: string; done: number; planned: number }> };
-    expect(json.runKey).toBe('cli-ok');
+    const json = JSON.parse((await idem(['status', 'counted', '--key', 'cli-detail', '--json'])).stdout) as { runKey: string; steps: Array<{ name: string; done: number; planned: number }> };
+    expect(json.runKey).toBe('cli-detail');
     expect(json.steps.reduce((n, s) => n + s.done, 0)).toBe(5);
     const unknown = await idem(['status', 'counted', '--key', 'no-such-key']);
     expectOneLineError(unknown, 2, 'job "counted" has no run with key "no-such-key"');
