@@ -19,7 +19,10 @@ afterAll(() => db?.drop());
 it(`2–4 workers per run, SIGKILLed, cut off and joined mid-run, converge on the oracle's state with every chunk committed once (seed ${seed})`, async () => {
   const stats = await runWorkersChaos({ databaseUrl: db.url, rounds, seed, maxWorkers: 4, maxLateJoiners: 1 });
   console.log(workersSummaryLine(stats));
-  expect(workersChaosFailures(stats, minMultiAttemptEpisodes(rounds))).toEqual([]);
+  // In workers mode most blows take one worker and the run goes on under the same attempt; only
+  // the kill-all rounds (every 4th) make a run resume under a new attempt, so fewer episodes are
+  // multi-attempt than in the single-process chaos: a quarter of its minimum, and at least one.
+  expect(workersChaosFailures(stats, Math.max(1, Math.floor(minMultiAttemptEpisodes(rounds) / 4)))).toEqual([]);
   // The blows really landed: workers were killed mid-run, cut off, and joined late.
   expect(stats.episodes).toBeGreaterThanOrEqual(2);
   expect(stats.midRunKills).toBeGreaterThan(0);
