@@ -160,9 +160,6 @@ describe('the packed tarball', () => {
   });
 });
 
-// Each project's tests are the stages of one user's session (install, run, then init in the same
-// folder), so they keep their order under the shuffled CI run.
-describe('installed projects', { shuffle: false }, () => {
 describe.each(PROJECTS)('installed into a fresh $name project', (p) => {
   let dir: string;
   let url: string;
@@ -192,6 +189,12 @@ describe.each(PROJECTS)('installed into a fresh $name project', (p) => {
   });
 
   it.runIf(p.name === 'esm-ts')('npx idem init scaffolds a job, a migration and a kit test that run there; a second init refuses', async () => {
+    // A project and a database of its own, so the other test of this project (which may run
+    // before or after this one) sees only its own migrations and runs.
+    const dir = await createProject({ ...p, name: `${p.name}-init`, files: {} });
+    const db = await createTestDatabase();
+    databases.push(db);
+    const url = db.url;
     const init = await idem(dir, ['init']);
     expect(init.stdout).toContain('created jobs/example-customer-totals.ts');
     expect(init.stdout).toMatch(/npx idem migrate[\s\S]*npx idem run example-customer-totals[\s\S]*npx idem status/);
@@ -216,7 +219,6 @@ describe.each(PROJECTS)('installed into a fresh $name project', (p) => {
     // Throws, with tsc's messages, on any type error.
     await sh(dir, process.execPath, [TSC, '-p', '.'], userEnv());
   });
-});
 });
 
 describe('on the embedded default (no DATABASE_URL)', () => {
