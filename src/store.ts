@@ -419,11 +419,6 @@ export class Store {
     return rows[0] ?? { requested: null, status: null, error: null };
   }
 
-  /** The operator's pending request for a run (pause/cancel), read between chunks. */
-  async requested(runId: string): Promise<'pause' | 'cancel' | null> {
-    const { rows } = await this.#run(sql<{ requested: 'pause' | 'cancel' | null }>`select requested from ${this.#runs} where id = ${runId}`);
-    return rows[0]?.requested ?? null;
-  }
 
   async finishStep(runId: string, attempt: number, step: string): Promise<void> {
     await this.#run(sql`update ${this.#steps} set status = 'done', finished_at = now()
