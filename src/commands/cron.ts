@@ -2,8 +2,6 @@ import type { Command } from 'commander';
 import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
 import { describeOutcome } from '../describe-outcome.ts';
 import { ExitCode, IdemError, InterruptedError, messageOf } from '../errors.ts';
-import { loadJobDir } from '../loader.ts';
-import { runCronLoop, slotKey } from '../schedule.ts';
 import { scheduledJobs } from './crontab.ts';
 
 /** `idem cron`: the schedules in this process, for containers without cron. */
@@ -13,6 +11,7 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
     .description('run the schedules in this process (for containers without cron); several on several hosts are safe')
     .action(() =>
       cli.runWithSession(async (g, log, session, force) => {
+        const [{ loadJobDir }, { runCronLoop, slotKey }] = await Promise.all([import('../loader.ts'), import('../schedule.ts')]);
         const loaded = await loadJobDir(g.jobsDir, 'jobs');
         const byName = new Map(loaded.map((l) => [l.job.name, l.job]));
         const entries = await scheduledJobs(g.jobsDir);

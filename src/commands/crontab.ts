@@ -1,11 +1,12 @@
 import type { Command } from 'commander';
 import { CLI_DEFAULT_SCHEMA, type CliContext } from '../cli-session.ts';
 import { ExitCode, UsageError } from '../errors.ts';
-import { loadJobDir } from '../loader.ts';
-import { parseSchedule, renderCrontab, shellQuote, type ScheduledJob } from '../schedule.ts';
+import type { ScheduledJob } from '../schedule.ts';
 
 /** Every job in the folder that declares a schedule, by name. */
 export async function scheduledJobs(dir: string): Promise<ScheduledJob[]> {
+  // Loaded here, not at the top: `idem --help` needs neither the job files nor croner.
+  const [{ loadJobDir }, { parseSchedule }] = await Promise.all([import('../loader.ts'), import('../schedule.ts')]);
   const loaded = await loadJobDir(dir, 'jobs');
   return loaded
     .filter((l) => l.job.schedule !== undefined)
@@ -33,6 +34,7 @@ export function registerCrontabCommand(program: Command, cli: CliContext): void 
           ...(g.jobsDir !== 'jobs' ? ['--jobs-dir', g.jobsDir] : []),
           ...(g.migrationsDir !== 'migrations' ? ['--migrations-dir', g.migrationsDir] : []),
         ];
+        const { renderCrontab, shellQuote } = await import('../schedule.ts');
         const flags = identity.map(shellQuote).map((w) => ` ${w}`).join('');
         process.stdout.write(renderCrontab(entries, { cwd: process.cwd(), command: `${o.command}${flags}`, ...(o.logFile ? { logFile: o.logFile } : {}), ...(o.catchUp ? { catchUp: o.catchUp } : {}) }));
         return ExitCode.Ok;

@@ -4,7 +4,6 @@ import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
 import { describeOutcome } from '../describe-outcome.ts';
 import { ExitCode } from '../errors.ts';
 import type { FinalizeOutcome } from '../finalize.ts';
-import { findJob } from '../loader.ts';
 import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
 
 export function describeFinalize(o: FinalizeOutcome): string {
@@ -37,6 +36,7 @@ export function registerFinalizeCommand(program: Command, cli: CliContext): void
     .action((name: string, o: FinalizeFlags) =>
       cli.runWithSession(async (g, log, session, force) => {
         const params = parseParams(o.params, o.param);
+        const { findJob } = await import('../loader.ts');
         const job = await findJob(g.jobsDir, name);
         const health = await healthSetting(o);
         const { finalizeRun } = await import('../finalize.ts');

@@ -1,7 +1,6 @@
 import type { Command } from 'commander';
 import { openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode } from '../errors.ts';
-import { loadJobDir } from '../loader.ts';
 import type { RunStatusRow } from '../runner.ts';
 
 /** `idem list`: jobs and migrations with their description and latest state. */
@@ -12,6 +11,7 @@ export function registerListCommand(program: Command, cli: CliContext): void {
     .option('--json', 'print as JSON')
     .action((o: { json?: boolean }) =>
       cli.runWithSession(async (g, log, session) => {
+        const { loadJobDir } = await import('../loader.ts');
         const jobs = await loadJobDir(g.jobsDir, 'jobs');
         const migrations = await loadJobDir(g.migrationsDir, 'migrations');
         const runner = await openRunner(g, log, session);

@@ -5,7 +5,6 @@ import { describeOutcome } from '../describe-outcome.ts';
 import { ExitCode, UsageError } from '../errors.ts';
 import { describeFinalize } from './finalize.ts';
 import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
-import { loadJobDir } from '../loader.ts';
 
 /** `idem migrate`: the ordered migrations; every pod may call it at once. */
 export function registerMigrateCommand(program: Command, cli: CliContext): void {
@@ -19,6 +18,7 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
     .option('--timeout <seconds>', 'with --finalize: how long to wait for a migration running elsewhere (default: no bound)', nonNegativeNumber)
     .action((o: { wait?: number | boolean; json?: boolean; allowChangedCode?: boolean; finalize?: string; timeout?: number } & HealthFlags) =>
       cli.runWithSession(async (g, log, session, force) => {
+        const { loadJobDir } = await import('../loader.ts');
         const migrations = await loadJobDir(g.migrationsDir, 'migrations');
         if (o.timeout !== undefined && o.finalize === undefined) throw new UsageError('invalidTimeout', '--timeout bounds the wait of --finalize; pass --finalize <name>, or use --wait for a plain migrate');
         const health = await healthSetting(o);

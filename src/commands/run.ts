@@ -4,10 +4,7 @@ import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
 import { describeOutcome } from '../describe-outcome.ts';
 import { ExitCode, UsageError } from '../errors.ts';
 import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
-import { validateParams } from '../job.ts';
-import { findJob } from '../loader.ts';
 import { createProgressReporter } from '../progress-reporter.ts';
-import { latestSlot, parseCatchUp, parseSchedule, slotKey, slotsSince } from '../schedule.ts';
 
 interface RunFlags extends HealthFlags {
   key?: string;
@@ -51,6 +48,13 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
       cli.runWithSession(async (g, log, session, force) => {
         const params = parseParams(o.params, o.param);
         if (o.key !== undefined && (o.key.length === 0 || o.key.length > 200)) throw new UsageError('invalidKey', '--key must be 1 to 200 characters');
+        // Loaded when the command runs, not at the top: `idem --help` needs none of them (the job
+        // API brings kysely, the schedule croner).
+        const [{ findJob }, { validateParams }, { latestSlot, parseCatchUp, parseSchedule, slotKey, slotsSince }] = await Promise.all([
+          import('../loader.ts'),
+          import('../job.ts'),
+          import('../schedule.ts'),
+        ]);
         const job = await findJob(g.jobsDir, name, { migrationsDir: g.migrationsDir });
         // Bad params are refused before any connection: nothing, not even idem's schema, is created.
         await validateParams(job, params);
