@@ -1,7 +1,10 @@
 // Builds the published package into an empty dist/ (so a deleted source never lingers):
-// - dist/cli.js, dist/index.js (+ shared chunks): ESM, bundled by esbuild with kysely inlined.
-//   kysely ships ~900 small modules; loading them one by one cost a CLI start 200–400 ms, one
-//   bundled file costs ~20 ms. Every other dependency stays external (installed, deduplicated).
+// - dist/cli.js, dist/index.js (+ shared chunks): ESM, bundled by esbuild with kysely, pino and
+//   commander inlined. kysely ships ~900 small modules; loading them one by one cost a CLI start
+//   200–400 ms, one bundled file costs ~20 ms. pino (~25 CommonJS files) and commander (7) cost
+//   ~30 and ~20 ms loaded from node_modules, ~20 and ~12 ms bundled: every `idem` command pays
+//   commander, every one that works pays pino. Every other dependency stays external (installed,
+//   deduplicated): pg above all, whose type parsers a job may set for idem's queries too.
 //   Code splitting keeps one copy of each idem module across the entries and keeps the CLI's
 //   lazy import()s lazy.
 // - dist/cjs/job-api.js: the job-authoring API as CommonJS, for require('idem') (see job-api.ts).
@@ -15,7 +18,11 @@ import { build } from 'esbuild';
 const root = fileURLToPath(new URL('..', import.meta.url));
 const tsc = createRequire(import.meta.url).resolve('typescript/bin/tsc');
 const pkg = JSON.parse(await readFile(new URL('../package.json', import.meta.url), 'utf8'));
-const external = Object.keys(pkg.dependencies).filter((name) => name !== 'kysely');
+const BUNDLED = ['kysely', 'pino', 'commander'];
+const external = Object.keys(pkg.dependencies).filter((name) => !BUNDLED.includes(name));
+// CommonJS bundled into ES modules (pino, commander) require() Node's built-ins: give each output
+// file a require of its own.
+const requireBanner = "import { createRequire as __idemCreateRequire } from 'node:module';\nconst require = __idemCreateRequire(import.meta.url);";
 
 const declarations = (project) =>
   new Promise((resolve, reject) => {
@@ -30,7 +37,7 @@ await rm(new URL('../dist', import.meta.url), { recursive: true, force: true });
 await Promise.all([
   declarations('tsconfig.build.json'),
   declarations('tsconfig.cjs.json'),
-  build({ ...common, entryPoints: { cli: 'src/cli.ts', index: 'src/index.ts', testing: 'src/testing.ts' }, format: 'esm', splitting: true, outdir: 'dist', chunkNames: 'chunks/[name]-[hash]' }),
+  build({ ...common, entryPoints: { cli: 'src/cli.ts', index: 'src/index.ts', testing: 'src/testing.ts' }, format: 'esm', splitting: true, banner: { js: requireBanner }, outdir: 'dist', chunkNames: 'chunks/[name]-[hash]' }),
   build({ ...common, entryPoints: { 'job-api': 'src/job-api.ts' }, format: 'cjs', outdir: 'dist/cjs' }),
 ]);
 await mkdir(new URL('../dist/cjs', import.meta.url), { recursive: true });

@@ -51,8 +51,9 @@ export function createCliContext(program: Command, state: { exitCode: number }):
 
   const runWithSession = async (fn: CommandBody, uses: ReadonlyArray<'jobs' | 'migrations'> = ['jobs', 'migrations']) => {
     const g = globals();
-    // Loaded here, not at the top: `idem --help` and parse errors never need pino.
-    const { createLogger } = await import('./log.ts');
+    // Loaded here, not at the top: `idem --help` and parse errors never need pino. Every command
+    // run here needs pg (job files import idem, which brings the runner): loaded first, cheaply.
+    const [{ createLogger }] = await Promise.all([import('./log.ts'), import('./preload-pg.ts').then((m) => m.preloadPg())]);
     const log = createLogger(g.logLevel);
     const session = new Session();
     const finish = async (code: number, graceMs = 10_000) => {
