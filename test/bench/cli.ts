@@ -7,6 +7,8 @@ import { fileURLToPath } from 'node:url';
 /** The repository root: the CLI runs from there, as a user would run `node bin/idem.js`. */
 export const REPO_ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..', '..');
 export const BENCH_JOBS_DIR = path.join('test', 'bench', 'jobs');
+/** A JavaScript job, for the start-up benchmark's rerun without a compiled copy. */
+export const BENCH_JS_JOBS_DIR = path.join('test', 'bench', 'jobs-js');
 const GNU_TIME = '/usr/bin/time';
 
 export interface CliOptions {
