@@ -311,5 +311,14 @@ describe('idem help, status and list', () => {
       expect.objectContaining({ kind: 'migration', name: '0001_create_widgets', job: 'create-widgets', state: 'pending' }),
       expect.objectContaining({ kind: 'migration', name: '0002_backfill_widgets', job: 'backfill-widgets', state: 'pending' }),
     ]);
+    // In a pipe: one tab-separated line per item, for cut and awk (the table is for terminals).
+    const tsv = await idem(['list']);
+    expect(tsv.code, tsv.stderr).toBe(0);
+    expect(tsv.stdout.trimEnd().split('\n').map((l) => l.split('\t').slice(0, 3))).toEqual([
+      ['job', 'counted', 'succeeded'],
+      ['job', 'ranged', 'never run'],
+      ['migration', '0001_create_widgets', 'pending'],
+      ['migration', '0002_backfill_widgets', 'pending'],
+    ]);
   });
 });

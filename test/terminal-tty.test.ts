@@ -22,6 +22,26 @@ afterAll(() => database?.drop());
 
 const quote = (s: string) => `'${s.replace(/'/g, `'\\''`)}'`;
 
+describe.runIf(existsSync(SCRIPT))('idem list on a terminal', () => {
+  it('prints an aligned table with a header, not tab-separated lines', async () => {
+    const env: NodeJS.ProcessEnv = { ...process.env, DATABASE_URL: database.url, NO_COLOR: '1' };
+    delete env.NODE_OPTIONS;
+    const { stdout } = await exec(SCRIPT, ['-qec', [process.execPath, BIN, ...FIXTURE_DIRS, 'list'].map(quote).join(' '), '/dev/null'], { cwd: REPO, env, timeout: 60_000 });
+    const screen = stdout.split(/\r?\n/).filter((l) => l.trim() !== '');
+    expect(screen[0]).toMatch(/^KIND +NAME +STATE +UPDATED +DESCRIPTION$/);
+    expect(stdout).not.toContain('\t');
+    const rows = screen.slice(1);
+    expect(rows.map((l) => l.split(/ {2,}/)[1])).toEqual(['counted', 'ranged', '0001_create_widgets', '0002_backfill_widgets']);
+    // Aligned: every row's state starts under STATE, its time under UPDATED.
+    const stateAt = screen[0]!.indexOf('STATE');
+    const updatedAt = screen[0]!.indexOf('UPDATED');
+    for (const r of rows) {
+      expect(r.slice(stateAt)).toMatch(/^(never run|pending|succeeded|failed|running|crashed) /);
+      expect(r.slice(updatedAt)).toMatch(/^(—|just now|\d+ (s|min|h|d) ago)/);
+    }
+  });
+});
+
 describe.runIf(existsSync(SCRIPT))('idem run on a terminal', () => {
   it('prints one line per event and keeps the progress bar below the log lines', async () => {
     const args = [BIN, ...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":12,"pauseMs":120}', '--key', 'tty'];

@@ -51,3 +51,27 @@ describe('relative times in idem status', () => {
     expect([ago(2), ago(42), ago(3 * 60 + 5), ago(5 * 3600), ago(2 * 86_400 + 7)]).toEqual(['just now', '42 s ago', '3 min ago', '5 h ago', '2 d ago']);
   });
 });
+
+describe('idem list on a terminal', () => {
+  it('aligns the columns, says how long ago each latest run changed, and colours the state', async () => {
+    const { formatList } = await import('../src/commands/list.ts');
+    const { colours } = await import('../src/terminal.ts');
+    const now = new Date(Date.UTC(2026, 10, 30, 12));
+    const items = [
+      { kind: 'job' as const, name: 'counted', description: 'counts', state: 'succeeded', updatedAt: new Date(now.getTime() - 180_000) },
+      { kind: 'job' as const, name: 'a-much-longer-job-name', description: '', state: 'never run', updatedAt: null },
+      { kind: 'migration' as const, name: '0001_create_widgets', job: 'create-widgets', description: 'widgets table', state: 'failed', updatedAt: new Date(now.getTime() - 7_200_000) },
+    ];
+    const lines = formatList(items, now).split('\n');
+    expect(lines).toEqual([
+      'KIND       NAME                    STATE      UPDATED    DESCRIPTION',
+      'job        counted                 succeeded  3 min ago  counts',
+      'job        a-much-longer-job-name  never run  —          ',
+      'migration  0001_create_widgets     failed     2 h ago    widgets table',
+    ]);
+    const painted = formatList(items, now, colours(true)).split('\n');
+    expect(painted[1]).toContain('\x1b[32msucceeded\x1b[39m');
+    expect(painted[3]).toContain('\x1b[31mfailed   \x1b[39m');
+    expect(formatList([], now)).toBe('no jobs or migrations found');
+  });
+});

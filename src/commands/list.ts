@@ -2,12 +2,48 @@ import type { Command } from 'commander';
 import { openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode } from '../errors.ts';
 import type { RunStatusRow } from '../runner.ts';
+import { colours, type Colours } from '../terminal.ts';
+import { textTable } from '../text-table.ts';
+import { relativeTime, stateColour } from './status.ts';
+
+/** One job or migration of `idem list`, as `--json` prints it. */
+export interface ListItem {
+  readonly kind: 'job' | 'migration';
+  /** The job's name; a migration's file name without extension (its run key). */
+  readonly name: string;
+  /** A migration's job name. */
+  readonly job?: string;
+  readonly description: string;
+  /** The latest run's state; `never run` (a job) or `pending` (a migration) without one. */
+  readonly state: string;
+  /** When the latest run last changed; null without one. */
+  readonly updatedAt: Date | null;
+}
+
+const NO_ITEMS = 'no jobs or migrations found';
+
+/**
+ * `idem list` for a person (a terminal): aligned columns, states in colour, the time since the
+ * latest run changed, the description last. Pure; exported for tests.
+ */
+export function formatList(items: readonly ListItem[], now: Date = new Date(), c: Colours = colours(false)): string {
+  if (items.length === 0) return NO_ITEMS;
+  const header = ['KIND', 'NAME', 'STATE', 'UPDATED', 'DESCRIPTION'];
+  const rows = items.map((i) => [i.kind, i.name, i.state, i.updatedAt ? relativeTime(i.updatedAt, now) : '—', i.description]);
+  const { line } = textTable([header, ...rows]);
+  return [line(header, (_, s) => c.bold(s)), ...rows.map((cells, n) => line(cells, (col, s) => (col === 2 ? stateColour(items[n]!.state, c)(s) : col === 3 ? c.dim(s) : s)))].join('\n');
+}
+
+/** `idem list` for a pipe: one tab-separated line per item (kind, name, state, description), for cut and awk. */
+export function formatListTsv(items: readonly ListItem[]): string {
+  return items.map((i) => `${i.kind}\t${i.name}\t${i.state}\t${i.description}`).join('\n') || NO_ITEMS;
+}
 
 /** `idem list`: jobs and migrations with their description and latest state. */
 export function registerListCommand(program: Command, cli: CliContext): void {
   program
     .command('list')
-    .description('list jobs and migrations with their description and latest state')
+    .description('list jobs and migrations with their description and latest state (a table on a terminal, tab-separated lines in a pipe)')
     .option('--json', 'print as JSON')
     .action((o: { json?: boolean }) =>
       cli.runWithSession(async (g, log, session) => {
@@ -17,12 +53,13 @@ export function registerListCommand(program: Command, cli: CliContext): void {
         const runner = await openRunner(g, log, session);
         const latest = new Map<string, RunStatusRow>();
         for (const r of await runner.status(undefined, 1000)) if (!latest.has(r.job)) latest.set(r.job, r);
-        const items = [
-          ...jobs.map((j) => ({ kind: 'job', name: j.job.name, description: j.job.description ?? '', state: latest.get(j.job.name)?.state ?? 'never run' })),
-          ...migrations.map((m) => ({ kind: 'migration', name: m.id, job: m.job.name, description: m.job.description ?? '', state: latest.get(m.job.name)?.state ?? 'pending' })),
+        const items: ListItem[] = [
+          ...jobs.map((j) => ({ kind: 'job' as const, name: j.job.name, description: j.job.description ?? '', state: latest.get(j.job.name)?.state ?? 'never run', updatedAt: latest.get(j.job.name)?.updatedAt ?? null })),
+          ...migrations.map((m) => ({ kind: 'migration' as const, name: m.id, job: m.job.name, description: m.job.description ?? '', state: latest.get(m.job.name)?.state ?? 'pending', updatedAt: latest.get(m.job.name)?.updatedAt ?? null })),
         ];
-        if (o.json) process.stdout.write(`${JSON.stringify(items)}\n`);
-        else process.stdout.write(`${items.map((i) => `${i.kind}\t${i.name}\t${i.state}\t${i.description}`).join('\n') || 'no jobs or migrations found'}\n`);
+        const tty = process.stdout.isTTY === true;
+        const text = o.json ? JSON.stringify(items) : tty ? formatList(items, new Date(), colours(!process.env.NO_COLOR && process.env.TERM !== 'dumb')) : formatListTsv(items);
+        process.stdout.write(`${text}\n`);
         return ExitCode.Ok;
       }),
     );

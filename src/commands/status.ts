@@ -4,6 +4,7 @@ import { openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode, UsageError } from '../errors.ts';
 import type { Runner, RunStatusRow } from '../runner.ts';
 import { colours, type Colours } from '../terminal.ts';
+import { textTable } from '../text-table.ts';
 
 /** "just now", "42 s ago", "3 min ago", "5 h ago", "2 d ago". Pure; exported for tests. */
 export function relativeTime(date: Date, now: Date = new Date()): string {
@@ -15,7 +16,8 @@ export function relativeTime(date: Date, now: Date = new Date()): string {
   return `${Math.floor(s / 86_400)} d ago`;
 }
 
-function stateColour(state: string, c: Colours): (s: string) => string {
+/** A run state in its colour: green done, cyan running, red failed or crashed, yellow held up. */
+export function stateColour(state: string, c: Colours): (s: string) => string {
   if (state === 'succeeded') return c.green;
   if (state === 'running') return c.cyan;
   if (state === 'failed' || state === 'crashed') return c.red;
@@ -42,8 +44,7 @@ export function formatStatus(rows: readonly RunStatusRow[], now: Date = new Date
   if (rows.length === 0) return 'no runs yet';
   const header = ['JOB', 'RUN KEY', 'STATE', 'ATTEMPT', 'CHUNKS', 'UPDATED'];
   const table = rows.map((r) => [r.job, r.runKey.length > 30 ? `${r.runKey.slice(0, 27)}...` : r.runKey, r.state, String(r.attempt), chunksOf(r), relativeTime(r.updatedAt, now)]);
-  const widths = header.map((h, i) => Math.max(h.length, ...table.map((cells) => cells[i]!.length)));
-  const line = (cells: string[], paint: (i: number, s: string) => string) => cells.map((cell, i) => paint(i, i === cells.length - 1 ? cell : cell.padEnd(widths[i]!))).join('  ');
+  const { line } = textTable([header, ...table]);
   const out = [line(header, (_, s) => c.bold(s))];
   rows.forEach((r, n) => {
     const live = r.state === 'running' ? [`held by ${r.holder ?? '?'}`, r.throughput !== null ? `${r.throughput}/s` : '', r.etaSeconds !== null ? `ETA ${r.etaSeconds}s` : ''].filter(Boolean).join(', ') : '';
