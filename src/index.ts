@@ -4,11 +4,6 @@
  * also the CommonJS entry; the runner is ESM only.
  */
 export * from './job-api.ts';
-// Chunk sources over a list of keys and over a keyset query (ESM only, like the runner).
-export { keyList } from './key-list.ts';
-export type { KeyListChunk, KeyListOptions } from './key-list.ts';
-export { keysetQuery } from './keyset-query.ts';
-export type { KeysetChunk, KeysetQueryOptions, KeysetSource } from './keyset-query.ts';
 export { Runner, DEFAULT_SCHEMA } from './runner.ts';
 export { finalizeRun, finalizeMigration } from './finalize.ts';
 export type { FinalizeHow, FinalizeOptions, FinalizeOutcome } from './finalize.ts';

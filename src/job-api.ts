@@ -23,6 +23,10 @@ export type {
 } from './job.ts';
 export { keyRange } from './key-range.ts';
 export type { KeyRangeChunk, KeyRangeOptions } from './key-range.ts';
+export { keyList } from './key-list.ts';
+export type { KeyListChunk, KeyListOptions } from './key-list.ts';
+export { keysetQuery } from './keyset-query.ts';
+export type { KeysetChunk, KeysetQueryOptions, KeysetSource } from './keyset-query.ts';
 export {
   BusyError,
   CancelledError,

@@ -80,6 +80,35 @@ module.exports = defineJob({
 });
 `;
 
+/**
+ * A CommonJS JavaScript job over the chunk sources a CommonJS host gets from require('idem'):
+ * keyList cuts a list of names, keysetQuery the rows the step before wrote.
+ */
+const CJS_KEYS_JOB = `const { defineJob, keyList, keysetQuery, sql } = require('idem');
+
+const greeted = keysetQuery({ query: 'select name from key_greetings', key: 'name', size: 2 });
+
+module.exports = defineJob({
+  name: 'hello-keys',
+  steps: [
+    { name: 'create', async run({ db }) { await sql\`create table if not exists key_greetings (name text primary key, msg text not null)\`.execute(db); } },
+    {
+      name: 'greet',
+      chunks: keyList({ keys: ['ann', 'bob', 'cy'], size: 2 }),
+      async run({ db }, { keys }) {
+        await sql\`insert into key_greetings (name, msg) select k, 'hello ' || k from unnest(\${keys}::text[]) k
+          on conflict (name) do update set msg = excluded.msg\`.execute(db);
+      },
+    },
+    {
+      name: 'shout',
+      chunks: greeted,
+      async run({ db }, chunk) { await sql\`update key_greetings set msg = upper(msg) where \${greeted.where(chunk)}\`.execute(db); },
+    },
+  ],
+});
+`;
+
 interface Project {
   readonly name: string;
   readonly type: 'module' | 'commonjs';
@@ -212,6 +241,23 @@ describe.each(PROJECTS)('installed into a fresh $name project', (p) => {
     await expect(idem(dir, ['init'])).rejects.toThrow(/idem init would overwrite migrations\/0001_create_example_tables\.ts, jobs\/example-customer-totals\.ts, test\/idem-examples\.test\.ts/);
     expect(await fs.readFile(path.join(dir, 'jobs', 'example-customer-totals.ts'), 'utf8')).toBe(before);
   }, 240_000);
+
+  it.runIf(p.name === 'cjs-js')('a CommonJS JavaScript job cuts its chunks with keyList and keysetQuery from require(\'idem\')', async () => {
+    // A jobs folder and a database of its own: the other tests of this project count its runs.
+    const jobs = path.join(dir, 'keys-jobs');
+    await fs.mkdir(jobs, { recursive: true });
+    await fs.writeFile(path.join(jobs, 'hello-keys.js'), CJS_KEYS_JOB);
+    const db = await createTestDatabase();
+    databases.push(db);
+    const ran = await idem(dir, ['run', 'hello-keys', '--jobs-dir', 'keys-jobs'], db.url);
+    // create: 1 chunk; greet: 3 names by 2 = 2 chunks; shout: 3 rows by 2 = 2 chunks.
+    expect(ran.stdout).toMatch(/^job "hello-keys" succeeded: 5 chunks in 3 steps/);
+    expect(await query(db.url, 'select name, msg from key_greetings order by name')).toEqual([
+      { name: 'ann', msg: 'HELLO ANN' },
+      { name: 'bob', msg: 'HELLO BOB' },
+      { name: 'cy', msg: 'HELLO CY' },
+    ]);
+  });
 
   it.runIf(p.typescript)('its TypeScript jobs type-check against the shipped declarations', async () => {
     const tsconfig = { compilerOptions: { module: 'NodeNext', moduleResolution: 'NodeNext', target: 'ES2022', strict: true, noEmit: true, skipLibCheck: true, types: [] }, include: ['jobs', 'migrations'] };
