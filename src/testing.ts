@@ -67,8 +67,10 @@ function crashingAt(job: Job, n: number, when: 'before' | 'after'): Job {
   let hits = 0;
   const steps = job.steps.map((step: Step) => ({
     ...step,
-    // Retrying would hide the crash; the rerun is the recovery under test.
+    // Retrying would hide the crash; the rerun is the recovery under test. A crash stops the run:
+    // a step's tolerance for failed chunks must not skip past it and go on.
     retry: { ...(step.retry ?? {}), attempts: 1 },
+    maxFailedChunks: 0,
     async run(ctx: unknown, chunk?: unknown) {
       const here = ++hits === n;
       if (here && when === 'before') throw new InjectedCrash(`before the work of chunk boundary ${n}`);

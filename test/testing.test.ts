@@ -65,6 +65,36 @@ describe('expectConvergent on the example migrations and jobs', () => {
   });
 });
 
+describe('expectConvergent on a step that tolerates failed chunks', () => {
+  // maxFailedChunks turns a chunk's error into a skipped chunk and lets the run go on; the kit's
+  // injected crash must still stop the run, as a crash does, not be skipped past.
+  const tolerant: Job = defineJob({
+    name: 'tolerant',
+    steps: [
+      {
+        name: 'create',
+        async run({ db }) {
+          await sql`create table if not exists tolerant_rows (k text primary key, v int not null)`.execute(db);
+        },
+      },
+      {
+        name: 'set',
+        maxFailedChunks: 5,
+        chunks: () => ({ chunks: [{ key: 'a' }, { key: 'b' }, { key: 'c' }], next: null }),
+        async run({ db }: { db: any }, chunk: { key: string }) {
+          await sql`insert into tolerant_rows (k, v) values (${chunk.key}, 1) on conflict (k) do update set v = excluded.v`.execute(db);
+        },
+      },
+    ],
+  });
+
+  it('converges: each injected crash stops the run, and the rerun finishes it', async () => {
+    const report = await expectConvergent(tolerant, { ...kit, databaseUrl: databaseUrl(), snapshot: (db) => rows(db, 'select k, v from tolerant_rows order by k') });
+    expect(report.snapshot).toEqual([{ k: 'a', v: 1 }, { k: 'b', v: 1 }, { k: 'c', v: 1 }]);
+    expect(report.scenarios.filter((x) => x.startsWith('a crash'))).toHaveLength(2 * 3);
+  }, KIT_TIMEOUT);
+});
+
 describe('expectConvergent can fail', () => {
   /** Adds 1 per chunk: a rerun of a finished key skips it (markers), but a new run key adds again. */
   const deltaStyle: Job = defineJob({
@@ -86,6 +116,35 @@ describe('expectConvergent can fail', () => {
       },
     ],
   });
+
+  /**
+   * Calls an outside "API" (a counter per scenario database, standing in for mail or HTTP) from
+   * the chunk's code, not through ctx.effect: the call is not rolled back with the chunk.
+   */
+  const calls = new Map<string, number>();
+  const currentDatabase = async (db: any) => (await sql<{ name: string }>`select current_database() as name`.execute(db)).rows[0]!.name;
+  const outsideEffect: Job = defineJob({
+    name: 'outside-effect',
+    steps: [
+      {
+        name: 'notify',
+        chunks: () => ({ chunks: [{ key: 'a' }, { key: 'b' }], next: null }),
+        async run({ db }: { db: any }) {
+          const name = await currentDatabase(db);
+          calls.set(name, (calls.get(name) ?? 0) + 1);
+        },
+      },
+    ],
+  });
+
+  it("an effect outside ctx.effect fails it at the crash after a chunk's work: the crash lands inside the chunk's transaction, before its commit", async () => {
+    // Had the kit crashed after the commit, the rerun would not redo the chunk (its marker
+    // committed) and the calls would match the clean run's; crashed before the work, the call
+    // would not have happened. Only a crash between the work and the commit repeats it.
+    const run = expectConvergent(outsideEffect, { ...kit, databaseUrl: databaseUrl(), snapshot: async (db) => ({ calls: calls.get(await currentDatabase(db)) ?? 0 }) });
+    await expect(run).rejects.toThrow(/job "outside-effect" did not converge in scenario "a crash after the work of chunk 1 of 2, then a rerun"/);
+    await expect(run).rejects.toThrow(/- +"calls": 2\n\+ +"calls": 3/);
+  }, KIT_TIMEOUT);
 
   it('a delta-style job fails it, naming the scenario and showing the difference', async () => {
     const run = expectConvergent(deltaStyle, { ...kit, databaseUrl: databaseUrl(), snapshot: (db) => rows(db, 'select n from counter') });
