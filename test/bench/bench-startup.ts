@@ -1,5 +1,9 @@
 import { randomBytes } from 'node:crypto';
 import { spawn } from 'node:child_process';
+import { existsSync } from 'node:fs';
+import { mkdtemp, readFile, rm } from 'node:fs/promises';
+import os from 'node:os';
+import path from 'node:path';
 import { Runner } from 'idem';
 import { benchBackfill } from './backfill-job.ts';
 import { BENCH_JOBS_DIR, BENCH_JS_JOBS_DIR, REPO_ROOT } from './cli.ts';
@@ -10,16 +14,31 @@ import { dropTable, prepareTable } from './tables.ts';
 const HELP_GOAL_MS = 150;
 const NOOP_GOAL_MS = 250;
 
-/** Wall time of one process from spawn to exit; throws unless it exits 0. */
-function timeProcess(args: readonly string[], env: NodeJS.ProcessEnv): Promise<number> {
-  return new Promise((resolve, reject) => {
+const GNU_TIME = '/usr/bin/time';
+
+/** One process: its wall time, and its CPU time (user + system, all threads) when GNU time is there to read it. */
+interface ProcessTime {
+  readonly ms: number;
+  readonly cpuMs: number | null;
+}
+
+/** Runs `node <args>` to its exit (throws unless it exits 0), under GNU time when present. */
+async function timeProcess(args: readonly string[], env: NodeJS.ProcessEnv, tmp: string): Promise<ProcessTime> {
+  const timeFile = path.join(tmp, `time-${randomBytes(4).toString('hex')}`);
+  const useTime = existsSync(GNU_TIME);
+  const [file, argv] = useTime ? [GNU_TIME, ['-f', '%U %S', '-o', timeFile, process.execPath, ...args]] : [process.execPath, [...args]];
+  const ms = await new Promise<number>((resolve, reject) => {
     const t0 = performance.now();
-    const child = spawn(process.execPath, args, { cwd: REPO_ROOT, env, stdio: ['ignore', 'ignore', 'pipe'] });
+    const child = spawn(file, argv, { cwd: REPO_ROOT, env, stdio: ['ignore', 'ignore', 'pipe'] });
     let stderr = '';
     child.stderr!.on('data', (b: Buffer) => { stderr = (stderr + b.toString()).slice(-2000); });
     child.on('error', reject);
     child.on('close', (code) => (code === 0 ? resolve(performance.now() - t0) : reject(new Error(`node ${args.join(' ')} exited ${code}: ${stderr.trim()}`))));
   });
+  if (!useTime) return { ms, cpuMs: null };
+  const [user, system] = (await readFile(timeFile, 'utf8')).trim().split(/\s+/).map(Number);
+  await rm(timeFile, { force: true });
+  return { ms, cpuMs: (user! + system!) * 1000 };
 }
 
 /** Milliseconds, always in ms (start-up figures are compared with the goals in ms). */
@@ -49,11 +68,10 @@ export async function benchStartup(ctx: BenchContext): Promise<BenchResult> {
   }
   const env: NodeJS.ProcessEnv = { ...process.env, DATABASE_URL: ctx.url };
   delete env.NODE_OPTIONS;
-  const proc = (name: string, args: string[]): Contender<number> => ({ name, prepare: async () => ({ run: () => timeProcess(args, env) }) });
+  const tmp = await mkdtemp(path.join(os.tmpdir(), 'idem-bench-startup-'));
+  const proc = (name: string, args: string[]): Contender<ProcessTime> => ({ name, prepare: async () => ({ run: () => timeProcess(args, env, tmp) }) });
   const idem = ['bin/idem.js', '--jobs-dir', BENCH_JOBS_DIR];
   const idemJs = ['bin/idem.js', '--jobs-dir', BENCH_JS_JOBS_DIR];
-  // The JavaScript job's run finishes here, untimed, like the TypeScript one above.
-  await timeProcess([...idemJs, 'run', 'bench-noop-js', '--key', key], env);
   const contenders = [
     proc('node -e 0', ['-e', '0']),
     proc('idem --help', [...idem, '--help']),
@@ -62,6 +80,8 @@ export async function benchStartup(ctx: BenchContext): Promise<BenchResult> {
     proc('idem status', [...idem, 'status', '--limit', '5']),
   ];
   try {
+    // The JavaScript job's run finishes here, untimed, like the TypeScript one above.
+    await timeProcess([...idemJs, 'run', 'bench-noop-js', '--key', key], env, tmp);
     ctx.log(`startup: ${rounds} alternating rounds of ${contenders.map((c) => c.name).join(', ')}`);
     const samples = await alternate(rounds, contenders, ctx.log);
     const med = (n: string) => median(samples.get(n)!.map((s) => s.ms));
@@ -70,29 +90,36 @@ export async function benchStartup(ctx: BenchContext): Promise<BenchResult> {
     // On a shared machine the fastest round is the one least disturbed: shown next to the medians, never instead.
     const fastest = (n: string) => Math.min(...samples.get(n)!.map((s) => s.ms));
     ctx.log(`startup fastest rounds: ${contenders.map((c) => `${c.name} ${ms(fastest(c.name))}`).join(', ')}`);
-    const row = (benchmark: string, x: number, goalMs: number | null) => ({
+    // CPU time (user + system) grows far less than wall time when other work shares the machine.
+    const cpu = (n: string) => median(samples.get(n)!.flatMap((s) => (s.result.cpuMs === null ? [] : [s.result.cpuMs])));
+    const cpuMs = Object.fromEntries(contenders.map((c) => [c.name, cpu(c.name)]));
+    if (Number.isFinite(cpu('node -e 0'))) ctx.log(`startup CPU medians (user + system): ${contenders.map((c) => `${c.name} ${ms(cpu(c.name))} (${fmtRatio(cpu(c.name) / cpu('node -e 0'))})`).join(', ')}`);
+    const cpuNote = (name: string) => (Number.isFinite(cpu(name)) ? `; CPU ${ms(cpu(name))} vs ${ms(cpu('node -e 0'))}` : '');
+    const row = (benchmark: string, x: number, goalMs: number | null, name: string) => ({
       benchmark,
       contenders: 'vs `node -e 0`',
-      median: `${ms(x)} vs ${ms(node)}`,
+      median: `${ms(x)} vs ${ms(node)}${cpuNote(name)}`,
       ratio: `${fmtRatio(x / node)} node -e 0`,
       goal: goalMs === null ? 'info' : `≤ ${goalMs} ms`,
       met: goalMs === null ? null : x <= goalMs,
     });
     return {
       rows: [
-        { benchmark: 'startup: `node -e 0` (whole process, the floor)', contenders: '', median: ms(node), ratio: '1', goal: 'info', met: null },
-        row('startup: `idem --help` (whole process)', help, HELP_GOAL_MS),
-        row('startup: no-op rerun `idem run` of a finished run (whole process, DATABASE_URL, TypeScript job)', noop, NOOP_GOAL_MS),
-        row('startup: no-op rerun `idem run` of a finished run (whole process, DATABASE_URL, JavaScript job)', noopJs, NOOP_GOAL_MS),
-        row('startup: `idem status` (whole process, DATABASE_URL)', status, null),
+        { benchmark: 'startup: `node -e 0` (whole process, the floor)', contenders: '', median: `${ms(node)}${cpuNote('node -e 0').replace(/ vs .*$/, '')}`, ratio: '1', goal: 'info', met: null },
+        row('startup: `idem --help` (whole process)', help, HELP_GOAL_MS, 'idem --help'),
+        row('startup: no-op rerun `idem run` of a finished run (whole process, DATABASE_URL, TypeScript job)', noop, NOOP_GOAL_MS, 'idem run (no-op)'),
+        row('startup: no-op rerun `idem run` of a finished run (whole process, DATABASE_URL, JavaScript job)', noopJs, NOOP_GOAL_MS, 'idem run (no-op, .js job)'),
+        row('startup: `idem status` (whole process, DATABASE_URL)', status, null, 'idem status'),
       ],
       data: {
         samplesMs: Object.fromEntries([...samples].map(([k, v]) => [k, v.map((s) => s.ms)])),
         medianMs: { node, help, noop, noopJs, status },
         fastestMs: Object.fromEntries(contenders.map((c) => [c.name, fastest(c.name)])),
+        cpuMedianMs: cpuMs,
       },
     };
   } finally {
     await dropTable(ctx.pool, table);
+    await rm(tmp, { recursive: true, force: true });
   }
 }
