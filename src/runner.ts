@@ -386,6 +386,7 @@ export class Runner {
       const { executed } = await untilLost(lock.lost, executeSteps(
         {
           db: this.db,
+          pool: this.#database.pool,
           store: this.store,
           job,
           params,

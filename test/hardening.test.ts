@@ -243,14 +243,22 @@ describe('bookkeeping counts what happened (item 6)', () => {
     const job = itemsJob('lost-ack', false);
     const original = pg.Client.prototype.query;
     let dropped = 0;
+    // The COMMIT of the transaction whose claim took item-3: the server commits, the client never hears so.
+    let armed: unknown;
     const spy = vi.spyOn(pg.Client.prototype, 'query').mockImplementation(function (this: pg.Client, ...args: any[]) {
       const text = typeof args[0] === 'string' ? args[0] : args[0]?.text;
       const result = (original as any).apply(this, args);
-      if (dropped === 0 && typeof text === 'string' && /;\s*commit$/i.test(text) && text.includes("'item-3'")) {
+      if (dropped === 0 && armed === this && text === 'commit') {
         dropped++;
-        // The server committed; the client never hears so.
         return Promise.resolve(result).then(() => {
           throw Object.assign(new Error('Connection terminated unexpectedly'), { code: 'ECONNRESET' });
+        });
+      }
+      if (dropped === 0 && typeof text === 'string' && text.includes('execute idem_claim_')) {
+        return Promise.resolve(result).then((r: any) => {
+          const last = Array.isArray(r) ? r[r.length - 1] : r;
+          if (last?.rows?.[0]?.key === 'item-3') armed = this;
+          return r;
         });
       }
       return result;
