@@ -71,22 +71,26 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[]): ChunkS
     return results[results.length - 1]!;
   };
 
-  // The "pool" Kysely sees: it always hands out the slot's one connection.
+  // What Kysely's driver gets from the "pool": one object per server connection (the driver keeps
+  // its connection wrapper per object, and a discarded wrapper stays discarded).
+  const newConnection = () => ({
+    query,
+    release(discard?: boolean) {
+      // Kysely discards a connection whose ROLLBACK failed (the socket is gone): the next chunk
+      // checks out a fresh one instead of failing on the dead one.
+      if (discard && client) {
+        client.release(true);
+        client = undefined;
+        beginPending = false;
+        connection = newConnection();
+      }
+    },
+  });
+  let connection = newConnection();
   const slotPool = {
     async connect() {
       client ??= await (connecting ??= connect().finally(() => (connecting = undefined)));
-      return {
-        query,
-        release(discard?: boolean) {
-          // Kysely discards a connection whose ROLLBACK failed (the socket is gone): the next
-          // chunk checks out a fresh one instead of failing on the dead one.
-          if (discard && client) {
-            client.release(true);
-            client = undefined;
-            beginPending = false;
-          }
-        },
-      };
+      return connection;
     },
     async end() {},
   };
