@@ -1,8 +1,8 @@
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { describe, expect, it } from 'vitest';
 import { defineJob, keyRange, Runner, sql, type KeyRangeChunk } from '../src/index.ts';
 import { ADAPTIVE_SIZING, Throttle } from '../src/throttle.ts';
 import { query } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
 /** A deterministic ±5 % jitter (no Math.random: a failure must replay). */
 function jitter(seed: number): () => number {
@@ -80,13 +80,12 @@ describe('adaptive chunk sizing (--target-chunk-ms)', () => {
 });
 
 describe('adaptive chunk sizing in a real run', () => {
-  let database: TestDatabase;
-  beforeAll(async () => {
-    database = await createTestDatabase();
-    await query(database.url, `create table adapt_items (id bigint primary key); insert into adapt_items select generate_series(1, 480)`);
-    await query(database.url, `create table knob (ms_per_row float8 not null); insert into knob values (10)`);
+  const database = useTestDatabase({
+    prepare: async (url) => {
+      await query(url, `create table adapt_items (id bigint primary key); insert into adapt_items select generate_series(1, 480)`);
+      await query(url, `create table knob (ms_per_row float8 not null); insert into knob values (10)`);
+    },
   });
-  afterAll(() => database?.drop());
 
   it('when chunks suddenly take three times as long, keyRange chunks shrink within a few windows and stay there', async () => {
     // Each chunk's size and duration as the job saw it (one worker: in seq order).

@@ -1,26 +1,17 @@
 import pg from 'pg';
-import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { beforeAll, describe, expect, it, vi } from 'vitest';
 import { acquireAdvisoryLock } from '../src/advisory-lock.ts';
 import { defineJob, exitCodeOf, fingerprint, keyRange, RunFailedError, Runner, sql, type ChunkSource, type Job } from '../src/index.ts';
 import { query, waitFor } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
 // Issue 8 (correctness hardening): each test here failed on the code before its fix.
 
-let database: TestDatabase;
+const testDb = useTestDatabase({ prepare: (url) => query(url, 'create table hits (item int primary key, n int not null)'), runner: true });
 let url: string;
 let runner: Runner;
-
-beforeAll(async () => {
-  database = await createTestDatabase();
-  url = database.url;
-  await query(url, 'create table hits (item int primary key, n int not null)');
-  runner = await Runner.connect({ connectionString: url });
-});
-
-afterAll(async () => {
-  await runner?.close();
-  await database?.drop();
+beforeAll(() => {
+  ({ url, runner } = testDb);
 });
 
 /** Items 1..6 in windows of two; with `dup`, the 4th chunk reuses the 1st chunk's key. */
