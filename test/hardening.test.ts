@@ -273,3 +273,38 @@ describe('bookkeeping counts what happened (item 6)', () => {
     expect(await runner.store.beginEffect(run.id, 2, 'step', 'chunk', 'mail', 'idem-key')).toMatchObject({ status: 'started', tries: 1 });
   });
 });
+
+describe('a lost lock is a lost run, not a failed one (found by the workers chaos)', () => {
+  it('a connection error that arrives while the lock session is silent does not mark the run failed', async () => {
+    let lockPid = 0;
+    const job = defineJob({
+      name: 'lock-silent-work-killed',
+      steps: [
+        {
+          name: 'work',
+          retry: { attempts: 1 },
+          async run({ db }) {
+            // The lock session stops answering (its backend is stopped, as on a dead network) and
+            // the chunk fails with what a killed work session says: the run's fate must wait for
+            // the lock's answer, not take the work session's error as the run's failure.
+            const { rows } = await sql<{ pid: number }>`select pid from pg_stat_activity
+              where application_name like 'idem-lock %' and datname = current_database()`.execute(db);
+            lockPid = rows[0]!.pid;
+            process.kill(lockPid, 'SIGSTOP');
+            throw Object.assign(new Error('terminating connection due to administrator command'), { code: '57P01' });
+          },
+        },
+      ],
+    });
+    try {
+      const err = await runner.run(job, { key: 'silent' }).catch((e: unknown) => e);
+      expect(exitCodeOf(err), String(err)).toBe(69);
+    } finally {
+      if (lockPid) {
+        process.kill(lockPid, 'SIGCONT');
+        await query(url, 'select pg_terminate_backend($1)', [lockPid]);
+      }
+    }
+    expect(await query(url, `select status, error from idem.runs where job = 'lock-silent-work-killed'`)).toEqual([{ status: 'running', error: null }]);
+  });
+});
