@@ -31,6 +31,8 @@ export default defineConfig({
     pool: 'forks',
     // The CI machine has 2 cores; more workers only make Postgres and the workers fight for them.
     maxWorkers: 2,
-    sequence: { shuffle: shuffle ? { files: false, tests: true } : false, seed },
+    // 'stack' (vitest's default, pinned): after-hooks run in reverse order, so a file's own afterAll
+    // registered after useTestDatabase() (test/support/database.ts) runs before the database drops.
+    sequence: { shuffle: shuffle ? { files: false, tests: true } : false, seed, hooks: 'stack' },
   },
 });

@@ -67,6 +67,11 @@ export interface HeldLock {
   /** Worker mode: how many other processes hold the run's lock now (0 outside worker mode). */
   otherWorkers(): Promise<number>;
   /**
+   * Checks the lock now instead of at the next periodic check; resolves either way, with `lost`
+   * aborted if the session is gone. For an error that may be a symptom of losing the lock.
+   */
+  confirm(): Promise<void>;
+  /**
    * Runs one statement on the lock's own session, so it can only succeed while the lock is held
    * (the attempt bump). No answer in time counts as a lost lock.
    */
@@ -190,15 +195,17 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
       await sleep(POLL_MS + Math.floor(Math.random() * POLL_MS), opts.signal);
     }
     const interval = opts.checkIntervalMs ?? 2_000;
-    timer = setInterval(() => {
-      // Never queue a check behind one that has not answered: the deadline of that one decides.
-      if (busy > 0 || lostController.signal.aborted) return;
+    const check = () =>
       timed<{ pid: number }>('select pg_backend_pid() as pid', [], checkTimeout).then(
         (rows) => {
           if (rows[0]?.pid !== pid) loseLock('the session behind the lock changed');
         },
         (err) => loseLock((err as Error).message, err),
       );
+    timer = setInterval(() => {
+      // Never queue a check behind one that has not answered: the deadline of that one decides.
+      if (busy > 0 || lostController.signal.aborted) return;
+      void check();
     }, interval);
     timer.unref();
     const query = <R extends pg.QueryResultRow>(text: string, values: readonly unknown[]) => {
@@ -213,7 +220,10 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
       );
       return rows[0]!.n;
     };
-    return { name: opts.name, key, pid, firstWorker, entry, lost: lostController.signal, query, otherWorkers, release };
+    const confirm = async () => {
+      if (!lostController.signal.aborted) await check();
+    };
+    return { name: opts.name, key, pid, firstWorker, entry, lost: lostController.signal, query, otherWorkers, confirm, release };
   } catch (err) {
     await release();
     throw err;

@@ -1,8 +1,7 @@
-import { Kysely } from 'kysely';
+import { Kysely, PostgresDialect } from 'kysely';
 import pg from 'pg';
 import type { Logger } from 'pino';
 import { DatabaseUnavailableError } from './errors.ts';
-import { IdemPostgresDialect } from './marker-at-commit.ts';
 
 /**
  * Replaces the password in a connection string (URL or key=value form) with `***`.
@@ -84,7 +83,7 @@ export async function openDatabase(
     throw err;
   }
   for (const c of clients) c.release();
-  const db = new Kysely<any>({ dialect: new IdemPostgresDialect({ pool }) });
+  const db = new Kysely<any>({ dialect: new PostgresDialect({ pool }) });
   let closed: Promise<void> | undefined;
   return {
     db,

@@ -1,13 +1,13 @@
 import { createHash } from 'node:crypto';
-import type { Kysely } from 'kysely';
-import pLimit from 'p-limit';
+import { sql, type Kysely } from 'kysely';
+import type pg from 'pg';
 import type { Logger } from 'pino';
 import { FencedError, InterruptedError, messageOf } from './errors.ts';
 import type { ChunkPage, ChunkSpec, ChunkSource, Job, Json, RunIdentity, Step, StepContext } from './job.ts';
-import { faultArmed, faultPoint } from './fault-points.ts';
-import { isClaimRefusal, isMarkerRefusal, markerRefusal } from './marker-at-commit.ts';
+import { faultPoint } from './fault-points.ts';
+import { openChunkSlot, type ChunkSlot } from './chunk-slot.ts';
 import { backoffDelay, DEFAULT_BACKOFF, isRetryable, retrying, type BackoffOptions } from './retry.ts';
-import type { PendingChunk, StepRow, Store } from './store.ts';
+import type { ClaimMode, PendingChunk, StepRow, Store } from './store.ts';
 import { resolveThrottle, Throttle, type ThrottleOptions } from './throttle.ts';
 import { sleep } from './sleep.ts';
 import { createHealthGate, type HealthSetting } from './health-check.ts';
@@ -28,14 +28,10 @@ export class ChunkFailure extends Error {
   }
 }
 
-/** A refused marker whose chunk turned out done already: its work rolled back, the chunk is skipped. */
-const ALREADY_DONE = Symbol('already done');
-
-/** Only the after-marker fault test needs the marker as a statement of its own. */
-const MARKER_APART = faultArmed('after-marker');
-
 export interface ExecuteOptions {
   readonly db: Kysely<any>;
+  /** The work pool behind `db`: each worker slot keeps one of its connections (chunk-slot.ts). */
+  readonly pool: pg.Pool;
   readonly store: Store;
   readonly job: Job;
   readonly params: unknown;
@@ -81,9 +77,10 @@ const SINGLE_STEP_KEY = 'step';
 const EFFECT_NAME = /^[\w.:-]{1,200}$/;
 
 /**
- * Runs the job's unfinished steps in order. Within a chunked step: plan a window from the persisted
- * cursor (or take the persisted unfinished chunks), run them with bounded concurrency, repeat.
- * Each chunk is one transaction: the job's work, then the fenced completion marker.
+ * Runs the job's unfinished steps in order. Within a chunked step, `concurrency` slots claim the
+ * step's planned chunks one after another (planned and unfinished ones of earlier attempts first,
+ * by seq) while the next window is planned from the persisted cursor. Each chunk is one
+ * transaction: the claim that marks it done, the job's work, and a COMMIT that the fence checks.
  */
 export async function executeSteps(opts: ExecuteOptions, steps: Map<string, StepRow>): Promise<ExecuteResult> {
   let executed = 0;
@@ -110,7 +107,6 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   const throttle = new Throttle(resolveThrottle(opts.job.throttle, step.throttle, opts.throttle));
   // Adaptive sizing learns from each window, so windows are kept small while it steers.
   const planWindow = throttle.options.targetChunkMs && step.chunks ? Math.max(4, opts.concurrency * 2) : opts.planWindow;
-  const limit = pLimit(opts.concurrency);
   const health = await createHealthGate({ db: opts.db, schema: store.schema, run, job: opts.job, step, log, ...(opts.health !== undefined ? { override: opts.health } : {}) });
   let cursor: Json | null = row.cursor;
   let plannedAll = row.planned_all;
@@ -135,197 +131,239 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   }
   progress();
 
-  let fetchAfter = 0;
-  /** The next window: unfinished chunks planned earlier first; only then is the source asked. */
-  const nextWindow = async (): Promise<PendingChunk[]> => {
-    let pending: PendingChunk[] = await store.pendingChunks(run.runId, step.name, fetchAfter, planWindow);
-    while (pending.length === 0 && !plannedAll) {
-      // A source that reads the database (keyRange) may hit a dropped connection: ask it again.
-      // A source that fails for good fails the step it belongs to, not "(runner)".
-      const page: ChunkPage = await retrying(async () => source(cursor, planCtx())).catch((err: unknown) => {
-        throw err instanceof ChunkFailure || err instanceof FencedError ? err : new ChunkFailure(step.name, null, 1, err);
-      });
-      checkPage(step.name, page);
-      const result = await store.planWindow(run.runId, run.attempt, step.name, nextSeq - 1, page.chunks, page.next);
-      if (result.kind === 'fenced') throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was taken over by a newer attempt while planning`);
-      if (result.kind === 'duplicate') {
-        throw new ChunkFailure(step.name, null, 1, new Error(`chunk source returned key ${JSON.stringify(result.key)}, which is already planned as chunk ${result.seq} of the step; chunk keys must be unique and stable`));
-      }
-      if (result.kind === 'moved') {
-        // Planned past us meanwhile: nothing was written; continue from where the step is now.
-        ({ cursor, planned_all: plannedAll } = result.step);
-        nextSeq = result.step.planned + 1;
-        pending = await store.pendingChunks(run.runId, step.name, fetchAfter, planWindow);
-        continue;
-      }
-      const planned = page.chunks.length;
-      pending = page.chunks.map((spec, i) => ({ seq: nextSeq + i, key: spec.key, spec }));
-      nextSeq += planned;
-      cursor = page.next;
-      plannedAll = page.next === null;
-      log.debug({ planned, exhausted: plannedAll, sizeFactor: throttle.sizeFactor }, 'planned a window');
+  // Planning is single-flight here, and single-writer per step across workers (Store.planWindow:
+  // step row lock and compare-and-set). It stays one window ahead of the claims, on a pool
+  // connection of its own, so the next window is planned while this one's chunks run; adaptive
+  // sizing must see a window's durations first, so then it plans only when the planned chunks are
+  // used up.
+  const adaptive = !!throttle.options.targetChunkMs;
+  let durations: number[] = [];
+  let planning: Promise<void> | undefined;
+  const planNext = async (): Promise<void> => {
+    if (adaptive) {
+      throttle.adapt(durations);
+      durations = [];
     }
-    if (pending.length > 0) fetchAfter = pending[pending.length - 1]!.seq;
-    return pending;
+    // A source that reads the database (keyRange) may hit a dropped connection: ask it again.
+    // A source that fails for good fails the step it belongs to, not "(runner)".
+    const page: ChunkPage = await retrying(async () => source(cursor, planCtx())).catch((err: unknown) => {
+      throw err instanceof ChunkFailure || err instanceof FencedError ? err : new ChunkFailure(step.name, null, 1, err);
+    });
+    checkPage(step.name, page);
+    const result = await store.planWindow(run.runId, run.attempt, step.name, nextSeq - 1, page.chunks, page.next);
+    if (result.kind === 'fenced') throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was taken over by a newer attempt while planning`);
+    if (result.kind === 'duplicate') {
+      throw new ChunkFailure(step.name, null, 1, new Error(`chunk source returned key ${JSON.stringify(result.key)}, which is already planned as chunk ${result.seq} of the step; chunk keys must be unique and stable`));
+    }
+    if (result.kind === 'moved') {
+      // Another worker planned past us meanwhile: nothing was written; go on from where the step is.
+      ({ cursor, planned_all: plannedAll } = result.step);
+      nextSeq = result.step.planned + 1;
+      return;
+    }
+    nextSeq += page.chunks.length;
+    cursor = page.next;
+    plannedAll = page.next === null;
+    log.debug({ planned: page.chunks.length, exhausted: plannedAll, sizeFactor: throttle.sizeFactor }, 'planned a window');
   };
-  // Adaptive sizing must see a window's durations before it plans the next; otherwise the next
-  // window is fetched (and planned) while this one runs, on another connection, so planning
-  // queries overlap the chunks' work instead of adding to it.
-  const prefetch = !throttle.options.targetChunkMs;
-  let upcoming: Promise<PendingChunk[]> | undefined;
-  const settleUpcoming = async () => {
-    await upcoming?.catch(() => {});
-  };
+  const plan = (): Promise<void> => (planning ??= planNext().finally(() => (planning = undefined)));
+
+  let failure: unknown;
+  /** Chunks waiting out a retry's backoff in one slot: the other slots pass them by. */
+  const cooling = new Set<number>();
+  const tries = new Map<number, number>();
 
   /**
-   * Runs one window's chunks with bounded concurrency. `waitForLocks`: claim each chunk even if
-   * another worker holds it (wait for that worker's transaction) instead of passing it by.
+   * One worker slot: its own connection for its whole life, claiming one chunk after another until
+   * none is left. First pass: claim the first free chunk, passing by those other transactions hold
+   * (other slots, other workers). When everything is planned and nothing is free, the last pass
+   * claims waiting: chunks another worker holds, or left behind when it died, are taken as soon as
+   * its transaction ends. A slot that finds nothing even then is done.
    */
-  const runWindow = async (pending: PendingChunk[], waitForLocks: boolean): Promise<number[]> => {
-    let failure: unknown;
-    const durations: number[] = [];
-    await Promise.all(
-      pending.map((chunk) =>
-        limit(async () => {
-          // Fail fast and stop gracefully: queued chunks that have not started are simply not run.
-          if (failure !== undefined || opts.stop.aborted) return;
+  let highestClaimed = 0;
+  /** Called once a chunk is claimed, before its work: may it start? Also plans one window ahead. */
+  const onClaimed = (chunk: PendingChunk): boolean => {
+    highestClaimed = Math.max(highestClaimed, chunk.seq);
+    if (!adaptive && !plannedAll && nextSeq - 1 - chunk.seq < planWindow) plan().catch((err: unknown) => void (failure ??= err));
+    // A claim that waited for another transaction may get its chunk after this run failed or
+    // was asked to stop: then it starts no work, and the claim rolls back.
+    return failure === undefined && !opts.stop.aborted;
+  };
+  const runSlot = async (): Promise<void> => {
+    const slot = openChunkSlot(opts.pool, store.claimPrepares);
+    try {
+      let retrySeq: number | null = null;
+      let lastPass = false;
+      let claimErrors = 0;
+      for (;;) {
+        // Fail fast and stop gracefully: a slot starts no chunk once either happened.
+        if (failure !== undefined || opts.stop.aborted) return;
+        // The health gate and the throttle come before a claim that should find a chunk (a retry,
+        // or planned chunks beyond those this process claimed), not before one that finds nothing.
+        if (retrySeq !== null || (!lastPass && highestClaimed < nextSeq - 1)) {
           await health?.wait(opts.stop);
           const wait = throttle.reserveStart();
           if (wait > 0) await sleep(wait, opts.stop);
           if (failure !== undefined || opts.stop.aborted) return;
-          try {
-            const ms = await runChunk(opts, step, chunk, retry, log, waitForLocks);
-            if (ms !== null) {
-              executed++;
-              done++;
-              durations.push(ms);
-              progress();
-            }
-          } catch (err) {
-            if (err instanceof ChunkFailure && skipped < maxSkips && !opts.stop.aborted) {
-              skipped++;
-              if (!(await store.skipChunk(run.runId, run.attempt, step.name, chunk.key, err.message))) {
-                failure ??= new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off while skipping chunk ${chunk.key}`);
-              } else {
-                log.warn({ chunk: chunk.key, tries: err.tries, skipped, maxFailedChunks: maxSkips, err: { message: err.message } }, 'chunk failed for good; skipped under the step policy');
-              }
+        }
+
+        const mode: ClaimMode = retrySeq !== null ? 'retry' : lastPass ? 'wait' : 'next';
+        // A claim sent while a window was being planned may miss it: only a claim sent after
+        // everything was planned may end the first pass.
+        const plannedBefore = plannedAll;
+        const claim = store.claimSql(mode, run.runId, run.attempt, step.name, retrySeq !== null ? [retrySeq] : [...cooling]);
+        let outcome: ChunkTry;
+        try {
+          outcome = await tryChunk(opts, step, slot, claim, log, onClaimed);
+          claimErrors = 0;
+        } catch (err) {
+          // The claim itself failed (before any work): a dropped connection is tried again.
+          if (isRetryable(err) && ++claimErrors < retry.attempts && !opts.abort.aborted) {
+            await sleep(backoffDelay(claimErrors, retry), opts.stop);
+            continue;
+          }
+          failure ??= err;
+          return;
+        }
+
+        if (outcome.kind === 'abandoned') return;
+        if (outcome.kind === 'none') {
+          if (mode === 'retry') {
+            retrySeq = null; // done or taken meanwhile (by another worker): not ours to retry any more
+          } else if ((await store.currentAttempt(run.runId)) !== run.attempt) {
+            failure ??= new FencedError(`attempt ${run.attempt} of job "${run.job}" was taken over by a newer attempt`);
+            return;
+          } else if (!plannedAll) {
+            await plan().catch((err: unknown) => void (failure ??= err));
+          } else if (!plannedBefore) {
+            // Planned while this claim was under way: claim again.
+          } else if (!lastPass) {
+            lastPass = true;
+          } else {
+            return;
+          }
+          continue;
+        }
+
+        const { chunk } = outcome;
+        if (outcome.kind === 'failed') {
+          const err = outcome.err;
+          if (err instanceof FencedError || opts.abort.aborted) {
+            failure ??= err;
+            return;
+          }
+          const n = (tries.get(chunk.seq) ?? 0) + 1;
+          tries.set(chunk.seq, n);
+          if (isRetryable(err) && n < retry.attempts && !opts.stop.aborted) {
+            const delay = backoffDelay(n, retry);
+            log.warn({ chunk: step.chunks ? chunk.key : null, tries: n, delayMs: delay, err: { message: messageOf(err), code: (err as { code?: string }).code } }, 'transient error, retrying chunk');
+            cooling.add(chunk.seq);
+            await sleep(delay, opts.stop);
+            cooling.delete(chunk.seq);
+            retrySeq = chunk.seq;
+            continue;
+          }
+          tries.delete(chunk.seq);
+          await store.recordChunkFailure(run.runId, step.name, chunk.key, n, messageOf(err)).catch(() => {});
+          const failed = new ChunkFailure(step.name, step.chunks ? chunk.key : null, n, err);
+          if (skipped < maxSkips && !opts.stop.aborted) {
+            skipped++;
+            if (!(await store.skipChunk(run.runId, run.attempt, step.name, chunk.key, failed.message))) {
+              failure ??= new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off while skipping chunk ${chunk.key}`);
               return;
             }
-            failure ??= err;
+            log.warn({ chunk: chunk.key, tries: n, skipped, maxFailedChunks: maxSkips, err: { message: failed.message } }, 'chunk failed for good; skipped under the step policy');
+            retrySeq = null;
+            continue;
           }
-          if (throttle.options.pauseMs) await sleep(throttle.options.pauseMs, opts.stop);
-        }),
-      ),
-    );
-    if (failure !== undefined) {
-      await settleUpcoming();
-      throw failure;
+          failure ??= failed;
+          return;
+        }
+
+        retrySeq = null;
+        tries.delete(chunk.seq);
+        executed++;
+        done++;
+        if (adaptive) durations.push(outcome.ms);
+        progress();
+        if (throttle.options.pauseMs) await sleep(throttle.options.pauseMs, opts.stop);
+      }
+    } finally {
+      slot.release();
     }
-    return durations;
   };
 
-  for (;;) {
-    if (opts.stop.aborted) await settleUpcoming();
-    throwIfStopped(opts.stop);
-    const pending = await (upcoming ?? nextWindow());
-    upcoming = undefined;
-    if (pending.length === 0) break;
-    if (prefetch) {
-      upcoming = nextWindow();
-      upcoming.catch(() => {}); // awaited (and its error seen) at the top of the next turn
-    }
-    const durations = await runWindow(pending, false);
-    if (throttle.options.targetChunkMs) throttle.adapt(durations);
-  }
-  // Everything is planned and this worker has been through it. Chunks another worker held as we
-  // passed them (and chunks it left behind when it died) are still open: take each, waiting for
-  // the holder's transaction, until none is left. Alone on a run this is one empty query.
-  for (;;) {
-    throwIfStopped(opts.stop);
-    const left = await store.pendingChunks(run.runId, step.name, 0, planWindow);
-    if (left.length === 0) break;
-    await runWindow(left, true);
-  }
+  throwIfStopped(opts.stop);
+  // A non-chunked step is one chunk: one slot.
+  await Promise.all(Array.from({ length: step.chunks ? opts.concurrency : 1 }, runSlot));
+  await planning?.catch(() => {});
+  if (failure !== undefined) throw failure;
   throwIfStopped(opts.stop);
   return executed;
 }
 
+type ChunkTry =
+  | { readonly kind: 'none' }
+  | { readonly kind: 'abandoned' }
+  | { readonly kind: 'committed'; readonly chunk: PendingChunk; readonly ms: number }
+  | { readonly kind: 'failed'; readonly chunk: PendingChunk; readonly err: unknown };
+
+const ABANDON = Symbol('claimed after the step stopped');
+
+/** 0-rows-claimed is "nothing to claim"; SQLSTATE IF001 is the fence trigger refusing a COMMIT. */
+const FENCED_AT_COMMIT = 'IF001';
+
 /**
- * One chunk: a transaction with the job's work and the marker, retried on transient errors.
- * Returns the committed try's duration in ms, or null when the chunk turned out done already.
+ * One try of one chunk, in one transaction on the slot's connection: the claim (which also marks
+ * the chunk done, travelling with the BEGIN), the job's work, COMMIT (where the fence trigger checks
+ * that this attempt is still the run's). Throws only when the claim itself fails.
  */
-async function runChunk(opts: ExecuteOptions, step: Step, chunk: PendingChunk, retry: Required<BackoffOptions>, stepLog: Logger, waitForLock: boolean): Promise<number | null> {
+async function tryChunk(opts: ExecuteOptions, step: Step, slot: ChunkSlot, claim: string, stepLog: Logger, mayStart: (chunk: PendingChunk) => boolean): Promise<ChunkTry> {
   const { store, run } = opts;
-  const chunkKey = step.chunks ? chunk.key : null;
-  const effect = <T>(name: string, fn: (key: string) => Promise<T> | T) => performEffect(opts, step.name, chunk.key, name, fn);
-  for (let tries = 1; ; tries++) {
-    const started = performance.now();
-    try {
-      await opts.db.transaction().execute(async (trx) => {
-        // The row lock is the lease: it lives exactly as long as this transaction (and its
-        // backend), so another worker sharing the run passes this chunk by, or waits for it.
-        await store.claimChunk(run.runId, step.name, chunk.seq, waitForLock).execute(trx);
-        await faultPoint('after-claim');
-        const ctx: StepContext = {
-          db: trx,
-          params: opts.params,
-          signal: opts.abort,
-          run,
-          step: step.name,
-          slot: opts.slot,
-          effect: effect as StepContext['effect'],
-          get log() {
-            return chunkKey === null ? stepLog : stepLog.child({ chunk: chunkKey });
-          },
-        };
-        if (step.chunks) await step.run(ctx, chunk.spec);
-        else await (step.run as (c: StepContext) => unknown)(ctx);
-        await faultPoint('after-work');
-        const ms = Math.round(performance.now() - started);
-        if (!MARKER_APART) {
-          // The usual path: the marker rides with COMMIT in one round trip (marker-at-commit.ts).
-          await store.markerAtCommit(run.runId, run.attempt, step.name, chunk.seq, chunk.key, ms).execute(trx);
-          return;
-        }
-        // With IDEM_FAULT=after-marker the marker is its own statement, so a crash can land
-        // between it and the COMMIT, as the fault test wants.
-        if (!(await store.markChunkDone(trx, run.runId, run.attempt, step.name, chunk.seq, chunk.key, ms))) throw markerRefusal('marker refused');
-        await faultPoint('after-marker');
-      });
-      await faultPoint('after-commit');
-      return performance.now() - started;
-    } catch (caught) {
-      // Nothing to claim: done (by another worker, or by an earlier try whose acknowledgement was
-      // lost), skipped, or held by another worker, which the step's last pass waits for.
-      if (isClaimRefusal(caught)) return tries > 1 && (await store.markerRefusal(run.runId, step.name, chunk.key)).doneAttempt === run.attempt ? performance.now() - started : null;
-      let err = caught;
-      if (isMarkerRefusal(caught)) {
-        // Nothing committed. Why was the marker refused: fenced off, or done by someone else?
-        const why = await store.markerRefusal(run.runId, step.name, chunk.key);
-        if (why.attempt !== run.attempt) {
-          err = new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off by attempt ${why.attempt}; its chunk ${chunk.key} rolled back`);
-        } else if (why.done && why.doneAttempt === run.attempt && tries > 1) {
-          // An earlier try of ours committed, and only its acknowledgement was lost: it was executed here.
-          return performance.now() - started;
-        } else if (why.done) {
-          err = ALREADY_DONE;
-        } else {
-          err = new Error(`chunk ${chunk.key} of step "${step.name}" has no row to mark (was the run reset while running?)`);
-        }
-      }
-      if (err === ALREADY_DONE) return null;
-      if (err instanceof FencedError || opts.abort.aborted) throw err;
-      const retryable = isRetryable(err);
-      if (retryable && tries < retry.attempts && !opts.stop.aborted) {
-        const delay = backoffDelay(tries, retry);
-        stepLog.warn({ chunk: chunkKey, tries, delayMs: delay, err: { message: messageOf(err), code: (err as { code?: string }).code } }, 'transient error, retrying chunk');
-        await sleep(delay, opts.stop);
-        continue;
-      }
-      await store.recordChunkFailure(run.runId, step.name, chunk.key, tries, messageOf(err)).catch(() => {});
-      throw new ChunkFailure(step.name, chunkKey, tries, err);
+  const started = performance.now();
+  let chunk: PendingChunk | undefined;
+  try {
+    await slot.db.transaction().execute(async (trx) => {
+      chunk = (await sql.raw<PendingChunk>(claim).execute(trx)).rows[0];
+      if (!chunk) return;
+      if (!mayStart(chunk)) throw ABANDON;
+      const claimed = chunk;
+      await faultPoint('after-claim');
+      const chunkKey = step.chunks ? claimed.key : null;
+      const ctx: StepContext = {
+        db: trx,
+        params: opts.params,
+        signal: opts.abort,
+        run,
+        step: step.name,
+        slot: opts.slot,
+        effect: ((name: string, fn: (key: string) => unknown) => performEffect(opts, step.name, claimed.key, name, fn)) as StepContext['effect'],
+        get log() {
+          return chunkKey === null ? stepLog : stepLog.child({ chunk: chunkKey });
+        },
+      };
+      if (step.chunks) await step.run(ctx, claimed.spec);
+      else await (step.run as (c: StepContext) => unknown)(ctx);
+      await faultPoint('after-work');
+      // The marker was written by the claim; a crash here loses both it and the work.
+      await faultPoint('after-marker');
+    });
+  } catch (err) {
+    if (err === ABANDON) return { kind: 'abandoned' };
+    if (!chunk) throw err;
+    if ((err as { code?: string }).code === FENCED_AT_COMMIT) {
+      const attempt = await store.currentAttempt(run.runId).catch(() => -1);
+      return { kind: 'failed', chunk, err: new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off by attempt ${attempt}; its chunk ${chunk.key} rolled back`) };
     }
+    // A lost connection may have taken the COMMIT's answer with it, not the COMMIT.
+    if (isRetryable(err) && (await store.committedByUs(run.runId, run.attempt, step.name, chunk.seq).catch(() => false))) {
+      return { kind: 'committed', chunk, ms: performance.now() - started };
+    }
+    return { kind: 'failed', chunk, err };
   }
+  if (!chunk) return { kind: 'none' };
+  await faultPoint('after-commit');
+  return { kind: 'committed', chunk, ms: performance.now() - started };
 }
 
 /** The effects ledger protocol: claim the record, skip if done, else perform with the stable key and record the result. */

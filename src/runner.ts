@@ -13,7 +13,7 @@ import { refuseOnStandby, type HealthSetting } from './health-check.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import { faultPoint } from './fault-points.ts';
 import { pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
-import { retrying } from './retry.ts';
+import { isRetryable, retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
 
@@ -386,6 +386,7 @@ export class Runner {
       const { executed } = await untilLost(lock.lost, executeSteps(
         {
           db: this.db,
+          pool: this.#database.pool,
           store: this.store,
           job,
           params,
@@ -416,6 +417,9 @@ export class Runner {
     } catch (err) {
       // Once the lock is gone, whatever failed next (often a statement on a connection killed in
       // the same sweep) is a symptom: the run was lost, not failed, and must not be marked failed.
+      // A connection-class error can arrive before the lock's own session reports its end, so
+      // the lock is checked now before such an error may fail a run other workers may share.
+      if (!lock.lost.aborted && isRetryable(err instanceof ChunkFailure ? err.cause : err)) await lock.confirm();
       throw await this.#recordEnd(runId, attempt, job, current.run_key, lock.lost.aborted ? lock.lost.reason : err, log, lock);
     } finally {
       clearInterval(poll);

@@ -1,7 +1,6 @@
 import { sql, type Kysely, type QueryResult, type RawBuilder, type Transaction } from 'kysely';
 import { hostname } from 'node:os';
 import pg from 'pg';
-import { deferredClaim, deferredMarker, registerMarkerStatement } from './marker-at-commit.ts';
 import { retrying } from './retry.ts';
 import type { ChunkSpec, Json } from './job.ts';
 import type { CompiledSql, HeldLock } from './advisory-lock.ts';
@@ -39,6 +38,9 @@ export interface StepRow {
   planned: number;
   estimated_chunks: number | null;
 }
+
+/** How a chunk slot claims (Store.claimSql). */
+export type ClaimMode = 'next' | 'wait' | 'retry';
 
 export interface PendingChunk {
   seq: number;
@@ -102,8 +104,7 @@ export class Store {
   readonly #steps;
   readonly #chunks;
   readonly #effects;
-  readonly #markerName: string;
-  readonly #markerPrepare: string;
+  readonly #claimPrepares: Record<ClaimMode, string>;
 
   /** Every bookkeeping statement goes through here: idempotent, so transient errors are retried. */
   #run<R>(query: RawBuilder<R>): Promise<QueryResult<R>> {
@@ -118,23 +119,26 @@ export class Store {
     this.#chunks = sql.id(schema, 'chunks');
     this.#effects = sql.id(schema, 'effects');
     // The schema name is a checked identifier (Runner.connect), so quoting it is enough.
-    this.#markerName = `idem_marker_${schema.toLowerCase()}`;
-    this.#markerPrepare = `prepare ${this.#markerName}(bigint, integer, text, integer, text, integer) as
-      with m as (
-        update "${schema}"."chunks" set done_at = clock_timestamp(), done_attempt = $2, duration_ms = $6, error = null,
-          done_by = ${pg.Client.prototype.escapeLiteral(WORKER)}
-        where run_id = $1 and step = $3 and seq = $4 and key = $5 and done_at is null
-          and exists (select 1 from "${schema}"."runs" where id = $1 and attempt = $2 for share)
-        returning 1)
-      select 1 / count(*) as marked from m`;
-    registerMarkerStatement(this.#markerName, this.#markerPrepare);
-    // The claim: lock the chunk's row for this transaction, or raise (1 / 0) when it is done,
-    // skipped, or (skip locked) held by another worker's transaction.
-    for (const [name, lock] of [[this.#claimName(false), 'for update skip locked'], [this.#claimName(true), 'for update']] as const) {
-      registerMarkerStatement(name, `prepare ${name}(bigint, text, integer) as
-        select 1 / count(*) as claimed from (select 1 from "${schema}"."chunks"
-          where run_id = $1 and step = $2 and seq = $3 and done_at is null and skipped_at is null ${lock}) c`);
-    }
+    // The claim is the marker: it picks the step's first chunk that is neither done nor skipped nor
+    // held by another transaction, marks it done by this attempt and worker, and returns it. The
+    // row lock the UPDATE takes is the lease; the work and the mark commit together or not at all.
+    // The attempt is checked here (so a fenced attempt starts nothing) and again at COMMIT by the
+    // deferred fence trigger (migration 0008), which share-locks the run row, so a takeover's
+    // attempt bump either waits for this commit or makes it fail.
+    // `$4` lists seqs: the ones to pass by (next, wait), or the one to take again (retry).
+    const claim = (name: string, pick: string, lock: string) => `prepare ${name}(bigint, integer, text, integer[]) as
+      update "${schema}"."chunks" k set done_at = clock_timestamp(), done_attempt = $2, error = null,
+        done_by = ${pg.Client.prototype.escapeLiteral(WORKER)}
+      where k.done_at is null and (k.run_id, k.step, k.seq) = (select c.run_id, c.step, c.seq from "${schema}"."chunks" c
+          where c.run_id = $1 and c.step = $3 and c.done_at is null and c.skipped_at is null and ${pick}
+            and exists (select 1 from "${schema}"."runs" where id = $1 and attempt = $2)
+          order by c.seq limit 1 ${lock})
+      returning k.seq, k.key, k.spec`;
+    this.#claimPrepares = {
+      next: claim(this.#claimName('next'), 'c.seq <> all($4)', 'for update skip locked'),
+      wait: claim(this.#claimName('wait'), 'c.seq <> all($4)', 'for update'),
+      retry: claim(this.#claimName('retry'), 'c.seq = any($4)', 'for update skip locked'),
+    };
   }
 
   /**
@@ -268,64 +272,43 @@ export class Store {
     );
   }
 
-  /** The next unfinished chunks of a step in plan order (the partial index serves this). */
-  async pendingChunks(runId: string, step: string, afterSeq: number, limit: number): Promise<PendingChunk[]> {
-    const { rows } = await this.#run(sql<PendingChunk>`
-      select seq, key, spec from ${this.#chunks}
-      where run_id = ${runId} and step = ${step} and done_at is null and skipped_at is null and seq > ${afterSeq}
-      order by seq limit ${limit}`);
-    return rows;
+  #claimName(mode: ClaimMode): string {
+    return `idem_claim_${mode}_${this.schema.toLowerCase()}`;
+  }
+
+  /** The PREPAREs a chunk slot's session needs once (chunk-slot.ts). */
+  get claimPrepares(): readonly string[] {
+    return Object.values(this.#claimPrepares);
   }
 
   /**
-   * The completion marker: the only statement idem adds to a chunk's transaction. It also fences:
-   * `for share` on the run row makes a takeover's attempt bump wait until this transaction ends,
-   * and the attempt check refuses a commit from an older attempt. `done_at is null` makes a chunk's
-   * work commit at most once. Returns false when nothing was marked (fenced or already done).
+   * A chunk transaction's first statement, and the only one idem adds to it: claims and marks a
+   * chunk (see the constructor), or returns no row when there is nothing to claim. An `EXECUTE`
+   * with literal values, so it travels in one message with the BEGIN (chunk-slot.ts).
+   * - `next`: the first free chunk, passing by those in `seqs` and those other transactions hold;
+   * - `wait`: the first unfinished chunk not in `seqs`, waiting for a transaction that holds it;
+   * - `retry`: the chunk `seqs[0]`, if it is still free.
    */
-  async markChunkDone(trx: Transaction<any>, runId: string, attempt: number, step: string, seq: number, key: string, durationMs: number): Promise<boolean> {
-    const { rows } = await sql`
-      update ${this.#chunks} set done_at = clock_timestamp(), done_attempt = ${attempt}, duration_ms = ${durationMs}, error = null, done_by = ${WORKER}
-      where run_id = ${runId} and step = ${step} and seq = ${seq} and key = ${key} and done_at is null
-        and exists (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt} for share)
-      returning 1`.execute(trx);
-    return rows.length === 1;
+  claimSql(mode: ClaimMode, runId: string, attempt: number, step: string, seqs: readonly number[]): string {
+    if (!/^\d+$/.test(runId) || !Number.isSafeInteger(attempt) || !seqs.every((n) => Number.isSafeInteger(n))) throw new TypeError('claim values must be integers');
+    return `execute ${this.#claimName(mode)}(${runId}, ${attempt}, ${pg.Client.prototype.escapeLiteral(step)}, '{${seqs.join(',')}}')`;
   }
 
   /**
-   * The same marker as `markChunkDone`, for the commit round trip (see marker-at-commit.ts): a
-   * prepared statement and the EXECUTE with literal values. It selects 1 / (rows marked), so
-   * marking nothing raises division_by_zero, which aborts the transaction before the COMMIT sent
-   * with it. The seq pins the one index entry (the pending index is on run, step, seq).
+   * What became of a chunk whose COMMIT got no answer (connection lost): committed by this attempt
+   * and worker, or not (then it is free again, and whoever claims it next runs it).
    */
-  markerAtCommit(runId: string, attempt: number, step: string, seq: number, key: string, durationMs: number): RawBuilder<unknown> {
-    if (!/^\d+$/.test(runId) || ![attempt, seq, durationMs].every((n) => Number.isSafeInteger(n))) throw new TypeError('marker values must be integers');
-    const q = (v: string) => pg.Client.prototype.escapeLiteral(v);
-    return deferredMarker(`execute ${this.#markerName}(${runId}, ${attempt}, ${q(step)}, ${seq}, ${q(key)}, ${durationMs})`);
+  async committedByUs(runId: string, attempt: number, step: string, seq: number): Promise<boolean> {
+    const { rows } = await this.#run(sql<{ ours: boolean }>`
+      select done_attempt = ${attempt} and done_by = ${WORKER} as ours from ${this.#chunks}
+      where run_id = ${runId} and step = ${step} and seq = ${seq}`);
+    return rows[0]?.ours === true;
   }
 
-  #claimName(wait: boolean): string {
-    return `idem_claim${wait ? 'wait' : ''}_${this.schema.toLowerCase()}`;
-  }
-
-  /**
-   * A chunk transaction's first statement: locks the chunk's row, or raises when there is nothing
-   * to claim. Sent together with BEGIN (marker-at-commit.ts), so it costs no round trip.
-   * `wait`: wait for another worker's transaction on it instead of passing it by.
-   */
-  claimChunk(runId: string, step: string, seq: number, wait: boolean): RawBuilder<unknown> {
-    if (!/^\d+$/.test(runId) || !Number.isSafeInteger(seq)) throw new TypeError('claim values must be integers');
-    const q = (v: string) => pg.Client.prototype.escapeLiteral(v);
-    return deferredClaim(`execute ${this.#claimName(wait)}(${runId}, ${q(step)}, ${seq})`);
-  }
-
-  /** Why a marker was refused: the run's current attempt and whether the chunk is done. */
-  async markerRefusal(runId: string, step: string, key: string): Promise<{ attempt: number; done: boolean; doneAttempt: number | null }> {
-    const { rows } = await this.#run(sql<{ attempt: number; done: boolean; doneAttempt: number | null }>`
-      select r.attempt, (c.done_at is not null) as done, c.done_attempt as "doneAttempt" from ${this.#runs} r
-      left join ${this.#chunks} c on c.run_id = r.id and c.step = ${step} and c.key = ${key}
-      where r.id = ${runId}`);
-    return rows[0] ?? { attempt: -1, done: false, doneAttempt: null };
+  /** The run's current attempt (-1 when the run is gone): why a claim or a commit was refused. */
+  async currentAttempt(runId: string): Promise<number> {
+    const { rows } = await this.#run(sql<{ attempt: number }>`select attempt from ${this.#runs} where id = ${runId}`);
+    return rows[0]?.attempt ?? -1;
   }
 
   /** Records a failed try of a chunk (outside its rolled-back transaction). */

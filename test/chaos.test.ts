@@ -1,16 +1,12 @@
-import { afterAll, beforeAll, expect, it } from 'vitest';
+import { expect, it } from 'vitest';
 import { chaosFailures, minMultiAttemptEpisodes, runChaos, summaryLine } from './chaos/chaos.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
 // The small chaos round inside `npm test`; `npm run chaos` runs 200 rounds. CHAOS_SEED replays one.
 const rounds = Number(process.env.CHAOS_ROUNDS ?? 15);
 const seed = Number(process.env.CHAOS_SEED ?? Math.floor(Math.random() * 2 ** 31));
 
-let db: TestDatabase;
-beforeAll(async () => {
-  db = await createTestDatabase();
-});
-afterAll(() => db?.drop());
+const db = useTestDatabase();
 
 it(`random kills, killed backends and overlapping runs converge on the oracle's state (seed ${seed})`, async () => {
   const stats = await runChaos({ databaseUrl: db.url, rounds, seed });

@@ -6,25 +6,20 @@ import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { defineJob, InterruptedError, keyList, keysetQuery, Runner, sql, type KeyListChunk, type KeysetChunk, type PlanContext } from '../src/index.ts';
 import { query, runRow } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
-let database: TestDatabase;
+const testDb = useTestDatabase({ prepare: (url) => query(url, `create table seen (key text primary key, n integer not null default 1)`), runner: true });
 let url: string;
 let runner: Runner;
-let dir: string;
+beforeAll(() => {
+  ({ url, runner } = testDb);
+});
 
+let dir: string;
 beforeAll(async () => {
-  database = await createTestDatabase();
-  url = database.url;
-  await query(url, `create table seen (key text primary key, n integer not null default 1)`);
-  runner = await Runner.connect({ connectionString: url });
   dir = await mkdtemp(path.join(os.tmpdir(), 'idem-sources-'));
 });
-afterAll(async () => {
-  await runner?.close();
-  await database?.drop();
-  await rm(dir, { recursive: true, force: true });
-});
+afterAll(() => rm(dir, { recursive: true, force: true }));
 
 /** Records each key of a chunk; a key seen twice counts 2, so "exactly once" is a check on n. */
 const recordKeys = async (db: Parameters<Parameters<typeof defineJob>[0]['steps'][0]['run']>[0]['db'], prefix: string, keys: readonly unknown[]) => {

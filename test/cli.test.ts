@@ -4,7 +4,6 @@ import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { Runner } from '../src/index.ts';
 import counted from './fixtures/jobs/counted.ts';
 import { lockKey } from '../src/fingerprint.ts';
-import { createFixtureTables } from './fixtures/tables.ts';
 import {
   ALL_TABLES,
   BROKEN_JOBS,
@@ -19,28 +18,19 @@ import {
   workCounts,
   type CliResult,
 } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
 const MORE_JOBS = fileURLToPath(new URL('./fixtures/more-jobs', import.meta.url));
 
-let database: TestDatabase;
+// idem's schema exists up front, so "changes nothing" compares real tables from the first test on.
+const testDb = useTestDatabase({ fixtureTables: true, idemSchema: true });
 let url: string;
-
-beforeAll(async () => {
-  database = await createTestDatabase();
-  url = database.url;
-  await createFixtureTables(url);
-  // Create idem's schema up front, so "changes nothing" compares real tables from the first test on.
-  await (await Runner.connect({ connectionString: url })).close();
+beforeAll(() => {
+  url = testDb.url;
 });
-
-// A test that failed before its own cleanup must not make the next test's chunks fail.
 afterEach(() => query(url, 'delete from fail_chunks'));
 
-afterAll(async () => {
-  await killLeftovers();
-  await database?.drop();
-});
+afterAll(killLeftovers);
 
 /** `idem <global fixture flags> <args>` against the test database. */
 const idem = (args: string[], env?: Record<string, string>) => runCli([...FIXTURE_DIRS, ...args], { url, ...(env ? { env } : {}) });

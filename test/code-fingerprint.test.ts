@@ -3,18 +3,17 @@ import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { defineJob, exitCodeOf, Runner, RunFailedError, sql } from '../src/index.ts';
 import { CodeChangedError } from '../src/code-fingerprint.ts';
-import { createFixtureTables } from './fixtures/tables.ts';
 import { killLeftovers, lines, query, REPO, runCli, runRow } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
-let database: TestDatabase;
+const testDb = useTestDatabase({ fixtureTables: true });
 let url: string;
-let dir: string;
+beforeAll(() => {
+  url = testDb.url;
+});
 
+let dir: string;
 beforeAll(async () => {
-  database = await createTestDatabase();
-  url = database.url;
-  await createFixtureTables(url);
   // Inside the package (under the git-ignored .idem/), so the job imports 'idem' by name, as a
   // user's job does, and loads as the package's ESM.
   await mkdir(path.join(REPO, '.idem'), { recursive: true });
@@ -23,7 +22,6 @@ beforeAll(async () => {
 afterAll(async () => {
   await killLeftovers();
   await rm(dir, { recursive: true, force: true });
-  await database?.drop();
 });
 
 /** A job of three chunks; a chunk whose key is in fail_chunks fails after its work (rolled back). */

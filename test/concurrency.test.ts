@@ -4,7 +4,6 @@ import { Runner } from '../src/index.ts';
 import { lockKey } from '../src/fingerprint.ts';
 import { DEFAULT_SCHEMA } from '../src/runner.ts';
 import counted, { chunkKey } from './fixtures/jobs/counted.ts';
-import { createFixtureTables } from './fixtures/tables.ts';
 import {
   FIXTURE_DIRS,
   holdGate,
@@ -23,27 +22,19 @@ import {
   type CliResult,
   endState,
 } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
-let database: TestDatabase;
+const testDb = useTestDatabase({ fixtureTables: true, runner: true });
 let url: string;
 let runner: Runner;
-
-beforeAll(async () => {
-  database = await createTestDatabase();
-  url = database.url;
-  await createFixtureTables(url);
-  runner = await Runner.connect({ connectionString: url });
+beforeAll(() => {
+  ({ url, runner } = testDb);
 });
 
 // A failed test must not leave processes holding the job's lock for the next one.
 afterEach(killLeftovers);
 
-afterAll(async () => {
-  await killLeftovers();
-  await runner?.close();
-  await database?.drop();
-});
+afterAll(killLeftovers);
 
 const CHUNKS = 8;
 /** Ten Node processes starting at once on two cores take a while; the tests' own waits are deterministic. */

@@ -1,30 +1,20 @@
 import pg from 'pg';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { beforeAll, describe, expect, it } from 'vitest';
 import { Runner } from '../src/index.ts';
 import counted, { chunkKey } from './fixtures/jobs/counted.ts';
-import { createFixtureTables } from './fixtures/tables.ts';
 import { holdGate, query, runRow, waitFor, workCounts } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
 /**
  * README, "What happens when…": the connection to Postgres drops mid-run (pg_terminate_backend on a
  * work connection, not the lock's) → the chunk retries on a new connection; idem's own bookkeeping
  * statements retry the same way. The run goes on in the same attempt.
  */
-let database: TestDatabase;
+const testDb = useTestDatabase({ fixtureTables: true, runner: true });
 let url: string;
 let runner: Runner;
-
-beforeAll(async () => {
-  database = await createTestDatabase();
-  url = database.url;
-  await createFixtureTables(url);
-  runner = await Runner.connect({ connectionString: url });
-});
-
-afterAll(async () => {
-  await runner?.close();
-  await database?.drop();
+beforeAll(() => {
+  ({ url, runner } = testDb);
 });
 
 const ones = (n: number) => new Map(Array.from({ length: n }, (_, i) => [chunkKey(i + 1), 1]));

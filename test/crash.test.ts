@@ -1,28 +1,20 @@
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { Runner } from '../src/index.ts';
 import counted, { chunkKey } from './fixtures/jobs/counted.ts';
-import { createFixtureTables } from './fixtures/tables.ts';
 import { chunkRows, endState, expectFaultCrash, expectKilled, FIXTURE_DIRS, holdGate, killLeftovers, lines, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
-let database: TestDatabase;
+// idem's schema exists before the first poll of idem.chunks.
+const testDb = useTestDatabase({ fixtureTables: true, idemSchema: true });
 let url: string;
-
-beforeAll(async () => {
-  database = await createTestDatabase();
-  url = database.url;
-  await createFixtureTables(url);
-  // idem's schema exists before the first poll of idem.chunks.
-  await withRunner(async () => {});
+beforeAll(() => {
+  url = testDb.url;
 });
 
 // A failed test must not leave its run holding the job's lock for the next one.
 afterEach(killLeftovers);
 
-afterAll(async () => {
-  await killLeftovers();
-  await database?.drop();
-});
+afterAll(killLeftovers);
 
 /**
  * An in-process Runner for one call, closed after: its pool's idle sessions (application_name

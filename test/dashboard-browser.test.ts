@@ -4,10 +4,8 @@ import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { chromium, type BrowserContext, type Page } from 'playwright-core';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { Runner } from '../src/index.ts';
-import { createFixtureTables } from './fixtures/tables.ts';
 import { killLeftovers, query, REPO } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
 
 /** Debian's chromium (.ci/run installs it), driven by playwright-core: no browser download. */
@@ -16,7 +14,10 @@ const FLAGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', 
 /** Git-ignored: look at them after a run. */
 export const SCREENSHOTS = path.join(REPO, 'screenshots');
 
-let database: TestDatabase;
+beforeAll(() => {
+  if (!existsSync(CHROMIUM)) throw new Error(`${CHROMIUM} is missing; install it with apt-get install -y chromium (.ci/run does)`);
+});
+const testDb = useTestDatabase({ fixtureTables: true, idemSchema: true });
 let url: string;
 let server: ServeProcess;
 let profile: string;
@@ -24,11 +25,7 @@ let context: BrowserContext;
 let page: Page;
 
 beforeAll(async () => {
-  if (!existsSync(CHROMIUM)) throw new Error(`${CHROMIUM} is missing; install it with apt-get install -y chromium (.ci/run does)`);
-  database = await createTestDatabase();
-  url = database.url;
-  await createFixtureTables(url);
-  await (await Runner.connect({ connectionString: url })).close();
+  url = testDb.url;
   server = await startServe(url, ['--public-read', '--max-runs', '4']);
   await mkdir(SCREENSHOTS, { recursive: true });
   profile = await mkdtemp(path.join(tmpdir(), 'idem-chromium-'));
@@ -40,7 +37,6 @@ afterAll(async () => {
   await context?.close().catch(() => {});
   if (profile) await rm(profile, { recursive: true, force: true });
   await killLeftovers();
-  await database?.drop();
 });
 
 const runCard = (key: string) => page.locator('#active, #completed').locator('article.run', { has: page.locator('.key', { hasText: key }) });

@@ -1,23 +1,16 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { createFixtureTables } from './fixtures/tables.ts';
 import { FIXTURE_DIRS, query, spawnCli, waitFor } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 import { startBlackholeProxy, type BlackholeProxy } from './support/blackhole-proxy.ts';
 
 // Issue 8, item 4: a dead network is a lost lock, noticed within a bounded time.
 
-let database: TestDatabase;
+const database = useTestDatabase({ fixtureTables: true });
 let proxy: BlackholeProxy;
-
 beforeAll(async () => {
-  database = await createTestDatabase();
-  await createFixtureTables(database.url);
   proxy = await startBlackholeProxy(Number(new URL(database.url).port));
 });
-afterAll(async () => {
-  await proxy?.close();
-  await database?.drop();
-});
+afterAll(() => proxy?.close());
 
 describe('a network that goes dead mid-run', () => {
   it('the cut-off process notices, abandons its in-flight chunks and exits 69 within 30 s of the cut', async () => {

@@ -4,9 +4,9 @@ import { fileURLToPath } from 'node:url';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { exitCodeOf, RunFailedError, Runner } from '../src/index.ts';
 import notify, { NOTIFY_DDL, type NotifyResult } from './fixtures/effect-jobs/notify.ts';
-import { createFixtureTables, withClient } from './fixtures/tables.ts';
+import { withClient } from './fixtures/tables.ts';
 import { expectFaultCrash, expectKilled, killLeftovers, query, runCli, runRow, spawnCli, waitFor, workCounts } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
 const EFFECT_JOBS = fileURLToPath(new URL('./fixtures/effect-jobs', import.meta.url));
 
@@ -69,17 +69,16 @@ async function startReceiver(): Promise<Receiver> {
   return Object.assign(receiver, { url: `http://127.0.0.1:${port}/notify` });
 }
 
-let database: TestDatabase;
+const testDb = useTestDatabase({ fixtureTables: true, prepare: (url) => withClient(url, (c) => c.query(NOTIFY_DDL)), runner: true });
 let url: string;
 let runner: Runner;
+beforeAll(() => {
+  ({ url, runner } = testDb);
+});
+
 let receiver: Receiver;
 
 beforeAll(async () => {
-  database = await createTestDatabase();
-  url = database.url;
-  await createFixtureTables(url);
-  await withClient(url, (c) => c.query(NOTIFY_DDL));
-  runner = await Runner.connect({ connectionString: url });
   receiver = await startReceiver();
 });
 
@@ -92,8 +91,6 @@ afterEach(async () => {
 afterAll(async () => {
   await killLeftovers();
   await receiver?.close();
-  await runner?.close();
-  await database?.drop();
 });
 
 /** The receiver's deliveries for one run key, optionally one chunk and effect name. */

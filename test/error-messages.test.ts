@@ -3,29 +3,25 @@ import os from 'node:os';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { Runner } from '../src/index.ts';
-import { createFixtureTables } from './fixtures/tables.ts';
 import { ALL_TABLES, FIXTURE_DIRS, FIXTURE_JOBS, FIXTURE_MIGRATIONS, killLeftovers, lines, query, runCli, snapshot, type CliResult } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
 // Issue 14: every common mistake of a new user ends in an error that says what and where, and how
 // to fix it; and nothing is written to the database.
 
-let database: TestDatabase;
+// idem's schema exists up front, so "changes nothing" compares real tables.
+const testDb = useTestDatabase({ fixtureTables: true, idemSchema: true });
 let url: string;
-let tmp: string;
-
-beforeAll(async () => {
-  database = await createTestDatabase();
-  url = database.url;
-  await createFixtureTables(url);
-  // idem's schema exists up front, so "changes nothing" compares real tables.
-  await (await Runner.connect({ connectionString: url })).close();
-  tmp = await mkdtemp(path.join(os.tmpdir(), 'idem-errors-'));
+beforeAll(() => {
+  url = testDb.url;
 });
 
+let tmp: string;
+beforeAll(async () => {
+  tmp = await mkdtemp(path.join(os.tmpdir(), 'idem-errors-'));
+});
 afterAll(async () => {
   await killLeftovers();
-  await database?.drop();
   if (tmp) await rm(tmp, { recursive: true, force: true });
 });
 

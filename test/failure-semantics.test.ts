@@ -3,20 +3,16 @@ import pg from 'pg';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { defineJob, RunFailedError, Runner, sql } from '../src/index.ts';
 import { FAULT_POINTS } from '../src/fault-points.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 import { expectFaultCrash, FIXTURE_DIRS, killLeftovers, logLines, type CliResult, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, holdGate } from './support/cli.ts';
-import { createFixtureTables } from './fixtures/tables.ts';
 import counted, { maybeFail } from './fixtures/jobs/counted.ts';
 
 const MORE_JOBS = fileURLToPath(new URL('./fixtures/more-jobs', import.meta.url));
 
-let db: TestDatabase;
+const db = useTestDatabase({ fixtureTables: true, runner: true });
 let runner: Runner;
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-  await createFixtureTables(db.url);
-  runner = await Runner.connect({ connectionString: db.url });
+beforeAll(() => {
+  runner = db.runner;
 });
 
 // A test that failed before its own cleanup must not make the next test's chunks fail.
@@ -25,11 +21,7 @@ afterEach(async () => {
   await query(db.url, 'delete from fail_chunks');
 });
 
-afterAll(async () => {
-  await killLeftovers();
-  await runner?.close();
-  await db?.drop();
-});
+afterAll(killLeftovers);
 
 const sumOfSquares = (n: number) => (n * (n + 1) * (2 * n + 1)) / 6;
 

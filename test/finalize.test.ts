@@ -1,26 +1,16 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { BusyError, exitCodeOf, finalizeRun, InterruptedError, Runner, RunFailedError } from '../src/index.ts';
 import counted, { chunkKey } from './fixtures/jobs/counted.ts';
-import { createFixtureTables } from './fixtures/tables.ts';
 import { FIXTURE_DIRS, holdGate, killLeftovers, lines, query, runCli, runRow, snapshot, waitFor, workCounts } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
-let database: TestDatabase;
+const testDb = useTestDatabase({ fixtureTables: true, runner: true });
 let url: string;
 let runner: Runner;
-
-beforeAll(async () => {
-  database = await createTestDatabase();
-  url = database.url;
-  await createFixtureTables(url);
-  runner = await Runner.connect({ connectionString: url });
+beforeAll(() => {
+  ({ url, runner } = testDb);
 });
-
-afterAll(async () => {
-  await killLeftovers();
-  await runner?.close();
-  await database?.drop();
-});
+afterAll(killLeftovers);
 
 const ones = (n: number) => new Map(Array.from({ length: n }, (_, i) => [chunkKey(i + 1), 1]));
 const TABLES = ['idem.runs', 'idem.steps', 'idem.chunks', 'work_log', 'counted_state'];

@@ -1,26 +1,17 @@
 import pg from 'pg';
-import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { beforeAll, describe, expect, it, vi } from 'vitest';
 import { acquireAdvisoryLock } from '../src/advisory-lock.ts';
 import { defineJob, exitCodeOf, fingerprint, keyRange, RunFailedError, Runner, sql, type ChunkSource, type Job } from '../src/index.ts';
 import { query, waitFor } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
 // Issue 8 (correctness hardening): each test here failed on the code before its fix.
 
-let database: TestDatabase;
+const testDb = useTestDatabase({ prepare: (url) => query(url, 'create table hits (item int primary key, n int not null)'), runner: true });
 let url: string;
 let runner: Runner;
-
-beforeAll(async () => {
-  database = await createTestDatabase();
-  url = database.url;
-  await query(url, 'create table hits (item int primary key, n int not null)');
-  runner = await Runner.connect({ connectionString: url });
-});
-
-afterAll(async () => {
-  await runner?.close();
-  await database?.drop();
+beforeAll(() => {
+  ({ url, runner } = testDb);
 });
 
 /** Items 1..6 in windows of two; with `dup`, the 4th chunk reuses the 1st chunk's key. */
@@ -243,14 +234,22 @@ describe('bookkeeping counts what happened (item 6)', () => {
     const job = itemsJob('lost-ack', false);
     const original = pg.Client.prototype.query;
     let dropped = 0;
+    // The COMMIT of the transaction whose claim took item-3: the server commits, the client never hears so.
+    let armed: unknown;
     const spy = vi.spyOn(pg.Client.prototype, 'query').mockImplementation(function (this: pg.Client, ...args: any[]) {
       const text = typeof args[0] === 'string' ? args[0] : args[0]?.text;
       const result = (original as any).apply(this, args);
-      if (dropped === 0 && typeof text === 'string' && /;\s*commit$/i.test(text) && text.includes("'item-3'")) {
+      if (dropped === 0 && armed === this && text === 'commit') {
         dropped++;
-        // The server committed; the client never hears so.
         return Promise.resolve(result).then(() => {
           throw Object.assign(new Error('Connection terminated unexpectedly'), { code: 'ECONNRESET' });
+        });
+      }
+      if (dropped === 0 && typeof text === 'string' && text.includes('execute idem_claim_')) {
+        return Promise.resolve(result).then((r: any) => {
+          const last = Array.isArray(r) ? r[r.length - 1] : r;
+          if (last?.rows?.[0]?.key === 'item-3') armed = this;
+          return r;
         });
       }
       return result;
@@ -272,5 +271,40 @@ describe('bookkeeping counts what happened (item 6)', () => {
     expect(await runner.store.beginEffect(run.id, 1, 'step', 'chunk', 'mail', 'idem-key')).toBeNull();
     expect(await query(url, 'select count(*)::int as n from idem.effects where run_id = $1', [run.id])).toEqual([{ n: 0 }]);
     expect(await runner.store.beginEffect(run.id, 2, 'step', 'chunk', 'mail', 'idem-key')).toMatchObject({ status: 'started', tries: 1 });
+  });
+});
+
+describe('a lost lock is a lost run, not a failed one (found by the workers chaos)', () => {
+  it('a connection error that arrives while the lock session is silent does not mark the run failed', async () => {
+    let lockPid = 0;
+    const job = defineJob({
+      name: 'lock-silent-work-killed',
+      steps: [
+        {
+          name: 'work',
+          retry: { attempts: 1 },
+          async run({ db }) {
+            // The lock session stops answering (its backend is stopped, as on a dead network) and
+            // the chunk fails with what a killed work session says: the run's fate must wait for
+            // the lock's answer, not take the work session's error as the run's failure.
+            const { rows } = await sql<{ pid: number }>`select pid from pg_stat_activity
+              where application_name like 'idem-lock %' and datname = current_database()`.execute(db);
+            lockPid = rows[0]!.pid;
+            process.kill(lockPid, 'SIGSTOP');
+            throw Object.assign(new Error('terminating connection due to administrator command'), { code: '57P01' });
+          },
+        },
+      ],
+    });
+    try {
+      const err = await runner.run(job, { key: 'silent' }).catch((e: unknown) => e);
+      expect(exitCodeOf(err), String(err)).toBe(69);
+    } finally {
+      if (lockPid) {
+        process.kill(lockPid, 'SIGCONT');
+        await query(url, 'select pg_terminate_backend($1)', [lockPid]);
+      }
+    }
+    expect(await query(url, `select status, error from idem.runs where job = 'lock-silent-work-killed'`)).toEqual([{ status: 'running', error: null }]);
   });
 });

@@ -4,29 +4,21 @@ import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import { defineJob, Runner, sql, UsageError, type HealthOptions } from '../src/index.ts';
 import { parseHealthFlag, resolveHealth } from '../src/health-check.ts';
 import counted from './fixtures/jobs/counted.ts';
-import { createFixtureTables } from './fixtures/tables.ts';
 import { FIXTURE_DIRS, holdGate, killLeftovers, query, runCli, runRow, spawnCli, waitFor, workCounts } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
-let database: TestDatabase;
+const logs: Array<{ msg: string; indicator?: string; [k: string]: unknown }> = [];
+const testDb = useTestDatabase({
+  fixtureTables: true,
+  prepare: (url) => query(url, `create table hot (id int primary key, n int not null default 0); insert into hot values (1, 0)`),
+  runner: { log: pino({ level: 'info' }, { write: (line: string) => void logs.push(JSON.parse(line)) }) },
+});
 let url: string;
 let runner: Runner;
-const logs: Array<{ msg: string; indicator?: string; [k: string]: unknown }> = [];
-
-beforeAll(async () => {
-  database = await createTestDatabase();
-  url = database.url;
-  await createFixtureTables(url);
-  await query(url, `create table hot (id int primary key, n int not null default 0); insert into hot values (1, 0)`);
-  const log = pino({ level: 'info' }, { write: (line: string) => void logs.push(JSON.parse(line)) });
-  runner = await Runner.connect({ connectionString: url, log });
+beforeAll(() => {
+  ({ url, runner } = testDb);
 });
-
-afterAll(async () => {
-  await killLeftovers();
-  await runner?.close();
-  await database?.drop();
-});
+afterAll(killLeftovers);
 
 /** A session that opens a transaction and keeps it open (idle in transaction) until release(). */
 async function openTransaction(): Promise<{ pid: number; release(): Promise<void> }> {

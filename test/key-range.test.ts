@@ -4,13 +4,12 @@ import pino from 'pino';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { ChunkPage, Json, PlanContext } from '../src/job.ts';
 import { keyRange, type KeyRangeChunk, type KeyRangeOptions } from '../src/key-range.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
-let database: TestDatabase;
+const database = useTestDatabase();
 let db: Kysely<any>;
 
 beforeAll(async () => {
-  database = await createTestDatabase();
   db = new Kysely<any>({ dialect: new PostgresDialect({ pool: new pg.Pool({ connectionString: database.url, max: 2 }) }) });
   await sql`
     create table gappy (id integer primary key, flag boolean not null default false);
@@ -32,7 +31,6 @@ beforeAll(async () => {
 
 afterAll(async () => {
   await db?.destroy();
-  await database?.drop();
 });
 
 const ctx = (windowSize: number) =>

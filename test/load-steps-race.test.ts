@@ -1,7 +1,7 @@
 import pg from 'pg';
-import { afterAll, beforeAll, expect, it } from 'vitest';
+import { beforeAll, expect, it } from 'vitest';
 import { fingerprint, Runner } from '../src/index.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
 // Found by the workers chaos and the workers bench: on a brand-new run, a joining worker's
 // loadSteps raced the first worker's and came back without the step rows ("step row for "backfill"
@@ -9,16 +9,10 @@ import { createTestDatabase, type TestDatabase } from './support/database.ts';
 // worker's insert, then does nothing, and the same statement's SELECT cannot see rows committed
 // after its snapshot was taken.
 
-let database: TestDatabase;
+const database = useTestDatabase({ runner: true });
 let runner: Runner;
-
-beforeAll(async () => {
-  database = await createTestDatabase();
-  runner = await Runner.connect({ connectionString: database.url });
-});
-afterAll(async () => {
-  await runner?.close();
-  await database?.drop();
+beforeAll(() => {
+  runner = database.runner;
 });
 
 it('loadSteps returns every step even when another worker inserts them concurrently', async () => {

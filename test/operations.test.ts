@@ -9,22 +9,17 @@ import { resolveThrottle, Throttle } from '../src/throttle.ts';
 import counted, { chunkKey } from './fixtures/jobs/counted.ts';
 import ranged from './fixtures/jobs/ranged.ts';
 import sized, { SIZED_DDL, SIZED_NOMINAL } from './fixtures/sized-jobs/sized.ts';
-import { createFixtureTables, withClient } from './fixtures/tables.ts';
+import { withClient } from './fixtures/tables.ts';
 import { busyMessage, chunkRows, expectFaultCrash, FIXTURE_DIRS, holdGate, killLeftovers, query, runCli, runRow, sessions, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
 const SIZED_JOBS = fileURLToPath(new URL('./fixtures/sized-jobs', import.meta.url));
 
-let database: TestDatabase;
+const testDb = useTestDatabase({ fixtureTables: true, prepare: (url) => withClient(url, (c) => c.query(SIZED_DDL)), runner: true });
 let url: string;
 let runner: Runner;
-
-beforeAll(async () => {
-  database = await createTestDatabase();
-  url = database.url;
-  await createFixtureTables(url);
-  await withClient(url, (c) => c.query(SIZED_DDL));
-  runner = await Runner.connect({ connectionString: url });
+beforeAll(() => {
+  ({ url, runner } = testDb);
 });
 
 afterEach(async () => {
@@ -32,11 +27,7 @@ afterEach(async () => {
   await query(url, 'delete from fail_chunks');
 });
 
-afterAll(async () => {
-  await killLeftovers();
-  await runner?.close();
-  await database?.drop();
-});
+afterAll(killLeftovers);
 
 /** The CLI on the fixture jobs, to completion. */
 const idem = (args: readonly string[], env?: Record<string, string>) => runCli([...FIXTURE_DIRS, ...args], { url, ...(env ? { env } : {}) });

@@ -269,10 +269,10 @@ describe.each(PROJECTS)('installed into a fresh $name project', (p) => {
 
 describe('on the embedded default (no DATABASE_URL)', () => {
   it('migrate, run and status start PostgreSQL under .idem/ in the project and keep the runs there', async () => {
-    const p = PROJECTS[2]!;
-    const dir = path.join(work, p.name);
-    // The cjs-js project exists once its describe block ran; make it if this test runs alone.
-    if (!existsSync(dir)) await createProject(p);
+    // A project of its own (the cjs-js shape), so the test order does not matter: the cjs-js
+    // describe block makes its own under its own name.
+    const p = { ...PROJECTS[2]!, name: 'cjs-js-embedded' };
+    const dir = await createProject(p);
     await idem(dir, ['migrate']);
     const ran = await idem(dir, ['run', p.jobs[0]]);
     expect(ran.stdout).toMatch(new RegExp(`^job "${p.jobs[0]}" succeeded`));

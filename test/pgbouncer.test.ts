@@ -1,7 +1,6 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { createFixtureTables } from './fixtures/tables.ts';
 import { FIXTURE_DIRS, query, runCli, spawnCli } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 import { pgbouncerBinary, startPgbouncer, type Bouncer } from './support/pgbouncer.ts';
 
 // Issue 8, item 8: idem never runs behind a pooler that does not keep sessions, and works through
@@ -13,18 +12,13 @@ const COUNTED = (chunks: number, pauseMs = 0) => JSON.stringify({ chunks, pauseM
 const REFUSAL = /^idem: error: postgres:\/\/[^ ]+ goes through a connection pooler \(PgBouncer or similar\) in transaction or statement mode, which does not keep sessions, and idem needs its session \(advisory lock\): set pool_mode = session for idem's database, or point idem at PostgreSQL directly$/;
 
 describe.skipIf(missing).each(['transaction', 'statement'] as const)('behind PgBouncer in %s mode', (mode) => {
-  let database: TestDatabase;
+  const database = useTestDatabase({ fixtureTables: true });
   let bouncer: Bouncer;
 
   beforeAll(async () => {
-    database = await createTestDatabase();
-    await createFixtureTables(database.url);
     bouncer = await startPgbouncer(database.url, mode);
   });
-  afterAll(async () => {
-    await bouncer?.stop();
-    await database?.drop();
-  });
+  afterAll(() => bouncer?.stop());
 
   /** Nothing of idem's and none of the job's work reached the server. */
   async function expectNothingWritten(): Promise<void> {
@@ -52,18 +46,13 @@ describe.skipIf(missing).each(['transaction', 'statement'] as const)('behind PgB
 });
 
 describe.skipIf(missing)('behind PgBouncer in session mode', () => {
-  let database: TestDatabase;
+  const database = useTestDatabase({ fixtureTables: true });
   let bouncer: Bouncer;
 
   beforeAll(async () => {
-    database = await createTestDatabase();
-    await createFixtureTables(database.url);
     bouncer = await startPgbouncer(database.url, 'session');
   });
-  afterAll(async () => {
-    await bouncer?.stop();
-    await database?.drop();
-  });
+  afterAll(() => bouncer?.stop());
 
   it('a run succeeds with every chunk once', async () => {
     const r = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', COUNTED(30), '--key', 'one', '--concurrency', '4'], { url: bouncer.url });

@@ -1,31 +1,21 @@
 import pg from 'pg';
-import { afterAll, afterEach, beforeAll, describe, expect, it, vi } from 'vitest';
+import { afterEach, beforeAll, describe, expect, it, vi } from 'vitest';
 import { BusyError, defineJob, exitCodeOf, fingerprint, LockLostError, ParamsMismatchError, RunFailedError, Runner, sql, UsageError, type Json } from '../src/index.ts';
 import { lockKey } from '../src/fingerprint.ts';
 import counted, { chunkKey, maybeFail } from './fixtures/jobs/counted.ts';
 import ranged from './fixtures/jobs/ranged.ts';
-import { createFixtureTables } from './fixtures/tables.ts';
 import { ALL_TABLES, chunkRows, holdGate, query, runRow, snapshot, waitFor, workCounts } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
-let database: TestDatabase;
+const testDb = useTestDatabase({ fixtureTables: true, runner: true });
 let url: string;
 let runner: Runner;
-
-beforeAll(async () => {
-  database = await createTestDatabase();
-  url = database.url;
-  await createFixtureTables(url);
-  runner = await Runner.connect({ connectionString: url });
+beforeAll(() => {
+  ({ url, runner } = testDb);
 });
 
 // A test that failed before its own cleanup must not make the next test's chunks fail.
 afterEach(() => query(url, 'delete from fail_chunks'));
-
-afterAll(async () => {
-  await runner?.close();
-  await database?.drop();
-});
 
 /** The error a promise rejects with (fails the test if it resolves). */
 async function rejectionOf(p: Promise<unknown>): Promise<Error> {

@@ -5,20 +5,16 @@ import { fileURLToPath } from 'node:url';
 import { afterAll, afterEach, beforeAll, beforeEach, describe, expect, it } from 'vitest';
 import { latestSlot, parseSchedule, slotKey, slotsSince } from '../src/schedule.ts';
 import { TICK_SCHEDULE } from './fixtures/scheduled-jobs/hourly-tick.ts';
-import { createFixtureTables } from './fixtures/tables.ts';
 import { busyMessage, FIXTURE_JOBS, killLeftovers, lines, query, REPO, runCli, spawnCli, waitFor, workCounts } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
 const SCHEDULED_JOBS = fileURLToPath(new URL('./fixtures/scheduled-jobs', import.meta.url));
 const schedule = parseSchedule(TICK_SCHEDULE);
 
-let database: TestDatabase;
+const testDb = useTestDatabase({ fixtureTables: true });
 let url: string;
-
-beforeAll(async () => {
-  database = await createTestDatabase();
-  url = database.url;
-  await createFixtureTables(url);
+beforeAll(() => {
+  url = testDb.url;
 });
 
 /**
@@ -32,10 +28,7 @@ beforeEach(async () => {
 
 afterEach(killLeftovers);
 
-afterAll(async () => {
-  await killLeftovers();
-  await database?.drop();
-});
+afterAll(killLeftovers);
 
 /**
  * Each test keeps its runs in a schema of its own (`--schema`), so one test's slot runs are not

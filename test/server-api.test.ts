@@ -1,28 +1,20 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { Runner } from '../src/index.ts';
 import { chunkKey } from './fixtures/jobs/counted.ts';
-import { createFixtureTables } from './fixtures/tables.ts';
 import { ALL_TABLES, FIXTURE_JOBS, killLeftovers, runCli, query, snapshot, waitFor, workCounts } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { createTestDatabase, useTestDatabase } from './support/database.ts';
 import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
 
-let database: TestDatabase;
+const testDb = useTestDatabase({ fixtureTables: true, idemSchema: true });
 let url: string;
 let server: ServeProcess;
 const TABLES = [...ALL_TABLES, 'idem.api_requests'];
 
 beforeAll(async () => {
-  database = await createTestDatabase();
-  url = database.url;
-  await createFixtureTables(url);
-  await (await Runner.connect({ connectionString: url })).close();
+  url = testDb.url;
   server = await startServe(url, ['--max-runs', '4']);
 });
 
-afterAll(async () => {
-  await killLeftovers();
-  await database?.drop();
-});
+afterAll(killLeftovers);
 
 const post = (key: string | undefined, body: unknown, opts: { token?: string | null; job?: string } = {}) =>
   api(server.base, 'POST', `/api/jobs/${opts.job ?? 'counted'}/runs`, { body, ...(key !== undefined ? { key } : {}), ...(opts.token !== undefined ? { token: opts.token } : {}) });

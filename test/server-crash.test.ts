@@ -1,25 +1,15 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { Runner } from '../src/index.ts';
 import { chunkKey } from './fixtures/jobs/counted.ts';
-import { createFixtureTables } from './fixtures/tables.ts';
 import { FIXTURE_DIRS, holdGate, killLeftovers, query, runRow, sessions, spawnCli, waitFor, workCounts } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 import { api, startServe } from './support/server.ts';
 
-let database: TestDatabase;
+const testDb = useTestDatabase({ fixtureTables: true, idemSchema: true });
 let url: string;
-
-beforeAll(async () => {
-  database = await createTestDatabase();
-  url = database.url;
-  await createFixtureTables(url);
-  await (await Runner.connect({ connectionString: url })).close();
+beforeAll(() => {
+  url = testDb.url;
 });
-
-afterAll(async () => {
-  await killLeftovers();
-  await database?.drop();
-});
+afterAll(killLeftovers);
 
 const CHUNKS = 40;
 

@@ -5,20 +5,13 @@
 import { execFile } from 'node:child_process';
 import { existsSync } from 'node:fs';
 import { promisify } from 'node:util';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { createFixtureTables } from './fixtures/tables.ts';
+import { describe, expect, it } from 'vitest';
 import { BIN, FIXTURE_DIRS, REPO } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
 const exec = promisify(execFile);
 const SCRIPT = '/usr/bin/script';
-let database: TestDatabase;
-
-beforeAll(async () => {
-  database = await createTestDatabase();
-  await createFixtureTables(database.url);
-});
-afterAll(() => database?.drop());
+const database = useTestDatabase({ fixtureTables: true });
 
 const quote = (s: string) => `'${s.replace(/'/g, `'\\''`)}'`;
 

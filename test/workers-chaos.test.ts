@@ -1,7 +1,7 @@
-import { afterAll, beforeAll, expect, it } from 'vitest';
+import { expect, it } from 'vitest';
 import { minMultiAttemptEpisodes } from './chaos/chaos.ts';
 import { runWorkersChaos, workersChaosFailures, workersSummaryLine } from './chaos/workers-chaos.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
 // The small workers chaos inside `npm test` (2–4 workers per run, one late joiner per blow, to stay
 // short on a busy machine: every worker is a Node process to start); `npm run chaos -- --workers`
@@ -10,11 +10,7 @@ import { createTestDatabase, type TestDatabase } from './support/database.ts';
 const rounds = Number(process.env.CHAOS_WORKERS_ROUNDS ?? 15);
 const seed = Number(process.env.CHAOS_WORKERS_SEED ?? Math.floor(Math.random() * 2 ** 31));
 
-let db: TestDatabase;
-beforeAll(async () => {
-  db = await createTestDatabase();
-});
-afterAll(() => db?.drop());
+const db = useTestDatabase();
 
 it(`2–4 workers per run, SIGKILLed, cut off and joined mid-run, converge on the oracle's state with every chunk committed once (seed ${seed})`, async () => {
   const stats = await runWorkersChaos({ databaseUrl: db.url, rounds, seed, maxWorkers: 4, maxLateJoiners: 1 });

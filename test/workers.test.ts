@@ -1,20 +1,15 @@
 import os from 'node:os';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { createFixtureTables } from './fixtures/tables.ts';
+import { beforeAll, describe, expect, it } from 'vitest';
 import { FIXTURE_DIRS, query, runCli, sessions, spawnCli, waitFor, type CliProcess } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
 // Issue 9: many worker processes share one run (`idem run --join`).
 
-let database: TestDatabase;
+const testDb = useTestDatabase({ fixtureTables: true });
 let url: string;
-
-beforeAll(async () => {
-  database = await createTestDatabase();
-  url = database.url;
-  await createFixtureTables(url);
+beforeAll(() => {
+  url = testDb.url;
 });
-afterAll(() => database?.drop());
 
 const params = (chunks: number, pauseMs: number) => JSON.stringify({ chunks, pauseMs, label: 'x', gate: null });
 const join = (key: string, chunks: number, pauseMs: number, extra: string[] = []) =>

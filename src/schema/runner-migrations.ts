@@ -137,6 +137,28 @@ function runnerMigrations(schema: string): Record<string, Migration> {
         )`.execute(db);
       },
     },
+    '0008_chunk_fence_at_commit': {
+      async up(db) {
+        // A chunk is claimed and marked done by one statement at the start of its transaction; this
+        // checks, at COMMIT, that the attempt that marked it is still the run's attempt. The run
+        // row is share-locked until the commit ends, so a takeover's attempt bump (an UPDATE of
+        // that row) either waits for this commit or makes it fail: a zombie never commits a chunk
+        // after it was fenced off. SQLSTATE IF001 is how the runner tells this refusal apart.
+        await sql`create function ${t('chunk_fence')}() returns trigger language plpgsql as $fence$
+          begin
+            perform 1 from ${t('runs')} where id = new.run_id and attempt = new.done_attempt for share;
+            if not found then
+              raise exception 'idem: attempt % of run % was fenced off; chunk % rolled back', new.done_attempt, new.run_id, new.key
+                using errcode = 'IF001';
+            end if;
+            return null;
+          end $fence$`.execute(db);
+        await sql`create constraint trigger chunk_fence after update of done_at on ${t('chunks')}
+          deferrable initially deferred for each row
+          when (old.done_at is null and new.done_at is not null)
+          execute function ${t('chunk_fence')}()`.execute(db);
+      },
+    },
   };
 }
 

@@ -1,9 +1,7 @@
 import { readdir, readFile, readlink } from 'node:fs/promises';
 import pg from 'pg';
-import {
-  chaosFailures, commitsOf, prepareChaosTables, prng, ROWS, runStatus, settle, SETTLE_MS, sleep, startRunner, stateHash, verifyEpisode,
-  type ChaosStats, type Child,
-} from './chaos.ts';
+import { chaosFailures } from './chaos.ts';
+import { newChaosStats, prng, settle, sleep, startRunner, withChaosDriver, type ChaosStats, type Child } from './chaos-driver.ts';
 
 /**
  * Chaos for workers (`npm run chaos -- --workers`): every run is shared by 2–6 `idem run --join`
@@ -72,66 +70,27 @@ export async function runWorkersChaos(opts: WorkersChaosOptions): Promise<Worker
   const maxWorkers = Math.max(2, opts.maxWorkers ?? 6);
   const maxLateJoiners = Math.max(1, opts.maxLateJoiners ?? 2);
   const stats: WorkersChaosStats = {
-    seed: opts.seed, rounds: 0, episodes: 0, multiAttemptEpisodes: 0, spawned: 0, kills: 0, midRunKills: 0, terminations: 0, overlaps: 0,
-    divergent: 0, oracleMismatches: 0, duplicateCommits: 0, missingCommits: 0, markerMismatches: 0, unexpectedExits: [], hangs: [], workMs: 0,
+    ...newChaosStats(opts.seed),
     workers: 0, lateJoins: 0, killAllRounds: 0, terminatedWorkers: 0, terminatedExits: {}, busyWhileEnding: 0, summaryMismatches: 0,
   };
-  const client = new pg.Client({ connectionString: opts.databaseUrl, application_name: 'chaos-driver' });
-  await client.connect();
-  const totalCommits = ROWS / 30 + 1;
-  try {
-    await prepareChaosTables(client);
-    // The reference: one undisturbed worker alone on the run (a `--join` with nobody to join starts it).
-    const clean = startRunner(opts.databaseUrl, 'clean', concurrency, false, 'clean run', [0], true);
-    stats.spawned++;
-    await settle(client, [clean], stats, 'clean run');
-    if ((await runStatus(client, 'clean')) !== 'succeeded') throw new Error(`the clean reference run did not succeed: ${[...stats.unexpectedExits, ...stats.hangs].join('; ')}`);
-    const reference = await stateHash(client);
-    const { rows: span } = await client.query<{ ms: number }>(`select (extract(epoch from max(committed_at) - min(committed_at)) * 1000)::int as ms from chaos_commits where run_key = 'clean'`);
-    stats.workMs = Math.max(50, span[0]!.ms);
-
-    let episode = 0;
-    let runKey = '';
-    const newEpisode = async () => {
-      episode++;
-      runKey = `workers-${opts.seed}-${episode}`;
-      await client.query(`update chaos_items set value = 0, label = null`);
-    };
-    const verify = async () => {
-      await verifyEpisode(client, runKey, reference, stats);
-      // One summary: the run row's, counting the attempts its chunks were committed under.
-      const { rows } = await client.query<{ ok: boolean }>(
-        `select (r.summary is not null and (r.summary->>'attempts')::int = r.attempt) as ok from idem.runs r where r.job = 'chaos-backfill' and r.run_key = $1`,
-        [runKey],
-      );
-      if (!rows[0]?.ok) stats.summaryMismatches++;
-    };
-    /** Waits until the run commits (or every worker ended), then a random part of what is left of a clean run's time. */
-    const midRun = async (children: Child[], fraction: number) => {
-      const before = await commitsOf(client, runKey);
-      const until = Date.now() + SETTLE_MS;
-      while ((await commitsOf(client, runKey)) === before && children.some((c) => !c.exited) && Date.now() < until) await sleep(10);
-      const left = Math.max(0, totalCommits - (await commitsOf(client, runKey)));
-      await sleep(Math.floor(rnd() * fraction * stats.workMs * (left / totalCommits)));
-    };
-    const kill = async (c: Child) => {
-      if (c.exited) return;
-      const n = await commitsOf(client, runKey);
-      c.killedByDriver = true;
-      if (c.proc.kill('SIGKILL')) {
-        stats.kills++;
-        if (n > 0 && n < totalCommits) stats.midRunKills++;
-      }
-    };
-
-    await newEpisode();
+  // One summary: the run row's, counting the attempts its chunks were committed under.
+  const verifyRun = async (client: pg.Client, runKey: string) => {
+    const { rows } = await client.query<{ ok: boolean }>(
+      `select (r.summary is not null and (r.summary->>'attempts')::int = r.attempt) as ok from idem.runs r where r.job = 'chaos-backfill' and r.run_key = $1`,
+      [runKey],
+    );
+    if (!rows[0]?.ok) stats.summaryMismatches++;
+  };
+  // The clean reference: one undisturbed worker alone on the run (a `--join` with nobody to join starts it).
+  await withChaosDriver({ databaseUrl: opts.databaseUrl, runKeyPrefix: `workers-${opts.seed}`, concurrency, join: true, rnd, stats, verifyRun }, async (driver) => {
+    const { client } = driver;
     const stopAt = opts.budgetMs === undefined ? Infinity : Date.now() + opts.budgetMs;
     for (let round = 1; round <= opts.rounds && Date.now() < stopAt; round++) {
       stats.rounds = round;
       const children: Child[] = [];
       const terminated = new Set<Child>();
       const launch = (role: string, allowed: number[]) => {
-        const c = startRunner(opts.databaseUrl, runKey, concurrency, false, `round ${round} ${role}`, allowed, true);
+        const c = startRunner(opts.databaseUrl, driver.runKey, concurrency, false, `round ${round} ${role}`, allowed, true);
         children.push(c);
         stats.spawned++;
         return c;
@@ -144,17 +103,17 @@ export async function runWorkersChaos(opts: WorkersChaosOptions): Promise<Worker
       // Every fourth round (and now and then another) kills every worker mid-run: the next round
       // must resume under a new attempt. The other rounds kill some, cut some off, add some.
       const killAll = round % 4 === 0 || rnd() < 0.1;
-      await midRun(children, killAll ? 0.7 : 0.5);
+      await driver.midRun(children, killAll ? 0.7 : 0.5);
       if (killAll) {
         stats.killAllRounds++;
-        for (const c of children) await kill(c);
+        for (const c of children) await driver.kill(c);
       } else {
         const blows = 1 + Math.floor(rnd() * 3);
         for (let b = 0; b < blows; b++) {
           const victims = live();
           const roll = rnd();
           if (roll < 0.35 && victims.length > 0) {
-            await kill(victims[Math.floor(rnd() * victims.length)]!);
+            await driver.kill(victims[Math.floor(rnd() * victims.length)]!);
           } else if (roll < 0.75 && victims.length > 0) {
             // Cut one worker off: its lock session (and, half the time, its work sessions too).
             const victim = victims[Math.floor(rnd() * victims.length)]!;
@@ -186,7 +145,7 @@ export async function runWorkersChaos(opts: WorkersChaosOptions): Promise<Worker
         }
       }
       const reported = stats.unexpectedExits.length + stats.hangs.length;
-      await settle(client, children, stats, `round ${round} (${runKey})`);
+      await settle(client, children, stats, `round ${round} (${driver.runKey})`);
       for (const c of children) {
         const { code, signal, stderr } = await c.done;
         if (terminated.has(c)) {
@@ -195,28 +154,17 @@ export async function runWorkersChaos(opts: WorkersChaosOptions): Promise<Worker
         }
         if (code === 75) {
           if (/ending in the processes that share it/.test(stderr)) stats.busyWhileEnding++;
-          else stats.unexpectedExits.push(`round ${round} (${runKey}): ${c.role} exited 75 though it asked to join: ${stderr.trim().split('\n').slice(-3).join(' | ')}`);
+          else stats.unexpectedExits.push(`round ${round} (${driver.runKey}): ${c.role} exited 75 though it asked to join: ${stderr.trim().split('\n').slice(-3).join(' | ')}`);
         }
       }
-      if ((await runStatus(client, runKey)) === 'succeeded') {
-        await verify();
-        await newEpisode();
-      }
+      await driver.endEpisodeIfDone();
       for (const e of [...stats.unexpectedExits, ...stats.hangs].slice(reported)) opts.onLine?.(`  ${e}`);
-      opts.onLine?.(`round ${round}: episode ${episode}, ${JSON.stringify({ workers: stats.workers, lateJoins: stats.lateJoins, kills: stats.kills, terminations: stats.terminations, terminatedExits: stats.terminatedExits, multiAttemptEpisodes: stats.multiAttemptEpisodes, divergent: stats.divergent, duplicateCommits: stats.duplicateCommits, missingCommits: stats.missingCommits, unexpectedExits: stats.unexpectedExits.length, hangs: stats.hangs.length })}`);
+      opts.onLine?.(`round ${round}: episode ${driver.episode}, ${JSON.stringify({ workers: stats.workers, lateJoins: stats.lateJoins, kills: stats.kills, terminations: stats.terminations, terminatedExits: stats.terminatedExits, multiAttemptEpisodes: stats.multiAttemptEpisodes, divergent: stats.divergent, duplicateCommits: stats.duplicateCommits, missingCommits: stats.missingCommits, unexpectedExits: stats.unexpectedExits.length, hangs: stats.hangs.length })}`);
     }
     // Finish the episode in flight with two undisturbed workers, then verify it too.
-    if ((await runStatus(client, runKey)) !== undefined) {
-      const last = [0, 1].map((i) => startRunner(opts.databaseUrl, runKey, concurrency, false, `final worker ${i + 1}`, [0, 75], true));
-      stats.spawned += last.length;
-      await settle(client, last, stats, `final run (${runKey})`);
-      if ((await runStatus(client, runKey)) !== 'succeeded') stats.unexpectedExits.push(`final run of ${runKey} did not succeed`);
-      else await verify();
-    }
-    return stats;
-  } finally {
-    await client.end();
-  }
+    await driver.finish((runKey) => [0, 1].map((i) => startRunner(opts.databaseUrl, runKey, concurrency, false, `final worker ${i + 1}`, [0, 75], true)));
+  });
+  return stats;
 }
 
 export function workersSummaryLine(s: WorkersChaosStats): string {
