@@ -3,11 +3,11 @@ import { mkdtemp, readFile, rm } from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import { fileURLToPath, pathToFileURL } from 'node:url';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { describe, expect, it } from 'vitest';
 import { CLI_DEFAULT_SCHEMA } from '../src/cli.ts';
 import { DEFAULT_SCHEMA } from '../src/runner.ts';
 import { BIN, REPO } from './support/cli.ts';
-import { createTestDatabase, type TestDatabase } from './support/database.ts';
+import { useTestDatabase } from './support/database.ts';
 
 const RECORDER = pathToFileURL(fileURLToPath(new URL('./support/record-modules.mjs', import.meta.url))).href;
 const JS_JOBS = fileURLToPath(new URL('./fixtures/startup-js-jobs', import.meta.url));
@@ -60,11 +60,7 @@ async function loadedBy(args: readonly string[], url?: string): Promise<Loaded> 
 const within = (l: Loaded, ...prefixes: string[]) => [...l.bundled].filter((b) => prefixes.some((p) => b.startsWith(p)));
 
 describe('CLI start-up', () => {
-  let db: TestDatabase;
-  beforeAll(async () => {
-    db = await createTestDatabase();
-  });
-  afterAll(() => db?.drop());
+  const db = useTestDatabase();
 
   it("repeats the runner's default schema (kept apart so --help need not load the runner)", () => {
     expect(CLI_DEFAULT_SCHEMA).toBe(DEFAULT_SCHEMA);
