@@ -2,9 +2,15 @@ import { createHash } from 'node:crypto';
 import { mkdir, readFile, rename, stat, writeFile } from 'node:fs/promises';
 import path from 'node:path';
 
+/**
+ * Bumped whenever the compile options change what a compiled file holds, so copies built by an
+ * older idem are rebuilt: 2 keeps `idem` an import where 1 could bundle a copy of it.
+ */
+const MANIFEST_VERSION = 2;
+
 /** What a compiled file was built from: each input's path, mtime and size, to know when it is stale. */
 interface Manifest {
-  readonly version: 1;
+  readonly version: typeof MANIFEST_VERSION;
   readonly inputs: ReadonlyArray<readonly [file: string, mtimeMs: number, size: number]>;
 }
 
@@ -74,7 +80,7 @@ export async function compileTypeScriptModule(file: string, cacheDir: string): P
   const tmp = `${out}.${process.pid}.tmp`;
   await writeFile(tmp, result.outputFiles[0]!.contents);
   await rename(tmp, out);
-  await writeFile(`${manifestFile}.${process.pid}.tmp`, JSON.stringify({ version: 1, inputs } satisfies Manifest));
+  await writeFile(`${manifestFile}.${process.pid}.tmp`, JSON.stringify({ version: MANIFEST_VERSION, inputs } satisfies Manifest));
   await rename(`${manifestFile}.${process.pid}.tmp`, manifestFile);
   return out;
 }
@@ -86,7 +92,7 @@ async function isFresh(manifestFile: string): Promise<boolean> {
   } catch {
     return false;
   }
-  if (manifest.version !== 1) return false;
+  if (manifest.version !== MANIFEST_VERSION) return false;
   const checks = await Promise.all(
     manifest.inputs.map(async ([file, mtimeMs, size]) => {
       try {
