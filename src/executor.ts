@@ -1,5 +1,5 @@
 import { createHash } from 'node:crypto';
-import { sql, type Kysely } from 'kysely';
+import type { Kysely } from 'kysely';
 import type pg from 'pg';
 import type { Logger } from 'pino';
 import { FencedError, InterruptedError, messageOf } from './errors.ts';
@@ -324,7 +324,7 @@ async function tryChunk(opts: ExecuteOptions, step: Step, slot: ChunkSlot, claim
   let chunk: PendingChunk | undefined;
   try {
     await slot.db.transaction().execute(async (trx) => {
-      chunk = (await sql.raw<PendingChunk>(claim).execute(trx)).rows[0];
+      chunk = (await slot.first<PendingChunk>(claim))[0];
       if (!chunk) return;
       if (!mayStart(chunk)) throw ABANDON;
       const claimed = chunk;

@@ -1,0 +1,100 @@
+/**
+ * Node CPU per chunk: idem (Runner.run, concurrency 1) against a Kysely loop (one
+ * `db.transaction().execute()` per chunk) and a raw `pg` loop (BEGIN; statement; COMMIT), each doing
+ * the same trivial upsert per chunk, so the figure is the machinery's and not the work's. Marginal:
+ * the same contender over 200 and over 4 200 chunks, the difference ÷ 4 000, so start-up and
+ * planning's fixed costs drop out. Three rounds, alternating; medians.
+ * `node --import tsx test/bench/bench-node-cpu.ts` (DATABASE_URL, or an embedded server in a temp dir).
+ */
+import { Kysely, PostgresDialect } from 'kysely';
+import pg from 'pg';
+import { defineJob, Runner, sql, type StepContext } from '../../src/index.ts';
+import { openBenchServer } from './server.ts';
+
+const SMALL = 200;
+const LARGE = 4_200;
+const WORK = 'insert into bench_node_cpu values (1, 1) on conflict (id) do update set n = excluded.n + bench_node_cpu.n';
+
+const cpuMs = async (fn: () => Promise<void>): Promise<number> => {
+  const t = process.cpuUsage();
+  await fn();
+  const c = process.cpuUsage(t);
+  return (c.user + c.system) / 1000;
+};
+const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!;
+
+const server = await openBenchServer(() => {});
+try {
+  const url = server.url;
+  const setup = new pg.Client({ connectionString: url });
+  await setup.connect();
+  await setup.query('create table if not exists bench_node_cpu (id int primary key, n int not null)');
+  await setup.end();
+  const job = (n: number) =>
+    defineJob({
+      name: `node-cpu-${n}`,
+      steps: [
+        {
+          name: 's',
+          chunks: (cursor, { windowSize }) => {
+            const from = typeof cursor === 'number' ? cursor : 0;
+            const to = Math.min(from + windowSize, n);
+            return { chunks: Array.from({ length: to - from }, (_, i) => ({ key: `k${from + i}` })), next: to < n ? to : null };
+          },
+          run: ({ db }: StepContext) => sql.raw(WORK).execute(db),
+        },
+      ],
+    });
+  const contenders: Record<string, (n: number) => Promise<number>> = {
+    idem: async (n) => {
+      const runner = await Runner.connect({ connectionString: url });
+      try {
+        const j = job(n);
+        return await cpuMs(async () => void (await runner.run(j, { key: `r${Date.now()}-${n}`, health: false })));
+      } finally {
+        await runner.close();
+      }
+    },
+    'kysely loop': async (n) => {
+      const db = new Kysely<any>({ dialect: new PostgresDialect({ pool: new pg.Pool({ connectionString: url, max: 2 }) }) });
+      try {
+        return await cpuMs(async () => {
+          for (let i = 0; i < n; i++) await db.transaction().execute((trx) => sql.raw(WORK).execute(trx));
+        });
+      } finally {
+        await db.destroy();
+      }
+    },
+    'pg loop': async (n) => {
+      const c = new pg.Client({ connectionString: url });
+      await c.connect();
+      try {
+        return await cpuMs(async () => {
+          for (let i = 0; i < n; i++) {
+            await c.query('begin');
+            await c.query(WORK, []);
+            await c.query('commit');
+          }
+        });
+      } finally {
+        await c.end();
+      }
+    },
+  };
+  const per: Record<string, number[]> = Object.fromEntries(Object.keys(contenders).map((k) => [k, []]));
+  for (let round = 0; round < 3; round++) {
+    for (const [name, run] of Object.entries(contenders)) {
+      const small = await run(SMALL);
+      const large = await run(LARGE);
+      per[name]!.push((large - small) / (LARGE - SMALL));
+    }
+  }
+  const loop = median(per['pg loop']!);
+  const kysely = median(per['kysely loop']!);
+  for (const [name, xs] of Object.entries(per)) {
+    const m = median(xs);
+    console.log(`${name.padEnd(12)} ${m.toFixed(3)} ms Node CPU per chunk (${(m / loop).toFixed(2)}× the pg loop, ${(m / kysely).toFixed(2)}× the Kysely loop; rounds ${xs.map((x) => x.toFixed(3)).join(' / ')})`);
+  }
+} finally {
+  await server.close();
+}
