@@ -97,6 +97,27 @@ describe('idem serve killed with SIGKILL mid-run', () => {
     await second.proc.done;
   });
 
+  it("another server's rescan leaves a run that was just created (pending) to the server that created it", async () => {
+    const env = { IDEM_SERVE_RESCAN_MS: '300' };
+    const a = await startServe(url, ['--max-runs', '1']);
+    const slow = await api(a.base, 'POST', '/api/jobs/counted/runs', { key: 'k-fresh-slow', body: { chunks: 40, pauseMs: 200 } });
+    await waitFor(async () => (await workCounts(url, 'k-fresh-slow')).size >= 1, 'the first run to be executing');
+    // Queued behind A's --max-runs: pending, seconds old.
+    const queued = await api(a.base, 'POST', '/api/jobs/ranged/runs', { key: 'k-fresh-queued', body: {} });
+    expect(queued.body.state).toBe('pending');
+    const b = await startServe(url, [], env);
+    // Several of B's rescans (every 300 ms) pass; B takes nothing that young.
+    await new Promise((r) => setTimeout(r, 2_000));
+    expect((await api(b.base, 'GET', '/metrics')).text).toMatch(/^idem_runs_executing 0$/m);
+    expect((await api(a.base, 'GET', `/api/runs/${queued.body.id}`)).body).toMatchObject({ state: 'pending', attempt: 0 });
+    expect((await api(a.base, 'GET', `/api/runs/${slow.body.id}?wait=60`)).body.state).toBe('succeeded');
+    expect((await api(a.base, 'GET', `/api/runs/${queued.body.id}?wait=60`)).body).toMatchObject({ state: 'succeeded', attempt: 1 });
+    for (const s of [a, b]) {
+      s.proc.child.kill('SIGTERM');
+      await s.proc.done;
+    }
+  });
+
   it('a second server takes over the run of one that was SIGKILLed, without a restart; chunks once', async () => {
     const env = { IDEM_SERVE_RESCAN_MS: '300' };
     const a = await startServe(url, [], env);

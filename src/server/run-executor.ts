@@ -26,6 +26,13 @@ interface Queued {
   readonly key: string;
 }
 
+
+/**
+ * A run created moments ago is still `pending` while the server that created it starts it; another
+ * server's rescan leaves it alone for this long (then it is orphaned, or queued behind --max-runs,
+ * and whoever has room takes it).
+ */
+export const PENDING_GRACE_S = 10;
 /**
  * Executes runs inside the server process: at most `maxRuns` at once, one run per job at a time
  * (runs of one job serialize on its advisory lock anyway, so a second would only hold a slot while
@@ -66,7 +73,9 @@ export class RunExecutor {
     const s = runner.schema;
     const { rows } = await sql<{ id: string; job: string; run_key: string; status: RunStatus; lock_name: string | null; lock_pid: number | null }>`
       select r.id::text as id, r.job, r.run_key, r.status, r.lock_name, r.lock_pid from ${sql.id(s, 'runs')} r join ${sql.id(s, 'api_requests')} a on a.run_id = r.id
-      where r.status in ('pending', 'running', 'interrupted') order by r.id`.execute(runner.db);
+      where r.status in ('pending', 'running', 'interrupted')
+        and (r.status <> 'pending' or r.created_at < now() - make_interval(secs => ${PENDING_GRACE_S}))
+      order by r.id`.execute(runner.db);
     // A run another live process executes (a second server, idem run) is theirs: waiting for its
     // lock here would only hold a slot.
     const held = rows.some((r) => r.status === 'running') ? await runner.heldLocks() : { keys: new Set<string>(), byPid: new Set<string>() };
