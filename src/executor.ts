@@ -173,13 +173,6 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   const cooling = new Set<number>();
   const tries = new Map<number, number>();
 
-  /**
-   * One worker slot: its own connection for its whole life, claiming one chunk after another until
-   * none is left. First pass: claim the first free chunk, passing by those other transactions hold
-   * (other slots, other workers). When everything is planned and nothing is free, the last pass
-   * claims waiting: chunks another worker holds, or left behind when it died, are taken as soon as
-   * its transaction ends. A slot that finds nothing even then is done.
-   */
   let highestClaimed = 0;
   /** Called once a chunk is claimed, before its work: may it start? Also plans one window ahead. */
   const onClaimed = (chunk: PendingChunk): boolean => {
@@ -189,6 +182,13 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
     // was asked to stop: then it starts no work, and the claim rolls back.
     return failure === undefined && !opts.stop.aborted;
   };
+  /**
+   * One worker slot: its own connection for its whole life, claiming one chunk after another until
+   * none is left. First pass: claim the first free chunk, passing by those other transactions hold
+   * (other slots, other workers). When everything is planned and nothing is free, the last pass
+   * claims waiting: chunks another worker holds, or left behind when it died, are taken as soon as
+   * its transaction ends. A slot that finds nothing even then is done.
+   */
   const runSlot = async (): Promise<void> => {
     const slot = openChunkSlot(opts.pool, store.claimPrepares);
     try {

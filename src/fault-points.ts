@@ -38,10 +38,5 @@ async function trigger(point: FaultPoint): Promise<void> {
   await new Promise(() => setInterval(() => {}, 60_000));
 }
 
-/** True when IDEM_FAULT names this point (the runner then keeps that boundary observable). */
-export function faultArmed(point: FaultPoint): boolean {
-  return fault?.point === point;
-}
-
 /** Crashes, stalls or throws here when IDEM_FAULT names this point; otherwise does nothing. */
 export const faultPoint: (point: FaultPoint) => Promise<void> | undefined = fault ? trigger : () => undefined;

@@ -1,4 +1,4 @@
-import { sql, type Kysely, type QueryResult, type RawBuilder, type Transaction } from 'kysely';
+import { sql, type Kysely, type QueryResult, type RawBuilder } from 'kysely';
 import { hostname } from 'node:os';
 import pg from 'pg';
 import { retrying } from './retry.ts';

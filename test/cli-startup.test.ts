@@ -59,6 +59,17 @@ async function loadedBy(args: readonly string[], url?: string): Promise<Loaded> 
 /** Bundled modules whose path starts with one of the prefixes. */
 const within = (l: Loaded, ...prefixes: string[]) => [...l.bundled].filter((b) => prefixes.some((p) => b.startsWith(p)));
 
+/** Runs the job once, then again: what the second (no-op) invocation loaded. */
+async function noOpRerun(url: string, jobsDir: string, job: string): Promise<Awaited<ReturnType<typeof loadedBy>>> {
+  const args = ['--jobs-dir', jobsDir, 'run', job, '--key', 'once'];
+  const first = await loadedBy(args, url);
+  expect(first.code, first.stderr).toBe(0);
+  const l = await loadedBy(args, url);
+  expect(l.code, l.stderr).toBe(0);
+  expect(l.stdout).toContain('already done');
+  return l;
+}
+
 describe('CLI start-up', () => {
   const db = useTestDatabase();
 
@@ -78,12 +89,7 @@ describe('CLI start-up', () => {
   });
 
   it('a no-op rerun of a JavaScript job loads no TypeScript tooling, no embedded server, no HTTP server', async () => {
-    const args = ['--jobs-dir', JS_JOBS, 'run', 'startup-noop', '--key', 'once'];
-    const first = await loadedBy(args, db.url);
-    expect(first.code, first.stderr).toBe(0);
-    const l = await loadedBy(args, db.url);
-    expect(l.code, l.stderr).toBe(0);
-    expect(l.stdout).toContain('already done');
+    const l = await noOpRerun(db.url, JS_JOBS, 'startup-noop');
     // The recorder works: the rerun loaded pg and the bundled runner.
     expect(l.packages.has('pg')).toBe(true);
     expect(within(l, 'src/runner.ts')).toEqual(['src/runner.ts']);
@@ -92,12 +98,7 @@ describe('CLI start-up', () => {
   });
 
   it('a no-op rerun of a TypeScript job imports its compiled copy: no esbuild, no tsx', async () => {
-    const args = ['--jobs-dir', TS_JOBS, 'run', 'startup-noop-ts', '--key', 'once'];
-    const first = await loadedBy(args, db.url);
-    expect(first.code, first.stderr).toBe(0);
-    const l = await loadedBy(args, db.url);
-    expect(l.code, l.stderr).toBe(0);
-    expect(l.stdout).toContain('already done');
+    const l = await noOpRerun(db.url, TS_JOBS, 'startup-noop-ts');
     expect(within(l, 'src/compile-typescript.ts')).toEqual(['src/compile-typescript.ts']);
     expect(l.packages.has('esbuild')).toBe(false);
     expect(l.packages.has('tsx')).toBe(false);
