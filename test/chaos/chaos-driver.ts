@@ -226,10 +226,11 @@ export interface ChaosDriver {
   readonly episode: number;
   /**
    * Waits until the run commits (or every one of `children` ended), then a random part, up to
-   * `fraction`, of the time the clean run needed for what is left: the blow that follows lands
-   * while chunks are being committed, not after the run is over.
+   * `fraction`, of the time the clean run needed for what is left, divided among the `sharing`
+   * workers that do it together: the blow that follows lands while chunks are being committed, not
+   * after the run is over.
    */
-  midRun(children: readonly Child[], fraction: number): Promise<void>;
+  midRun(children: readonly Child[], fraction: number, sharing?: number): Promise<void>;
   /** SIGKILLs a child still running, counted as mid-run when its run had committed some chunks but not all. */
   kill(child: Child): Promise<void>;
   /** When the episode's run succeeded: verifies it and starts the next episode. */
@@ -277,12 +278,12 @@ export async function withChaosDriver<S extends ChaosStats>(opts: ChaosDriverOpt
       get episode() {
         return episode;
       },
-      async midRun(children, fraction) {
+      async midRun(children, fraction, sharing = 1) {
         const before = await commitsOf(client, runKey);
         const until = Date.now() + SETTLE_MS;
         while ((await commitsOf(client, runKey)) === before && children.some((c) => !c.exited) && Date.now() < until) await sleep(10);
         const left = Math.max(0, totalCommits - (await commitsOf(client, runKey)));
-        await sleep(Math.floor(rnd() * fraction * stats.workMs * (left / totalCommits)));
+        await sleep(Math.floor((rnd() * fraction * stats.workMs * (left / totalCommits)) / sharing));
       },
       async kill(c) {
         if (c.exited) return;

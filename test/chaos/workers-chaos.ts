@@ -103,7 +103,8 @@ export async function runWorkersChaos(opts: WorkersChaosOptions): Promise<Worker
       // Every fourth round (and now and then another) kills every worker mid-run: the next round
       // must resume under a new attempt. The other rounds kill some, cut some off, add some.
       const killAll = round % 4 === 0 || rnd() < 0.1;
-      await driver.midRun(children, killAll ? 0.7 : 0.5);
+      // The workers share the run, so it ends about n times sooner than the one-worker clean run.
+      await driver.midRun(children, killAll ? 0.7 : 0.5, n);
       if (killAll) {
         stats.killAllRounds++;
         for (const c of children) await driver.kill(c);
