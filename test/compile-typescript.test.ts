@@ -2,17 +2,19 @@ import { mkdtemp, readFile, rm, writeFile } from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterEach, beforeEach, describe, expect, it } from 'vitest';
 import { compileTypeScriptModule } from '../src/compile-typescript.ts';
 
 const JOB = fileURLToPath(new URL('./fixtures/startup-ts-jobs/startup-noop-ts.ts', import.meta.url));
 
 describe('compiled TypeScript jobs', () => {
+  // A cache of each test's own: the second test leaves a hand-written copy behind that a fresh
+  // manifest makes the compiler trust, which the first would read (the order is shuffled in CI).
   let cache: string;
-  beforeAll(async () => {
+  beforeEach(async () => {
     cache = await mkdtemp(path.join(os.tmpdir(), 'idem-compile-'));
   });
-  afterAll(() => rm(cache, { recursive: true, force: true }));
+  afterEach(() => rm(cache, { recursive: true, force: true }));
 
   it("import idem, even where this repository's tsconfig maps it to the sources, instead of carrying a copy", async () => {
     const out = await compileTypeScriptModule(JOB, cache);
