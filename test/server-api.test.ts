@@ -2,7 +2,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { Runner } from '../src/index.ts';
 import { chunkKey } from './fixtures/jobs/counted.ts';
 import { createFixtureTables } from './fixtures/tables.ts';
-import { ALL_TABLES, FIXTURE_JOBS, killLeftovers, runCli, query, snapshot, waitFor, workCounts } from './support/cli.ts';
+import { ALL_TABLES, FIXTURE_JOBS, killLeftovers, runCli, runRow, query, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
 
@@ -184,6 +184,9 @@ describe('operator actions', () => {
     expect(created.status).toBe(201);
     const id = created.body.id;
     await waitFor(async () => (await chunksDone('k-pause')) >= 1, 'the first chunk');
+    // A replay and a read of the live run say running: the held locks come in the same statement.
+    expect(await post('k-pause', SLOW)).toMatchObject({ status: 200, body: { id, state: 'running', holder: expect.any(String) } });
+    expect((await api(server.base, 'GET', `/api/runs/${id}`)).body).toMatchObject({ id, state: 'running' });
     const paused = await api(server.base, 'POST', `/api/runs/${id}/pause`);
     expect(paused.status).toBe(200);
     expect(paused.body).toMatchObject({ id, requested: 'pause' });
@@ -223,6 +226,21 @@ describe('reads', () => {
     const ranged = res.body.jobs.find((j: any) => j.name === 'ranged');
     expect(ranged).toMatchObject({ description: expect.any(String), steps: [{ name: 'double', chunked: true }], params: { type: 'object', properties: {} } });
     expect(res.body.jobs.find((j: any) => j.name === 'counted').params).toBeNull();
+  });
+
+  it('a run another process executes reads running while that process lives, crashed once it was killed', async () => {
+    const cli = spawnCli(['--jobs-dir', FIXTURE_JOBS, 'run', 'counted', '--key', 'k-cli', '--params', JSON.stringify({ chunks: 30, pauseMs: 200 })], { url });
+    await waitFor(async () => (await workCounts(url, 'k-cli')).size >= 1, 'the first chunk of the CLI run');
+    const id = String((await runRow(url, 'counted', 'k-cli')).id);
+    // The held advisory locks are read in the view's own statement: the CLI's lock counts.
+    expect((await api(server.base, 'GET', `/api/runs/${id}`)).body).toMatchObject({ id, state: 'running', viaApi: false });
+    cli.child.kill('SIGKILL');
+    await cli.done;
+    await waitFor(async () => (await api(server.base, 'GET', `/api/runs/${id}`)).body.state === 'crashed', 'the killed run to read crashed');
+    expect(await runRow(url, 'counted', 'k-cli')).toMatchObject({ status: 'running' });
+    const crashed = await api(server.base, 'GET', '/api/runs?job=counted&state=crashed');
+    expect(crashed.body.runs.map((r: any) => r.id)).toContain(id);
+    expect((await api(server.base, 'GET', '/api/runs?job=counted&state=running')).body.runs.map((r: any) => r.id)).not.toContain(id);
   });
 
   it('GET /api/runs/:id/events streams progress until the run ends', async () => {

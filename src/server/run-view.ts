@@ -1,10 +1,11 @@
-import { sql, type Kysely } from 'kysely';
+import { sql, type Kysely, type RawBuilder } from 'kysely';
+import type pg from 'pg';
 import type { Json } from '../job.ts';
 import { runIsLive, type HeldLocks, type OperationsHost } from '../operations.ts';
+import type { RunErrorInfo, RunSummary } from '../store.ts';
 
 /** How liveness is decided: the runner's lock names and the locks held right now. */
 export type LockHost = Pick<OperationsHost, 'jobLockName' | 'runLockName' | 'heldLocks'>;
-import type { RunErrorInfo, RunSummary } from '../store.ts';
 
 /** A step of a run as the API shows it. */
 export interface StepView {
@@ -68,37 +69,52 @@ export interface RunQuery {
   readonly before?: string;
 }
 
+/** No advisory lock held (a view of runs none of which says running needs no pg_locks read). */
+const NO_LOCKS: HeldLocks = { keys: new Set(), byPid: new Set() };
+
 /**
  * Read-only queries over idem's tables for the server. The same computations as `idem status`
  * (state from the held advisory locks, rate of the live attempt, estimate where larger than planned).
+ *
+ * They run on a pool of their own (`reads`), not the runner's: running jobs hold the runner's
+ * connections for whole chunks, and an API answer must not queue behind them. The two hot reads,
+ * one run by (job, key) (every Idempotency-Key replay) and one run by id (GET, long-poll, events,
+ * the run page), are named prepared statements: parsed and planned once per connection, one
+ * round trip each, the held advisory locks included, so even a live run's state is one statement.
  */
 export class RunViews {
   readonly #db: Kysely<any>;
+  readonly #reads: pg.Pool;
   readonly #schema: string;
   readonly #locks: LockHost;
+  readonly #byKey: { readonly name: string; readonly text: string };
+  readonly #byId: { readonly name: string; readonly text: string };
 
-  constructor(db: Kysely<any>, schema: string, locks: LockHost) {
+  /** `db` only compiles statements; every read runs on `reads`. */
+  constructor(db: Kysely<any>, reads: pg.Pool, schema: string, locks: LockHost) {
     this.#db = db;
+    this.#reads = reads;
     this.#schema = schema;
     this.#locks = locks;
+    // Fixed text per server: $1/$2 are the only parameters, so PostgreSQL keeps one generic plan.
+    this.#byKey = { name: 'idem_run_view_by_key', text: this.#select(sql`r.job = $1 and r.run_key = $2`, { detail: true, locks: true }).compile(db).sql };
+    this.#byId = { name: 'idem_run_view_by_id', text: this.#select(sql`r.id = $1::bigint`, { detail: true, locks: true }).compile(db).sql };
   }
 
   #t(name: string) {
     return sql.id(this.#schema, name);
   }
 
-  async list(q: RunQuery): Promise<RunView[]> {
+  /**
+   * The view's columns for the runs `where` selects, newest first. Columns are named, never `r.*`:
+   * a prepared statement whose result type changes (a later idem adds a column while this server
+   * runs) would fail with "cached plan must not change result type".
+   */
+  #select(where: RawBuilder<unknown>, o: { readonly detail: boolean; readonly locks: boolean; readonly limit?: number }): RawBuilder<any> {
     const s = (n: string) => this.#t(n);
-    const statusFilter =
-      q.state === undefined
-        ? sql`true`
-        : q.state === 'active'
-          ? sql`r.status not in ('succeeded', 'cancelled')`
-          : q.state === 'crashed'
-            ? sql`r.status = 'running'`
-            : sql`r.status = ${q.state}`;
-    const { rows } = await sql<any>`
-      select r.*,
+    return sql`
+      select r.id, r.job, r.run_key, r.status, r.attempt, r.holder, r.params, r.fingerprint, r.requested,
+        r.created_at, r.started_at, r.updated_at, r.finished_at, r.error, r.summary, r.lock_name, r.lock_pid,
         (select count(*) from ${s('chunks')} c where c.run_id = r.id and c.done_at is not null)::int as chunks_done,
         (select count(*) from ${s('chunks')} c where c.run_id = r.id and c.done_attempt = r.attempt)::int as done_this_attempt,
         extract(epoch from now() - r.attempt_started_at)::float8 as attempt_seconds,
@@ -107,41 +123,78 @@ export class RunViews {
             'done', (select count(*) from ${s('chunks')} c where c.run_id = st.run_id and c.step = st.name and c.done_at is not null)
           ) order by st.position) from ${s('steps')} st where st.run_id = r.id), '[]'::json) as step_views,
         exists (select 1 from ${s('api_requests')} a where a.run_id = r.id) as via_api
-        ${q.detail ? sql`, ${this.#detailColumns()}` : sql``}
+        ${o.locks ? sql`, ${this.#heldLocksColumn()}` : sql``}
+        ${o.detail ? sql`, ${this.#detailColumns()}` : sql``}
       from ${s('runs')} r
-      where ${q.id === undefined ? sql`true` : sql`r.id = ${q.id}`}
+      where ${where}
+      order by r.id desc${o.limit === undefined ? sql`` : sql` limit ${sql.lit(o.limit)}`}`;
+  }
+
+  async list(q: RunQuery): Promise<RunView[]> {
+    const statusFilter =
+      q.state === undefined
+        ? sql`true`
+        : q.state === 'active'
+          ? sql`r.status not in ('succeeded', 'cancelled')`
+          : q.state === 'crashed'
+            ? sql`r.status = 'running'`
+            : sql`r.status = ${q.state}`;
+    const where = sql`${q.id === undefined ? sql`true` : sql`r.id = ${q.id}`}
         and ${q.job === undefined ? sql`true` : sql`r.job = ${q.job}`}
         and ${q.key === undefined ? sql`true` : sql`r.run_key = ${q.key}`}
         and ${statusFilter}
-        and ${q.before === undefined ? sql`true` : sql`r.id < ${q.before}`}
-      order by r.id desc limit ${q.limit ?? 50}`.execute(this.#db);
-    // pg_locks is only consulted when a row says running: a replay of a finished run is one query.
-    const held: HeldLocks = rows.some((r) => r.status === 'running') ? await this.#locks.heldLocks() : { keys: new Set(), byPid: new Set() };
-    const views = rows.map((r) => {
-      const view = toView(r, runIsLive(r, held, this.#locks));
-      if (!q.detail) return view;
-      const minutes = (r.chunks_per_minute ?? []) as Array<[string, number]>;
-      return {
-        ...view,
-        skipped: r.skipped_chunks ?? [],
-        effects: { started: r.effects_started, done: r.effects_done },
-        chunksPerMinute: minutes.map(([m, n]) => [new Date(m).toISOString(), n] as const).reverse(),
-      };
-    });
+        and ${q.before === undefined ? sql`true` : sql`r.id < ${q.before}`}`;
+    const compiled = this.#select(where, { detail: q.detail ?? false, locks: false, limit: q.limit ?? 50 }).compile(this.#db);
+    const { rows } = await this.#reads.query(compiled.sql, [...compiled.parameters]);
+    // pg_locks is only consulted when a row says running.
+    const held = rows.some((r) => r.status === 'running') ? await this.#locks.heldLocks() : NO_LOCKS;
+    const views = rows.map((r) => this.#toView(r, held, q.detail ?? false));
     // running vs crashed is known only after the lock check.
     if (q.state === 'running' || q.state === 'crashed') return views.filter((v) => v.state === q.state);
     return views;
   }
 
-  /** One run with the detail of its page (one statement): skipped chunks, effects ledger counts, chunks per minute. */
+  /** One run with the detail of its page, in one prepared statement. */
   async get(id: string): Promise<RunView | undefined> {
     if (!/^\d{1,18}$/.test(id)) return undefined;
-    return (await this.list({ id, limit: 1, detail: true }))[0];
+    return this.#one(this.#byId, [id]);
   }
 
-  /** The run of (job, key) with its detail, or undefined. */
+  /** The run of (job, key) with its detail, or undefined: an Idempotency-Key replay, in one prepared statement. */
   async byKey(job: string, key: string): Promise<RunView | undefined> {
-    return (await this.list({ job, key, limit: 1, detail: true }))[0];
+    return this.#one(this.#byKey, [job, key]);
+  }
+
+  async #one(statement: { readonly name: string; readonly text: string }, values: unknown[]): Promise<RunView | undefined> {
+    const { rows } = await this.#reads.query({ ...statement, values });
+    const r = rows[0];
+    if (!r) return undefined;
+    const locks = (r.held_locks ?? []) as Array<[string, number]>;
+    const held: HeldLocks = locks.length === 0 ? NO_LOCKS : { keys: new Set(locks.map(([k]) => k)), byPid: new Set(locks.map(([k, pid]) => `${pid}:${k}`)) };
+    return this.#toView(r, held, true);
+  }
+
+  #toView(r: any, held: HeldLocks, detail: boolean): RunView {
+    const view = toView(r, runIsLive(r, held, this.#locks));
+    if (!detail) return view;
+    const minutes = (r.chunks_per_minute ?? []) as Array<[string, number]>;
+    return {
+      ...view,
+      skipped: r.skipped_chunks ?? [],
+      effects: { started: r.effects_started, done: r.effects_done },
+      chunksPerMinute: minutes.map(([m, n]) => [new Date(m).toISOString(), n] as const).reverse(),
+    };
+  }
+
+  /**
+   * The advisory locks held in this database (the rows of Runner.heldLocks), read only for a run
+   * whose row says running: a finished run's view never touches pg_locks.
+   */
+  #heldLocksColumn() {
+    return sql`case when r.status = 'running' then (
+        select json_agg(json_build_array(((l.classid::bigint << 32) | l.objid::bigint)::text, l.pid)) from pg_locks l
+        where l.locktype = 'advisory' and l.objsubid = 1 and l.granted
+          and l.database = (select oid from pg_database where datname = current_database())) end as held_locks`;
   }
 
   #detailColumns() {
