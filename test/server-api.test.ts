@@ -2,7 +2,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { Runner } from '../src/index.ts';
 import { chunkKey } from './fixtures/jobs/counted.ts';
 import { createFixtureTables } from './fixtures/tables.ts';
-import { ALL_TABLES, FIXTURE_JOBS, killLeftovers, runCli, runRow, query, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { ALL_TABLES, FIXTURE_JOBS, holdGate, killLeftovers, runCli, runRow, query, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
 
@@ -202,6 +202,36 @@ describe('operator actions', () => {
     expectProblem(await api(server.base, 'POST', `/api/runs/${id}/cancel`), 409, 'idem.cannotControl');
     // Mutations need the token.
     expectProblem(await api(server.base, 'POST', `/api/runs/${id}/cancel`, { token: null }), 401, 'idem.unauthorized');
+  });
+
+  it('a resume while the server is honouring a pause is not lost: the run continues in the server, chunks once', async () => {
+    // Ordered by a gate: the run has seen the pause (it logs so) while chunk 1 is held in flight;
+    // the resume withdraws the request; only then may the chunk commit and the attempt end.
+    const key = 'k-pause-race';
+    const gate = await holdGate(url, 'g-api-pause-race');
+    let id: string;
+    try {
+      const created = await post(key, { chunks: 6, gate: 'g-api-pause-race' });
+      expect(created.status).toBe(201);
+      id = created.body.id;
+      await waitFor(
+        async () => (await query(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`))[0].n > 0,
+        'chunk 1 to wait at the gate',
+      );
+      expect((await api(server.base, 'POST', `/api/runs/${id}/pause`)).body).toMatchObject({ id, requested: 'pause' });
+      await waitFor(
+        async () => server.proc.stderr().split('\n').some((l) => l.includes(`"runKey":"${key}"`) && l.includes('pause requested by an operator')),
+        'the live run to see the pause',
+      );
+      const resumed = await api(server.base, 'POST', `/api/runs/${id}/resume`);
+      expect(resumed.status).toBe(200);
+      expect(resumed.body).toMatchObject({ id, state: 'running', requested: null });
+    } finally {
+      await gate.release();
+    }
+    const done = await api(server.base, 'GET', `/api/runs/${id!}?wait=30`);
+    expect(done.body).toMatchObject({ state: 'succeeded', attempt: 2, progress: { done: 8 } });
+    expect(await workCounts(url, key)).toEqual(new Map(Array.from({ length: 6 }, (_, i) => [chunkKey(i + 1), 1])));
   });
 
   it('cancel stops a live run; it never continues', async () => {
