@@ -166,6 +166,12 @@ describe('POST /api/jobs/:job/runs', () => {
     expect(responses.map((r) => r.status)).toEqual(keys.map(() => 201));
     for (const r of responses) expect((await api(server.base, 'GET', `/api/runs/${r.body.id}?wait=60`)).body.state).toBe('succeeded');
     for (const k of keys) expect(await workCounts(url, k, 'prepare')).toEqual(new Map([['step', 1]]));
+    // Replayed all at once (concurrent lookups share statements): each answer is its own key's run,
+    // and the one sent with other params is refused alone.
+    const replays = await Promise.all([...keys.map((k) => post(k, { chunks: 2 })), post(keys[3]!, { chunks: 3 }), post('k-ten-none', { chunks: 2 }, { job: 'nope' })]);
+    expect(replays.slice(0, 10).map((r) => [r.status, r.headers.get('idempotent-replayed'), r.body.key, r.body.id])).toEqual(responses.map((r, i) => [200, 'true', keys[i], r.body.id]));
+    expectProblem(replays[10]!, 422, 'idem.paramsMismatch');
+    expectProblem(replays[11]!, 404, 'idem.unknownJob');
     const list = await api(server.base, 'GET', '/api/runs?job=counted&state=succeeded&limit=4');
     expect(list.body.runs).toHaveLength(4);
     const page2 = await api(server.base, 'GET', `/api/runs?job=counted&state=succeeded&limit=4&cursor=${list.body.nextCursor}`);

@@ -69,6 +69,9 @@ export interface RunQuery {
   readonly before?: string;
 }
 
+/** Most replays answered by one statement. */
+const MAX_BATCH = 64;
+
 /** No advisory lock held (a view of runs none of which says running needs no pg_locks read). */
 const NO_LOCKS: HeldLocks = { keys: new Set(), byPid: new Set() };
 
@@ -97,7 +100,10 @@ export class RunViews {
     this.#schema = schema;
     this.#locks = locks;
     // Fixed text per server: $1/$2 are the only parameters, so PostgreSQL keeps one generic plan.
-    this.#byKey = { name: 'idem_run_view_by_key', text: this.#select(sql`r.job = $1 and r.run_key = $2`, { detail: true, locks: true }).compile(db).sql };
+    this.#byKey = {
+      name: 'idem_run_views_by_keys',
+      text: this.#select(sql`(r.job, r.run_key) in (select * from unnest($1::text[], $2::text[]))`, { detail: true, locks: true }).compile(db).sql,
+    };
     this.#byId = { name: 'idem_run_view_by_id', text: this.#select(sql`r.id = $1::bigint`, { detail: true, locks: true }).compile(db).sql };
   }
 
@@ -160,15 +166,59 @@ export class RunViews {
     return this.#one(this.#byId, [id]);
   }
 
-  /** The run of (job, key) with its detail, or undefined: an Idempotency-Key replay, in one prepared statement. */
-  async byKey(job: string, key: string): Promise<RunView | undefined> {
-    return this.#one(this.#byKey, [job, key]);
+  /**
+   * The run of (job, key) with its detail, or undefined: an Idempotency-Key replay. Lookups that
+   * arrive while the read pool's every connection has one in flight wait and go together in the next one
+   * (`(job, run_key) in unnest(…)`): under load one round trip answers many replays, and a lone
+   * request goes at once, alone.
+   */
+  byKey(job: string, key: string): Promise<RunView | undefined> {
+    return new Promise((resolve, reject) => {
+      this.#waiting.push({ job, key, resolve, reject });
+      this.#sendKeys();
+    });
+  }
+
+  readonly #waiting: Array<{ job: string; key: string; resolve: (v: RunView | undefined) => void; reject: (err: unknown) => void }> = [];
+  #batches = 0;
+
+  #sendKeys(): void {
+    // At most one batch per connection of the read pool: a batch never queues for a connection.
+    while (this.#batches < (this.#reads.options.max ?? 1) && this.#waiting.length > 0) {
+      const batch = this.#waiting.splice(0, MAX_BATCH);
+      this.#batches++;
+      this.#reads
+        .query({ ...this.#byKey, values: [batch.map((b) => b.job), batch.map((b) => b.key)] })
+        .then(
+          ({ rows }) => {
+            const found = new Map(rows.map((r) => [`${r.job}\0${r.run_key}`, r]));
+            for (const b of batch) {
+              const r = found.get(`${b.job}\0${b.key}`);
+              try {
+                b.resolve(r ? this.#rowView(r) : undefined);
+              } catch (err) {
+                b.reject(err);
+              }
+            }
+          },
+          (err: unknown) => {
+            for (const b of batch) b.reject(err);
+          },
+        )
+        .finally(() => {
+          this.#batches--;
+          this.#sendKeys();
+        });
+    }
   }
 
   async #one(statement: { readonly name: string; readonly text: string }, values: unknown[]): Promise<RunView | undefined> {
     const { rows } = await this.#reads.query({ ...statement, values });
-    const r = rows[0];
-    if (!r) return undefined;
+    return rows[0] ? this.#rowView(rows[0]) : undefined;
+  }
+
+  /** A row of the prepared views, which carry the held locks for a running run. */
+  #rowView(r: any): RunView {
     const locks = (r.held_locks ?? []) as Array<[string, number]>;
     const held: HeldLocks = locks.length === 0 ? NO_LOCKS : { keys: new Set(locks.map(([k]) => k)), byPid: new Set(locks.map(([k, pid]) => `${pid}:${k}`)) };
     return this.#toView(r, held, true);
