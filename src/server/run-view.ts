@@ -91,6 +91,7 @@ export class RunViews {
   readonly #schema: string;
   readonly #locks: LockHost;
   readonly #byKey: { readonly name: string; readonly text: string };
+  readonly #byKeys: { readonly name: string; readonly text: string };
   readonly #byId: { readonly name: string; readonly text: string };
 
   /** `db` only compiles statements; every read runs on `reads`. */
@@ -100,7 +101,11 @@ export class RunViews {
     this.#schema = schema;
     this.#locks = locks;
     // Fixed text per server: $1/$2 are the only parameters, so PostgreSQL keeps one generic plan.
-    this.#byKey = {
+    this.#byKey = { name: 'idem_run_view_by_key', text: this.#select(sql`r.job = $1 and r.run_key = $2`, { detail: true, locks: true }).compile(db).sql };
+    // Planned per batch: PostgreSQL's custom plan (it sees the arrays' length) always looks cheaper
+    // than the generic one, so it would be re-planned for a lone key every time; a lone key takes
+    // the statement above, whose generic plan is kept.
+    this.#byKeys = {
       name: 'idem_run_views_by_keys',
       text: this.#select(sql`(r.job, r.run_key) in (select * from unnest($1::text[], $2::text[]))`, { detail: true, locks: true }).compile(db).sql,
     };
@@ -188,7 +193,11 @@ export class RunViews {
       const batch = this.#waiting.splice(0, MAX_BATCH);
       this.#batches++;
       this.#reads
-        .query({ ...this.#byKey, values: [batch.map((b) => b.job), batch.map((b) => b.key)] })
+        .query(
+          batch.length === 1
+            ? { ...this.#byKey, values: [batch[0]!.job, batch[0]!.key] }
+            : { ...this.#byKeys, values: [batch.map((b) => b.job), batch.map((b) => b.key)] },
+        )
         .then(
           ({ rows }) => {
             const found = new Map(rows.map((r) => [`${r.job}\0${r.run_key}`, r]));
