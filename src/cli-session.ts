@@ -94,20 +94,24 @@ export function createCliContext(program: Command, state: { exitCode: number }):
   return { globals, runWithSession };
 }
 
-/** Opens a Runner on DATABASE_URL, or on the embedded server under .idem/ when none is given. */
-export async function openRunner(g: GlobalOptions, log: Logger, session: Session, poolSize = 10): Promise<Runner> {
-  // The runner brings kysely and pg: loaded by the commands that talk to the database, when they do.
-  const [{ Runner }, { redactUrl }] = await Promise.all([import('./runner.ts'), import('./database.ts')]);
-  let url = g.databaseUrl;
-  if (!url) {
-    const { startEmbeddedPostgres } = await import('./embedded-postgres.ts');
-    const server = await startEmbeddedPostgres({ dataDir: path.resolve('.idem', 'pg'), onLog: (msg) => log.info(msg) });
-    session.defer(() => server.release());
-    url = server.url;
-  } else {
-    log.debug({ database: redactUrl(url) }, 'using database');
+/** DATABASE_URL, or the URL of the embedded server under .idem/ (started if needed, released when the session ends). */
+export async function databaseUrl(g: GlobalOptions, log: Logger, session: Session): Promise<string> {
+  if (g.databaseUrl) {
+    const { redactUrl } = await import('./database.ts');
+    log.debug({ database: redactUrl(g.databaseUrl) }, 'using database');
+    return g.databaseUrl;
   }
-  const runner = await Runner.connect({ connectionString: url, schema: g.schema, log, poolSize });
+  const { startEmbeddedPostgres } = await import('./embedded-postgres.ts');
+  const server = await startEmbeddedPostgres({ dataDir: path.resolve('.idem', 'pg'), onLog: (msg) => log.info(msg) });
+  session.defer(() => server.release());
+  return server.url;
+}
+
+/** Opens a Runner on DATABASE_URL, or on the embedded server under .idem/ when none is given (or on `url`, from databaseUrl). */
+export async function openRunner(g: GlobalOptions, log: Logger, session: Session, poolSize = 10, url?: string): Promise<Runner> {
+  // The runner brings kysely and pg: loaded by the commands that talk to the database, when they do.
+  const [{ Runner }, connectionString] = await Promise.all([import('./runner.ts'), url ?? databaseUrl(g, log, session)]);
+  const runner = await Runner.connect({ connectionString, schema: g.schema, log, poolSize });
   session.defer(() => runner.close());
   return runner;
 }

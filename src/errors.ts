@@ -118,6 +118,17 @@ export class PausedError extends IdemError {
   }
 }
 
+/**
+ * The live attempt stopped for an operator's pause that `idem resume` withdrew while its in-flight
+ * chunks finished: the run is `interrupted` (as a resumed paused run is), so the next invocation
+ * continues it.
+ */
+export class PauseWithdrawnError extends IdemError {
+  constructor(message: string) {
+    super('idem.pauseWithdrawn', ExitCode.Busy, message);
+  }
+}
+
 /** The run was cancelled by an operator (`idem cancel`); `idem reset` forgets it. */
 export class CancelledError extends IdemError {
   constructor(message: string) {

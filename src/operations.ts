@@ -49,7 +49,7 @@ export interface PruneResult {
   readonly effects: number;
 }
 
-const t = (h: OperationsHost, name: string) => sql.id(h.schema, name);
+const t = (h: Pick<OperationsHost, 'schema'>, name: string) => sql.id(h.schema, name);
 
 async function targetRun(h: OperationsHost, job: string, key: string | undefined, statuses: readonly string[], verb: string): Promise<RunRow> {
   const { rows } = await sql<RunRow>`select * from ${t(h, 'runs')}
@@ -117,6 +117,26 @@ export async function resumeRun(h: OperationsHost, job: string, key?: string): P
     if (tries >= CAS_TRIES) throw new BusyError(`run "${run.run_key}" of job "${job}" kept changing while the resume was requested; try again`);
     run = await targetRun(h, job, run.run_key, ['paused'], 'resume');
   }
+}
+
+/**
+ * Ends a live attempt that stopped for an operator's request, by the request as it stands now, not
+ * as the attempt's poll saw it: a resume may have withdrawn the pause while the in-flight chunks
+ * finished (then the run is `interrupted`, the state a resumed paused run has, not `paused`), and
+ * a later pause or cancel replaces an earlier one. Compare-and-set on (attempt, running): the first
+ * worker of a shared attempt decides, the others read what it wrote. Returns the run's status.
+ */
+export async function endControlledAttempt(h: Pick<OperationsHost, 'db' | 'schema'>, runId: string, attempt: number): Promise<string | null> {
+  const { rows } = await sql<{ status: string | null }>`
+    with ended as (
+      update ${t(h, 'runs')} set
+        status = case requested when 'pause' then 'paused' when 'cancel' then 'cancelled' else 'interrupted' end,
+        finished_at = case when requested = 'cancel' then now() else finished_at end,
+        updated_at = now(), holder = null, requested = null, error = null
+      where id = ${runId} and attempt = ${attempt} and status = 'running'
+      returning status)
+    select coalesce((select status from ended), (select status from ${t(h, 'runs')} where id = ${runId})) as status`.execute(h.db);
+  return rows[0]?.status ?? null;
 }
 
 /**

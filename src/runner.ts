@@ -3,7 +3,7 @@ import { sql } from 'kysely';
 import pino, { type Logger } from 'pino';
 import { acquireAdvisoryLock, type HeldLock } from './advisory-lock.ts';
 import { openDatabase, type Database } from './database.ts';
-import { BusyError, CancelledError, FencedError, InterruptedError, LockLostError, ParamsMismatchError, PausedError, RunFailedError, UsageError } from './errors.ts';
+import { BusyError, CancelledError, FencedError, InterruptedError, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
@@ -12,7 +12,7 @@ import { recordedFailure } from './finalize.ts';
 import { refuseOnStandby, type HealthSetting } from './health-check.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import { faultPoint } from './fault-points.ts';
-import { pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
+import { endControlledAttempt, pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
 import { isRetryable, retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
@@ -437,10 +437,16 @@ export class Runner {
       return err instanceof LockLostError ? err : new LockLostError(err.message, { cause: err });
     }
     if (err instanceof ControlRequest) {
-      const status = err.what === 'pause' ? 'paused' : 'cancelled';
-      await this.store.endRun(runId, attempt, status, null).catch(() => {});
+      // Ended by the request as it stands now: a resume may have withdrawn the pause meanwhile.
+      const ended = await endControlledAttempt(this.#ops(), runId, attempt).catch(() => null);
+      const status = ended === 'paused' || ended === 'cancelled' || ended === 'interrupted' ? ended : err.what === 'pause' ? 'paused' : 'cancelled';
       log.warn({ status }, `run ${status} by an operator`);
-      return err.what === 'pause'
+      if (status === 'interrupted') {
+        return new PauseWithdrawnError(
+          `job "${job.name}" stopped for an operator's pause that was withdrawn (resumed) before it took effect; the run is interrupted: run the same command again to continue`,
+        );
+      }
+      return status === 'paused'
         ? new PausedError(`job "${job.name}" paused by an operator after finishing its in-flight chunks; run idem resume ${job.name} --key ${runKey} to let it continue`)
         : new CancelledError(`job "${job.name}" cancelled by an operator; finished chunks are kept; idem reset ${job.name} --key ${runKey} forgets the run`);
     }

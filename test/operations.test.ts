@@ -94,6 +94,39 @@ describe('pause and resume', () => {
     expect(await workCounts(url, key)).toEqual(ones(8));
   });
 
+  it('a resume while the live run is honouring a pause is not lost: the run ends interrupted, not paused, and continues', async () => {
+    // The interleaving is fixed by the gate: the run has seen the pause (it logs so) while its
+    // chunk c0001 is held in flight; the resume then withdraws the request; only then does the
+    // chunk commit and the attempt end. Serialized, that is "paused, then resumed": resumable.
+    const key = 'op-pause-race';
+    const params = { chunks: 8, gate: 'g-pause-race' };
+    const gate = await holdGate(url, 'g-pause-race');
+    let child: ReturnType<typeof spawnCli>;
+    try {
+      child = spawnCli(countedArgs(key, params), { url });
+      await someoneBlocked();
+      expect((await idem(['pause', 'counted', '--key', key])).code).toBe(0);
+      await requestSeen(child, 'pause');
+      const resumed = await idem(['resume', 'counted', '--key', key]);
+      expect(resumed.code, resumed.stderr).toBe(0);
+      expect(resumed.stdout).toBe(
+        `resume: run ${key} of job "counted" pause withdrawn: the live run goes on (had it already stopped for the pause, it is interrupted and continues on its next invocation)\n`,
+      );
+      expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'running', requested: null });
+    } finally {
+      await gate.release();
+    }
+    const r = await child!.done;
+    expect(r.code, r.stderr).toBe(75);
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'interrupted', requested: null, attempt: 1 });
+    expect(busyMessage(r.stderr)).toMatch(`job "counted" stopped for an operator's pause that was withdrawn (resumed) before it took effect; the run is interrupted: run the same command again to continue`);
+    expect(await doneWork(key)).toEqual(['c0001']);
+    // Not paused: the next invocation continues it without another resume.
+    const done = await runner.run(counted, { key, params });
+    expect(done).toMatchObject({ status: 'succeeded', attempt: 2, executed: 8 });
+    expect(await workCounts(url, key)).toEqual(ones(8));
+  });
+
   it('pause and cancel of a run nobody executes take effect at once', async () => {
     const key = 'op-idle';
     await query(url, `insert into fail_chunks values ('c0002', null, null)`);

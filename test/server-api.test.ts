@@ -1,6 +1,6 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { chunkKey } from './fixtures/jobs/counted.ts';
-import { ALL_TABLES, FIXTURE_JOBS, killLeftovers, runCli, query, snapshot, waitFor, workCounts } from './support/cli.ts';
+import { ALL_TABLES, FIXTURE_JOBS, holdGate, killLeftovers, runCli, runRow, query, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { createTestDatabase, useTestDatabase } from './support/database.ts';
 import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
 
@@ -158,6 +158,12 @@ describe('POST /api/jobs/:job/runs', () => {
     expect(responses.map((r) => r.status)).toEqual(keys.map(() => 201));
     for (const r of responses) expect((await api(server.base, 'GET', `/api/runs/${r.body.id}?wait=60`)).body.state).toBe('succeeded');
     for (const k of keys) expect(await workCounts(url, k, 'prepare')).toEqual(new Map([['step', 1]]));
+    // Replayed all at once (concurrent lookups share statements): each answer is its own key's run,
+    // and the one sent with other params is refused alone.
+    const replays = await Promise.all([...keys.map((k) => post(k, { chunks: 2 })), post(keys[3]!, { chunks: 3 }), post('k-ten-none', { chunks: 2 }, { job: 'nope' })]);
+    expect(replays.slice(0, 10).map((r) => [r.status, r.headers.get('idempotent-replayed'), r.body.key, r.body.id])).toEqual(responses.map((r, i) => [200, 'true', keys[i], r.body.id]));
+    expectProblem(replays[10]!, 422, 'idem.paramsMismatch');
+    expectProblem(replays[11]!, 404, 'idem.unknownJob');
     const list = await api(server.base, 'GET', '/api/runs?job=counted&state=succeeded&limit=4');
     expect(list.body.runs).toHaveLength(4);
     const page2 = await api(server.base, 'GET', `/api/runs?job=counted&state=succeeded&limit=4&cursor=${list.body.nextCursor}`);
@@ -176,6 +182,9 @@ describe('operator actions', () => {
     expect(created.status).toBe(201);
     const id = created.body.id;
     await waitFor(async () => (await chunksDone('k-pause')) >= 1, 'the first chunk');
+    // A replay and a read of the live run say running: the held locks come in the same statement.
+    expect(await post('k-pause', SLOW)).toMatchObject({ status: 200, body: { id, state: 'running', holder: expect.any(String) } });
+    expect((await api(server.base, 'GET', `/api/runs/${id}`)).body).toMatchObject({ id, state: 'running' });
     const paused = await api(server.base, 'POST', `/api/runs/${id}/pause`);
     expect(paused.status).toBe(200);
     expect(paused.body).toMatchObject({ id, requested: 'pause' });
@@ -191,6 +200,36 @@ describe('operator actions', () => {
     expectProblem(await api(server.base, 'POST', `/api/runs/${id}/cancel`), 409, 'idem.cannotControl');
     // Mutations need the token.
     expectProblem(await api(server.base, 'POST', `/api/runs/${id}/cancel`, { token: null }), 401, 'idem.unauthorized');
+  });
+
+  it('a resume while the server is honouring a pause is not lost: the run continues in the server, chunks once', async () => {
+    // Ordered by a gate: the run has seen the pause (it logs so) while chunk 1 is held in flight;
+    // the resume withdraws the request; only then may the chunk commit and the attempt end.
+    const key = 'k-pause-race';
+    const gate = await holdGate(url, 'g-api-pause-race');
+    let id: string;
+    try {
+      const created = await post(key, { chunks: 6, gate: 'g-api-pause-race' });
+      expect(created.status).toBe(201);
+      id = created.body.id;
+      await waitFor(
+        async () => (await query(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`))[0].n > 0,
+        'chunk 1 to wait at the gate',
+      );
+      expect((await api(server.base, 'POST', `/api/runs/${id}/pause`)).body).toMatchObject({ id, requested: 'pause' });
+      await waitFor(
+        async () => server.proc.stderr().split('\n').some((l) => l.includes(`"runKey":"${key}"`) && l.includes('pause requested by an operator')),
+        'the live run to see the pause',
+      );
+      const resumed = await api(server.base, 'POST', `/api/runs/${id}/resume`);
+      expect(resumed.status).toBe(200);
+      expect(resumed.body).toMatchObject({ id, state: 'running', requested: null });
+    } finally {
+      await gate.release();
+    }
+    const done = await api(server.base, 'GET', `/api/runs/${id!}?wait=30`);
+    expect(done.body).toMatchObject({ state: 'succeeded', attempt: 2, progress: { done: 8 } });
+    expect(await workCounts(url, key)).toEqual(new Map(Array.from({ length: 6 }, (_, i) => [chunkKey(i + 1), 1])));
   });
 
   it('cancel stops a live run; it never continues', async () => {
@@ -215,6 +254,21 @@ describe('reads', () => {
     const ranged = res.body.jobs.find((j: any) => j.name === 'ranged');
     expect(ranged).toMatchObject({ description: expect.any(String), steps: [{ name: 'double', chunked: true }], params: { type: 'object', properties: {} } });
     expect(res.body.jobs.find((j: any) => j.name === 'counted').params).toBeNull();
+  });
+
+  it('a run another process executes reads running while that process lives, crashed once it was killed', async () => {
+    const cli = spawnCli(['--jobs-dir', FIXTURE_JOBS, 'run', 'counted', '--key', 'k-cli', '--params', JSON.stringify({ chunks: 30, pauseMs: 200 })], { url });
+    await waitFor(async () => (await workCounts(url, 'k-cli')).size >= 1, 'the first chunk of the CLI run');
+    const id = String((await runRow(url, 'counted', 'k-cli')).id);
+    // The held advisory locks are read in the view's own statement: the CLI's lock counts.
+    expect((await api(server.base, 'GET', `/api/runs/${id}`)).body).toMatchObject({ id, state: 'running', viaApi: false });
+    cli.child.kill('SIGKILL');
+    await cli.done;
+    await waitFor(async () => (await api(server.base, 'GET', `/api/runs/${id}`)).body.state === 'crashed', 'the killed run to read crashed');
+    expect(await runRow(url, 'counted', 'k-cli')).toMatchObject({ status: 'running' });
+    const crashed = await api(server.base, 'GET', '/api/runs?job=counted&state=crashed');
+    expect(crashed.body.runs.map((r: any) => r.id)).toContain(id);
+    expect((await api(server.base, 'GET', '/api/runs?job=counted&state=running')).body.runs.map((r: any) => r.id)).not.toContain(id);
   });
 
   it('GET /api/runs/:id/events streams progress until the run ends', async () => {

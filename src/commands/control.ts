@@ -15,7 +15,11 @@ function registerControl(program: Command, cli: CliContext, name: 'pause' | 'res
         const { assertKnownJob } = await import('../job-lookup.ts');
         await assertKnownJob(runner, job, g);
         const r = await runner[name](job, o.key);
-        const how = r.live ? `requested: the live run stops at its next chunk boundary` : `now ${r.status}`;
+        const how = !r.live
+          ? `now ${r.status}`
+          : name === 'resume'
+            ? 'pause withdrawn: the live run goes on (had it already stopped for the pause, it is interrupted and continues on its next invocation)'
+            : 'requested: the live run stops at its next chunk boundary';
         process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `${name}: run ${r.runKey} of job "${r.job}" ${how}\n`);
         return ExitCode.Ok;
       }),

@@ -1,6 +1,6 @@
 import type { Command } from 'commander';
 import { positiveInt } from '../cli-parsers.ts';
-import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
+import { databaseUrl, installSignals, openRunner, type CliContext } from '../cli-session.ts';
 
 /** `idem serve`: the HTTP trigger API, the live dashboard at / and /metrics (src/server/). */
 export function registerServeCommand(program: Command, cli: CliContext): void {
@@ -20,7 +20,15 @@ export function registerServeCommand(program: Command, cli: CliContext): void {
         // Fastify and the server load only when the command runs, not for --help.
         const { serveCommand } = await import('../server/serve-command.ts');
         const signals = installSignals(log, g.shutdownTimeout, force);
-        return serveCommand(o, { jobsDir: g.jobsDir, log, shutdownTimeoutSeconds: g.shutdownTimeout, stop: signals.stop, openRunner: (poolSize) => openRunner(g, log, session, poolSize) });
+        const openDatabase = async (poolSize: number, readPoolSize: number) => {
+          const url = await databaseUrl(g, log, session);
+          const runner = await openRunner(g, log, session, poolSize, url);
+          const { openDatabase } = await import('../database.ts');
+          const reads = await openDatabase(url, { poolSize: readPoolSize, log });
+          session.defer(() => reads.close());
+          return { runner, reads: reads.pool };
+        };
+        return serveCommand(o, { jobsDir: g.jobsDir, log, shutdownTimeoutSeconds: g.shutdownTimeout, stop: signals.stop, openDatabase });
       }),
     );
 }

@@ -1,12 +1,13 @@
 import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance } from 'fastify';
 import { sql } from 'kysely';
+import type pg from 'pg';
 import pino, { type Logger } from 'pino';
 import { UsageError } from '../errors.ts';
 import { runIsLive } from '../operations.ts';
 import type { Job } from '../job.ts';
 import type { Runner } from '../runner.ts';
 import type { RunStatus } from '../store.ts';
-import { bearerToken, tokenMatches } from './api-token.ts';
+import { bearerToken, tokenMatcher } from './api-token.ts';
 import { registerApiRoutes } from './api-routes.ts';
 import { registerDashboardRoutes } from './dashboard-routes.ts';
 import { HttpProblem, PROBLEM_TYPE, problemBody, toProblem } from './problem.ts';
@@ -27,6 +28,12 @@ export const DEFAULT_BODY_LIMIT = 64 * 1024;
 
 export interface ServerOptions {
   readonly runner: Runner;
+  /**
+   * The pool the API's and dashboard's reads run on: the runner's own pool is the running jobs'
+   * (a chunk holds its connection for the whole chunk), so replies must not queue behind them.
+   * Same database as the runner; the caller sizes it and closes it after the server.
+   */
+  readonly reads: pg.Pool;
   readonly jobs: readonly Job[];
   /** The bearer token every mutating request (and every read, without publicRead) must present. */
   readonly token: string;
@@ -66,7 +73,7 @@ export function createServer(opts: ServerOptions): IdemServer {
   const log = opts.log ?? pino({ level: 'silent' });
   const jobs = new Map(opts.jobs.map((j) => [j.name, j]));
   const runner = opts.runner;
-  const views = new RunViews(runner.db, runner.schema, runner);
+  const views = new RunViews(runner.db, opts.reads, runner.schema, runner);
   const metrics = new ServerMetrics(async () => {
     const runs = sql.id(runner.schema, 'runs');
     // Rows that say running are judged one by one (live or crashed); the rest are counted.
@@ -117,6 +124,7 @@ export function createServer(opts: ServerOptions): IdemServer {
   // Params are JSON only: a text/plain body (Fastify parses it by default) is refused with 415.
   app.removeContentTypeParser('text/plain');
 
+  const tokenMatches = tokenMatcher(opts.token);
   app.addHook('onRequest', async (request, reply) => {
     const path = request.url.split('?')[0]!;
     if (PUBLIC_PATHS.has(path)) return;
@@ -126,7 +134,7 @@ export function createServer(opts: ServerOptions): IdemServer {
       reply.header('www-authenticate', 'Bearer realm="idem"');
       throw new HttpProblem(401, 'idem.unauthorized', 'this endpoint needs the server\'s API token; send Authorization: Bearer <token> with the token from IDEM_API_TOKEN or --token-file');
     }
-    if (!tokenMatches(token, opts.token)) {
+    if (!tokenMatches(token)) {
       throw new HttpProblem(403, 'idem.forbidden', 'the bearer token is not the server\'s API token; send the token from IDEM_API_TOKEN or the --token-file of the server');
     }
   });

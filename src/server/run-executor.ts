@@ -1,7 +1,7 @@
 import { sql } from 'kysely';
 import type { Logger } from 'pino';
 import { runIsLive } from '../operations.ts';
-import { BusyError, CancelledError, InterruptedError, PausedError, RunFailedError, messageOf } from '../errors.ts';
+import { BusyError, CancelledError, InterruptedError, PausedError, PauseWithdrawnError, RunFailedError, messageOf } from '../errors.ts';
 import type { Job, Step } from '../job.ts';
 import type { Runner } from '../runner.ts';
 import type { RunStatus } from '../store.ts';
@@ -100,10 +100,11 @@ export class RunExecutor {
       if (i < 0) break;
       const next = this.#queue.splice(i, 1)[0]!;
       this.#busyJobs.add(next.job);
-      const p = this.#execute(next).finally(() => {
+      const p = this.#execute(next).then((again) => {
         this.#running.delete(next.runId);
         this.#busyJobs.delete(next.job);
         this.#o.metrics.runsExecuting.set(this.#running.size);
+        if (again) this.enqueue(next);
         this.#pump();
       });
       this.#running.set(next.runId, p);
@@ -112,11 +113,13 @@ export class RunExecutor {
     this.#o.metrics.runsQueued.set(this.#queue.length);
   }
 
-  async #execute(q: Queued): Promise<void> {
+  /** Executes one run; true when it should be queued again at once (a pause withdrawn while it was being honoured). */
+  async #execute(q: Queued): Promise<boolean> {
     const { runner, metrics } = this.#o;
     const log = this.#o.log.child({ job: q.job, runId: q.runId });
     const job = instrument(this.#o.jobs.get(q.job)!, metrics);
     let outcome = 'succeeded';
+    let again = false;
     try {
       const run = await runner.store.getRun(q.runId);
       const committed = new Map<string, number>();
@@ -148,12 +151,24 @@ export class RunExecutor {
       log.info('run executed');
     } catch (err) {
       outcome =
-        err instanceof PausedError ? 'paused' : err instanceof CancelledError ? 'cancelled' : err instanceof InterruptedError ? 'interrupted' : err instanceof RunFailedError ? 'failed' : 'error';
+        err instanceof PausedError
+          ? 'paused'
+          : err instanceof CancelledError
+            ? 'cancelled'
+            : err instanceof InterruptedError || err instanceof PauseWithdrawnError
+              ? 'interrupted'
+              : err instanceof RunFailedError
+                ? 'failed'
+                : 'error';
+      // The operator resumed the run while it stopped for their pause: it continues here, as a
+      // resume of a paused run created over HTTP does.
+      again = err instanceof PauseWithdrawnError;
       const level = outcome === 'failed' || outcome === 'error' ? 'error' : 'info';
       log[level]({ outcome, err: { message: messageOf(err) } }, `run ${outcome}`);
     } finally {
       metrics.runsEnded.inc({ job: q.job, outcome });
     }
+    return again;
   }
 
   /**

@@ -1,10 +1,11 @@
-import { sql, type Kysely } from 'kysely';
+import { sql, type Kysely, type RawBuilder } from 'kysely';
+import type pg from 'pg';
 import type { Json } from '../job.ts';
 import { runIsLive, type HeldLocks, type OperationsHost } from '../operations.ts';
+import type { RunErrorInfo, RunSummary } from '../store.ts';
 
 /** How liveness is decided: the runner's lock names and the locks held right now. */
 export type LockHost = Pick<OperationsHost, 'jobLockName' | 'runLockName' | 'heldLocks'>;
-import type { RunErrorInfo, RunSummary } from '../store.ts';
 
 /** A step of a run as the API shows it. */
 export interface StepView {
@@ -68,37 +69,63 @@ export interface RunQuery {
   readonly before?: string;
 }
 
+/** Most replays answered by one statement. */
+const MAX_BATCH = 64;
+
+/** No advisory lock held (a view of runs none of which says running needs no pg_locks read). */
+const NO_LOCKS: HeldLocks = { keys: new Set(), byPid: new Set() };
+
 /**
  * Read-only queries over idem's tables for the server. The same computations as `idem status`
  * (state from the held advisory locks, rate of the live attempt, estimate where larger than planned).
+ *
+ * They run on a pool of their own (`reads`), not the runner's: running jobs hold the runner's
+ * connections for whole chunks, and an API answer must not queue behind them. The two hot reads,
+ * one run by (job, key) (every Idempotency-Key replay) and one run by id (GET, long-poll, events,
+ * the run page), are named prepared statements: parsed and planned once per connection, one
+ * round trip each, the held advisory locks included, so even a live run's state is one statement.
  */
 export class RunViews {
   readonly #db: Kysely<any>;
+  readonly #reads: pg.Pool;
   readonly #schema: string;
   readonly #locks: LockHost;
+  readonly #byKey: { readonly name: string; readonly text: string };
+  readonly #byKeys: { readonly name: string; readonly text: string };
+  readonly #byId: { readonly name: string; readonly text: string };
 
-  constructor(db: Kysely<any>, schema: string, locks: LockHost) {
+  /** `db` only compiles statements; every read runs on `reads`. */
+  constructor(db: Kysely<any>, reads: pg.Pool, schema: string, locks: LockHost) {
     this.#db = db;
+    this.#reads = reads;
     this.#schema = schema;
     this.#locks = locks;
+    // Fixed text per server: $1/$2 are the only parameters, so PostgreSQL keeps one generic plan.
+    this.#byKey = { name: 'idem_run_view_by_key', text: this.#select(sql`r.job = $1 and r.run_key = $2`, { detail: true, locks: true }).compile(db).sql };
+    // Planned per batch: PostgreSQL's custom plan (it sees the arrays' length) always looks cheaper
+    // than the generic one, so it would be re-planned for a lone key every time; a lone key takes
+    // the statement above, whose generic plan is kept.
+    this.#byKeys = {
+      name: 'idem_run_views_by_keys',
+      text: this.#select(sql`(r.job, r.run_key) in (select * from unnest($1::text[], $2::text[]))`, { detail: true, locks: true }).compile(db).sql,
+    };
+    this.#byId = { name: 'idem_run_view_by_id', text: this.#select(sql`r.id = $1::bigint`, { detail: true, locks: true }).compile(db).sql };
   }
 
   #t(name: string) {
     return sql.id(this.#schema, name);
   }
 
-  async list(q: RunQuery): Promise<RunView[]> {
+  /**
+   * The view's columns for the runs `where` selects, newest first. Columns are named, never `r.*`:
+   * a prepared statement whose result type changes (a later idem adds a column while this server
+   * runs) would fail with "cached plan must not change result type".
+   */
+  #select(where: RawBuilder<unknown>, o: { readonly detail: boolean; readonly locks: boolean; readonly limit?: number }): RawBuilder<any> {
     const s = (n: string) => this.#t(n);
-    const statusFilter =
-      q.state === undefined
-        ? sql`true`
-        : q.state === 'active'
-          ? sql`r.status not in ('succeeded', 'cancelled')`
-          : q.state === 'crashed'
-            ? sql`r.status = 'running'`
-            : sql`r.status = ${q.state}`;
-    const { rows } = await sql<any>`
-      select r.*,
+    return sql`
+      select r.id, r.job, r.run_key, r.status, r.attempt, r.holder, r.params, r.fingerprint, r.requested,
+        r.created_at, r.started_at, r.updated_at, r.finished_at, r.error, r.summary, r.lock_name, r.lock_pid,
         (select count(*) from ${s('chunks')} c where c.run_id = r.id and c.done_at is not null)::int as chunks_done,
         (select count(*) from ${s('chunks')} c where c.run_id = r.id and c.done_attempt = r.attempt)::int as done_this_attempt,
         extract(epoch from now() - r.attempt_started_at)::float8 as attempt_seconds,
@@ -107,41 +134,126 @@ export class RunViews {
             'done', (select count(*) from ${s('chunks')} c where c.run_id = st.run_id and c.step = st.name and c.done_at is not null)
           ) order by st.position) from ${s('steps')} st where st.run_id = r.id), '[]'::json) as step_views,
         exists (select 1 from ${s('api_requests')} a where a.run_id = r.id) as via_api
-        ${q.detail ? sql`, ${this.#detailColumns()}` : sql``}
+        ${o.locks ? sql`, ${this.#heldLocksColumn()}` : sql``}
+        ${o.detail ? sql`, ${this.#detailColumns()}` : sql``}
       from ${s('runs')} r
-      where ${q.id === undefined ? sql`true` : sql`r.id = ${q.id}`}
+      where ${where}
+      order by r.id desc${o.limit === undefined ? sql`` : sql` limit ${sql.lit(o.limit)}`}`;
+  }
+
+  async list(q: RunQuery): Promise<RunView[]> {
+    const statusFilter =
+      q.state === undefined
+        ? sql`true`
+        : q.state === 'active'
+          ? sql`r.status not in ('succeeded', 'cancelled')`
+          : q.state === 'crashed'
+            ? sql`r.status = 'running'`
+            : sql`r.status = ${q.state}`;
+    const where = sql`${q.id === undefined ? sql`true` : sql`r.id = ${q.id}`}
         and ${q.job === undefined ? sql`true` : sql`r.job = ${q.job}`}
         and ${q.key === undefined ? sql`true` : sql`r.run_key = ${q.key}`}
         and ${statusFilter}
-        and ${q.before === undefined ? sql`true` : sql`r.id < ${q.before}`}
-      order by r.id desc limit ${q.limit ?? 50}`.execute(this.#db);
-    // pg_locks is only consulted when a row says running: a replay of a finished run is one query.
-    const held: HeldLocks = rows.some((r) => r.status === 'running') ? await this.#locks.heldLocks() : { keys: new Set(), byPid: new Set() };
-    const views = rows.map((r) => {
-      const view = toView(r, runIsLive(r, held, this.#locks));
-      if (!q.detail) return view;
-      const minutes = (r.chunks_per_minute ?? []) as Array<[string, number]>;
-      return {
-        ...view,
-        skipped: r.skipped_chunks ?? [],
-        effects: { started: r.effects_started, done: r.effects_done },
-        chunksPerMinute: minutes.map(([m, n]) => [new Date(m).toISOString(), n] as const).reverse(),
-      };
-    });
+        and ${q.before === undefined ? sql`true` : sql`r.id < ${q.before}`}`;
+    const compiled = this.#select(where, { detail: q.detail ?? false, locks: false, limit: q.limit ?? 50 }).compile(this.#db);
+    const { rows } = await this.#reads.query(compiled.sql, [...compiled.parameters]);
+    // pg_locks is only consulted when a row says running.
+    const held = rows.some((r) => r.status === 'running') ? await this.#locks.heldLocks() : NO_LOCKS;
+    const views = rows.map((r) => this.#toView(r, held, q.detail ?? false));
     // running vs crashed is known only after the lock check.
     if (q.state === 'running' || q.state === 'crashed') return views.filter((v) => v.state === q.state);
     return views;
   }
 
-  /** One run with the detail of its page (one statement): skipped chunks, effects ledger counts, chunks per minute. */
+  /** One run with the detail of its page, in one prepared statement. */
   async get(id: string): Promise<RunView | undefined> {
     if (!/^\d{1,18}$/.test(id)) return undefined;
-    return (await this.list({ id, limit: 1, detail: true }))[0];
+    return this.#one(this.#byId, [id]);
   }
 
-  /** The run of (job, key) with its detail, or undefined. */
-  async byKey(job: string, key: string): Promise<RunView | undefined> {
-    return (await this.list({ job, key, limit: 1, detail: true }))[0];
+  /**
+   * The run of (job, key) with its detail, or undefined: an Idempotency-Key replay. Lookups that
+   * arrive while the read pool's every connection has one in flight wait and go together in the next one
+   * (`(job, run_key) in unnest(…)`): under load one round trip answers many replays, and a lone
+   * request goes at once, alone.
+   */
+  byKey(job: string, key: string): Promise<RunView | undefined> {
+    return new Promise((resolve, reject) => {
+      this.#waiting.push({ job, key, resolve, reject });
+      this.#sendKeys();
+    });
+  }
+
+  readonly #waiting: Array<{ job: string; key: string; resolve: (v: RunView | undefined) => void; reject: (err: unknown) => void }> = [];
+  #batches = 0;
+
+  #sendKeys(): void {
+    // At most one batch per connection of the read pool: a batch never queues for a connection.
+    while (this.#batches < (this.#reads.options.max ?? 1) && this.#waiting.length > 0) {
+      const batch = this.#waiting.splice(0, MAX_BATCH);
+      this.#batches++;
+      this.#reads
+        .query(
+          batch.length === 1
+            ? { ...this.#byKey, values: [batch[0]!.job, batch[0]!.key] }
+            : { ...this.#byKeys, values: [batch.map((b) => b.job), batch.map((b) => b.key)] },
+        )
+        .then(
+          ({ rows }) => {
+            const found = new Map(rows.map((r) => [`${r.job}\0${r.run_key}`, r]));
+            for (const b of batch) {
+              const r = found.get(`${b.job}\0${b.key}`);
+              try {
+                b.resolve(r ? this.#rowView(r) : undefined);
+              } catch (err) {
+                b.reject(err);
+              }
+            }
+          },
+          (err: unknown) => {
+            for (const b of batch) b.reject(err);
+          },
+        )
+        .finally(() => {
+          this.#batches--;
+          this.#sendKeys();
+        });
+    }
+  }
+
+  async #one(statement: { readonly name: string; readonly text: string }, values: unknown[]): Promise<RunView | undefined> {
+    const { rows } = await this.#reads.query({ ...statement, values });
+    return rows[0] ? this.#rowView(rows[0]) : undefined;
+  }
+
+  /** A row of the prepared views, which carry the held locks for a running run. */
+  #rowView(r: any): RunView {
+    const locks = (r.held_locks ?? []) as Array<[string, number]>;
+    const held: HeldLocks = locks.length === 0 ? NO_LOCKS : { keys: new Set(locks.map(([k]) => k)), byPid: new Set(locks.map(([k, pid]) => `${pid}:${k}`)) };
+    return this.#toView(r, held, true);
+  }
+
+  #toView(r: any, held: HeldLocks, detail: boolean): RunView {
+    const view = toView(r, runIsLive(r, held, this.#locks));
+    if (!detail) return view;
+    const minutes = (r.chunks_per_minute ?? []) as Array<[string, number]>;
+    return {
+      ...view,
+      skipped: r.skipped_chunks ?? [],
+      effects: { started: r.effects_started, done: r.effects_done },
+      chunksPerMinute: minutes.map(([m, n]) => [new Date(m).toISOString(), n] as const).reverse(),
+    };
+  }
+
+  /**
+   * The advisory locks held in this database (the rows of Runner.heldLocks), read only for a run
+   * whose row says running: a finished run's view never touches pg_locks.
+   */
+  #heldLocksColumn() {
+    return sql`case when r.status = 'running' then (
+        select json_agg(json_build_array(((l.classid::bigint << 32) | l.objid::bigint)::text, l.pid)) from pg_locks l
+        where l.locktype = 'advisory' and l.objsubid = 1 and l.granted
+          and l.database = (select oid from pg_database where datname = current_database())) end as held_locks`;
   }
 
   #detailColumns() {

@@ -1,3 +1,4 @@
+import type pg from 'pg';
 import type { Logger } from 'pino';
 import { ExitCode, InterruptedError } from '../errors.ts';
 import { loadJobDir } from '../loader.ts';
@@ -5,6 +6,13 @@ import { parseDuration } from '../operations.ts';
 import type { Runner } from '../runner.ts';
 import { loadApiToken } from './api-token.ts';
 import { checkServeFlags, createServer } from './create-server.ts';
+
+/**
+ * Connections of the API's read pool. A read is one short statement (a replay, a run's view), so a
+ * few connections keep up with many clients; more only add PostgreSQL backends competing for the
+ * same cores (2, 4 and 8 measured alike with 50 clients on 2 cores: npm run bench -- --only http).
+ */
+export const READ_POOL_SIZE = 4;
 
 /** The flags of `idem serve` (defaults in cli.ts's option list). */
 export interface ServeFlags {
@@ -22,8 +30,11 @@ export interface ServeDeps {
   readonly jobsDir: string;
   readonly log: Logger;
   readonly shutdownTimeoutSeconds: number;
-  /** Opens the runner with a pool of this size (DATABASE_URL or the embedded server). */
-  openRunner(poolSize: number): Promise<Runner>;
+  /**
+   * Opens the runner with a pool of `poolSize` and, on the same database (DATABASE_URL or the
+   * embedded server), the API's read pool of `readPoolSize`; both close when the command ends.
+   */
+  openDatabase(poolSize: number, readPoolSize: number): Promise<{ readonly runner: Runner; readonly reads: pg.Pool }>;
   /** Aborts on the first SIGINT/SIGTERM. */
   readonly stop: AbortSignal;
 }
@@ -38,12 +49,14 @@ export async function serveCommand(o: ServeFlags, deps: ServeDeps): Promise<numb
   const retentionMs = o.retention === undefined ? null : parseDuration(o.retention, '--retention');
   const token = await loadApiToken({ ...(o.tokenFile !== undefined ? { file: o.tokenFile } : {}), ...(process.env.IDEM_API_TOKEN ? { env: process.env.IDEM_API_TOKEN } : {}) });
   const jobs = (await loadJobDir(deps.jobsDir, 'jobs')).map((l) => l.job);
-  // Each executing run takes up to `concurrency` pool connections; the API's reads need a few more.
-  const runner = await deps.openRunner(o.maxRuns * o.concurrency + 4);
+  // Each executing run takes up to `concurrency` connections of the runner's pool, plus its control
+  // and lock reads; the API reads on a pool of their own.
+  const { runner, reads } = await deps.openDatabase(o.maxRuns * o.concurrency + 4, READ_POOL_SIZE);
   // IDEM_SERVE_RESCAN_MS: for tests, which cannot wait the default 30 s for a takeover.
   const rescan = Number(process.env.IDEM_SERVE_RESCAN_MS);
   const server = createServer({
     runner,
+    reads,
     jobs,
     token,
     publicRead: o.publicRead ?? false,

@@ -20,7 +20,7 @@ interface Snapshot {
   readonly lsn: bigint;
 }
 
-const CLK_TCK = 100; // Linux USER_HZ; /proc/<pid>/stat counts CPU time in these ticks
+export const CLK_TCK = 100; // Linux USER_HZ; /proc/<pid>/stat counts CPU time in these ticks
 
 /**
  * Reads the server's CPU from /proc when it runs on this machine (the embedded one, or a local
@@ -82,7 +82,8 @@ export class CostProbe {
   }
 }
 
-function statOf(pid: number): { ppid: number; utime: number; stime: number; cutime: number; cstime: number } | undefined {
+/** A process's CPU from /proc (ticks of 1/CLK_TCK s), or undefined when it is gone or not local. */
+export function statOf(pid: number): { ppid: number; utime: number; stime: number; cutime: number; cstime: number } | undefined {
   try {
     const text = readFileSync(`/proc/${pid}/stat`, 'utf8');
     // Fields after "(comm)"; comm may contain spaces, so split after the last ')'.
