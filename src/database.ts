@@ -54,19 +54,26 @@ export async function openDatabase(
 ): Promise<Database> {
   const idleMs = opts.idleInTransactionTimeoutMs ?? DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT_MS;
   if (!Number.isInteger(idleMs) || idleMs < 0) throw new TypeError(`idleInTransactionTimeoutMs must be an integer >= 0 (got ${idleMs})`);
-  const pool = new pg.Pool({ connectionString, max: opts.poolSize, application_name: 'idem', keepAlive: true, connectionTimeoutMillis: 10_000 });
+  const pool = new pg.Pool({
+    connectionString,
+    max: opts.poolSize,
+    application_name: 'idem',
+    keepAlive: true,
+    connectionTimeoutMillis: 10_000,
+    // Awaited by pg-pool before the client is handed out, so the session settings are in place
+    // before anyone's first statement and nothing is queued behind them on the connection.
+    onConnect: async (client: pg.ClientBase) => {
+      // A checked-out client whose backend dies between two statements (pg_terminate_backend, a
+      // restart) emits 'error' on itself, not on the pool; unhandled, that would crash the process.
+      // The next statement on it then fails with a connection error, which the chunk retry handles.
+      client.on('error', (err) => opts.log.warn({ err: { message: redactSecrets(err.message, connectionString), code: (err as { code?: string }).code } }, 'database connection lost'));
+      // A work session whose process vanished mid-chunk holds the chunk's row locks: the server ends
+      // it after idle_in_transaction_session_timeout, so another worker can redo the chunk.
+      await client.query(`${SERVER_KEEPALIVES}; set idle_in_transaction_session_timeout = ${idleMs}`).catch(() => {});
+    },
+  });
   // An idle client's socket error is emitted on the pool; unhandled, it would kill the process.
   pool.on('error', (err) => opts.log.warn({ err: { message: redactSecrets(err.message, connectionString) } }, 'idle database connection failed'));
-  // A checked-out client whose backend dies between two statements (pg_terminate_backend, a
-  // restart) emits 'error' on itself, not on the pool; unhandled, that would crash the process.
-  // The next statement on it then fails with a connection error, which the chunk retry handles.
-  pool.on('connect', (client) => {
-    client.on('error', (err) => opts.log.warn({ err: { message: redactSecrets(err.message, connectionString), code: (err as { code?: string }).code } }, 'database connection lost'));
-    // Queued before any statement of whoever checked the client out (pg-pool emits 'connect' first).
-    // A work session whose process vanished mid-chunk holds the chunk's row locks: the server ends
-    // it after idle_in_transaction_session_timeout, so another worker can redo the chunk.
-    client.query(`${SERVER_KEEPALIVES}; set idle_in_transaction_session_timeout = ${idleMs}`).catch(() => {});
-  });
   let clients: pg.PoolClient[] = [];
   try {
     clients = await Promise.all([pool.connect(), pool.connect()]);

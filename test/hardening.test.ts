@@ -1,6 +1,8 @@
 import pg from 'pg';
 import { beforeAll, describe, expect, it, vi } from 'vitest';
+import pino from 'pino';
 import { acquireAdvisoryLock } from '../src/advisory-lock.ts';
+import { openDatabase } from '../src/database.ts';
 import { defineJob, exitCodeOf, fingerprint, keyRange, RunFailedError, Runner, sql, type ChunkSource, type Job } from '../src/index.ts';
 import { query, waitFor } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
@@ -95,6 +97,28 @@ describe('the work pool fits the requested concurrency (item 2)', () => {
       expect(await query(url, `select count(*)::int as n from idem.effects e join idem.runs r on r.id = e.run_id where r.job = 'effect-at-pool-size' and e.status = 'done'`)).toEqual([{ n: 8 }]);
     } finally {
       await small.close();
+    }
+  });
+});
+
+describe('work sessions are set up before their first statement (dead networks)', () => {
+  it('every connection of a burst carries idle_in_transaction_session_timeout, with nothing queued behind the setup', async () => {
+    const warnings: string[] = [];
+    const onWarning = (w: Error) => warnings.push(`${w.name}: ${w.message}`);
+    process.on('warning', onWarning);
+    const database = await openDatabase(url, { poolSize: 4, log: pino({ level: 'silent' }), idleInTransactionTimeoutMs: 45_000 });
+    try {
+      // 24 statements at once on 4 fresh connections: each must see the setting from its first statement on.
+      const seen = await Promise.all(
+        Array.from({ length: 24 }, () => database.pool.query<{ t: string; pid: number }>(`select current_setting('idle_in_transaction_session_timeout') as t, pg_backend_pid() as pid`)),
+      );
+      expect(new Set(seen.map((r) => r.rows[0]!.t))).toEqual(new Set(['45s']));
+      expect(new Set(seen.map((r) => r.rows[0]!.pid)).size).toBeGreaterThan(1);
+      await new Promise((r) => setImmediate(r));
+      expect(warnings.filter((w) => w.startsWith('DeprecationWarning'))).toEqual([]);
+    } finally {
+      process.off('warning', onWarning);
+      await database.close();
     }
   });
 });
