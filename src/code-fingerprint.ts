@@ -58,9 +58,10 @@ export async function recordCodeFingerprint(db: Kysely<any>, schema: string, run
     return;
   }
   const change = { from: before, to: now, attempt, at: new Date().toISOString() };
+  // Compare-and-set on the fingerprint read: a retry after a lost acknowledgement appends nothing.
   await sql`update ${runs} set code_fingerprint = ${now},
       code_changes = coalesce(code_changes, '[]'::jsonb) || ${JSON.stringify([change])}::jsonb
-    where id = ${run.id}`.execute(db);
+    where id = ${run.id} and code_fingerprint = ${before}`.execute(db);
 }
 
 /**

@@ -1,5 +1,6 @@
 import { Kysely, PostgresDialect } from 'kysely';
 import pg from 'pg';
+import { isRetryable } from './retry.ts';
 import type { Logger } from 'pino';
 import { DatabaseUnavailableError } from './errors.ts';
 
@@ -74,22 +75,29 @@ export async function openDatabase(
   });
   // An idle client's socket error is emitted on the pool; unhandled, it would kill the process.
   pool.on('error', (err) => opts.log.warn({ err: { message: redactSecrets(err.message, connectionString) } }, 'idle database connection failed'));
-  let clients: pg.PoolClient[] = [];
-  try {
-    clients = await Promise.all([pool.connect(), pool.connect()]);
-  } catch (err) {
-    for (const c of clients) c.release();
-    await pool.end().catch(() => {});
-    throw describeConnectError(err, connectionString);
+  // A session killed during the check (a restart, pg_terminate_backend) says nothing about a
+  // pooler: check again on fresh sessions. Reaching the server at all is not retried here: an
+  // unreachable database is reported at once.
+  for (let attempt = 1; ; attempt++) {
+    let clients: pg.PoolClient[] = [];
+    try {
+      clients = await Promise.all([pool.connect(), pool.connect()]);
+    } catch (err) {
+      for (const c of clients) c.release();
+      await pool.end().catch(() => {});
+      throw describeConnectError(err, connectionString);
+    }
+    try {
+      await refuseSessionlessPooler(clients[0]!, clients[1]!, connectionString);
+      for (const c of clients) c.release();
+      break;
+    } catch (err) {
+      for (const c of clients) c.release(true);
+      if (attempt < 3 && isRetryable(err)) continue;
+      await pool.end().catch(() => {});
+      throw err;
+    }
   }
-  try {
-    await refuseSessionlessPooler(clients[0]!, clients[1]!, connectionString);
-  } catch (err) {
-    for (const c of clients) c.release();
-    await pool.end().catch(() => {});
-    throw err;
-  }
-  for (const c of clients) c.release();
   const db = new Kysely<any>({ dialect: new PostgresDialect({ pool }) });
   let closed: Promise<void> | undefined;
   return {

@@ -207,7 +207,8 @@ export class Runner {
     // Refusals that must write nothing come before the lock: taking it bumps the attempt.
     if (opts.resumeFailed === false && run.status === 'failed') throw recordedFailure(run);
     refuseChangedCode(run, job, opts.allowChangedCode ?? false);
-    await adoptCodeFingerprint(this.db, this.schema, run, job);
+    // Bookkeeping like the store's: idempotent, so a killed work session is retried, not fatal.
+    await retrying(() => adoptCodeFingerprint(this.db, this.schema, run, job));
 
     // Every process on a run is a worker: it holds the job's lock shared and the run's own lock.
     // The first one in bumps the attempt; a plain run refuses to overlap anyone (busy, exit 75);
@@ -353,7 +354,6 @@ export class Runner {
       throw new LockLostError(`the lock for job "${job.name}" was no longer held when attempt bump ran; rerun to resume`);
     }
     const { attempt, startedAt } = begun;
-    if (!joined) await recordCodeFingerprint(this.db, this.schema, current, job, attempt);
     const invocationStarted = performance.now();
     const identity = { job: job.name, runKey: current.run_key, runId, attempt };
     const log = this.#log.child({ job: job.name, runKey: current.run_key, attempt });
@@ -378,6 +378,7 @@ export class Runner {
     const stop = AbortSignal.any([lock.lost, control.signal, ...(opts.signal ? [opts.signal] : [])]);
     const abort = AbortSignal.any([lock.lost, ...(opts.abortSignal ? [opts.abortSignal] : [])]);
     try {
+      if (!joined) await retrying(() => recordCodeFingerprint(this.db, this.schema, current, job, attempt));
       if (opts.retrySkipped) {
         const n = await this.store.resetSkipped(runId, attempt);
         if (n > 0) log.info({ chunks: n }, 'retrying skipped chunks');

@@ -332,3 +332,63 @@ describe('a lost lock is a lost run, not a failed one (found by the workers chao
     expect(await query(url, `select status, error from idem.runs where job = 'lock-silent-work-killed'`)).toEqual([{ status: 'running', error: null }]);
   });
 });
+
+describe('a worker whose work sessions are killed while it starts (found by the workers chaos)', () => {
+  // A real transient error from the real server: a trigger raises serialization_failure (40001,
+  // which idem retries) once per arming, on the statement that records the run's code fingerprint.
+  beforeAll(async () => {
+    // A sequence, because the raise rolls back whatever the trigger wrote: the first nextval after
+    // arming fails the statement, every later one lets it through.
+    await query(url, `create sequence if not exists fp_fault;
+      create or replace function fp_fault() returns trigger language plpgsql as $$
+      begin
+        if new.code_fingerprint is distinct from old.code_fingerprint and nextval('fp_fault') = 1 then
+          raise exception 'could not serialize access (injected)' using errcode = '40001';
+        end if;
+        return new;
+      end $$;
+      create or replace trigger fp_fault before update on idem.runs for each row execute function fp_fault()`);
+  });
+  const arm = () => query(url, 'alter sequence fp_fault restart with 1');
+  /** How many fingerprint writes reached the trigger since arming (the first one failed). */
+  const tries = async () => {
+    const [s] = await query(url, 'select last_value, is_called from fp_fault');
+    return s.is_called ? Number(s.last_value) : 0;
+  };
+
+  const versioned = (version: string, failFirst: boolean) =>
+    defineJob({
+      name: 'fp-transient',
+      version,
+      steps: [
+        {
+          name: 'work',
+          retry: { attempts: 1 },
+          async run({ db }) {
+            if (failFirst) throw new Error('first attempt fails for good');
+            await sql`insert into hits (item, n) values (100, 1) on conflict (item) do update set n = hits.n + 1`.execute(db);
+          },
+        },
+      ],
+    });
+
+  it('a transient error on recording the code fingerprint is retried like every bookkeeping statement, and recorded once', async () => {
+    // A new run adopts the code it starts with (before the lock).
+    await arm();
+    const first = await runner.run(versioned('v1', true), { key: 'fp' }).catch((e: unknown) => e);
+    expect(await tries()).toBe(2);
+    expect(exitCodeOf(first), String(first)).toBe(1);
+    expect(String(first)).toMatch(/first attempt fails for good/);
+    expect(await query(url, `select code_fingerprint, attempt, status from idem.runs where job = 'fp-transient'`)).toEqual([
+      { code_fingerprint: 'version:v1', attempt: 1, status: 'failed' },
+    ]);
+    // Its second attempt under other code records the change (after the lock), once.
+    await arm();
+    const second = await runner.run(versioned('v2', false), { key: 'fp', allowChangedCode: true });
+    expect(await tries()).toBe(2);
+    expect(second).toMatchObject({ status: 'succeeded', attempt: 2, executed: 1 });
+    const [row] = await query(url, `select code_fingerprint, jsonb_array_length(code_changes) as changes from idem.runs where job = 'fp-transient'`);
+    expect(row).toEqual({ code_fingerprint: 'version:v2', changes: 1 });
+    expect(await query(url, 'select n from hits where item = 100')).toEqual([{ n: 1 }]);
+  });
+});
