@@ -125,6 +125,62 @@ describe('skip policy', () => {
     expect([...counts.values()].every((n) => n === 1)).toBe(true);
   });
 
+  // A chunk that fails slowly: another slot (or worker) that finds nothing free waits on its row lock
+  // and claims it the moment it rolls back, before its failure is recorded as skipped.
+  const slowSkippy = (name: string, keys: string[], failing: string[], maxFailedChunks: number) =>
+    defineJob({
+      name,
+      steps: [
+        {
+          name: 'work',
+          maxFailedChunks,
+          retry: { attempts: 1 },
+          chunks: () => ({ chunks: keys.map((key) => ({ key })), next: null }),
+          async run(ctx, chunk: { key: string }) {
+            await sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values (${name}, ${ctx.run.runKey}, 'work', ${chunk.key}, ${ctx.run.attempt}, 0)`.execute(ctx.db);
+            if (failing.includes(chunk.key)) {
+              await sql`select pg_sleep(0.4)`.execute(ctx.db);
+              throw new Error(`injected failure in chunk ${chunk.key}`);
+            }
+          },
+        },
+      ],
+    });
+
+  it('counts a failed chunk once against maxFailedChunks when another slot re-claims it (concurrency 2)', async () => {
+    const job = slowSkippy('skippy-slow', ['c0001', 'c0002'], ['c0002'], 1);
+    const out = await runner.run(job, { key: 'slow-skip', concurrency: 2 });
+    expect(out.status).toBe('succeeded');
+    expect(out.summary).toMatchObject({ chunks: 2, skipped: 1 });
+    const [status] = await runner.status('skippy-slow');
+    expect(status!.skipped.map((s) => s.key)).toEqual(['c0002']);
+  });
+
+  it('maxFailedChunks bounds the skipped chunks of the run, not of each worker sharing it', async () => {
+    const job = slowSkippy('skippy-shared', ['c0001', 'c0002', 'c0003', 'c0004'], ['c0001', 'c0002'], 1);
+    const second = await Runner.connect({ connectionString: db.url });
+    try {
+      const results = await Promise.allSettled([
+        runner.run(job, { key: 'shared-skip', join: true }),
+        (async () => {
+          await waitFor(async () => (await query(db.url, `select 1 from idem.runs where job = 'skippy-shared' and status = 'running'`)).length > 0, 'the first worker to start the run');
+          return second.run(job, { key: 'shared-skip', join: true });
+        })(),
+      ]);
+      const run = await runRow(db.url, 'skippy-shared', 'shared-skip');
+      const skipped = await query<{ n: number }>(
+        db.url,
+        `select count(*)::int as n from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'skippy-shared' and c.skipped_at is not null`,
+      );
+      // Two chunks failed for good with a budget of one: the run fails, and at most one is skipped.
+      expect(run.status).toBe('failed');
+      expect(skipped[0]!.n).toBeLessThanOrEqual(1);
+      expect(results.some((r) => r.status === 'rejected')).toBe(true);
+    } finally {
+      await second.close();
+    }
+  });
+
   it('fails the run when more chunks fail than the step allows', async () => {
     await query(db.url, `insert into fail_chunks values ('c0001', null, null), ('c0002', null, null), ('c0003', null, null)`);
     try {
