@@ -75,3 +75,34 @@ describe('idem run --join', () => {
     await expectExactlyOnce('kill', 150);
   });
 });
+
+describe('idem status of a shared run', () => {
+  it('names a live worker as the holder once the first one died, and rates each worker over its own time when younger than a minute', async () => {
+    const first = join('status-holder', 300, 40);
+    await waitFor(async () => ((await sessions(url, 'idem-lock')) === 1 && (await doneCount('status-holder')) >= 2 ? true : undefined), 'the first worker under way');
+    const second = join('status-holder', 300, 40);
+    const secondStarted = Date.now();
+    await waitFor(async () => ((await sessions(url, 'idem-lock')) === 2 ? true : undefined), 'the second worker joined');
+    first.child.kill('SIGKILL');
+    expect((await first.done).signal).toBe('SIGKILL');
+    await waitFor(async () => ((await sessions(url, 'idem-lock')) === 1 ? true : undefined), 'the killed worker gone');
+    await new Promise((r) => setTimeout(r, 2_000));
+    const status = await runCli([...FIXTURE_DIRS, 'status', 'counted', '--key', 'status-holder', '--json'], { url });
+    const run = JSON.parse(status.stdout) as { state: string; holder: string | null; workers: Array<{ worker: string; chunks: number; rate: number }> };
+    const elapsedS = (Date.now() - secondStarted) / 1000;
+    const live = `${os.hostname()}:${second.pid}`;
+    expect(run.state).toBe('running');
+    expect(run.workers.map((w) => w.worker)).toEqual([live]);
+    // The run row still names the first worker; status must not show a dead process as the holder.
+    expect(run.holder).toBe(live);
+    // Rate over the last minute, of a worker that has lived a few seconds: not its chunks / 60.
+    const w = run.workers[0]!;
+    expect(w.chunks).toBeGreaterThan(5);
+    expect(elapsedS).toBeLessThan(30);
+    expect(w.rate * elapsedS).toBeGreaterThanOrEqual(w.chunks * 0.5);
+    const human = await runCli([...FIXTURE_DIRS, 'status', 'counted', '--key', 'status-holder'], { url });
+    expect(human.stdout).toMatch(new RegExp(`held by\\s+${live}`));
+    second.child.kill('SIGKILL');
+    await second.done;
+  });
+});
