@@ -528,7 +528,8 @@ export class Runner {
         runId: String(r.id),
         state,
         attempt: r.attempt,
-        holder: state === 'running' ? r.holder : null,
+        // The run row names the worker that started this attempt; once it is gone, name one still there.
+        holder: state === 'running' ? holderOf(r.holder, workersByRun.get(String(r.id)) ?? []) : null,
         chunksDone: r.chunks_done,
         chunksPlanned: r.chunks_planned,
         fullyPlanned: r.fully_planned,
@@ -555,19 +556,22 @@ export class Runner {
    */
   async #workers(runId: string, attempt: number): Promise<RunWorker[]> {
     const key = lockKey(this.runLockName(runId));
-    const { rows } = await sql<{ worker: string; chunks: number; last_minute: number }>`
+    const { rows } = await sql<{ worker: string; chunks: number; last_minute: number; seconds: number }>`
       with live as (
-        select distinct substr(a.application_name, length('idem-lock ') + 1) as worker
+        select substr(a.application_name, length('idem-lock ') + 1) as worker, min(a.backend_start) as since
         from pg_locks l join pg_stat_activity a on a.pid = l.pid
         where l.locktype = 'advisory' and l.granted and l.objsubid = 1
           and l.database = (select oid from pg_database where datname = current_database())
           and ((l.classid::bigint << 32) | l.objid::bigint) = ${key}::bigint and a.application_name like 'idem-lock %'
+        group by 1
       )
       select live.worker,
         (select count(*) from ${sql.id(this.schema, 'chunks')} c where c.run_id = ${runId} and c.done_attempt = ${attempt} and c.done_by = live.worker)::int as chunks,
-        (select count(*) from ${sql.id(this.schema, 'chunks')} c where c.run_id = ${runId} and c.done_by = live.worker and c.done_at > now() - interval '60 seconds')::int as last_minute
+        (select count(*) from ${sql.id(this.schema, 'chunks')} c where c.run_id = ${runId} and c.done_by = live.worker and c.done_at > now() - interval '60 seconds')::int as last_minute,
+        -- A worker younger than a minute is rated over its own lifetime, not over 60 s.
+        least(60, greatest(1, extract(epoch from now() - live.since)))::float8 as seconds
       from live order by live.worker`.execute(this.db);
-    return rows.map((r) => ({ worker: r.worker, chunks: r.chunks, rate: Math.round((r.last_minute / 60) * 100) / 100 }));
+    return rows.map((r) => ({ worker: r.worker, chunks: r.chunks, rate: Math.round((r.last_minute / r.seconds) * 100) / 100 }));
   }
 
   /** The session advisory locks held in this database right now. */
@@ -632,4 +636,10 @@ function checkFingerprint(job: string, runKey: string, run: RunRow, fp: string):
 
 function alreadyDone(run: RunRow): RunOutcome {
   return { status: 'already-succeeded', job: run.job, runKey: run.run_key, runId: run.id, attempt: run.attempt, summary: run.summary, executed: 0 };
+}
+
+/** The run row's holder while it is among the live workers, else the first live worker (none: the row's). */
+function holderOf(holder: string | null, workers: readonly RunWorker[]): string | null {
+  if (workers.length === 0 || workers.some((w) => w.worker === holder)) return holder;
+  return workers[0]!.worker;
 }
