@@ -106,3 +106,23 @@ describe('idem status of a shared run', () => {
     await second.done;
   });
 });
+
+describe('operating a shared run', () => {
+  it('idem pause reaches every worker: each exits 75, none goes on committing into the paused run', async () => {
+    const workers: CliProcess[] = Array.from({ length: 3 }, () => join('pause-all', 400, 60, ['--concurrency', '2']));
+    await waitFor(async () => ((await sessions(url, 'idem-lock')) === 3 && (await doneCount('pause-all')) >= 10 ? true : undefined), 'three workers on the run', { timeoutMs: 60_000 });
+    const paused = await runCli([...FIXTURE_DIRS, 'pause', 'counted', '--key', 'pause-all'], { url });
+    expect(paused.code).toBe(0);
+    const results = await Promise.all(workers.map((w) => w.done));
+    expect(results.map((r) => r.code)).toEqual([75, 75, 75]);
+    const [row] = await query<{ status: string }>(url, `select status from idem.runs where run_key = 'pause-all'`);
+    expect(row?.status).toBe('paused');
+    expect(await doneCount('pause-all')).toBeLessThan(400);
+    const resumed = await runCli([...FIXTURE_DIRS, 'resume', 'counted', '--key', 'pause-all'], { url });
+    expect(resumed.code).toBe(0);
+    const rest = await Promise.all([join('pause-all', 400, 0), join('pause-all', 400, 0)].map((w) => w.done));
+    expect(rest.map((r) => r.code)).toEqual([0, 0]);
+    expect(await query(url, `select chunk_key from work_log where run_key = 'pause-all' and step = 'work' group by chunk_key having count(*) <> 1`)).toEqual([]);
+    expect(await query(url, `select count(distinct chunk_key)::int as n from work_log where run_key = 'pause-all' and step = 'work'`)).toEqual([{ n: 400 }]);
+  });
+});
