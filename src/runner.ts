@@ -371,6 +371,13 @@ export class Runner {
           }
           // Another worker on this run failed it: this one stops too, and records nothing.
           else if (status === 'failed') control.abort(new FailedElsewhere(error?.message ?? 'unknown error'));
+          // Another worker already ended this attempt for an operator's request (and cleared it):
+          // this one stops too, and ends by the run's state (paused, cancelled, or interrupted when
+          // the pause was withdrawn), as if it had seen the request itself.
+          else if (status === 'paused' || status === 'cancelled' || status === 'interrupted') {
+            log.warn({ status }, `the run was ${status} in another worker; no new chunk starts, in-flight chunks finish`);
+            control.abort(new ControlRequest(status === 'cancelled' ? 'cancel' : 'pause'));
+          }
         },
         () => {},
       );

@@ -120,7 +120,7 @@ describe('operating a shared run', () => {
     expect(await doneCount('pause-all')).toBeLessThan(400);
     const resumed = await runCli([...FIXTURE_DIRS, 'resume', 'counted', '--key', 'pause-all'], { url });
     expect(resumed.code).toBe(0);
-    const rest = await Promise.all([join('pause-all', 400, 0), join('pause-all', 400, 0)].map((w) => w.done));
+    const rest = await Promise.all([join('pause-all', 400, 60, ['--concurrency', '4']), join('pause-all', 400, 60, ['--concurrency', '4'])].map((w) => w.done));
     expect(rest.map((r) => r.code)).toEqual([0, 0]);
     expect(await query(url, `select chunk_key from work_log where run_key = 'pause-all' and step = 'work' group by chunk_key having count(*) <> 1`)).toEqual([]);
     expect(await query(url, `select count(distinct chunk_key)::int as n from work_log where run_key = 'pause-all' and step = 'work'`)).toEqual([{ n: 400 }]);
