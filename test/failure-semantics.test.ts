@@ -431,3 +431,44 @@ describe('the retryable codes', () => {
     }
   });
 });
+
+describe('--retry-skipped on a shared run', () => {
+  it('only the worker that starts the attempt makes skipped chunks pending again; a joiner does not undo the skips made since', async () => {
+    const job = defineJob({
+      name: 'skippy-rejoin',
+      steps: [
+        {
+          name: 'work',
+          maxFailedChunks: 2,
+          retry: { attempts: 1 },
+          chunks: () => ({ chunks: ['c0001', 'c0002', 'c0003'].map((key) => ({ key })), next: null }),
+          async run(ctx, chunk: { key: string }) {
+            if (chunk.key === 'c0003') return;
+            await sql`select pg_sleep(0.8)`.execute(ctx.db);
+            throw new Error(`injected failure in chunk ${chunk.key}`);
+          },
+        },
+      ],
+    });
+    const attempts = async () =>
+      Object.fromEntries(
+        (await query<{ key: string; attempts: number }>(db.url, `select c.key, c.attempts from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'skippy-rejoin' and c.skipped_at is not null order by c.key`)).map((r) => [r.key, r.attempts]),
+      );
+    expect((await runner.run(job, { key: 'rejoin' })).summary).toMatchObject({ skipped: 2 });
+    expect(await attempts()).toEqual({ c0001: 1, c0002: 1 });
+    const second = await Runner.connect({ connectionString: db.url });
+    try {
+      const first = runner.run(job, { key: 'rejoin', join: true, retrySkipped: true });
+      // Join once the first worker has tried c0001 again and skipped it (while it works on c0002).
+      await waitFor(async () => ((await attempts()).c0001 === 2 ? true : undefined), 'c0001 skipped again');
+      const joined = second.run(job, { key: 'rejoin', join: true, retrySkipped: true });
+      const [a, b] = await Promise.all([first, joined]);
+      expect(a.summary).toMatchObject({ skipped: 2 });
+      expect(b.summary).toMatchObject({ skipped: 2 });
+      // Each skipped chunk was retried once by this attempt, not once more per joining worker.
+      expect(await attempts()).toEqual({ c0001: 2, c0002: 2 });
+    } finally {
+      await second.close();
+    }
+  });
+});
