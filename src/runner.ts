@@ -386,7 +386,9 @@ export class Runner {
     const abort = AbortSignal.any([lock.lost, ...(opts.abortSignal ? [opts.abortSignal] : [])]);
     try {
       if (!joined) await retrying(() => recordCodeFingerprint(this.db, this.schema, current, job, attempt));
-      if (opts.retrySkipped) {
+      // The worker that starts the attempt makes skipped chunks pending again; one joining it does
+      // not, or it would undo the skips this attempt has made since (every joiner retrying them).
+      if (opts.retrySkipped && !joined) {
         const n = await this.store.resetSkipped(runId, attempt);
         if (n > 0) log.info({ chunks: n }, 'retrying skipped chunks');
       }
