@@ -1,6 +1,6 @@
 import os from 'node:os';
 import { beforeAll, describe, expect, it } from 'vitest';
-import { FIXTURE_DIRS, query, runCli, sessions, spawnCli, waitFor, type CliProcess } from './support/cli.ts';
+import { FIXTURE_DIRS, holdGate, query, runCli, sessions, spawnCli, waitFor, type CliProcess } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 // Issue 9: many worker processes share one run (`idem run --join`).
@@ -124,5 +124,31 @@ describe('operating a shared run', () => {
     expect(rest.map((r) => r.code)).toEqual([0, 0]);
     expect(await query(url, `select chunk_key from work_log where run_key = 'pause-all' and step = 'work' group by chunk_key having count(*) <> 1`)).toEqual([]);
     expect(await query(url, `select count(distinct chunk_key)::int as n from work_log where run_key = 'pause-all' and step = 'work'`)).toEqual([{ n: 400 }]);
+  });
+});
+
+describe('every worker stopped at once', () => {
+  it('SIGTERM to all workers together (a deploy, a scale-down) records the run interrupted, not left running without a holder', async () => {
+    for (let round = 0; round < 3; round++) {
+      const key = `all-term-${round}`;
+      const gate = await holdGate(url, key);
+      const p = JSON.stringify({ chunks: 200, pauseMs: 0, label: 'x', gate: key });
+      const workers = Array.from({ length: 3 }, () =>
+        spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', p, '--key', key, '--join', '--concurrency', '2'], { url, timeoutMs: 60_000 }),
+      );
+      try {
+        // Every worker is in, its chunks held at the gate; they all end their chunks at one instant.
+        await waitFor(async () => ((await sessions(url, 'idem-lock')) === 3 ? true : undefined), 'three workers on the run');
+        await waitFor(async () => ((await query(url, `select 1 from pg_stat_activity where application_name = 'idem' and wait_event_type = 'Lock'`)).length === 6 ? true : undefined), 'six chunks at the gate');
+        for (const w of workers) w.child.kill('SIGTERM');
+        await new Promise((r) => setTimeout(r, 300));
+      } finally {
+        await gate.release();
+      }
+      const results = await Promise.all(workers.map((w) => w.done));
+      expect(results.map((r) => r.code)).toEqual([143, 143, 143]);
+      const [row] = await query<{ status: string }>(url, `select status from idem.runs where run_key = $1`, [key]);
+      expect(row?.status, `round ${round}`).toBe('interrupted');
+    }
   });
 });
