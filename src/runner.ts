@@ -462,12 +462,14 @@ export class Runner {
     }
     if (err instanceof InterruptedError) {
       // One worker stopping stops only itself while others still share the run.
-      const others = await lock.otherWorkers().catch(() => 0);
-      if (others > 0) {
+      // Decided under the entry gate: workers stopped together (a deploy) leave one after the
+      // other, so the last of them records the run interrupted instead of each counting the others.
+      const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => null);
+      if (others !== null && others > 0) {
         log.warn({ signal: err.signal, otherWorkers: others }, 'worker stopped; the run goes on in the other workers');
         return err;
       }
-      await this.store.endRun(runId, attempt, 'interrupted', null).catch(() => {});
+      if (others === null) await this.store.endRun(runId, attempt, 'interrupted', null).catch(() => {});
       log.warn({ signal: err.signal }, 'run interrupted; rerun to resume');
       return err;
     }

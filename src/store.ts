@@ -448,6 +448,12 @@ export class Store {
     return rows[0]?.summary ?? null;
   }
 
+  /** The statement of `endRun(runId, attempt, 'interrupted', null)`, for the lock's session. */
+  interruptRunSql(runId: string, attempt: number): CompiledSql {
+    return sql`update ${this.#runs} set status = 'interrupted', updated_at = now(), holder = null, requested = null, error = null
+      where id = ${runId} and attempt = ${attempt}`.compile(this.#db);
+  }
+
   /** Records how the run ended when it did not succeed (failed or interrupted). */
   async endRun(runId: string, attempt: number, status: 'failed' | 'interrupted' | 'paused' | 'cancelled', error: RunErrorInfo | null): Promise<void> {
     await this.#run(sql`update ${this.#runs} set status = ${status}, updated_at = now(), holder = null, requested = null,
