@@ -68,6 +68,10 @@ describe('idem run --join', () => {
     const stopped = await workers[0]!.done;
     expect(stopped.code).toBe(143);
     expect(stopped.stderr).toContain('the run goes on in the other workers');
+    // Its last line says the run goes on elsewhere, not that the user must rerun to resume it.
+    const last = stopped.stderr.trim().split('\n').at(-1)!;
+    expect(last).toMatch(/^idem: .*SIGTERM.*the run goes on in 2 other workers/);
+    expect(last).not.toMatch(/run the same command again to resume/);
     workers[1]!.child.kill('SIGKILL');
     const results = await Promise.all(workers.slice(1).map((w) => w.done));
     expect(results[0]!.signal).toBe('SIGKILL');
