@@ -467,7 +467,10 @@ export class Runner {
       const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => null);
       if (others !== null && others > 0) {
         log.warn({ signal: err.signal, otherWorkers: others }, 'worker stopped; the run goes on in the other workers');
-        return err;
+        return new InterruptedError(
+          err.signal,
+          `this worker stopped on ${err.signal} (its in-flight chunks finished); the run goes on in ${others} other ${others === 1 ? 'worker' : 'workers'}: idem status ${job.name} --key ${runKey} shows them`,
+        );
       }
       if (others === null) await this.store.endRun(runId, attempt, 'interrupted', null).catch(() => {});
       log.warn({ signal: err.signal }, 'run interrupted; rerun to resume');
