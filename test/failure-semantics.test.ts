@@ -477,3 +477,40 @@ describe('--retry-skipped on a shared run', () => {
     }
   });
 });
+
+describe('a chunk that fails for good in one of the workers sharing a run', () => {
+  it('the first failure stays the recorded one; a worker that hits the same chunk after it reports the run failed elsewhere and records nothing more', async () => {
+    const job = defineJob({
+      name: 'shared-fail',
+      steps: [
+        {
+          name: 'work',
+          retry: { attempts: 1 },
+          chunks: () => ({ chunks: ['c0001', 'c0002', 'c0003'].map((key) => ({ key })), next: null }),
+          async run(ctx, chunk: { key: string }) {
+            if (chunk.key !== 'c0001') return;
+            await sql`select pg_sleep(0.8)`.execute(ctx.db);
+            throw new Error(`injected failure in chunk ${chunk.key}`);
+          },
+        },
+      ],
+    });
+    const second = await Runner.connect({ connectionString: db.url });
+    try {
+      const first = runner.run(job, { key: 'shared-fail', join: true }).then(() => null, (e: unknown) => e);
+      await waitFor(async () => (await query(db.url, `select 1 from idem.runs where job = 'shared-fail' and status = 'running'`)).length > 0, 'the first worker to start the run');
+      // The joiner finds c0002 and c0003, then waits on c0001's row lock and claims it after its rollback.
+      const joined = second.run(job, { key: 'shared-fail', join: true, controlPollMs: 60_000 }).then(() => null, (e: unknown) => e);
+      const firstErr = await first;
+      expect(firstErr).toBeInstanceOf(RunFailedError);
+      const recorded = (await runRow(db.url, 'shared-fail', 'shared-fail')).error;
+      expect(recorded).toMatchObject({ chunk: 'c0001', tries: 1 });
+      const joinedErr = await joined;
+      expect(joinedErr).toBeInstanceOf(RunFailedError);
+      expect((joinedErr as Error).message).toMatch(/failed in another process sharing the run/);
+      expect((await runRow(db.url, 'shared-fail', 'shared-fail')).error).toEqual(recorded);
+    } finally {
+      await second.close();
+    }
+  });
+});
