@@ -478,8 +478,8 @@ export class Runner {
     }
     const failure = err instanceof ChunkFailure ? err : new ChunkFailure('(runner)', null, 1, err);
     const cause = failure.cause as { code?: string } | undefined;
-    await this.store
-      .endRun(runId, attempt, 'failed', {
+    const earlier = await this.store
+      .failRun(runId, attempt, {
         step: failure.step,
         chunk: failure.chunk,
         tries: failure.tries,
@@ -487,7 +487,10 @@ export class Runner {
         ...(typeof cause?.code === 'string' ? { code: cause.code } : {}),
         at: new Date().toISOString(),
       })
-      .catch(() => {});
+      .catch(() => null);
+    // Another worker of this attempt failed the run first (often on this very chunk, which this
+    // one claimed after that worker's try rolled back): its record stands, and this one says so.
+    if (earlier) return this.#recordEnd(runId, attempt, job, runKey, new FailedElsewhere(earlier.message), log, lock);
     const where = failure.chunk === null ? `step "${failure.step}"` : `step "${failure.step}", chunk ${failure.chunk}`;
     log.error({ step: failure.step, chunk: failure.chunk, tries: failure.tries, err: { message: failure.message, code: cause?.code } }, 'run failed');
     return new RunFailedError(

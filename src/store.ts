@@ -461,6 +461,22 @@ export class Store {
         finished_at = case when ${status} = 'cancelled' then now() else finished_at end
       where id = ${runId} and attempt = ${attempt}`);
   }
+
+  /**
+   * Records the attempt failed unless another worker of it already did (the first failure stays
+   * the recorded one). Returns the error already recorded in that case, else null.
+   */
+  async failRun(runId: string, attempt: number, error: RunErrorInfo): Promise<RunErrorInfo | null> {
+    const { rows } = await this.#run(sql`update ${this.#runs} set status = 'failed', updated_at = now(), holder = null, requested = null, error = ${JSON.stringify(error)}::jsonb
+      where id = ${runId} and attempt = ${attempt} and status <> 'failed' returning 1`);
+    if (rows.length > 0) return null;
+    // Not written: read what the other worker recorded (in a statement of its own, which sees it
+    // even when the two updates met on the row lock).
+    const { rows: [earlier] } = await this.#run(sql<{ error: RunErrorInfo | null }>`select error from ${this.#runs}
+      where id = ${runId} and attempt = ${attempt} and status = 'failed'`);
+    return earlier?.error ?? null;
+  }
+
 }
 
 /** pg returns int8 as text; the run id stays a string, counters become numbers. */
