@@ -67,6 +67,14 @@ export interface HeldLock {
   /** Worker mode: how many other processes hold the run's lock now (0 outside worker mode). */
   otherWorkers(): Promise<number>;
   /**
+   * Worker mode: leaves the run under the entry gate, so that workers stopping at the same moment
+   * decide one after the other. With other workers still on the run it lets go of this process's
+   * locks at once (the next to leave no longer counts it) and returns their number; as the last
+   * one it runs `ifLast` on the lock's session inside the gate (a joiner entering after it sees
+   * what it wrote) and returns 0. Outside worker mode it runs nothing and returns null.
+   */
+  leave(ifLast: CompiledSql): Promise<number | null>;
+  /**
    * Checks the lock now instead of at the next periodic check; resolves either way, with `lost`
    * aborted if the session is gone. For an error that may be a symptom of losing the lock.
    */
@@ -220,10 +228,27 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
       );
       return rows[0]!.n;
     };
+    const gateKey = lockKey(`${opts.name}:gate`);
+    const leave = async (ifLast: CompiledSql): Promise<number | null> => {
+      if (!runKey) return null;
+      await query('begin', []);
+      try {
+        await query('select pg_advisory_xact_lock($1::bigint)', [gateKey]);
+        const rows = await query<{ n: number }>(`select ${OTHER_HOLDERS('$1')}::int as n`, [runKey]);
+        const others = rows[0]!.n;
+        if (others > 0) await query('select pg_advisory_unlock_shared($1::bigint), pg_advisory_unlock_shared($2::bigint)', [runKey, key]);
+        else await query(ifLast.sql, [...ifLast.parameters]);
+        await query('commit', []);
+        return others;
+      } catch (err) {
+        await query('rollback', []).catch(() => {});
+        throw err;
+      }
+    };
     const confirm = async () => {
       if (!lostController.signal.aborted) await check();
     };
-    return { name: opts.name, key, pid, firstWorker, entry, lost: lostController.signal, query, otherWorkers, confirm, release };
+    return { name: opts.name, key, pid, firstWorker, entry, lost: lostController.signal, query, otherWorkers, leave, confirm, release };
   } catch (err) {
     await release();
     throw err;

@@ -72,11 +72,11 @@ export class RunFailedError extends IdemError {
 /** The run was stopped by a signal after in-flight chunks finished or rolled back. */
 export class InterruptedError extends IdemError {
   readonly signal: 'SIGINT' | 'SIGTERM';
-  constructor(signal: 'SIGINT' | 'SIGTERM') {
+  constructor(signal: 'SIGINT' | 'SIGTERM', message?: string) {
     super(
       'idem.interrupted',
       signal === 'SIGINT' ? ExitCode.Sigint : ExitCode.Sigterm,
-      `interrupted by ${signal}; finished chunks are kept, run the same command again to resume`,
+      message ?? `interrupted by ${signal}; finished chunks are kept, run the same command again to resume`,
     );
     this.signal = signal;
   }

@@ -266,15 +266,19 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
           tries.delete(chunk.seq);
           await store.recordChunkFailure(run.runId, step.name, chunk.key, n, messageOf(err)).catch(() => {});
           const failed = new ChunkFailure(step.name, step.chunks ? chunk.key : null, n, err);
-          if (skipped < maxSkips && !opts.stop.aborted) {
-            skipped++;
-            if (!(await store.skipChunk(run.runId, run.attempt, step.name, chunk.key, failed.message))) {
+          if (maxSkips > 0 && !opts.stop.aborted) {
+            const skip = await store.skipChunk(run.runId, run.attempt, step.name, chunk.key, failed.message, maxSkips);
+            if (skip.kind === 'fenced') {
               failure ??= new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off while skipping chunk ${chunk.key}`);
               return;
             }
-            log.warn({ chunk: chunk.key, tries: n, skipped, maxFailedChunks: maxSkips, err: { message: failed.message } }, 'chunk failed for good; skipped under the step policy');
-            retrySeq = null;
-            continue;
+            if (skip.kind !== 'over') {
+              skipped = skip.skipped;
+              if (skip.kind === 'skipped') log.warn({ chunk: chunk.key, tries: n, skipped, maxFailedChunks: maxSkips, err: { message: failed.message } }, 'chunk failed for good; skipped under the step policy');
+              else log.info({ chunk: chunk.key, tries: n, err: { message: failed.message } }, 'chunk failed again after another slot or worker had settled it');
+              retrySeq = null;
+              continue;
+            }
           }
           failure ??= failed;
           return;

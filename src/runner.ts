@@ -371,6 +371,13 @@ export class Runner {
           }
           // Another worker on this run failed it: this one stops too, and records nothing.
           else if (status === 'failed') control.abort(new FailedElsewhere(error?.message ?? 'unknown error'));
+          // Another worker already ended this attempt for an operator's request (and cleared it):
+          // this one stops too, and ends by the run's state (paused, cancelled, or interrupted when
+          // the pause was withdrawn), as if it had seen the request itself.
+          else if (status === 'paused' || status === 'cancelled' || status === 'interrupted') {
+            log.warn({ status }, `the run was ${status} in another worker; no new chunk starts, in-flight chunks finish`);
+            control.abort(new ControlRequest(status === 'cancelled' ? 'cancel' : 'pause'));
+          }
         },
         () => {},
       );
@@ -379,7 +386,9 @@ export class Runner {
     const abort = AbortSignal.any([lock.lost, ...(opts.abortSignal ? [opts.abortSignal] : [])]);
     try {
       if (!joined) await retrying(() => recordCodeFingerprint(this.db, this.schema, current, job, attempt));
-      if (opts.retrySkipped) {
+      // The worker that starts the attempt makes skipped chunks pending again; one joining it does
+      // not, or it would undo the skips this attempt has made since (every joiner retrying them).
+      if (opts.retrySkipped && !joined) {
         const n = await this.store.resetSkipped(runId, attempt);
         if (n > 0) log.info({ chunks: n }, 'retrying skipped chunks');
       }
@@ -453,19 +462,24 @@ export class Runner {
     }
     if (err instanceof InterruptedError) {
       // One worker stopping stops only itself while others still share the run.
-      const others = await lock.otherWorkers().catch(() => 0);
-      if (others > 0) {
+      // Decided under the entry gate: workers stopped together (a deploy) leave one after the
+      // other, so the last of them records the run interrupted instead of each counting the others.
+      const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => null);
+      if (others !== null && others > 0) {
         log.warn({ signal: err.signal, otherWorkers: others }, 'worker stopped; the run goes on in the other workers');
-        return err;
+        return new InterruptedError(
+          err.signal,
+          `this worker stopped on ${err.signal} (its in-flight chunks finished); the run goes on in ${others} other ${others === 1 ? 'worker' : 'workers'}: idem status ${job.name} --key ${runKey} shows them`,
+        );
       }
-      await this.store.endRun(runId, attempt, 'interrupted', null).catch(() => {});
+      if (others === null) await this.store.endRun(runId, attempt, 'interrupted', null).catch(() => {});
       log.warn({ signal: err.signal }, 'run interrupted; rerun to resume');
       return err;
     }
     const failure = err instanceof ChunkFailure ? err : new ChunkFailure('(runner)', null, 1, err);
     const cause = failure.cause as { code?: string } | undefined;
-    await this.store
-      .endRun(runId, attempt, 'failed', {
+    const earlier = await this.store
+      .failRun(runId, attempt, {
         step: failure.step,
         chunk: failure.chunk,
         tries: failure.tries,
@@ -473,7 +487,10 @@ export class Runner {
         ...(typeof cause?.code === 'string' ? { code: cause.code } : {}),
         at: new Date().toISOString(),
       })
-      .catch(() => {});
+      .catch(() => null);
+    // Another worker of this attempt failed the run first (often on this very chunk, which this
+    // one claimed after that worker's try rolled back): its record stands, and this one says so.
+    if (earlier) return this.#recordEnd(runId, attempt, job, runKey, new FailedElsewhere(earlier.message), log, lock);
     const where = failure.chunk === null ? `step "${failure.step}"` : `step "${failure.step}", chunk ${failure.chunk}`;
     log.error({ step: failure.step, chunk: failure.chunk, tries: failure.tries, err: { message: failure.message, code: cause?.code } }, 'run failed');
     return new RunFailedError(
@@ -528,7 +545,8 @@ export class Runner {
         runId: String(r.id),
         state,
         attempt: r.attempt,
-        holder: state === 'running' ? r.holder : null,
+        // The run row names the worker that started this attempt; once it is gone, name one still there.
+        holder: state === 'running' ? holderOf(r.holder, workersByRun.get(String(r.id)) ?? []) : null,
         chunksDone: r.chunks_done,
         chunksPlanned: r.chunks_planned,
         fullyPlanned: r.fully_planned,
@@ -555,19 +573,22 @@ export class Runner {
    */
   async #workers(runId: string, attempt: number): Promise<RunWorker[]> {
     const key = lockKey(this.runLockName(runId));
-    const { rows } = await sql<{ worker: string; chunks: number; last_minute: number }>`
+    const { rows } = await sql<{ worker: string; chunks: number; last_minute: number; seconds: number }>`
       with live as (
-        select distinct substr(a.application_name, length('idem-lock ') + 1) as worker
+        select substr(a.application_name, length('idem-lock ') + 1) as worker, min(a.backend_start) as since
         from pg_locks l join pg_stat_activity a on a.pid = l.pid
         where l.locktype = 'advisory' and l.granted and l.objsubid = 1
           and l.database = (select oid from pg_database where datname = current_database())
           and ((l.classid::bigint << 32) | l.objid::bigint) = ${key}::bigint and a.application_name like 'idem-lock %'
+        group by 1
       )
       select live.worker,
         (select count(*) from ${sql.id(this.schema, 'chunks')} c where c.run_id = ${runId} and c.done_attempt = ${attempt} and c.done_by = live.worker)::int as chunks,
-        (select count(*) from ${sql.id(this.schema, 'chunks')} c where c.run_id = ${runId} and c.done_by = live.worker and c.done_at > now() - interval '60 seconds')::int as last_minute
+        (select count(*) from ${sql.id(this.schema, 'chunks')} c where c.run_id = ${runId} and c.done_by = live.worker and c.done_at > now() - interval '60 seconds')::int as last_minute,
+        -- A worker younger than a minute is rated over its own lifetime, not over 60 s.
+        least(60, greatest(1, extract(epoch from now() - live.since)))::float8 as seconds
       from live order by live.worker`.execute(this.db);
-    return rows.map((r) => ({ worker: r.worker, chunks: r.chunks, rate: Math.round((r.last_minute / 60) * 100) / 100 }));
+    return rows.map((r) => ({ worker: r.worker, chunks: r.chunks, rate: Math.round((r.last_minute / r.seconds) * 100) / 100 }));
   }
 
   /** The session advisory locks held in this database right now. */
@@ -632,4 +653,10 @@ function checkFingerprint(job: string, runKey: string, run: RunRow, fp: string):
 
 function alreadyDone(run: RunRow): RunOutcome {
   return { status: 'already-succeeded', job: run.job, runKey: run.run_key, runId: run.id, attempt: run.attempt, summary: run.summary, executed: 0 };
+}
+
+/** The run row's holder while it is among the live workers, else the first live worker (none: the row's). */
+function holderOf(holder: string | null, workers: readonly RunWorker[]): string | null {
+  if (workers.length === 0 || workers.some((w) => w.worker === holder)) return holder;
+  return workers[0]!.worker;
 }

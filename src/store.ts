@@ -318,16 +318,33 @@ export class Store {
   }
 
   /**
-   * Records a chunk that failed for good as skipped (the step's skip policy allows it); fenced.
-   * Returns false when an older attempt tries it.
+   * Records a chunk that failed for good as skipped, if the step's skip budget (`max`, counted over
+   * the whole run, every worker and slot) allows it; fenced. The step row is locked so two workers
+   * skipping at once cannot both take the last place, and a chunk already skipped (another slot or
+   * worker claimed it again between its rollback and its skip) is not counted a second time.
+   * `skipped` is the step's count of skipped chunks afterwards.
    */
-  async skipChunk(runId: string, attempt: number, step: string, key: string, message: string): Promise<boolean> {
+  async skipChunk(runId: string, attempt: number, step: string, key: string, message: string, max: number): Promise<{ readonly kind: 'skipped' | 'already' | 'over' | 'fenced'; readonly skipped: number }> {
     // The tries were counted already, by recordChunkFailure when the chunk failed for good.
-    const { rows } = await this.#run(sql`update ${this.#chunks} set skipped_at = now(), error = ${message}
-      where run_id = ${runId} and step = ${step} and key = ${key} and done_at is null
-        and exists (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt} for share)
-      returning 1`);
-    return rows.length === 1;
+    return retrying(() =>
+      this.#db.transaction().execute(async (trx) => {
+        const { rows: [row] } = await sql<{ current: boolean }>`
+          select r.attempt = ${attempt} as current
+          from ${this.#runs} r join ${this.#steps} s on s.run_id = r.id
+          where r.id = ${runId} and s.name = ${step}
+          for share of r for update of s`.execute(trx);
+        if (!row || !row.current) return { kind: 'fenced' as const, skipped: 0 };
+        const { rows: [c] } = await sql<{ skipped: number; settled: boolean }>`
+          select count(skipped_at)::int as skipped,
+            coalesce(bool_or(key = ${key} and (skipped_at is not null or done_at is not null)), false) as settled
+          from ${this.#chunks} where run_id = ${runId} and step = ${step}`.execute(trx);
+        if (c!.settled) return { kind: 'already' as const, skipped: c!.skipped };
+        if (c!.skipped >= max) return { kind: 'over' as const, skipped: c!.skipped };
+        await sql`update ${this.#chunks} set skipped_at = now(), error = ${message}
+          where run_id = ${runId} and step = ${step} and key = ${key} and done_at is null and skipped_at is null`.execute(trx);
+        return { kind: 'skipped' as const, skipped: c!.skipped + 1 };
+      }),
+    );
   }
 
   /** How many of a step's chunks are done and skipped (progress at a step's start). */
@@ -431,6 +448,12 @@ export class Store {
     return rows[0]?.summary ?? null;
   }
 
+  /** The statement of `endRun(runId, attempt, 'interrupted', null)`, for the lock's session. */
+  interruptRunSql(runId: string, attempt: number): CompiledSql {
+    return sql`update ${this.#runs} set status = 'interrupted', updated_at = now(), holder = null, requested = null, error = null
+      where id = ${runId} and attempt = ${attempt}`.compile(this.#db);
+  }
+
   /** Records how the run ended when it did not succeed (failed or interrupted). */
   async endRun(runId: string, attempt: number, status: 'failed' | 'interrupted' | 'paused' | 'cancelled', error: RunErrorInfo | null): Promise<void> {
     await this.#run(sql`update ${this.#runs} set status = ${status}, updated_at = now(), holder = null, requested = null,
@@ -438,6 +461,22 @@ export class Store {
         finished_at = case when ${status} = 'cancelled' then now() else finished_at end
       where id = ${runId} and attempt = ${attempt}`);
   }
+
+  /**
+   * Records the attempt failed unless another worker of it already did (the first failure stays
+   * the recorded one). Returns the error already recorded in that case, else null.
+   */
+  async failRun(runId: string, attempt: number, error: RunErrorInfo): Promise<RunErrorInfo | null> {
+    const { rows } = await this.#run(sql`update ${this.#runs} set status = 'failed', updated_at = now(), holder = null, requested = null, error = ${JSON.stringify(error)}::jsonb
+      where id = ${runId} and attempt = ${attempt} and status <> 'failed' returning 1`);
+    if (rows.length > 0) return null;
+    // Not written: read what the other worker recorded (in a statement of its own, which sees it
+    // even when the two updates met on the row lock).
+    const { rows: [earlier] } = await this.#run(sql<{ error: RunErrorInfo | null }>`select error from ${this.#runs}
+      where id = ${runId} and attempt = ${attempt} and status = 'failed'`);
+    return earlier?.error ?? null;
+  }
+
 }
 
 /** pg returns int8 as text; the run id stays a string, counters become numbers. */

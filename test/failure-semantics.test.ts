@@ -125,6 +125,62 @@ describe('skip policy', () => {
     expect([...counts.values()].every((n) => n === 1)).toBe(true);
   });
 
+  // A chunk that fails slowly: another slot (or worker) that finds nothing free waits on its row lock
+  // and claims it the moment it rolls back, before its failure is recorded as skipped.
+  const slowSkippy = (name: string, keys: string[], failing: string[], maxFailedChunks: number) =>
+    defineJob({
+      name,
+      steps: [
+        {
+          name: 'work',
+          maxFailedChunks,
+          retry: { attempts: 1 },
+          chunks: () => ({ chunks: keys.map((key) => ({ key })), next: null }),
+          async run(ctx, chunk: { key: string }) {
+            await sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values (${name}, ${ctx.run.runKey}, 'work', ${chunk.key}, ${ctx.run.attempt}, 0)`.execute(ctx.db);
+            if (failing.includes(chunk.key)) {
+              await sql`select pg_sleep(0.4)`.execute(ctx.db);
+              throw new Error(`injected failure in chunk ${chunk.key}`);
+            }
+          },
+        },
+      ],
+    });
+
+  it('counts a failed chunk once against maxFailedChunks when another slot re-claims it (concurrency 2)', async () => {
+    const job = slowSkippy('skippy-slow', ['c0001', 'c0002'], ['c0002'], 1);
+    const out = await runner.run(job, { key: 'slow-skip', concurrency: 2 });
+    expect(out.status).toBe('succeeded');
+    expect(out.summary).toMatchObject({ chunks: 2, skipped: 1 });
+    const [status] = await runner.status('skippy-slow');
+    expect(status!.skipped.map((s) => s.key)).toEqual(['c0002']);
+  });
+
+  it('maxFailedChunks bounds the skipped chunks of the run, not of each worker sharing it', async () => {
+    const job = slowSkippy('skippy-shared', ['c0001', 'c0002', 'c0003', 'c0004'], ['c0001', 'c0002'], 1);
+    const second = await Runner.connect({ connectionString: db.url });
+    try {
+      const results = await Promise.allSettled([
+        runner.run(job, { key: 'shared-skip', join: true }),
+        (async () => {
+          await waitFor(async () => (await query(db.url, `select 1 from idem.runs where job = 'skippy-shared' and status = 'running'`)).length > 0, 'the first worker to start the run');
+          return second.run(job, { key: 'shared-skip', join: true });
+        })(),
+      ]);
+      const run = await runRow(db.url, 'skippy-shared', 'shared-skip');
+      const skipped = await query<{ n: number }>(
+        db.url,
+        `select count(*)::int as n from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'skippy-shared' and c.skipped_at is not null`,
+      );
+      // Two chunks failed for good with a budget of one: the run fails, and at most one is skipped.
+      expect(run.status).toBe('failed');
+      expect(skipped[0]!.n).toBeLessThanOrEqual(1);
+      expect(results.some((r) => r.status === 'rejected')).toBe(true);
+    } finally {
+      await second.close();
+    }
+  });
+
   it('fails the run when more chunks fail than the step allows', async () => {
     await query(db.url, `insert into fail_chunks values ('c0001', null, null), ('c0002', null, null), ('c0003', null, null)`);
     try {
@@ -372,6 +428,91 @@ describe('the retryable codes', () => {
       await expectConverged(key, 3);
     } finally {
       await query(db.url, `delete from fail_chunks`);
+    }
+  });
+});
+
+describe('--retry-skipped on a shared run', () => {
+  it('only the worker that starts the attempt makes skipped chunks pending again; a joiner does not undo the skips made since', async () => {
+    const job = defineJob({
+      name: 'skippy-rejoin',
+      steps: [
+        {
+          name: 'work',
+          maxFailedChunks: 2,
+          retry: { attempts: 1 },
+          chunks: () => ({ chunks: ['c0001', 'c0002', 'c0003'].map((key) => ({ key })), next: null }),
+          async run(ctx, chunk: { key: string }) {
+            if (chunk.key === 'c0003') return;
+            await sql`select pg_sleep(0.8)`.execute(ctx.db);
+            throw new Error(`injected failure in chunk ${chunk.key}`);
+          },
+        },
+      ],
+    });
+    const attempts = async () =>
+      Object.fromEntries(
+        (await query<{ key: string; attempts: number }>(db.url, `select c.key, c.attempts from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'skippy-rejoin' and c.skipped_at is not null order by c.key`)).map((r) => [r.key, r.attempts]),
+      );
+    expect((await runner.run(job, { key: 'rejoin' })).summary).toMatchObject({ skipped: 2 });
+    expect(await attempts()).toEqual({ c0001: 1, c0002: 1 });
+    const second = await Runner.connect({ connectionString: db.url });
+    try {
+      const first = runner.run(job, { key: 'rejoin', join: true, retrySkipped: true });
+      // Join once the first worker has tried c0001 again and skipped it (while it works on c0002).
+      await waitFor(async () => ((await attempts()).c0001 === 2 ? true : undefined), 'c0001 skipped again');
+      const joined = second.run(job, { key: 'rejoin', join: true, retrySkipped: true });
+      const [a, b] = await Promise.all([first, joined]);
+      expect(a.summary).toMatchObject({ skipped: 2 });
+      expect(b.summary).toMatchObject({ skipped: 2 });
+      // c0001, skipped again before the second worker joined, was not retried once more by it.
+      // (c0002 may be tried twice: the joiner, finding nothing free, waits on its row lock and
+      // claims it the moment its failed try rolls back, before the skip is recorded.)
+      const after = await attempts();
+      expect(after.c0001).toBe(2);
+      expect(after.c0002).toBeGreaterThanOrEqual(2);
+      expect(after.c0002).toBeLessThanOrEqual(3);
+    } finally {
+      await second.close();
+    }
+  });
+});
+
+describe('a chunk that fails for good in one of the workers sharing a run', () => {
+  it('the first failure stays the recorded one; a worker that hits the same chunk after it reports the run failed elsewhere and records nothing more', async () => {
+    const job = defineJob({
+      name: 'shared-fail',
+      steps: [
+        {
+          name: 'work',
+          retry: { attempts: 1 },
+          chunks: () => ({ chunks: ['c0001', 'c0002', 'c0003'].map((key) => ({ key })), next: null }),
+          async run(ctx, chunk: { key: string }) {
+            if (chunk.key !== 'c0001') return;
+            await sql`select pg_sleep(0.8)`.execute(ctx.db);
+            throw new Error(`injected failure in chunk ${chunk.key}`);
+          },
+        },
+      ],
+    });
+    const second = await Runner.connect({ connectionString: db.url });
+    try {
+      // Neither polls the run row during the test: what they do is what their own failures make them do.
+      const first = runner.run(job, { key: 'shared-fail', join: true, controlPollMs: 60_000 }).then(() => null, (e: unknown) => e);
+      await waitFor(async () => (await query(db.url, `select 1 from idem.runs where job = 'shared-fail' and status = 'running'`)).length > 0, 'the first worker to start the run');
+      // One worker takes c0001; the other finds c0002 and c0003, then waits on c0001's row lock and
+      // claims it the moment the failed try rolls back.
+      const joined = second.run(job, { key: 'shared-fail', join: true, controlPollMs: 60_000 }).then(() => null, (e: unknown) => e);
+      const recorded = await waitFor(async () => (await runRow(db.url, 'shared-fail', 'shared-fail')).error ?? undefined, 'the first failure recorded');
+      expect(recorded).toMatchObject({ chunk: 'c0001', tries: 1 });
+      const errors = (await Promise.all([first, joined])) as Error[];
+      expect(errors.every((e) => e instanceof RunFailedError)).toBe(true);
+      const elsewhere = errors.filter((e) => /failed in another process sharing the run/.test(e.message));
+      const own = errors.filter((e) => /failed in step "work", chunk c0001 after 1 try/.test(e.message));
+      expect([own.length, elsewhere.length]).toEqual([1, 1]);
+      expect((await runRow(db.url, 'shared-fail', 'shared-fail')).error).toEqual(recorded);
+    } finally {
+      await second.close();
     }
   });
 });

@@ -1,6 +1,6 @@
 import os from 'node:os';
 import { beforeAll, describe, expect, it } from 'vitest';
-import { FIXTURE_DIRS, query, runCli, sessions, spawnCli, waitFor, type CliProcess } from './support/cli.ts';
+import { FIXTURE_DIRS, holdGate, query, runCli, sessions, spawnCli, waitFor, type CliProcess } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 // Issue 9: many worker processes share one run (`idem run --join`).
@@ -68,10 +68,91 @@ describe('idem run --join', () => {
     const stopped = await workers[0]!.done;
     expect(stopped.code).toBe(143);
     expect(stopped.stderr).toContain('the run goes on in the other workers');
+    // Its last line says the run goes on elsewhere, not that the user must rerun to resume it.
+    const last = stopped.stderr.trim().split('\n').at(-1)!;
+    expect(last).toMatch(/^idem: .*SIGTERM.*the run goes on in 2 other workers/);
+    expect(last).not.toMatch(/run the same command again to resume/);
     workers[1]!.child.kill('SIGKILL');
     const results = await Promise.all(workers.slice(1).map((w) => w.done));
     expect(results[0]!.signal).toBe('SIGKILL');
     expect(results[1]!.code).toBe(0);
     await expectExactlyOnce('kill', 150);
+  });
+});
+
+describe('idem status of a shared run', () => {
+  it('names a live worker as the holder once the first one died, and rates each worker over its own time when younger than a minute', async () => {
+    const first = join('status-holder', 300, 40);
+    await waitFor(async () => ((await sessions(url, 'idem-lock')) === 1 && (await doneCount('status-holder')) >= 2 ? true : undefined), 'the first worker under way');
+    const second = join('status-holder', 300, 40);
+    const secondStarted = Date.now();
+    await waitFor(async () => ((await sessions(url, 'idem-lock')) === 2 ? true : undefined), 'the second worker joined');
+    first.child.kill('SIGKILL');
+    expect((await first.done).signal).toBe('SIGKILL');
+    await waitFor(async () => ((await sessions(url, 'idem-lock')) === 1 ? true : undefined), 'the killed worker gone');
+    await new Promise((r) => setTimeout(r, 2_000));
+    const status = await runCli([...FIXTURE_DIRS, 'status', 'counted', '--key', 'status-holder', '--json'], { url });
+    const run = JSON.parse(status.stdout) as { state: string; holder: string | null; workers: Array<{ worker: string; chunks: number; rate: number }> };
+    const elapsedS = (Date.now() - secondStarted) / 1000;
+    const live = `${os.hostname()}:${second.pid}`;
+    expect(run.state).toBe('running');
+    expect(run.workers.map((w) => w.worker)).toEqual([live]);
+    // The run row still names the first worker; status must not show a dead process as the holder.
+    expect(run.holder).toBe(live);
+    // Rate over the last minute, of a worker that has lived a few seconds: not its chunks / 60.
+    const w = run.workers[0]!;
+    expect(w.chunks).toBeGreaterThan(5);
+    expect(elapsedS).toBeLessThan(30);
+    expect(w.rate * elapsedS).toBeGreaterThanOrEqual(w.chunks * 0.5);
+    const human = await runCli([...FIXTURE_DIRS, 'status', 'counted', '--key', 'status-holder'], { url });
+    expect(human.stdout).toMatch(new RegExp(`held by\\s+${live}`));
+    second.child.kill('SIGKILL');
+    await second.done;
+  });
+});
+
+describe('operating a shared run', () => {
+  it('idem pause reaches every worker: each exits 75, none goes on committing into the paused run', async () => {
+    const workers: CliProcess[] = Array.from({ length: 3 }, () => join('pause-all', 400, 60, ['--concurrency', '2']));
+    await waitFor(async () => ((await sessions(url, 'idem-lock')) === 3 && (await doneCount('pause-all')) >= 10 ? true : undefined), 'three workers on the run', { timeoutMs: 60_000 });
+    const paused = await runCli([...FIXTURE_DIRS, 'pause', 'counted', '--key', 'pause-all'], { url });
+    expect(paused.code).toBe(0);
+    const results = await Promise.all(workers.map((w) => w.done));
+    expect(results.map((r) => r.code)).toEqual([75, 75, 75]);
+    const [row] = await query<{ status: string }>(url, `select status from idem.runs where run_key = 'pause-all'`);
+    expect(row?.status).toBe('paused');
+    expect(await doneCount('pause-all')).toBeLessThan(400);
+    const resumed = await runCli([...FIXTURE_DIRS, 'resume', 'counted', '--key', 'pause-all'], { url });
+    expect(resumed.code).toBe(0);
+    const rest = await Promise.all([join('pause-all', 400, 60, ['--concurrency', '4']), join('pause-all', 400, 60, ['--concurrency', '4'])].map((w) => w.done));
+    expect(rest.map((r) => r.code)).toEqual([0, 0]);
+    expect(await query(url, `select chunk_key from work_log where run_key = 'pause-all' and step = 'work' group by chunk_key having count(*) <> 1`)).toEqual([]);
+    expect(await query(url, `select count(distinct chunk_key)::int as n from work_log where run_key = 'pause-all' and step = 'work'`)).toEqual([{ n: 400 }]);
+  });
+});
+
+describe('every worker stopped at once', () => {
+  it('SIGTERM to all workers together (a deploy, a scale-down) records the run interrupted, not left running without a holder', async () => {
+    for (let round = 0; round < 3; round++) {
+      const key = `all-term-${round}`;
+      const gate = await holdGate(url, key);
+      const p = JSON.stringify({ chunks: 200, pauseMs: 0, label: 'x', gate: key });
+      const workers = Array.from({ length: 3 }, () =>
+        spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', p, '--key', key, '--join', '--concurrency', '2'], { url, timeoutMs: 60_000 }),
+      );
+      try {
+        // Every worker is in, its chunks held at the gate; they all end their chunks at one instant.
+        await waitFor(async () => ((await sessions(url, 'idem-lock')) === 3 ? true : undefined), 'three workers on the run');
+        await waitFor(async () => ((await query(url, `select 1 from pg_stat_activity where application_name = 'idem' and wait_event_type = 'Lock'`)).length === 6 ? true : undefined), 'six chunks at the gate');
+        for (const w of workers) w.child.kill('SIGTERM');
+        await new Promise((r) => setTimeout(r, 300));
+      } finally {
+        await gate.release();
+      }
+      const results = await Promise.all(workers.map((w) => w.done));
+      expect(results.map((r) => r.code)).toEqual([143, 143, 143]);
+      const [row] = await query<{ status: string }>(url, `select status from idem.runs where run_key = $1`, [key]);
+      expect(row?.status, `round ${round}`).toBe('interrupted');
+    }
   });
 });
