@@ -1,0 +1,135 @@
+import net from 'node:net';
+import { fileURLToPath } from 'node:url';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { ALL_TABLES, FIXTURE_JOBS, killLeftovers, query, runCli, runRow, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { useTestDatabase } from './support/database.ts';
+import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
+
+/**
+ * Hostile and edge-case requests found by trying `idem serve` from the outside: each must be one
+ * problem+json refusal naming the fix, with nothing written; none may be a 500.
+ */
+const ANY_JOBS = fileURLToPath(new URL('./fixtures/jobs-any', import.meta.url));
+const testDb = useTestDatabase({ fixtureTables: true, idemSchema: true });
+let url: string;
+let server: ServeProcess;
+const TABLES = [...ALL_TABLES, 'idem.api_requests'];
+
+beforeAll(async () => {
+  url = testDb.url;
+  server = await startServe(url, [], {}, ANY_JOBS);
+});
+
+afterAll(killLeftovers);
+
+function expectProblem(res: { status: number; headers: Headers; body: any; text: string }, status: number, code: string) {
+  expect(res.status, res.text).toBe(status);
+  expect(res.headers.get('content-type')).toMatch(/^application\/problem\+json/);
+  expect(res.body).toMatchObject({ type: `urn:idem:problem:${code}`, status });
+  expect(res.body.detail).toMatch(/;/);
+  expect(res.body.detail).not.toContain('\n');
+}
+
+/** One raw HTTP/1.1 exchange on a fresh socket: for requests fetch() refuses to send. */
+function rawHttp(base: string, text: string): Promise<{ status: number; headers: string; body: string }> {
+  const { port } = new URL(base);
+  return new Promise((resolve, reject) => {
+    const socket = net.connect(Number(port), '127.0.0.1');
+    let out = '';
+    socket.setEncoding('latin1');
+    socket.on('data', (d) => (out += d));
+    socket.on('error', reject);
+    socket.on('close', () => {
+      const [head = '', ...rest] = out.split('\r\n\r\n');
+      resolve({ status: Number(head.split(' ')[1]), headers: head, body: rest.join('\r\n\r\n') });
+    });
+    socket.write(text);
+  });
+}
+
+describe('params that parse as JSON but cannot be stored', () => {
+  it('are refused with 400 invalidParams (not a 500), and nothing is written', async () => {
+    const before = await snapshot(url, TABLES);
+    const bodies: Array<[string, RegExp]> = [
+      ['{"label":"a\\u0000b"}', /label.*U\+0000/],
+      ['{"label":"a\\ud800b"}', /label.*(surrogate|Unicode)/],
+      ['{"ms":1e400}', /ms.*Infinity/],
+      [`{"deep":${'['.repeat(5000)}${']'.repeat(5000)}}`, /deep.*nest/],
+    ];
+    for (const [rawBody, detail] of bodies) {
+      const res = await api(server.base, 'POST', '/api/jobs/any/runs', { key: `k-unstorable-${bodies.findIndex((b) => b[0] === rawBody)}`, rawBody });
+      expectProblem(res, 400, 'idem.invalidParams');
+      expect(res.body.detail).toMatch(detail);
+    }
+    expect(await snapshot(url, TABLES)).toEqual(before);
+  });
+
+  it('are refused by idem run as invalid params too: exit 2, one line, no run', async () => {
+    const res = await runCli(['--jobs-dir', FIXTURE_JOBS, 'run', 'counted', '--params', '{"label":"a\\u0000b"}'], { url });
+    expect(res.code, res.stderr).toBe(2);
+    expect(res.stderr.trim().split('\n')).toHaveLength(1);
+    expect(res.stderr).toMatch(/invalid params for job "counted": .*label.*U\+0000/);
+    expect(await query(url, `select count(*)::int as n from idem.runs where job = 'counted'`)).toEqual([{ n: 0 }]);
+  });
+});
+
+describe('bodies and filters', () => {
+  it('a JSON null body is not an object of params: 400, nothing written', async () => {
+    const before = await snapshot(url, TABLES);
+    expectProblem(await api(server.base, 'POST', '/api/jobs/any/runs', { key: 'k-null', rawBody: 'null' }), 400, 'idem.invalidParams');
+    expect(await snapshot(url, TABLES)).toEqual(before);
+  });
+
+  it('a job filter that cannot be a job name is a 400, not a 500', async () => {
+    for (const job of ['%00', 'a%00b', 'x'.repeat(101)]) {
+      expectProblem(await api(server.base, 'GET', `/api/runs?job=${job}`), 400, 'idem.invalidJob');
+    }
+    // A name of a job this server does not know is still a fine filter: CLI runs of it may exist.
+    expect((await api(server.base, 'GET', '/api/runs?job=not-here')).body).toEqual({ runs: [], nextCursor: null });
+  });
+
+  it('requests the HTTP parser refuses are problem+json too', async () => {
+    const nul = await rawHttp(server.base, `POST /api/jobs/any/runs HTTP/1.1\r\nhost: x\r\nauthorization: Bearer ${TOKEN}\r\nidempotency-key: a\u0000b\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}`);
+    expect(nul.status).toBe(400);
+    expect(nul.headers).toMatch(/content-type: application\/problem\+json/i);
+    expect(JSON.parse(nul.body)).toMatchObject({ type: 'urn:idem:problem:idem.badRequest', status: 400, detail: expect.stringMatching(/;/) });
+    const huge = await rawHttp(server.base, `GET /api/runs HTTP/1.1\r\nhost: x\r\nidempotency-key: ${'k'.repeat(100_000)}\r\nconnection: close\r\n\r\n`);
+    expect(huge.status).toBe(431);
+    expect(huge.headers).toMatch(/content-type: application\/problem\+json/i);
+    expect(JSON.parse(huge.body)).toMatchObject({ type: 'urn:idem:problem:idem.headersTooLarge', status: 431 });
+    expect(huge.body).not.toContain(TOKEN);
+  });
+});
+
+describe('GET /api/runs?state=crashed|running pages', () => {
+  it('finds a crashed run behind a newer live one with limit=1, and pages on to it', async () => {
+    const dead = spawnCli(['--jobs-dir', FIXTURE_JOBS, 'run', 'counted', '--key', 'k-dead', '--params', JSON.stringify({ chunks: 50, pauseMs: 200 })], { url });
+    await waitFor(async () => (await workCounts(url, 'k-dead')).size >= 1, 'the first chunk of the run to kill');
+    dead.child.kill('SIGKILL');
+    await dead.done;
+    const deadId = String((await runRow(url, 'counted', 'k-dead')).id);
+    const live = spawnCli(['--jobs-dir', FIXTURE_JOBS, 'run', 'counted', '--key', 'k-live', '--params', JSON.stringify({ chunks: 200, pauseMs: 200 })], { url });
+    try {
+      await waitFor(async () => (await workCounts(url, 'k-live')).size >= 1, 'the live run to start');
+      const liveId = String((await runRow(url, 'counted', 'k-live')).id);
+      expect(Number(liveId)).toBeGreaterThan(Number(deadId));
+      const collect = async (state: string) => {
+        const ids: string[] = [];
+        let cursor: string | null = null;
+        for (let page = 0; page < 10; page++) {
+          const res = await api(server.base, 'GET', `/api/runs?state=${state}&limit=1${cursor ? `&cursor=${cursor}` : ''}`);
+          expect(res.status, res.text).toBe(200);
+          ids.push(...res.body.runs.map((r: any) => r.id));
+          cursor = res.body.nextCursor;
+          if (!cursor) break;
+        }
+        return ids;
+      };
+      expect(await collect('crashed')).toEqual([deadId]);
+      expect(await collect('running')).toEqual([liveId]);
+    } finally {
+      live.child.kill('SIGKILL');
+      await live.done;
+    }
+  });
+});
