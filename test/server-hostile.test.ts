@@ -117,7 +117,7 @@ describe('GET /api/runs?state=crashed|running pages', () => {
         const ids: string[] = [];
         let cursor: string | null = null;
         for (let page = 0; page < 10; page++) {
-          const res = await api(server.base, 'GET', `/api/runs?state=${state}&limit=1${cursor ? `&cursor=${cursor}` : ''}`);
+          const res: { status: number; text: string; body: any } = await api(server.base, 'GET', `/api/runs?state=${state}&limit=1${cursor ? `&cursor=${cursor}` : ''}`);
           expect(res.status, res.text).toBe(200);
           ids.push(...res.body.runs.map((r: any) => r.id));
           cursor = res.body.nextCursor;

@@ -119,6 +119,7 @@ export function createServer(opts: ServerOptions): IdemServer {
     // Behind a proxy the operator sets X-Forwarded-*; idem does not trust them itself.
     trustProxy: false,
     return503OnClosing: true,
+    clientErrorHandler: clientError,
   });
 
   // Params are JSON only: a text/plain body (Fastify parses it by default) is refused with 415.
@@ -215,6 +216,27 @@ export function createServer(opts: ServerOptions): IdemServer {
       })());
     },
   };
+}
+
+/**
+ * Requests Node's HTTP parser refuses before any route sees them (a control character in a header,
+ * headers over the size limit, a Content-Length the body does not match) get a problem+json answer
+ * like every other error, not Fastify's own JSON. Nothing is logged: the parser's error carries the
+ * raw request bytes, the Authorization header included.
+ */
+function clientError(err: NodeJS.ErrnoException, socket: import('node:net').Socket): void {
+  if (err.code === 'ECONNRESET' || socket.destroyed) return;
+  const problem =
+    err.code === 'ERR_HTTP_REQUEST_TIMEOUT'
+      ? new HttpProblem(408, 'idem.requestTimeout', 'the request did not arrive in time; send it again')
+      : err.code === 'HPE_HEADER_OVERFLOW'
+        ? new HttpProblem(431, 'idem.headersTooLarge', 'the request headers are larger than the server accepts; send a short Idempotency-Key (at most 200 characters) and no oversized headers')
+        : new HttpProblem(400, 'idem.badRequest', 'the request is not valid HTTP (a control character in a header, or a body that does not match its Content-Length); send a well-formed request');
+  const body = JSON.stringify(problemBody(problem));
+  if (socket.writable) {
+    socket.write(`HTTP/1.1 ${problem.status} ${problemBody(problem).title}\r\nContent-Length: ${Buffer.byteLength(body)}\r\nContent-Type: ${PROBLEM_TYPE}; charset=utf-8\r\nConnection: close\r\n\r\n${body}`);
+  }
+  socket.destroy();
 }
 
 /** Checks the serve flags together and throws once with every problem. */
