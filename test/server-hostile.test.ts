@@ -133,3 +133,55 @@ describe('GET /api/runs?state=crashed|running pages', () => {
     }
   });
 });
+
+describe('the database going away', () => {
+  it('answers 503 with retryable (not 500) while PostgreSQL cannot be reached, and works again after', async () => {
+    // A TCP proxy of our own in front of PostgreSQL: closing it refuses new connections and resets
+    // the open ones, as a database restart or a failover looks from the server.
+    const upstream = new URL(url);
+    const sockets = new Set<net.Socket>();
+    const listen = (port: number) =>
+      new Promise<net.Server>((resolve) => {
+        const proxy = net.createServer((client) => {
+          const up = net.connect(Number(upstream.port), upstream.hostname);
+          for (const s of [client, up]) {
+            sockets.add(s);
+            s.on('error', () => {});
+            s.on('close', () => sockets.delete(s));
+          }
+          client.pipe(up).pipe(client);
+        });
+        proxy.listen(port, '127.0.0.1', () => resolve(proxy));
+      });
+    let proxy = await listen(0);
+    const port = (proxy.address() as net.AddressInfo).port;
+    const viaProxy = new URL(url);
+    viaProxy.port = String(port);
+    const served = await startServe(viaProxy.toString(), [], {}, ANY_JOBS);
+    try {
+      expect((await api(served.base, 'GET', '/api/runs')).status).toBe(200);
+      await new Promise<void>((resolve) => {
+        proxy.close(() => resolve());
+        for (const s of sockets) s.destroy();
+      });
+      const before = await snapshot(url, TABLES);
+      for (const res of [
+        await api(served.base, 'POST', '/api/jobs/any/runs', { key: 'k-db-down', body: {} }),
+        await api(served.base, 'GET', '/api/runs'),
+      ]) {
+        expectProblem(res, 503, 'idem.databaseUnavailable');
+        expect(res.body.retryable).toBe(true);
+        expect(res.headers.get('retry-after')).toMatch(/^\d+$/);
+        expect(res.text).not.toContain(viaProxy.password || '\u0000');
+      }
+      expect(await snapshot(url, TABLES)).toEqual(before);
+      proxy = await listen(port);
+      await waitFor(async () => (await api(served.base, 'POST', '/api/jobs/any/runs', { key: 'k-db-down', body: {} })).status === 201, 'the server to reach the database again');
+    } finally {
+      served.proc.child.kill('SIGKILL');
+      await served.proc.done;
+      proxy.close();
+      for (const s of sockets) s.destroy();
+    }
+  });
+});
