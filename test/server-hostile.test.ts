@@ -185,3 +185,19 @@ describe('the database going away', () => {
     }
   });
 });
+
+describe('a port that cannot be bound', () => {
+  it('is a usage error: exit 2 and one line naming --port, not a bare EADDRINUSE with exit 1', async () => {
+    const holder = net.createServer();
+    await new Promise<void>((resolve) => holder.listen(0, '127.0.0.1', () => resolve()));
+    const port = (holder.address() as net.AddressInfo).port;
+    try {
+      const res = await runCli(['--jobs-dir', ANY_JOBS, 'serve', '--port', String(port)], { url, env: { IDEM_API_TOKEN: TOKEN } });
+      expect(res.code, res.stderr).toBe(2);
+      expect(res.stderr.trim().split('\n')).toHaveLength(1);
+      expect(res.stderr).toContain(`cannot listen on 127.0.0.1:${port}: the address is in use; pass another --port`);
+    } finally {
+      holder.close();
+    }
+  });
+});
