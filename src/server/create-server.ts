@@ -188,7 +188,12 @@ export function createServer(opts: ServerOptions): IdemServer {
     app,
     executor,
     async listen({ host = DEFAULT_HOST, port = DEFAULT_PORT }) {
-      const address = await app.listen({ host, port });
+      let address: string;
+      try {
+        address = await app.listen({ host, port });
+      } catch (err) {
+        throw listenProblem(err, host, port);
+      }
       const resumed = await executor.resumeUnfinished();
       if (resumed > 0) log.info({ runs: resumed }, 'resuming unfinished runs');
       // Later too: a run another server left behind when it crashed, or one `idem resume` released,
@@ -234,10 +239,27 @@ function clientError(err: NodeJS.ErrnoException, socket: import('node:net').Sock
         ? new HttpProblem(431, 'idem.headersTooLarge', 'the request headers are larger than the server accepts; send a short Idempotency-Key (at most 200 characters) and no oversized headers')
         : new HttpProblem(400, 'idem.badRequest', 'the request is not valid HTTP (a control character in a header, or a body that does not match its Content-Length); send a well-formed request');
   const body = JSON.stringify(problemBody(problem));
-  if (socket.writable) {
-    socket.write(`HTTP/1.1 ${problem.status} ${problemBody(problem).title}\r\nContent-Length: ${Buffer.byteLength(body)}\r\nContent-Type: ${PROBLEM_TYPE}; charset=utf-8\r\nConnection: close\r\n\r\n${body}`);
-  }
-  socket.destroy();
+  if (!socket.writable) return void socket.destroy();
+  // Half-close and drain what the client is still sending (the rest of 100 KB of headers): closing
+  // a socket with unread input sends a reset, and the client would see ECONNRESET, not the answer.
+  socket.on('error', () => {});
+  socket.resume();
+  socket.end(`HTTP/1.1 ${problem.status} ${problemBody(problem).title}\r\nContent-Length: ${Buffer.byteLength(body)}\r\nContent-Type: ${PROBLEM_TYPE}; charset=utf-8\r\nConnection: close\r\n\r\n${body}`);
+  setTimeout(() => socket.destroy(), 2_000).unref();
+}
+
+/** A bind that failed for the operator's --host/--port, as a usage error (exit 2) naming the fix. */
+function listenProblem(err: unknown, host: string, port: number): unknown {
+  const code = (err as { code?: string }).code;
+  const why: Record<string, string> = {
+    EADDRINUSE: 'the address is in use; pass another --port, or stop the process that holds it',
+    EADDRNOTAVAIL: 'no interface of this machine has that address; pass one of its addresses as --host (127.0.0.1, 0.0.0.0)',
+    EACCES: 'the port needs privileges this process lacks; pass a --port above 1023',
+    ENOTFOUND: 'the host name does not resolve; pass an address or a resolvable name as --host',
+    EAI_AGAIN: 'the host name does not resolve; pass an address or a resolvable name as --host',
+  };
+  const reason = code ? why[code] : undefined;
+  return reason ? new UsageError('cannotListen', `cannot listen on ${host}:${port}: ${reason}`, { cause: err }) : err;
 }
 
 /** Checks the serve flags together and throws once with every problem. */
