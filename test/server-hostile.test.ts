@@ -201,3 +201,21 @@ describe('a port that cannot be bound', () => {
     }
   });
 });
+
+describe('GET /api/runs/:id/events of an ended run', () => {
+  it('marks the last event with an id, and answers an EventSource reconnect carrying it with 204 so the browser stops reconnecting', async () => {
+    const created = await api(server.base, 'POST', '/api/jobs/any/runs', { key: 'k-sse-end', body: {} });
+    expect(created.status, created.text).toBe(201);
+    expect((await api(server.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body.state).toBe('succeeded');
+    const first = await fetch(`${server.base}/api/runs/${created.body.id}/events`, { headers: { authorization: `Bearer ${TOKEN}` } });
+    expect(first.status).toBe(200);
+    const text = await first.text();
+    const last = text.trim().split('\n\n').at(-1)!;
+    expect(last).toMatch(/^id: ended\nevent: progress\ndata: /);
+    // EventSource reconnects (after `retry`) whenever a stream ends, sending the last id it saw:
+    // only a 204 stops it; a 200 with the same final event again would repeat every 2 s forever.
+    const again = await fetch(`${server.base}/api/runs/${created.body.id}/events`, { headers: { authorization: `Bearer ${TOKEN}`, 'last-event-id': 'ended' } });
+    expect(again.status).toBe(204);
+    expect(await again.text()).toBe('');
+  });
+});
