@@ -211,7 +211,7 @@ describe('GET /api/runs/:id/events of an ended run', () => {
     expect(first.status).toBe(200);
     const text = await first.text();
     const last = text.trim().split('\n\n').at(-1)!;
-    expect(last).toMatch(/^id: ended\nevent: progress\ndata: /);
+    expect(last).toMatch(/^event: progress\nid: ended\ndata: /);
     // EventSource reconnects (after `retry`) whenever a stream ends, sending the last id it saw:
     // only a 204 stops it; a 200 with the same final event again would repeat every 2 s forever.
     const again = await fetch(`${server.base}/api/runs/${created.body.id}/events`, { headers: { authorization: `Bearer ${TOKEN}`, 'last-event-id': 'ended' } });

@@ -11,6 +11,9 @@ import { streamEvents } from './sse.ts';
 /** What an Idempotency-Key may be: opaque, printable, URL- and log-safe (UUIDs, ULIDs, base64url…). */
 export const IDEMPOTENCY_KEY = /^[A-Za-z0-9._:~+=/-]{1,200}$/;
 
+/** The id of the last event of a run's event stream, once the run has ended. */
+const ENDED_EVENT_ID = 'ended';
+
 /** Longest `?wait=` for a long-poll, in seconds. */
 export const MAX_WAIT_SECONDS = 60;
 
@@ -152,14 +155,19 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
   }
 
   app.get<{ Params: { id: string } }>('/api/runs/:id/events', async (request, reply) => {
-    await getRun(request.params.id);
+    const run = await getRun(request.params.id);
+    // The last event of an ended run has the id `ended`. EventSource reconnects whenever a stream
+    // ends, sending that id back: a 204 is the one answer that makes it stop (it would otherwise get
+    // the same final event every `retry` ms, forever). A run resumed since streams again.
+    if (request.headers['last-event-id'] === ENDED_EVENT_ID && ENDED_STATES.has(run.state)) return reply.code(204).send();
     streamEvents(
       request,
       reply,
       async () => {
         const view = await ctx.views.get(request.params.id);
         if (!view) return { event: 'gone', data: JSON.stringify({ id: request.params.id }), end: true };
-        return { event: 'progress', data: JSON.stringify(view), end: ENDED_STATES.has(view.state) };
+        const end = ENDED_STATES.has(view.state);
+        return { event: 'progress', data: JSON.stringify(view), end, ...(end ? { id: ENDED_EVENT_ID } : {}) };
       },
       { intervalMs: ctx.sseIntervalMs, open: ctx.openStreams },
     );

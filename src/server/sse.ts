@@ -4,6 +4,8 @@ import type { FastifyReply, FastifyRequest } from 'fastify';
 export interface SseEvent {
   readonly event: string;
   readonly data: string;
+  /** The event's id: an EventSource sends the last one back as Last-Event-ID when it reconnects. */
+  readonly id?: string;
 }
 
 export interface SseOptions {
@@ -16,7 +18,7 @@ export interface SseOptions {
 const HEARTBEAT_MS = 15_000;
 
 function frame(e: SseEvent): string {
-  return `event: ${e.event}\n${e.data.split('\n').map((l) => `data: ${l}`).join('\n')}\n\n`;
+  return `event: ${e.event}\n${e.id === undefined ? '' : `id: ${e.id}\n`}${e.data.split('\n').map((l) => `data: ${l}`).join('\n')}\n\n`;
 }
 
 /**
