@@ -219,3 +219,10 @@ describe('GET /api/runs/:id/events of an ended run', () => {
     expect(await again.text()).toBe('');
   });
 });
+
+describe('the dashboard live stream of a run that does not exist', () => {
+  it('is a 404 problem like the run page and the API stream, not a 200 event stream', async () => {
+    for (const path of ['/runs/999999/live', '/runs/abc/live']) expectProblem(await api(server.base, 'GET', path), 404, 'idem.unknownRun');
+    expectProblem(await api(server.base, 'GET', '/runs/999999'), 404, 'idem.unknownRun');
+  });
+});
