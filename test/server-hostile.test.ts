@@ -226,3 +226,15 @@ describe('the dashboard live stream of a run that does not exist', () => {
     expectProblem(await api(server.base, 'GET', '/runs/999999'), 404, 'idem.unknownRun');
   });
 });
+
+describe('HEAD on an event stream', () => {
+  it('answers the headers at once instead of streaming nothing until the client gives up', async () => {
+    for (const path of ['/live', '/api/runs/1/events']) {
+      const started = Date.now();
+      const res = await fetch(`${server.base}${path}`, { method: 'HEAD', headers: { authorization: `Bearer ${TOKEN}` }, signal: AbortSignal.timeout(5_000) });
+      expect(res.status).toBe(200);
+      expect(res.headers.get('content-type')).toMatch(/^text\/event-stream/);
+      expect(Date.now() - started).toBeLessThan(2_000);
+    }
+  });
+});
