@@ -36,6 +36,9 @@ export function streamEvents(request: FastifyRequest, reply: FastifyReply, next:
     // Reverse proxies (nginx) would otherwise buffer the stream.
     'x-accel-buffering': 'no',
   });
+  // HEAD has no body: Node would hold the headers until the first body byte, which never comes, while
+  // the stream polled the database until the client gave up.
+  if (request.method === 'HEAD') return void res.end();
   res.write('retry: 2000\n\n');
   let closed = false;
   let last = '';
