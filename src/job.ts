@@ -174,7 +174,7 @@ export interface JobDefinition<P = any, DB = any> {
 /** A job as loaded: validated and frozen. */
 export type Job<P = any, DB = any> = Readonly<JobDefinition<P, DB>>;
 
-const NAME = /^[a-z0-9][a-z0-9._:-]{0,99}$/i;
+export const NAME = /^[a-z0-9][a-z0-9._:-]{0,99}$/i;
 
 /**
  * Declares a job. Checks the definition once, at load time, and reports every problem together.
@@ -262,6 +262,47 @@ function isStandardSchema(v: unknown): v is StandardSchemaV1 {
  * run never starts (and nothing is written) with params the job does not accept.
  */
 export async function validateParams<P>(job: Job<P>, raw: unknown): Promise<P> {
+  const params = await validateRawParams(job, raw);
+  const problem = unstorable(params);
+  if (problem) throw new UsageError('invalidParams', `invalid params for job "${job.name}": ${problem}`);
+  return params;
+}
+
+const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/;
+
+/** Deepest nesting of objects and arrays params may have: canonical JSON and jsonb recurse per level. */
+export const MAX_PARAMS_DEPTH = 100;
+
+/**
+ * Why params cannot be fingerprinted and stored as jsonb, or null when they can: a non-finite number
+ * (JSON has none), a string or key with U+0000 or a lone surrogate (jsonb refuses both), nesting
+ * deeper than MAX_PARAMS_DEPTH. Checked after validation, so the job's own output counts too.
+ */
+function unstorable(value: unknown): string | null {
+  const stack: Array<[unknown, string, number]> = [[value, 'params', 0]];
+  const text = (s: string, path: string) =>
+    s.includes('\u0000') ? `${path} contains the character U+0000, which PostgreSQL cannot store` : LONE_SURROGATE.test(s) ? `${path} is not well-formed Unicode (it has a lone surrogate)` : null;
+  while (stack.length > 0) {
+    const [v, path, depth] = stack.pop()!;
+    if (typeof v === 'number' && !Number.isFinite(v)) return `${path} is ${v}, which JSON cannot represent`;
+    if (typeof v === 'string') {
+      const p = text(v, path);
+      if (p) return p;
+    }
+    if (v === null || typeof v !== 'object' || v instanceof Date) continue;
+    if (depth >= MAX_PARAMS_DEPTH) return `${path} nests deeper than ${MAX_PARAMS_DEPTH} levels`;
+    for (const [k, child] of Object.entries(v as Record<string, unknown>)) {
+      const p = text(k, `${path} key ${JSON.stringify(k.slice(0, 40))}`);
+      if (p) return p;
+      const sub = Array.isArray(v) ? `${path}[${k}]` : `${path}.${k}`;
+      // A path through deep nesting would make the message as long as the params.
+      stack.push([child, sub.length > 80 ? `${sub.slice(0, 77)}...` : sub, depth + 1]);
+    }
+  }
+  return null;
+}
+
+async function validateRawParams<P>(job: Job<P>, raw: unknown): Promise<P> {
   const v = job.params;
   if (v === undefined) {
     if (raw === undefined || (isPlainObject(raw) && Object.keys(raw).length === 0)) return {} as P;

@@ -277,7 +277,7 @@ describe('reads', () => {
     expect(res.status).toBe(200);
     expect(res.headers.get('content-type')).toMatch(/^text\/event-stream/);
     const text = await res.text(); // the server ends the stream when the run has ended
-    const events = text.split('\n\n').filter((b) => b.startsWith('event: progress')).map((b) => JSON.parse(b.split('\n').slice(1).map((l) => l.slice(6)).join('\n')));
+    const events = text.split('\n\n').filter((b) => b.startsWith('event: progress')).map((b) => JSON.parse(b.split('\n').filter((l) => l.startsWith('data: ')).map((l) => l.slice(6)).join('\n')));
     expect(events.length).toBeGreaterThanOrEqual(1);
     expect(events.at(-1)).toMatchObject({ id: created.body.id, state: 'succeeded', progress: { done: 5, percent: 100 } });
   });

@@ -1,7 +1,7 @@
 import type { FastifyInstance, FastifyReply } from 'fastify';
 import { UsageError } from '../errors.ts';
 import { fingerprint } from '../fingerprint.ts';
-import { validateParams, type Job, type Json } from '../job.ts';
+import { NAME as JOB_NAME, validateParams, type Job, type Json } from '../job.ts';
 import { claimRequest, paramsMismatch, printable } from './claim-request.ts';
 import { HttpProblem } from './problem.ts';
 import { ENDED_STATES, RUN_STATES, type RunStateFilter, type RunView } from './run-view.ts';
@@ -10,6 +10,9 @@ import { streamEvents } from './sse.ts';
 
 /** What an Idempotency-Key may be: opaque, printable, URL- and log-safe (UUIDs, ULIDs, base64url…). */
 export const IDEMPOTENCY_KEY = /^[A-Za-z0-9._:~+=/-]{1,200}$/;
+
+/** The id of the last event of a run's event stream, once the run has ended. */
+const ENDED_EVENT_ID = 'ended';
 
 /** Longest `?wait=` for a long-poll, in seconds. */
 export const MAX_WAIT_SECONDS = 60;
@@ -61,7 +64,8 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
     if (!job) {
       throw new HttpProblem(404, 'idem.unknownJob', `unknown job "${printable(request.params.job)}"; GET /api/jobs lists the jobs this server runs`);
     }
-    const raw = request.body ?? {};
+    // No body at all is no params; a JSON null is a body that is not an object.
+    const raw = request.body === undefined ? {} : request.body;
     if (typeof raw !== 'object' || raw === null || Array.isArray(raw)) {
       throw new HttpProblem(400, 'idem.invalidParams', 'the body must be a JSON object of params; send {} for none');
     }
@@ -92,6 +96,11 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
     if (!Number.isInteger(limit) || limit < 1 || limit > 500) throw new HttpProblem(400, 'idem.invalidLimit', `limit must be an integer from 1 to 500, got "${printable(String(q.limit))}"; page with cursor for more`);
     if (q.state !== undefined && !(RUN_STATES as readonly string[]).includes(q.state)) {
       throw new HttpProblem(400, 'idem.invalidState', `state must be one of ${RUN_STATES.join(', ')}; got "${printable(q.state)}"`);
+    }
+    // Any job name is a fine filter (CLI runs of jobs this server does not load included), but a
+    // string that cannot be one (a NUL byte PostgreSQL refuses, a page of text) is a client error.
+    if (q.job !== undefined && (typeof q.job !== 'string' || !JOB_NAME.test(q.job))) {
+      throw new HttpProblem(400, 'idem.invalidJob', `job is not a job name (letters, digits, . _ : -, up to 100 characters), got "${printable(String(q.job)).replace(/[\u0000-\u001f\u007f]/g, '?')}"; pass one name as GET /api/jobs or idem list shows it`);
     }
     if (q.cursor !== undefined && !/^\d{1,18}$/.test(q.cursor)) throw new HttpProblem(400, 'idem.invalidCursor', 'cursor is not a run id; pass the nextCursor of a previous page');
     const runs = await ctx.views.list({
@@ -146,14 +155,19 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
   }
 
   app.get<{ Params: { id: string } }>('/api/runs/:id/events', async (request, reply) => {
-    await getRun(request.params.id);
+    const run = await getRun(request.params.id);
+    // The last event of an ended run has the id `ended`. EventSource reconnects whenever a stream
+    // ends, sending that id back: a 204 is the one answer that makes it stop (it would otherwise get
+    // the same final event every `retry` ms, forever). A run resumed since streams again.
+    if (request.headers['last-event-id'] === ENDED_EVENT_ID && ENDED_STATES.has(run.state)) return reply.code(204).send();
     streamEvents(
       request,
       reply,
       async () => {
         const view = await ctx.views.get(request.params.id);
         if (!view) return { event: 'gone', data: JSON.stringify({ id: request.params.id }), end: true };
-        return { event: 'progress', data: JSON.stringify(view), end: ENDED_STATES.has(view.state) };
+        const end = ENDED_STATES.has(view.state);
+        return { event: 'progress', data: JSON.stringify(view), end, ...(end ? { id: ENDED_EVENT_ID } : {}) };
       },
       { intervalMs: ctx.sseIntervalMs, open: ctx.openStreams },
     );

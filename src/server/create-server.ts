@@ -119,6 +119,7 @@ export function createServer(opts: ServerOptions): IdemServer {
     // Behind a proxy the operator sets X-Forwarded-*; idem does not trust them itself.
     trustProxy: false,
     return503OnClosing: true,
+    clientErrorHandler: clientError,
   });
 
   // Params are JSON only: a text/plain body (Fastify parses it by default) is refused with 415.
@@ -148,6 +149,7 @@ export function createServer(opts: ServerOptions): IdemServer {
 
   app.setErrorHandler(async (err, request, reply) => {
     const problem = toProblem(err);
+    if (problem.status === 503) reply.header('retry-after', '1');
     if (problem.status >= 500) request.log.error({ err: { message: (err as Error).message, code: (err as { code?: string }).code } }, 'request failed');
     return reply.code(problem.status).type(PROBLEM_TYPE).send(problemBody(problem));
   });
@@ -186,7 +188,12 @@ export function createServer(opts: ServerOptions): IdemServer {
     app,
     executor,
     async listen({ host = DEFAULT_HOST, port = DEFAULT_PORT }) {
-      const address = await app.listen({ host, port });
+      let address: string;
+      try {
+        address = await app.listen({ host, port });
+      } catch (err) {
+        throw listenProblem(err, host, port);
+      }
       const resumed = await executor.resumeUnfinished();
       if (resumed > 0) log.info({ runs: resumed }, 'resuming unfinished runs');
       // Later too: a run another server left behind when it crashed, or one `idem resume` released,
@@ -215,6 +222,44 @@ export function createServer(opts: ServerOptions): IdemServer {
       })());
     },
   };
+}
+
+/**
+ * Requests Node's HTTP parser refuses before any route sees them (a control character in a header,
+ * headers over the size limit, a Content-Length the body does not match) get a problem+json answer
+ * like every other error, not Fastify's own JSON. Nothing is logged: the parser's error carries the
+ * raw request bytes, the Authorization header included.
+ */
+function clientError(err: NodeJS.ErrnoException, socket: import('node:net').Socket): void {
+  if (err.code === 'ECONNRESET' || socket.destroyed) return;
+  const problem =
+    err.code === 'ERR_HTTP_REQUEST_TIMEOUT'
+      ? new HttpProblem(408, 'idem.requestTimeout', 'the request did not arrive in time; send it again')
+      : err.code === 'HPE_HEADER_OVERFLOW'
+        ? new HttpProblem(431, 'idem.headersTooLarge', 'the request headers are larger than the server accepts; send a short Idempotency-Key (at most 200 characters) and no oversized headers')
+        : new HttpProblem(400, 'idem.badRequest', 'the request is not valid HTTP (a control character in a header, or a body that does not match its Content-Length); send a well-formed request');
+  const body = JSON.stringify(problemBody(problem));
+  if (!socket.writable) return void socket.destroy();
+  // Half-close and drain what the client is still sending (the rest of 100 KB of headers): closing
+  // a socket with unread input sends a reset, and the client would see ECONNRESET, not the answer.
+  socket.on('error', () => {});
+  socket.resume();
+  socket.end(`HTTP/1.1 ${problem.status} ${problemBody(problem).title}\r\nContent-Length: ${Buffer.byteLength(body)}\r\nContent-Type: ${PROBLEM_TYPE}; charset=utf-8\r\nConnection: close\r\n\r\n${body}`);
+  setTimeout(() => socket.destroy(), 2_000).unref();
+}
+
+/** A bind that failed for the operator's --host/--port, as a usage error (exit 2) naming the fix. */
+function listenProblem(err: unknown, host: string, port: number): unknown {
+  const code = (err as { code?: string }).code;
+  const why: Record<string, string> = {
+    EADDRINUSE: 'the address is in use; pass another --port, or stop the process that holds it',
+    EADDRNOTAVAIL: 'no interface of this machine has that address; pass one of its addresses as --host (127.0.0.1, 0.0.0.0)',
+    EACCES: 'the port needs privileges this process lacks; pass a --port above 1023',
+    ENOTFOUND: 'the host name does not resolve; pass an address or a resolvable name as --host',
+    EAI_AGAIN: 'the host name does not resolve; pass an address or a resolvable name as --host',
+  };
+  const reason = code ? why[code] : undefined;
+  return reason ? new UsageError('cannotListen', `cannot listen on ${host}:${port}: ${reason}`, { cause: err }) : err;
 }
 
 /** Checks the serve flags together and throws once with every problem. */

@@ -42,15 +42,19 @@ export function registerDashboardRoutes(app: FastifyInstance, ctx: ServerContext
     streamEvents(request, reply, async () => ({ event: 'html', data: homeLive(await homeRuns(ctx)) }), { intervalMs: ctx.sseIntervalMs, open: ctx.openStreams });
   });
 
+  const unknownRun = (id: string) => new HttpProblem(404, 'idem.unknownRun', `no run with id "${id.slice(0, 40)}"; the dashboard at / lists the runs`);
+
   app.get<{ Params: { id: string } }>('/runs/:id', async (request, reply) => {
     const run = await ctx.views.get(request.params.id);
-    if (!run) throw new HttpProblem(404, 'idem.unknownRun', `no run with id "${request.params.id.slice(0, 40)}"; the dashboard at / lists the runs`);
+    if (!run) throw unknownRun(request.params.id);
     const params = `<section class="panel"><h2>Params</h2><pre>${esc(JSON.stringify(run.params, null, 2))}</pre><p class="muted small mono">${esc(run.fingerprint)}</p></section>`;
     const html = page(`${run.job} ${run.key}`, runLive(run), params, { liveUrl: `/runs/${run.id}/live`, publicRead: ctx.publicRead });
     return reply.type('text/html; charset=utf-8').header('content-security-policy', csp).header('cache-control', 'no-store').send(html);
   });
 
   app.get<{ Params: { id: string } }>('/runs/:id/live', async (request, reply) => {
+    // A run that never existed is a 404; one removed while its page is open ends with `gone`.
+    if (!(await ctx.views.get(request.params.id))) throw unknownRun(request.params.id);
     streamEvents(
       request,
       reply,

@@ -1,4 +1,5 @@
 import { BusyError, CancelledError, IdemError, ParamsMismatchError, PausedError, UsageError } from '../errors.ts';
+import { isRetryable } from '../retry.ts';
 
 /**
  * An HTTP error as RFC 9457 `application/problem+json`: `type` is a stable URN per problem (the
@@ -24,10 +25,12 @@ const TITLES: Record<number, string> = {
   403: 'Forbidden',
   404: 'Not Found',
   405: 'Method Not Allowed',
+  408: 'Request Timeout',
   409: 'Conflict',
   413: 'Content Too Large',
   415: 'Unsupported Media Type',
   422: 'Unprocessable Content',
+  431: 'Request Header Fields Too Large',
   500: 'Internal Server Error',
   503: 'Service Unavailable',
 };
@@ -71,6 +74,11 @@ export function toProblem(err: unknown): HttpProblem {
   }
   if (err instanceof SyntaxError || fst.statusCode === 400) {
     return new HttpProblem(400, 'idem.malformedJson', 'the request body is not valid JSON; send the params as a JSON object, e.g. {"day":"2026-11-30"}');
+  }
+  // A lost or refused database connection (restart, failover, max_connections) is not the
+  // request's fault and nothing was committed: say so, so clients retry with the same key.
+  if (isRetryable(err)) {
+    return new HttpProblem(503, 'idem.databaseUnavailable', 'the server cannot reach its database right now (connection lost or refused); retry in a moment, with the same Idempotency-Key for a POST', { retryable: true });
   }
   return new HttpProblem(500, 'idem.internal', 'the server failed to handle the request; see the server log, then retry');
 }

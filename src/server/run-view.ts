@@ -142,6 +142,22 @@ export class RunViews {
   }
 
   async list(q: RunQuery): Promise<RunView[]> {
+    if (q.state !== 'running' && q.state !== 'crashed') return this.#listPage(q);
+    // running vs crashed is known only after the lock check, so a page of rows that say running
+    // may hold fewer runs of the asked state than `limit`, or none: read on until `limit` of them
+    // are found or the rows end, so that a short page means the end (nextCursor null).
+    const limit = q.limit ?? 50;
+    const found: RunView[] = [];
+    let before = q.before;
+    for (;;) {
+      const rows = await this.#listPage({ ...q, limit: Math.max(limit, 100), ...(before !== undefined ? { before } : {}) });
+      found.push(...rows.filter((v) => v.state === q.state));
+      if (found.length >= limit || rows.length < Math.max(limit, 100)) return found.slice(0, limit);
+      before = rows.at(-1)!.id;
+    }
+  }
+
+  async #listPage(q: RunQuery): Promise<RunView[]> {
     const statusFilter =
       q.state === undefined
         ? sql`true`
@@ -160,8 +176,6 @@ export class RunViews {
     // pg_locks is only consulted when a row says running.
     const held = rows.some((r) => r.status === 'running') ? await this.#locks.heldLocks() : NO_LOCKS;
     const views = rows.map((r) => this.#toView(r, held, q.detail ?? false));
-    // running vs crashed is known only after the lock check.
-    if (q.state === 'running' || q.state === 'crashed') return views.filter((v) => v.state === q.state);
     return views;
   }
 

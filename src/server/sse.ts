@@ -4,6 +4,8 @@ import type { FastifyReply, FastifyRequest } from 'fastify';
 export interface SseEvent {
   readonly event: string;
   readonly data: string;
+  /** The event's id: an EventSource sends the last one back as Last-Event-ID when it reconnects. */
+  readonly id?: string;
 }
 
 export interface SseOptions {
@@ -16,7 +18,7 @@ export interface SseOptions {
 const HEARTBEAT_MS = 15_000;
 
 function frame(e: SseEvent): string {
-  return `event: ${e.event}\n${e.data.split('\n').map((l) => `data: ${l}`).join('\n')}\n\n`;
+  return `event: ${e.event}\n${e.id === undefined ? '' : `id: ${e.id}\n`}${e.data.split('\n').map((l) => `data: ${l}`).join('\n')}\n\n`;
 }
 
 /**
@@ -34,6 +36,9 @@ export function streamEvents(request: FastifyRequest, reply: FastifyReply, next:
     // Reverse proxies (nginx) would otherwise buffer the stream.
     'x-accel-buffering': 'no',
   });
+  // HEAD has no body: Node would hold the headers until the first body byte, which never comes, while
+  // the stream polled the database until the client gave up.
+  if (request.method === 'HEAD') return void res.end();
   res.write('retry: 2000\n\n');
   let closed = false;
   let last = '';

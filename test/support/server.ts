@@ -9,9 +9,9 @@ export interface ServeProcess {
   readonly base: string;
 }
 
-/** Starts `idem serve --port 0` on the fixture jobs as a real child process and waits for its address. */
-export async function startServe(url: string, args: readonly string[] = [], env: Record<string, string> = {}): Promise<ServeProcess> {
-  const proc = spawnCli(['--jobs-dir', FIXTURE_JOBS, '--log-level', 'warn', 'serve', '--port', '0', ...args], {
+/** Starts `idem serve --port 0` on the fixture jobs (or `jobsDir`) as a real child process and waits for its address. */
+export async function startServe(url: string, args: readonly string[] = [], env: Record<string, string> = {}, jobsDir: string = FIXTURE_JOBS): Promise<ServeProcess> {
+  const proc = spawnCli(['--jobs-dir', jobsDir, '--log-level', 'warn', 'serve', '--port', '0', ...args], {
     url,
     env: { IDEM_API_TOKEN: TOKEN, ...env },
     timeoutMs: 300_000,

@@ -1,0 +1,260 @@
+import net from 'node:net';
+import { fileURLToPath } from 'node:url';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { ALL_TABLES, FIXTURE_JOBS, killLeftovers, query, runCli, runRow, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { useTestDatabase } from './support/database.ts';
+import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
+
+/**
+ * Hostile and edge-case requests found by trying `idem serve` from the outside: each must be one
+ * problem+json refusal naming the fix, with nothing written; none may be a 500.
+ */
+const ANY_JOBS = fileURLToPath(new URL('./fixtures/jobs-any', import.meta.url));
+const testDb = useTestDatabase({ fixtureTables: true, idemSchema: true });
+let url: string;
+let server: ServeProcess;
+const TABLES = [...ALL_TABLES, 'idem.api_requests'];
+
+beforeAll(async () => {
+  url = testDb.url;
+  server = await startServe(url, [], {}, ANY_JOBS);
+});
+
+afterAll(killLeftovers);
+
+/** Waits until no run of the `any` job is still executing, so a snapshot compares settled tables. */
+async function settled(): Promise<void> {
+  await waitFor(async () => (await query<{ n: number }>(url, `select count(*)::int as n from idem.runs where job = 'any' and status in ('pending', 'running')`))[0]!.n === 0 || null, 'the any runs to end');
+}
+
+function expectProblem(res: { status: number; headers: Headers; body: any; text: string }, status: number, code: string) {
+  expect(res.status, res.text).toBe(status);
+  expect(res.headers.get('content-type')).toMatch(/^application\/problem\+json/);
+  expect(res.body).toMatchObject({ type: `urn:idem:problem:${code}`, status });
+  expect(res.body.detail).toMatch(/;/);
+  expect(res.body.detail).not.toContain('\n');
+}
+
+/** One raw HTTP/1.1 exchange on a fresh socket: for requests fetch() refuses to send. */
+function rawHttp(base: string, text: string): Promise<{ status: number; headers: string; body: string }> {
+  const { port } = new URL(base);
+  return new Promise((resolve, reject) => {
+    const socket = net.connect(Number(port), '127.0.0.1');
+    let out = '';
+    socket.setEncoding('latin1');
+    socket.on('data', (d) => (out += d));
+    socket.on('error', reject);
+    socket.on('close', () => {
+      const [head = '', ...rest] = out.split('\r\n\r\n');
+      resolve({ status: Number(head.split(' ')[1]), headers: head, body: rest.join('\r\n\r\n') });
+    });
+    socket.write(text);
+  });
+}
+
+describe('params that parse as JSON but cannot be stored', () => {
+  it('are refused with 400 invalidParams (not a 500), and nothing is written', async () => {
+    await settled();
+    const before = await snapshot(url, TABLES);
+    const bodies: Array<[string, RegExp]> = [
+      ['{"label":"a\\u0000b"}', /label.*U\+0000/],
+      ['{"label":"a\\ud800b"}', /label.*(surrogate|Unicode)/],
+      ['{"ms":1e400}', /ms.*Infinity/],
+      [`{"deep":${'['.repeat(5000)}${']'.repeat(5000)}}`, /deep.*nest/],
+    ];
+    for (const [rawBody, detail] of bodies) {
+      const res = await api(server.base, 'POST', '/api/jobs/any/runs', { key: `k-unstorable-${bodies.findIndex((b) => b[0] === rawBody)}`, rawBody });
+      expectProblem(res, 400, 'idem.invalidParams');
+      expect(res.body.detail).toMatch(detail);
+    }
+    expect(await snapshot(url, TABLES)).toEqual(before);
+  });
+
+  it('are refused by idem run as invalid params too: exit 2, one line, no run', async () => {
+    const count = async () => (await query<{ n: number }>(url, 'select count(*)::int as n from idem.runs'))[0]!.n;
+    const runs = await count();
+    const res = await runCli(['--jobs-dir', FIXTURE_JOBS, 'run', 'counted', '--params', '{"label":"a\\u0000b"}'], { url });
+    expect(res.code, res.stderr).toBe(2);
+    expect(res.stderr.trim().split('\n')).toHaveLength(1);
+    expect(res.stderr).toMatch(/invalid params for job "counted": .*label.*U\+0000/);
+    expect(await count()).toBe(runs);
+  });
+});
+
+describe('bodies and filters', () => {
+  it('a JSON null body is not an object of params: 400, nothing written', async () => {
+    await settled();
+    const before = await snapshot(url, TABLES);
+    expectProblem(await api(server.base, 'POST', '/api/jobs/any/runs', { key: 'k-null', rawBody: 'null' }), 400, 'idem.invalidParams');
+    expect(await snapshot(url, TABLES)).toEqual(before);
+  });
+
+  it('a job filter that cannot be a job name is a 400, not a 500', async () => {
+    for (const job of ['%00', 'a%00b', 'x'.repeat(101)]) {
+      expectProblem(await api(server.base, 'GET', `/api/runs?job=${job}`), 400, 'idem.invalidJob');
+    }
+    // A name of a job this server does not know is still a fine filter: CLI runs of it may exist.
+    expect((await api(server.base, 'GET', '/api/runs?job=not-here')).body).toEqual({ runs: [], nextCursor: null });
+  });
+
+  it('requests the HTTP parser refuses are problem+json too', async () => {
+    const nul = await rawHttp(server.base, `POST /api/jobs/any/runs HTTP/1.1\r\nhost: x\r\nauthorization: Bearer ${TOKEN}\r\nidempotency-key: a\u0000b\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}`);
+    expect(nul.status).toBe(400);
+    expect(nul.headers).toMatch(/content-type: application\/problem\+json/i);
+    expect(JSON.parse(nul.body)).toMatchObject({ type: 'urn:idem:problem:idem.badRequest', status: 400, detail: expect.stringMatching(/;/) });
+    const huge = await rawHttp(server.base, `GET /api/runs HTTP/1.1\r\nhost: x\r\nidempotency-key: ${'k'.repeat(100_000)}\r\nconnection: close\r\n\r\n`);
+    expect(huge.status).toBe(431);
+    expect(huge.headers).toMatch(/content-type: application\/problem\+json/i);
+    expect(JSON.parse(huge.body)).toMatchObject({ type: 'urn:idem:problem:idem.headersTooLarge', status: 431 });
+    expect(huge.body).not.toContain(TOKEN);
+  });
+});
+
+describe('GET /api/runs?state=crashed|running pages', () => {
+  it('finds a crashed run behind a newer live one with limit=1, and pages on to it', async () => {
+    const dead = spawnCli(['--jobs-dir', FIXTURE_JOBS, 'run', 'counted', '--key', 'k-dead', '--params', JSON.stringify({ chunks: 50, pauseMs: 200 })], { url });
+    await waitFor(async () => (await workCounts(url, 'k-dead')).size >= 1, 'the first chunk of the run to kill');
+    dead.child.kill('SIGKILL');
+    await dead.done;
+    const deadId = String((await runRow(url, 'counted', 'k-dead')).id);
+    const live = spawnCli(['--jobs-dir', FIXTURE_JOBS, 'run', 'counted', '--key', 'k-live', '--params', JSON.stringify({ chunks: 200, pauseMs: 200 })], { url });
+    try {
+      await waitFor(async () => (await workCounts(url, 'k-live')).size >= 1, 'the live run to start');
+      const liveId = String((await runRow(url, 'counted', 'k-live')).id);
+      expect(Number(liveId)).toBeGreaterThan(Number(deadId));
+      const collect = async (state: string) => {
+        const ids: string[] = [];
+        let cursor: string | null = null;
+        for (let page = 0; page < 10; page++) {
+          const res: { status: number; text: string; body: any } = await api(server.base, 'GET', `/api/runs?state=${state}&limit=1${cursor ? `&cursor=${cursor}` : ''}`);
+          expect(res.status, res.text).toBe(200);
+          ids.push(...res.body.runs.map((r: any) => r.id));
+          cursor = res.body.nextCursor;
+          if (!cursor) break;
+        }
+        return ids;
+      };
+      expect(await collect('crashed')).toEqual([deadId]);
+      expect(await collect('running')).toEqual([liveId]);
+    } finally {
+      live.child.kill('SIGKILL');
+      await live.done;
+    }
+  });
+});
+
+describe('the database going away', () => {
+  it('answers 503 with retryable (not 500) while PostgreSQL cannot be reached, and works again after', async () => {
+    // A TCP proxy of our own in front of PostgreSQL: closing it refuses new connections and resets
+    // the open ones, as a database restart or a failover looks from the server.
+    const upstream = new URL(url);
+    const sockets = new Set<net.Socket>();
+    const listen = (port: number) =>
+      new Promise<net.Server>((resolve) => {
+        const proxy = net.createServer((client) => {
+          const up = net.connect(Number(upstream.port), upstream.hostname);
+          for (const s of [client, up]) {
+            sockets.add(s);
+            s.on('error', () => {});
+            s.on('close', () => sockets.delete(s));
+          }
+          client.pipe(up).pipe(client);
+        });
+        proxy.listen(port, '127.0.0.1', () => resolve(proxy));
+      });
+    let proxy = await listen(0);
+    const port = (proxy.address() as net.AddressInfo).port;
+    const viaProxy = new URL(url);
+    viaProxy.port = String(port);
+    const served = await startServe(viaProxy.toString(), [], {}, ANY_JOBS);
+    try {
+      expect((await api(served.base, 'GET', '/api/runs')).status).toBe(200);
+      await new Promise<void>((resolve) => {
+        proxy.close(() => resolve());
+        for (const s of sockets) s.destroy();
+      });
+      await settled();
+    const before = await snapshot(url, TABLES);
+      for (const res of [
+        await api(served.base, 'POST', '/api/jobs/any/runs', { key: 'k-db-down', body: {} }),
+        await api(served.base, 'GET', '/api/runs'),
+      ]) {
+        expectProblem(res, 503, 'idem.databaseUnavailable');
+        expect(res.body.retryable).toBe(true);
+        expect(res.headers.get('retry-after')).toMatch(/^\d+$/);
+        expect(res.text).not.toContain(viaProxy.password || '\u0000');
+      }
+      expect(await snapshot(url, TABLES)).toEqual(before);
+      proxy = await listen(port);
+      const again = await waitFor(
+        async () => {
+          const res = await api(served.base, 'POST', '/api/jobs/any/runs', { key: 'k-db-down', body: {} });
+          return res.status === 201 ? res : null;
+        },
+        'the server to reach the database again',
+      );
+      // Its run ends in this server before it is killed, leaving no run for the other one's rescan.
+      expect((await api(served.base, 'GET', `/api/runs/${again.body.id}?wait=30`)).body.state).toBe('succeeded');
+    } finally {
+      served.proc.child.kill('SIGKILL');
+      await served.proc.done;
+      proxy.close();
+      for (const s of sockets) s.destroy();
+    }
+  });
+});
+
+describe('a port that cannot be bound', () => {
+  it('is a usage error: exit 2 and one line naming --port, not a bare EADDRINUSE with exit 1', async () => {
+    const holder = net.createServer();
+    await new Promise<void>((resolve) => holder.listen(0, '127.0.0.1', () => resolve()));
+    const port = (holder.address() as net.AddressInfo).port;
+    try {
+      const res = await runCli(['--jobs-dir', ANY_JOBS, 'serve', '--port', String(port)], { url, env: { IDEM_API_TOKEN: TOKEN } });
+      expect(res.code, res.stderr).toBe(2);
+      expect(res.stderr.trim().split('\n')).toHaveLength(1);
+      expect(res.stderr).toContain(`cannot listen on 127.0.0.1:${port}: the address is in use; pass another --port`);
+    } finally {
+      holder.close();
+    }
+  });
+});
+
+describe('GET /api/runs/:id/events of an ended run', () => {
+  it('marks the last event with an id, and answers an EventSource reconnect carrying it with 204 so the browser stops reconnecting', async () => {
+    const created = await api(server.base, 'POST', '/api/jobs/any/runs', { key: 'k-sse-end', body: {} });
+    expect(created.status, created.text).toBe(201);
+    expect((await api(server.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body.state).toBe('succeeded');
+    const first = await fetch(`${server.base}/api/runs/${created.body.id}/events`, { headers: { authorization: `Bearer ${TOKEN}` } });
+    expect(first.status).toBe(200);
+    const text = await first.text();
+    const last = text.trim().split('\n\n').at(-1)!;
+    expect(last).toMatch(/^event: progress\nid: ended\ndata: /);
+    // EventSource reconnects (after `retry`) whenever a stream ends, sending the last id it saw:
+    // only a 204 stops it; a 200 with the same final event again would repeat every 2 s forever.
+    const again = await fetch(`${server.base}/api/runs/${created.body.id}/events`, { headers: { authorization: `Bearer ${TOKEN}`, 'last-event-id': 'ended' } });
+    expect(again.status).toBe(204);
+    expect(await again.text()).toBe('');
+  });
+});
+
+describe('the dashboard live stream of a run that does not exist', () => {
+  it('is a 404 problem like the run page and the API stream, not a 200 event stream', async () => {
+    for (const path of ['/runs/999999/live', '/runs/abc/live']) expectProblem(await api(server.base, 'GET', path), 404, 'idem.unknownRun');
+    expectProblem(await api(server.base, 'GET', '/runs/999999'), 404, 'idem.unknownRun');
+  });
+});
+
+describe('HEAD on an event stream', () => {
+  it('answers the headers at once instead of streaming nothing until the client gives up', async () => {
+    const run = await api(server.base, 'POST', '/api/jobs/any/runs', { key: 'k-head', body: {} });
+    expect(run.status, run.text).toBe(201);
+    for (const path of ['/live', `/runs/${run.body.id}/live`, `/api/runs/${run.body.id}/events`]) {
+      const started = Date.now();
+      const res = await fetch(`${server.base}${path}`, { method: 'HEAD', headers: { authorization: `Bearer ${TOKEN}` }, signal: AbortSignal.timeout(5_000) });
+      expect(res.status).toBe(200);
+      expect(res.headers.get('content-type')).toMatch(/^text\/event-stream/);
+      expect(Date.now() - started).toBeLessThan(2_000);
+    }
+  });
+});
