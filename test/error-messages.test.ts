@@ -150,6 +150,18 @@ describe('a job file that cannot load: file:line:column, the cause, the source l
 });
 
 describe('a folder given with --jobs-dir or --migrations-dir must exist', () => {
+  it('run in a directory without jobs/ says so (not "known: none"): run idem in the project root, --jobs-dir, or idem init', async () => {
+    // The commonest slip: `npx idem run x` from a subfolder, or before `idem init`.
+    const cwd = path.join(tmp, 'no-jobs-here');
+    await mkdir(cwd, { recursive: true });
+    const before = await snapshot(url, ALL_TABLES);
+    const r = await runCli(['run', 'backfill'], { url, cwd });
+    expect(refusal(r, 2)).toEqual([
+      `idem: error: no job named 'backfill': there is no jobs/ folder in ${cwd}; run idem in your project's root, pass --jobs-dir, or create one with idem init`,
+    ]);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
   it('a missing explicit folder exits 2 naming it, for every command; nothing is written', async () => {
     const missing = path.join(tmp, 'no-such-folder');
     const before = await snapshot(url, ALL_TABLES);
