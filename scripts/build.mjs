@@ -37,7 +37,7 @@ await rm(new URL('../dist', import.meta.url), { recursive: true, force: true });
 await Promise.all([
   declarations('tsconfig.build.json'),
   declarations('tsconfig.cjs.json'),
-  build({ ...common, entryPoints: { cli: 'src/cli.ts', index: 'src/index.ts', testing: 'src/testing.ts' }, format: 'esm', splitting: true, banner: { js: requireBanner }, outdir: 'dist', chunkNames: 'chunks/[name]-[hash]' }),
+  build({ ...common, entryPoints: { cli: 'src/cli.ts', index: 'src/index.ts', testing: 'src/testing.ts' }, format: 'esm', splitting: true, define: { __IDEM_VERSION__: JSON.stringify(pkg.version) }, banner: { js: requireBanner }, outdir: 'dist', chunkNames: 'chunks/[name]-[hash]' }),
   build({ ...common, entryPoints: { 'job-api': 'src/job-api.ts' }, format: 'cjs', outdir: 'dist/cjs' }),
 ]);
 await mkdir(new URL('../dist/cjs', import.meta.url), { recursive: true });

@@ -1,3 +1,4 @@
+import { readFile } from 'node:fs/promises';
 import { fileURLToPath } from 'node:url';
 import pg from 'pg';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
@@ -234,6 +235,14 @@ describe('idem help, status and list', () => {
       expect(r.code, `${cases[i]![0].join(' ')}: ${r.stderr}`).toBe(0);
       expect(r.stdout).toContain(cases[i]![1]);
     });
+  });
+
+  it('--version and -V print the version of the installed idem and exit 0, as every CLI does', async () => {
+    // The first thing asked in a bug report; it was "unknown option '--version'", exit 2.
+    const { version } = JSON.parse(await readFile(new URL('../package.json', import.meta.url), 'utf8')) as { version: string };
+    for (const r of await Promise.all([runCli(['--version']), runCli(['-V'])])) {
+      expect({ code: r.code, stdout: r.stdout, stderr: r.stderr }).toEqual({ code: 0, stdout: `${version}\n`, stderr: '' });
+    }
   });
 
   it('status --json prints parseable runs with progress and state', async () => {
