@@ -294,6 +294,27 @@ describe('idem help, status and list', () => {
     expectOneLineError(unknown, 2, 'job "counted" has no run with key "no-such-key"');
   });
 
+  it('status <job> --key takes the run key as the table shows it (cut to 27 characters and ...), or any unique prefix', async () => {
+    // The default run key is the params fingerprint, 71 characters: the table cuts it, and the
+    // full key was only in --json, so the detail view of such a run could not be reached from it.
+    const made = await idem(['run', 'counted', '--params', '{"chunks":2,"label":"prefix-lookup"}', '--json']);
+    expect(made.code, made.stderr).toBe(0);
+    const full = (JSON.parse(made.stdout) as { runKey: string }).runKey;
+    expect(full).toMatch(/^sha256:[0-9a-f]{64}$/);
+    const table = await idem(['status', 'counted', '--limit', '10000']);
+    const shown = lines(table.stdout).map((l) => l.split(/ +/)[1]!).find((k) => k === `${full.slice(0, 27)}...`);
+    expect(shown).toBeDefined();
+    for (const key of [shown!, full.slice(0, 20)]) {
+      const r = await idem(['status', 'counted', '--key', key]);
+      expect(r.code, r.stderr).toBe(0);
+      expect(lines(r.stdout)[1]).toBe(`run key   ${full}`);
+    }
+    // A prefix of several keys is refused, naming them.
+    for (const key of ['pfx-a', 'pfx-b']) expect((await idem(['run', 'counted', '--params', '{"chunks":1}', '--key', key])).code).toBe(0);
+    const ambiguous = await idem(['status', 'counted', '--key', 'pfx-']);
+    expectOneLineError(ambiguous, 2, 'job "counted" has several runs with a key starting "pfx-" (pfx-a, pfx-b); give more of the key');
+  });
+
   it('list --json shows the fixture jobs and migrations with their latest state', async () => {
     // counted's latest run is this one, whatever other tests ran before.
     const runner = await Runner.connect({ connectionString: url });

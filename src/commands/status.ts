@@ -114,6 +114,23 @@ export function formatRunDetail(r: RunStatusRow, steps: readonly StepDetail[], n
   return out.join('\n');
 }
 
+/**
+ * The run whose key starts with `key`, as the table shows a long key (cut, ending in `...`) or as
+ * a user shortens one (a params fingerprint is 71 characters): read-only, so a unique prefix is
+ * enough, as with git's short hashes. Undefined when none matches; several is a usage error.
+ */
+function uniqueByPrefix(runs: readonly RunStatusRow[], job: string, key: string): RunStatusRow | undefined {
+  const prefix = key.replace(/(?:\.\.\.|…)$/, '');
+  if (prefix === '') return undefined;
+  const hits = runs.filter((r) => r.runKey.startsWith(prefix));
+  if (hits.length > 1) {
+    const keys = [...new Set(hits.map((r) => r.runKey))].sort();
+    const shown = keys.length > 5 ? `${keys.slice(0, 5).join(', ')}, …` : keys.join(', ');
+    throw new UsageError('unknownRun', `job "${job}" has several runs with a key starting "${prefix}" (${shown}); give more of the key`);
+  }
+  return hits[0];
+}
+
 /** `idem status [job] [--key K]`: the runs, newest first, or one run in detail. */
 export function registerStatusCommand(program: Command, cli: CliContext): void {
   program
@@ -134,7 +151,8 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
         const tty = process.stdout.isTTY === true && !process.env.NO_COLOR;
         if (o.key !== undefined) {
           // status() lists newest first; a run key is unique per job, so search that job's runs.
-          const run = (await runner.status(job, 10_000)).find((r) => r.runKey === o.key);
+          const runs = await runner.status(job, 10_000);
+          const run = runs.find((r) => r.runKey === o.key) ?? uniqueByPrefix(runs, job!, o.key);
           if (!run) throw new UsageError('unknownRun', `job "${job}" has no run with key "${o.key}"; see idem status ${job} for its runs`);
           const steps = await stepDetails(runner, run.runId);
           process.stdout.write(o.json ? `${JSON.stringify({ ...run, steps })}\n` : `${formatRunDetail(run, steps, new Date(), colours(tty))}\n`);
