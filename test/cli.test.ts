@@ -152,6 +152,9 @@ describe('idem run', () => {
       'idem: error: job "counted" failed in step "work", chunk c0002 after 1 try: injected failure in chunk c0002; fix the cause and run the same command again to resume there',
     ]);
     expect(await runRow(url, 'counted', 'cli-fail')).toMatchObject({ status: 'failed', attempt: 1 });
+    // Its detail view says the step failed (the step's row still says running: nobody finished it).
+    const detail = await idem(['status', 'counted', '--key', 'cli-fail']);
+    expect(lines(detail.stdout).find((l) => /^ {2}\d\. work\b/.test(l))).toMatch(/^ {2}\d\. work +failed +1\/3 chunks$/);
 
     await query(url, `delete from fail_chunks`);
     const resumed = await idem(['run', 'counted', '--params', '{"chunks":3}', '--key', 'cli-fail', '--json']);

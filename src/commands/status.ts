@@ -100,10 +100,14 @@ export function formatRunDetail(r: RunStatusRow, steps: readonly StepDetail[], n
   if (steps.length > 0) {
     out.push('', c.bold('steps'));
     const nameWidth = Math.max(...steps.map((s) => s.name.length));
+    // A step's row says running until someone finishes it: in a run nobody is executing (failed,
+    // paused, interrupted, crashed, cancelled) the step where it stopped shows the run's state.
+    const shown = steps.map((s) => (s.status === 'running' && r.state !== 'running' ? r.state : s.status));
+    const statusWidth = Math.max(7, ...shown.map((x) => x.length));
     steps.forEach((s, i) => {
       const total = s.plannedAll ? `${s.planned}` : `${Math.max(s.planned, s.estimated ?? 0)}~`;
       const skipped = s.skipped > 0 ? c.yellow(`, ${s.skipped} skipped`) : '';
-      out.push(`  ${i + 1}. ${s.name.padEnd(nameWidth)}  ${s.status.padEnd(7)}  ${s.done}/${total} chunks${skipped}`);
+      out.push(`  ${i + 1}. ${s.name.padEnd(nameWidth)}  ${shown[i]!.padEnd(statusWidth)}  ${s.done}/${total} chunks${skipped}`);
     });
   }
   if (r.skipped.length > 0) {
