@@ -37,9 +37,22 @@ await rm(new URL('../dist', import.meta.url), { recursive: true, force: true });
 await Promise.all([
   declarations('tsconfig.build.json'),
   declarations('tsconfig.cjs.json'),
-  build({ ...common, entryPoints: { cli: 'src/cli.ts', index: 'src/index.ts', testing: 'src/testing.ts' }, format: 'esm', splitting: true, banner: { js: requireBanner }, outdir: 'dist', chunkNames: 'chunks/[name]-[hash]' }),
+  build({ ...common, entryPoints: { cli: 'src/cli.ts', index: 'src/index.ts', testing: 'src/testing.ts' }, format: 'esm', splitting: true, define: { __IDEM_VERSION__: JSON.stringify(pkg.version) }, banner: { js: requireBanner }, outdir: 'dist', chunkNames: 'chunks/[name]-[hash]' }),
   build({ ...common, entryPoints: { 'job-api': 'src/job-api.ts' }, format: 'cjs', outdir: 'dist/cjs' }),
 ]);
 await mkdir(new URL('../dist/cjs', import.meta.url), { recursive: true });
 // The package is "type": "module"; this marks the .js files under dist/cjs/ as CommonJS.
 await writeFile(new URL('../dist/cjs/package.json', import.meta.url), '{ "type": "commonjs" }\n');
+// idem/testing is ESM, but a CommonJS TypeScript project type-checks its imports as CommonJS: there
+// `idem` is dist/cjs/job-api.d.ts, whose jobs and `sql` carry kysely's CommonJS types, which the
+// ESM declarations' (kysely's ESM types, a class with #private) do not accept. So the kit's
+// declarations are also given as CommonJS ones (the `require` condition of "./testing", types
+// only), next to the job API's: the same text, its relative imports resolved in dist/cjs/.
+const testingDts = await readFile(new URL('../dist/testing.d.ts', import.meta.url), 'utf8');
+for (const [, spec] of testingDts.matchAll(/from '(\.[^']+)'/g)) {
+  const target = new URL(`../dist/cjs/${spec.replace(/\.ts$/, '.d.ts')}`, import.meta.url);
+  await readFile(target).catch(() => {
+    throw new Error(`dist/testing.d.ts imports ${spec}, which the CommonJS declarations (dist/cjs/) lack: add it to tsconfig.cjs.json or keep the kit's types to the job API`);
+  });
+}
+await writeFile(new URL('../dist/cjs/testing.d.ts', import.meta.url), testingDts);

@@ -1,3 +1,4 @@
+import { readFileSync } from 'node:fs';
 import { Command, CommanderError, Option } from 'commander';
 import { positiveInt } from './cli-parsers.ts';
 import { CLI_DEFAULT_SCHEMA, createCliContext } from './cli-session.ts';
@@ -18,6 +19,14 @@ import { LOG_LEVELS } from './log-level.ts';
 
 export { CLI_DEFAULT_SCHEMA };
 
+/** Set by scripts/build.mjs from package.json (no file read at start-up); unset when run from src/. */
+declare const __IDEM_VERSION__: string | undefined;
+
+function idemVersion(): string {
+  if (typeof __IDEM_VERSION__ === 'string') return __IDEM_VERSION__;
+  return (JSON.parse(readFileSync(new URL('../package.json', import.meta.url), 'utf8')) as { version: string }).version;
+}
+
 /**
  * The `idem` program: the global flags here, each command (its flags, help and action together)
  * in its own module under src/commands/. Start-up time matters (cron fires it, operators type
@@ -27,6 +36,7 @@ export { CLI_DEFAULT_SCHEMA };
 export function buildProgram(state: { exitCode: number }): Command {
   const program = new Command('idem')
     .description('Idempotent batch and data-migration jobs for PostgreSQL: safe to run twice, resumable after a crash.')
+    .version(idemVersion(), '-V, --version', 'print the version of idem')
     .addOption(new Option('--database-url <url>', 'PostgreSQL connection string (default: DATABASE_URL, else an embedded server under .idem/)').env('DATABASE_URL'))
     .option('--schema <name>', "schema for idem's own tables", CLI_DEFAULT_SCHEMA)
     .option('--jobs-dir <dir>', 'folder of job files', 'jobs')

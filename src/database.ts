@@ -146,9 +146,15 @@ export function describeConnectError(err: unknown, connectionString: string): Da
       msg = `cannot reach the database at ${where}: host not found; fix the host in --database-url / DATABASE_URL`;
       break;
     case '28P01':
-    case '28000':
-      msg = `the database at ${where} refused the credentials (${raw}); fix the user or password in DATABASE_URL`;
+    case '28000': {
+      // 28000 is also "not permitted to log in" and pg_hba.conf's refusals, where the user and
+      // password are right and changing them is the wrong advice.
+      const role = /role "([^"]+)" is not permitted to log in/.exec(raw)?.[1];
+      if (role) msg = `the database at ${where} refused the connection (${raw}); ALTER ROLE ${role} LOGIN, or use a role that may log in`;
+      else if (/pg_hba\.conf/.test(raw)) msg = `the database at ${where} refused the connection (${raw}); allow it in the server's pg_hba.conf, or connect as a user, to a database or from a host it allows`;
+      else msg = `the database at ${where} refused the credentials (${raw}); fix the user or password in DATABASE_URL`;
       break;
+    }
     case '3D000':
       msg = `the database at ${where} does not exist (${raw}); create it or fix the database name in DATABASE_URL`;
       break;

@@ -39,6 +39,12 @@ export async function explainLoadError(file: string, err: unknown): Promise<Load
   }
   const code = (err as { code?: unknown }).code;
   if (code === 'ERR_MODULE_NOT_FOUND') return missingImport(err.message);
+  // CommonJS (a project without "type": "module"): require() throws MODULE_NOT_FOUND, with the
+  // importing file first in its require stack.
+  if (code === 'MODULE_NOT_FOUND') {
+    const missing = await missingRequire(file, err);
+    if (missing) return missing;
+  }
   // Node 20 says "Cannot require() ES Module … in a cycle"; other versions and paths word it otherwise.
   const esmAsCommonJs =
     code === 'ERR_REQUIRE_CYCLE_MODULE' || code === 'ERR_REQUIRE_ESM' || code === 'ERR_REQUIRE_ASYNC_MODULE' || /Cannot use import statement outside a module|Unexpected token 'export'/.test(err.message);
@@ -158,6 +164,30 @@ async function missingImport(message: string): Promise<LoadFailure> {
   return kind === 'package'
     ? { cause: `cannot find package '${target}' (imported from ${displayPath(importer)})`, fix: `install it (npm install ${packageName(target)}) or fix the import` }
     : { cause: `cannot find module ${target} (imported from ${displayPath(importer)})`, fix: 'fix the import path' };
+}
+
+/**
+ * "Cannot find module 'x'\nRequire stack:\n- /app/jobs/a.js\n- …": the same answer as for an ES
+ * module's missing import. Undefined when the importer is not the user's (a package that lacks one
+ * of its own dependencies): the generic message says more then.
+ */
+async function missingRequire(file: string, err: Error): Promise<LoadFailure | undefined> {
+  const spec = /^Cannot find module '([^']+)'/.exec(err.message)?.[1];
+  if (!spec) return undefined;
+  const stack = (err as { requireStack?: unknown }).requireStack;
+  const importer = Array.isArray(stack) && typeof stack[0] === 'string' ? stack[0] : file;
+  if (importer.includes(`${path.sep}node_modules${path.sep}`) || importer.startsWith(OWN_SOURCES)) return undefined;
+  const bare = !spec.startsWith('.') && !path.isAbsolute(spec);
+  const cause = bare ? `cannot find package '${spec}'` : `cannot find module '${spec}'`;
+  const fix = bare ? `install it (npm install ${packageName(spec)}) or fix the import` : 'fix the import path';
+  const lines = (await sourceLines(importer)) ?? [];
+  for (let i = 0; i < lines.length; i++) {
+    for (const s of lines[i]!.matchAll(/(?:\bfrom|\bimport|\brequire\s*\()\s*\(?\s*(['"])([^'"]+)\1/g)) {
+      if (s[2] !== spec) continue;
+      return { cause, fix, location: { file: importer, line: i + 1, column: s.index + s[0].indexOf(s[1]!) + 1, lineText: lines[i]! } };
+    }
+  }
+  return importer === file ? { cause, fix } : { cause: `${cause} (required from ${displayPath(importer)})`, fix };
 }
 
 /** `@scope/pkg/sub` → `@scope/pkg`; `pkg/sub` → `pkg`. */

@@ -140,6 +140,11 @@ export async function findJob(dir: string, name: string, opts: { readonly migrat
       throw new UsageError('notAJob', `'${name}' is a migration in ${opts.migrationsDir}/, not a job; run it with idem migrate`);
     }
   }
+  if (all.length === 0 && !existsSync(path.resolve(dir))) {
+    // Only the default folder can be missing here (an explicit --jobs-dir is checked up front):
+    // idem was started outside the project's root, or before idem init.
+    throw new UsageError('unknownJob', `no job named '${name}': there is no ${dir}/ folder in ${process.cwd()}; run idem in your project's root, pass --jobs-dir, or create one with idem init`);
+  }
   throw unknownJobError(name, all.map((j) => j.job.name), [dir]);
 }
 

@@ -82,22 +82,91 @@ function crashingAt(job: Job, n: number, when: 'before' | 'after'): Job {
   return Object.freeze({ ...job, steps }) as unknown as Job;
 }
 
-/** A readable line diff of two JSON values: `-` the clean run, `+` the scenario. */
+/**
+ * A readable line diff of two JSON values: `-` the clean run, `+` the scenario, each change with
+ * the three lines around it (so a changed field is shown with its row) and `…` where equal lines
+ * are left out. Lines are matched by a longest common subsequence, so an extra or a missing row is
+ * one block, not a difference on every line after it. At most 40 changed lines are shown.
+ */
 export function diffSnapshots(expected: unknown, actual: unknown): string {
-  const a = JSON.stringify(expected, null, 2).split('\n');
-  const b = JSON.stringify(actual, null, 2).split('\n');
+  const a = (JSON.stringify(expected, null, 2) ?? 'undefined').split('\n');
+  const b = (JSON.stringify(actual, null, 2) ?? 'undefined').split('\n');
+  const ops = lineDiff(a, b);
+  const CONTEXT = 3;
+  const MAX_CHANGES = 40;
+  const near = new Array<boolean>(ops.length).fill(false);
+  ops.forEach((op, i) => {
+    if (op.kind === ' ') return;
+    for (let j = Math.max(0, i - CONTEXT); j <= Math.min(ops.length - 1, i + CONTEXT); j++) near[j] = true;
+  });
   const out: string[] = [];
-  const max = Math.max(a.length, b.length);
-  for (let i = 0; i < max; i++) {
-    if (a[i] === b[i]) continue;
-    if (a[i] !== undefined) out.push(`- ${a[i]}`);
-    if (b[i] !== undefined) out.push(`+ ${b[i]}`);
-    if (out.length > 40) {
+  let changes = 0;
+  let skipped = false;
+  for (let i = 0; i < ops.length; i++) {
+    if (!near[i]) {
+      skipped = true;
+      continue;
+    }
+    if (skipped && out.length > 0) out.push('  …');
+    skipped = false;
+    const op = ops[i]!;
+    out.push(`${op.kind} ${op.line}`);
+    if (op.kind !== ' ' && ++changes >= MAX_CHANGES) {
       out.push('  …');
       break;
     }
   }
   return out.join('\n');
+}
+
+interface DiffOp {
+  readonly kind: ' ' | '-' | '+';
+  readonly line: string;
+}
+
+/** Equal prefix and suffix as is; the middle by LCS (bounded: a huge middle is compared line by line). */
+function lineDiff(a: string[], b: string[]): DiffOp[] {
+  let pre = 0;
+  while (pre < a.length && pre < b.length && a[pre] === b[pre]) pre++;
+  let suf = 0;
+  while (suf < a.length - pre && suf < b.length - pre && a[a.length - 1 - suf] === b[b.length - 1 - suf]) suf++;
+  const am = a.slice(pre, a.length - suf);
+  const bm = b.slice(pre, b.length - suf);
+  const same = (line: string): DiffOp => ({ kind: ' ', line });
+  const middle: DiffOp[] = [];
+  const n = am.length;
+  const m = bm.length;
+  if (n * m > 4_000_000) {
+    for (let i = 0; i < Math.max(n, m); i++) {
+      if (am[i] === bm[i]) middle.push(same(am[i]!));
+      else {
+        if (am[i] !== undefined) middle.push({ kind: '-', line: am[i]! });
+        if (bm[i] !== undefined) middle.push({ kind: '+', line: bm[i]! });
+      }
+    }
+  } else {
+    // lcs[i][j]: the longest common subsequence of am[i..] and bm[j..].
+    const lcs = new Uint32Array((n + 1) * (m + 1));
+    for (let i = n - 1; i >= 0; i--) {
+      for (let j = m - 1; j >= 0; j--) {
+        lcs[i * (m + 1) + j] = am[i] === bm[j] ? lcs[(i + 1) * (m + 1) + j + 1]! + 1 : Math.max(lcs[(i + 1) * (m + 1) + j]!, lcs[i * (m + 1) + j + 1]!);
+      }
+    }
+    let i = 0;
+    let j = 0;
+    while (i < n || j < m) {
+      if (i < n && j < m && am[i] === bm[j]) {
+        middle.push(same(am[i]!));
+        i++;
+        j++;
+      } else if (j >= m || (i < n && lcs[(i + 1) * (m + 1) + j]! >= lcs[i * (m + 1) + j + 1]!)) {
+        middle.push({ kind: '-', line: am[i++]! });
+      } else {
+        middle.push({ kind: '+', line: bm[j++]! });
+      }
+    }
+  }
+  return [...a.slice(0, pre).map(same), ...middle, ...a.slice(a.length - suf).map(same)];
 }
 
 async function withAdmin<T>(url: string, fn: (c: pg.Client) => Promise<T>): Promise<T> {

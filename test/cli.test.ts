@@ -1,3 +1,4 @@
+import { readFile } from 'node:fs/promises';
 import { fileURLToPath } from 'node:url';
 import pg from 'pg';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
@@ -151,6 +152,9 @@ describe('idem run', () => {
       'idem: error: job "counted" failed in step "work", chunk c0002 after 1 try: injected failure in chunk c0002; fix the cause and run the same command again to resume there',
     ]);
     expect(await runRow(url, 'counted', 'cli-fail')).toMatchObject({ status: 'failed', attempt: 1 });
+    // Its detail view says the step failed (the step's row still says running: nobody finished it).
+    const detail = await idem(['status', 'counted', '--key', 'cli-fail']);
+    expect(lines(detail.stdout).find((l) => /^ {2}\d\. work\b/.test(l))).toMatch(/^ {2}\d\. work +failed +1\/3 chunks$/);
 
     await query(url, `delete from fail_chunks`);
     const resumed = await idem(['run', 'counted', '--params', '{"chunks":3}', '--key', 'cli-fail', '--json']);
@@ -236,6 +240,14 @@ describe('idem help, status and list', () => {
     });
   });
 
+  it('--version and -V print the version of the installed idem and exit 0, as every CLI does', async () => {
+    // The first thing asked in a bug report; it was "unknown option '--version'", exit 2.
+    const { version } = JSON.parse(await readFile(new URL('../package.json', import.meta.url), 'utf8')) as { version: string };
+    for (const r of await Promise.all([runCli(['--version']), runCli(['-V'])])) {
+      expect({ code: r.code, stdout: r.stdout, stderr: r.stderr }).toEqual({ code: 0, stdout: `${version}\n`, stderr: '' });
+    }
+  });
+
   it('status --json prints parseable runs with progress and state', async () => {
     // Its own runs: one succeeded at once, one that failed and was resumed (attempt 2).
     const runner = await Runner.connect({ connectionString: url });
@@ -283,6 +295,27 @@ describe('idem help, status and list', () => {
     expect(json.steps.reduce((n, s) => n + s.done, 0)).toBe(5);
     const unknown = await idem(['status', 'counted', '--key', 'no-such-key']);
     expectOneLineError(unknown, 2, 'job "counted" has no run with key "no-such-key"');
+  });
+
+  it('status <job> --key takes the run key as the table shows it (cut to 27 characters and ...), or any unique prefix', async () => {
+    // The default run key is the params fingerprint, 71 characters: the table cuts it, and the
+    // full key was only in --json, so the detail view of such a run could not be reached from it.
+    const made = await idem(['run', 'counted', '--params', '{"chunks":2,"label":"prefix-lookup"}', '--json']);
+    expect(made.code, made.stderr).toBe(0);
+    const full = (JSON.parse(made.stdout) as { runKey: string }).runKey;
+    expect(full).toMatch(/^sha256:[0-9a-f]{64}$/);
+    const table = await idem(['status', 'counted', '--limit', '10000']);
+    const shown = lines(table.stdout).map((l) => l.split(/ +/)[1]!).find((k) => k === `${full.slice(0, 27)}...`);
+    expect(shown).toBeDefined();
+    for (const key of [shown!, full.slice(0, 20)]) {
+      const r = await idem(['status', 'counted', '--key', key]);
+      expect(r.code, r.stderr).toBe(0);
+      expect(lines(r.stdout)[1]).toBe(`run key   ${full}`);
+    }
+    // A prefix of several keys is refused, naming them.
+    for (const key of ['pfx-a', 'pfx-b']) expect((await idem(['run', 'counted', '--params', '{"chunks":1}', '--key', key])).code).toBe(0);
+    const ambiguous = await idem(['status', 'counted', '--key', 'pfx-']);
+    expectOneLineError(ambiguous, 2, 'job "counted" has several runs with a key starting "pfx-" (pfx-a, pfx-b); give more of the key');
   });
 
   it('list --json shows the fixture jobs and migrations with their latest state', async () => {

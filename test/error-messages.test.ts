@@ -113,6 +113,32 @@ describe('a job file that cannot load: file:line:column, the cause, the source l
     expect(r[0]).toBe(`idem: error: cannot load jobs file ${path.join(rel, 'rel.ts')}:1:20: cannot find module './no-such-helper.ts' (${path.join(rel, 'no-such-helper.ts')}); fix the import path`);
   });
 
+  it('in a CommonJS project too (require(), .js and .ts), a missing package names the import line and npm install as the fix', async () => {
+    // npm's default project is CommonJS: its job files are require()d, and Node's CommonJS loader
+    // throws MODULE_NOT_FOUND ("Cannot find module 'x'\nRequire stack: …"), not ESM's
+    // ERR_MODULE_NOT_FOUND. The fix is the same: install the package, or fix the path.
+    const dir = await jobFolder(
+      'missing-cjs',
+      {
+        'pkg.js': `// needs a package\nconst { nope } = require('no-such-package-idem-test/sub');\nmodule.exports = { name: 'pkg', steps: [{ name: 'a', run: () => nope }] };\n`,
+      },
+      { name: 'app' },
+    );
+    const before = await snapshot(url, ALL_TABLES);
+    const js = refusal(await runCli(['--jobs-dir', dir, 'list'], { url }), 2);
+    expect(js[0]).toBe(`idem: error: cannot load jobs file ${path.join(dir, 'pkg.js')}:2:26: cannot find package 'no-such-package-idem-test/sub'; install it (npm install no-such-package-idem-test) or fix the import`);
+    expect(js[1]).toBe(`    2 | const { nope } = require('no-such-package-idem-test/sub');`);
+
+    const ts = await jobFolder('missing-cts', { 'pkg.ts': `import { nope } from 'no-such-package-idem-test';\nexport default { name: 'pkg', steps: [{ name: 'a', run: () => nope }] };\n` }, { name: 'app' });
+    const t = refusal(await runCli(['--jobs-dir', ts, 'run', 'pkg'], { url }), 2);
+    expect(t[0]).toBe(`idem: error: cannot load jobs file ${path.join(ts, 'pkg.ts')}:1:22: cannot find package 'no-such-package-idem-test'; install it (npm install no-such-package-idem-test) or fix the import`);
+
+    const rel = await jobFolder('missing-cjs-file', { 'rel.cjs': `const helper = require('./no-such-helper');\nmodule.exports = { name: 'rel', steps: [{ name: 'a', run: () => helper }] };\n` }, { name: 'app' });
+    const r = refusal(await runCli(['--jobs-dir', rel, 'list'], { url }), 2);
+    expect(r[0]).toBe(`idem: error: cannot load jobs file ${path.join(rel, 'rel.cjs')}:1:24: cannot find module './no-such-helper'; fix the import path`);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
   it('a .ts job with import/export in a package without "type": "module" loads (as CommonJS TypeScript), not "cannot require() ES Module in a cycle"', async () => {
     // npm's default project is CommonJS; issue 10 makes its TypeScript jobs load (tsx compiles
     // their import/export to require), so what issue 14 turned into a helpful refusal now works.
@@ -124,6 +150,18 @@ describe('a job file that cannot load: file:line:column, the cause, the source l
 });
 
 describe('a folder given with --jobs-dir or --migrations-dir must exist', () => {
+  it('run in a directory without jobs/ says so (not "known: none"): run idem in the project root, --jobs-dir, or idem init', async () => {
+    // The commonest slip: `npx idem run x` from a subfolder, or before `idem init`.
+    const cwd = path.join(tmp, 'no-jobs-here');
+    await mkdir(cwd, { recursive: true });
+    const before = await snapshot(url, ALL_TABLES);
+    const r = await runCli(['run', 'backfill'], { url, cwd });
+    expect(refusal(r, 2)).toEqual([
+      `idem: error: no job named 'backfill': there is no jobs/ folder in ${cwd}; run idem in your project's root, pass --jobs-dir, or create one with idem init`,
+    ]);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
   it('a missing explicit folder exits 2 naming it, for every command; nothing is written', async () => {
     const missing = path.join(tmp, 'no-such-folder');
     const before = await snapshot(url, ALL_TABLES);

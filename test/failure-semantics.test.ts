@@ -345,6 +345,24 @@ describe('database health at start-up', () => {
     expect(res.stderr.trim().split('\n')).toHaveLength(1);
   });
 
+  it('a role that may not log in: exit 2 naming ALTER ROLE … LOGIN, not "fix the user or password" (they are right)', async () => {
+    await query(db.url, `drop role if exists idem_nologin_role`);
+    await query(db.url, `create role idem_nologin_role nologin password 'nologin-secret-xyz'`);
+    try {
+      const as = new URL(db.url);
+      as.username = 'idem_nologin_role';
+      as.password = 'nologin-secret-xyz';
+      const res = await runCli([...FIXTURE_DIRS, 'status'], { url: as.toString() });
+      expect(res.code).toBe(2);
+      expect(res.stderr.trim().split('\n')).toEqual([
+        expect.stringMatching(/^idem: error: the database at \S+ refused the connection \(role "idem_nologin_role" is not permitted to log in\); ALTER ROLE idem_nologin_role LOGIN, or use a role that may log in$/),
+      ]);
+      expect(res.stderr).not.toContain('nologin-secret-xyz');
+    } finally {
+      await query(db.url, `drop role if exists idem_nologin_role`);
+    }
+  });
+
   it('a runner schema newer than this binary: exit 2 and nothing is changed', async () => {
     await runCli([...FIXTURE_DIRS, 'status'], { url: db.url }); // make sure the schema exists
     await query(db.url, `insert into idem.idem_migration (name, timestamp) values ('9999_from_the_future', now()::text)`);

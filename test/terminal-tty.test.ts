@@ -6,7 +6,7 @@ import { execFile } from 'node:child_process';
 import { existsSync } from 'node:fs';
 import { promisify } from 'node:util';
 import { describe, expect, it } from 'vitest';
-import { BIN, FIXTURE_DIRS, REPO } from './support/cli.ts';
+import { BIN, FIXTURE_DIRS, query, REPO } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 const exec = promisify(execFile);
@@ -57,5 +57,29 @@ describe.runIf(existsSync(SCRIPT))('idem run on a terminal', () => {
     // The bar was drawn: the raw output holds at least one bar frame.
     expect(stdout).toMatch(/step 2\/3 work [█░]+ \d+\/12 chunks · [\d.]+\/s · ETA /);
     expect(screen.at(-1)).toMatch(/^job "counted" succeeded: 14 chunks in 3 steps/);
+  });
+});
+
+describe.runIf(existsSync(SCRIPT))('idem run on a terminal, ending in an error', () => {
+  it('clears the progress bar before the error line: the error starts a line of its own', async () => {
+    // The bar was cleared only when the session closed, after main() had written the error
+    // (seen as `… ETA 4sidem: error: interrupted by SIGINT …`); a failed chunk does the same.
+    await query(database.url, `insert into fail_chunks (chunk_key) values ('c0009')`);
+    try {
+      const args = [BIN, ...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":12,"pauseMs":120}', '--key', 'tty-fail'];
+      const env: NodeJS.ProcessEnv = { ...process.env, DATABASE_URL: database.url, NO_COLOR: '1', COLUMNS: '120' };
+      delete env.NODE_OPTIONS;
+      // -e would make script exit 1 with the run; its output is what matters.
+      const { stdout } = await exec(SCRIPT, ['-qc', [process.execPath, ...args].map(quote).join(' '), '/dev/null'], { cwd: REPO, env, timeout: 60_000 });
+      expect(stdout).toMatch(/step 2\/3 work [█░]+ \d+\/12 chunks/);
+      const screen = stdout
+        .split(/\r?\n/)
+        .map((l) => l.split('\r\x1b[K').at(-1)!.replace(/\r$/, ''))
+        .filter((l) => l !== '');
+      const errorLines = screen.filter((l) => l.includes('idem: error:'));
+      expect(errorLines).toEqual([expect.stringMatching(/^idem: error: job "counted" failed in step "work", chunk c0009/)]);
+    } finally {
+      await query(database.url, `delete from fail_chunks`);
+    }
   });
 });

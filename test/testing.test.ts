@@ -7,7 +7,7 @@ import type { AddressInfo } from 'node:net';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { inject } from 'vitest';
 import { defineJob, sql, type Job } from '../src/index.ts';
-import { expectConvergent } from '../src/testing.ts';
+import { diffSnapshots, expectConvergent } from '../src/testing.ts';
 import expireKeys from '../jobs/expire-idempotency-keys.ts';
 import dailyTotals from '../jobs/reservation-daily-totals.ts';
 import seed from '../jobs/seed-demo-data.ts';
@@ -151,4 +151,35 @@ describe('expectConvergent can fail', () => {
     await expect(run).rejects.toThrow(/job "delta-style" did not converge in scenario "a new run key after a finished run"/);
     await expect(run).rejects.toThrow(/- +"n": 2\n\+ +"n": 4/);
   }, KIT_TIMEOUT);
+});
+
+describe('the diff a failing kit shows', () => {
+  // The diff is what a user reads when the kit fails: it has to say which row differs, and an
+  // extra or a missing row must not turn every row after it into a difference.
+  it('shows the lines around a change, so a changed field is shown with its row', () => {
+    const clean = [{ id: 1, n: 1 }, { id: 2, n: 1 }];
+    const got = [{ id: 1, n: 1 }, { id: 2, n: 2 }];
+    expect(diffSnapshots(clean, got)).toBe(['    },', '    {', '      "id": 2,', '-     "n": 1', '+     "n": 2', '    }', '  ]'].join('\n'));
+  });
+
+  it('an extra row in the middle is one + block, not a difference on every line after it', () => {
+    const names = (list: string[]) => list.map((name) => ({ name }));
+    const clean = names(['ann', 'bob', 'cy', 'dan', 'eve', 'fay', 'gus', 'hal']);
+    const got = names(['ann', 'bob', 'bob', 'cy', 'dan', 'eve', 'fay', 'gus', 'hal']);
+    const diff = diffSnapshots(clean, got);
+    expect(diff.split('\n').filter((l) => l.startsWith('-'))).toEqual([]);
+    expect(diff.split('\n').filter((l) => l.startsWith('+'))).toHaveLength(3);
+    expect(diff).toContain('"name": "bob"');
+    expect(diff).not.toContain('"hal"');
+  });
+
+  it('far-apart changes are separate hunks with … between them; equal values give no diff', () => {
+    const clean = Array.from({ length: 30 }, (_, i) => ({ id: i, n: 0 }));
+    const got = clean.map((r) => (r.id === 2 || r.id === 25 ? { ...r, n: 1 } : r));
+    const diff = diffSnapshots(clean, got).split('\n');
+    expect(diff.filter((l) => l.startsWith('-'))).toEqual(['-     "n": 0', '-     "n": 0']);
+    expect(diff).toContain('  …');
+    expect(diff).toContain('      "id": 25,');
+    expect(diffSnapshots(clean, clean)).toBe('');
+  });
 });

@@ -84,6 +84,8 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
           const reporter = o.progress && !o.json && !o.dryRun ? createProgressReporter({ job: job.name, tty: process.stderr.isTTY === true, log }) : undefined;
           if (reporter) session.defer(async () => reporter.stop());
           const key = slot ? slotKey(slot) : o.key;
+          // Stopped (the bar cleared) before anything else is written, also when the run throws:
+          // main() writes the error line, and the session's deferred stop runs only after it.
           const outcome = await runner.run(job, {
             throttle,
             ...(reporter ? { onProgress: reporter.update } : {}),
@@ -99,8 +101,7 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
             ...health,
             signal: signals.stop,
             abortSignal: signals.abort,
-          });
-          reporter?.stop();
+          }).finally(() => reporter?.stop());
           process.stdout.write(o.json ? `${JSON.stringify(outcome)}\n` : `${describeOutcome(outcome)}\n`);
         }
         return ExitCode.Ok;

@@ -100,10 +100,14 @@ export function formatRunDetail(r: RunStatusRow, steps: readonly StepDetail[], n
   if (steps.length > 0) {
     out.push('', c.bold('steps'));
     const nameWidth = Math.max(...steps.map((s) => s.name.length));
+    // A step's row says running until someone finishes it: in a run nobody is executing (failed,
+    // paused, interrupted, crashed, cancelled) the step where it stopped shows the run's state.
+    const shown = steps.map((s) => (s.status === 'running' && r.state !== 'running' ? r.state : s.status));
+    const statusWidth = Math.max(7, ...shown.map((x) => x.length));
     steps.forEach((s, i) => {
       const total = s.plannedAll ? `${s.planned}` : `${Math.max(s.planned, s.estimated ?? 0)}~`;
       const skipped = s.skipped > 0 ? c.yellow(`, ${s.skipped} skipped`) : '';
-      out.push(`  ${i + 1}. ${s.name.padEnd(nameWidth)}  ${s.status.padEnd(7)}  ${s.done}/${total} chunks${skipped}`);
+      out.push(`  ${i + 1}. ${s.name.padEnd(nameWidth)}  ${shown[i]!.padEnd(statusWidth)}  ${s.done}/${total} chunks${skipped}`);
     });
   }
   if (r.skipped.length > 0) {
@@ -112,6 +116,23 @@ export function formatRunDetail(r: RunStatusRow, steps: readonly StepDetail[], n
   }
   if (r.error) out.push('', `${c.bold('last error')}  ${c.red(errorOf(r))}`);
   return out.join('\n');
+}
+
+/**
+ * The run whose key starts with `key`, as the table shows a long key (cut, ending in `...`) or as
+ * a user shortens one (a params fingerprint is 71 characters): read-only, so a unique prefix is
+ * enough, as with git's short hashes. Undefined when none matches; several is a usage error.
+ */
+function uniqueByPrefix(runs: readonly RunStatusRow[], job: string, key: string): RunStatusRow | undefined {
+  const prefix = key.replace(/(?:\.\.\.|…)$/, '');
+  if (prefix === '') return undefined;
+  const hits = runs.filter((r) => r.runKey.startsWith(prefix));
+  if (hits.length > 1) {
+    const keys = [...new Set(hits.map((r) => r.runKey))].sort();
+    const shown = keys.length > 5 ? `${keys.slice(0, 5).join(', ')}, …` : keys.join(', ');
+    throw new UsageError('unknownRun', `job "${job}" has several runs with a key starting "${prefix}" (${shown}); give more of the key`);
+  }
+  return hits[0];
 }
 
 /** `idem status [job] [--key K]`: the runs, newest first, or one run in detail. */
@@ -134,7 +155,8 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
         const tty = process.stdout.isTTY === true && !process.env.NO_COLOR;
         if (o.key !== undefined) {
           // status() lists newest first; a run key is unique per job, so search that job's runs.
-          const run = (await runner.status(job, 10_000)).find((r) => r.runKey === o.key);
+          const runs = await runner.status(job, 10_000);
+          const run = runs.find((r) => r.runKey === o.key) ?? uniqueByPrefix(runs, job!, o.key);
           if (!run) throw new UsageError('unknownRun', `job "${job}" has no run with key "${o.key}"; see idem status ${job} for its runs`);
           const steps = await stepDetails(runner, run.runId);
           process.stdout.write(o.json ? `${JSON.stringify({ ...run, steps })}\n` : `${formatRunDetail(run, steps, new Date(), colours(tty))}\n`);
