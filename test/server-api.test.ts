@@ -1,4 +1,6 @@
+import pg from 'pg';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { lockKey } from '../src/fingerprint.ts';
 import { chunkKey } from './fixtures/jobs/counted.ts';
 import { ALL_TABLES, FIXTURE_JOBS, holdGate, killLeftovers, runCli, runRow, query, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { createTestDatabase, useTestDatabase } from './support/database.ts';
@@ -47,6 +49,15 @@ describe('authentication', () => {
     expect(await snapshot(url, TABLES)).toEqual(before);
     // No response carries the token back.
     expect(missing.text).not.toContain(TOKEN);
+  });
+
+  it('another authentication scheme (Basic) is a missing token, 401 naming Bearer, not a wrong one', async () => {
+    const before = await snapshot(url, TABLES);
+    const basic = await api(server.base, 'POST', '/api/jobs/counted/runs', { key: 'k-basic', body: {}, token: null, headers: { authorization: `Basic ${Buffer.from(`idem:${TOKEN}`).toString('base64')}` } });
+    expectProblem(basic, 401, 'idem.unauthorized');
+    expect(basic.headers.get('www-authenticate')).toBe('Bearer realm="idem"');
+    expect(basic.body.detail).toContain('Authorization: Bearer');
+    expect(await snapshot(url, TABLES)).toEqual(before);
   });
 });
 
@@ -133,6 +144,27 @@ describe('POST /api/jobs/:job/runs', () => {
     expect(other.body.detail).toContain(created.body.fingerprint);
     expect(await snapshot(url, TABLES)).toEqual(before);
     expect(await workCounts(url, 'k-first')).toEqual(new Map([[chunkKey(1), 1], [chunkKey(2), 1], [chunkKey(3), 1]]));
+  });
+
+  it('a request whose key is inside another request\'s claim is 409 at once, retryable, with Retry-After; nothing is written', async () => {
+    // The claim's transaction-level lock on (schema, job, key), held here as a request still inside its claim holds it.
+    const holder = new pg.Client({ connectionString: url });
+    await holder.connect();
+    try {
+      await holder.query('begin');
+      await holder.query('select pg_advisory_xact_lock($1::bigint)', [lockKey('idem:http:counted:k-held')]);
+      const before = await snapshot(url, TABLES);
+      const res = await post('k-held', { chunks: 1 });
+      expectProblem(res, 409, 'idem.requestInProgress');
+      expect(res.body.retryable).toBe(true);
+      expect(res.headers.get('retry-after')).toBe('1');
+      expect(await snapshot(url, TABLES)).toEqual(before);
+    } finally {
+      await holder.query('rollback').catch(() => {});
+      await holder.end();
+    }
+    // Once the claim is over, the same request goes through.
+    expect((await post('k-held', { chunks: 1 })).status).toBe(201);
   });
 
   it('100 concurrent POSTs with one key: one 201, the rest 200 replays or 409, one run, one execution', async () => {

@@ -39,9 +39,13 @@ export function tokenMatcher(expected: string): (presented: string) => boolean {
   return (presented) => timingSafeEqual(createHash('sha256').update(presented).digest(), b);
 }
 
-/** The token of an `Authorization: Bearer <token>` header, or null when there is none. */
+/**
+ * The token of an `Authorization: Bearer <token>` header; null when there is none or the header
+ * uses another scheme (Basic, …): that is a missing token (401 naming Bearer), not a wrong one.
+ * A Bearer header without a usable token gives '' (a wrong token).
+ */
 export function bearerToken(header: string | undefined): string | null {
-  if (!header) return null;
+  if (!header || !/^Bearer(\s|$)/i.test(header)) return null;
   const m = /^Bearer[ ]+(\S+)\s*$/i.exec(header);
   return m ? m[1]! : '';
 }

@@ -149,7 +149,8 @@ export function createServer(opts: ServerOptions): IdemServer {
 
   app.setErrorHandler(async (err, request, reply) => {
     const problem = toProblem(err);
-    if (problem.status === 503) reply.header('retry-after', '1');
+    // A refusal a client should simply repeat (503, the 409 of a key inside another request's claim) says when.
+    if (problem.status === 503 || problem.extra.retryable === true) reply.header('retry-after', '1');
     if (problem.status >= 500) request.log.error({ err: { message: (err as Error).message, code: (err as { code?: string }).code } }, 'request failed');
     return reply.code(problem.status).type(PROBLEM_TYPE).send(problemBody(problem));
   });
