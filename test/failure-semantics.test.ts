@@ -381,19 +381,26 @@ describe('a chunk that fails for good at --concurrency > 1', () => {
   it('lets the chunks in flight finish, starts no new one, and the rerun resumes', async () => {
     const key = 'permanent-parallel';
     await query(db.url, `insert into fail_chunks values ('c0002', null, null)`);
-    // c0001 and c0003 block on uncommitted rows of the test's own transaction (their upsert waits
-    // on the unique key), so they are in flight, deterministically, when c0002 fails.
-    const blocker = new pg.Client({ connectionString: db.url });
-    await blocker.connect();
-    await blocker.query('begin');
-    await blocker.query(`insert into counted_state (run_key, chunk_key, value) values ($1, 'c0001', -1), ($1, 'c0003', -1)`, [key]);
+    // All three first chunks block on uncommitted rows of the test's own transactions (their
+    // upserts wait on the unique key), so all three are in flight, deterministically, before
+    // c0002 may fail: c0001 and c0003 on one blocker, c0002 on another that is let go first.
+    const [inFlight, failing] = [new pg.Client({ connectionString: db.url }), new pg.Client({ connectionString: db.url })];
+    await Promise.all([inFlight.connect(), failing.connect()]);
+    await inFlight.query('begin');
+    await inFlight.query(`insert into counted_state (run_key, chunk_key, value) values ($1, 'c0001', -1), ($1, 'c0003', -1)`, [key]);
+    await failing.query('begin');
+    await failing.query(`insert into counted_state (run_key, chunk_key, value) values ($1, 'c0002', -1)`, [key]);
     const running = runner.run(counted, { key, params: { chunks: 10 }, concurrency: 3 }).then(() => null, (e: unknown) => e);
+    const waiting = async () => (await query(db.url, `select 1 from pg_stat_activity where datname = current_database() and application_name = 'idem' and wait_event_type = 'Lock'`)).length;
     try {
+      await waitFor(async () => (await waiting()) === 3, 'c0001, c0002 and c0003 to wait on the blockers');
+      await failing.query('rollback');
       await waitFor(async () => (await query(db.url, `select c.error from idem.chunks c join idem.runs r on r.id = c.run_id where r.run_key = $1 and c.key = 'c0002' and c.error is not null`, [key])).length > 0, 'c0002 to fail');
-      await waitFor(async () => (await query(db.url, `select 1 from pg_stat_activity where datname = current_database() and application_name = 'idem' and wait_event_type = 'Lock'`)).length === 2, 'c0001 and c0003 to wait on the blocker');
+      expect(await waiting()).toBe(2);
     } finally {
-      await blocker.query('rollback');
-      await blocker.end();
+      await failing.query('rollback').catch(() => {});
+      await inFlight.query('rollback');
+      await Promise.all([inFlight.end(), failing.end()]);
     }
     const err = await running;
     expect(err).toBeInstanceOf(RunFailedError);
