@@ -448,18 +448,22 @@ export class Store {
     return rows[0]?.summary ?? null;
   }
 
+  /** How an attempt ends when it did not succeed: the one statement behind endRun, failRun and interruptRunSql. */
+  #endAttempt(runId: string, attempt: number, status: 'failed' | 'interrupted' | 'paused' | 'cancelled', error: RunErrorInfo | null): RawBuilder<unknown> {
+    return sql`update ${this.#runs} set status = ${status}, updated_at = now(), holder = null, requested = null,
+        error = ${error === null ? null : JSON.stringify(error)}::jsonb,
+        finished_at = case when ${status} = 'cancelled' then now() else finished_at end
+      where id = ${runId} and attempt = ${attempt}`;
+  }
+
   /** The statement of `endRun(runId, attempt, 'interrupted', null)`, for the lock's session. */
   interruptRunSql(runId: string, attempt: number): CompiledSql {
-    return sql`update ${this.#runs} set status = 'interrupted', updated_at = now(), holder = null, requested = null, error = null
-      where id = ${runId} and attempt = ${attempt}`.compile(this.#db);
+    return this.#endAttempt(runId, attempt, 'interrupted', null).compile(this.#db);
   }
 
   /** Records how the run ended when it did not succeed (failed or interrupted). */
   async endRun(runId: string, attempt: number, status: 'failed' | 'interrupted' | 'paused' | 'cancelled', error: RunErrorInfo | null): Promise<void> {
-    await this.#run(sql`update ${this.#runs} set status = ${status}, updated_at = now(), holder = null, requested = null,
-        error = ${error === null ? null : JSON.stringify(error)}::jsonb,
-        finished_at = case when ${status} = 'cancelled' then now() else finished_at end
-      where id = ${runId} and attempt = ${attempt}`);
+    await this.#run(this.#endAttempt(runId, attempt, status, error));
   }
 
   /**
@@ -467,8 +471,7 @@ export class Store {
    * the recorded one). Returns the error already recorded in that case, else null.
    */
   async failRun(runId: string, attempt: number, error: RunErrorInfo): Promise<RunErrorInfo | null> {
-    const { rows } = await this.#run(sql`update ${this.#runs} set status = 'failed', updated_at = now(), holder = null, requested = null, error = ${JSON.stringify(error)}::jsonb
-      where id = ${runId} and attempt = ${attempt} and status <> 'failed' returning 1`);
+    const { rows } = await this.#run(sql`${this.#endAttempt(runId, attempt, 'failed', error)} and status <> 'failed' returning 1`);
     if (rows.length > 0) return null;
     // Not written: read what the other worker recorded (in a statement of its own, which sees it
     // even when the two updates met on the row lock).
@@ -476,7 +479,6 @@ export class Store {
       where id = ${runId} and attempt = ${attempt} and status = 'failed'`);
     return earlier?.error ?? null;
   }
-
 }
 
 /** pg returns int8 as text; the run id stays a string, counters become numbers. */

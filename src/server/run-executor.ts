@@ -26,13 +26,13 @@ interface Queued {
   readonly key: string;
 }
 
-
 /**
  * A run created moments ago is still `pending` while the server that created it starts it; another
  * server's rescan leaves it alone for this long (then it is orphaned, or queued behind --max-runs,
  * and whoever has room takes it).
  */
 export const PENDING_GRACE_S = 10;
+
 /**
  * Executes runs inside the server process: at most `maxRuns` at once, one run per job at a time
  * (runs of one job serialize on its advisory lock anyway, so a second would only hold a slot while
