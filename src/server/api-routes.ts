@@ -31,10 +31,13 @@ export function paramsSchema(job: Job): Json | null {
   return null;
 }
 
-function sendRun(reply: FastifyReply, status: number, view: RunView, replayed: boolean | null) {
+const JSON_TYPE = 'application/json; charset=utf-8';
+
+/** Sets the status and headers of an answer that is one run; returns the reply. */
+function sendRun(reply: FastifyReply, status: number, view: RunView, replayed: boolean | null): FastifyReply {
   reply.code(status).header('location', `/api/runs/${view.id}`);
   if (replayed !== null) reply.header('idempotent-replayed', String(replayed));
-  return view;
+  return reply;
 }
 
 export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): void {
@@ -77,17 +80,31 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
       throw err;
     }
     const fp = fingerprint(params);
-    // Replay fast path: a committed run for the key needs no transaction and no lock, one read.
+    // Replay fast path: a succeeded run's answer is in memory (replay-cache.ts says when it may
+    // be); any other committed run for the key needs no transaction and no lock, one read.
+    const cached = ctx.replays.get(job.name, key);
+    if (cached) {
+      ctx.metrics.replays.inc({ source: 'memory' });
+      if (cached.fingerprint !== fp) throw paramsMismatch(job.name, key, cached.fingerprint, fp);
+      reply.code(200).header('location', `/api/runs/${cached.id}`).header('idempotent-replayed', 'true').type(JSON_TYPE);
+      return reply.send(cached.json);
+    }
+    const generation = ctx.replays.generation;
     const existing = await ctx.views.byKey(job.name, key);
     if (existing) {
+      ctx.metrics.replays.inc({ source: 'database' });
       if (existing.fingerprint !== fp) throw paramsMismatch(job.name, key, existing.fingerprint, fp);
-      return sendRun(reply, 200, existing, true);
+      const json = JSON.stringify(existing);
+      ctx.replays.offer(existing, generation, json);
+      sendRun(reply, 200, existing, true).type(JSON_TYPE);
+      return reply.send(json);
     }
     const outcome = await claimRequest(ctx.runner.db, ctx.runner.schema, job.name, key, params, fp);
     if (outcome.kind === 'created') ctx.executor.enqueue({ runId: outcome.run.id, job: job.name, key });
     const view = await ctx.views.get(outcome.run.id);
     if (!view) throw new HttpProblem(404, 'idem.unknownRun', `run ${outcome.run.id} was removed (reset or pruned) while answering; send the request again`);
-    return sendRun(reply, outcome.kind === 'created' ? 201 : 200, view, outcome.kind === 'replayed');
+    sendRun(reply, outcome.kind === 'created' ? 201 : 200, view, outcome.kind === 'replayed');
+    return view;
   });
 
   app.get<{ Querystring: { job?: string; state?: string; limit?: string; cursor?: string } }>('/api/runs', async (request) => {

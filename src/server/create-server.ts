@@ -11,6 +11,7 @@ import { bearerToken, tokenMatcher } from './api-token.ts';
 import { registerApiRoutes } from './api-routes.ts';
 import { registerDashboardRoutes } from './dashboard-routes.ts';
 import { HttpProblem, PROBLEM_TYPE, problemBody, toProblem } from './problem.ts';
+import { ReplayCache } from './replay-cache.ts';
 import { RunExecutor } from './run-executor.ts';
 import { RunViews } from './run-view.ts';
 import type { ServerContext } from './server-context.ts';
@@ -74,6 +75,8 @@ export function createServer(opts: ServerOptions): IdemServer {
   const jobs = new Map(opts.jobs.map((j) => [j.name, j]));
   const runner = opts.runner;
   const views = new RunViews(runner.db, opts.reads, runner.schema, runner);
+  // The read pool's connection settings: the same database, a session of its own.
+  const replays = new ReplayCache(opts.reads.options as pg.ClientConfig, runner.schema, log);
   const metrics = new ServerMetrics(async () => {
     const runs = sql.id(runner.schema, 'runs');
     // Rows that say running are judged one by one (live or crashed); the rest are counted.
@@ -102,6 +105,7 @@ export function createServer(opts: ServerOptions): IdemServer {
     runner,
     jobs,
     views,
+    replays,
     executor,
     metrics,
     log,
@@ -195,6 +199,7 @@ export function createServer(opts: ServerOptions): IdemServer {
       } catch (err) {
         throw listenProblem(err, host, port);
       }
+      replays.start();
       const resumed = await executor.resumeUnfinished();
       if (resumed > 0) log.info({ runs: resumed }, 'resuming unfinished runs');
       // Later too: a run another server left behind when it crashed, or one `idem resume` released,
@@ -219,7 +224,7 @@ export function createServer(opts: ServerOptions): IdemServer {
         clearInterval(pruneTimer);
         clearInterval(rescanTimer);
         for (const close of [...ctx.openStreams]) close();
-        await Promise.all([app.close(), executor.shutdown(deadlineMs)]);
+        await Promise.all([app.close(), executor.shutdown(deadlineMs), replays.close()]);
       })());
     },
   };
