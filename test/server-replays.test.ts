@@ -16,12 +16,15 @@ afterAll(killLeftovers);
 
 const post = (key: string, body: unknown) => api(server.base, 'POST', '/api/jobs/counted/runs', { body, key });
 
-/** idem_api_replays_total{source} from /metrics. */
-async function replays(source: 'memory' | 'database'): Promise<number> {
+/** One series of /metrics (0 when absent). */
+async function metric(series: string): Promise<number> {
   const { text } = await api(server.base, 'GET', '/metrics');
-  const m = new RegExp(`^idem_api_replays_total\\{source="${source}"\\} (\\d+)$`, 'm').exec(text);
-  return m ? Number(m[1]) : 0;
+  const line = text.split('\n').find((l) => l.startsWith(`${series} `));
+  return line ? Number(line.slice(series.length + 1)) : 0;
 }
+
+/** idem_api_replays_total{source}. */
+const replays = (source: 'memory' | 'database') => metric(`idem_api_replays_total{source="${source}"}`);
 
 /** Starts a run over HTTP and waits for it to succeed; returns its id. */
 async function succeededRun(key: string, chunks = 2): Promise<string> {
@@ -56,6 +59,19 @@ describe('replays of succeeded runs come from memory', () => {
     expect(other.status).toBe(422);
     expect(other.body.detail).toContain(first.body.fingerprint);
     expect(await query(url, `select count(*)::int as n from idem.runs where run_key = 'k-memory'`)).toEqual([{ n: 1 }]);
+  });
+
+  it('holds a run this server executed from the moment it succeeded: even the first replay needs no read', async () => {
+    const held = await metric('idem_api_replay_cache_runs');
+    const id = await succeededRun('k-warm');
+    // The view is read right after the execution ends, which the long-poll may see a moment sooner.
+    await waitFor(async () => ((await metric('idem_api_replay_cache_runs')) > held ? true : undefined), 'the run in the cache', { timeoutMs: 5_000 });
+    const before = { memory: await replays('memory'), database: await replays('database') };
+    const first = await post('k-warm', { chunks: 2 });
+    expect(first.status).toBe(200);
+    expect(first.body.id).toBe(id);
+    expect(await replays('memory')).toBe(before.memory + 1);
+    expect(await replays('database')).toBe(before.database);
   });
 
   it('forgets a run that idem reset removed: the key starts a new run (201)', async () => {

@@ -70,6 +70,11 @@ export class ReplayCache {
     return this.#generation;
   }
 
+  /** Runs held. */
+  get size(): number {
+    return this.#byKey.size;
+  }
+
   /** Whether replays are answered from memory now (the listening session is confirmed). */
   get active(): boolean {
     return this.#listening;

@@ -18,6 +18,8 @@ export interface RunExecutorOptions {
   readonly concurrency: number;
   /** How often a live run looks for an operator's pause/cancel, in ms. */
   readonly controlPollMs: number;
+  /** Called when an execution finds its run succeeded (just now, or already). */
+  readonly onSucceeded?: (runId: string) => void;
 }
 
 interface Queued {
@@ -149,6 +151,7 @@ export class RunExecutor {
         await runner.run(job, { ...base, join: true, wait: true });
       }
       log.info('run executed');
+      this.#o.onSucceeded?.(q.runId);
     } catch (err) {
       outcome =
         err instanceof PausedError
