@@ -67,7 +67,10 @@ export interface IdemServer {
   close(deadlineMs?: number): Promise<void>;
 }
 
-const PUBLIC_PATHS = new Set(['/healthz', '/assets/dashboard.css', '/assets/dashboard.js', '/favicon.svg']);
+/** How long /readyz waits for PostgreSQL's answer before it says not ready. */
+const READY_TIMEOUT_MS = 2_000;
+
+const PUBLIC_PATHS = new Set(['/healthz', '/readyz', '/assets/dashboard.css', '/assets/dashboard.js', '/favicon.svg']);
 
 /** Builds the HTTP server: Fastify with the API, the dashboard and /metrics over one Runner. */
 export function createServer(opts: ServerOptions): IdemServer {
@@ -174,7 +177,22 @@ export function createServer(opts: ServerOptions): IdemServer {
     return reply.code(404).type(PROBLEM_TYPE).send(problemBody(problem));
   });
 
+  // Liveness: the process serves. Readiness: PostgreSQL answers too, within READY_TIMEOUT_MS (a
+  // dead network would otherwise hold the probe until TCP gives up). Restarting a pod cannot fix
+  // the database, so only readiness looks at it.
   app.get('/healthz', async () => ({ ok: true }));
+  app.get('/readyz', async () => {
+    let timer: NodeJS.Timeout | undefined;
+    const late = new Promise<never>((_, reject) => {
+      timer = setTimeout(() => reject(new HttpProblem(503, 'idem.databaseUnavailable', `PostgreSQL did not answer within ${READY_TIMEOUT_MS / 1000} s; check the database and the network to it, then retry`, { retryable: true })), READY_TIMEOUT_MS);
+    });
+    try {
+      await Promise.race([opts.reads.query('select 1'), late]);
+    } finally {
+      clearTimeout(timer);
+    }
+    return { ok: true, database: 'ok' };
+  });
   app.get('/metrics', async (_request, reply) => {
     const text = await metrics.registry.metrics();
     return reply.type(metrics.registry.contentType).send(text);
