@@ -2,6 +2,7 @@ import type { FastifyInstance, FastifyReply } from 'fastify';
 import { UsageError } from '../errors.ts';
 import { fingerprint } from '../fingerprint.ts';
 import { NAME as JOB_NAME, validateParams, type Job, type Json } from '../job.ts';
+import { reopenFailedRun } from '../operations.ts';
 import { claimRequest, paramsMismatch, printable } from './claim-request.ts';
 import { HttpProblem } from './problem.ts';
 import { ENDED_STATES, RUN_STATES, type RunStateFilter, type RunView } from './run-view.ts';
@@ -13,6 +14,9 @@ export const IDEMPOTENCY_KEY = /^[A-Za-z0-9._:~+=/-]{1,200}$/;
 
 /** The id of the last event of a run's event stream, once the run has ended. */
 const ENDED_EVENT_ID = 'ended';
+
+/** States a resume continues as a new attempt (a paused run is resumed by withdrawing its pause). */
+const RESUMABLE_STATES: ReadonlySet<string> = new Set(['failed', 'interrupted', 'crashed']);
 
 /** Longest `?wait=` for a long-poll, in seconds. */
 export const MAX_WAIT_SECONDS = 60;
@@ -161,6 +165,21 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
     // The CLI's operator actions (compare-and-set on the run row); their refusals map to 404/409.
     app.post<{ Params: { id: string } }>(`/api/runs/:id/${action}`, async (request) => {
       const before = await getRun(request.params.id);
+      // A run that stopped without an operator (failed, interrupted, crashed) continues where
+      // `idem run` would continue it: in the server for a run created over HTTP, from its first
+      // unfinished chunk, as a new attempt. A run idem run started is its caller's to continue.
+      if (action === 'resume' && RESUMABLE_STATES.has(before.state)) {
+        const run = `run "${printable(before.key)}" of job "${printable(before.job)}" is ${before.state}`;
+        if (!before.viaApi) {
+          throw new HttpProblem(409, 'idem.cannotControl', `${run} and was started by idem run, not over HTTP: continue it with idem run ${printable(before.job)} --key ${printable(before.key)}`);
+        }
+        if (!ctx.jobs.has(before.job)) {
+          throw new HttpProblem(409, 'idem.cannotControl', `${run}, and this server does not load that job: start the server with the --jobs-dir that holds it, or continue it with idem run`);
+        }
+        if (before.state === 'failed') await reopenFailedRun(ctx.runner, before.id, before.attempt);
+        ctx.executor.enqueue({ runId: before.id, job: before.job, key: before.key });
+        return getRun(before.id);
+      }
       const result = await ctx.runner[action](before.job, before.key);
       // A run created over HTTP is this server's to execute: resuming it means continuing it now.
       // Other runs continue on their next invocation, as with idem resume.
