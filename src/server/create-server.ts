@@ -2,7 +2,7 @@ import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance } 
 import { sql } from 'kysely';
 import type pg from 'pg';
 import pino, { type Logger } from 'pino';
-import { UsageError } from '../errors.ts';
+import { errorFields, UsageError } from '../errors.ts';
 import { runIsLive } from '../operations.ts';
 import type { Job } from '../job.ts';
 import type { Runner } from '../runner.ts';
@@ -168,7 +168,7 @@ export function createServer(opts: ServerOptions): IdemServer {
     const problem = toProblem(err);
     // A refusal a client should simply repeat (503, the 409 of a key inside another request's claim) says when.
     if (problem.status === 503 || problem.extra.retryable === true) reply.header('retry-after', '1');
-    if (problem.status >= 500) request.log.error({ err: { message: (err as Error).message, code: (err as { code?: string }).code } }, 'request failed');
+    if (problem.status >= 500) request.log.error({ err: errorFields(err) }, 'request failed');
     return reply.code(problem.status).type(PROBLEM_TYPE).send(problemBody(problem));
   });
 
@@ -212,7 +212,7 @@ export function createServer(opts: ServerOptions): IdemServer {
       const r = await runner.prune(opts.retentionMs);
       if (r.runs > 0) log.info({ runs: r.runs, chunks: r.chunks }, 'pruned runs past the retention');
     } catch (err) {
-      log.warn({ err: { message: (err as Error).message } }, 'prune failed; the next hour tries again');
+      log.warn({ err: errorFields(err) }, 'prune failed; the next hour tries again');
     }
   };
 
@@ -235,7 +235,7 @@ export function createServer(opts: ServerOptions): IdemServer {
       rescanTimer = setInterval(() => {
         executor.resumeUnfinished().then(
           (n) => n > 0 && log.info({ runs: n }, 'resuming unfinished runs'),
-          (err: unknown) => log.warn({ err: { message: (err as Error).message } }, 'rescan for unfinished runs failed; the next one tries again'),
+          (err: unknown) => log.warn({ err: errorFields(err) }, 'rescan for unfinished runs failed; the next one tries again'),
         );
       }, opts.rescanMs ?? DEFAULT_RESCAN_MS);
       rescanTimer.unref();

@@ -1,5 +1,6 @@
 import pg from 'pg';
 import type { Logger } from 'pino';
+import { errorFields } from '../errors.ts';
 import type { RunView } from './run-view.ts';
 
 /** The channel the runs table's trigger notifies on (runner migration 0009). */
@@ -135,7 +136,7 @@ export class ReplayCache {
       // A session that went silent (a dead network) would hold its socket until TCP gives up.
       (client as unknown as { connection?: { stream?: { destroy(): void } } }).connection?.stream?.destroy();
       if (this.#closed) return;
-      if (was) this.#log.warn({ err: err ? { message: err.message } : undefined }, 'lost the session that hears about changed runs; replays read PostgreSQL until it is back');
+      if (was) this.#log.warn({ err: err ? errorFields(err) : undefined }, 'lost the session that hears about changed runs; replays read PostgreSQL until it is back');
       this.#timer = setTimeout(() => this.start(), this.#reconnectMs);
       this.#timer.unref();
       this.#reconnectMs = Math.min(this.#reconnectMs * 2, RECONNECT_MAX_MS);

@@ -1,7 +1,7 @@
 import { sql } from 'kysely';
 import type { Logger } from 'pino';
 import { runIsLive } from '../operations.ts';
-import { BusyError, CancelledError, InterruptedError, PausedError, PauseWithdrawnError, RunFailedError, messageOf } from '../errors.ts';
+import { BusyError, CancelledError, errorFields, InterruptedError, PausedError, PauseWithdrawnError, RunFailedError } from '../errors.ts';
 import type { Job, Step } from '../job.ts';
 import type { Runner } from '../runner.ts';
 import type { RunStatus } from '../store.ts';
@@ -167,7 +167,7 @@ export class RunExecutor {
       // resume of a paused run created over HTTP does.
       again = err instanceof PauseWithdrawnError;
       const level = outcome === 'failed' || outcome === 'error' ? 'error' : 'info';
-      log[level]({ outcome, err: { message: messageOf(err) } }, `run ${outcome}`);
+      log[level]({ outcome, err: errorFields(err) }, `run ${outcome}`);
     } finally {
       metrics.runsEnded.inc({ job: q.job, outcome });
     }
