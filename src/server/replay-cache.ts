@@ -8,8 +8,11 @@ export const SUCCEEDED_RUN_CHANGED = 'idem_succeeded_run_changed';
 
 /** Most runs kept; the oldest entry goes first. A view is a few kB: 10 000 of them are tens of MB at most. */
 const MAX_ENTRIES = 10_000;
-/** An entry is read again from PostgreSQL after this long, whatever the listener says. */
-const TTL_MS = 60_000;
+/**
+ * An entry is read again from PostgreSQL after this long, whatever the listener says: a backstop
+ * for a notification lost on a session that still answers pings, which PostgreSQL does not do.
+ */
+const TTL_MS = 300_000;
 /** How often the listening session is checked, and how long the check may take before it is dropped. */
 const PING_MS = 10_000;
 const PING_TIMEOUT_MS = 5_000;
@@ -44,7 +47,7 @@ interface Entry extends CachedReplay {
  * not confirmed: before it has run LISTEN, after it was lost (until it listens again), and when a
  * ping on it goes unanswered. Each change of that state and each notification bumps `generation`;
  * a view read before the bump is not stored (`offer`), so a read that raced a prune never brings
- * the pruned run back. Entries also expire after a minute, a bound on staleness should a
+ * the pruned run back. Entries also expire after five minutes, a bound on staleness should a
  * notification ever be lost without the session being seen to fail.
  */
 export class ReplayCache {
