@@ -191,7 +191,7 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
   }
 
   app.get<{ Params: { id: string } }>('/api/runs/:id/events', async (request, reply) => {
-    const run = await getRun(request.params.id);
+    let run: RunView | undefined = await getRun(request.params.id);
     // The last event of an ended run has the id `ended`. EventSource reconnects whenever a stream
     // ends, sending that id back: a 204 is the one answer that makes it stop (it would otherwise get
     // the same final event every `retry` ms, forever). A run resumed since streams again.
@@ -200,7 +200,9 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
       request,
       reply,
       async () => {
-        const view = await ctx.views.get(request.params.id);
+        // The read that answered 404 or 204 is the stream's first event.
+        const view = run ?? (await ctx.views.get(request.params.id));
+        run = undefined;
         if (!view) return { event: 'gone', data: JSON.stringify({ id: request.params.id }), end: true };
         const end = ENDED_STATES.has(view.state);
         return { event: 'progress', data: JSON.stringify(view), end, ...(end ? { id: ENDED_EVENT_ID } : {}) };
