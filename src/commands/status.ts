@@ -69,7 +69,9 @@ export interface StepDetail {
 }
 
 async function stepDetails(runner: Runner, runId: string): Promise<StepDetail[]> {
-  const { sql } = await import('kysely');
+  // kysely's sql through idem's own module, never `import('kysely')`: a dynamic import of the package
+  // needs its whole namespace, so the bundle would keep every dialect, plugin and helper of kysely.
+  const { sql } = await import('../job-api.ts');
   const s = runner.schema;
   const { rows } = await sql<{ name: string; status: string; planned: number; planned_all: boolean; estimated_chunks: number | null; done: number; skipped: number }>`
     select st.name, st.status, st.planned, st.planned_all, st.estimated_chunks,
