@@ -24,6 +24,19 @@ const external = Object.keys(pkg.dependencies).filter((name) => !BUNDLED.include
 // file a require of its own.
 const requireBanner = "import { createRequire as __idemCreateRequire } from 'node:module';\nconst require = __idemCreateRequire(import.meta.url);";
 
+// pg is CommonJS. Imported as ESM (`import pg from 'pg'`, its esm/index.mjs wrapper), Node runs its
+// CommonJS export lexer on pg's entry, which first compiles the lexer itself: ~6 ms of CPU at every
+// start that connects. So idem's ESM bundles take pg through require(). It is the same module
+// instance a job's `import pg from 'pg'` gets (the wrapper re-exports lib/index.js's exports), so a
+// job's pg.types settings still reach idem's queries.
+const pgThroughRequire = {
+  name: 'pg-through-require',
+  setup(b) {
+    b.onResolve({ filter: /^pg$/ }, (args) => (args.namespace === 'pg-through-require' ? { path: 'pg', external: true } : { path: 'pg', namespace: 'pg-through-require' }));
+    b.onLoad({ filter: /.*/, namespace: 'pg-through-require' }, () => ({ contents: "module.exports = require('pg');", loader: 'js', resolveDir: root }));
+  },
+};
+
 const declarations = (project) =>
   new Promise((resolve, reject) => {
     const child = spawn(process.execPath, [tsc, '-p', project], { cwd: root, stdio: 'inherit' });
@@ -37,7 +50,7 @@ await rm(new URL('../dist', import.meta.url), { recursive: true, force: true });
 await Promise.all([
   declarations('tsconfig.build.json'),
   declarations('tsconfig.cjs.json'),
-  build({ ...common, entryPoints: { cli: 'src/cli.ts', index: 'src/index.ts', testing: 'src/testing.ts' }, format: 'esm', splitting: true, define: { __IDEM_VERSION__: JSON.stringify(pkg.version) }, banner: { js: requireBanner }, outdir: 'dist', chunkNames: 'chunks/[name]-[hash]' }),
+  build({ ...common, entryPoints: { cli: 'src/cli.ts', index: 'src/index.ts', testing: 'src/testing.ts' }, format: 'esm', splitting: true, plugins: [pgThroughRequire], define: { __IDEM_VERSION__: JSON.stringify(pkg.version) }, banner: { js: requireBanner }, outdir: 'dist', chunkNames: 'chunks/[name]-[hash]' }),
   build({ ...common, entryPoints: { 'job-api': 'src/job-api.ts' }, format: 'cjs', outdir: 'dist/cjs' }),
 ]);
 await mkdir(new URL('../dist/cjs', import.meta.url), { recursive: true });
