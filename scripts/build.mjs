@@ -1,6 +1,6 @@
 // Builds the published package into an empty dist/ (so a deleted source never lingers):
-// - dist/cli.js, dist/index.js (+ shared chunks): ESM, bundled by esbuild with kysely, pino and
-//   commander inlined. kysely ships ~900 small modules; loading them one by one cost a CLI start
+// - dist/cli.js, dist/index.js (+ shared chunks): ESM, bundled by esbuild with kysely and
+//   commander inlined (pino too, as its own CommonJS file: see dist/pino.cjs below). kysely ships ~900 small modules; loading them one by one cost a CLI start
 //   200–400 ms, one bundled file costs ~20 ms. pino (~25 CommonJS files) and commander (7) cost
 //   ~30 and ~20 ms loaded from node_modules, ~20 and ~12 ms bundled: every `idem` command pays
 //   commander, every one that works pays pino. Every other dependency stays external (installed,
@@ -8,6 +8,7 @@
 //   Code splitting keeps one copy of each idem module across the entries and keeps the CLI's
 //   lazy import()s lazy.
 // - dist/cjs/job-api.js: the job-authoring API as CommonJS, for require('idem') (see job-api.ts).
+// - dist/pino.cjs: pino, required when the first log line is written (see src/log.ts).
 // - .d.ts next to them, by tsc (declarations only; the types refer to kysely's own).
 import { spawn } from 'node:child_process';
 import { mkdir, readFile, rm, writeFile } from 'node:fs/promises';
@@ -65,8 +66,11 @@ await rm(new URL('../dist', import.meta.url), { recursive: true, force: true });
 await Promise.all([
   declarations('tsconfig.build.json'),
   declarations('tsconfig.cjs.json'),
-  build({ ...common, entryPoints: { cli: 'src/cli.ts', index: 'src/index.ts', testing: 'src/testing.ts' }, format: 'esm', splitting: true, plugins: [pgThroughRequire, lazyChildProcessForCommander], define: { __IDEM_VERSION__: JSON.stringify(pkg.version) }, banner: { js: requireBanner }, outdir: 'dist', chunkNames: 'chunks/[name]-[hash]' }),
+  build({ ...common, entryPoints: { cli: 'src/cli.ts', index: 'src/index.ts', testing: 'src/testing.ts' }, format: 'esm', splitting: true, plugins: [pgThroughRequire, lazyChildProcessForCommander], define: { __IDEM_VERSION__: JSON.stringify(pkg.version), __IDEM_BUNDLED__: 'true' }, banner: { js: requireBanner }, outdir: 'dist', chunkNames: 'chunks/[name]-[hash]' }),
   build({ ...common, entryPoints: { 'job-api': 'src/job-api.ts' }, format: 'cjs', outdir: 'dist/cjs' }),
+  // pino on its own, as CommonJS, required by src/log.ts (as #idem-pino, package.json "imports")
+  // when a logger is first needed: in the ES modules it was compiled at every start (~4 ms).
+  build({ ...common, stdin: { contents: "module.exports = require('pino');", resolveDir: root, sourcefile: 'idem-pino.cjs' }, format: 'cjs', outfile: 'dist/pino.cjs' }),
 ]);
 await mkdir(new URL('../dist/cjs', import.meta.url), { recursive: true });
 // The package is "type": "module"; this marks the .js files under dist/cjs/ as CommonJS.

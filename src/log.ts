@@ -10,16 +10,20 @@ const REDACT = ['password', '*.password', 'connectionString', '*.connectionStrin
 
 type Pino = typeof import('pino');
 
+/** Defined by scripts/build.mjs in dist/'s ES modules; undefined when running from the sources. */
+declare const __IDEM_BUNDLED__: boolean | undefined;
+
 /**
  * pino, loaded on first use. Evaluating pino and building a logger costs ~15 ms of CPU, and a
  * command that logs nothing (a no-op rerun, whose only output is its result on stdout) need not
- * pay it. Synchronous, as logging is: in the bundle (dist/) esbuild turns this require() into the
- * call of its bundled copy of pino; from the sources (tsx, vitest) ESM has no require, and pino is
- * required from node_modules.
+ * pay it. Synchronous, as logging is, so through require(). In dist/ pino is bundled on its own, as
+ * CommonJS (dist/pino.cjs, the package's private import #idem-pino): kept out of the ES modules
+ * every command loads, it is not even compiled (~4 ms) until needed. From the sources (tsx,
+ * vitest) it is pino from node_modules.
  */
 let pinoModule: Pino | undefined;
 function loadPino(): Pino {
-  return (pinoModule ??= typeof require === 'function' ? (require('pino') as Pino) : (createRequire(import.meta.url)('pino') as Pino));
+  return (pinoModule ??= createRequire(import.meta.url)(typeof __IDEM_BUNDLED__ === 'boolean' ? '#idem-pino' : 'pino') as Pino);
 }
 
 /** pino's level numbers: a lazy logger decides by these, as pino does, whether a call writes anything. */
