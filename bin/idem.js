@@ -16,7 +16,8 @@ if (module.enableCompileCache && !process.env.NODE_COMPILE_CACHE) {
     const xdg = process.env.XDG_CACHE_HOME;
     if (xdg && path.isAbsolute(xdg)) return xdg;
     try {
-      return path.join(os.homedir(), '.cache');
+      const home = os.homedir();
+      return path.isAbsolute(home) ? path.join(home, '.cache') : undefined;
     } catch {
       return undefined; // no home directory (a bare service account): no cache
     }

@@ -55,6 +55,9 @@ export function lazyLogger(level: string, make: () => Logger): Logger {
       if (typeof name === 'string' && name !== 'silent' && LEVEL_VALUES[name] !== undefined) {
         return LEVEL_VALUES[name]! >= threshold ? (...args: unknown[]) => (get()[name as 'info'] as (...a: unknown[]) => void)(...args) : noop;
       }
+      // Not a promise (pino's loggers have no `then`): answered without making one, since `await`
+      // and an async function's return look it up on whatever value they get.
+      if (name === 'then') return undefined;
       if (name === 'child') {
         return (bindings: Record<string, unknown>, options?: { level?: string }) =>
           real ? real.child(bindings, options) : lazyLogger(options?.level ?? level, () => get().child(bindings, options));

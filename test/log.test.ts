@@ -43,6 +43,14 @@ describe('lazyLogger', () => {
     expect(r.eager).toHaveLength(4);
   });
 
+  it('is no promise: awaiting it, or returning it from an async function, makes no logger', async () => {
+    let made = 0;
+    const log = lazyLogger('info', () => (made++, capturing([])));
+    expect(await Promise.resolve(log)).toBe(log);
+    expect(await (async () => log)()).toBe(log);
+    expect(made).toBe(0);
+  });
+
   it('is silent at level silent, and anything beyond the level methods reaches the real logger', () => {
     const r = both('silent', (log) => {
       log.fatal('nothing');
