@@ -26,7 +26,10 @@ interface Manifest {
  * them because the cache sits in the job's own package (`<package>/.idem/cache/`).
  */
 export async function compileTypeScriptModule(file: string, cacheDir: string): Promise<string> {
-  const id = createHash('sha256').update(file).digest('hex').slice(0, 12);
+  // One compiled copy per Node major: it is compiled for that Node (`target`), and a project may
+  // be run by several (nvm, a CI matrix) without one's copy lacking syntax lowering the other needs.
+  const target = `node${process.versions.node.split('.')[0]}`;
+  const id = createHash('sha256').update(`${file}\0${target}`).digest('hex').slice(0, 12);
   const out = path.join(cacheDir, `${path.basename(file).replace(/\.[cm]?ts$/, '')}-${id}.mjs`);
   const manifestFile = `${out}.json`;
   if (await isFresh(manifestFile)) return out;
@@ -42,7 +45,7 @@ export async function compileTypeScriptModule(file: string, cacheDir: string): P
     external: ['idem', 'idem/*'],
     format: 'esm',
     platform: 'node',
-    target: `node${process.versions.node.split('.')[0]}`,
+    target,
     write: false,
     metafile: true,
     outfile: out,

@@ -2,7 +2,7 @@ import { Kysely, PostgresDialect } from 'kysely';
 import pg from 'pg';
 import { isRetryable } from './retry.ts';
 import type { Logger } from 'pino';
-import { DatabaseUnavailableError } from './errors.ts';
+import { DatabaseUnavailableError, errorFields } from './errors.ts';
 
 /**
  * Replaces the password in a connection string (URL or key=value form) with `***`.
@@ -67,14 +67,14 @@ export async function openDatabase(
       // A checked-out client whose backend dies between two statements (pg_terminate_backend, a
       // restart) emits 'error' on itself, not on the pool; unhandled, that would crash the process.
       // The next statement on it then fails with a connection error, which the chunk retry handles.
-      client.on('error', (err) => opts.log.warn({ err: { message: redactSecrets(err.message, connectionString), code: (err as { code?: string }).code } }, 'database connection lost'));
+      client.on('error', (err) => opts.log.warn({ err: errorFields(err, redactSecrets(err.message, connectionString)) }, 'database connection lost'));
       // A work session whose process vanished mid-chunk holds the chunk's row locks: the server ends
       // it after idle_in_transaction_session_timeout, so another worker can redo the chunk.
       await client.query(`${SERVER_KEEPALIVES}; set idle_in_transaction_session_timeout = ${idleMs}`).catch(() => {});
     },
   });
   // An idle client's socket error is emitted on the pool; unhandled, it would kill the process.
-  pool.on('error', (err) => opts.log.warn({ err: { message: redactSecrets(err.message, connectionString) } }, 'idle database connection failed'));
+  pool.on('error', (err) => opts.log.warn({ err: errorFields(err, redactSecrets(err.message, connectionString)) }, 'idle database connection failed'));
   // A session killed during the check (a restart, pg_terminate_backend) says nothing about a
   // pooler: check again on fresh sessions. Reaching the server at all is not retried here: an
   // unreachable database is reported at once.

@@ -111,6 +111,17 @@ export function messageOf(err: unknown): string {
   return msg.split('\n')[0] ?? msg;
 }
 
+/**
+ * What a log line says of an error: its class (`DatabaseError`, `TypeError`; `string` for a thrown
+ * string), its first line (or `message`, already redacted by the caller), and its code (a SQLSTATE,
+ * a Node errno) when it has one. No stack: a log line stays one line, and the message says where.
+ */
+export function errorFields(err: unknown, message: string = messageOf(err)): { type: string; message: string; code?: string } {
+  const type = err instanceof Error ? err.constructor.name : typeof err;
+  const code = (err as { code?: unknown } | null | undefined)?.code;
+  return typeof code === 'string' ? { type, message, code } : { type, message };
+}
+
 /** The run is paused by an operator (`idem pause`); it resumes after `idem resume`. */
 export class PausedError extends IdemError {
   constructor(message: string) {

@@ -2,7 +2,7 @@ import { createHash } from 'node:crypto';
 import type { Kysely } from 'kysely';
 import type pg from 'pg';
 import type { Logger } from 'pino';
-import { FencedError, InterruptedError, messageOf } from './errors.ts';
+import { errorFields, FencedError, InterruptedError, messageOf } from './errors.ts';
 import type { ChunkPage, ChunkSpec, ChunkSource, Job, Json, RunIdentity, Step, StepContext } from './job.ts';
 import { faultPoint } from './fault-points.ts';
 import { openChunkSlot, type ChunkSlot } from './chunk-slot.ts';
@@ -256,7 +256,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
           tries.set(chunk.seq, n);
           if (isRetryable(err) && n < retry.attempts && !opts.stop.aborted) {
             const delay = backoffDelay(n, retry);
-            log.warn({ chunk: step.chunks ? chunk.key : null, tries: n, delayMs: delay, err: { message: messageOf(err), code: (err as { code?: string }).code } }, 'transient error, retrying chunk');
+            log.warn({ chunk: step.chunks ? chunk.key : null, tries: n, delayMs: delay, err: errorFields(err) }, 'transient error, retrying chunk');
             cooling.add(chunk.seq);
             await sleep(delay, opts.stop);
             cooling.delete(chunk.seq);
@@ -274,8 +274,8 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
             }
             if (skip.kind !== 'over') {
               skipped = skip.skipped;
-              if (skip.kind === 'skipped') log.warn({ chunk: chunk.key, tries: n, skipped, maxFailedChunks: maxSkips, err: { message: failed.message } }, 'chunk failed for good; skipped under the step policy');
-              else log.info({ chunk: chunk.key, tries: n, err: { message: failed.message } }, 'chunk failed again after another slot or worker had settled it');
+              if (skip.kind === 'skipped') log.warn({ chunk: chunk.key, tries: n, skipped, maxFailedChunks: maxSkips, err: errorFields(err, failed.message) }, 'chunk failed for good; skipped under the step policy');
+              else log.info({ chunk: chunk.key, tries: n, err: errorFields(err, failed.message) }, 'chunk failed again after another slot or worker had settled it');
               retrySeq = null;
               continue;
             }

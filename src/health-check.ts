@@ -1,6 +1,6 @@
 import { sql, type Kysely } from 'kysely';
 import type { Logger } from 'pino';
-import { UsageError } from './errors.ts';
+import { errorFields, UsageError } from './errors.ts';
 import type { Job, RunIdentity, Step } from './job.ts';
 import { sleep } from './sleep.ts';
 
@@ -261,7 +261,7 @@ export async function createHealthGate(opts: HealthGateOptions): Promise<HealthG
             failing = false;
           } catch (err) {
             // Monitoring that fails must not stop the work: log once, carry on as healthy.
-            if (!failing) opts.log.warn({ err: { message: (err as Error).message } }, 'health probe failed; continuing without it');
+            if (!failing) opts.log.warn({ err: errorFields(err) }, 'health probe failed; continuing without it');
             failing = true;
             return;
           }

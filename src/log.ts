@@ -80,7 +80,14 @@ export function lazyLogger(level: string, make: () => Logger): Logger {
 export function createLogger(level: LogLevel = 'info', opts: { readonly pretty?: boolean } = {}): Logger {
   return lazyLogger(level, () => {
     const pino = loadPino();
-    const base = { level, redact: { paths: REDACT, censor: '***' }, base: { pid: process.pid } };
+    const base = {
+      level,
+      redact: { paths: REDACT, censor: '***' },
+      base: { pid: process.pid },
+      // idem logs `err` as errorFields() builds it; pino's own serializer would turn that plain
+      // object into {"type":"Object","stack":""}. A real Error still gets pino's treatment.
+      serializers: { err: (e: unknown) => (e instanceof Error ? pino.stdSerializers.err(e) : e) },
+    };
     if (opts.pretty ?? process.stderr.isTTY) {
       return pino(base, terminalDestination());
     }

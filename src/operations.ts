@@ -120,6 +120,18 @@ export async function resumeRun(h: OperationsHost, job: string, key?: string): P
 }
 
 /**
+ * A failed run made continuable again for an executor that is about to continue it (idem serve's
+ * resume): `interrupted`, as a resumed paused run is, so a long-poll waits for the new attempt
+ * instead of answering with the old failure. Compare-and-set on (failed, attempt); false when the
+ * run changed in between (someone else continued it already).
+ */
+export async function reopenFailedRun(h: Pick<OperationsHost, 'db' | 'schema'>, runId: string, attempt: number): Promise<boolean> {
+  const { rows } = await sql`update ${t(h, 'runs')} set status = 'interrupted', updated_at = now()
+    where id = ${runId} and status = 'failed' and attempt = ${attempt} returning 1`.execute(h.db);
+  return rows.length > 0;
+}
+
+/**
  * Ends a live attempt that stopped for an operator's request, by the request as it stands now, not
  * as the attempt's poll saw it: a resume may have withdrawn the pause while the in-flight chunks
  * finished (then the run is `interrupted`, the state a resumed paused run has, not `paused`), and

@@ -3,7 +3,7 @@ import { sql } from 'kysely';
 import type { Logger } from 'pino';
 import { acquireAdvisoryLock, type HeldLock } from './advisory-lock.ts';
 import { openDatabase, type Database } from './database.ts';
-import { BusyError, CancelledError, FencedError, InterruptedError, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
+import { BusyError, CancelledError, errorFields, FencedError, InterruptedError, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
@@ -440,11 +440,11 @@ export class Runner {
   /** Records how an attempt ended and returns the error to throw. A fenced attempt writes nothing. */
   async #recordEnd(runId: string, attempt: number, job: Job, runKey: string, err: unknown, log: Logger, lock: HeldLock): Promise<unknown> {
     if (err instanceof FailedElsewhere) {
-      log.error({ err: { message: err.message } }, 'the run failed in another worker; stopping');
+      log.error({ err: errorFields(err) }, 'the run failed in another worker; stopping');
       return new RunFailedError(`job "${job.name}" failed in another process sharing the run: ${err.message}; fix the cause and run the same command again to resume there`, { cause: err });
     }
     if (err instanceof FencedError || err instanceof LockLostError) {
-      log.error({ err: { message: err.message } }, 'lost the run to another attempt');
+      log.error({ err: errorFields(err) }, 'lost the run to another attempt');
       return err instanceof LockLostError ? err : new LockLostError(err.message, { cause: err });
     }
     if (err instanceof ControlRequest) {
@@ -493,7 +493,7 @@ export class Runner {
     // one claimed after that worker's try rolled back): its record stands, and this one says so.
     if (earlier) return this.#recordEnd(runId, attempt, job, runKey, new FailedElsewhere(earlier.message), log, lock);
     const where = failure.chunk === null ? `step "${failure.step}"` : `step "${failure.step}", chunk ${failure.chunk}`;
-    log.error({ step: failure.step, chunk: failure.chunk, tries: failure.tries, err: { message: failure.message, code: cause?.code } }, 'run failed');
+    log.error({ step: failure.step, chunk: failure.chunk, tries: failure.tries, err: errorFields(failure.cause, failure.message) }, 'run failed');
     return new RunFailedError(
       `job "${job.name}" failed in ${where} after ${failure.tries} ${failure.tries === 1 ? 'try' : 'tries'}: ${failure.message}; fix the cause and run the same command again to resume there`,
       { cause: failure },

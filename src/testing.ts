@@ -22,6 +22,7 @@
 import { randomBytes } from 'node:crypto';
 import path from 'node:path';
 import { isDeepStrictEqual } from 'node:util';
+import { diffArrays } from 'diff';
 import { sql, type Kysely } from 'kysely';
 import pg from 'pg';
 import type { Job, Step } from './job.ts';
@@ -124,49 +125,9 @@ interface DiffOp {
   readonly line: string;
 }
 
-/** Equal prefix and suffix as is; the middle by LCS (bounded: a huge middle is compared line by line). */
+/** The line diff, by jsdiff's Myers diff (the one `git diff` uses). */
 function lineDiff(a: string[], b: string[]): DiffOp[] {
-  let pre = 0;
-  while (pre < a.length && pre < b.length && a[pre] === b[pre]) pre++;
-  let suf = 0;
-  while (suf < a.length - pre && suf < b.length - pre && a[a.length - 1 - suf] === b[b.length - 1 - suf]) suf++;
-  const am = a.slice(pre, a.length - suf);
-  const bm = b.slice(pre, b.length - suf);
-  const same = (line: string): DiffOp => ({ kind: ' ', line });
-  const middle: DiffOp[] = [];
-  const n = am.length;
-  const m = bm.length;
-  if (n * m > 4_000_000) {
-    for (let i = 0; i < Math.max(n, m); i++) {
-      if (am[i] === bm[i]) middle.push(same(am[i]!));
-      else {
-        if (am[i] !== undefined) middle.push({ kind: '-', line: am[i]! });
-        if (bm[i] !== undefined) middle.push({ kind: '+', line: bm[i]! });
-      }
-    }
-  } else {
-    // lcs[i][j]: the longest common subsequence of am[i..] and bm[j..].
-    const lcs = new Uint32Array((n + 1) * (m + 1));
-    for (let i = n - 1; i >= 0; i--) {
-      for (let j = m - 1; j >= 0; j--) {
-        lcs[i * (m + 1) + j] = am[i] === bm[j] ? lcs[(i + 1) * (m + 1) + j + 1]! + 1 : Math.max(lcs[(i + 1) * (m + 1) + j]!, lcs[i * (m + 1) + j + 1]!);
-      }
-    }
-    let i = 0;
-    let j = 0;
-    while (i < n || j < m) {
-      if (i < n && j < m && am[i] === bm[j]) {
-        middle.push(same(am[i]!));
-        i++;
-        j++;
-      } else if (j >= m || (i < n && lcs[(i + 1) * (m + 1) + j]! >= lcs[i * (m + 1) + j + 1]!)) {
-        middle.push({ kind: '-', line: am[i++]! });
-      } else {
-        middle.push({ kind: '+', line: bm[j++]! });
-      }
-    }
-  }
-  return [...a.slice(0, pre).map(same), ...middle, ...a.slice(a.length - suf).map(same)];
+  return diffArrays(a, b).flatMap((part) => part.value.map((line): DiffOp => ({ kind: part.added ? '+' : part.removed ? '-' : ' ', line })));
 }
 
 async function withAdmin<T>(url: string, fn: (c: pg.Client) => Promise<T>): Promise<T> {

@@ -3,7 +3,7 @@ import os from 'node:os';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { Runner } from '../src/index.ts';
-import { ALL_TABLES, FIXTURE_DIRS, FIXTURE_JOBS, FIXTURE_MIGRATIONS, killLeftovers, lines, query, runCli, snapshot, type CliResult } from './support/cli.ts';
+import { ALL_TABLES, FIXTURE_DIRS, FIXTURE_JOBS, FIXTURE_MIGRATIONS, killLeftovers, lines, logLines, query, runCli, snapshot, type CliResult } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 // Issue 14: every common mistake of a new user ends in an error that says what and where, and how
@@ -270,6 +270,29 @@ describe('a job that throws a non-Error value', () => {
     expect(JSON.parse(status.stdout)).toEqual([
       expect.objectContaining({ runKey: 'str', state: 'failed', error: expect.objectContaining({ step: 'only', message: 'a string from the job' }) }),
     ]);
+  });
+});
+
+describe('the JSON log line of a failure names the error class', () => {
+  it('a PostgreSQL error in a chunk logs type DatabaseError with its SQLSTATE, not a bare "Object"', async () => {
+    const dir = await jobFolder('database-error', {
+      'missing.mjs': `export default { name: 'missing-table', steps: [{ name: 'only', run: ({ db }) => db.selectFrom('no_such_table_here').selectAll().execute() }] };\n`,
+    });
+    const r = await runCli(['--jobs-dir', dir, 'run', 'missing-table', '--key', 'db-err'], { url });
+    expect(r.code, r.stderr).toBe(1);
+    const failed = logLines(r.stderr).find((l) => l.msg === 'run failed');
+    expect(failed?.err).toEqual({ type: 'DatabaseError', message: 'relation "no_such_table_here" does not exist', code: '42P01' });
+  });
+
+  it('a transient error retried in a chunk logs its class too', async () => {
+    const dir = await jobFolder('transient-error', {
+      'flaky.mjs':
+        `let tries = 0;\nexport default { name: 'flaky', steps: [{ name: 'only', run: () => { if (++tries === 1) throw Object.assign(new TypeError('socket hang up'), { code: 'ECONNRESET' }); } }] };\n`,
+    });
+    const r = await runCli(['--jobs-dir', dir, 'run', 'flaky', '--key', 'flaky-1'], { url });
+    expect(r.code, r.stderr).toBe(0);
+    const retried = logLines(r.stderr).find((l) => l.msg === 'transient error, retrying chunk');
+    expect(retried?.err).toEqual({ type: 'TypeError', message: 'socket hang up', code: 'ECONNRESET' });
   });
 });
 

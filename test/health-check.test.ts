@@ -108,13 +108,17 @@ describe('health checks before each chunk', () => {
   });
 
   it('a session waiting on a lock an idem chunk holds pauses the next chunks until it got its lock', async () => {
+    const CHUNKS = 80;
     const gate = await holdGate(url, 'hot');
     const job = defineJob({
       name: 'locker',
       steps: [
         {
           name: 'work',
-          chunks: (cursor) => ({ chunks: Array.from({ length: 30 }, (_, i) => ({ key: `k${String(i).padStart(2, '0')}` })), next: null }),
+          // 80 chunks: the other slot's 79 × 100 ms must outlast the test's detection of k00, the
+          // blocked session's 300 ms and a probe even on a loaded machine (with 30, a slow round
+          // let them all finish first, and with no chunk left to start no probe ran to pause).
+          chunks: (cursor) => ({ chunks: Array.from({ length: CHUNKS }, (_, i) => ({ key: `k${String(i).padStart(2, '0')}` })), next: null }),
           async run({ db }, { key }) {
             if (key === 'k00') {
               await sql`update hot set n = n + 1 where id = 1`.execute(db);
@@ -137,14 +141,14 @@ describe('health checks before each chunk', () => {
       const pause = await waitFor(async () => (await runRow(url, 'locker', 'l'))?.health_pause, 'the run to pause for the lock wait');
       expect(pause.reason).toMatch(/^pid \d+ waiting \d+ ms > 300 ms for a lock held by idem \(pid \d+\)$/);
       const doneAtPause = (await workCounts(url, 'l')).size;
-      expect(doneAtPause).toBeLessThan(29);
+      expect(doneAtPause).toBeLessThan(CHUNKS - 1);
       // While the session waits, no new chunk starts (a few probe intervals later, the count is the same).
       await waitFor(async () => (await runRow(url, 'locker', 'l')).health_pause?.reason !== pause.reason, 'a later probe');
       expect((await workCounts(url, 'l')).size).toBeLessThanOrEqual(doneAtPause + 1);
       await gate.release();
       await update;
       expect(await running).toMatchObject({ status: 'succeeded' });
-      expect((await workCounts(url, 'l')).size).toBe(30);
+      expect((await workCounts(url, 'l')).size).toBe(CHUNKS);
       expect(await query(url, `select n from hot where id = 1`)).toEqual([{ n: before + 11 }]);
     } finally {
       await gate.release();

@@ -8,8 +8,8 @@
  * --prefer-offline: the dependencies come from npm's cache (filled by `npm ci`), the registry is
  * asked only for what the cache lacks.
  */
-import { execFile } from 'node:child_process';
-import { existsSync, promises as fs } from 'node:fs';
+import { execFile, execFileSync, spawn } from 'node:child_process';
+import { existsSync, promises as fs, readdirSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { promisify } from 'node:util';
@@ -60,6 +60,20 @@ afterAll(async () => {
 });
 
 let packedFiles: string[] = [];
+
+/**
+ * Other Node.js majors to run the installed package under: .test-nodes/<major>/bin/node, which
+ * scripts/fetch-test-nodes.mjs fetches from the npm registry (.ci/run does, before npm test).
+ */
+const OTHER_NODES: Array<{ version: string; bin: string }> = (() => {
+  const dir = path.join(REPO, '.test-nodes');
+  if (!existsSync(dir)) return [];
+  return readdirSync(dir)
+    .map((major) => path.join(dir, major, 'bin', 'node'))
+    .filter((bin) => existsSync(bin))
+    .map((bin) => ({ version: execFileSync(bin, ['--version'], { encoding: 'utf8' }).trim(), bin }))
+    .filter((n) => n.version.split('.')[0] !== process.version.split('.')[0]);
+})();
 
 /** The migration and the two jobs of a project: each job sets its own row (a state-setting upsert). */
 const SQL_CREATE = 'create table if not exists greetings (job text primary key, msg text not null)';
@@ -271,6 +285,58 @@ describe.each(PROJECTS)('installed into a fresh $name project', (p) => {
       { name: 'bob', msg: 'HELLO BOB' },
       { name: 'cy', msg: 'HELLO CY' },
     ]);
+  });
+
+  // Node 20 runs the suite; users run 22 and 24 too. The same installed package, under each.
+  if (OTHER_NODES.length === 0) it.skip(`under Node 22 and 24 too (skipped: none in .test-nodes/; fetch them with node scripts/fetch-test-nodes.mjs)`, () => {});
+  it.each(OTHER_NODES.map((n) => [n.version, n.bin] as const))('under Node %s too: migrate, run (every job file extension), a no-op rerun and status', async (_version, bin) => {
+    const db = await createTestDatabase();
+    databases.push(db);
+    const env = { ...userEnv(db.url), PATH: `${path.dirname(bin)}${path.delimiter}${process.env.PATH}` };
+    const idemUnder = (args: string[]) => sh(dir, bin, [path.join(dir, 'node_modules', 'idem', 'bin', 'idem.js'), ...args], env);
+    expect((await idemUnder(['migrate'])).stdout).toMatch(/^0001_create_greetings: job "create-greetings" succeeded/);
+    for (const job of p.jobs) expect((await idemUnder(['run', job])).stdout).toMatch(new RegExp(`^job "${job}" succeeded: 1 chunk in 1 step`));
+    expect((await idemUnder(['run', p.jobs[0]])).stdout).toMatch(new RegExp(`^job "${p.jobs[0]}" already done`));
+    expect(await query(db.url, 'select job, msg from greetings order by job')).toEqual([...p.jobs].sort().map((job) => ({ job, msg: `hello from ${job}` })));
+    const status = JSON.parse((await idemUnder(['status', '--json'])).stdout) as Array<{ job: string; state: string }>;
+    expect(status.map((r) => `${r.job} ${r.state}`).sort()).toEqual(['create-greetings succeeded', ...p.jobs.map((j) => `${j} succeeded`)].sort());
+  });
+
+  it.runIf(p.name === 'esm-ts').each(OTHER_NODES.map((n) => [n.version, n.bin] as const))('under Node %s too: idem serve starts a run over HTTP and replays it', async (_version, bin) => {
+    const db = await createTestDatabase();
+    databases.push(db);
+    const env = { ...userEnv(db.url), PATH: `${path.dirname(bin)}${path.delimiter}${process.env.PATH}`, IDEM_API_TOKEN: 'package-test-token-0123456789' };
+    await sh(dir, bin, [path.join(dir, 'node_modules', 'idem', 'bin', 'idem.js'), 'migrate'], env);
+    const server = spawn(bin, [path.join(dir, 'node_modules', 'idem', 'bin', 'idem.js'), 'serve', '--port', '0'], { cwd: dir, env, stdio: ['ignore', 'pipe', 'pipe'] });
+    try {
+      let out = '';
+      server.stdout.on('data', (b: Buffer) => (out += b.toString()));
+      server.stderr.on('data', (b: Buffer) => (out += b.toString()));
+      const base = await new Promise<string>((resolve, reject) => {
+        const timer = setTimeout(() => reject(new Error(`idem serve did not listen within 30 s: ${out}`)), 30_000);
+        server.stdout.on('data', () => {
+          const m = /listening on (http:\/\/\S+)/.exec(out);
+          if (m) {
+            clearTimeout(timer);
+            resolve(m[1]!);
+          }
+        });
+        server.once('exit', (code) => reject(new Error(`idem serve exited ${code}: ${out}`)));
+      });
+      const headers = { authorization: 'Bearer package-test-token-0123456789', 'content-type': 'application/json', 'idempotency-key': 'pkg-1' };
+      const created = await fetch(`${base}/api/jobs/hello-ts/runs`, { method: 'POST', headers, body: '{}' });
+      expect(created.status).toBe(201);
+      const { id } = (await created.json()) as { id: string };
+      const done = (await (await fetch(`${base}/api/runs/${id}?wait=30`, { headers })).json()) as { state: string };
+      expect(done.state).toBe('succeeded');
+      const replay = await fetch(`${base}/api/jobs/hello-ts/runs`, { method: 'POST', headers, body: '{}' });
+      expect([replay.status, replay.headers.get('idempotent-replayed')]).toEqual([200, 'true']);
+      expect((await fetch(`${base}/readyz`)).status).toBe(200);
+      expect(await query(db.url, `select msg from greetings where job = 'hello-ts'`)).toEqual([{ msg: 'hello from hello-ts' }]);
+    } finally {
+      server.kill('SIGTERM');
+      await new Promise((r) => (server.exitCode !== null ? r(null) : server.once('exit', r)));
+    }
   });
 
   it.runIf(p.typescript)('its TypeScript jobs type-check against the shipped declarations', async () => {

@@ -264,6 +264,42 @@ describe('operator actions', () => {
     expect(await workCounts(url, key)).toEqual(new Map(Array.from({ length: 6 }, (_, i) => [chunkKey(i + 1), 1])));
   });
 
+  it('resume retries a failed run created over HTTP in the server, from its first unfinished chunk; a CLI run is left to idem run', async () => {
+    await query(url, `insert into fail_chunks (chunk_key) values ('c0023')`);
+    let id: string;
+    try {
+      const created = await post('k-failed', { chunks: 23 });
+      expect(created.status).toBe(201);
+      id = created.body.id;
+      const failed = await api(server.base, 'GET', `/api/runs/${id}?wait=30`);
+      expect(failed.body).toMatchObject({ state: 'failed', error: { message: expect.stringContaining('injected failure in chunk c0023') } });
+    } finally {
+      await query(url, `delete from fail_chunks where chunk_key = 'c0023'`);
+    }
+    const resumed = await api(server.base, 'POST', `/api/runs/${id}/resume`);
+    expect(resumed.status, resumed.text).toBe(200);
+    expect(resumed.body.id).toBe(id);
+    const done = await api(server.base, 'GET', `/api/runs/${id}?wait=30`);
+    expect(done.body).toMatchObject({ state: 'succeeded', attempt: 2 });
+    // c0001…c0022 committed once in the first attempt, c0023 once in the second.
+    expect([...(await workCounts(url, 'k-failed')).values()]).toEqual(Array.from({ length: 23 }, () => 1));
+
+    // A failed run that idem run started is its caller's to retry: 409 naming the command, nothing written.
+    await query(url, `insert into fail_chunks (chunk_key) values ('c0024')`);
+    try {
+      const cli = await runCli(['--jobs-dir', FIXTURE_JOBS, 'run', 'counted', '--key', 'k-failed-cli', '--params', JSON.stringify({ chunks: 24 })], { url });
+      expect(cli.code).toBe(1);
+    } finally {
+      await query(url, `delete from fail_chunks where chunk_key = 'c0024'`);
+    }
+    const cliRun = await runRow(url, 'counted', 'k-failed-cli');
+    const before = await snapshot(url, TABLES);
+    const refused = await api(server.base, 'POST', `/api/runs/${cliRun.id}/resume`);
+    expectProblem(refused, 409, 'idem.cannotControl');
+    expect(refused.body.detail).toContain('idem run counted --key k-failed-cli');
+    expect(await snapshot(url, TABLES)).toEqual(before);
+  });
+
   it('cancel stops a live run; it never continues', async () => {
     const created = await post('k-cancel', SLOW);
     const id = created.body.id;

@@ -169,6 +169,10 @@ describe('the database going away', () => {
     const served = await startServe(viaProxy.toString(), [], {}, ANY_JOBS);
     try {
       expect((await api(served.base, 'GET', '/api/runs')).status).toBe(200);
+      // Readiness says whether PostgreSQL answers (no token: a probe has none); liveness only that the process serves.
+      const ready = await api(served.base, 'GET', '/readyz', { token: null });
+      expect(ready.status, ready.text).toBe(200);
+      expect(ready.body).toEqual({ ok: true, database: 'ok' });
       await new Promise<void>((resolve) => {
         proxy.close(() => resolve());
         for (const s of sockets) s.destroy();
@@ -184,6 +188,11 @@ describe('the database going away', () => {
         expect(res.headers.get('retry-after')).toMatch(/^\d+$/);
         expect(res.text).not.toContain(viaProxy.password || '\u0000');
       }
+      const notReady = await api(served.base, 'GET', '/readyz', { token: null });
+      expectProblem(notReady, 503, 'idem.databaseUnavailable');
+      expect(notReady.headers.get('retry-after')).toMatch(/^\d+$/);
+      expect(notReady.text).not.toContain(viaProxy.password || '\u0000');
+      expect((await api(served.base, 'GET', '/healthz', { token: null })).status).toBe(200);
       expect(await snapshot(url, TABLES)).toEqual(before);
       proxy = await listen(port);
       const again = await waitFor(
@@ -193,6 +202,7 @@ describe('the database going away', () => {
         },
         'the server to reach the database again',
       );
+      expect((await api(served.base, 'GET', '/readyz', { token: null })).status).toBe(200);
       // Its run ends in this server before it is killed, leaving no run for the other one's rescan.
       expect((await api(served.base, 'GET', `/api/runs/${again.body.id}?wait=30`)).body.state).toBe('succeeded');
     } finally {

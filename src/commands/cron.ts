@@ -1,7 +1,7 @@
 import type { Command } from 'commander';
 import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
 import { describeOutcome } from '../describe-outcome.ts';
-import { ExitCode, IdemError, InterruptedError, messageOf } from '../errors.ts';
+import { errorFields, ExitCode, IdemError, InterruptedError } from '../errors.ts';
 import { scheduledJobs } from './crontab.ts';
 
 /** `idem cron`: the schedules in this process, for containers without cron. */
@@ -28,7 +28,7 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
           onError: (name, slot, err) => {
             if (signals.stop.aborted) return;
             if (err instanceof IdemError && err.exitCode === ExitCode.Busy) log.info({ job: name, slot: slotKey(slot) }, `slot taken by another process: ${err.message}`);
-            else log.error({ job: name, slot: slotKey(slot), err: { message: messageOf(err) } }, 'scheduled run failed; the next tick tries it once more, --catch-up after that');
+            else log.error({ job: name, slot: slotKey(slot), err: errorFields(err) }, 'scheduled run failed; the next tick tries it once more, --catch-up after that');
           },
         });
         const reason = signals.stop.reason;

@@ -159,6 +159,29 @@ function runnerMigrations(schema: string): Record<string, Migration> {
           execute function ${t('chunk_fence')}()`.execute(db);
       },
     },
+    '0009_succeeded_run_changed': {
+      async up(db) {
+        // idem serve answers Idempotency-Key replays of succeeded runs from memory (a succeeded run
+        // does not change by itself). Whatever does change or remove one (prune, reset, a
+        // --retry-skipped rerun, a hand-written UPDATE, DELETE or TRUNCATE) notifies the servers at
+        // its commit, and they forget that run ('*': every run of the schema). Only rows that were
+        // succeeded fire, so the chunk path and a running run's own updates never pay for it.
+        await sql`create function ${t('succeeded_run_changed')}() returns trigger language plpgsql as $notify$
+          begin
+            if tg_op = 'TRUNCATE' then
+              perform pg_notify('idem_succeeded_run_changed', tg_table_schema || ' *');
+            else
+              perform pg_notify('idem_succeeded_run_changed', tg_table_schema || ' ' || old.id);
+            end if;
+            return null;
+          end $notify$`.execute(db);
+        await sql`create trigger succeeded_run_changed after update or delete on ${t('runs')}
+          for each row when (old.status = 'succeeded')
+          execute function ${t('succeeded_run_changed')}()`.execute(db);
+        await sql`create trigger runs_truncated after truncate on ${t('runs')}
+          for each statement execute function ${t('succeeded_run_changed')}()`.execute(db);
+      },
+    },
   };
 }
 

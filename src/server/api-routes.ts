@@ -2,6 +2,7 @@ import type { FastifyInstance, FastifyReply } from 'fastify';
 import { UsageError } from '../errors.ts';
 import { fingerprint } from '../fingerprint.ts';
 import { NAME as JOB_NAME, validateParams, type Job, type Json } from '../job.ts';
+import { reopenFailedRun } from '../operations.ts';
 import { claimRequest, paramsMismatch, printable } from './claim-request.ts';
 import { HttpProblem } from './problem.ts';
 import { ENDED_STATES, RUN_STATES, type RunStateFilter, type RunView } from './run-view.ts';
@@ -13,6 +14,9 @@ export const IDEMPOTENCY_KEY = /^[A-Za-z0-9._:~+=/-]{1,200}$/;
 
 /** The id of the last event of a run's event stream, once the run has ended. */
 const ENDED_EVENT_ID = 'ended';
+
+/** States a resume continues as a new attempt (a paused run is resumed by withdrawing its pause). */
+const RESUMABLE_STATES: ReadonlySet<string> = new Set(['failed', 'interrupted', 'crashed']);
 
 /** Longest `?wait=` for a long-poll, in seconds. */
 export const MAX_WAIT_SECONDS = 60;
@@ -31,10 +35,13 @@ export function paramsSchema(job: Job): Json | null {
   return null;
 }
 
-function sendRun(reply: FastifyReply, status: number, view: RunView, replayed: boolean | null) {
+const JSON_TYPE = 'application/json; charset=utf-8';
+
+/** Sets the status and headers of an answer that is one run; returns the reply. */
+function sendRun(reply: FastifyReply, status: number, view: RunView, replayed: boolean | null): FastifyReply {
   reply.code(status).header('location', `/api/runs/${view.id}`);
   if (replayed !== null) reply.header('idempotent-replayed', String(replayed));
-  return view;
+  return reply;
 }
 
 export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): void {
@@ -77,17 +84,31 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
       throw err;
     }
     const fp = fingerprint(params);
-    // Replay fast path: a committed run for the key needs no transaction and no lock, one read.
+    // Replay fast path: a succeeded run's answer is in memory (replay-cache.ts says when it may
+    // be); any other committed run for the key needs no transaction and no lock, one read.
+    const cached = ctx.replays.get(job.name, key);
+    if (cached) {
+      ctx.metrics.replays.inc({ source: 'memory' });
+      if (cached.fingerprint !== fp) throw paramsMismatch(job.name, key, cached.fingerprint, fp);
+      reply.code(200).header('location', `/api/runs/${cached.id}`).header('idempotent-replayed', 'true').type(JSON_TYPE);
+      return reply.send(cached.json);
+    }
+    const generation = ctx.replays.generation;
     const existing = await ctx.views.byKey(job.name, key);
     if (existing) {
+      ctx.metrics.replays.inc({ source: 'database' });
       if (existing.fingerprint !== fp) throw paramsMismatch(job.name, key, existing.fingerprint, fp);
-      return sendRun(reply, 200, existing, true);
+      const json = JSON.stringify(existing);
+      ctx.replays.offer(existing, generation, json);
+      sendRun(reply, 200, existing, true).type(JSON_TYPE);
+      return reply.send(json);
     }
     const outcome = await claimRequest(ctx.runner.db, ctx.runner.schema, job.name, key, params, fp);
     if (outcome.kind === 'created') ctx.executor.enqueue({ runId: outcome.run.id, job: job.name, key });
     const view = await ctx.views.get(outcome.run.id);
     if (!view) throw new HttpProblem(404, 'idem.unknownRun', `run ${outcome.run.id} was removed (reset or pruned) while answering; send the request again`);
-    return sendRun(reply, outcome.kind === 'created' ? 201 : 200, view, outcome.kind === 'replayed');
+    sendRun(reply, outcome.kind === 'created' ? 201 : 200, view, outcome.kind === 'replayed');
+    return view;
   });
 
   app.get<{ Querystring: { job?: string; state?: string; limit?: string; cursor?: string } }>('/api/runs', async (request) => {
@@ -144,6 +165,21 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
     // The CLI's operator actions (compare-and-set on the run row); their refusals map to 404/409.
     app.post<{ Params: { id: string } }>(`/api/runs/:id/${action}`, async (request) => {
       const before = await getRun(request.params.id);
+      // A run that stopped without an operator (failed, interrupted, crashed) continues where
+      // `idem run` would continue it: in the server for a run created over HTTP, from its first
+      // unfinished chunk, as a new attempt. A run idem run started is its caller's to continue.
+      if (action === 'resume' && RESUMABLE_STATES.has(before.state)) {
+        const run = `run "${printable(before.key)}" of job "${printable(before.job)}" is ${before.state}`;
+        if (!before.viaApi) {
+          throw new HttpProblem(409, 'idem.cannotControl', `${run} and was started by idem run, not over HTTP: continue it with idem run ${printable(before.job)} --key ${printable(before.key)}`);
+        }
+        if (!ctx.jobs.has(before.job)) {
+          throw new HttpProblem(409, 'idem.cannotControl', `${run}, and this server does not load that job: start the server with the --jobs-dir that holds it, or continue it with idem run`);
+        }
+        if (before.state === 'failed') await reopenFailedRun(ctx.runner, before.id, before.attempt);
+        ctx.executor.enqueue({ runId: before.id, job: before.job, key: before.key });
+        return getRun(before.id);
+      }
       const result = await ctx.runner[action](before.job, before.key);
       // A run created over HTTP is this server's to execute: resuming it means continuing it now.
       // Other runs continue on their next invocation, as with idem resume.
@@ -155,7 +191,7 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
   }
 
   app.get<{ Params: { id: string } }>('/api/runs/:id/events', async (request, reply) => {
-    const run = await getRun(request.params.id);
+    let run: RunView | undefined = await getRun(request.params.id);
     // The last event of an ended run has the id `ended`. EventSource reconnects whenever a stream
     // ends, sending that id back: a 204 is the one answer that makes it stop (it would otherwise get
     // the same final event every `retry` ms, forever). A run resumed since streams again.
@@ -164,7 +200,9 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
       request,
       reply,
       async () => {
-        const view = await ctx.views.get(request.params.id);
+        // The read that answered 404 or 204 is the stream's first event.
+        const view = run ?? (await ctx.views.get(request.params.id));
+        run = undefined;
         if (!view) return { event: 'gone', data: JSON.stringify({ id: request.params.id }), end: true };
         const end = ENDED_STATES.has(view.state);
         return { event: 'progress', data: JSON.stringify(view), end, ...(end ? { id: ENDED_EVENT_ID } : {}) };

@@ -2,7 +2,7 @@ import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance } 
 import { sql } from 'kysely';
 import type pg from 'pg';
 import type { Logger } from 'pino';
-import { UsageError } from '../errors.ts';
+import { errorFields, UsageError } from '../errors.ts';
 import { silentLogger } from '../log.ts';
 import { runIsLive } from '../operations.ts';
 import type { Job } from '../job.ts';
@@ -12,6 +12,7 @@ import { bearerToken, tokenMatcher } from './api-token.ts';
 import { registerApiRoutes } from './api-routes.ts';
 import { registerDashboardRoutes } from './dashboard-routes.ts';
 import { HttpProblem, PROBLEM_TYPE, problemBody, toProblem } from './problem.ts';
+import { ReplayCache } from './replay-cache.ts';
 import { RunExecutor } from './run-executor.ts';
 import { RunViews } from './run-view.ts';
 import type { ServerContext } from './server-context.ts';
@@ -67,7 +68,10 @@ export interface IdemServer {
   close(deadlineMs?: number): Promise<void>;
 }
 
-const PUBLIC_PATHS = new Set(['/healthz', '/assets/dashboard.css', '/assets/dashboard.js', '/favicon.svg']);
+/** How long /readyz waits for PostgreSQL's answer before it says not ready. */
+const READY_TIMEOUT_MS = 2_000;
+
+const PUBLIC_PATHS = new Set(['/healthz', '/readyz', '/assets/dashboard.css', '/assets/dashboard.js', '/favicon.svg']);
 
 /** Builds the HTTP server: Fastify with the API, the dashboard and /metrics over one Runner. */
 export function createServer(opts: ServerOptions): IdemServer {
@@ -75,6 +79,8 @@ export function createServer(opts: ServerOptions): IdemServer {
   const jobs = new Map(opts.jobs.map((j) => [j.name, j]));
   const runner = opts.runner;
   const views = new RunViews(runner.db, opts.reads, runner.schema, runner);
+  // The read pool's connection settings: the same database, a session of its own.
+  const replays = new ReplayCache(opts.reads.options as pg.ClientConfig, runner.schema, log);
   const metrics = new ServerMetrics(async () => {
     const runs = sql.id(runner.schema, 'runs');
     // Rows that say running are judged one by one (live or crashed); the rest are counted.
@@ -88,7 +94,7 @@ export function createServer(opts: ServerOptions): IdemServer {
     for (const r of counted) add(r.job, r.status, r.n);
     for (const r of running) add(r.job, runIsLive(r, locks, runner) ? 'running' : 'crashed', 1);
     return [...out.values()];
-  });
+  }, () => replays.size);
   const executor = new RunExecutor({
     runner,
     jobs,
@@ -97,12 +103,23 @@ export function createServer(opts: ServerOptions): IdemServer {
     maxRuns: opts.maxRuns ?? DEFAULT_MAX_RUNS,
     concurrency: opts.concurrency ?? 1,
     controlPollMs: opts.controlPollMs ?? 1_000,
+    // A run this server finished is replayed from memory from the first replay on: one read now
+    // instead of one per replay until the cache holds it.
+    onSucceeded: (runId) => {
+      if (!replays.active) return;
+      const generation = replays.generation;
+      views.get(runId).then(
+        (view) => view && replays.offer(view, generation, JSON.stringify(view)),
+        () => {}, // Only a warm-up: the first replay reads it instead.
+      );
+    },
   });
   const closing = new AbortController();
   const ctx: ServerContext = {
     runner,
     jobs,
     views,
+    replays,
     executor,
     metrics,
     log,
@@ -152,7 +169,7 @@ export function createServer(opts: ServerOptions): IdemServer {
     const problem = toProblem(err);
     // A refusal a client should simply repeat (503, the 409 of a key inside another request's claim) says when.
     if (problem.status === 503 || problem.extra.retryable === true) reply.header('retry-after', '1');
-    if (problem.status >= 500) request.log.error({ err: { message: (err as Error).message, code: (err as { code?: string }).code } }, 'request failed');
+    if (problem.status >= 500) request.log.error({ err: errorFields(err) }, 'request failed');
     return reply.code(problem.status).type(PROBLEM_TYPE).send(problemBody(problem));
   });
 
@@ -161,7 +178,22 @@ export function createServer(opts: ServerOptions): IdemServer {
     return reply.code(404).type(PROBLEM_TYPE).send(problemBody(problem));
   });
 
+  // Liveness: the process serves. Readiness: PostgreSQL answers too, within READY_TIMEOUT_MS (a
+  // dead network would otherwise hold the probe until TCP gives up). Restarting a pod cannot fix
+  // the database, so only readiness looks at it.
   app.get('/healthz', async () => ({ ok: true }));
+  app.get('/readyz', async () => {
+    let timer: NodeJS.Timeout | undefined;
+    const late = new Promise<never>((_, reject) => {
+      timer = setTimeout(() => reject(new HttpProblem(503, 'idem.databaseUnavailable', `PostgreSQL did not answer within ${READY_TIMEOUT_MS / 1000} s; check the database and the network to it, then retry`, { retryable: true })), READY_TIMEOUT_MS);
+    });
+    try {
+      await Promise.race([opts.reads.query('select 1'), late]);
+    } finally {
+      clearTimeout(timer);
+    }
+    return { ok: true, database: 'ok' };
+  });
   app.get('/metrics', async (_request, reply) => {
     const text = await metrics.registry.metrics();
     return reply.type(metrics.registry.contentType).send(text);
@@ -181,7 +213,7 @@ export function createServer(opts: ServerOptions): IdemServer {
       const r = await runner.prune(opts.retentionMs);
       if (r.runs > 0) log.info({ runs: r.runs, chunks: r.chunks }, 'pruned runs past the retention');
     } catch (err) {
-      log.warn({ err: { message: (err as Error).message } }, 'prune failed; the next hour tries again');
+      log.warn({ err: errorFields(err) }, 'prune failed; the next hour tries again');
     }
   };
 
@@ -196,6 +228,7 @@ export function createServer(opts: ServerOptions): IdemServer {
       } catch (err) {
         throw listenProblem(err, host, port);
       }
+      replays.start();
       const resumed = await executor.resumeUnfinished();
       if (resumed > 0) log.info({ runs: resumed }, 'resuming unfinished runs');
       // Later too: a run another server left behind when it crashed, or one `idem resume` released,
@@ -203,7 +236,7 @@ export function createServer(opts: ServerOptions): IdemServer {
       rescanTimer = setInterval(() => {
         executor.resumeUnfinished().then(
           (n) => n > 0 && log.info({ runs: n }, 'resuming unfinished runs'),
-          (err: unknown) => log.warn({ err: { message: (err as Error).message } }, 'rescan for unfinished runs failed; the next one tries again'),
+          (err: unknown) => log.warn({ err: errorFields(err) }, 'rescan for unfinished runs failed; the next one tries again'),
         );
       }, opts.rescanMs ?? DEFAULT_RESCAN_MS);
       rescanTimer.unref();
@@ -220,7 +253,7 @@ export function createServer(opts: ServerOptions): IdemServer {
         clearInterval(pruneTimer);
         clearInterval(rescanTimer);
         for (const close of [...ctx.openStreams]) close();
-        await Promise.all([app.close(), executor.shutdown(deadlineMs)]);
+        await Promise.all([app.close(), executor.shutdown(deadlineMs), replays.close()]);
       })());
     },
   };

@@ -54,12 +54,15 @@ export function registerDashboardRoutes(app: FastifyInstance, ctx: ServerContext
 
   app.get<{ Params: { id: string } }>('/runs/:id/live', async (request, reply) => {
     // A run that never existed is a 404; one removed while its page is open ends with `gone`.
-    if (!(await ctx.views.get(request.params.id))) throw unknownRun(request.params.id);
+    let first = await ctx.views.get(request.params.id);
+    if (!first) throw unknownRun(request.params.id);
     streamEvents(
       request,
       reply,
       async () => {
-        const run = await ctx.views.get(request.params.id);
+        // The read that answered the 404 question is the stream's first event.
+        const run = first ?? (await ctx.views.get(request.params.id));
+        first = undefined;
         return run ? { event: 'html', data: runLive(run) } : { event: 'gone', data: request.params.id, end: true };
       },
       { intervalMs: ctx.sseIntervalMs, open: ctx.openStreams },

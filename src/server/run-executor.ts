@@ -1,7 +1,7 @@
 import { sql } from 'kysely';
 import type { Logger } from 'pino';
 import { runIsLive } from '../operations.ts';
-import { BusyError, CancelledError, InterruptedError, PausedError, PauseWithdrawnError, RunFailedError, messageOf } from '../errors.ts';
+import { BusyError, CancelledError, errorFields, InterruptedError, PausedError, PauseWithdrawnError, RunFailedError } from '../errors.ts';
 import type { Job, Step } from '../job.ts';
 import type { Runner } from '../runner.ts';
 import type { RunStatus } from '../store.ts';
@@ -18,6 +18,8 @@ export interface RunExecutorOptions {
   readonly concurrency: number;
   /** How often a live run looks for an operator's pause/cancel, in ms. */
   readonly controlPollMs: number;
+  /** Called when an execution finds its run succeeded (just now, or already). */
+  readonly onSucceeded?: (runId: string) => void;
 }
 
 interface Queued {
@@ -149,6 +151,7 @@ export class RunExecutor {
         await runner.run(job, { ...base, join: true, wait: true });
       }
       log.info('run executed');
+      this.#o.onSucceeded?.(q.runId);
     } catch (err) {
       outcome =
         err instanceof PausedError
@@ -164,7 +167,7 @@ export class RunExecutor {
       // resume of a paused run created over HTTP does.
       again = err instanceof PauseWithdrawnError;
       const level = outcome === 'failed' || outcome === 'error' ? 'error' : 'info';
-      log[level]({ outcome, err: { message: messageOf(err) } }, `run ${outcome}`);
+      log[level]({ outcome, err: errorFields(err) }, `run ${outcome}`);
     } finally {
       metrics.runsEnded.inc({ job: q.job, outcome });
     }

@@ -1,6 +1,7 @@
 import type { Logger } from 'pino';
 import type { Job } from '../job.ts';
 import type { Runner } from '../runner.ts';
+import type { ReplayCache } from './replay-cache.ts';
 import type { RunExecutor } from './run-executor.ts';
 import type { RunViews } from './run-view.ts';
 import type { ServerMetrics } from './server-metrics.ts';
@@ -10,6 +11,8 @@ export interface ServerContext {
   readonly runner: Runner;
   readonly jobs: ReadonlyMap<string, Job>;
   readonly views: RunViews;
+  /** Replays of succeeded runs, answered from memory. */
+  readonly replays: ReplayCache;
   readonly executor: RunExecutor;
   readonly metrics: ServerMetrics;
   readonly log: Logger;

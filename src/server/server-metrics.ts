@@ -12,11 +12,15 @@ export class ServerMetrics {
   readonly runsEnded: Counter<'job' | 'outcome'>;
   readonly lockWaits: Counter<'job'>;
   readonly httpRequests: Counter<'method' | 'route' | 'status'>;
+  readonly replays: Counter<'source'>;
   readonly runsExecuting: Gauge;
   readonly runsQueued: Gauge;
 
-  /** `runCounts` is read at scrape time: runs per job and state, from the database. */
-  constructor(runCounts: () => Promise<ReadonlyArray<{ job: string; state: string; n: number }>>) {
+  /**
+   * `runCounts` is read at scrape time: runs per job and state, from the database; `replayCacheRuns`
+   * too: the succeeded runs whose replays are answered from memory.
+   */
+  constructor(runCounts: () => Promise<ReadonlyArray<{ job: string; state: string; n: number }>>, replayCacheRuns: () => number) {
     const registers = [this.registry];
     collectDefaultMetrics({ register: this.registry, prefix: 'idem_' });
     this.chunksCommitted = new Counter({ name: 'idem_chunks_committed_total', help: 'Chunks committed by runs this server executes.', labelNames: ['job', 'step'], registers });
@@ -36,6 +40,20 @@ export class ServerMetrics {
     this.runsEnded = new Counter({ name: 'idem_runs_ended_total', help: 'Runs this server executed, by how the execution ended.', labelNames: ['job', 'outcome'], registers });
     this.lockWaits = new Counter({ name: 'idem_lock_waits_total', help: "Executions that had to wait for the job's advisory lock (another process ran the job).", labelNames: ['job'], registers });
     this.httpRequests = new Counter({ name: 'idem_http_requests_total', help: 'API requests by route pattern and status code.', labelNames: ['method', 'route', 'status'], registers });
+    this.replays = new Counter({
+      name: 'idem_api_replays_total',
+      help: 'Idempotency-Key replays, by where the answer came from: memory (a succeeded run, see the README) or database.',
+      labelNames: ['source'],
+      registers,
+    });
+    new Gauge({
+      name: 'idem_api_replay_cache_runs',
+      help: 'Succeeded runs whose Idempotency-Key replays this server answers from memory.',
+      registers,
+      collect() {
+        this.set(replayCacheRuns());
+      },
+    });
     this.runsExecuting = new Gauge({ name: 'idem_runs_executing', help: 'Runs executing in this server now (at most --max-runs).', registers });
     this.runsQueued = new Gauge({ name: 'idem_runs_queued', help: 'Runs waiting for a free execution slot in this server.', registers });
     new Gauge({

@@ -1,4 +1,5 @@
 import type { FastifyReply, FastifyRequest } from 'fastify';
+import { errorFields } from '../errors.ts';
 
 /** One server-sent event; `data` may span lines (each becomes its own `data:` line). */
 export interface SseEvent {
@@ -71,7 +72,7 @@ export function streamEvents(request: FastifyRequest, reply: FastifyReply, next:
       }
       if (e.end) return close();
     } catch (err) {
-      request.log.warn({ err: { message: (err as Error).message } }, 'event stream failed; closing it (the client reconnects)');
+      request.log.warn({ err: errorFields(err) }, 'event stream failed; closing it (the client reconnects)');
       return close();
     }
     timer = setTimeout(tick, opts.intervalMs);
