@@ -23,7 +23,7 @@ export function registerServeCommand(program: Command, cli: CliContext): void {
         const openDatabase = async (poolSize: number, readPoolSize: number) => {
           const url = await databaseUrl(g, log, session);
           const runner = await openRunner(g, log, session, poolSize, url);
-          const { openDatabase } = await import('../database.ts');
+          const { openDatabase } = await import('../cli-runtime.ts');
           const reads = await openDatabase(url, { poolSize: readPoolSize, log });
           session.defer(() => reads.close());
           return { runner, reads: reads.pool };
