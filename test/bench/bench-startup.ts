@@ -1,6 +1,6 @@
 import { randomBytes } from 'node:crypto';
-import { spawn } from 'node:child_process';
-import { existsSync } from 'node:fs';
+import { execFileSync, spawn } from 'node:child_process';
+import { existsSync, readdirSync } from 'node:fs';
 import { mkdtemp, readFile, rm } from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
@@ -16,6 +16,16 @@ const NOOP_GOAL_MS = 250;
 
 const GNU_TIME = '/usr/bin/time';
 
+/** Node majors other than this one in .test-nodes/ (node scripts/fetch-test-nodes.mjs), e.g. 22 and 24. */
+const OTHER_NODES: Array<{ major: string; version: string; bin: string }> = (() => {
+  const dir = path.join(REPO_ROOT, '.test-nodes');
+  if (!existsSync(dir)) return [];
+  return readdirSync(dir)
+    .map((major) => ({ major, bin: path.join(dir, major, 'bin', 'node') }))
+    .filter((n) => existsSync(n.bin) && n.major !== process.versions.node.split('.')[0])
+    .map((n) => ({ ...n, version: execFileSync(n.bin, ['--version'], { encoding: 'utf8' }).trim() }));
+})();
+
 /** One process: its wall time, and its CPU time (user + system, all threads) when GNU time is there to read it. */
 interface ProcessTime {
   readonly ms: number;
@@ -23,10 +33,10 @@ interface ProcessTime {
 }
 
 /** Runs `node <args>` to its exit (throws unless it exits 0), under GNU time when present. */
-async function timeProcess(args: readonly string[], env: NodeJS.ProcessEnv, tmp: string): Promise<ProcessTime> {
+async function timeProcess(args: readonly string[], env: NodeJS.ProcessEnv, tmp: string, node: string = process.execPath): Promise<ProcessTime> {
   const timeFile = path.join(tmp, `time-${randomBytes(4).toString('hex')}`);
   const useTime = existsSync(GNU_TIME);
-  const [file, argv] = useTime ? [GNU_TIME, ['-f', '%U %S', '-o', timeFile, process.execPath, ...args]] : [process.execPath, [...args]];
+  const [file, argv] = useTime ? [GNU_TIME, ['-f', '%U %S', '-o', timeFile, node, ...args]] : [node, [...args]];
   const ms = await new Promise<number>((resolve, reject) => {
     const t0 = performance.now();
     const child = spawn(file, argv, { cwd: REPO_ROOT, env, stdio: ['ignore', 'ignore', 'pipe'] });
@@ -69,7 +79,7 @@ export async function benchStartup(ctx: BenchContext): Promise<BenchResult> {
   const env: NodeJS.ProcessEnv = { ...process.env, DATABASE_URL: ctx.url };
   delete env.NODE_OPTIONS;
   const tmp = await mkdtemp(path.join(os.tmpdir(), 'idem-bench-startup-'));
-  const proc = (name: string, args: string[]): Contender<ProcessTime> => ({ name, prepare: async () => ({ run: () => timeProcess(args, env, tmp) }) });
+  const proc = (name: string, args: string[], node?: string): Contender<ProcessTime> => ({ name, prepare: async () => ({ run: () => timeProcess(args, env, tmp, node) }) });
   const idem = ['bin/idem.js', '--jobs-dir', BENCH_JOBS_DIR];
   const idemJs = ['bin/idem.js', '--jobs-dir', BENCH_JS_JOBS_DIR];
   const contenders = [
@@ -78,10 +88,18 @@ export async function benchStartup(ctx: BenchContext): Promise<BenchResult> {
     proc('idem run (no-op)', [...idem, 'run', 'bench-backfill', '--params', JSON.stringify(params), '--key', key]),
     proc('idem run (no-op, .js job)', [...idemJs, 'run', 'bench-noop-js', '--key', key]),
     proc('idem status', [...idem, 'status', '--limit', '5']),
+    // Other Node majors where scripts/fetch-test-nodes.mjs fetched them: Node 22.1+ keeps V8's
+    // compiled code on disk (module.enableCompileCache, see bin/idem.js), Node 20 cannot.
+    ...OTHER_NODES.flatMap((n) => [
+      proc(`node ${n.major} -e 0`, ['-e', '0'], n.bin),
+      proc(`idem run (no-op, .js job) on node ${n.major}`, [...idemJs, 'run', 'bench-noop-js', '--key', key], n.bin),
+    ]),
   ];
   try {
     // The JavaScript job's run finishes here, untimed, like the TypeScript one above.
     await timeProcess([...idemJs, 'run', 'bench-noop-js', '--key', key], env, tmp);
+    // Each other Node writes its compile cache on its first run, untimed.
+    for (const n of OTHER_NODES) await timeProcess([...idemJs, 'run', 'bench-noop-js', '--key', key], env, tmp, n.bin);
     ctx.log(`startup: ${rounds} alternating rounds of ${contenders.map((c) => c.name).join(', ')}`);
     const samples = await alternate(rounds, contenders, ctx.log);
     const med = (n: string) => median(samples.get(n)!.map((s) => s.ms));
@@ -110,6 +128,18 @@ export async function benchStartup(ctx: BenchContext): Promise<BenchResult> {
         row('startup: no-op rerun `idem run` of a finished run (whole process, DATABASE_URL, TypeScript job)', noop, NOOP_GOAL_MS, 'idem run (no-op)'),
         row('startup: no-op rerun `idem run` of a finished run (whole process, DATABASE_URL, JavaScript job)', noopJs, NOOP_GOAL_MS, 'idem run (no-op, .js job)'),
         row('startup: `idem status` (whole process, DATABASE_URL)', status, null, 'idem status'),
+        ...OTHER_NODES.map((n) => {
+          const floor = med(`node ${n.major} -e 0`);
+          const x = med(`idem run (no-op, .js job) on node ${n.major}`);
+          return {
+            benchmark: `startup: no-op rerun, JavaScript job, on Node ${n.version} (compile cache on)`,
+            contenders: `vs that Node's \`node -e 0\``,
+            median: `${ms(x)} vs ${ms(floor)}`,
+            ratio: `${fmtRatio(x / floor)} node -e 0`,
+            goal: `≤ ${NOOP_GOAL_MS} ms`,
+            met: x <= NOOP_GOAL_MS,
+          };
+        }),
       ],
       data: {
         samplesMs: Object.fromEntries([...samples].map(([k, v]) => [k, v.map((s) => s.ms)])),
