@@ -2,6 +2,7 @@ import net from 'node:net';
 import { fileURLToPath } from 'node:url';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { ALL_TABLES, FIXTURE_JOBS, killLeftovers, query, runCli, runRow, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { startBlackholeProxy } from './support/blackhole-proxy.ts';
 import { useTestDatabase } from './support/database.ts';
 import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
 
@@ -258,6 +259,31 @@ describe('connections that die silently (a NAT or firewall that forgot them)', (
       await served.proc.done;
       proxy.close();
       for (const f of flows) for (const s of f.sockets) s.destroy();
+    }
+  }, 90_000);
+});
+
+describe('a network that goes dead under API reads', () => {
+  it('every read gets a 503 to retry, also those that waited for a connection of the read pool the dead ones held (not a 500)', async () => {
+    const proxy = await startBlackholeProxy(Number(new URL(url).port));
+    const viaProxy = new URL(url);
+    viaProxy.port = String(proxy.port);
+    // Stuck reads hold their connections longer than a request waits for one (10 s).
+    const served = await startServe(viaProxy.toString(), [], { IDEM_SERVE_READ_TIMEOUT_MS: '15000' }, ANY_JOBS);
+    const get = (path: string) =>
+      fetch(`${served.base}${path}`, { headers: { authorization: `Bearer ${TOKEN}` }, signal: AbortSignal.timeout(25_000) }).then(
+        async (r) => ({ status: r.status, body: await r.json().catch(() => null) }),
+        () => ({ status: 0, body: null }),
+      );
+    try {
+      expect((await Promise.all(Array.from({ length: 8 }, () => get('/api/runs?limit=500')))).map((r) => r.status)).toEqual(Array(8).fill(200));
+      proxy.cut();
+      const answers = await Promise.all(Array.from({ length: 6 }, () => get('/api/runs?limit=1')));
+      for (const a of answers) expect(a, JSON.stringify(answers)).toMatchObject({ status: 503, body: { type: 'urn:idem:problem:idem.databaseUnavailable', retryable: true } });
+    } finally {
+      served.proc.child.kill('SIGKILL');
+      await served.proc.done;
+      await proxy.close();
     }
   }, 90_000);
 });
