@@ -2,10 +2,29 @@
 // The CLI runs compiled JavaScript from dist/: no TypeScript compiler at start-up. TypeScript job
 // files are handled later, and only when a folder holds some (see src/loader.ts).
 import module from 'node:module';
+import os from 'node:os';
+import path from 'node:path';
 
 // Node 22.1+ keeps V8's compiled code of idem and its dependencies on disk between runs (a
-// faster start for cron and operators); Node 20 has no such cache, and nothing happens.
-module.enableCompileCache?.();
+// faster start for cron and operators); Node 20 has no such cache, and nothing happens. Kept in
+// the user's own cache folder, not Node's default under the shared temp folder, where another user
+// could plant a directory of compiled code first. NODE_COMPILE_CACHE=dir (Node enables it itself
+// then) picks another place, NODE_DISABLE_COMPILE_CACHE=1 turns it off. Never fatal: Node reports a
+// folder it cannot use in the return value, and idem runs uncached.
+if (module.enableCompileCache && !process.env.NODE_COMPILE_CACHE) {
+  const cacheHome = () => {
+    const xdg = process.env.XDG_CACHE_HOME;
+    if (xdg && path.isAbsolute(xdg)) return xdg;
+    try {
+      const home = os.homedir();
+      return path.isAbsolute(home) ? path.join(home, '.cache') : undefined;
+    } catch {
+      return undefined; // no home directory (a bare service account): no cache
+    }
+  };
+  const home = cacheHome();
+  if (home) module.enableCompileCache(path.join(home, 'idem', 'node-compile-cache'));
+}
 
 let cli;
 try {

@@ -1,6 +1,6 @@
 // Builds the published package into an empty dist/ (so a deleted source never lingers):
-// - dist/cli.js, dist/index.js (+ shared chunks): ESM, bundled by esbuild with kysely, pino and
-//   commander inlined. kysely ships ~900 small modules; loading them one by one cost a CLI start
+// - dist/cli.js, dist/index.js (+ shared chunks): ESM, bundled by esbuild with kysely and
+//   commander inlined (pino too, as its own CommonJS file: see dist/pino.cjs below). kysely ships ~900 small modules; loading them one by one cost a CLI start
 //   200–400 ms, one bundled file costs ~20 ms. pino (~25 CommonJS files) and commander (7) cost
 //   ~30 and ~20 ms loaded from node_modules, ~20 and ~12 ms bundled: every `idem` command pays
 //   commander, every one that works pays pino. Every other dependency stays external (installed,
@@ -8,6 +8,7 @@
 //   Code splitting keeps one copy of each idem module across the entries and keeps the CLI's
 //   lazy import()s lazy.
 // - dist/cjs/job-api.js: the job-authoring API as CommonJS, for require('idem') (see job-api.ts).
+// - dist/pino.cjs: pino, required when the first log line is written (see src/log.ts).
 // - .d.ts next to them, by tsc (declarations only; the types refer to kysely's own).
 import { spawn } from 'node:child_process';
 import { mkdir, readFile, rm, writeFile } from 'node:fs/promises';
@@ -24,6 +25,34 @@ const external = Object.keys(pkg.dependencies).filter((name) => !BUNDLED.include
 // file a require of its own.
 const requireBanner = "import { createRequire as __idemCreateRequire } from 'node:module';\nconst require = __idemCreateRequire(import.meta.url);";
 
+// pg is CommonJS. Imported as ESM (`import pg from 'pg'`, its esm/index.mjs wrapper), Node runs its
+// CommonJS export lexer on pg's entry, which first compiles the lexer itself: ~6 ms of CPU at every
+// start that connects. So idem's ESM bundles take pg through require(). It is the same module
+// instance a job's `import pg from 'pg'` gets (the wrapper re-exports lib/index.js's exports), so a
+// job's pg.types settings still reach idem's queries.
+const pgThroughRequire = {
+  name: 'pg-through-require',
+  setup(b) {
+    b.onResolve({ filter: /^pg$/ }, (args) => (args.namespace === 'pg-through-require' ? { path: 'pg', external: true } : { path: 'pg', namespace: 'pg-through-require' }));
+    b.onLoad({ filter: /.*/, namespace: 'pg-through-require' }, () => ({ contents: "module.exports = require('pg');", loader: 'js', resolveDir: root }));
+  },
+};
+
+// commander requires node:child_process at its top, for executable subcommands (it spawns them),
+// which idem has none of; loading child_process (with dgram, which it loads) costs every command,
+// --help included, ~4 ms of CPU. Commander gets it on first use instead.
+const lazyChildProcessForCommander = {
+  name: 'lazy-child-process-for-commander',
+  setup(b) {
+    b.onResolve({ filter: /^node:child_process$/ }, (args) => (/[\\/]node_modules[\\/]commander[\\/]/.test(args.importer) ? { path: 'child_process', namespace: 'lazy-child-process' } : undefined));
+    b.onLoad({ filter: /.*/, namespace: 'lazy-child-process' }, () => ({
+      contents: "let cp;\nmodule.exports = new Proxy({}, { get: (_, name) => (cp ??= require('child_process'))[name] });",
+      loader: 'js',
+      resolveDir: root,
+    }));
+  },
+};
+
 const declarations = (project) =>
   new Promise((resolve, reject) => {
     const child = spawn(process.execPath, [tsc, '-p', project], { cwd: root, stdio: 'inherit' });
@@ -37,8 +66,11 @@ await rm(new URL('../dist', import.meta.url), { recursive: true, force: true });
 await Promise.all([
   declarations('tsconfig.build.json'),
   declarations('tsconfig.cjs.json'),
-  build({ ...common, entryPoints: { cli: 'src/cli.ts', index: 'src/index.ts', testing: 'src/testing.ts' }, format: 'esm', splitting: true, define: { __IDEM_VERSION__: JSON.stringify(pkg.version) }, banner: { js: requireBanner }, outdir: 'dist', chunkNames: 'chunks/[name]-[hash]' }),
+  build({ ...common, entryPoints: { cli: 'src/cli.ts', index: 'src/index.ts', testing: 'src/testing.ts' }, format: 'esm', splitting: true, plugins: [pgThroughRequire, lazyChildProcessForCommander], define: { __IDEM_VERSION__: JSON.stringify(pkg.version), __IDEM_BUNDLED__: 'true' }, banner: { js: requireBanner }, outdir: 'dist', chunkNames: 'chunks/[name]-[hash]' }),
   build({ ...common, entryPoints: { 'job-api': 'src/job-api.ts' }, format: 'cjs', outdir: 'dist/cjs' }),
+  // pino on its own, as CommonJS, required by src/log.ts (as #idem-pino, package.json "imports")
+  // when a logger is first needed: in the ES modules it was compiled at every start (~4 ms).
+  build({ ...common, stdin: { contents: "module.exports = require('pino');", resolveDir: root, sourcefile: 'idem-pino.cjs' }, format: 'cjs', outfile: 'dist/pino.cjs' }),
 ]);
 await mkdir(new URL('../dist/cjs', import.meta.url), { recursive: true });
 // The package is "type": "module"; this marks the .js files under dist/cjs/ as CommonJS.

@@ -1,9 +1,8 @@
-import { hostname } from 'node:os';
 import pg from 'pg';
 import { BusyError, DatabaseUnavailableError, InterruptedError, LockLostError } from './errors.ts';
 import { lockKey } from './fingerprint.ts';
 import { sleep } from './sleep.ts';
-import { SERVER_KEEPALIVES } from './database.ts';
+import { SERVER_KEEPALIVES, sessionName } from './database.ts';
 
 export interface AdvisoryLockOptions {
   readonly connectionString: string;
@@ -100,7 +99,7 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
   const key = lockKey(opts.name);
   // The worker's identity rides in the lock session's application_name (pg_stat_activity shows it
   // to every role), so `idem status` can name the live workers of a run without a table of its own.
-  const appName = `idem-lock ${opts.holder ?? `${hostname()}:${process.pid}`}`.slice(0, 63);
+  const appName = sessionName('idem-lock', opts.holder);
   const client = new pg.Client({ connectionString: opts.connectionString, keepAlive: true, keepAliveInitialDelayMillis: 5_000, application_name: appName });
   const lostController = new AbortController();
   const loseLock = (why: string, cause?: unknown) => {

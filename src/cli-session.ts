@@ -51,9 +51,11 @@ export function createCliContext(program: Command, state: { exitCode: number }):
 
   const runWithSession = async (fn: CommandBody, uses: ReadonlyArray<'jobs' | 'migrations'> = ['jobs', 'migrations']) => {
     const g = globals();
-    // Loaded here, not at the top: `idem --help` and parse errors never need pino. Every command
-    // run here needs pg (job files import idem, which brings the runner): loaded first, cheaply.
-    const [{ createLogger }] = await Promise.all([import('./log.ts'), import('./preload-pg.ts').then((m) => m.preloadPg())]);
+    // Loaded here, not at the top: `idem --help` and parse errors never need the runtime. Every
+    // command run here needs pg (job files import idem, which brings the runner): loaded first,
+    // before the runtime's modules, whose evaluation would load it without preloadPg's care.
+    await import('./preload-pg.ts').then((m) => m.preloadPg());
+    const { createLogger } = await import('./cli-runtime.ts');
     const log = createLogger(g.logLevel);
     const session = new Session();
     const finish = async (code: number, graceMs = 10_000) => {
@@ -64,8 +66,7 @@ export function createCliContext(program: Command, state: { exitCode: number }):
       process.exit(code);
     };
     try {
-      // job-lookup brings kysely: loaded when a command runs, not for --help.
-      const { checkJobFolders } = await import('./job-lookup.ts');
+      const { checkJobFolders } = await import('./cli-runtime.ts');
       await checkJobFolders(
         [
           { flag: '--jobs-dir' as const, dir: g.jobsDir, explicit: program.getOptionValueSource('jobsDir') === 'cli', what: 'jobs' as const },
@@ -97,7 +98,7 @@ export function createCliContext(program: Command, state: { exitCode: number }):
 /** DATABASE_URL, or the URL of the embedded server under .idem/ (started if needed, released when the session ends). */
 export async function databaseUrl(g: GlobalOptions, log: Logger, session: Session): Promise<string> {
   if (g.databaseUrl) {
-    const { redactUrl } = await import('./database.ts');
+    const { redactUrl } = await import('./cli-runtime.ts');
     log.debug({ database: redactUrl(g.databaseUrl) }, 'using database');
     return g.databaseUrl;
   }
@@ -110,7 +111,7 @@ export async function databaseUrl(g: GlobalOptions, log: Logger, session: Sessio
 /** Opens a Runner on DATABASE_URL, or on the embedded server under .idem/ when none is given (or on `url`, from databaseUrl). */
 export async function openRunner(g: GlobalOptions, log: Logger, session: Session, poolSize = 10, url?: string): Promise<Runner> {
   // The runner brings kysely and pg: loaded by the commands that talk to the database, when they do.
-  const [{ Runner }, connectionString] = await Promise.all([import('./runner.ts'), url ?? databaseUrl(g, log, session)]);
+  const [{ Runner }, connectionString] = await Promise.all([import('./cli-runtime.ts'), url ?? databaseUrl(g, log, session)]);
   const runner = await Runner.connect({ connectionString, schema: g.schema, log, poolSize });
   session.defer(() => runner.close());
   return runner;

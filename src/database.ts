@@ -1,3 +1,4 @@
+import { hostname } from 'node:os';
 import { Kysely, PostgresDialect } from 'kysely';
 import pg from 'pg';
 import { isRetryable } from './retry.ts';
@@ -38,6 +39,21 @@ export function redactSecrets(text: string, connectionString: string): string {
  */
 export const SERVER_KEEPALIVES = 'set tcp_keepalives_idle = 30; set tcp_keepalives_interval = 10; set tcp_keepalives_count = 3; set tcp_user_timeout = 60000';
 
+/** PostgreSQL keeps the first 63 bytes of an application_name (NAMEDATALEN - 1) and drops the rest. */
+const APPLICATION_NAME_BYTES = 63;
+
+/**
+ * The application_name of one of idem's sessions: `idem host:pid` for the work pool's, `idem-lock
+ * host:pid` for the lock's, so pg_stat_activity tells an operator which worker a backend belongs
+ * to. Cut to what PostgreSQL keeps, at a character boundary (the server would cut a long host name
+ * anyway, and could cut it inside a character).
+ */
+export function sessionName(kind: 'idem' | 'idem-lock', holder = `${hostname()}:${process.pid}`): string {
+  const chars = [...`${kind} ${holder}`];
+  while (Buffer.byteLength(chars.join('')) > APPLICATION_NAME_BYTES) chars.pop();
+  return chars.join('');
+}
+
 /** Default of `idleInTransactionTimeoutMs`: a vanished process's open chunk transaction is ended after this. */
 export const DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT_MS = 60_000;
 
@@ -69,7 +85,7 @@ export async function openDatabase(
   const pool = new pg.Pool({
     connectionString,
     max: opts.poolSize,
-    application_name: 'idem',
+    application_name: sessionName('idem'),
     keepAlive: true,
     connectionTimeoutMillis: 10_000,
     ...(opts.queryTimeoutMs !== undefined ? { query_timeout: opts.queryTimeoutMs } : {}),

@@ -141,8 +141,9 @@ class HealthProbe {
 
   async #query(): Promise<Measurement> {
     const wal = (await this.#canSeeWal()) ? sql`(select count(*)::int from pg_ls_archive_statusdir() where name like '%.ready')` : sql`null::int`;
-    // One statement; each part reads a statistics view, no table. Sessions of idem's own pool
-    // (application_name 'idem') never count as the long transaction that pins the horizon.
+    // One statement; each part reads a statistics view, no table. Sessions of idem's own pools
+    // (application_name `idem host:pid`, or plain `idem` from an older idem) never count as the
+    // long transaction that pins the horizon.
     const { rows } = await sql<Measurement>`
       select pg_is_in_recovery() as "inRecovery",
         case when pg_is_in_recovery() then extract(epoch from now() - pg_last_xact_replay_timestamp())::float8 end as "replayDelaySeconds",
@@ -154,12 +155,12 @@ class HealthProbe {
         (select json_build_object('pid', pid, 'state', state, 'seconds', extract(epoch from now() - xact_start)::float8)
           from pg_stat_activity
           where datname = current_database() and backend_type = 'client backend' and xact_start is not null
-            and pid <> pg_backend_pid() and application_name <> 'idem'
+            and pid <> pg_backend_pid() and application_name <> 'idem' and application_name not like 'idem %'
           order by xact_start limit 1) as "oldestTransaction",
         (select json_build_object('pid', w.pid, 'ms', extract(epoch from now() - w.query_start)::float8 * 1000, 'blocker', b.pid)
           from pg_stat_activity w cross join lateral unnest(pg_blocking_pids(w.pid)) as bp(pid)
-          join pg_stat_activity b on b.pid = bp.pid and b.application_name = 'idem'
-          where w.datname = current_database() and w.wait_event_type = 'Lock' and w.application_name <> 'idem'
+          join pg_stat_activity b on b.pid = bp.pid and (b.application_name = 'idem' or b.application_name like 'idem %')
+          where w.datname = current_database() and w.wait_event_type = 'Lock' and w.application_name <> 'idem' and w.application_name not like 'idem %'
           order by w.query_start limit 1) as "longestLockWait"`.execute(this.#db);
     return rows[0]!;
   }

@@ -1,4 +1,5 @@
-import pino, { type Logger } from 'pino';
+import { createRequire } from 'node:module';
+import type { Logger } from 'pino';
 import type { LogLevel } from './log-level.ts';
 import { terminalDestination } from './terminal-log.ts';
 
@@ -7,21 +8,94 @@ export { LOG_LEVELS, type LogLevel } from './log-level.ts';
 /** Paths pino blanks out wherever they appear: a connection string or password must never reach a log. */
 const REDACT = ['password', '*.password', 'connectionString', '*.connectionString', 'databaseUrl', '*.databaseUrl'];
 
+type Pino = typeof import('pino');
+
+/** Defined by scripts/build.mjs in dist/'s ES modules; undefined when running from the sources. */
+declare const __IDEM_BUNDLED__: boolean | undefined;
+
+/**
+ * pino, loaded on first use. Evaluating pino and building a logger costs ~15 ms of CPU, and a
+ * command that logs nothing (a no-op rerun, whose only output is its result on stdout) need not
+ * pay it. Synchronous, as logging is, so through require(). In dist/ pino is bundled on its own, as
+ * CommonJS (dist/pino.cjs, the package's private import #idem-pino): kept out of the ES modules
+ * every command loads, it is not even compiled (~4 ms) until needed. From the sources (tsx,
+ * vitest) it is pino from node_modules.
+ */
+let pinoModule: Pino | undefined;
+function loadPino(): Pino {
+  return (pinoModule ??= createRequire(import.meta.url)(typeof __IDEM_BUNDLED__ === 'boolean' ? '#idem-pino' : 'pino') as Pino);
+}
+
+/** pino's level numbers: a lazy logger decides by these, as pino does, whether a call writes anything. */
+const LEVEL_VALUES: Readonly<Record<string, number>> = { trace: 10, debug: 20, info: 30, warn: 40, error: 50, fatal: 60, silent: Infinity };
+
+/**
+ * A pino logger made when it is first needed: a call at an enabled level, or any use beyond the
+ * level methods and child() (reading `level`, isLevelEnabled, handing it to Fastify or to a job's
+ * code...), which from then on goes to the real logger. Calls at a disabled level are dropped as
+ * pino drops them; child() of a logger not made yet is as lazy, with the parent's level (pino's
+ * rule) unless its options set one. The time of a line is taken when it is written, so a late
+ * logger writes the same lines as an early one. Exported for tests.
+ */
+export function lazyLogger(level: string, make: () => Logger): Logger {
+  let real: Logger | undefined;
+  const get = () => (real ??= make());
+  const threshold = LEVEL_VALUES[level];
+  // An unknown level: let pino decide (it throws for one it does not know either).
+  if (threshold === undefined) return get();
+  const forward = (name: PropertyKey) => {
+    const r = get();
+    const v = Reflect.get(r, name, r) as unknown;
+    return typeof v === 'function' ? v.bind(r) : v;
+  };
+  const noop = () => {};
+  return new Proxy({} as Logger, {
+    get(_, name) {
+      if (real) return forward(name);
+      if (typeof name === 'string' && name !== 'silent' && LEVEL_VALUES[name] !== undefined) {
+        return LEVEL_VALUES[name]! >= threshold ? (...args: unknown[]) => (get()[name as 'info'] as (...a: unknown[]) => void)(...args) : noop;
+      }
+      // Not a promise (pino's loggers have no `then`): answered without making one, since `await`
+      // and an async function's return look it up on whatever value they get.
+      if (name === 'then') return undefined;
+      if (name === 'child') {
+        return (bindings: Record<string, unknown>, options?: { level?: string }) =>
+          real ? real.child(bindings, options) : lazyLogger(options?.level ?? level, () => get().child(bindings, options));
+      }
+      return forward(name);
+    },
+    set(_, name, value) {
+      return Reflect.set(get(), name, value);
+    },
+    has(_, name) {
+      return Reflect.has(get(), name);
+    },
+  });
+}
+
 /**
  * The one root logger, on stderr (stdout carries the command's result). JSON lines for machines;
  * pretty lines when stderr is a terminal. Synchronous writes, so nothing is lost on process.exit.
  */
 export function createLogger(level: LogLevel = 'info', opts: { readonly pretty?: boolean } = {}): Logger {
-  const base = {
-    level,
-    redact: { paths: REDACT, censor: '***' },
-    base: { pid: process.pid },
-    // idem logs `err` as errorFields() builds it; pino's own serializer would turn that plain
-    // object into {"type":"Object","stack":""}. A real Error still gets pino's treatment.
-    serializers: { err: (e: unknown) => (e instanceof Error ? pino.stdSerializers.err(e) : e) },
-  };
-  if (opts.pretty ?? process.stderr.isTTY) {
-    return pino(base, terminalDestination());
-  }
-  return pino(base, pino.destination({ fd: 2, sync: true }));
+  return lazyLogger(level, () => {
+    const pino = loadPino();
+    const base = {
+      level,
+      redact: { paths: REDACT, censor: '***' },
+      base: { pid: process.pid },
+      // idem logs `err` as errorFields() builds it; pino's own serializer would turn that plain
+      // object into {"type":"Object","stack":""}. A real Error still gets pino's treatment.
+      serializers: { err: (e: unknown) => (e instanceof Error ? pino.stdSerializers.err(e) : e) },
+    };
+    if (opts.pretty ?? process.stderr.isTTY) {
+      return pino(base, terminalDestination());
+    }
+    return pino(base, pino.destination({ fd: 2, sync: true }));
+  });
+}
+
+/** A logger that writes nothing (the runner's and the server's default); pino only if code asks more of it. */
+export function silentLogger(): Logger {
+  return lazyLogger('silent', () => loadPino()({ level: 'silent' }));
 }

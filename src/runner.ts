@@ -1,6 +1,6 @@
 import { hostname } from 'node:os';
 import { sql } from 'kysely';
-import pino, { type Logger } from 'pino';
+import type { Logger } from 'pino';
 import { acquireAdvisoryLock, type HeldLock } from './advisory-lock.ts';
 import { openDatabase, type Database } from './database.ts';
 import { BusyError, CancelledError, errorFields, FencedError, InterruptedError, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
@@ -12,6 +12,7 @@ import { recordedFailure } from './finalize.ts';
 import { refuseOnStandby, type HealthSetting } from './health-check.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import { faultPoint } from './fault-points.ts';
+import { silentLogger } from './log.ts';
 import { endControlledAttempt, pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
 import { isRetryable, retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
@@ -172,7 +173,7 @@ export class Runner {
     if (!/^[a-z_][a-z0-9_]{0,62}$/i.test(schema)) {
       throw new UsageError('invalidSchema', `schema name ${JSON.stringify(schema)} is not a plain identifier; use letters, digits and _`);
     }
-    const log = opts.log ?? pino({ level: 'silent' });
+    const log = opts.log ?? silentLogger();
     const database = await openDatabase(opts.connectionString, { poolSize: opts.poolSize ?? DEFAULT_POOL_SIZE, log });
     try {
       await retrying(() => ensureRunnerSchema(database.db, schema));

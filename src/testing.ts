@@ -25,8 +25,8 @@ import { isDeepStrictEqual } from 'node:util';
 import { diffArrays } from 'diff';
 import { sql, type Kysely } from 'kysely';
 import pg from 'pg';
-import pino from 'pino';
 import type { Job, Step } from './job.ts';
+import { silentLogger } from './log.ts';
 import { Runner } from './runner.ts';
 
 export interface ConvergenceOptions {
@@ -147,7 +147,7 @@ async function withAdmin<T>(url: string, fn: (c: pg.Client) => Promise<T>): Prom
  */
 export async function expectConvergent(job: Job, opts: ConvergenceOptions): Promise<ConvergenceReport> {
   const params = opts.params ?? {};
-  const log = pino({ level: 'silent' });
+  const log = silentLogger();
   let adminUrl = opts.databaseUrl ?? process.env.DATABASE_URL;
   let release: (() => Promise<void>) | undefined;
   if (!adminUrl) {

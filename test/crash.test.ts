@@ -18,7 +18,7 @@ afterAll(killLeftovers);
 
 /**
  * An in-process Runner for one call, closed after: its pool's idle sessions (application_name
- * `idem`, like the CLI's) must not linger, or `settled()` would wait for them.
+ * `idem host:pid`, like the CLI's) must not linger, or `settled()` would wait for them.
  */
 async function withRunner<T>(fn: (runner: Runner) => Promise<T>): Promise<T> {
   const runner = await Runner.connect({ connectionString: url });
@@ -99,7 +99,7 @@ describe('a run stopped with one SIGTERM or SIGINT', () => {
     // it, so exactly one chunk is in flight (concurrency 1) when the signal arrives.
     const held = await holdGate(url, gate);
     try {
-      await waitFor(async () => (await query(url, `select 1 from pg_stat_activity where datname = current_database() and application_name = 'idem' and wait_event_type = 'Lock'`)).length > 0, 'a chunk blocked at the gate');
+      await waitFor(async () => (await query(url, `select 1 from pg_stat_activity where datname = current_database() and application_name like 'idem %' and wait_event_type = 'Lock'`)).length > 0, 'a chunk blocked at the gate');
       doneBefore = await doneKeys(key);
       inFlight = chunkKey(doneBefore.length + 1);
       expect(doneBefore).toEqual(Array.from({ length: doneBefore.length }, (_, i) => chunkKey(i + 1)));

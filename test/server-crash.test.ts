@@ -149,7 +149,7 @@ describe('idem serve killed with SIGKILL mid-run', () => {
     const worker = spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', JSON.stringify(body), '--key', 'k-join', '--join'], { url, timeoutMs: 180_000 });
     // Joined: a chunk of the server and one of the worker both wait at the gate.
     const blocked = async () =>
-      (await query<{ n: number }>(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and application_name = 'idem' and wait_event_type = 'Lock'`))[0]!.n;
+      (await query<{ n: number }>(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and application_name like 'idem %' and wait_event_type = 'Lock'`))[0]!.n;
     await waitFor(async () => (await blocked()) >= 2, 'the server and the worker to each hold a chunk', { timeoutMs: 120_000 });
     await gate.release();
     const joined = await worker.done;

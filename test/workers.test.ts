@@ -2,6 +2,7 @@ import os from 'node:os';
 import { beforeAll, describe, expect, it } from 'vitest';
 import { FIXTURE_DIRS, holdGate, query, runCli, sessions, spawnCli, waitFor, type CliProcess } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
+import { sessionName } from '../src/database.ts';
 
 // Issue 9: many worker processes share one run (`idem run --join`).
 
@@ -109,6 +110,34 @@ describe('idem status of a shared run', () => {
     second.child.kill('SIGKILL');
     await second.done;
   });
+
+  it('every session of a worker is named after it in pg_stat_activity: its work sessions `idem host:pid`, its lock session `idem-lock host:pid`', async () => {
+    const first = join('session-names', 300, 40);
+    const second = join('session-names', 300, 40);
+    await waitFor(async () => ((await sessions(url, 'idem-lock')) === 2 && (await doneCount('session-names')) >= 4 ? true : undefined), 'both workers under way');
+    const names = async () =>
+      (await query<{ name: string }>(url, `select application_name as name from pg_stat_activity where datname = current_database() and application_name like 'idem%'`)).map((r) => r.name);
+    const byWorker = await waitFor(async () => {
+      const seen = await names();
+      const per = [first, second].map((w) => seen.filter((n) => n === `idem ${os.hostname()}:${w.pid}`).length);
+      return per.every((n) => n > 0) ? { seen, per } : undefined;
+    }, 'each worker\'s work sessions, named after it');
+    expect(byWorker.per.every((n) => n >= 1)).toBe(true);
+    // No work session is left anonymous: an operator can tell every backend's worker.
+    expect(byWorker.seen.filter((n) => n === 'idem')).toEqual([]);
+    expect(byWorker.seen.filter((n) => n.startsWith('idem-lock ')).sort()).toEqual([first, second].map((w) => `idem-lock ${os.hostname()}:${w.pid}`).sort());
+    for (const w of [first, second]) w.child.kill('SIGKILL');
+    await Promise.all([first.done, second.done]);
+  });
+
+  it('a session name longer than PostgreSQL keeps (63 bytes) is cut at a character boundary, not inside one', () => {
+    expect(sessionName('idem', 'h:1')).toBe('idem h:1');
+    // 10 bytes of 'idem-lock ', then two-byte characters: the 27th would end at byte 64.
+    const long = sessionName('idem-lock', `${'ä'.repeat(40)}:12345`);
+    expect(long).toBe(`idem-lock ${'ä'.repeat(26)}`);
+    expect(Buffer.byteLength(long)).toBe(62);
+    expect(Buffer.byteLength(sessionName('idem', `${'h'.repeat(80)}:1`))).toBe(63);
+  });
 });
 
 describe('operating a shared run', () => {
@@ -143,7 +172,7 @@ describe('every worker stopped at once', () => {
       try {
         // Every worker is in, its chunks held at the gate; they all end their chunks at one instant.
         await waitFor(async () => ((await sessions(url, 'idem-lock')) === 3 ? true : undefined), 'three workers on the run');
-        await waitFor(async () => ((await query(url, `select 1 from pg_stat_activity where application_name = 'idem' and wait_event_type = 'Lock'`)).length === 6 ? true : undefined), 'six chunks at the gate');
+        await waitFor(async () => ((await query(url, `select 1 from pg_stat_activity where application_name like 'idem %' and wait_event_type = 'Lock'`)).length === 6 ? true : undefined), 'six chunks at the gate');
         for (const w of workers) w.child.kill('SIGTERM');
         await new Promise((r) => setTimeout(r, 300));
       } finally {

@@ -12,7 +12,7 @@ function registerControl(program: Command, cli: CliContext, name: 'pause' | 'res
     .action((job: string, o: { key?: string; json?: boolean }) =>
       cli.runWithSession(async (g, log, session) => {
         const runner = await openRunner(g, log, session);
-        const { assertKnownJob } = await import('../job-lookup.ts');
+        const { assertKnownJob } = await import('../cli-runtime.ts');
         await assertKnownJob(runner, job, g);
         const r = await runner[name](job, o.key);
         const how = !r.live

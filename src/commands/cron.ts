@@ -11,7 +11,7 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
     .description('run the schedules in this process (for containers without cron); several on several hosts are safe')
     .action(() =>
       cli.runWithSession(async (g, log, session, force) => {
-        const [{ loadJobDir }, { runCronLoop, slotKey }] = await Promise.all([import('../loader.ts'), import('../schedule.ts')]);
+        const { loadJobDir, runCronLoop, slotKey } = await import('../cli-runtime.ts');
         const loaded = await loadJobDir(g.jobsDir, 'jobs');
         const byName = new Map(loaded.map((l) => [l.job.name, l.job]));
         const entries = await scheduledJobs(g.jobsDir);

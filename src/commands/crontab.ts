@@ -6,7 +6,7 @@ import type { ScheduledJob } from '../schedule.ts';
 /** Every job in the folder that declares a schedule, by name. */
 export async function scheduledJobs(dir: string): Promise<ScheduledJob[]> {
   // Loaded here, not at the top: `idem --help` needs neither the job files nor croner.
-  const [{ loadJobDir }, { parseSchedule }] = await Promise.all([import('../loader.ts'), import('../schedule.ts')]);
+  const { loadJobDir, parseSchedule } = await import('../cli-runtime.ts');
   const loaded = await loadJobDir(dir, 'jobs');
   return loaded
     .filter((l) => l.job.schedule !== undefined)
@@ -34,7 +34,7 @@ export function registerCrontabCommand(program: Command, cli: CliContext): void 
           ...(g.jobsDir !== 'jobs' ? ['--jobs-dir', g.jobsDir] : []),
           ...(g.migrationsDir !== 'migrations' ? ['--migrations-dir', g.migrationsDir] : []),
         ];
-        const { renderCrontab, shellQuote } = await import('../schedule.ts');
+        const { renderCrontab, shellQuote } = await import('../cli-runtime.ts');
         const flags = identity.map(shellQuote).map((w) => ` ${w}`).join('');
         process.stdout.write(renderCrontab(entries, { cwd: process.cwd(), command: `${o.command}${flags}`, ...(o.logFile ? { logFile: o.logFile } : {}), ...(o.catchUp ? { catchUp: o.catchUp } : {}) }));
         return ExitCode.Ok;

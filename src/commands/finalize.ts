@@ -36,11 +36,10 @@ export function registerFinalizeCommand(program: Command, cli: CliContext): void
     .action((name: string, o: FinalizeFlags) =>
       cli.runWithSession(async (g, log, session, force) => {
         const params = parseParams(o.params, o.param);
-        const { findJob } = await import('../loader.ts');
+        const { findJob } = await import('../cli-runtime.ts');
         const job = await findJob(g.jobsDir, name);
         const health = await healthSetting(o);
-        const { finalizeRun } = await import('../finalize.ts');
-        const { POOL_HEADROOM } = await import('../runner.ts');
+        const { finalizeRun, POOL_HEADROOM } = await import('../cli-runtime.ts');
         const runner = await openRunner(g, log, session, o.concurrency + POOL_HEADROOM);
         const signals = installSignals(log, g.shutdownTimeout, force);
         const outcome = await finalizeRun(runner, job, {

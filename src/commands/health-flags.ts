@@ -22,7 +22,7 @@ export function withHealthFlags(cmd: Command): Command {
 export async function healthSetting(o: HealthFlags): Promise<{ health?: HealthSetting }> {
   if (o.healthCheck === false) return { health: false };
   if (!o.health || o.health.length === 0) return {};
-  const { parseHealthFlag } = await import('../health-check.ts');
+  const { parseHealthFlag } = await import('../cli-runtime.ts');
   let options = {};
   for (const v of o.health) options = parseHealthFlag(v, options);
   return Object.keys(options).length > 0 ? { health: options } : {};

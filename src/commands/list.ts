@@ -47,7 +47,7 @@ export function registerListCommand(program: Command, cli: CliContext): void {
     .option('--json', 'print as JSON')
     .action((o: { json?: boolean }) =>
       cli.runWithSession(async (g, log, session) => {
-        const { loadJobDir } = await import('../loader.ts');
+        const { loadJobDir } = await import('../cli-runtime.ts');
         const jobs = await loadJobDir(g.jobsDir, 'jobs');
         const migrations = await loadJobDir(g.migrationsDir, 'migrations');
         const runner = await openRunner(g, log, session);

@@ -18,14 +18,14 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
     .option('--timeout <seconds>', 'with --finalize: how long to wait for a migration running elsewhere (default: no bound)', nonNegativeNumber)
     .action((o: { wait?: number | boolean; json?: boolean; allowChangedCode?: boolean; finalize?: string; timeout?: number } & HealthFlags) =>
       cli.runWithSession(async (g, log, session, force) => {
-        const { loadJobDir } = await import('../loader.ts');
+        const { loadJobDir } = await import('../cli-runtime.ts');
         const migrations = await loadJobDir(g.migrationsDir, 'migrations');
         if (o.timeout !== undefined && o.finalize === undefined) throw new UsageError('invalidTimeout', '--timeout bounds the wait of --finalize; pass --finalize <name>, or use --wait for a plain migrate');
         const health = await healthSetting(o);
         const runner = await openRunner(g, log, session);
         const signals = installSignals(log, g.shutdownTimeout, force);
         if (o.finalize !== undefined) {
-          const { finalizeMigration } = await import('../finalize.ts');
+          const { finalizeMigration } = await import('../cli-runtime.ts');
           const list = migrations.map((m) => ({ runKey: m.id, job: m.job }));
           const finalized = await finalizeMigration(runner, list, o.finalize, {
             ...(o.timeout !== undefined ? { timeoutSeconds: o.timeout } : {}),

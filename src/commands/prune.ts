@@ -11,7 +11,7 @@ export function registerPruneCommand(program: Command, cli: CliContext): void {
     .option('--json', 'print the counts as JSON')
     .action((o: { olderThan: string; json?: boolean }) =>
       cli.runWithSession(async (g, log, session) => {
-        const { parseDuration } = await import('../operations.ts');
+        const { parseDuration } = await import('../cli-runtime.ts');
         const ms = parseDuration(o.olderThan, '--older-than');
         const runner = await openRunner(g, log, session);
         const r = await runner.prune(ms);

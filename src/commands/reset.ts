@@ -12,7 +12,7 @@ export function registerResetCommand(program: Command, cli: CliContext): void {
     .action((job: string, o: { key: string }) =>
       cli.runWithSession(async (g, log, session) => {
         const runner = await openRunner(g, log, session);
-        const { assertKnownJob } = await import('../job-lookup.ts');
+        const { assertKnownJob } = await import('../cli-runtime.ts');
         await assertKnownJob(runner, job, g);
         const r = await runner.reset(job, o.key);
         process.stdout.write(`reset: forgot run ${o.key} of job "${job}" (${r.chunks} chunk markers, ${r.effects} effects)\n`);

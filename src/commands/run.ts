@@ -50,11 +50,7 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
         if (o.key !== undefined && (o.key.length === 0 || o.key.length > 200)) throw new UsageError('invalidKey', '--key must be 1 to 200 characters');
         // Loaded when the command runs, not at the top: `idem --help` needs none of them (the job
         // API brings kysely, the schedule croner).
-        const [{ findJob }, { validateParams }, { latestSlot, parseCatchUp, parseSchedule, slotKey, slotsSince }] = await Promise.all([
-          import('../loader.ts'),
-          import('../job.ts'),
-          import('../schedule.ts'),
-        ]);
+        const { findJob, validateParams, latestSlot, parseCatchUp, parseSchedule, slotKey, slotsSince, POOL_HEADROOM } = await import('../cli-runtime.ts');
         const job = await findJob(g.jobsDir, name, { migrationsDir: g.migrationsDir });
         // Bad params are refused before any connection: nothing, not even idem's schema, is created.
         await validateParams(job, params);
@@ -71,8 +67,6 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
           process.stdout.write(`no slot of job "${job.name}" falls within --catch-up ${o.catchUp}\n`);
           return ExitCode.Ok;
         }
-        // Loaded by openRunner anyway; imported here, not at the top, so --help does not load it.
-        const { POOL_HEADROOM } = await import('../runner.ts');
         const runner = await openRunner(g, log, session, o.concurrency + POOL_HEADROOM);
         const signals = installSignals(log, g.shutdownTimeout, force);
         const throttle = {

@@ -23,7 +23,7 @@ export function registerServeCommand(program: Command, cli: CliContext): void {
         const openDatabase = async (poolSize: number, readPoolSize: number, readTimeoutMs: number) => {
           const url = await databaseUrl(g, log, session);
           const runner = await openRunner(g, log, session, poolSize, url);
-          const { openDatabase } = await import('../database.ts');
+          const { openDatabase } = await import('../cli-runtime.ts');
           const reads = await openDatabase(url, { poolSize: readPoolSize, log, queryTimeoutMs: readTimeoutMs });
           session.defer(() => reads.close());
           return { runner, reads: reads.pool };

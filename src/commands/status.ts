@@ -69,7 +69,9 @@ export interface StepDetail {
 }
 
 async function stepDetails(runner: Runner, runId: string): Promise<StepDetail[]> {
-  const { sql } = await import('kysely');
+  // kysely's sql through idem's own module, never `import('kysely')`: a dynamic import of the package
+  // needs its whole namespace, so the bundle would keep every dialect, plugin and helper of kysely.
+  const { sql } = await import('../cli-runtime.ts');
   const s = runner.schema;
   const { rows } = await sql<{ name: string; status: string; planned: number; planned_all: boolean; estimated_chunks: number | null; done: number; skipped: number }>`
     select st.name, st.status, st.planned, st.planned_all, st.estimated_chunks,
@@ -149,7 +151,7 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
         if (o.key !== undefined && job === undefined) throw new UsageError('invalidKey', '--key needs the job too: idem status <job> --key <key>');
         const runner = await openRunner(g, log, session);
         if (job !== undefined) {
-          const { assertKnownJob } = await import('../job-lookup.ts');
+          const { assertKnownJob } = await import('../cli-runtime.ts');
           await assertKnownJob(runner, job, g);
         }
         const tty = process.stdout.isTTY === true && !process.env.NO_COLOR;

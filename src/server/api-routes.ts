@@ -3,7 +3,6 @@ import { UsageError } from '../errors.ts';
 import { fingerprint } from '../fingerprint.ts';
 import { NAME as JOB_NAME, validateParams, type Job, type Json } from '../job.ts';
 import { reopenFailedRun } from '../operations.ts';
-import { shellQuote } from '../schedule.ts';
 import { claimRequest, paramsMismatch, printable } from './claim-request.ts';
 import { HttpProblem } from './problem.ts';
 import { ENDED_STATES, RUN_STATES, type RunStateFilter, type RunView } from './run-view.ts';
@@ -37,6 +36,9 @@ export function paramsSchema(job: Job): Json | null {
 }
 
 const JSON_TYPE = 'application/json; charset=utf-8';
+
+/** A word quoted for a POSIX shell (as schedule.ts's shellQuote; not imported, so the server does not load croner). */
+const shellQuote = (s: string): string => (/^[A-Za-z0-9_./:@+=,-]+$/.test(s) ? s : `'${s.replace(/'/g, `'\\''`)}'`);
 
 /** Longest --params shown in a message; longer ones are named, not written out. */
 const MAX_PARAMS_SHOWN = 500;

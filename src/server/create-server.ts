@@ -1,8 +1,9 @@
 import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance } from 'fastify';
 import { sql } from 'kysely';
 import type pg from 'pg';
-import pino, { type Logger } from 'pino';
+import type { Logger } from 'pino';
 import { errorFields, UsageError } from '../errors.ts';
+import { silentLogger } from '../log.ts';
 import { runIsLive } from '../operations.ts';
 import type { Job } from '../job.ts';
 import type { Runner } from '../runner.ts';
@@ -74,7 +75,7 @@ const PUBLIC_PATHS = new Set(['/healthz', '/readyz', '/assets/dashboard.css', '/
 
 /** Builds the HTTP server: Fastify with the API, the dashboard and /metrics over one Runner. */
 export function createServer(opts: ServerOptions): IdemServer {
-  const log = opts.log ?? pino({ level: 'silent' });
+  const log = opts.log ?? silentLogger();
   const jobs = new Map(opts.jobs.map((j) => [j.name, j]));
   const runner = opts.runner;
   const views = new RunViews(runner.db, opts.reads, runner.schema, runner);

@@ -138,7 +138,7 @@ export async function settle(client: pg.Client, children: Child[], stats: ChaosS
 
 export async function idemSessions(client: pg.Client): Promise<number[]> {
   const { rows } = await client.query<{ pid: number }>(
-    `select pid from pg_stat_activity where datname = current_database() and (application_name = 'idem' or application_name like 'idem-lock %') and pid <> pg_backend_pid()`,
+    `select pid from pg_stat_activity where datname = current_database() and (application_name like 'idem %' or application_name like 'idem-lock %') and pid <> pg_backend_pid()`,
   );
   return rows.map((r) => r.pid);
 }

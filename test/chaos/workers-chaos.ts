@@ -130,7 +130,7 @@ export async function runWorkersChaos(opts: WorkersChaosOptions): Promise<Worker
             }
           } else if (roll < 0.85) {
             // A work session of any worker: its chunk retries on a new connection.
-            const { rows } = await client.query<{ pid: number }>(`select pid from pg_stat_activity where datname = current_database() and application_name = 'idem'`);
+            const { rows } = await client.query<{ pid: number }>(`select pid from pg_stat_activity where datname = current_database() and application_name like 'idem %'`);
             const pid = rows[Math.floor(rnd() * rows.length)]?.pid;
             if (pid !== undefined) {
               await client.query('select pg_terminate_backend($1)', [pid]);

@@ -1,0 +1,66 @@
+import pino, { type Logger } from 'pino';
+import { describe, expect, it } from 'vitest';
+import { lazyLogger } from '../src/log.ts';
+
+/** A pino logger writing its JSON lines into `lines`, time left out (it differs between two loggers). */
+function capturing(lines: string[], level = 'info'): Logger {
+  return pino({ level, timestamp: false, base: { pid: 1 } }, { write: (line: string) => void lines.push(line.trim()) });
+}
+
+/** The same calls on an eager pino logger and on a lazy one: both must write the same lines. */
+function both(level: string, calls: (log: Logger) => void) {
+  const eager: string[] = [];
+  const lazy: string[] = [];
+  let made = 0;
+  calls(capturing(eager, level));
+  calls(lazyLogger(level, () => (made++, capturing(lazy, level))));
+  return { eager, lazy, made };
+}
+
+describe('lazyLogger', () => {
+  it('makes no logger for calls at disabled levels nor for child loggers that write nothing', () => {
+    const r = both('info', (log) => {
+      log.debug('not written');
+      log.trace({ a: 1 }, 'nor this');
+      log.child({ job: 'j' }).debug('nor this');
+    });
+    expect(r.made).toBe(0);
+    expect(r.lazy).toEqual(r.eager);
+    expect(r.eager).toEqual([]);
+  });
+
+  it('writes what pino writes once a call is at an enabled level: bindings of children, levels given to a child', () => {
+    const r = both('info', (log) => {
+      log.debug('dropped');
+      const child = log.child({ job: 'j', runKey: 'k' });
+      child.info({ n: 1 }, 'started');
+      child.child({ step: 's' }).warn('slow %s', 'chunk');
+      child.child({ step: 'd' }, { level: 'debug' }).debug('detail');
+      log.error(new Error('boom').message);
+    });
+    expect(r.made).toBe(1);
+    expect(r.lazy).toEqual(r.eager);
+    expect(r.eager).toHaveLength(4);
+  });
+
+  it('is no promise: awaiting it, or returning it from an async function, makes no logger', async () => {
+    let made = 0;
+    const log = lazyLogger('info', () => (made++, capturing([])));
+    expect(await Promise.resolve(log)).toBe(log);
+    expect(await (async () => log)()).toBe(log);
+    expect(made).toBe(0);
+  });
+
+  it('is silent at level silent, and anything beyond the level methods reaches the real logger', () => {
+    const r = both('silent', (log) => {
+      log.fatal('nothing');
+      expect(log.level).toBe('silent');
+      expect(log.isLevelEnabled('error')).toBe(false);
+      log.level = 'info';
+      log.info('now written');
+    });
+    expect(r.made).toBe(1);
+    expect(r.lazy).toEqual(r.eager);
+    expect(r.eager).toHaveLength(1);
+  });
+});
