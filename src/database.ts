@@ -67,7 +67,18 @@ export interface Database {
 /** Opens the work pool and proves the server answers, mapping failures to one-line errors that say the fix. */
 export async function openDatabase(
   connectionString: string,
-  opts: { readonly poolSize: number; readonly log: Logger; readonly idleInTransactionTimeoutMs?: number },
+  opts: {
+    readonly poolSize: number;
+    readonly log: Logger;
+    readonly idleInTransactionTimeoutMs?: number;
+    /**
+     * Gives up on a statement that has had no answer for this long and drops its connection (pg's
+     * query_timeout; the pool discards a client whose query failed). Only for short reads: a
+     * connection whose flow the network forgot silently would otherwise hold its slot until TCP
+     * gives up, about 15 minutes. Defaults to none.
+     */
+    readonly queryTimeoutMs?: number;
+  },
 ): Promise<Database> {
   const idleMs = opts.idleInTransactionTimeoutMs ?? DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT_MS;
   if (!Number.isInteger(idleMs) || idleMs < 0) throw new TypeError(`idleInTransactionTimeoutMs must be an integer >= 0 (got ${idleMs})`);
@@ -77,6 +88,7 @@ export async function openDatabase(
     application_name: sessionName('idem'),
     keepAlive: true,
     connectionTimeoutMillis: 10_000,
+    ...(opts.queryTimeoutMs !== undefined ? { query_timeout: opts.queryTimeoutMs } : {}),
     // Awaited by pg-pool before the client is handed out, so the session settings are in place
     // before anyone's first statement and nothing is queued behind them on the connection.
     onConnect: async (client: pg.ClientBase) => {

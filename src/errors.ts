@@ -105,9 +105,20 @@ export function exitCodeOf(err: unknown): ExitCode {
   return ExitCode.Failed;
 }
 
-/** Extracts a one-line message from anything thrown. */
+/**
+ * Extracts a one-line message from anything thrown. An Error without a message of its own says
+ * what it holds instead: Node's refused connection to a host with several addresses (localhost is
+ * ::1 and 127.0.0.1) is an AggregateError whose message is empty, its parts name each address.
+ */
 export function messageOf(err: unknown): string {
-  const msg = err instanceof Error ? err.message : String(err);
+  let msg = err instanceof Error ? err.message : String(err);
+  if (msg === '' && err instanceof AggregateError && err.errors.length > 0) {
+    msg = [...new Set(err.errors.map(messageOf))].join('; ');
+  }
+  if (msg === '' && err instanceof Error) {
+    const code = (err as { code?: unknown }).code;
+    msg = typeof code === 'string' ? `${err.constructor.name} ${code}` : err.constructor.name;
+  }
   return msg.split('\n')[0] ?? msg;
 }
 

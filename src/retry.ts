@@ -33,7 +33,7 @@ export function isRetryable(err: unknown): boolean {
       if (RETRYABLE_SQLSTATES.has(code) || code.startsWith('08') || RETRYABLE_NODE_CODES.has(code)) return true;
     }
     const msg = (e as { message?: unknown }).message;
-    if (typeof msg === 'string' && /Connection terminated|connection is closed|Client has encountered a connection error/i.test(msg)) {
+    if (typeof msg === 'string' && /Connection terminated|connection is closed|Client has encountered a connection error|Query read timeout/i.test(msg)) {
       return true;
     }
     e = (e as { cause?: unknown }).cause;

@@ -294,6 +294,34 @@ describe('the JSON log line of a failure names the error class', () => {
     const retried = logLines(r.stderr).find((l) => l.msg === 'transient error, retrying chunk');
     expect(retried?.err).toEqual({ type: 'TypeError', message: 'socket hang up', code: 'ECONNRESET' });
   });
+
+  it("a refused connection to a host with two addresses (Node's AggregateError, whose own message is empty) says what was refused", async () => {
+    // localhost is ::1 and 127.0.0.1 on most machines: Node tries both and throws an AggregateError
+    // with message '' and code ECONNREFUSED. The lookup is the job's own so the test does not
+    // depend on /etc/hosts; port 1 on loopback has no listener.
+    const dir = await jobFolder('aggregate-error', {
+      'callout.mjs': `import net from 'node:net';
+const connect = () => new Promise((resolve, reject) => {
+  const s = net.connect({ port: 1, host: 'localhost', autoSelectFamily: true,
+    lookup: (h, o, cb) => (o.all ? cb(null, [{ address: '::1', family: 6 }, { address: '127.0.0.1', family: 4 }]) : cb(null, '127.0.0.1', 4)) });
+  s.on('connect', () => { s.destroy(); resolve(); });
+  s.on('error', reject);
+});
+export default { name: 'callout', retry: { attempts: 2, base: 10, max: 20 }, steps: [{ name: 'call', run: () => connect() }] };
+`,
+    });
+    const r = await runCli(['--jobs-dir', dir, 'run', 'callout', '--key', 'agg'], { url });
+    expect(r.code, r.stderr).toBe(1);
+    const logged = logLines(r.stderr);
+    for (const msg of ['transient error, retrying chunk', 'run failed']) {
+      const line = logged.find((l) => l.msg === msg);
+      expect(line?.err, msg).toEqual({ type: 'AggregateError', message: expect.stringContaining('connect ECONNREFUSED 127.0.0.1:1'), code: 'ECONNREFUSED' });
+    }
+    const errors = lines(r.stderr).filter((l) => l.startsWith('idem: error:'));
+    expect(errors).toEqual([expect.stringMatching(/^idem: error: job "callout" failed in step "call" after 2 tries: \S.*connect ECONNREFUSED 127\.0\.0\.1:1.*; fix the cause/)]);
+    const [row] = await query<{ message: string }>(url, `select error->>'message' as message from idem.runs where job = 'callout' and run_key = 'agg'`);
+    expect(row?.message).toContain('connect ECONNREFUSED 127.0.0.1:1');
+  });
 });
 
 function esc(s: string): string {

@@ -1,8 +1,9 @@
+import { spawn } from 'node:child_process';
 import pg from 'pg';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { lockKey } from '../src/fingerprint.ts';
 import { chunkKey } from './fixtures/jobs/counted.ts';
-import { ALL_TABLES, FIXTURE_JOBS, holdGate, killLeftovers, runCli, runRow, query, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { ALL_TABLES, BIN, FIXTURE_JOBS, holdGate, killLeftovers, runCli, runRow, query, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { createTestDatabase, useTestDatabase } from './support/database.ts';
 import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
 
@@ -298,6 +299,35 @@ describe('operator actions', () => {
     expectProblem(refused, 409, 'idem.cannotControl');
     expect(refused.body.detail).toContain('idem run counted --key k-failed-cli');
     expect(await snapshot(url, TABLES)).toEqual(before);
+  });
+
+  it("the 409 for a failed run idem run started names a command that continues it: its params and its whole key, shell-quoted", async () => {
+    // A key longer than the 60 characters messages show, with a character the shell would split on.
+    const key = `cli params ${'k'.repeat(60)}`;
+    await query(url, `insert into fail_chunks (chunk_key) values ('c0013')`);
+    try {
+      const cli = await runCli(['--jobs-dir', FIXTURE_JOBS, 'run', 'counted', '--key', key, '--params', JSON.stringify({ chunks: 13, label: "it's" })], { url });
+      expect(cli.code).toBe(1);
+    } finally {
+      await query(url, `delete from fail_chunks where chunk_key = 'c0013'`);
+    }
+    const run = await runRow(url, 'counted', key);
+    const refused = await api(server.base, 'POST', `/api/runs/${run.id}/resume`);
+    expectProblem(refused, 409, 'idem.cannotControl');
+    const command = /continue it with (idem run .*)$/.exec(refused.body.detail)?.[1];
+    expect(command, refused.body.detail).toBeDefined();
+    // Run as a user would paste it (idem being this checkout's CLI on the fixture jobs).
+    const done = await new Promise<{ code: number | null; stderr: string }>((resolve) => {
+      const sh = spawn('sh', ['-c', `idem() { "${process.execPath}" "${BIN}" --jobs-dir "${FIXTURE_JOBS}" "$@"; }; ${command!}`], {
+        env: { ...process.env, DATABASE_URL: url },
+      });
+      let stderr = '';
+      sh.stderr.on('data', (d) => (stderr += d));
+      sh.on('exit', (code) => resolve({ code, stderr }));
+    });
+    expect(done.code, done.stderr).toBe(0);
+    expect((await runRow(url, 'counted', key)).status).toBe('succeeded');
+    expect([...(await workCounts(url, key)).values()]).toEqual(Array.from({ length: 13 }, () => 1));
   });
 
   it('cancel stops a live run; it never continues', async () => {

@@ -2,6 +2,7 @@ import net from 'node:net';
 import { fileURLToPath } from 'node:url';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { ALL_TABLES, FIXTURE_JOBS, killLeftovers, query, runCli, runRow, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { startBlackholeProxy } from './support/blackhole-proxy.ts';
 import { useTestDatabase } from './support/database.ts';
 import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
 
@@ -212,6 +213,79 @@ describe('the database going away', () => {
       for (const s of sockets) s.destroy();
     }
   });
+});
+
+describe('connections that die silently (a NAT or firewall that forgot them)', () => {
+  it('API reads stuck on them are given up and their connections dropped, so the read pool and /readyz recover while PostgreSQL answers new connections', async () => {
+    // A proxy whose `forget()` makes every open flow silent for good (no FIN, no RST, nothing
+    // forwarded) while new connections pass: what the server sees when state in the network is lost.
+    const upstream = new URL(url);
+    const flows: Array<{ dead: boolean; sockets: net.Socket[] }> = [];
+    const proxy = net.createServer((client) => {
+      const up = net.connect(Number(upstream.port), upstream.hostname);
+      const flow = { dead: false, sockets: [client, up] };
+      flows.push(flow);
+      for (const s of flow.sockets) s.on('error', () => {});
+      client.on('data', (d) => !flow.dead && up.write(d));
+      up.on('data', (d) => !flow.dead && client.write(d));
+      client.on('end', () => !flow.dead && up.end());
+      up.on('end', () => !flow.dead && client.end());
+    });
+    await new Promise<void>((resolve) => proxy.listen(0, '127.0.0.1', () => resolve()));
+    const viaProxy = new URL(url);
+    viaProxy.port = String((proxy.address() as net.AddressInfo).port);
+    const served = await startServe(viaProxy.toString(), [], { IDEM_SERVE_READ_TIMEOUT_MS: '3000' }, ANY_JOBS);
+    const get = (path: string, ms: number) =>
+      fetch(`${served.base}${path}`, { headers: { authorization: `Bearer ${TOKEN}` }, signal: AbortSignal.timeout(ms) }).then(
+        (r) => r.status,
+        () => 'no answer',
+      );
+    try {
+      // Every connection of the read pool in use once, then idle in it.
+      expect(await Promise.all(Array.from({ length: 8 }, () => get('/api/runs?limit=500', 10_000)))).toEqual(Array(8).fill(200));
+      for (const f of flows) f.dead = true;
+      // Requests that land on the forgotten connections get no answer from PostgreSQL: after the
+      // read timeout, a 503 to retry (never a 500, never a hang); one on a fresh connection, a 200.
+      const cutAt = Date.now();
+      const stuck = await Promise.all(Array.from({ length: 4 }, () => get('/api/runs?limit=1', 10_000)));
+      expect(stuck.every((s) => s === 200 || s === 503), String(stuck)).toBe(true);
+      expect(stuck).toContain(503);
+      await waitFor(async () => ((await get('/readyz', 5_000)) === 200 && (await get('/api/runs?limit=1', 5_000)) === 200) || undefined, 'the read pool to recover', {
+        timeoutMs: 30_000,
+      });
+      console.log(`silently dropped connections: reads answered again ${((Date.now() - cutAt) / 1000).toFixed(1)} s later`);
+    } finally {
+      served.proc.child.kill('SIGKILL');
+      await served.proc.done;
+      proxy.close();
+      for (const f of flows) for (const s of f.sockets) s.destroy();
+    }
+  }, 90_000);
+});
+
+describe('a network that goes dead under API reads', () => {
+  it('every read gets a 503 to retry, also those that waited for a connection of the read pool the dead ones held (not a 500)', async () => {
+    const proxy = await startBlackholeProxy(Number(new URL(url).port));
+    const viaProxy = new URL(url);
+    viaProxy.port = String(proxy.port);
+    // Stuck reads hold their connections longer than a request waits for one (10 s).
+    const served = await startServe(viaProxy.toString(), [], { IDEM_SERVE_READ_TIMEOUT_MS: '15000' }, ANY_JOBS);
+    const get = (path: string) =>
+      fetch(`${served.base}${path}`, { headers: { authorization: `Bearer ${TOKEN}` }, signal: AbortSignal.timeout(25_000) }).then(
+        async (r) => ({ status: r.status, body: await r.json().catch(() => null) }),
+        () => ({ status: 0, body: null }),
+      );
+    try {
+      expect((await Promise.all(Array.from({ length: 8 }, () => get('/api/runs?limit=500')))).map((r) => r.status)).toEqual(Array(8).fill(200));
+      proxy.cut();
+      const answers = await Promise.all(Array.from({ length: 6 }, () => get('/api/runs?limit=1')));
+      for (const a of answers) expect(a, JSON.stringify(answers)).toMatchObject({ status: 503, body: { type: 'urn:idem:problem:idem.databaseUnavailable', retryable: true } });
+    } finally {
+      served.proc.child.kill('SIGKILL');
+      await served.proc.done;
+      await proxy.close();
+    }
+  }, 90_000);
 });
 
 describe('a port that cannot be bound', () => {

@@ -134,3 +134,62 @@ describe('replays of succeeded runs come from memory', () => {
     );
   });
 });
+
+describe('the memory the replay cache takes is bounded by size, not only by count', () => {
+  // A run's answer carries its params, which may be as large as --body-limit (64 KiB by default):
+  // 10 000 of them would be 640 MB. Answers are held up to 64 MiB in all, none over 1 MiB.
+  let big: ServeProcess;
+  beforeAll(async () => {
+    big = await startServe(url, ['--body-limit', String(4 * 1024 * 1024), '--max-runs', '4']);
+  });
+
+  const bigMetric = async (series: string): Promise<number> => {
+    const { text } = await api(big.base, 'GET', '/metrics');
+    const line = text.split('\n').find((l) => l.startsWith(`${series} `));
+    return line ? Number(line.slice(series.length + 1)) : 0;
+  };
+  const bigReplays = (source: 'memory' | 'database') => bigMetric(`idem_api_replays_total{source="${source}"}`);
+  const postBig = (key: string, label: string) => api(big.base, 'POST', '/api/jobs/counted/runs', { body: { chunks: 1, label }, key });
+  async function succeeded(key: string, label: string): Promise<void> {
+    const created = await postBig(key, label);
+    expect(created.status, created.text.slice(0, 300)).toBe(201);
+    const done = await api(big.base, 'GET', `/api/runs/${created.body.id}?wait=30`);
+    expect(done.body.state).toBe('succeeded');
+  }
+
+  it('an answer over 1 MiB is not held: its replays read PostgreSQL', async () => {
+    const label = 'h'.repeat(1_200_000);
+    await succeeded('k-huge', label);
+    // The warm-up read after the execution is asynchronous: give it time to (not) store the run.
+    await new Promise((r) => setTimeout(r, 500));
+    expect(await bigMetric('idem_api_replay_cache_runs')).toBe(0);
+    const before = { memory: await bigReplays('memory'), database: await bigReplays('database') };
+    for (let i = 0; i < 2; i++) {
+      const replay = await postBig('k-huge', label);
+      expect(replay.status).toBe(200);
+      expect(replay.body.params.label).toBe(label);
+    }
+    expect(await bigReplays('memory')).toBe(before.memory);
+    expect(await bigReplays('database')).toBe(before.database + 2);
+    expect(await bigMetric('idem_api_replay_cache_runs')).toBe(0);
+  });
+
+  it('at most 64 MiB of answers are held in all, the oldest going first', async () => {
+    const n = 68;
+    const label = (i: number) => `${String(i).padStart(3, '0')}${'b'.repeat(1_000_000)}`;
+    for (let i = 0; i < n; i += 4) {
+      await Promise.all(Array.from({ length: Math.min(4, n - i) }, (_, j) => succeeded(`k-big-${i + j}`, label(i + j))));
+    }
+    // Every run offered to the cache (a replay reads it from PostgreSQL if the warm-up did not hold it).
+    for (let i = 0; i < n; i++) expect((await postBig(`k-big-${i}`, label(i))).status).toBe(200);
+    const held = await bigMetric('idem_api_replay_cache_runs');
+    expect(held).toBeGreaterThan(0);
+    expect(held).toBeLessThanOrEqual(Math.floor((64 * 1024 * 1024) / 1_000_000));
+    expect(await bigMetric('idem_api_replay_cache_bytes')).toBeLessThanOrEqual(64 * 1024 * 1024);
+    expect(await bigMetric('idem_api_replay_cache_bytes')).toBeGreaterThan(held * 1_000_000);
+    // The last one offered is held: room is made by letting the oldest go.
+    const memory = await bigReplays('memory');
+    expect((await postBig(`k-big-${n - 1}`, label(n - 1))).status).toBe(200);
+    expect(await bigReplays('memory')).toBe(memory + 1);
+  }, 180_000);
+});

@@ -20,11 +20,11 @@ export function registerServeCommand(program: Command, cli: CliContext): void {
         // Fastify and the server load only when the command runs, not for --help.
         const { serveCommand } = await import('../server/serve-command.ts');
         const signals = installSignals(log, g.shutdownTimeout, force);
-        const openDatabase = async (poolSize: number, readPoolSize: number) => {
+        const openDatabase = async (poolSize: number, readPoolSize: number, readTimeoutMs: number) => {
           const url = await databaseUrl(g, log, session);
           const runner = await openRunner(g, log, session, poolSize, url);
           const { openDatabase } = await import('../cli-runtime.ts');
-          const reads = await openDatabase(url, { poolSize: readPoolSize, log });
+          const reads = await openDatabase(url, { poolSize: readPoolSize, log, queryTimeoutMs: readTimeoutMs });
           session.defer(() => reads.close());
           return { runner, reads: reads.pool };
         };

@@ -37,6 +37,23 @@ export function paramsSchema(job: Job): Json | null {
 
 const JSON_TYPE = 'application/json; charset=utf-8';
 
+/** A word quoted for a POSIX shell (as schedule.ts's shellQuote; not imported, so the server does not load croner). */
+const shellQuote = (s: string): string => (/^[A-Za-z0-9_./:@+=,-]+$/.test(s) ? s : `'${s.replace(/'/g, `'\\''`)}'`);
+
+/** Longest --params shown in a message; longer ones are named, not written out. */
+const MAX_PARAMS_SHOWN = 500;
+
+/**
+ * The `idem run` that continues a run the CLI started: its whole key and, unless empty, its params
+ * (without them `idem run` computes other params and refuses the key), shell-quoted.
+ */
+function continueCommand(run: RunView): string {
+  const params = JSON.stringify(run.params ?? {});
+  const command = `idem run ${shellQuote(run.job)} --key ${shellQuote(run.key)}`;
+  if (params === '{}') return command;
+  return params.length <= MAX_PARAMS_SHOWN ? `${command} --params ${shellQuote(params)}` : `${command} --params <the params GET /api/runs/${run.id} shows>`;
+}
+
 /** Sets the status and headers of an answer that is one run; returns the reply. */
 function sendRun(reply: FastifyReply, status: number, view: RunView, replayed: boolean | null): FastifyReply {
   reply.code(status).header('location', `/api/runs/${view.id}`);
@@ -171,7 +188,7 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
       if (action === 'resume' && RESUMABLE_STATES.has(before.state)) {
         const run = `run "${printable(before.key)}" of job "${printable(before.job)}" is ${before.state}`;
         if (!before.viaApi) {
-          throw new HttpProblem(409, 'idem.cannotControl', `${run} and was started by idem run, not over HTTP: continue it with idem run ${printable(before.job)} --key ${printable(before.key)}`);
+          throw new HttpProblem(409, 'idem.cannotControl', `${run} and was started by idem run, not over HTTP: continue it with ${continueCommand(before)}`);
         }
         if (!ctx.jobs.has(before.job)) {
           throw new HttpProblem(409, 'idem.cannotControl', `${run}, and this server does not load that job: start the server with the --jobs-dir that holds it, or continue it with idem run`);

@@ -77,7 +77,9 @@ export function toProblem(err: unknown): HttpProblem {
   }
   // A lost or refused database connection (restart, failover, max_connections) is not the
   // request's fault and nothing was committed: say so, so clients retry with the same key.
-  if (isRetryable(err)) {
+  // pg-pool's wait for a free connection that ran out (its connections are all stuck on a database
+  // that does not answer) is the same outage.
+  if (isRetryable(err) || (err instanceof Error && err.message === 'timeout exceeded when trying to connect')) {
     return new HttpProblem(503, 'idem.databaseUnavailable', 'the server cannot reach its database right now (connection lost or refused); retry in a moment, with the same Idempotency-Key for a POST', { retryable: true });
   }
   return new HttpProblem(500, 'idem.internal', 'the server failed to handle the request; see the server log, then retry');

@@ -6,8 +6,16 @@ import type { RunView } from './run-view.ts';
 /** The channel the runs table's trigger notifies on (runner migration 0009). */
 export const SUCCEEDED_RUN_CHANGED = 'idem_succeeded_run_changed';
 
-/** Most runs kept; the oldest entry goes first. A view is a few kB: 10 000 of them are tens of MB at most. */
+/** Most runs kept; the oldest entry goes first. */
 const MAX_ENTRIES = 10_000;
+/**
+ * Most bytes of answers kept, the oldest going first. A view carries its run's params, which may
+ * be as large as --body-limit (64 KiB by default, up to 16 MiB): the count alone would let 10 000
+ * of them take 640 MB or more.
+ */
+const MAX_BYTES = 64 * 1024 * 1024;
+/** An answer larger than this is not kept at all (its replays read PostgreSQL, as without the cache). */
+const MAX_ENTRY_BYTES = 1024 * 1024;
 /**
  * An entry is read again from PostgreSQL after this long, whatever the listener says: a backstop
  * for a notification lost on a session that still answers pings, which PostgreSQL does not do.
@@ -33,6 +41,8 @@ const cacheKey = (job: string, runKey: string) => `${job}\0${runKey}`;
 interface Entry extends CachedReplay {
   readonly key: string;
   readonly expires: number;
+  /** The JSON's size in bytes (UTF-8). */
+  readonly bytes: number;
 }
 
 /**
@@ -53,6 +63,7 @@ interface Entry extends CachedReplay {
 export class ReplayCache {
   readonly #byKey = new Map<string, Entry>();
   readonly #keyById = new Map<string, string>();
+  #bytes = 0;
   readonly #schema: string;
   readonly #connection: pg.ClientConfig;
   readonly #log: Logger;
@@ -77,6 +88,11 @@ export class ReplayCache {
   /** Runs held. */
   get size(): number {
     return this.#byKey.size;
+  }
+
+  /** Bytes of answers held (their JSON, UTF-8). */
+  get bytes(): number {
+    return this.#bytes;
   }
 
   /** Whether replays are answered from memory now (the listening session is confirmed). */
@@ -105,20 +121,25 @@ export class ReplayCache {
     const key = cacheKey(view.job, view.key);
     const old = this.#byKey.get(key);
     if (old) this.#delete(old);
-    if (this.#byKey.size >= MAX_ENTRIES) this.#delete(this.#byKey.values().next().value!);
-    this.#byKey.set(key, { key, id: view.id, fingerprint: view.fingerprint, json, expires: Date.now() + TTL_MS });
+    const bytes = Buffer.byteLength(json);
+    if (bytes > MAX_ENTRY_BYTES) return;
+    while (this.#byKey.size > 0 && (this.#byKey.size >= MAX_ENTRIES || this.#bytes + bytes > MAX_BYTES)) this.#delete(this.#byKey.values().next().value!);
+    this.#byKey.set(key, { key, id: view.id, fingerprint: view.fingerprint, json, expires: Date.now() + TTL_MS, bytes });
     this.#keyById.set(view.id, key);
+    this.#bytes += bytes;
   }
 
   #delete(e: Entry): void {
-    this.#byKey.delete(e.key);
+    if (!this.#byKey.delete(e.key)) return;
     this.#keyById.delete(e.id);
+    this.#bytes -= e.bytes;
   }
 
   #forgetAll(): void {
     this.#generation++;
     this.#byKey.clear();
     this.#keyById.clear();
+    this.#bytes = 0;
   }
 
   /** Opens the listening session; the cache turns on once LISTEN has run. Never throws. */

@@ -14,6 +14,15 @@ import { checkServeFlags, createServer } from './create-server.ts';
  */
 export const READ_POOL_SIZE = 4;
 
+/**
+ * A statement of the API's read pool with no answer after this long is given up (503) and its
+ * connection dropped: a connection the network forgot silently (a NAT or firewall that lost the
+ * flow) would otherwise hold its slot until TCP gives up, about 15 minutes, and four of them would
+ * stop every read and /readyz while PostgreSQL answers new connections. Reads take milliseconds;
+ * the run page's detail of a run with millions of chunks, seconds.
+ */
+export const READ_TIMEOUT_MS = 30_000;
+
 /** The flags of `idem serve` (defaults in cli.ts's option list). */
 export interface ServeFlags {
   readonly host: string;
@@ -32,9 +41,10 @@ export interface ServeDeps {
   readonly shutdownTimeoutSeconds: number;
   /**
    * Opens the runner with a pool of `poolSize` and, on the same database (DATABASE_URL or the
-   * embedded server), the API's read pool of `readPoolSize`; both close when the command ends.
+   * embedded server), the API's read pool of `readPoolSize` whose statements give up after
+   * `readTimeoutMs`; both close when the command ends.
    */
-  openDatabase(poolSize: number, readPoolSize: number): Promise<{ readonly runner: Runner; readonly reads: pg.Pool }>;
+  openDatabase(poolSize: number, readPoolSize: number, readTimeoutMs: number): Promise<{ readonly runner: Runner; readonly reads: pg.Pool }>;
   /** Aborts on the first SIGINT/SIGTERM. */
   readonly stop: AbortSignal;
 }
@@ -51,7 +61,9 @@ export async function serveCommand(o: ServeFlags, deps: ServeDeps): Promise<numb
   const jobs = (await loadJobDir(deps.jobsDir, 'jobs')).map((l) => l.job);
   // Each executing run takes up to `concurrency` connections of the runner's pool, plus its control
   // and lock reads; the API reads on a pool of their own.
-  const { runner, reads } = await deps.openDatabase(o.maxRuns * o.concurrency + 4, READ_POOL_SIZE);
+  // IDEM_SERVE_READ_TIMEOUT_MS: for tests, which cannot wait the default 30 s.
+  const readTimeout = Number(process.env.IDEM_SERVE_READ_TIMEOUT_MS);
+  const { runner, reads } = await deps.openDatabase(o.maxRuns * o.concurrency + 4, READ_POOL_SIZE, Number.isInteger(readTimeout) && readTimeout > 0 ? readTimeout : READ_TIMEOUT_MS);
   // IDEM_SERVE_RESCAN_MS: for tests, which cannot wait the default 30 s for a takeover.
   const rescan = Number(process.env.IDEM_SERVE_RESCAN_MS);
   const server = createServer({

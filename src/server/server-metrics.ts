@@ -17,10 +17,10 @@ export class ServerMetrics {
   readonly runsQueued: Gauge;
 
   /**
-   * `runCounts` is read at scrape time: runs per job and state, from the database; `replayCacheRuns`
-   * too: the succeeded runs whose replays are answered from memory.
+   * `runCounts` is read at scrape time: runs per job and state, from the database; `replayCache`
+   * too: the succeeded runs whose replays are answered from memory, and the bytes they take.
    */
-  constructor(runCounts: () => Promise<ReadonlyArray<{ job: string; state: string; n: number }>>, replayCacheRuns: () => number) {
+  constructor(runCounts: () => Promise<ReadonlyArray<{ job: string; state: string; n: number }>>, replayCache: () => { readonly runs: number; readonly bytes: number }) {
     const registers = [this.registry];
     collectDefaultMetrics({ register: this.registry, prefix: 'idem_' });
     this.chunksCommitted = new Counter({ name: 'idem_chunks_committed_total', help: 'Chunks committed by runs this server executes.', labelNames: ['job', 'step'], registers });
@@ -51,7 +51,15 @@ export class ServerMetrics {
       help: 'Succeeded runs whose Idempotency-Key replays this server answers from memory.',
       registers,
       collect() {
-        this.set(replayCacheRuns());
+        this.set(replayCache().runs);
+      },
+    });
+    new Gauge({
+      name: 'idem_api_replay_cache_bytes',
+      help: 'Bytes of the answers held for replays from memory (at most 64 MiB).',
+      registers,
+      collect() {
+        this.set(replayCache().bytes);
       },
     });
     this.runsExecuting = new Gauge({ name: 'idem_runs_executing', help: 'Runs executing in this server now (at most --max-runs).', registers });
