@@ -1,5 +1,6 @@
 import pg from 'pg';
 import type { Logger } from 'pino';
+import { SERVER_KEEPALIVES } from '../database.ts';
 import { errorFields } from '../errors.ts';
 import type { RunView } from './run-view.ts';
 
@@ -180,7 +181,7 @@ export class ReplayCache {
     });
     client
       .connect()
-      .then(() => client.query(`listen ${SUCCEEDED_RUN_CHANGED}`))
+      .then(() => client.query(`${SERVER_KEEPALIVES}; listen ${SUCCEEDED_RUN_CHANGED}`))
       .then(
         () => {
           if (this.#client !== client) return;
