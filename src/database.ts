@@ -139,26 +139,38 @@ export async function openDatabase(
  * idem keeps state in sessions (the advisory lock, the marker's prepared statement), so it must
  * never run behind a pooler that hands each transaction or statement to another server session
  * (PgBouncer pool_mode=transaction or statement). Checked on every start, before anything is
- * written: two connections of ours, both open, ask for their backend pid in turn (A, B, A, B).
- * A direct server or a session pooler gives each its own backend for the connection's life, so the
- * pids differ and stay put. A transaction pooler releases A's server session after each statement,
- * hands that same idle session to B (PgBouncer reuses the most recently used one) or another one to
- * A's next statement: either shows. A pooler is also seen when the pid the protocol announced at
- * connect (BackendKeyData) is not the backend's own, which names the pooler in the message.
+ * written: two connections of ours, both open, ask for their backend pid. A direct server is
+ * certain: each connection's backend is the one that announced its pid at connect (BackendKeyData).
+ * Behind a pooler (which announces pids of its own) they ask in turn many times (A, B, A, B, …): a
+ * session pooler gives each its own backend for the connection's life, so the pids differ and stay
+ * put; a transaction pooler releases A's server session after each statement and hands that one
+ * to B (PgBouncer reuses the most recently used) or another one to A's next statement.
  */
 async function refuseSessionlessPooler(a: pg.PoolClient, b: pg.PoolClient, connectionString: string): Promise<void> {
   const pid = async (c: pg.PoolClient) => (await c.query<{ pid: number }>('select pg_backend_pid() as pid')).rows[0]!.pid;
+  const announced = (c: pg.PoolClient) => (c as unknown as { processID?: number }).processID;
   const a1 = await pid(a);
   const b1 = await pid(b);
-  const a2 = await pid(a);
-  const b2 = await pid(b);
-  if (a1 !== b1 && a1 === a2 && b1 === b2) return;
-  const announced = (a as unknown as { processID?: number }).processID;
-  const what = announced !== undefined && announced !== a1 ? 'a connection pooler (PgBouncer or similar)' : 'a pooler';
+  // Each connection talks to the backend that announced itself at connect, and they are two: no
+  // pooler in between (a pooler announces a pid of its own, in every pool mode). Certain, and the
+  // common case, so it costs two statements.
+  if (a1 !== b1 && announced(a) === a1 && announced(b) === b1) return;
+  // A pooler. In session mode each connection keeps its server session for its life; in
+  // transaction or statement mode its next statement may go to any idle one. One alternation
+  // (A, B, A, B) can be fooled when other processes' clients take and give back sessions in
+  // between so that A and B each get theirs again (four idem commands starting at once behind
+  // PgBouncer did), so alternate POOLER_PROBES times: any move, or a shared session, is refused.
+  let keeps = a1 !== b1;
+  for (let i = 0; keeps && i < POOLER_PROBES; i++) keeps = (await pid(a)) === a1 && (await pid(b)) === b1;
+  if (keeps) return;
+  const what = announced(a) !== undefined && announced(a) !== a1 ? 'a connection pooler (PgBouncer or similar)' : 'a pooler';
   throw new DatabaseUnavailableError(
     `${redactUrl(connectionString)} goes through ${what} in transaction or statement mode, which does not keep sessions, and idem needs its session (advisory lock): set pool_mode = session for idem's database, or point idem at PostgreSQL directly`,
   );
 }
+
+/** Alternations of the pooler check once a pooler is seen (see refuseSessionlessPooler). */
+const POOLER_PROBES = 10;
 
 export function describeConnectError(err: unknown, connectionString: string): DatabaseUnavailableError {
   const code = (err as { code?: string }).code;
