@@ -1,5 +1,6 @@
 import { Cron } from 'croner';
 import { ExitCode, exitCodeOf, messageOf, UsageError } from './errors.ts';
+import { shellQuote } from './shell-quote.ts';
 import { sleep as abortableSleep } from './sleep.ts';
 
 /**
@@ -237,10 +238,7 @@ export interface CrontabOptions {
   readonly catchUp?: string;
 }
 
-/** Quotes a word for a POSIX shell (a crontab line), leaving plain words as they are. */
-export function shellQuote(s: string): string {
-  return /^[A-Za-z0-9_./:@+=,-]+$/.test(s) ? s : `'${s.replace(/'/g, `'\\''`)}'`;
-}
+export { shellQuote };
 
 /**
  * Crontab lines that run every scheduled job with `idem run <job>` (the run key is the slot, so a

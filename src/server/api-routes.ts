@@ -3,6 +3,7 @@ import { UsageError } from '../errors.ts';
 import { fingerprint } from '../fingerprint.ts';
 import { NAME as JOB_NAME, validateParams, type Job, type Json } from '../job.ts';
 import { reopenFailedRun } from '../operations.ts';
+import { shellQuote } from '../shell-quote.ts';
 import { claimRequest, paramsMismatch, printable } from './claim-request.ts';
 import { HttpProblem } from './problem.ts';
 import { ENDED_STATES, RUN_STATES, type RunStateFilter, type RunView } from './run-view.ts';
@@ -37,9 +38,6 @@ export function paramsSchema(job: Job): Json | null {
 
 const JSON_TYPE = 'application/json; charset=utf-8';
 
-/** A word quoted for a POSIX shell (as schedule.ts's shellQuote; not imported, so the server does not load croner). */
-const shellQuote = (s: string): string => (/^[A-Za-z0-9_./:@+=,-]+$/.test(s) ? s : `'${s.replace(/'/g, `'\\''`)}'`);
-
 /** Longest --params shown in a message; longer ones are named, not written out. */
 const MAX_PARAMS_SHOWN = 500;
 
@@ -55,8 +53,8 @@ function continueCommand(run: RunView): string {
 }
 
 /** Sets the status and headers of an answer that is one run; returns the reply. */
-function sendRun(reply: FastifyReply, status: number, view: RunView, replayed: boolean | null): FastifyReply {
-  reply.code(status).header('location', `/api/runs/${view.id}`);
+function sendRun(reply: FastifyReply, status: number, runId: string, replayed: boolean | null): FastifyReply {
+  reply.code(status).header('location', `/api/runs/${runId}`);
   if (replayed !== null) reply.header('idempotent-replayed', String(replayed));
   return reply;
 }
@@ -107,8 +105,7 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
     if (cached) {
       ctx.metrics.replays.inc({ source: 'memory' });
       if (cached.fingerprint !== fp) throw paramsMismatch(job.name, key, cached.fingerprint, fp);
-      reply.code(200).header('location', `/api/runs/${cached.id}`).header('idempotent-replayed', 'true').type(JSON_TYPE);
-      return reply.send(cached.json);
+      return sendRun(reply, 200, cached.id, true).type(JSON_TYPE).send(cached.json);
     }
     const generation = ctx.replays.generation;
     const existing = await ctx.views.byKey(job.name, key);
@@ -117,14 +114,13 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
       if (existing.fingerprint !== fp) throw paramsMismatch(job.name, key, existing.fingerprint, fp);
       const json = JSON.stringify(existing);
       ctx.replays.offer(existing, generation, json);
-      sendRun(reply, 200, existing, true).type(JSON_TYPE);
-      return reply.send(json);
+      return sendRun(reply, 200, existing.id, true).type(JSON_TYPE).send(json);
     }
     const outcome = await claimRequest(ctx.runner.db, ctx.runner.schema, job.name, key, params, fp);
     if (outcome.kind === 'created') ctx.executor.enqueue({ runId: outcome.run.id, job: job.name, key });
     const view = await ctx.views.get(outcome.run.id);
     if (!view) throw new HttpProblem(404, 'idem.unknownRun', `run ${outcome.run.id} was removed (reset or pruned) while answering; send the request again`);
-    sendRun(reply, outcome.kind === 'created' ? 201 : 200, view, outcome.kind === 'replayed');
+    sendRun(reply, outcome.kind === 'created' ? 201 : 200, view.id, outcome.kind === 'replayed');
     return view;
   });
 
