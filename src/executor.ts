@@ -4,7 +4,7 @@ import type pg from 'pg';
 import type { Logger } from 'pino';
 import { errorFields, FencedError, InterruptedError, messageOf } from './errors.ts';
 import type { ChunkPage, ChunkSpec, ChunkSource, Job, Json, RunIdentity, Step, StepContext } from './job.ts';
-import { faultPoint } from './fault-points.ts';
+import { faultPoint, faultsArmed as faults } from './fault-points.ts';
 import { openChunkSlot, type ChunkSlot } from './chunk-slot.ts';
 import { backoffDelay, DEFAULT_BACKOFF, isRetryable, retrying, type BackoffOptions } from './retry.ts';
 import type { ClaimMode, PendingChunk, StepRow, Store } from './store.ts';
@@ -189,6 +189,8 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
    * claims waiting: chunks another worker holds, or left behind when it died, are taken as soon as
    * its transaction ends. A slot that finds nothing even then is done.
    */
+  /** The claim almost every chunk sends: the first free chunk, none cooling off. */
+  const nextClaim = store.claimSql('next', run.runId, run.attempt, step.name, []);
   const runSlot = async (): Promise<void> => {
     const slot = openChunkSlot(opts.pool, store.claimPrepares);
     try {
@@ -211,7 +213,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         // A claim sent while a window was being planned may miss it: only a claim sent after
         // everything was planned may end the first pass.
         const plannedBefore = plannedAll;
-        const claim = store.claimSql(mode, run.runId, run.attempt, step.name, retrySeq !== null ? [retrySeq] : [...cooling]);
+        const claim = mode === 'next' && cooling.size === 0 ? nextClaim : store.claimSql(mode, run.runId, run.attempt, step.name, retrySeq !== null ? [retrySeq] : [...cooling]);
         let outcome: ChunkTry;
         try {
           outcome = await tryChunk(opts, step, slot, claim, log, onClaimed);
@@ -312,8 +314,6 @@ type ChunkTry =
   | { readonly kind: 'committed'; readonly chunk: PendingChunk; readonly ms: number }
   | { readonly kind: 'failed'; readonly chunk: PendingChunk; readonly err: unknown };
 
-const ABANDON = Symbol('claimed after the step stopped');
-
 /** 0-rows-claimed is "nothing to claim"; SQLSTATE IF001 is the fence trigger refusing a COMMIT. */
 const FENCED_AT_COMMIT = 'IF001';
 
@@ -327,33 +327,44 @@ async function tryChunk(opts: ExecuteOptions, step: Step, slot: ChunkSlot, claim
   const started = performance.now();
   let chunk: PendingChunk | undefined;
   try {
-    await slot.db.transaction().execute(async (trx) => {
-      chunk = (await slot.first<PendingChunk>(claim))[0];
-      if (!chunk) return;
-      if (!mayStart(chunk)) throw ABANDON;
-      const claimed = chunk;
-      await faultPoint('after-claim');
-      const chunkKey = step.chunks ? claimed.key : null;
-      const ctx: StepContext = {
-        db: trx,
-        params: opts.params,
-        signal: opts.abort,
-        run,
-        step: step.name,
-        slot: opts.slot,
-        effect: ((name: string, fn: (key: string) => unknown) => performEffect(opts, step.name, claimed.key, name, fn)) as StepContext['effect'],
-        get log() {
-          return chunkKey === null ? stepLog : stepLog.child({ chunk: chunkKey });
-        },
-      };
-      if (step.chunks) await step.run(ctx, claimed.spec);
-      else await (step.run as (c: StepContext) => unknown)(ctx);
+    // BEGIN and the claim, in one message: the claim locks the first free chunk (SKIP LOCKED) and
+    // writes its marker; both commit with the work or neither does.
+    chunk = (await slot.begin<PendingChunk>(claim))[0];
+    if (!chunk) {
+      await slot.commit();
+      return { kind: 'none' };
+    }
+    if (!mayStart(chunk)) {
+      await slot.rollback();
+      return { kind: 'abandoned' };
+    }
+    const claimed = chunk;
+    if (faults) await faultPoint('after-claim');
+    const chunkKey = step.chunks ? claimed.key : null;
+    const ctx: StepContext = {
+      db: slot.trx,
+      params: opts.params,
+      signal: opts.abort,
+      run,
+      step: step.name,
+      slot: opts.slot,
+      effect: ((name: string, fn: (key: string) => unknown) => performEffect(opts, step.name, claimed.key, name, fn)) as StepContext['effect'],
+      get log() {
+        return chunkKey === null ? stepLog : stepLog.child({ chunk: chunkKey });
+      },
+    };
+    // The job's work, in the same transaction.
+    if (step.chunks) await step.run(ctx, claimed.spec);
+    else await (step.run as (c: StepContext) => unknown)(ctx);
+    if (faults) {
       await faultPoint('after-work');
       // The marker was written by the claim; a crash here loses both it and the work.
       await faultPoint('after-marker');
-    });
+    }
+    // COMMIT: the fence trigger refuses it (IF001) when this attempt is no longer the run's.
+    await slot.commit();
   } catch (err) {
-    if (err === ABANDON) return { kind: 'abandoned' };
+    await slot.rollback();
     if (!chunk) throw err;
     if ((err as { code?: string }).code === FENCED_AT_COMMIT) {
       const attempt = await store.currentAttempt(run.runId).catch(() => -1);
@@ -365,8 +376,7 @@ async function tryChunk(opts: ExecuteOptions, step: Step, slot: ChunkSlot, claim
     }
     return { kind: 'failed', chunk, err };
   }
-  if (!chunk) return { kind: 'none' };
-  await faultPoint('after-commit');
+  if (faults) await faultPoint('after-commit');
   return { kind: 'committed', chunk, ms: performance.now() - started };
 }
 

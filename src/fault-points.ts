@@ -28,6 +28,8 @@ function parse(spec: string | undefined): { point: FaultPoint; action: Action; n
 }
 
 const fault = parse(process.env.IDEM_FAULT);
+/** Whether IDEM_FAULT armed a fault point: the chunk path skips its fault points (and their awaits) when not. */
+export const faultsArmed = fault !== null;
 let hits = 0;
 
 async function trigger(point: FaultPoint): Promise<void> {

@@ -1,6 +1,6 @@
 import pg from 'pg';
 import { afterEach, beforeAll, describe, expect, it, vi } from 'vitest';
-import { BusyError, defineJob, exitCodeOf, fingerprint, LockLostError, ParamsMismatchError, RunFailedError, Runner, sql, UsageError, type Json } from '../src/index.ts';
+import { BusyError, defineJob, exitCodeOf, fingerprint, LockLostError, ParamsMismatchError, RunFailedError, Runner, sql, UsageError, type Json, type StepContext } from '../src/index.ts';
 import { lockKey } from '../src/fingerprint.ts';
 import counted, { chunkKey, maybeFail } from './fixtures/jobs/counted.ts';
 import ranged from './fixtures/jobs/ranged.ts';
@@ -348,5 +348,80 @@ describe('Runner.run', () => {
     // Nothing holds a lock now: a run row still saying `running` is reported as crashed.
     expect(mine.find((r) => r.runKey === 'status-crashed')).toMatchObject({ state: 'crashed', holder: null });
     expect(mine.find((r) => r.runKey === 'status-ok')).toMatchObject({ state: 'succeeded', chunksDone: 12, chunksPlanned: 12, fullyPlanned: true });
+  });
+});
+
+describe('ctx.db is the chunk transaction, and only while the chunk runs', () => {
+  /** A job of 3 chunks whose second chunk runs `second` after logging its work. */
+  const jobWith = (name: string, second: (db: StepContext['db']) => Promise<void>) =>
+    defineJob({
+      name,
+      steps: [
+        {
+          name: 'work',
+          chunks: () => ({ chunks: ['a', 'b', 'c'].map((key) => ({ key })), next: null }),
+          async run(ctx, chunk: { key: string }) {
+            await sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values (${name}, ${ctx.run.runKey}, 'work', ${chunk.key}, ${ctx.run.attempt}, 0)`.execute(ctx.db);
+            if (chunk.key === 'b') await second(ctx.db);
+          },
+        },
+      ],
+    });
+  const doneKeys = async (job: string) =>
+    (await query(url, `select c.key from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = $1 and c.done_at is not null order by 1`, [job])).map((r) => r.key);
+  const logged = async (job: string) => (await query(url, `select chunk_key from work_log where job = $1 order by 1`, [job])).map((r) => r.chunk_key);
+
+  it('a statement error the job swallows still fails the chunk: PostgreSQL rolls the transaction back, work and marker together', async () => {
+    const job = jobWith('swallowed', async (db) => {
+      await sql`select 1 / 0`.execute(db).catch(() => {});
+    });
+    const err = await rejectionOf(runner.run(job, { key: 'k' }));
+    expect(err).toBeInstanceOf(RunFailedError);
+    expect(err.message).toContain('job "swallowed" failed in step "work", chunk b after 1 try: Transaction was rolled back instead of committed');
+    expect(await doneKeys('swallowed')).toEqual(['a']);
+    expect(await logged('swallowed')).toEqual(['a']);
+  });
+
+  it('a nested transaction is refused inside a chunk, and nothing of the chunk commits', async () => {
+    const job = jobWith('nested', async (db) => {
+      await db.transaction().execute(async (inner) => void (await sql`select 1`.execute(inner)));
+    });
+    const err = await rejectionOf(runner.run(job, { key: 'k' }));
+    expect(err.message).toContain('chunk b after 1 try: calling the transaction method for a Transaction is not supported');
+    expect(await doneKeys('nested')).toEqual(['a']);
+    expect(await logged('nested')).toEqual(['a']);
+  });
+
+  it('ctx.db kept past its chunk is refused, so a leaked promise cannot write into the next chunk', async () => {
+    let kept: StepContext['db'] | undefined;
+    let late: Promise<unknown> | undefined;
+    let lateWithPlugin: Promise<unknown> | undefined;
+    const job = defineJob({
+      name: 'leaked',
+      steps: [
+        {
+          name: 'work',
+          chunks: () => ({ chunks: [{ key: 'a' }, { key: 'b' }], next: null }),
+          async run(ctx, chunk: { key: string }) {
+            if (chunk.key === 'a') kept = ctx.db;
+            else {
+              late = sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values ('leaked', 'k', 'work', 'late', 1, 0)`.execute(kept!).catch((e: Error) => e);
+              // Through a plugin too (withSchema adds one): Kysely's own query path, same refusal.
+              lateWithPlugin = kept!.withSchema('public').insertInto('work_log').values({ job: 'leaked', run_key: 'k', step: 'work', chunk_key: 'late2', attempt: 1, pid: 0 }).execute().catch((e: Error) => e);
+            }
+            await sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values ('leaked', ${ctx.run.runKey}, 'work', ${chunk.key}, ${ctx.run.attempt}, 0)`.execute(ctx.db);
+          },
+        },
+      ],
+    });
+    expect((await runner.run(job, { key: 'k' })).status).toBe('succeeded');
+    const lateErr = (await late) as Error;
+    expect(lateErr).toBeInstanceOf(Error);
+    expect(lateErr.message).toMatch(/already committed|is over/);
+    const lateErr2 = (await lateWithPlugin) as Error;
+    expect(lateErr2).toBeInstanceOf(Error);
+    expect(lateErr2.message).toMatch(/already committed|is over/);
+    expect(await logged('leaked')).toEqual(['a', 'b']);
+    expect(await doneKeys('leaked')).toEqual(['a', 'b']);
   });
 });

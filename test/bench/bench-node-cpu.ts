@@ -1,25 +1,39 @@
 /**
- * Node CPU per chunk: idem (Runner.run, concurrency 1) against a Kysely loop (one
- * `db.transaction().execute()` per chunk) and a raw `pg` loop (BEGIN; statement; COMMIT), each doing
- * the same trivial upsert per chunk, so the figure is the machinery's and not the work's. A fourth,
- * `idem's SQL`, is the raw `pg` loop sending what a chunk of idem sends (BEGIN with the claim in one
- * message, the upsert, COMMIT through the fence trigger): on a shared machine a process's CPU per
- * round trip grows with how long the server takes to answer (a statement that only waits longer
- * costs the client CPU too), so this is the floor idem's own statements set, apart from its Node
- * code. Marginal:
- * the same contender over 200 and over 4 200 chunks, the difference ÷ 4 000, so start-up and
- * planning's fixed costs drop out. Three rounds, alternating; medians.
- * `node --import tsx test/bench/bench-node-cpu.ts` (DATABASE_URL, or an embedded server in a temp dir).
+ * 1b. Node CPU per chunk: idem (Runner.run, concurrency 1) against the hand loop (bench 1's raw
+ * `pg` loop: BEGIN; statement; COMMIT) and a Kysely loop (one `db.transaction().execute()` per
+ * chunk), each doing the same trivial upsert per chunk, so the figure is the machinery's and not the
+ * work's. A fourth, `idem's SQL`, is the raw `pg` loop sending what a chunk of idem sends (BEGIN
+ * with the claim in one message, the upsert, COMMIT through the fence trigger): the floor idem's own
+ * statements set, apart from its Node code (on a shared machine a process's CPU per round trip grows
+ * with how long the server takes to answer, so a heavier statement costs the client CPU too).
+ *
+ * Marginal: the same contender over 200 and over 4 200 chunks, the difference ÷ 4 000, so start-up
+ * and planning's fixed costs drop out. Rounds alternate the contenders; medians. idem is the
+ * package as users run it (dist/), the job's statement goes through `ctx.db` (Kysely).
+ * `IDEM_BENCH_CPU_BASELINE=<another checkout, built>` adds that checkout's idem as a fifth contender,
+ * for a before/after in one run.
  */
-import { Kysely, PostgresDialect } from 'kysely';
+import * as idemPackage from 'idem';
+import { defineJob, Runner, sql as idemSql, type StepContext } from 'idem';
+import path from 'node:path';
+import { pathToFileURL } from 'node:url';
+import { Kysely, PostgresDialect, sql } from 'kysely';
 import pg from 'pg';
-import { defineJob, Runner, sql, type StepContext } from '../../src/index.ts';
 import { Store } from '../../src/store.ts';
-import { openBenchServer } from './server.ts';
+import { median } from './measure.ts';
+import type { BenchContext, BenchResult } from './report.ts';
 
 const SMALL = 200;
 const LARGE = 4_200;
-const WORK = 'insert into bench_node_cpu values (1, 1) on conflict (id) do update set n = excluded.n + bench_node_cpu.n';
+const GOAL = 1.5;
+const TABLE = 'bench_node_cpu';
+const WORK = `insert into ${TABLE} values (1, 1) on conflict (id) do update set n = excluded.n + ${TABLE}.n`;
+
+export const IDEM = 'idem';
+export const HAND = 'hand loop';
+export const KYSELY = 'Kysely loop';
+export const IDEM_SQL = "idem's SQL";
+export const BASELINE = 'idem (baseline)';
 
 const cpuMs = async (fn: () => Promise<void>): Promise<number> => {
   const t = process.cpuUsage();
@@ -27,30 +41,27 @@ const cpuMs = async (fn: () => Promise<void>): Promise<number> => {
   const c = process.cpuUsage(t);
   return (c.user + c.system) / 1000;
 };
-const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!;
 
-const server = await openBenchServer(() => {});
-try {
-  const url = server.url;
-  const setup = new pg.Client({ connectionString: url });
-  await setup.connect();
-  await setup.query('create table if not exists bench_node_cpu (id int primary key, n int not null)');
-  await setup.end();
-  const job = (n: number) =>
-    defineJob({
-      name: `node-cpu-${n}`,
-      steps: [
-        {
-          name: 's',
-          chunks: (cursor, { windowSize }) => {
-            const from = typeof cursor === 'number' ? cursor : 0;
-            const to = Math.min(from + windowSize, n);
-            return { chunks: Array.from({ length: to - from }, (_, i) => ({ key: `k${from + i}` })), next: to < n ? to : null };
-          },
-          run: ({ db }: StepContext) => sql.raw(WORK).execute(db),
+const job = (n: number, define: typeof defineJob = defineJob, raw: typeof idemSql = idemSql) =>
+  define({
+    name: `node-cpu-${n}`,
+    steps: [
+      {
+        name: 's',
+        chunks: (cursor, { windowSize }) => {
+          const from = typeof cursor === 'number' ? cursor : 0;
+          const to = Math.min(from + windowSize, n);
+          return { chunks: Array.from({ length: to - from }, (_, i) => ({ key: `k${from + i}` })), next: to < n ? to : null };
         },
-      ],
-    });
+        run: ({ db }: StepContext) => raw.raw(WORK).execute(db),
+      },
+    ],
+  });
+
+export async function benchNodeCpu(ctx: BenchContext): Promise<BenchResult> {
+  const { url } = ctx;
+  const rounds = Math.max(ctx.opts.rounds, 5);
+  await ctx.pool.query(`create table if not exists ${TABLE} (id int primary key, n int not null)`);
   // A finished run of LARGE chunks, for idem's SQL: its chunks are made pending again before each use.
   const floorJob = job(LARGE);
   const floorRunner = await Runner.connect({ connectionString: url });
@@ -58,73 +69,112 @@ try {
   await floorRunner.close();
   const floor = new pg.Client({ connectionString: url });
   await floor.connect();
-  const { rows: [floorRun] } = await floor.query<{ id: string; attempt: number }>(`select id, attempt from idem.runs where job = $1 and run_key = 'sql-floor'`, [floorJob.name]);
   const floorDb = new Kysely<any>({ dialect: new PostgresDialect({ pool: new pg.Pool({ connectionString: url, max: 1 }) }) });
-  const store = new Store(floorDb, 'idem');
-  for (const text of store.claimPrepares) await floor.query(text);
-  const claim = store.claimSql('next', floorRun!.id, floorRun!.attempt, 's', []);
-  const contenders: Record<string, (n: number) => Promise<number>> = {
-    idem: async (n) => {
-      const runner = await Runner.connect({ connectionString: url });
+  try {
+    const { rows: [floorRun] } = await floor.query<{ id: string; attempt: number }>(`select id, attempt from idem.runs where job = $1 and run_key = 'sql-floor'`, [floorJob.name]);
+    const store = new Store(floorDb, 'idem');
+    for (const text of store.claimPrepares) await floor.query(text);
+    const claim = store.claimSql('next', floorRun!.id, floorRun!.attempt, 's', []);
+    let turn = 0;
+    const idemContender = (lib: typeof idemPackage) => async (n: number) => {
+      const runner = await lib.Runner.connect({ connectionString: url });
       try {
-        const j = job(n);
-        return await cpuMs(async () => void (await runner.run(j, { key: `r${Date.now()}-${n}`, health: false })));
+        const j = job(n, lib.defineJob, lib.sql);
+        return await cpuMs(async () => void (await runner.run(j, { key: `r${++turn}-${n}`, health: false })));
       } finally {
         await runner.close();
       }
-    },
-    'kysely loop': async (n) => {
-      const db = new Kysely<any>({ dialect: new PostgresDialect({ pool: new pg.Pool({ connectionString: url, max: 2 }) }) });
-      try {
-        return await cpuMs(async () => {
-          for (let i = 0; i < n; i++) await db.transaction().execute((trx) => sql.raw(WORK).execute(trx));
-        });
-      } finally {
-        await db.destroy();
-      }
-    },
-    "idem's SQL": async (n) => {
-      await floor.query('update idem.chunks set done_at = null, done_attempt = null, done_by = null where run_id = $1', [floorRun!.id]);
-      return cpuMs(async () => {
-        for (let i = 0; i < n; i++) {
-          await floor.query(`begin;\n${claim}`);
-          await floor.query(WORK, []);
-          await floor.query('commit');
+    };
+    const baselineDir = process.env.IDEM_BENCH_CPU_BASELINE;
+    const baseline = baselineDir ? ((await import(pathToFileURL(path.resolve(baselineDir, 'dist/index.js')).href)) as typeof idemPackage) : undefined;
+    const contenders: Record<string, (n: number) => Promise<number>> = {
+      [IDEM]: idemContender(idemPackage),
+      ...(baseline ? { [BASELINE]: idemContender(baseline) } : {}),
+      [KYSELY]: async (n) => {
+        const db = new Kysely<any>({ dialect: new PostgresDialect({ pool: new pg.Pool({ connectionString: url, max: 2 }) }) });
+        try {
+          return await cpuMs(async () => {
+            for (let i = 0; i < n; i++) await db.transaction().execute((trx) => sql.raw(WORK).execute(trx));
+          });
+        } finally {
+          await db.destroy();
         }
-      });
-    },
-    'pg loop': async (n) => {
-      const c = new pg.Client({ connectionString: url });
-      await c.connect();
-      try {
-        return await cpuMs(async () => {
+      },
+      [IDEM_SQL]: async (n) => {
+        await floor.query('update idem.chunks set done_at = null, done_attempt = null, done_by = null where run_id = $1', [floorRun!.id]);
+        return cpuMs(async () => {
           for (let i = 0; i < n; i++) {
-            await c.query('begin');
-            await c.query(WORK, []);
-            await c.query('commit');
+            await floor.query(`begin;\n${claim}`);
+            await floor.query(WORK, []);
+            await floor.query('commit');
           }
         });
-      } finally {
-        await c.end();
+      },
+      [HAND]: async (n) => {
+        const c = new pg.Client({ connectionString: url });
+        await c.connect();
+        try {
+          return await cpuMs(async () => {
+            for (let i = 0; i < n; i++) {
+              await c.query('begin');
+              await c.query(WORK, []);
+              await c.query('commit');
+            }
+          });
+        } finally {
+          await c.end();
+        }
+      },
+    };
+    ctx.log(`node cpu: ${Object.keys(contenders).join(' / ')}, ${SMALL} and ${LARGE} trivial chunks each, ${rounds} rounds`);
+    const per: Record<string, number[]> = Object.fromEntries(Object.keys(contenders).map((k) => [k, []]));
+    for (let round = 1; round <= rounds; round++) {
+      for (const [name, run] of Object.entries(contenders)) {
+        const small = await run(SMALL);
+        const large = await run(LARGE);
+        const ms = (large - small) / (LARGE - SMALL);
+        per[name]!.push(ms);
+        ctx.log(`  round ${round}/${rounds} ${name}: ${(ms * 1000).toFixed(0)} µs Node CPU per chunk`);
       }
-    },
-  };
-  const per: Record<string, number[]> = Object.fromEntries(Object.keys(contenders).map((k) => [k, []]));
-  for (let round = 0; round < 3; round++) {
-    for (const [name, run] of Object.entries(contenders)) {
-      const small = await run(SMALL);
-      const large = await run(LARGE);
-      per[name]!.push((large - small) / (LARGE - SMALL));
     }
+    const m = Object.fromEntries(Object.entries(per).map(([k, xs]) => [k, median(xs)])) as Record<string, number>;
+    const us = (ms: number) => `${(ms * 1000).toFixed(0)} µs`;
+    const ratio = m[IDEM]! / m[HAND]!;
+    return {
+      rows: [
+        {
+          benchmark: `1b. Node CPU per chunk (marginal, ${LARGE - SMALL} trivial chunks)`,
+          contenders: `idem vs hand loop (raw pg: BEGIN; upsert; COMMIT); Kysely loop and idem's SQL for reference`,
+          median: `${us(m[IDEM]!)} vs ${us(m[HAND]!)} (Kysely loop ${us(m[KYSELY]!)}, idem's SQL ${us(m[IDEM_SQL]!)})`,
+          ratio: `${ratio.toFixed(2)}× idem÷loop (${(m[IDEM]! / m[KYSELY]!).toFixed(2)}× the Kysely loop; idem's SQL ${(m[IDEM_SQL]! / m[HAND]!).toFixed(2)}×)`,
+          goal: `≤ ${GOAL}×`,
+          met: ratio <= GOAL,
+        },
+        ...(baseline
+          ? [
+              {
+                benchmark: '1b. Node CPU per chunk: before/after',
+                contenders: `idem vs idem (baseline: ${baselineDir})`,
+                median: `${us(m[IDEM]!)} vs ${us(m[BASELINE]!)}`,
+                ratio: `${(m[IDEM]! / m[BASELINE]!).toFixed(2)}× (paired ${median(per[IDEM]!.map((x, i) => x / per[BASELINE]![i]!)).toFixed(2)}×)`,
+                goal: 'info',
+                met: null,
+              },
+            ]
+          : []),
+      ],
+      details: [
+        '**1b. Node CPU per chunk, per round** (µs; marginal over 4 000 chunks)',
+        '',
+        `| contender | ${per[IDEM]!.map((_, i) => `round ${i + 1}`).join(' | ')} | median |`,
+        `|---|${per[IDEM]!.map(() => '---|').join('')}---|`,
+        ...Object.entries(per).map(([k, xs]) => `| ${k} | ${xs.map((x) => (x * 1000).toFixed(0)).join(' | ')} | ${(m[k]! * 1000).toFixed(0)} |`),
+      ],
+      data: { small: SMALL, large: LARGE, perChunkMs: per, medianMs: m, ratio, ...(baselineDir ? { baseline: baselineDir } : {}) },
+    };
+  } finally {
+    await floor.end();
+    await floorDb.destroy();
+    await ctx.pool.query(`drop table if exists ${TABLE}`);
   }
-  const loop = median(per['pg loop']!);
-  const kysely = median(per['kysely loop']!);
-  for (const [name, xs] of Object.entries(per)) {
-    const m = median(xs);
-    console.log(`${name.padEnd(12)} ${m.toFixed(3)} ms Node CPU per chunk (${(m / loop).toFixed(2)}× the pg loop, ${(m / kysely).toFixed(2)}× the Kysely loop; rounds ${xs.map((x) => x.toFixed(3)).join(' / ')})`);
-  }
-  await floor.end();
-  await floorDb.destroy();
-} finally {
-  await server.close();
 }

@@ -1,7 +1,7 @@
 import { parseArgs } from 'node:util';
 
 /** Every benchmark `--only` can name, in the order they run. */
-export const BENCHMARKS = ['overhead', 'queue', 'startup', 'noop', 'resume', 'statements', 'memory', 'parallel', 'workers', 'http'] as const;
+export const BENCHMARKS = ['overhead', 'cpu', 'queue', 'startup', 'noop', 'resume', 'statements', 'memory', 'parallel', 'workers', 'http'] as const;
 export type BenchName = (typeof BENCHMARKS)[number];
 
 export interface BenchOptions {

@@ -7,6 +7,7 @@ import { writeFile } from 'node:fs/promises';
 import pg from 'pg';
 import { benchHttp } from './bench-http.ts';
 import { benchMemory } from './bench-memory.ts';
+import { benchNodeCpu } from './bench-node-cpu.ts';
 import { benchNoopRerun } from './bench-noop-rerun.ts';
 import { benchOverhead } from './bench-overhead.ts';
 import { benchParallelism } from './bench-parallelism.ts';
@@ -23,6 +24,7 @@ import { openBenchServer } from './server.ts';
 
 const BENCHES: Record<BenchName, (ctx: BenchContext) => Promise<BenchResult>> = {
   overhead: benchOverhead,
+  cpu: benchNodeCpu,
   queue: benchQueue,
   startup: benchStartup,
   noop: benchNoopRerun,
