@@ -382,6 +382,17 @@ describe('ctx.db is the chunk transaction, and only while the chunk runs', () =>
     expect(await logged('swallowed')).toEqual(['a']);
   });
 
+  it('a savepoint lets a chunk survive an error it expects: the chunk commits, with its marker', async () => {
+    const job = jobWith('savepoint', async (db) => {
+      await sql`savepoint maybe`.execute(db);
+      await sql`select 1 / 0`.execute(db).catch(() => sql`rollback to savepoint maybe`.execute(db));
+      await sql`release savepoint maybe`.execute(db);
+    });
+    expect((await runner.run(job, { key: 'k' })).status).toBe('succeeded');
+    expect(await doneKeys('savepoint')).toEqual(['a', 'b', 'c']);
+    expect(await logged('savepoint')).toEqual(['a', 'b', 'c']);
+  });
+
   it('a nested transaction is refused inside a chunk, and nothing of the chunk commits', async () => {
     const job = jobWith('nested', async (db) => {
       await db.transaction().execute(async (inner) => void (await sql`select 1`.execute(inner)));
