@@ -401,6 +401,15 @@ describe('ctx.db is the chunk transaction, and only while the chunk runs', () =>
     expect(err.message).toContain('chunk b after 1 try: calling the transaction method for a Transaction is not supported');
     expect(await doneKeys('nested')).toEqual(['a']);
     expect(await logged('nested')).toEqual(['a']);
+    // A controlled transaction too: its commit() would otherwise end the chunk's transaction early.
+    const controlled = jobWith('controlled', async (db) => {
+      const inner = await db.startTransaction().execute();
+      await inner.commit().execute();
+    });
+    const err2 = await rejectionOf(runner.run(controlled, { key: 'k' }));
+    expect(err2.message).toContain('chunk b after 1 try: a chunk runs in a transaction of its own that idem commits: ctx.db cannot start, nest or end a transaction');
+    expect(await doneKeys('controlled')).toEqual(['a']);
+    expect(await logged('controlled')).toEqual(['a']);
   });
 
   it('ctx.db kept past its chunk is refused, so a leaked promise cannot write into the next chunk', async () => {
