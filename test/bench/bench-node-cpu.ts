@@ -8,7 +8,8 @@
  * with how long the server takes to answer, so a heavier statement costs the client CPU too).
  *
  * Marginal: the same contender over 200 and over 4 200 chunks, the difference ÷ 4 000, so start-up
- * and planning's fixed costs drop out. Rounds alternate the contenders; medians. idem is the
+ * and planning's fixed costs drop out. Rounds alternate the contenders, in an order that rotates
+ * each round; medians. idem is the
  * package as users run it (dist/), the job's statement goes through `ctx.db` (Kysely).
  * `IDEM_BENCH_CPU_BASELINE=<another checkout, built>` adds that checkout's idem as a fifth contender,
  * for a before/after in one run.
@@ -20,7 +21,7 @@ import { pathToFileURL } from 'node:url';
 import { Kysely, PostgresDialect, sql } from 'kysely';
 import pg from 'pg';
 import { Store } from '../../src/store.ts';
-import { median } from './measure.ts';
+import { median, rotate } from './measure.ts';
 import type { BenchContext, BenchResult } from './report.ts';
 
 const SMALL = 200;
@@ -129,7 +130,7 @@ export async function benchNodeCpu(ctx: BenchContext): Promise<BenchResult> {
     ctx.log(`node cpu: ${Object.keys(contenders).join(' / ')}, ${SMALL} and ${LARGE} trivial chunks each, ${rounds} rounds`);
     const per: Record<string, number[]> = Object.fromEntries(Object.keys(contenders).map((k) => [k, []]));
     for (let round = 1; round <= rounds; round++) {
-      for (const [name, run] of Object.entries(contenders)) {
+      for (const [name, run] of rotate(Object.entries(contenders), round - 1)) {
         const small = await run(SMALL);
         const large = await run(LARGE);
         const ms = (large - small) / (LARGE - SMALL);

@@ -20,13 +20,15 @@ export interface Sample<R = unknown> {
 }
 
 /**
- * Runs the contenders in alternation (A B A B …) for `rounds` rounds, so drift in the machine
- * (checkpoints, cache, thermal) spreads over all of them instead of favouring whoever ran last.
+ * Runs the contenders in alternation for `rounds` rounds, so drift in the machine (checkpoints,
+ * cache, thermal) spreads over all of them instead of favouring whoever ran last. The order rotates
+ * each round (A B C, B C A, C A B, …): no contender always runs first, or always right after the
+ * same one (the single UPDATE's burst of WAL, say).
  */
 export async function alternate<R>(rounds: number, contenders: ReadonlyArray<Contender<R>>, log: (msg: string) => void, probe?: CostProbe): Promise<Map<string, Sample<R>[]>> {
   const samples = new Map<string, Sample<R>[]>(contenders.map((c) => [c.name, []]));
   for (let round = 1; round <= rounds; round++) {
-    for (const c of contenders) {
+    for (const c of rotate(contenders, round - 1)) {
       const prepared = await c.prepare(round);
       try {
         const before = await probe?.snapshot();
@@ -43,6 +45,12 @@ export async function alternate<R>(rounds: number, contenders: ReadonlyArray<Con
     }
   }
   return samples;
+}
+
+/** `xs` starting at index `by` (mod its length): the order of round `by + 1`. */
+export function rotate<T>(xs: readonly T[], by: number): T[] {
+  const k = xs.length ? by % xs.length : 0;
+  return [...xs.slice(k), ...xs.slice(0, k)];
 }
 
 export function median(xs: readonly number[]): number {
