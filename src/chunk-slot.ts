@@ -101,7 +101,8 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[]): ChunkS
       for (const text of prepare) {
         if (done.has(text)) continue;
         // 42P05 duplicate_prepared_statement: a session pooler with server_reset_query turned off
-        // handed on a session that has it already; it is idem's own, for the same schema.
+        // handed on a session that has it already. Its name is the hash of its text (Store), so it
+        // is this very statement.
         await c.query(text).catch((err: { code?: string }) => {
           if (err.code !== '42P05') throw err;
         });

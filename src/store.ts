@@ -1,4 +1,5 @@
 import { sql, type Kysely, type QueryResult, type RawBuilder } from 'kysely';
+import { createHash } from 'node:crypto';
 import { hostname } from 'node:os';
 import pg from 'pg';
 import { retrying } from './retry.ts';
@@ -105,6 +106,7 @@ export class Store {
   readonly #chunks;
   readonly #effects;
   readonly #claimPrepares: Record<ClaimMode, string>;
+  readonly #claimNames: Record<ClaimMode, string>;
 
   /** Every bookkeeping statement goes through here: idempotent, so transient errors are retried. */
   #run<R>(query: RawBuilder<R>): Promise<QueryResult<R>> {
@@ -126,7 +128,7 @@ export class Store {
     // deferred fence trigger (migration 0008), which share-locks the run row, so a takeover's
     // attempt bump either waits for this commit or makes it fail.
     // `$4` lists seqs: the ones to pass by (next, wait), or the one to take again (retry).
-    const claim = (name: string, pick: string, lock: string) => `prepare ${name}(bigint, integer, text, integer[]) as
+    const claim = (pick: string, lock: string) => `(bigint, integer, text, integer[]) as
       update "${schema}"."chunks" k set done_at = clock_timestamp(), done_attempt = $2, error = null,
         done_by = ${pg.Client.prototype.escapeLiteral(WORKER)}
       where k.done_at is null and (k.run_id, k.step, k.seq) = (select c.run_id, c.step, c.seq from "${schema}"."chunks" c
@@ -134,10 +136,21 @@ export class Store {
             and exists (select 1 from "${schema}"."runs" where id = $1 and attempt = $2)
           order by c.seq limit 1 ${lock})
       returning k.seq, k.key, k.spec`;
+    const bodies: Record<ClaimMode, string> = {
+      next: claim('c.seq <> all($4)', 'for update skip locked'),
+      wait: claim('c.seq <> all($4)', 'for update'),
+      retry: claim('c.seq = any($4)', 'for update skip locked'),
+    };
+    // Named after what they do, not only the mode: a session pooler that does not reset sessions can
+    // hand this process a session where another idem version (or another schema, or another worker's
+    // name) prepared a claim; under the same name idem would execute that one. The hash of the whole
+    // text (schema and worker included) keeps each claim's name its own, within 63 bytes.
+    const name = (mode: ClaimMode) => `idem_claim_${mode}_${createHash('sha256').update(bodies[mode]).digest('hex').slice(0, 16)}`;
+    this.#claimNames = { next: name('next'), wait: name('wait'), retry: name('retry') };
     this.#claimPrepares = {
-      next: claim(this.#claimName('next'), 'c.seq <> all($4)', 'for update skip locked'),
-      wait: claim(this.#claimName('wait'), 'c.seq <> all($4)', 'for update'),
-      retry: claim(this.#claimName('retry'), 'c.seq = any($4)', 'for update skip locked'),
+      next: `prepare ${this.#claimNames.next}${bodies.next}`,
+      wait: `prepare ${this.#claimNames.wait}${bodies.wait}`,
+      retry: `prepare ${this.#claimNames.retry}${bodies.retry}`,
     };
   }
 
@@ -272,10 +285,6 @@ export class Store {
     );
   }
 
-  #claimName(mode: ClaimMode): string {
-    return `idem_claim_${mode}_${this.schema.toLowerCase()}`;
-  }
-
   /** The PREPAREs a chunk slot's session needs once (chunk-slot.ts). */
   get claimPrepares(): readonly string[] {
     return Object.values(this.#claimPrepares);
@@ -291,7 +300,7 @@ export class Store {
    */
   claimSql(mode: ClaimMode, runId: string, attempt: number, step: string, seqs: readonly number[]): string {
     if (!/^\d+$/.test(runId) || !Number.isSafeInteger(attempt) || !seqs.every((n) => Number.isSafeInteger(n))) throw new TypeError('claim values must be integers');
-    return `execute ${this.#claimName(mode)}(${runId}, ${attempt}, ${pg.Client.prototype.escapeLiteral(step)}, '{${seqs.join(',')}}')`;
+    return `execute ${this.#claimNames[mode]}(${runId}, ${attempt}, ${pg.Client.prototype.escapeLiteral(step)}, '{${seqs.join(',')}}')`;
   }
 
   /**

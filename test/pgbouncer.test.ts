@@ -1,3 +1,4 @@
+import pg from 'pg';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { FIXTURE_DIRS, query, runCli, spawnCli } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
@@ -68,4 +69,40 @@ describe.skipIf(missing)('behind PgBouncer in session mode', () => {
     expect(results.map((r) => r.code).sort()).toEqual([0, 75, 75, 75, 75]);
     expect(await query(database.url, `select count(*)::int as n, count(distinct chunk_key)::int as d from work_log where run_key = 'five' and step = 'work'`)).toEqual([{ n: 40, d: 40 }]);
   });
+});
+
+describe.skipIf(missing)('behind PgBouncer in session mode that does not reset sessions', () => {
+  const database = useTestDatabase({ fixtureTables: true });
+  let bouncer: Bouncer;
+
+  beforeAll(async () => {
+    // server_reset_query empty: a server session goes to the next client with what the last one
+    // left in it, prepared statements included (as with another idem version before a rolling upgrade).
+    bouncer = await startPgbouncer(database.url, 'session', ['server_reset_query =', 'default_pool_size = 4']);
+  });
+  afterAll(() => bouncer?.stop());
+
+  it('a prepared claim that another version left in the session is not used: every chunk once, with its marker', async () => {
+    const migrated = await runCli([...FIXTURE_DIRS, 'migrate'], { url: bouncer.url });
+    expect(migrated.code).toBe(0);
+    // Every server session of the pool gets a statement under each name an idem claim has had, with
+    // another body: it claims nothing. Executed in place of idem's claim, it would end the step with
+    // its chunks undone.
+    const clients = await Promise.all(Array.from({ length: 4 }, async () => {
+      const c = new pg.Client({ connectionString: bouncer.url });
+      await c.connect();
+      return c;
+    }));
+    for (const c of clients) {
+      await c.query('deallocate all');
+      for (const mode of ['next', 'wait', 'retry']) {
+        await c.query(`prepare idem_claim_${mode}_idem(bigint, integer, text, integer[]) as select 0::int as seq, ''::text as key, '{}'::jsonb as spec where false`);
+      }
+    }
+    await Promise.all(clients.map((c) => c.end()));
+    const r = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', COUNTED(30), '--key', 'stale', '--concurrency', '2'], { url: bouncer.url, timeoutMs: 60_000 });
+    expect({ code: r.code, stderr: r.stderr }).toMatchObject({ code: 0 });
+    expect(await query(database.url, `select count(*)::int as n, count(distinct chunk_key)::int as d from work_log where run_key = 'stale' and step = 'work'`)).toEqual([{ n: 30, d: 30 }]);
+    expect(await query(database.url, `select count(*)::int as n from idem.chunks c join idem.runs r on r.id = c.run_id where r.run_key = 'stale' and c.step = 'work' and c.done_at is null`)).toEqual([{ n: 0 }]);
+  }, 120_000);
 });

@@ -32,10 +32,10 @@ async function freePort(): Promise<number> {
 
 /**
  * Starts a pgbouncer of the test's own (own config, port, pid file and logs in a temp dir; never
- * the system service) in front of the server of `serverUrl`, in the given pool mode. As root it runs
- * as `postgres`, since pgbouncer refuses root.
+ * the system service) in front of the server of `serverUrl`, in the given pool mode, with `extra`
+ * lines for its [pgbouncer] section. As root it runs as `postgres`, since pgbouncer refuses root.
  */
-export async function startPgbouncer(serverUrl: string, mode: PoolMode): Promise<Bouncer> {
+export async function startPgbouncer(serverUrl: string, mode: PoolMode, extra: readonly string[] = []): Promise<Bouncer> {
   const bin = pgbouncerBinary();
   if (!bin) throw new Error('pgbouncer is not installed (apt-get install -y pgbouncer)');
   const server = new URL(serverUrl);
@@ -61,6 +61,7 @@ export async function startPgbouncer(serverUrl: string, mode: PoolMode): Promise
       `logfile = ${dir}/pgbouncer.log`,
       `pidfile = ${dir}/pgbouncer.pid`,
       'ignore_startup_parameters = extra_float_digits,options',
+      ...extra,
       '',
     ].join('\n'),
   );
