@@ -174,8 +174,9 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[]): ChunkS
     },
     release() {
       state.status = 'over';
+      // A connection that may still be inside a transaction never goes back to the pool.
+      client?.release(inTransaction);
       inTransaction = false;
-      client?.release();
       client = undefined;
       connection = undefined;
     },
