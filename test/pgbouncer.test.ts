@@ -72,13 +72,15 @@ describe.skipIf(missing)('behind PgBouncer in session mode', () => {
 });
 
 describe.skipIf(missing)('behind PgBouncer in session mode that does not reset sessions', () => {
+  /** Server sessions in the pool: more than the run below holds at once, so it never waits for one. */
+  const SESSIONS = 10;
   const database = useTestDatabase({ fixtureTables: true });
   let bouncer: Bouncer;
 
   beforeAll(async () => {
     // server_reset_query empty: a server session goes to the next client with what the last one
     // left in it, prepared statements included (as with another idem version before a rolling upgrade).
-    bouncer = await startPgbouncer(database.url, 'session', ['server_reset_query =', 'default_pool_size = 4']);
+    bouncer = await startPgbouncer(database.url, 'session', ['server_reset_query =', `default_pool_size = ${SESSIONS}`]);
   });
   afterAll(() => bouncer?.stop());
 
@@ -88,7 +90,7 @@ describe.skipIf(missing)('behind PgBouncer in session mode that does not reset s
     // Every server session of the pool gets a statement under each name an idem claim has had, with
     // another body: it claims nothing. Executed in place of idem's claim, it would end the step with
     // its chunks undone.
-    const clients = await Promise.all(Array.from({ length: 4 }, async () => {
+    const clients = await Promise.all(Array.from({ length: SESSIONS }, async () => {
       const c = new pg.Client({ connectionString: bouncer.url });
       await c.connect();
       return c;
