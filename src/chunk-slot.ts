@@ -118,10 +118,12 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[]): ChunkS
     return c;
   };
 
-  const drop = () => {
-    client?.release(true);
+  /** Hands the connection back to the pool, or drops it (`discard`) so that it is never handed out again. */
+  const letGo = (discard: boolean) => {
+    client?.release(discard);
     client = undefined;
     connection = undefined;
+    inTransaction = false;
   };
 
   /** A Kysely Transaction for one chunk's transaction: every query checks that it is still open. */
@@ -168,17 +170,13 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[]): ChunkS
         await end('rollback');
       } catch {
         // The socket is gone (or the server dropped the session): the next chunk takes a fresh one.
-        inTransaction = false;
-        drop();
+        letGo(true);
       }
     },
     release() {
       state.status = 'over';
       // A connection that may still be inside a transaction never goes back to the pool.
-      client?.release(inTransaction);
-      inTransaction = false;
-      client = undefined;
-      connection = undefined;
+      letGo(inTransaction);
     },
   };
 }

@@ -182,6 +182,8 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
     // was asked to stop: then it starts no work, and the claim rolls back.
     return failure === undefined && !opts.stop.aborted;
   };
+  /** The claim almost every chunk sends: the first free chunk, none cooling off. */
+  const nextClaim = store.claimSql('next', run.runId, run.attempt, step.name, []);
   /**
    * One worker slot: its own connection for its whole life, claiming one chunk after another until
    * none is left. First pass: claim the first free chunk, passing by those other transactions hold
@@ -189,8 +191,6 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
    * claims waiting: chunks another worker holds, or left behind when it died, are taken as soon as
    * its transaction ends. A slot that finds nothing even then is done.
    */
-  /** The claim almost every chunk sends: the first free chunk, none cooling off. */
-  const nextClaim = store.claimSql('next', run.runId, run.attempt, step.name, []);
   const runSlot = async (): Promise<void> => {
     const slot = openChunkSlot(opts.pool, store.claimPrepares);
     try {

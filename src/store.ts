@@ -105,7 +105,7 @@ export class Store {
   readonly #steps;
   readonly #chunks;
   readonly #effects;
-  readonly #claimPrepares: Record<ClaimMode, string>;
+  readonly #claimPrepares: readonly string[];
   readonly #claimNames: Record<ClaimMode, string>;
 
   /** Every bookkeeping statement goes through here: idempotent, so transient errors are retried. */
@@ -145,13 +145,9 @@ export class Store {
     // hand this process a session where another idem version (or another schema, or another worker's
     // name) prepared a claim; under the same name idem would execute that one. The hash of the whole
     // text (schema and worker included) keeps each claim's name its own, within 63 bytes.
-    const name = (mode: ClaimMode) => `idem_claim_${mode}_${createHash('sha256').update(bodies[mode]).digest('hex').slice(0, 16)}`;
-    this.#claimNames = { next: name('next'), wait: name('wait'), retry: name('retry') };
-    this.#claimPrepares = {
-      next: `prepare ${this.#claimNames.next}${bodies.next}`,
-      wait: `prepare ${this.#claimNames.wait}${bodies.wait}`,
-      retry: `prepare ${this.#claimNames.retry}${bodies.retry}`,
-    };
+    const modes = Object.keys(bodies) as ClaimMode[];
+    this.#claimNames = Object.fromEntries(modes.map((m) => [m, `idem_claim_${m}_${createHash('sha256').update(bodies[m]).digest('hex').slice(0, 16)}`])) as Record<ClaimMode, string>;
+    this.#claimPrepares = modes.map((m) => `prepare ${this.#claimNames[m]}${bodies[m]}`);
   }
 
   /**
@@ -287,7 +283,7 @@ export class Store {
 
   /** The PREPAREs a chunk slot's session needs once (chunk-slot.ts). */
   get claimPrepares(): readonly string[] {
-    return Object.values(this.#claimPrepares);
+    return this.#claimPrepares;
   }
 
   /**

@@ -9,8 +9,8 @@
  *
  * Marginal: the same contender over 200 and over 4 200 chunks, the difference ÷ 4 000, so start-up
  * and planning's fixed costs drop out. Rounds alternate the contenders, in an order that rotates
- * each round; medians. idem is the
- * package as users run it (dist/), the job's statement goes through `ctx.db` (Kysely).
+ * each round; medians. idem is the package as users run it (dist/), the job's statement going
+ * through `ctx.db` (Kysely).
  * `IDEM_BENCH_CPU_BASELINE=<another checkout, built>` adds that checkout's idem as a fifth contender,
  * for a before/after in one run.
  */
