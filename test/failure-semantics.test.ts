@@ -1,10 +1,12 @@
+import { hostname } from 'node:os';
 import { fileURLToPath } from 'node:url';
 import pg from 'pg';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { defineJob, RunFailedError, Runner, sql } from '../src/index.ts';
+import { sessionName } from '../src/database.ts';
 import { FAULT_POINTS } from '../src/fault-points.ts';
 import { useTestDatabase } from './support/database.ts';
-import { expectFaultCrash, FIXTURE_DIRS, killLeftovers, logLines, type CliResult, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, holdGate } from './support/cli.ts';
+import { expectFaultCrash, FIXTURE_DIRS, killLeftovers, logLines, type CliProcess, type CliResult, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, holdGate } from './support/cli.ts';
 import counted, { maybeFail } from './fixtures/jobs/counted.ts';
 
 const MORE_JOBS = fileURLToPath(new URL('./fixtures/more-jobs', import.meta.url));
@@ -291,18 +293,30 @@ describe('signals and lost locks', () => {
   it('when its lock session is killed the runner exits 69 promptly, a waiting run takes over, and no old-attempt chunk commits after the takeover', async () => {
     const key = 'lock-loss';
     const args = base(key, ['--param', 'chunks=40', '--param', 'pauseMs=50', '--param', `gate=${key}`, '--concurrency', '2']);
-    const first = spawnCli(args, { url: db.url });
-    await waitFor(async () => (await doneCount(key)) >= 5, '5 chunks done', { timeoutMs: 60_000 });
+    const first = spawnCli(args, { url: db.url, timeoutMs: 100_000 });
+    // Each wait is bounded well inside the test's own time-out and gives up at once, with the
+    // process's output, when a process it waits on has exited: a failure says where it stopped.
+    const alive = (child: CliProcess, what: string) => {
+      if (child.child.exitCode !== null || child.child.signalCode !== null) {
+        throw new Error(`${what} exited (${child.child.exitCode ?? child.child.signalCode}) early: ${child.stderr()}`);
+      }
+    };
+    await waitFor(async () => (alive(first, 'the first run'), (await doneCount(key)) >= 5), '5 chunks done', { timeoutMs: 30_000 });
     // Hold the first run mid-chunk (deterministic on a loaded machine) while the second one lines up.
     const gate = await holdGate(db.url, key);
     let t0 = 0;
-    const second = spawnCli([...args, '--wait', '120'], { url: db.url });
+    const second = spawnCli([...args, '--wait', '120'], { url: db.url, timeoutMs: 100_000 });
     try {
-      await waitFor(async () => (await sessions(db.url, 'idem-lock')) >= 2, 'the second run waiting for the lock', { timeoutMs: 60_000 });
+      await waitFor(async () => (alive(first, 'the first run'), alive(second, 'the waiting run'), (await sessions(db.url, 'idem-lock')) >= 2), 'the second run waiting for the lock', {
+        timeoutMs: 30_000,
+      });
+      // The first run's lock session, by the holder its name carries (host:pid); the waiting run's
+      // session holds advisory locks too, for a moment at each try (the gate, the job's lock shared).
       const holder = await query<{ pid: number }>(
         db.url,
         `select distinct l.pid from pg_locks l join pg_stat_activity a on a.pid = l.pid
-         where l.locktype = 'advisory' and l.granted and a.application_name like 'idem-lock %' and a.datname = current_database()`,
+         where l.locktype = 'advisory' and l.granted and a.application_name = $1 and a.datname = current_database()`,
+        [sessionName('idem-lock', `${hostname()}:${first.pid}`)],
       );
       expect(holder).toHaveLength(1);
       t0 = Date.now();
@@ -311,14 +325,15 @@ describe('signals and lost locks', () => {
       await gate.release();
     }
     const firstRes = await first.done;
-    expect(firstRes.code).toBe(69);
     expect(firstRes.timedOut, firstRes.stderr).toBe(false);
+    expect(firstRes.code, firstRes.stderr).toBe(69);
     // Detected at once (socket error) or by the 2 s check; generous for a loaded machine, yet far
     // from the run's own length (it is held at the gate until its lock is gone).
     expect(firstRes.endedAt - t0).toBeLessThan(15_000);
     expect(firstRes.stderr).toContain('lost the advisory lock');
     const secondRes = await second.done;
-    expect(secondRes.code).toBe(0);
+    expect(secondRes.timedOut, secondRes.stderr).toBe(false);
+    expect(secondRes.code, secondRes.stderr).toBe(0);
     await expectConverged(key, 40);
     const run = await runRow(db.url, 'counted', key);
     expect(run.attempt).toBe(2);
@@ -331,7 +346,7 @@ describe('signals and lost locks', () => {
     );
     expect(fence[0]!.old).toBeGreaterThanOrEqual(5);
     expect(fence[0]!.late).toBe(0);
-  });
+  }, 120_000);
 });
 
 describe('database health at start-up', () => {
