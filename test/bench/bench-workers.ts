@@ -1,8 +1,10 @@
+import { spawn } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { assertOk, runCli } from './cli.ts';
+import path from 'node:path';
+import { assertOk, REPO_ROOT, runCli } from './cli.ts';
 import { alternate, fmtMs, median, type Contender } from './measure.ts';
 import type { BenchContext, BenchResult, ReportRow } from './report.ts';
-import { dropTable, prepareTable, rowsLeft } from './tables.ts';
+import { assertIdent, dropTable, prepareTable, rowsLeft } from './tables.ts';
 import type { ChunkWork } from './backfill-job.ts';
 
 const LEVELS = [1, 2, 4] as const;
@@ -39,6 +41,9 @@ interface Turn {
  * 8. Parallel workers: 1, 2 and 4 `idem run --join` processes (concurrency 1 each) on one run,
  * started together; throughput relative to one process. Node start-up (about a second of CPU per
  * process) is in the wall figure but not in the steady one, which counts only while all are in.
+ * Next to them, in the same alternation, 1, 2 and 4 hand-loop processes doing the same chunks with
+ * no coordination at all: how far this machine lets N processes scale this chunk shape, so the
+ * report can say how much of idem's shortfall from N× is idem's.
  */
 export async function benchWorkers(ctx: BenchContext): Promise<BenchResult> {
   const tag = randomBytes(3).toString('hex');
@@ -47,8 +52,8 @@ export async function benchWorkers(ctx: BenchContext): Promise<BenchResult> {
   for (const w of WORKLOADS) {
     const shared = `wrk_shared_${tag}`;
     if (!w.fresh) await prepareTable(ctx.pool, shared, w.chunks * w.size);
-    const contenders: Contender<Turn>[] = LEVELS.map((n) => ({
-      name: `${n} process${n > 1 ? 'es' : ''}`,
+    const idem: Contender<Turn>[] = LEVELS.map((n) => ({
+      name: idemName(n),
       async prepare(round) {
         const table = w.fresh ? `wrk_${w.work}_${tag}_${n}_${round}` : shared;
         if (w.fresh) await prepareTable(ctx.pool, table, w.chunks * w.size);
@@ -73,10 +78,47 @@ export async function benchWorkers(ctx: BenchContext): Promise<BenchResult> {
         };
       },
     }));
+    // The machine's ceiling for this chunk shape: N processes that each work a share of the chunks,
+    // split in advance, with nothing shared but the server. No claim, no fence, no planning.
+    const loops: Contender<Turn>[] = LEVELS.map((n) => ({
+      name: loopName(n),
+      async prepare(round) {
+        const table = w.fresh ? `wrk_${w.work}_${tag}_loop${n}_${round}` : shared;
+        if (w.fresh) await prepareTable(ctx.pool, table, w.chunks * w.size);
+        const marks = `wrk_marks_${tag}_${n}_${round}`;
+        await ctx.pool.query(`create table ${assertIdent(marks)} (seq int primary key, done_at timestamptz, done_by text)`);
+        await ctx.pool.query(`insert into ${marks} (seq) select g from generate_series(0, $1::int - 1) g`, [w.chunks]);
+        await ctx.pool.query(`vacuum (analyze) ${marks}`);
+        return {
+          async run() {
+            const t0 = performance.now();
+            await Promise.all(
+              Array.from({ length: n }, (_, i) =>
+                handLoop(ctx.url, [marks, table, w.work, String(w.sleepMs), String(w.size), String(Math.floor((i * w.chunks) / n)), String(Math.floor(((i + 1) * w.chunks) / n)), `loop-${i}`]),
+              ),
+            );
+            const wallMs = performance.now() - t0;
+            const { rows } = await ctx.pool.query<{ n: number }>(`select count(*)::int as n from ${marks} where done_at is null`);
+            if (rows[0]!.n !== 0) throw new Error(`${n} hand loops left ${rows[0]!.n} chunks undone`);
+            return { ...(await steadyOf(ctx, `select done_by, done_at from ${marks} where done_at is not null`, [], `${n} hand loops`)), wallRate: (w.chunks / wallMs) * 1000, rollbacksPerChunk: 0 };
+          },
+          async cleanup() {
+            await ctx.pool.query(`drop table if exists ${marks}`);
+            if (!w.fresh) return;
+            const left = await rowsLeft(ctx.pool, table);
+            await dropTable(ctx.pool, table);
+            if (left) throw new Error(`${n} hand loops left ${left} rows`);
+          },
+        };
+      },
+    }));
+    const contenders = [...idem, ...loops];
     ctx.log(`workers: ${w.name}, ${w.chunks} chunks, ${ctx.opts.rounds} rounds`);
     const samples = await alternate(ctx.opts.rounds, contenders, ctx.log, ctx.probe);
     if (!w.fresh) await dropTable(ctx.pool, shared);
-    const per = LEVELS.map((n) => samples.get(`${n} process${n > 1 ? 'es' : ''}`)!);
+    const per = LEVELS.map((n) => samples.get(idemName(n))!);
+    const loopPer = LEVELS.map((n) => samples.get(loopName(n))!);
+    const loopRate = loopPer.map((xs) => median(xs.map((s) => s.result.steadyRate)));
     const steadyRate = per.map((xs) => median(xs.map((s) => s.result.steadyRate)));
     const wallRate = per.map((xs) => median(xs.map((s) => s.result.wallRate)));
     const wallMs = per.map((xs) => median(xs.map((s) => s.ms)));
@@ -91,7 +133,15 @@ export async function benchWorkers(ctx: BenchContext): Promise<BenchResult> {
       goal: w.work === 'sleep' ? '≥ 3.5× at 4 (steady)' : 'info',
       met: w.work === 'sleep' ? steadyRate[2]! / steadyRate[0]! >= 3.5 : null,
     });
-    data[w.work] = { chunks: w.chunks, size: w.size, samples: Object.fromEntries(samples), steadyRate, wallRate, wallMs, rollbacksPerChunk };
+    rows.push({
+      benchmark: `8. hand loops, the machine's ceiling: ${w.name}, ${w.chunks} chunks`,
+      contenders: `${LEVELS.join(' / ')} processes, each a BEGIN; mark; work; COMMIT loop over its share of the chunks, split in advance`,
+      median: `${loopRate.map((r) => `${r.toFixed(0)}`).join(' / ')} chunks/s steady`,
+      ratio: `${x(loopRate)} steady; idem ÷ hand loops at the same count ${steadyRate.map((r, i) => (r / loopRate[i]!).toFixed(2)).join(' / ')}`,
+      goal: 'info',
+      met: null,
+    });
+    data[w.work] = { chunks: w.chunks, size: w.size, samples: Object.fromEntries(samples), steadyRate, wallRate, wallMs, rollbacksPerChunk, handLoopSteadyRate: loopRate };
   }
   return { rows, data };
 }
@@ -108,19 +158,38 @@ async function rollbacks(ctx: BenchContext): Promise<number> {
   return Number(rows[0]!.n);
 }
 
+const idemName = (n: number) => `${n} process${n > 1 ? 'es' : ''}`;
+const loopName = (n: number) => `${n} hand loop${n > 1 ? 's' : ''}`;
+
+/** One hand-loop process (hand-loop-worker.mjs); rejects with its stderr unless it exits 0. */
+function handLoop(url: string, args: string[]): Promise<void> {
+  return new Promise((resolve, reject) => {
+    const child = spawn(process.execPath, [path.join(REPO_ROOT, 'test', 'bench', 'hand-loop-worker.mjs'), url, ...args], { cwd: REPO_ROOT, stdio: ['ignore', 'ignore', 'pipe'] });
+    let stderr = '';
+    child.stderr!.on('data', (b: Buffer) => (stderr = (stderr + b.toString()).slice(-4000)));
+    child.on('error', reject);
+    child.on('close', (code) => (code === 0 ? resolve() : reject(new Error(`hand loop exited ${code}: ${stderr}`))));
+  });
+}
+
 /** Throughput while every worker of the run was committing: per-worker first and last commit from `done_by`. */
-async function steady(ctx: BenchContext, runKey: string): Promise<Omit<Turn, 'wallRate' | 'rollbacksPerChunk'>> {
+function steady(ctx: BenchContext, runKey: string): Promise<Omit<Turn, 'wallRate' | 'rollbacksPerChunk'>> {
+  const chunks = `select c.done_by, c.done_at from idem.chunks c join idem.runs r on r.id = c.run_id
+       where r.job = 'bench-backfill' and r.run_key = $1 and c.done_at is not null`;
+  return steadyOf(ctx, chunks, [runKey], `run ${runKey}`);
+}
+
+/** The steady rate over `chunks` (rows of done_by, done_at): from the last worker's first chunk to the first worker's last. */
+async function steadyOf(ctx: BenchContext, chunks: string, params: unknown[], what: string): Promise<Omit<Turn, 'wallRate' | 'rollbacksPerChunk'>> {
   const { rows } = await ctx.pool.query<{ workers: number; n: number; ms: number }>(
-    `with c as (
-       select c.done_by, c.done_at from idem.chunks c join idem.runs r on r.id = c.run_id
-       where r.job = 'bench-backfill' and r.run_key = $1 and c.done_at is not null),
+    `with c as (${chunks}),
      w as (select max(first) as lo, min(last) as hi, count(*)::int as workers from (select min(done_at) as first, max(done_at) as last from c group by done_by) x)
      select w.workers, (select count(*)::int from c where c.done_at > w.lo and c.done_at <= w.hi) as n,
             extract(epoch from w.hi - w.lo) * 1000 as ms
      from w`,
-    [runKey],
+    params,
   );
   const r = rows[0]!;
-  if (!(r.ms > 0)) throw new Error(`run ${runKey}: the workers never worked at the same time (${r.workers} did work); more chunks needed`);
+  if (!(r.ms > 0)) throw new Error(`${what}: the workers never worked at the same time (${r.workers} did work); more chunks needed`);
   return { workingProcesses: r.workers, steadyRate: (r.n / Number(r.ms)) * 1000 };
 }
