@@ -292,7 +292,10 @@ describe('signals and lost locks', () => {
 
   it('when its lock session is killed the runner exits 69 promptly, a waiting run takes over, and no old-attempt chunk commits after the takeover', async () => {
     const key = 'lock-loss';
-    const args = base(key, ['--param', 'chunks=40', '--param', 'pauseMs=50', '--param', `gate=${key}`, '--concurrency', '2']);
+    // 250 ms inside each chunk: once 5 chunks are done, the gate below must be held before the run
+    // ends (~4 s later). With 50 ms the run could end within a second, before the gate was held
+    // on a loaded machine, and the waiting run then found nothing to wait for (a CI time-out).
+    const args = base(key, ['--param', 'chunks=40', '--param', 'pauseMs=250', '--param', `gate=${key}`, '--concurrency', '2']);
     const first = spawnCli(args, { url: db.url, timeoutMs: 100_000 });
     // Each wait is bounded well inside the test's own time-out and gives up at once, with the
     // process's output, when a process it waits on has exited: a failure says where it stopped.
