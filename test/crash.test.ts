@@ -88,7 +88,10 @@ describe('a run stopped with one SIGTERM or SIGINT', () => {
   ] as const)('%s: the chunk in flight commits, no new one starts, exit %i as interrupted, and the same command resumes', async (sig, exitCode) => {
     const key = `stop-${sig}`;
     const gate = `gate-${sig}`;
-    const params = { ...PARAMS, gate };
+    // 150 ms chunks: the gate below must be held before the run ends (~5 s after the third chunk;
+    // with PARAMS' 50 ms it was under 2 s, thin on a loaded machine, as a CI time-out in
+    // failure-semantics.test.ts showed for the same pattern).
+    const params = { ...PARAMS, pauseMs: 150, gate };
     // The gate row exists from the start, so every chunk takes it (for share) while it runs.
     await query(url, 'insert into gates (name) values ($1) on conflict do nothing', [gate]);
     const proc = run(key, params);
