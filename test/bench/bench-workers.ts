@@ -164,7 +164,11 @@ const loopName = (n: number) => `${n} hand loop${n > 1 ? 's' : ''}`;
 /** One hand-loop process (hand-loop-worker.mjs); rejects with its stderr unless it exits 0. */
 function handLoop(url: string, args: string[]): Promise<void> {
   return new Promise((resolve, reject) => {
-    const child = spawn(process.execPath, [path.join(REPO_ROOT, 'test', 'bench', 'hand-loop-worker.mjs'), url, ...args], { cwd: REPO_ROOT, stdio: ['ignore', 'ignore', 'pipe'] });
+    const child = spawn(process.execPath, [path.join(REPO_ROOT, 'test', 'bench', 'hand-loop-worker.mjs'), ...args], {
+      cwd: REPO_ROOT,
+      env: { ...process.env, DATABASE_URL: url },
+      stdio: ['ignore', 'ignore', 'pipe'],
+    });
     let stderr = '';
     child.stderr!.on('data', (b: Buffer) => (stderr = (stderr + b.toString()).slice(-4000)));
     child.on('error', reject);

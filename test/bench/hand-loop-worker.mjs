@@ -2,10 +2,12 @@
 // transaction (BEGIN; mark the chunk done; the chunk's work; COMMIT) with no coordination at all:
 // the chunk list is split between the processes in advance. What N processes can do on this machine
 // with nothing in the way, next to idem's N workers sharing one run.
-// argv: url, marks table, bench table, work ('sleep' | 'update'), sleepMs, rows per chunk, from, to, label
+// DATABASE_URL in the environment (never in argv, where `ps` shows it to every user);
+// argv: marks table, bench table, work ('sleep' | 'update'), sleepMs, rows per chunk, from, to, label
 import pg from 'pg';
 
-const [url, marks, table, work, sleepMs, size, from, to, label] = process.argv.slice(2);
+const [marks, table, work, sleepMs, size, from, to, label] = process.argv.slice(2);
+const url = process.env.DATABASE_URL;
 const IDENT = /^[a-z_][a-z0-9_]{0,62}$/;
 if (!IDENT.test(marks) || !IDENT.test(table)) throw new Error('bench table names must be plain identifiers');
 const text =
