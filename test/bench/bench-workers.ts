@@ -5,7 +5,7 @@ import { assertOk, REPO_ROOT, runCli } from './cli.ts';
 import { alternate, fmtMs, median, type Contender } from './measure.ts';
 import type { BenchContext, BenchResult, ReportRow } from './report.ts';
 import { assertIdent, dropTable, prepareTable, rowsLeft } from './tables.ts';
-import type { ChunkWork } from './backfill-job.ts';
+import { chunkUpdateSql, JOB_TAG, type ChunkWork } from './backfill-job.ts';
 
 const LEVELS = [1, 2, 4] as const;
 
@@ -89,12 +89,15 @@ export async function benchWorkers(ctx: BenchContext): Promise<BenchResult> {
         await ctx.pool.query(`create table ${assertIdent(marks)} (seq int primary key, done_at timestamptz, done_by text)`);
         await ctx.pool.query(`insert into ${marks} (seq) select g from generate_series(0, $1::int - 1) g`, [w.chunks]);
         await ctx.pool.query(`vacuum (analyze) ${marks}`);
+        // The same statements as idem's job (backfill-job.ts), with the marker a plain UPDATE.
+        const markSql = `update ${marks} set done_at = clock_timestamp(), done_by = $2 where seq = $1`;
+        const [workSql, params] = w.work === 'sleep' ? [`select pg_sleep(${w.sleepMs / 1000}) ${JOB_TAG}`, 'none'] : [chunkUpdateSql(table), 'range'];
         return {
           async run() {
             const t0 = performance.now();
             await Promise.all(
               Array.from({ length: n }, (_, i) =>
-                handLoop(ctx.url, [marks, table, w.work, String(w.sleepMs), String(w.size), String(Math.floor((i * w.chunks) / n)), String(Math.floor(((i + 1) * w.chunks) / n)), `loop-${i}`]),
+                handLoop(ctx.url, [markSql, workSql, params, String(w.size), String(Math.floor((i * w.chunks) / n)), String(Math.floor(((i + 1) * w.chunks) / n)), `loop-${i}`]),
               ),
             );
             const wallMs = performance.now() - t0;
