@@ -5,7 +5,7 @@ import type { Logger } from 'pino';
 import { errorFields, FencedError, InterruptedError, messageOf } from './errors.ts';
 import type { ChunkPage, ChunkSpec, ChunkSource, Job, Json, RunIdentity, Step, StepContext } from './job.ts';
 import { faultPoint, faultsArmed as faults } from './fault-points.ts';
-import { openChunkSlot, type ChunkSlot } from './chunk-slot.ts';
+import { CommitUnknownError, openChunkSlot, type ChunkSlot } from './chunk-slot.ts';
 import { backoffDelay, DEFAULT_BACKOFF, isRetryable, retrying, type BackoffOptions } from './retry.ts';
 import type { ClaimMode, PendingChunk, StepRow, Store } from './store.ts';
 import { resolveThrottle, Throttle, type ThrottleOptions } from './throttle.ts';
@@ -185,6 +185,16 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   /** The claim almost every chunk sends: the first free chunk, none cooling off. */
   const nextClaim = store.claimSql('next', run.runId, run.attempt, step.name, []);
   /**
+   * Asked just before a chunk's COMMIT: the claim to send with it, when the slot would send exactly
+   * that claim at once afterwards (nothing to wait for: no throttle, health fresh and good, no
+   * retry or chunk cooling off, not the last pass, no stop or failure). Saves a round trip a chunk.
+   */
+  const pipelined = !!step.chunks && !throttle.options.maxRate && !throttle.options.pauseMs;
+  const claimWithCommit = (): NextClaim | undefined =>
+    pipelined && failure === undefined && !opts.stop.aborted && !opts.abort.aborted && cooling.size === 0 && (health?.ready() ?? true)
+      ? { claim: nextClaim, plannedBefore: plannedAll }
+      : undefined;
+  /**
    * One worker slot: its own connection for its whole life, claiming one chunk after another until
    * none is left. First pass: claim the first free chunk, passing by those other transactions hold
    * (other slots, other workers). When everything is planned and nothing is free, the last pass
@@ -197,26 +207,29 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
       let retrySeq: number | null = null;
       let lastPass = false;
       let claimErrors = 0;
+      /** The next claim's answer when it came with the last COMMIT (its transaction is open), and whether all was planned when it was sent. */
+      let claimed: { rows: PendingChunk[]; plannedBefore: boolean } | undefined;
       for (;;) {
         // Fail fast and stop gracefully: a slot starts no chunk once either happened.
         if (failure !== undefined || opts.stop.aborted) return;
         // The health gate and the throttle come before a claim that should find a chunk (a retry,
         // or planned chunks beyond those this process claimed), not before one that finds nothing.
-        if (retrySeq !== null || (!lastPass && highestClaimed < nextSeq - 1)) {
+        if (!claimed && (retrySeq !== null || (!lastPass && highestClaimed < nextSeq - 1))) {
           await health?.wait(opts.stop);
           const wait = throttle.reserveStart();
           if (wait > 0) await sleep(wait, opts.stop);
           if (failure !== undefined || opts.stop.aborted) return;
         }
 
-        const mode: ClaimMode = retrySeq !== null ? 'retry' : lastPass ? 'wait' : 'next';
+        const mode: ClaimMode = claimed ? 'next' : retrySeq !== null ? 'retry' : lastPass ? 'wait' : 'next';
         // A claim sent while a window was being planned may miss it: only a claim sent after
         // everything was planned may end the first pass.
-        const plannedBefore = plannedAll;
-        const claim = mode === 'next' && cooling.size === 0 ? nextClaim : store.claimSql(mode, run.runId, run.attempt, step.name, retrySeq !== null ? [retrySeq] : [...cooling]);
+        const plannedBefore = claimed ? claimed.plannedBefore : plannedAll;
+        const claim = claimed ? claimed.rows : mode === 'next' && cooling.size === 0 ? nextClaim : store.claimSql(mode, run.runId, run.attempt, step.name, retrySeq !== null ? [retrySeq] : [...cooling]);
+        claimed = undefined;
         let outcome: ChunkTry;
         try {
-          outcome = await tryChunk(opts, step, slot, claim, log, onClaimed);
+          outcome = await tryChunk(opts, step, slot, claim, log, onClaimed, claimWithCommit);
           claimErrors = 0;
         } catch (err) {
           // The claim itself failed (before any work): a dropped connection is tried again.
@@ -291,10 +304,13 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         executed++;
         done++;
         if (adaptive) durations.push(outcome.ms);
+        claimed = outcome.next;
         progress();
         if (throttle.options.pauseMs) await sleep(throttle.options.pauseMs, opts.stop);
       }
     } finally {
+      // A claim that came with the last COMMIT and was never started rolls back.
+      await slot.rollback();
       slot.release();
     }
   };
@@ -311,25 +327,42 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
 type ChunkTry =
   | { readonly kind: 'none' }
   | { readonly kind: 'abandoned' }
-  | { readonly kind: 'committed'; readonly chunk: PendingChunk; readonly ms: number }
+  | { readonly kind: 'committed'; readonly chunk: PendingChunk; readonly ms: number; readonly next?: { rows: PendingChunk[]; plannedBefore: boolean } }
   | { readonly kind: 'failed'; readonly chunk: PendingChunk; readonly err: unknown };
 
 /** 0-rows-claimed is "nothing to claim"; SQLSTATE IF001 is the fence trigger refusing a COMMIT. */
 const FENCED_AT_COMMIT = 'IF001';
 
+/** The next chunk's claim, sent with a COMMIT; `plannedBefore`: everything was planned when it was sent. */
+interface NextClaim {
+  readonly claim: string;
+  readonly plannedBefore: boolean;
+}
+
 /**
  * One try of one chunk, in one transaction on the slot's connection: the claim (which also marks
- * the chunk done, travelling with the BEGIN), the job's work, COMMIT (where the fence trigger checks
- * that this attempt is still the run's). Throws only when the claim itself fails.
+ * the chunk done, travelling with the BEGIN, or already answered with the last COMMIT), the job's
+ * work, COMMIT (where the fence trigger checks that this attempt is still the run's), with the next
+ * claim when `next()` gives one. Throws only when the claim itself fails.
  */
-async function tryChunk(opts: ExecuteOptions, step: Step, slot: ChunkSlot, claim: string, stepLog: Logger, mayStart: (chunk: PendingChunk) => boolean): Promise<ChunkTry> {
+async function tryChunk(
+  opts: ExecuteOptions,
+  step: Step,
+  slot: ChunkSlot,
+  claim: string | PendingChunk[],
+  stepLog: Logger,
+  mayStart: (chunk: PendingChunk) => boolean,
+  next: () => NextClaim | undefined,
+): Promise<ChunkTry> {
   const { store, run } = opts;
   const started = performance.now();
   let chunk: PendingChunk | undefined;
+  let nextClaim: NextClaim | undefined;
+  let nextRows: PendingChunk[] | undefined;
   try {
     // BEGIN and the claim, in one message: the claim locks the first free chunk (SKIP LOCKED) and
     // writes its marker; both commit with the work or neither does.
-    chunk = (await slot.begin<PendingChunk>(claim))[0];
+    chunk = (typeof claim === 'string' ? await slot.begin<PendingChunk>(claim) : claim)[0];
     if (!chunk) {
       await slot.commit();
       return { kind: 'none' };
@@ -362,22 +395,28 @@ async function tryChunk(opts: ExecuteOptions, step: Step, slot: ChunkSlot, claim
       await faultPoint('after-marker');
     }
     // COMMIT: the fence trigger refuses it (IF001) when this attempt is no longer the run's.
-    await slot.commit();
-  } catch (err) {
+    nextClaim = next();
+    if (nextClaim) nextRows = await slot.commitAndBegin<PendingChunk>(nextClaim.claim);
+    else await slot.commit();
+  } catch (thrown) {
     await slot.rollback();
-    if (!chunk) throw err;
+    if (!chunk) throw thrown;
+    // With the next claim, an error may be the claim's, after the COMMIT took effect.
+    const unknown = thrown instanceof CommitUnknownError;
+    const err = unknown ? thrown.cause : thrown;
     if ((err as { code?: string }).code === FENCED_AT_COMMIT) {
       const attempt = await store.currentAttempt(run.runId).catch(() => -1);
       return { kind: 'failed', chunk, err: new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off by attempt ${attempt}; its chunk ${chunk.key} rolled back`) };
     }
     // A lost connection may have taken the COMMIT's answer with it, not the COMMIT.
-    if (isRetryable(err) && (await store.committedByUs(run.runId, run.attempt, step.name, chunk.seq).catch(() => false))) {
+    if ((unknown || isRetryable(err)) && (await store.committedByUs(run.runId, run.attempt, step.name, chunk.seq).catch(() => false))) {
       return { kind: 'committed', chunk, ms: performance.now() - started };
     }
     return { kind: 'failed', chunk, err };
   }
   if (faults) await faultPoint('after-commit');
-  return { kind: 'committed', chunk, ms: performance.now() - started };
+  const ms = performance.now() - started;
+  return { kind: 'committed', chunk, ms, ...(nextClaim && nextRows ? { next: { rows: nextRows, plannedBefore: nextClaim.plannedBefore } } : {}) };
 }
 
 /** The effects ledger protocol: claim the record, skip if done, else perform with the stable key and record the result. */

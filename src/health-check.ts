@@ -130,6 +130,11 @@ class HealthProbe {
     return value;
   }
 
+  /** Until when measure(maxAgeMs) answers from the last probe without querying. */
+  freshUntil(maxAgeMs: number): number {
+    return this.#last ? this.#last.at + maxAgeMs : 0;
+  }
+
   /** pg_ls_archive_statusdir needs superuser or pg_monitor; without it the indicator is skipped. */
   #canSeeWal(): Promise<boolean> {
     return (this.#walVisible ??= sql<{ ok: boolean }>`
@@ -226,6 +231,12 @@ export interface HealthGateOptions {
 /** A step's gate: `wait()` before each chunk returns at once while the database is healthy. */
 export interface HealthGate {
   wait(signal: AbortSignal): Promise<void>;
+  /**
+   * Whether wait() would return at once now without a probe: the last one found the database
+   * healthy (or could not tell) and is still fresh. A slot may then claim its next chunk with the
+   * COMMIT of the current one; otherwise it commits, then waits.
+   */
+  ready(): boolean;
 }
 
 /**
@@ -252,7 +263,10 @@ export async function createHealthGate(opts: HealthGateOptions): Promise<HealthG
       .catch(() => {});
   const p = probe;
   let since = '';
+  /** Until when the last wait() that let a chunk start holds good (its probe's freshness). */
+  let clearUntil = 0;
   return {
+    ready: () => paused === null && performance.now() < clearUntil,
     async wait(signal) {
       try {
         while (!signal.aborted) {
@@ -264,6 +278,7 @@ export async function createHealthGate(opts: HealthGateOptions): Promise<HealthG
             // Monitoring that fails must not stop the work: log once, carry on as healthy.
             if (!failing) opts.log.warn({ err: errorFields(err) }, 'health probe failed; continuing without it');
             failing = true;
+            clearUntil = p.freshUntil(o.probeIntervalMs);
             return;
           }
           if (m.inRecovery) throw standbyError(m);
@@ -274,6 +289,7 @@ export async function createHealthGate(opts: HealthGateOptions): Promise<HealthG
               paused = null;
               await record(null);
             }
+            clearUntil = p.freshUntil(o.probeIntervalMs);
             return;
           }
           if (paused !== bad.indicator) {

@@ -64,6 +64,42 @@ describe('Runner.run', () => {
     expect(statementsOfRerun[1]).toBe(statementsOfRerun[0]);
   });
 
+  it('a chunk costs two messages to the server: its COMMIT carries the next chunk\'s BEGIN and claim', async () => {
+    const job = defineJob({
+      name: 'messages',
+      params: (raw: unknown) => raw as { n: number },
+      steps: [
+        {
+          name: 'work',
+          chunks: (_cursor, ctx) => ({ chunks: Array.from({ length: (ctx.params as { n: number }).n }, (_, i) => ({ key: `c${i}` })), next: null }),
+          run: ({ db }: StepContext) => sql`select 1`.execute(db),
+        },
+      ],
+    });
+    const sent: Array<{ begins: number; commitsWithClaim: number; job: number }> = [];
+    for (const n of [20, 60]) {
+      const spy = vi.spyOn(pg.Client.prototype, 'query');
+      try {
+        expect(await runner.run(job, { params: { n }, key: `m${n}`, health: false })).toMatchObject({ status: 'succeeded', executed: n });
+        const texts = spy.mock.calls.map((c) => (typeof c[0] === 'string' ? c[0] : ''));
+        sent.push({
+          begins: texts.filter((t) => /^begin;\s*execute idem_claim_/.test(t)).length,
+          commitsWithClaim: texts.filter((t) => /^commit;\s*begin;\s*execute idem_claim_next_/.test(t)).length,
+          job: texts.filter((t) => t === 'select 1').length,
+        });
+      } finally {
+        spy.mockRestore();
+      }
+    }
+    // Per chunk: the job's statement and one COMMIT carrying the next claim; a hand-written loop
+    // sends three messages (BEGIN, statement, COMMIT). A claim with its own BEGIN only starts the
+    // step and ends it, however many chunks it has.
+    expect(sent[1]!.job - sent[0]!.job).toBe(40);
+    expect(sent[1]!.commitsWithClaim - sent[0]!.commitsWithClaim).toBe(40);
+    expect(sent[1]!.begins).toBe(sent[0]!.begins);
+    expect(sent[0]!.begins).toBeGreaterThanOrEqual(1);
+  });
+
   it('the run key defaults to the fingerprint of the validated params, whatever their key order', async () => {
     const out = await runner.run(counted, { params: { chunks: 3, label: 'fp' } });
     const validated = { chunks: 3, pauseMs: 0, label: 'fp', gate: null };
@@ -380,6 +416,30 @@ describe('ctx.db is the chunk transaction, and only while the chunk runs', () =>
     expect(err.message).toContain('job "swallowed" failed in step "work", chunk b after 1 try: Transaction was rolled back instead of committed');
     expect(await doneKeys('swallowed')).toEqual(['a']);
     expect(await logged('swallowed')).toEqual(['a']);
+  });
+
+  it('an error at COMMIT (a deferred constraint) fails the chunk, and the next chunk claimed with that COMMIT starts no work', async () => {
+    await query(url, 'drop table if exists deferred_check');
+    await query(url, 'create table deferred_check (id int primary key, parent int references deferred_check (id) deferrable initially deferred)');
+    try {
+      const job = jobWith('deferred', async (db) => {
+        // Accepted now, refused at COMMIT: parent 999 does not exist.
+        await sql`insert into deferred_check values (1, 999)`.execute(db);
+      });
+      const err = await rejectionOf(runner.run(job, { key: 'k' }));
+      expect(err).toBeInstanceOf(RunFailedError);
+      expect(err.message).toContain('job "deferred" failed in step "work", chunk b after 1 try: insert or update on table "deferred_check" violates foreign key constraint');
+      expect(await doneKeys('deferred')).toEqual(['a']);
+      expect(await logged('deferred')).toEqual(['a']);
+      expect(await query(url, 'select count(*)::int as n from deferred_check')).toEqual([{ n: 0 }]);
+      // Fixed, the rerun resumes at b and does b and c once each.
+      await query(url, 'insert into deferred_check values (999, null)');
+      expect((await runner.run(job, { key: 'k' })).status).toBe('succeeded');
+      expect(await doneKeys('deferred')).toEqual(['a', 'b', 'c']);
+      expect(await logged('deferred')).toEqual(['a', 'b', 'c']);
+    } finally {
+      await query(url, 'drop table if exists deferred_check');
+    }
   });
 
   it('a savepoint lets a chunk survive an error it expects: the chunk commits, with its marker', async () => {

@@ -2,8 +2,9 @@
  * 1b. Node CPU per chunk: idem (Runner.run, concurrency 1) against the hand loop (bench 1's raw
  * `pg` loop: BEGIN; statement; COMMIT) and a Kysely loop (one `db.transaction().execute()` per
  * chunk), each doing the same trivial upsert per chunk, so the figure is the machinery's and not the
- * work's. A fourth, `idem's SQL`, is the raw `pg` loop sending what a chunk of idem sends (BEGIN
- * with the claim in one message, the upsert, COMMIT through the fence trigger): the floor idem's own
+ * work's. A fourth, `idem's SQL`, is the raw `pg` loop sending what a chunk of idem sends (the
+ * upsert, then COMMIT through the fence trigger with the next chunk's BEGIN and claim in one
+ * message): the floor idem's own
  * statements set, apart from its Node code (on a shared machine a process's CPU per round trip grows
  * with how long the server takes to answer, so a heavier statement costs the client CPU too).
  *
@@ -103,11 +104,12 @@ export async function benchNodeCpu(ctx: BenchContext): Promise<BenchResult> {
       },
       [IDEM_SQL]: async (n) => {
         await floor.query('update idem.chunks set done_at = null, done_attempt = null, done_by = null where run_id = $1', [floorRun!.id]);
+        // As idem sends it: the first chunk's claim with BEGIN, every later one with the COMMIT before it.
         return cpuMs(async () => {
+          await floor.query(`begin;\n${claim}`);
           for (let i = 0; i < n; i++) {
-            await floor.query(`begin;\n${claim}`);
             await floor.query(WORK, []);
-            await floor.query('commit');
+            await floor.query(i + 1 < n ? `commit;\nbegin;\n${claim}` : 'commit');
           }
         });
       },
