@@ -185,9 +185,9 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   /** The claim almost every chunk sends: the first free chunk, none cooling off. */
   const nextClaim = store.claimSql('next', run.runId, run.attempt, step.name, []);
   /**
-   * Asked just before a chunk's COMMIT: the claim to send with it, when the slot would send exactly
-   * that claim at once afterwards (nothing to wait for: no throttle, health fresh and good, no
-   * retry or chunk cooling off, not the last pass, no stop or failure). Saves a round trip a chunk.
+   * Asked just before a chunk's COMMIT (first pass only): the claim to send with it, when the slot
+   * would send exactly that claim at once afterwards (nothing to wait for: no throttle, health fresh
+   * and good, no chunk cooling off, no stop or failure). Saves a round trip a chunk.
    */
   const pipelined = !!step.chunks && !throttle.options.maxRate && !throttle.options.pauseMs;
   const claimWithCommit = (): NextClaim | undefined =>
@@ -229,7 +229,9 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         claimed = undefined;
         let outcome: ChunkTry;
         try {
-          outcome = await tryChunk(opts, step, slot, claim, log, onClaimed, claimWithCommit);
+          // Not in the last pass: its claims wait for chunks other transactions hold, where the
+          // claim sent with a COMMIT passes them by, and finding none there would end the slot.
+          outcome = await tryChunk(opts, step, slot, claim, log, onClaimed, () => (lastPass ? undefined : claimWithCommit()));
           claimErrors = 0;
         } catch (err) {
           // The claim itself failed (before any work): a dropped connection is tried again.

@@ -100,6 +100,52 @@ describe('Runner.run', () => {
     expect(sent[0]!.begins).toBeGreaterThanOrEqual(1);
   });
 
+  it('the last pass waits for every chunk other transactions hold, also after committing one of them', async () => {
+    // Concurrency 1. Chunks c and d are held by two other transactions (as by workers that may
+    // still die): the slot does a, b, e, then waits for c. Once c is let go and done, it must wait
+    // for d too, not find "nothing free" and end the step with d undone.
+    const job = defineJob({
+      name: 'last-pass',
+      steps: [
+        {
+          name: 'work',
+          chunks: () => ({ chunks: ['a', 'b', 'c', 'd', 'e'].map((key) => ({ key })), next: null }),
+          async run({ db }: StepContext, chunk: { key: string }) {
+            if (chunk.key === 'a') await sql`select pg_sleep(0.5)`.execute(db);
+            await sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values ('last-pass', 'k', 'work', ${chunk.key}, 1, 0)`.execute(db);
+          },
+        },
+      ],
+    });
+    const holders = await Promise.all(['c', 'd'].map(async () => {
+      const c = new pg.Client({ connectionString: url, application_name: 'test-holder' });
+      await c.connect();
+      return c;
+    }));
+    try {
+      const running = runner.run(job, { key: 'k', health: false });
+      const settled = running.then(() => true, () => true);
+      const hold = async (client: pg.Client, key: string) => {
+        await waitFor(async () => (await query(url, `select 1 from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'last-pass' and c.key = $1`, [key])).length, `chunk ${key} planned`);
+        await client.query('begin');
+        await client.query(`select 1 from idem.chunks c where c.key = $1 and c.run_id = (select id from idem.runs where job = 'last-pass') for update`, [key]);
+      };
+      await hold(holders[0]!, 'c');
+      await hold(holders[1]!, 'd');
+      const waitingOnLock = () => query(url, `select 1 from pg_stat_activity where wait_event_type = 'Lock' and application_name like 'idem %'`).then((r) => r.length > 0);
+      await waitFor(waitingOnLock, 'the slot waiting for chunk c');
+      await holders[0]!.query('rollback');
+      // Now it does c, then must wait for d: give a slot that wrongly ended the time to end.
+      await Promise.race([settled, new Promise((r) => setTimeout(r, 1500))]);
+      expect(await Promise.race([settled, false])).toBe(false);
+      await holders[1]!.query('rollback');
+      expect(await running).toMatchObject({ status: 'succeeded', executed: 5 });
+      expect((await query(url, `select chunk_key from work_log where job = 'last-pass' order by 1`)).map((r) => r.chunk_key)).toEqual(['a', 'b', 'c', 'd', 'e']);
+    } finally {
+      await Promise.all(holders.map((c) => c.end()));
+    }
+  });
+
   it('the run key defaults to the fingerprint of the validated params, whatever their key order', async () => {
     const out = await runner.run(counted, { params: { chunks: 3, label: 'fp' } });
     const validated = { chunks: 3, pauseMs: 0, label: 'fp', gate: null };
