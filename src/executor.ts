@@ -396,6 +396,9 @@ async function tryChunk(
       // The marker was written by the claim; a crash here loses both it and the work.
       await faultPoint('after-marker');
     }
+    // A job that honours ctx.signal returns early once it aborts (lost lock, second signal,
+    // deadline), with part of its work done: that must not commit as the whole chunk.
+    if (opts.abort.aborted) throw opts.abort.reason ?? new InterruptedError('SIGTERM');
     // COMMIT: the fence trigger refuses it (IF001) when this attempt is no longer the run's.
     nextClaim = next();
     if (nextClaim) nextRows = await slot.commitAndBegin<PendingChunk>(nextClaim.claim);

@@ -391,6 +391,47 @@ describe('Runner.run', () => {
     await expect(runner.run(counted, { params: { chunks: 2 }, key: 'busy' })).resolves.toMatchObject({ status: 'succeeded', attempt: 1 });
   });
 
+  it('a chunk whose ctx.signal aborted is rolled back, not committed with the part of its work done before it returned', async () => {
+    // The job honours the signal the way the docs invite: it stops between rows and returns.
+    await query(url, 'drop table if exists abort_items');
+    await query(url, 'create table abort_items (id int primary key, val int)');
+    await query(url, 'insert into abort_items select g, null from generate_series(0, 29) g');
+    const job = defineJob({
+      name: 'abortable',
+      steps: [
+        {
+          name: 'fill',
+          chunks: () => ({ chunks: [0, 10, 20].map((lo) => ({ key: `[${lo},${lo + 10})`, lo })), next: null }),
+          async run({ db, signal }: StepContext, chunk: { lo: number }) {
+            for (let id = chunk.lo; id < chunk.lo + 10; id++) {
+              if (signal.aborted) return;
+              await sql`select pg_sleep(0.05)`.execute(db);
+              await sql`update abort_items set val = ${id} where id = ${id}`.execute(db);
+            }
+          },
+        },
+      ],
+    });
+    try {
+      const running = rejectionOf(runner.run(job, { key: 'k', health: false }));
+      // Mid-way through the second chunk, the run loses its lock: ctx.signal aborts.
+      await waitFor(async () => (await query(url, `select 1 from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'abortable' and c.done_at is not null`)).length, 'the first chunk done');
+      await new Promise((r) => setTimeout(r, 150));
+      await query(url, `select pg_terminate_backend(pid) from pg_stat_activity where application_name like 'idem-lock %:' || $1`, [String(process.pid)]);
+      const err = await running;
+      expect(err).toBeInstanceOf(LockLostError);
+      // Every chunk is all or nothing: a chunk marked done has all its rows, and no row of a chunk
+      // that is not marked done was written.
+      const done = (await query(url, `select c.key from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'abortable' and c.done_at is not null`)).map((r) => r.key);
+      const rows = await query(url, `select id / 10 * 10 as lo, count(val)::int as n from abort_items group by 1 order by 1`);
+      expect(rows.map((r) => (done.includes(`[${r.lo},${Number(r.lo) + 10})`) ? 10 : 0))).toEqual(rows.map((r) => r.n));
+      expect(done).toContain('[0,10)');
+      expect(done).not.toContain('[10,20)');
+    } finally {
+      await query(url, 'drop table if exists abort_items');
+    }
+  });
+
   it('a zombie attempt cannot commit after a newer attempt took the run over (fencing, exit 69)', async () => {
     const gate = await holdGate(url, 'fence');
     const running = rejectionOf(runner.run(counted, { params: { chunks: 3, gate: 'fence' }, key: 'fence' }));
