@@ -34,6 +34,12 @@ export interface ChunkSlot {
   commitAndBegin<R>(claim: string): Promise<R[]>;
   /** ROLLBACK when a transaction is open; a connection that cannot roll back is dropped, and the next begin() takes a fresh one. */
   rollback(): Promise<void>;
+  /**
+   * ROLLBACK and `statement` (run on its own after it) in one message, so that nothing of another
+   * session's happens between the chunk's release and the statement but within an instant.
+   * Returns the statement's rows; on any error the slot is rolled back as by rollback().
+   */
+  rollbackWith<R>(statement: string): Promise<R[]>;
   /** Hands the connection back to the pool. */
   release(): void;
 }
@@ -226,6 +232,21 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[]): ChunkS
       if (command === 'ROLLBACK') throw new AbortedTransactionError();
     },
     rollback,
+    async rollbackWith<R>(statement: string) {
+      const c = client;
+      if (!c) throw new Error('no connection on this slot');
+      state.status = 'ending';
+      try {
+        const results = (await c.query(`rollback;\n${statement}`)) as unknown as pg.QueryResult[];
+        inTransaction = false;
+        return results[results.length - 1]!.rows as R[];
+      } catch (err) {
+        await rollback();
+        throw err;
+      } finally {
+        state.status = 'over';
+      }
+    },
     release() {
       state.status = 'over';
       // A connection that may still be inside a transaction never goes back to the pool.

@@ -104,6 +104,8 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   const { store, run } = opts;
   const source: ChunkSource = step.chunks ?? (() => ({ chunks: [{ key: SINGLE_STEP_KEY }], next: null }));
   const retry = { ...DEFAULT_BACKOFF, ...opts.job.retry, ...step.retry };
+  /** Backoff before the next try after the n-th failed one (index n - 1), jittered afresh each time. */
+  const retryDelays = () => Array.from({ length: retry.attempts }, (_, i) => backoffDelay(i + 1, retry));
   const throttle = new Throttle(resolveThrottle(opts.job.throttle, step.throttle, opts.throttle));
   // Adaptive sizing learns from each window, so windows are kept small while it steers.
   const planWindow = throttle.options.targetChunkMs && step.chunks ? Math.max(4, opts.concurrency * 2) : opts.planWindow;
@@ -231,7 +233,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         try {
           // Not in the last pass: its claims wait for chunks other transactions hold, where the
           // claim sent with a COMMIT passes them by, and finding none there would end the slot.
-          outcome = await tryChunk(opts, step, slot, claim, log, onClaimed, () => (lastPass ? undefined : claimWithCommit()));
+          outcome = await tryChunk(opts, step, slot, claim, log, onClaimed, () => (lastPass ? undefined : claimWithCommit()), retryDelays);
           claimErrors = 0;
         } catch (err) {
           // The claim itself failed (before any work): a dropped connection is tried again.
@@ -244,6 +246,12 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         }
 
         if (outcome.kind === 'abandoned') return;
+        if (outcome.kind === 'backoff') {
+          // The last unfinished chunk is backing off after another slot's or worker's transient
+          // failure: wait it out, then claim again (whoever claims it first tries it).
+          await sleep(outcome.ms, opts.stop);
+          continue;
+        }
         if (outcome.kind === 'none') {
           if (mode === 'retry') {
             retrySeq = null; // done or taken meanwhile (by another worker): not ours to retry any more
@@ -269,10 +277,24 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
             failure ??= err;
             return;
           }
-          const n = (tries.get(chunk.seq) ?? 0) + 1;
+          let n = (tries.get(chunk.seq) ?? 0) + 1;
+          let delay: number | undefined;
+          if (isRetryable(err) && !opts.stop.aborted) {
+            // Counted on the chunk, so the budget and the backoff are the run's, not each worker's:
+            // the other workers pass the chunk by until its backoff is over. Counted with the
+            // ROLLBACK already, unless the connection went (then here, on another).
+            const counted = outcome.counted !== undefined ? outcome.counted : await store.recordRetry(run.runId, run.attempt, step.name, chunk.seq, messageOf(err), retryDelays()).catch(() => undefined);
+            if (counted === null) {
+              // Done or skipped by another worker meanwhile, or fenced off (the next claim says so).
+              tries.delete(chunk.seq);
+              retrySeq = null;
+              continue;
+            }
+            if (counted) ({ tries: n, delayMs: delay } = counted);
+          }
           tries.set(chunk.seq, n);
           if (isRetryable(err) && n < retry.attempts && !opts.stop.aborted) {
-            const delay = backoffDelay(n, retry);
+            delay ??= backoffDelay(n, retry);
             log.warn({ chunk: step.chunks ? chunk.key : null, tries: n, delayMs: delay, err: errorFields(err) }, 'transient error, retrying chunk');
             cooling.add(chunk.seq);
             await sleep(delay, opts.stop);
@@ -329,8 +351,9 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
 type ChunkTry =
   | { readonly kind: 'none' }
   | { readonly kind: 'abandoned' }
+  | { readonly kind: 'backoff'; readonly ms: number }
   | { readonly kind: 'committed'; readonly chunk: PendingChunk; readonly ms: number; readonly next?: { rows: PendingChunk[]; plannedBefore: boolean } }
-  | { readonly kind: 'failed'; readonly chunk: PendingChunk; readonly err: unknown };
+  | { readonly kind: 'failed'; readonly chunk: PendingChunk; readonly err: unknown; readonly counted?: { tries: number; delayMs: number } | null };
 
 /** 0-rows-claimed is "nothing to claim"; SQLSTATE IF001 is the fence trigger refusing a COMMIT. */
 const FENCED_AT_COMMIT = 'IF001';
@@ -355,6 +378,7 @@ async function tryChunk(
   stepLog: Logger,
   mayStart: (chunk: PendingChunk) => boolean,
   next: () => NextClaim | undefined,
+  retryDelays: () => readonly number[],
 ): Promise<ChunkTry> {
   const { store, run } = opts;
   const started = performance.now();
@@ -368,6 +392,11 @@ async function tryChunk(
     if (!chunk) {
       await slot.commit();
       return { kind: 'none' };
+    }
+    if (chunk.backoffMs) {
+      // A `wait` claim found the chunk still backing off from a transient error.
+      await slot.rollback();
+      return { kind: 'backoff', ms: chunk.backoffMs };
     }
     if (!mayStart(chunk)) {
       await slot.rollback();
@@ -404,11 +433,19 @@ async function tryChunk(
     if (nextClaim) nextRows = await slot.commitAndBegin<PendingChunk>(nextClaim.claim);
     else await slot.commit();
   } catch (thrown) {
-    await slot.rollback();
-    if (!chunk) throw thrown;
     // With the next claim, an error may be the claim's, after the COMMIT took effect.
     const unknown = thrown instanceof CommitUnknownError;
     const err = unknown ? thrown.cause : thrown;
+    if (chunk && !unknown && isRetryable(err) && (err as { code?: string }).code !== FENCED_AT_COMMIT && !opts.stop.aborted && !opts.abort.aborted) {
+      // A transient failure is counted on the chunk in the same message as the ROLLBACK that
+      // frees it, so another worker cannot start a try in between that the budget does not see.
+      const counted = await slot
+        .rollbackWith<{ tries: number; delayMs: number }>(store.retrySql(run.runId, run.attempt, step.name, chunk.seq, messageOf(err), retryDelays()))
+        .then((rows) => rows[0] ?? null, () => undefined);
+      if (counted !== undefined) return { kind: 'failed', chunk, err, counted };
+    }
+    await slot.rollback();
+    if (!chunk) throw thrown;
     if ((err as { code?: string }).code === FENCED_AT_COMMIT) {
       const attempt = await store.currentAttempt(run.runId).catch(() => -1);
       return { kind: 'failed', chunk, err: new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off by attempt ${attempt}; its chunk ${chunk.key} rolled back`) };

@@ -47,7 +47,17 @@ export interface PendingChunk {
   seq: number;
   key: string;
   spec: ChunkSpec;
+  /** `wait` claims only: the chunk is backing off from a transient error for this long yet (ms), else null. */
+  backoffMs?: number | null;
 }
+
+/**
+ * How long a chunk whose retry budget ran out stays out of every claim of the attempt: the worker
+ * that spent the last try fails the run (or skips the chunk) meanwhile, and the others see the
+ * run failed at their next control poll (1 s) instead of trying the chunk again. Should that worker
+ * die first, another tries the chunk once more after this, and fails it for good at once.
+ */
+const EXHAUSTED_HOLD = "interval '10 seconds'";
 
 /** This process as a worker: `host:pid`, on its chunk markers and its lock session's name. */
 export const WORKER = `${hostname()}:${process.pid}`;
@@ -128,18 +138,22 @@ export class Store {
     // deferred fence trigger (migration 0008), which share-locks the run row, so a takeover's
     // attempt bump either waits for this commit or makes it fail.
     // `$4` lists seqs: the ones to pass by (next, wait), or the one to take again (retry).
-    const claim = (pick: string, lock: string) => `(bigint, integer, text, integer[]) as
+    // A chunk backing off from a transient error (retry_at, set by whichever worker saw it fail)
+    // is passed by until then; the `wait` claim takes it anyway and returns how long is left, so
+    // a slot in its last pass waits for the backoff instead of ending the step without it.
+    const claim = (pick: string, lock: string, returning = '') => `(bigint, integer, text, integer[]) as
       update "${schema}"."chunks" k set done_at = clock_timestamp(), done_attempt = $2, error = null,
         done_by = ${pg.Client.prototype.escapeLiteral(WORKER)}
       where k.done_at is null and (k.run_id, k.step, k.seq) = (select c.run_id, c.step, c.seq from "${schema}"."chunks" c
           where c.run_id = $1 and c.step = $3 and c.done_at is null and c.skipped_at is null and ${pick}
             and exists (select 1 from "${schema}"."runs" where id = $1 and attempt = $2)
           order by c.seq limit 1 ${lock})
-      returning k.seq, k.key, k.spec`;
+      returning k.seq, k.key, k.spec${returning}`;
+    const notBackingOff = '(c.retry_at is null or c.retry_at <= clock_timestamp() or c.retry_attempt <> $2)';
     const bodies: Record<ClaimMode, string> = {
-      next: claim('c.seq <> all($4)', 'for update skip locked'),
-      wait: claim('c.seq <> all($4)', 'for update'),
-      retry: claim('c.seq = any($4)', 'for update skip locked'),
+      next: claim(`c.seq <> all($4) and ${notBackingOff}`, 'for update skip locked'),
+      wait: claim('c.seq <> all($4)', 'for update', `, case when k.retry_attempt = $2 and k.retry_at > clock_timestamp() then ceil(extract(epoch from k.retry_at - clock_timestamp()) * 1000)::int end as "backoffMs"`),
+      retry: claim(`c.seq = any($4) and ${notBackingOff}`, 'for update skip locked'),
     };
     // Named after what they do, not only the mode: a session pooler that does not reset sessions can
     // hand this process a session where another idem version (or another schema, or another worker's
@@ -308,6 +322,32 @@ export class Store {
       select done_attempt = ${attempt} and done_by = ${WORKER} as ours from ${this.#chunks}
       where run_id = ${runId} and step = ${step} and seq = ${seq}`);
     return rows[0]?.ours === true;
+  }
+
+  /**
+   * Counts a transient failure of a chunk (outside its rolled-back transaction), on the chunk, so
+   * that every worker of the run spends one budget (`delays.length` tries): returns the run
+   * attempt's tries so far and the backoff before the next (`delays[tries - 1]`, ms), which
+   * `next` claims wait out and `wait` claims report; once the budget is spent, see EXHAUSTED_HOLD. Null when the chunk is no longer pending (done or skipped by another worker
+   * meanwhile) or the attempt was fenced off.
+   */
+  async recordRetry(runId: string, attempt: number, step: string, seq: number, message: string, delays: readonly number[]): Promise<{ tries: number; delayMs: number } | null> {
+    const { rows } = await this.#run(sql.raw<{ tries: number; delayMs: number }>(this.retrySql(runId, attempt, step, seq, message, delays)));
+    return rows[0] ?? null;
+  }
+
+  /** {@link recordRetry}'s statement, values inlined: it travels in one message with the chunk's ROLLBACK (chunk-slot.ts). */
+  retrySql(runId: string, attempt: number, step: string, seq: number, message: string, delays: readonly number[]): string {
+    if (!/^\d+$/.test(runId) || !Number.isSafeInteger(attempt) || !Number.isSafeInteger(seq)) throw new TypeError('retry values must be integers');
+    const lit = (v: string) => pg.Client.prototype.escapeLiteral(v);
+    const ms = delays.map((d) => Math.max(0, Math.min(2 ** 31 - 1, Math.round(d))));
+    const tries = `(case when retry_attempt = ${attempt} then retry_tries + 1 else 1 end)`;
+    return `update "${this.schema}"."chunks" set retry_tries = ${tries}, retry_attempt = ${attempt}, error = ${lit(message.slice(0, 4000))},
+        retry_at = clock_timestamp() + case when ${tries} >= ${ms.length} then ${EXHAUSTED_HOLD}
+          else ('{${ms.join(',')}}'::int[])[${tries}] * interval '1 millisecond' end
+      where run_id = ${runId} and step = ${lit(step)} and seq = ${seq} and done_at is null and skipped_at is null
+        and exists (select 1 from "${this.schema}"."runs" where id = ${runId} and attempt = ${attempt})
+      returning retry_tries as tries, greatest(0, ceil(extract(epoch from retry_at - clock_timestamp()) * 1000))::int as "delayMs"`;
   }
 
   /** The run's current attempt (-1 when the run is gone): why a claim or a commit was refused. */

@@ -184,4 +184,24 @@ describe('every worker stopped at once', () => {
       expect(row?.status, `round ${round}`).toBe('interrupted');
     }
   });
+
+  it('a chunk that keeps failing transiently gets the retry budget once for the whole run, not once per worker, with its backoff', async () => {
+    // c0005 raises 40001 on every try (fixture_tries counts tries across processes: a sequence is
+    // not rolled back). The fixture's retry: 5 tries, backoff 10-50 ms.
+    await query(url, `insert into fail_chunks (chunk_key, sqlstate, times) values ('c0005', '40001', 1000000)`);
+    await query(url, 'alter sequence fixture_tries restart');
+    try {
+      const workers = Array.from({ length: 3 }, () => join('budget', 200, 20));
+      const results = await Promise.all(workers.map((w) => w.done));
+      expect(results.map((r) => r.code)).toEqual([1, 1, 1]);
+      const [seq] = await query<{ tries: string }>(url, `select last_value as tries from fixture_tries`);
+      expect(Number(seq!.tries)).toBe(5);
+      expect(await query(url, `select status, error->>'chunk' as chunk, (error->>'tries')::int as tries from idem.runs where run_key = 'budget'`)).toEqual([{ status: 'failed', chunk: 'c0005', tries: 5 }]);
+      // The worker that spent the last try says so; the others stop, as the run failed elsewhere.
+      expect(results.filter((r) => /failed in step "work", chunk c0005 after 5 tries/.test(r.stderr))).toHaveLength(1);
+      expect(await query(url, `select attempts from idem.chunks c join idem.runs r on r.id = c.run_id where r.run_key = 'budget' and c.key = 'c0005'`)).toEqual([{ attempts: 5 }]);
+    } finally {
+      await query(url, `delete from fail_chunks`);
+    }
+  });
 });

@@ -182,6 +182,19 @@ function runnerMigrations(schema: string): Record<string, Migration> {
           for each statement execute function ${t('succeeded_run_changed')}()`.execute(db);
       },
     },
+    '0010_chunk_retries': {
+      async up(db) {
+        // A chunk's transient failures, counted on the chunk itself so every worker sharing a run
+        // spends one retry budget and honours one backoff: the tries of the run's attempt
+        // `retry_attempt`, and the moment before which no claim takes the chunk again. Written
+        // outside the chunk's rolled-back transaction. Adding columns with constant defaults
+        // rewrites nothing.
+        await sql`alter table ${t('chunks')}
+          add column retry_tries integer not null default 0,
+          add column retry_attempt integer,
+          add column retry_at timestamptz`.execute(db);
+      },
+    },
   };
 }
 
