@@ -54,7 +54,7 @@ const t = (h: Pick<OperationsHost, 'schema'>, name: string) => sql.id(h.schema, 
 async function targetRun(h: OperationsHost, job: string, key: string | undefined, statuses: readonly string[], verb: string): Promise<RunRow> {
   const { rows } = await sql<RunRow>`select * from ${t(h, 'runs')}
     where job = ${job} and ${key === undefined ? sql`status = any(${statuses}::text[])` : sql`run_key = ${key}`}
-    order by created_at desc, id desc limit 1`.execute(h.db);
+    order by status = 'running' desc, created_at desc, id desc limit 1`.execute(h.db);
   const run = rows[0];
   if (!run) {
     throw new UsageError(

@@ -182,6 +182,32 @@ describe('pause, resume and cancel without --key', () => {
   });
 });
 
+describe('pause without --key while a run is live', () => {
+  it('pauses the live run, not a newer one that only a busy invocation left pending', async () => {
+    const params = { chunks: 6, gate: 'g-live-target' };
+    const gate = await holdGate(url, 'g-live-target');
+    let child: ReturnType<typeof spawnCli>;
+    try {
+      child = spawnCli(countedArgs('op-live-pause', params), { url });
+      await someoneBlocked();
+      // Another key of the same job meanwhile: busy (75), and its row stays pending, attempt 0.
+      const busy = await runCli(countedArgs('op-phantom-pause', params), { url });
+      expect(busy.code).toBe(75);
+      expect(await runRow(url, 'counted', 'op-phantom-pause')).toMatchObject({ status: 'pending', attempt: 0 });
+      const paused = await idem(['pause', 'counted']);
+      expect([paused.code, paused.stdout], paused.stderr).toEqual([0, 'pause: run op-live-pause of job "counted" requested: the live run stops at its next chunk boundary\n']);
+      expect(await runRow(url, 'counted', 'op-phantom-pause')).toMatchObject({ status: 'pending', requested: null });
+      await requestSeen(child, 'pause');
+    } finally {
+      await gate.release();
+    }
+    expect((await child!.done).code).toBe(75);
+    expect(await runRow(url, 'counted', 'op-live-pause')).toMatchObject({ status: 'paused' });
+    await idem(['cancel', 'counted', '--key', 'op-live-pause']);
+    await idem(['cancel', 'counted', '--key', 'op-phantom-pause']);
+  });
+});
+
 describe('cancel and reset', () => {
   it('cancelling a live run ends it with exit 1; reruns are refused until idem reset, after which it runs afresh', async () => {
     const key = 'op-cancel';
