@@ -218,7 +218,10 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         // or planned chunks beyond those this process claimed), not before one that finds nothing.
         if (!claimed && (retrySeq !== null || (!lastPass && highestClaimed < nextSeq - 1))) {
           await health?.wait(opts.stop);
-          const wait = throttle.reserveStart();
+          // --max-rate is the run's: the start is reserved on the step row, shared by every
+          // worker (here without the database only when it cannot be reached).
+          const rate = throttle.options.maxRate;
+          const wait = rate ? await store.reserveStart(run.runId, step.name, 1000 / rate).catch(() => throttle.reserveStart()) : 0;
           if (wait > 0) await sleep(wait, opts.stop);
           if (failure !== undefined || opts.stop.aborted) return;
         }

@@ -350,6 +350,20 @@ export class Store {
       returning retry_tries as tries, greatest(0, ceil(extract(epoch from retry_at - clock_timestamp()) * 1000))::int as "delayMs"`;
   }
 
+  /**
+   * `--max-rate` across every worker of the run: reserves the step's next start, `intervalMs`
+   * after the one reserved before it (no earlier than now: idle time is not banked), and returns
+   * how long to wait for it (ms).
+   */
+  async reserveStart(runId: string, step: string, intervalMs: number): Promise<number> {
+    const gap = sql`${intervalMs}::float8 * interval '1 millisecond'`;
+    const { rows } = await this.#run(sql<{ wait: number }>`
+      update ${this.#steps} set rate_next = greatest(rate_next, clock_timestamp()) + ${gap}
+      where run_id = ${runId} and name = ${step}
+      returning greatest(0, extract(epoch from rate_next - ${gap} - clock_timestamp()) * 1000)::float8 as wait`);
+    return rows[0]?.wait ?? 0;
+  }
+
   /** The run's current attempt (-1 when the run is gone): why a claim or a commit was refused. */
   async currentAttempt(runId: string): Promise<number> {
     const { rows } = await this.#run(sql<{ attempt: number }>`select attempt from ${this.#runs} where id = ${runId}`);

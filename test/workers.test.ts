@@ -204,4 +204,18 @@ describe('every worker stopped at once', () => {
       await query(url, `delete from fail_chunks`);
     }
   });
+
+  it('--max-rate is the run\'s rate: 3 workers with --max-rate 5 start 5 chunks a second between them, not 5 each', async () => {
+    const workers = Array.from({ length: 3 }, () => join('rate', 16, 0, ['--max-rate', '5']));
+    const results = await Promise.all(workers.map((w) => w.done));
+    expect(results.map((r) => r.code)).toEqual([0, 0, 0]);
+    await expectExactlyOnce('rate', 16);
+    const times = (await query<{ t: number }>(url, `select extract(epoch from c.done_at) * 1000 as t from idem.chunks c join idem.runs r on r.id = c.run_id
+      where r.run_key = 'rate' and c.step = 'work' order by c.done_at`)).map((r) => Number(r.t));
+    // 15 intervals of 200 ms between the first and the last start, whichever worker started them
+    // (per worker, 3 × 5 a second, it took about a third of that).
+    const span = times.at(-1)! - times[0]!;
+    expect(span).toBeGreaterThanOrEqual(2_600);
+    console.log(`3 workers, --max-rate 5: 16 chunks over ${Math.round(span)} ms`);
+  });
 });

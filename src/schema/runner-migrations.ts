@@ -182,7 +182,7 @@ function runnerMigrations(schema: string): Record<string, Migration> {
           for each statement execute function ${t('succeeded_run_changed')}()`.execute(db);
       },
     },
-    '0010_chunk_retries': {
+    '0010_shared_retries_and_rate': {
       async up(db) {
         // A chunk's transient failures, counted on the chunk itself so every worker sharing a run
         // spends one retry budget and honours one backoff: the tries of the run's attempt
@@ -193,6 +193,9 @@ function runnerMigrations(schema: string): Record<string, Migration> {
           add column retry_tries integer not null default 0,
           add column retry_attempt integer,
           add column retry_at timestamptz`.execute(db);
+        // --max-rate for the whole run: the earliest moment the step's next chunk may start,
+        // reserved by every worker in turn.
+        await sql`alter table ${t('steps')} add column rate_next timestamptz`.execute(db);
       },
     },
   };
