@@ -251,8 +251,9 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         if (outcome.kind === 'abandoned') return;
         if (outcome.kind === 'backoff') {
           // The last unfinished chunk is backing off after another slot's or worker's transient
-          // failure: wait it out, then claim again (whoever claims it first tries it).
-          await sleep(outcome.ms, opts.stop);
+          // failure: wait it out, then claim again (whoever claims it first tries it). A second at
+          // most between looks: the worker that spent its last try may skip it meanwhile.
+          await sleep(Math.min(outcome.ms, 1_000), opts.stop);
           continue;
         }
         if (outcome.kind === 'none') {
