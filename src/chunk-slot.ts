@@ -35,8 +35,8 @@ export interface ChunkSlot {
   /** ROLLBACK when a transaction is open; a connection that cannot roll back is dropped, and the next begin() takes a fresh one. */
   rollback(): Promise<void>;
   /**
-   * ROLLBACK and `statement` (run on its own after it) in one message, so that nothing of another
-   * session's happens between the chunk's release and the statement but within an instant.
+   * ROLLBACK and `statement` (run on its own after it) in one message: the statement follows the
+   * chunk's release at once, with no round trip in between for another session to act in.
    * Returns the statement's rows; on any error the slot is rolled back as by rollback().
    */
   rollbackWith<R>(statement: string): Promise<R[]>;

@@ -209,6 +209,8 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
       let retrySeq: number | null = null;
       let lastPass = false;
       let claimErrors = 0;
+      /** A claim that was not expected to find a chunk found one under --max-rate: it was let go, and the next claim reserves its start first. */
+      let regate = false;
       /** The next claim's answer when it came with the last COMMIT (its transaction is open), and whether all was planned when it was sent. */
       let claimed: { rows: PendingChunk[]; plannedBefore: boolean } | undefined;
       for (;;) {
@@ -216,7 +218,9 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         if (failure !== undefined || opts.stop.aborted) return;
         // The health gate and the throttle come before a claim that should find a chunk (a retry,
         // or planned chunks beyond those this process claimed), not before one that finds nothing.
-        if (!claimed && (retrySeq !== null || (!lastPass && highestClaimed < nextSeq - 1))) {
+        const gated = !claimed && (regate || retrySeq !== null || (!lastPass && highestClaimed < nextSeq - 1));
+        regate = false;
+        if (gated) {
           await health?.wait(opts.stop);
           // --max-rate is the run's: the start is reserved on the step row, shared by every
           // worker (here without the database only when it cannot be reached).
@@ -236,7 +240,10 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         try {
           // Not in the last pass: its claims wait for chunks other transactions hold, where the
           // claim sent with a COMMIT passes them by, and finding none there would end the slot.
-          outcome = await tryChunk(opts, step, slot, claim, log, onClaimed, () => (lastPass ? undefined : claimWithCommit()), retryDelays);
+          // Under --max-rate every start has its reservation: a claim made without one (it was
+          // expected to find nothing) lets its chunk go, and the slot claims again after reserving.
+          const mayStart = (chunk: PendingChunk): boolean | 'later' => (!gated && throttle.options.maxRate ? 'later' : onClaimed(chunk));
+          outcome = await tryChunk(opts, step, slot, claim, log, mayStart, () => (lastPass ? undefined : claimWithCommit()), retryDelays);
           claimErrors = 0;
         } catch (err) {
           // The claim itself failed (before any work): a dropped connection is tried again.
@@ -249,6 +256,10 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         }
 
         if (outcome.kind === 'abandoned') return;
+        if (outcome.kind === 'later') {
+          regate = true;
+          continue;
+        }
         if (outcome.kind === 'backoff') {
           // The last unfinished chunk is backing off after another slot's or worker's transient
           // failure: wait it out, then claim again (whoever claims it first tries it). A second at
@@ -356,6 +367,7 @@ type ChunkTry =
   | { readonly kind: 'none' }
   | { readonly kind: 'abandoned' }
   | { readonly kind: 'backoff'; readonly ms: number }
+  | { readonly kind: 'later' }
   | { readonly kind: 'committed'; readonly chunk: PendingChunk; readonly ms: number; readonly next?: { rows: PendingChunk[]; plannedBefore: boolean } }
   | { readonly kind: 'failed'; readonly chunk: PendingChunk; readonly err: unknown; readonly counted?: { tries: number; delayMs: number } | null };
 
@@ -380,7 +392,7 @@ async function tryChunk(
   slot: ChunkSlot,
   claim: string | PendingChunk[],
   stepLog: Logger,
-  mayStart: (chunk: PendingChunk) => boolean,
+  mayStart: (chunk: PendingChunk) => boolean | 'later',
   next: () => NextClaim | undefined,
   retryDelays: () => readonly number[],
 ): Promise<ChunkTry> {
@@ -402,9 +414,10 @@ async function tryChunk(
       await slot.rollback();
       return { kind: 'backoff', ms: chunk.backoffMs };
     }
-    if (!mayStart(chunk)) {
+    const may = mayStart(chunk);
+    if (may !== true) {
       await slot.rollback();
-      return { kind: 'abandoned' };
+      return { kind: may === 'later' ? 'later' : 'abandoned' };
     }
     const claimed = chunk;
     if (faults) await faultPoint('after-claim');
