@@ -53,11 +53,9 @@ const preparedOn = new WeakMap<pg.PoolClient, Set<string>>();
  * chunk's marker tells which. `cause` is the error as PostgreSQL or the driver gave it.
  */
 export class CommitUnknownError extends Error {
-  readonly code: string | undefined;
   constructor(cause: unknown) {
     super((cause as Error)?.message ?? String(cause), { cause });
     this.name = 'CommitUnknownError';
-    this.code = (cause as { code?: string })?.code;
   }
 }
 
@@ -161,10 +159,16 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[]): ChunkS
     return new Transaction<any>({ config, executor, dialect, driver: chunkDriver } as unknown as ConstructorParameters<typeof Transaction<any>>[0]);
   };
 
-  const end = async (command: 'commit' | 'rollback'): Promise<pg.QueryResult> => {
+  /**
+   * Ends the chunk's transaction with `text`: COMMIT or ROLLBACK, alone or followed in the same
+   * message by more statements (pg then answers with one result per statement). The transaction
+   * is `ending` from the moment it is sent; an error leaves `inTransaction` as it was, so that
+   * rollback() can still end it.
+   */
+  const end = async <T extends pg.QueryResult | pg.QueryResult[] = pg.QueryResult>(text: string): Promise<T> => {
     state.status = 'ending';
     try {
-      const result = await client!.query(command);
+      const result = (await client!.query(text)) as unknown as T;
       inTransaction = false;
       return result;
     } finally {
@@ -199,20 +203,17 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[]): ChunkS
       return results[results.length - 1]!.rows as R[];
     },
     async commitAndBegin<R>(claim: string) {
-      state.status = 'ending';
       let results: pg.QueryResult[];
       try {
         // Three statements in one message. PostgreSQL runs them in order and stops at the first
         // error: a failed COMMIT runs no claim; a COMMIT of an aborted transaction answers ROLLBACK
         // and the BEGIN and claim after it still run.
-        results = (await client!.query(`commit;\nbegin;\n${claim}`)) as unknown as pg.QueryResult[];
+        results = await end<pg.QueryResult[]>(`commit;\nbegin;\n${claim}`);
       } catch (err) {
-        state.status = 'over';
         // A failed claim left its transaction aborted; a failed COMMIT left none (then ROLLBACK only warns).
         await rollback();
         throw new CommitUnknownError(err);
       }
-      state.status = 'over';
       opened();
       if (results[0]!.command === 'ROLLBACK') {
         // Nothing of the chunk committed: the chunk claimed after it starts no work.
@@ -233,18 +234,13 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[]): ChunkS
     },
     rollback,
     async rollbackWith<R>(statement: string) {
-      const c = client;
-      if (!c) throw new Error('no connection on this slot');
-      state.status = 'ending';
+      if (!client) throw new Error('no connection on this slot');
       try {
-        const results = (await c.query(`rollback;\n${statement}`)) as unknown as pg.QueryResult[];
-        inTransaction = false;
+        const results = await end<pg.QueryResult[]>(`rollback;\n${statement}`);
         return results[results.length - 1]!.rows as R[];
       } catch (err) {
         await rollback();
         throw err;
-      } finally {
-        state.status = 'over';
       }
     },
     release() {

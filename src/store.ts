@@ -328,7 +328,8 @@ export class Store {
    * Counts a transient failure of a chunk (outside its rolled-back transaction), on the chunk, so
    * that every worker of the run spends one budget (`delays.length` tries): returns the run
    * attempt's tries so far and the backoff before the next (`delays[tries - 1]`, ms), which
-   * `next` claims wait out and `wait` claims report; once the budget is spent, see EXHAUSTED_HOLD. Null when the chunk is no longer pending (done or skipped by another worker
+   * `next` claims wait out and `wait` claims report; once the budget is spent, see
+   * EXHAUSTED_HOLD. Null when the chunk is no longer pending (done or skipped by another worker
    * meanwhile) or the attempt was fenced off.
    */
   async recordRetry(runId: string, attempt: number, step: string, seq: number, message: string, delays: readonly number[]): Promise<{ tries: number; delayMs: number } | null> {
