@@ -85,7 +85,7 @@ export interface Child {
 }
 
 export function startRunner(databaseUrl: string, runKey: string, concurrency: number, wait: boolean, role: string, allowed: readonly number[], join = false): Child {
-  const args = [path.join(ROOT, 'bin', 'idem.js'), '--jobs-dir', JOBS_DIR, '--log-level', 'error', 'run', 'chaos-backfill', '--key', runKey, '--concurrency', String(concurrency), '--param', 'sleepMs=30'];
+  const args = [path.join(ROOT, 'bin', 'idem.js'), '--jobs-dir', JOBS_DIR, '--log-level', 'info', 'run', 'chaos-backfill', '--key', runKey, '--concurrency', String(concurrency), '--param', 'sleepMs=30'];
   if (wait) args.push('--wait', '30');
   if (join) args.push('--join');
   const proc = spawn(process.execPath, args, { cwd: ROOT, env: { ...process.env, DATABASE_URL: databaseUrl, IDEM_FAULT: '' }, stdio: ['ignore', 'ignore', 'pipe'] });
