@@ -1,4 +1,4 @@
-import { sql, type Kysely } from 'kysely';
+import { sql, type Kysely, type RawBuilder } from 'kysely';
 import { acquireAdvisoryLock } from './advisory-lock.ts';
 import { BusyError, UsageError } from './errors.ts';
 import { lockKey } from './fingerprint.ts';
@@ -18,6 +18,20 @@ export interface OperationsHost {
 export interface HeldLocks {
   readonly keys: ReadonlySet<string>;
   readonly byPid: ReadonlySet<string>;
+}
+
+/**
+ * The committed chunks of run `r`, counted in one scan together with when the last one was
+ * claimed: `cross join lateral` it as `cs`. A chunk commits without writing the run row, so the
+ * row's `updated_at` alone says nothing about a run that is moving.
+ */
+export function doneChunks(chunks: RawBuilder<unknown>): RawBuilder<unknown> {
+  return sql`(select count(c.done_at)::int as chunks_done, max(c.done_at) as last_done from ${chunks} c where c.run_id = r.id)`;
+}
+
+/** When a run last changed: its row's `updated_at`, or its latest committed chunk where later. */
+export function lastChange(updatedAt: Date, lastDone: Date | null): Date {
+  return lastDone !== null && lastDone > updatedAt ? lastDone : updatedAt;
 }
 
 /**

@@ -13,7 +13,7 @@ import { refuseOnStandby, type HealthSetting } from './health-check.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import { faultPoint } from './fault-points.ts';
 import { silentLogger } from './log.ts';
-import { endControlledAttempt, pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
+import { doneChunks, endControlledAttempt, lastChange, pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
 import { isRetryable, retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
@@ -520,7 +520,7 @@ export class Runner {
     const s = this.schema;
     const { rows } = await sql<any>`
       select r.*,
-        (select count(*) from ${sql.id(s, 'chunks')} c where c.run_id = r.id and c.done_at is not null)::int as chunks_done,
+        cs.chunks_done, cs.last_done,
         (select coalesce(sum(planned), 0) from ${sql.id(s, 'steps')} st where st.run_id = r.id)::int as chunks_planned,
         coalesce((select bool_and(planned_all) from ${sql.id(s, 'steps')} st where st.run_id = r.id), false) as fully_planned,
         exists (select 1 from ${sql.id(s, 'chunks')} c where c.run_id = r.id and c.skipped_at is not null) as has_skipped,
@@ -528,7 +528,7 @@ export class Runner {
         extract(epoch from now() - r.attempt_started_at)::float8 as attempt_seconds,
         (select sum(case when planned_all then planned else greatest(planned, coalesce(estimated_chunks, 0)) end)
            from ${sql.id(s, 'steps')} st where st.run_id = r.id)::int as estimated_total
-      from ${sql.id(s, 'runs')} r
+      from ${sql.id(s, 'runs')} r cross join lateral ${doneChunks(sql.id(s, 'chunks'))} cs
       where ${job === undefined ? sql`true` : sql`r.job = ${job}`}
       order by r.created_at desc, r.id desc limit ${limit}`.execute(this.db);
     const held = await this.heldLocks();
@@ -552,7 +552,7 @@ export class Runner {
         chunksPlanned: r.chunks_planned,
         fullyPlanned: r.fully_planned,
         createdAt: r.created_at,
-        updatedAt: r.updated_at,
+        updatedAt: lastChange(r.updated_at, r.last_done),
         finishedAt: r.finished_at,
         error: r.error,
         summary: r.summary,

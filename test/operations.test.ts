@@ -5,6 +5,7 @@ import { defineJob, InterruptedError, Runner, type StepContext } from '../src/in
 import { CancelledError } from '../src/errors.ts';
 import type { Progress } from '../src/executor.ts';
 import { formatProgress } from '../src/progress-reporter.ts';
+import { RunViews } from '../src/server/run-view.ts';
 import { resolveThrottle, Throttle } from '../src/throttle.ts';
 import counted, { chunkKey } from './fixtures/jobs/counted.ts';
 import ranged from './fixtures/jobs/ranged.ts';
@@ -400,6 +401,53 @@ describe('idem status while runs are live', () => {
     // The estimate came from the statistics (2500 rows), not from counting the table (2600).
     const steps = await query(url, `select s.estimated_chunks from idem.steps s join idem.runs r on r.id = s.run_id where r.run_key = 'op-est'`);
     expect(steps).toEqual([{ estimated_chunks: 250 }]);
+  });
+
+  it('UPDATED of a live run moves with every chunk it commits: Runner.status, idem status --json and the HTTP run view', async () => {
+    // Before: UPDATED stayed at the attempt's start (the run row is written only at start and end),
+    // so a run committing a chunk every 200 ms read "3 min ago" and looked stuck.
+    let release!: () => void;
+    const gate = new Promise<void>((r) => (release = r));
+    let reached!: () => void;
+    const atGate = new Promise<void>((r) => (reached = r));
+    const job = defineJob({
+      name: 'status-updated',
+      steps: [
+        {
+          name: 'work',
+          chunks: () => ({ chunks: ['a', 'b', 'c', 'd'].map((key) => ({ key })), next: null }),
+          async run(_ctx: StepContext, chunk: { key: string }) {
+            if (chunk.key !== 'd') return sleep(250);
+            reached();
+            await gate;
+          },
+        },
+      ],
+    });
+    const running = runner.run(job, { key: 'su', health: false });
+    try {
+      await atGate;
+      const [{ started, last }] = await query(url, `select r.attempt_started_at as started, max(c.done_at) as last from idem.runs r join idem.chunks c on c.run_id = r.id
+        where r.job = 'status-updated' and c.done_at is not null group by r.attempt_started_at`);
+      // a, b and c committed, 250 ms apart; d is claimed, not committed (invisible to this session).
+      expect(new Date(last).getTime() - new Date(started).getTime()).toBeGreaterThanOrEqual(500);
+      const row = (await runner.status('status-updated')).find((s) => s.runKey === 'su')!;
+      expect(row).toMatchObject({ state: 'running', chunksDone: 3 });
+      expect(Math.abs(row.updatedAt.getTime() - new Date(last).getTime())).toBeLessThanOrEqual(1);
+      const json = JSON.parse((await idem(['status', '--json'])).stdout) as Array<{ runKey: string; updatedAt: string }>;
+      expect(Math.abs(new Date(json.find((x) => x.runKey === 'su')!.updatedAt).getTime() - new Date(last).getTime())).toBeLessThanOrEqual(1);
+      const reads = new pg.Pool({ connectionString: url, max: 1 });
+      try {
+        const view = await new RunViews(runner.db, reads, runner.schema, runner).byKey('status-updated', 'su');
+        expect(view).toMatchObject({ state: 'running', progress: { done: 3 } });
+        expect(Math.abs(new Date(view!.updatedAt).getTime() - new Date(last).getTime())).toBeLessThanOrEqual(1);
+      } finally {
+        await reads.end();
+      }
+    } finally {
+      release();
+    }
+    expect((await running).status).toBe('succeeded');
   });
 });
 

@@ -1,7 +1,7 @@
 import { sql, type Kysely, type RawBuilder } from 'kysely';
 import type pg from 'pg';
 import type { Json } from '../job.ts';
-import { runIsLive, type HeldLocks, type OperationsHost } from '../operations.ts';
+import { doneChunks, lastChange, runIsLive, type HeldLocks, type OperationsHost } from '../operations.ts';
 import type { RunErrorInfo, RunSummary } from '../store.ts';
 
 /** How liveness is decided: the runner's lock names and the locks held right now. */
@@ -126,7 +126,7 @@ export class RunViews {
     return sql`
       select r.id, r.job, r.run_key, r.status, r.attempt, r.holder, r.params, r.fingerprint, r.requested,
         r.created_at, r.started_at, r.updated_at, r.finished_at, r.error, r.summary, r.lock_name, r.lock_pid,
-        (select count(*) from ${s('chunks')} c where c.run_id = r.id and c.done_at is not null)::int as chunks_done,
+        cs.chunks_done, cs.last_done,
         (select count(*) from ${s('chunks')} c where c.run_id = r.id and c.done_attempt = r.attempt)::int as done_this_attempt,
         extract(epoch from now() - r.attempt_started_at)::float8 as attempt_seconds,
         coalesce((select json_agg(json_build_object(
@@ -136,7 +136,7 @@ export class RunViews {
         exists (select 1 from ${s('api_requests')} a where a.run_id = r.id) as via_api
         ${o.locks ? sql`, ${this.#heldLocksColumn()}` : sql``}
         ${o.detail ? sql`, ${this.#detailColumns()}` : sql``}
-      from ${s('runs')} r
+      from ${s('runs')} r cross join lateral ${doneChunks(s('chunks'))} cs
       where ${where}
       order by r.id desc${o.limit === undefined ? sql`` : sql` limit ${sql.lit(o.limit)}`}`;
   }
@@ -315,7 +315,7 @@ function toView(r: any, locked: boolean): RunView {
     requested: r.requested ?? null,
     createdAt: r.created_at.toISOString(),
     startedAt: iso(r.started_at),
-    updatedAt: r.updated_at.toISOString(),
+    updatedAt: lastChange(r.updated_at, r.last_done).toISOString(),
     finishedAt: iso(r.finished_at),
     progress: { done, total, fullyPlanned, percent },
     throughput: rate === null ? null : Math.round(rate * 100) / 100,
