@@ -11,8 +11,10 @@ export const SINGLE = 'single UPDATE';
 
 export interface RaceResult {
   readonly samples: ReadonlyMap<string, Sample[]>;
-  /** Enqueue times of the queue contender, when it ran. */
+  /** Enqueue times of the queue contender's timed turns, when it ran. */
   readonly enqueueMs: readonly number[];
+  /** Each contender's untimed first turn (V8 and the server's caches warming up), in ms. */
+  readonly warmupMs: ReadonlyMap<string, number>;
 }
 
 const races = new WeakMap<BenchContext, Promise<RaceResult>>();
@@ -42,8 +44,10 @@ async function runRace(ctx: BenchContext): Promise<RaceResult> {
     if (only.includes('overhead')) contenders.push(loopContender(ctx, shape, LOOP, `race_loop_${tag}`), singleUpdateContender(ctx, shape, SINGLE, `race_single_${tag}`));
     if (only.includes('queue')) contenders.push((queue = await queueContender(ctx, shape, `race_queue_${tag}`)));
     ctx.log(`backfill ${rows.toLocaleString('en-US')} rows in ${CHUNK_ROWS}-row chunks: ${contenders.map((c) => c.name).join(' / ')}, ${rounds} rounds`);
-    const samples = await alternate(rounds, contenders, ctx.log, ctx.probe);
-    return { samples, enqueueMs: queue?.enqueueMs ?? [] };
+    const warmupMs = new Map<string, number>();
+    const samples = await alternate(rounds, contenders, ctx.log, ctx.probe, { warmup: warmupMs });
+    // The queue's warm-up turn enqueued too: only the timed turns' enqueue times count.
+    return { samples, warmupMs, enqueueMs: queue?.enqueueMs.slice(1) ?? [] };
   } finally {
     await runner.close();
     await queue?.close();

@@ -11,7 +11,7 @@ const GOAL = 1.05;
  * keyset boundaries; one single UPDATE over the whole table as the lower bound.
  */
 export async function benchOverhead(ctx: BenchContext): Promise<BenchResult> {
-  const { samples } = await backfillRace(ctx);
+  const { samples, warmupMs } = await backfillRace(ctx);
   const [idemS, loopS, singleS] = [IDEM, LOOP, SINGLE].map((n) => samples.get(n)!) as [Sample[], Sample[], Sample[]];
   const [idem, loop, single] = [idemS, loopS, singleS].map(medianMs) as [number, number, number];
   const ratio = idem / loop;
@@ -23,7 +23,7 @@ export async function benchOverhead(ctx: BenchContext): Promise<BenchResult> {
       {
         benchmark: `1. overhead: backfill ${ctx.opts.rows.toLocaleString('en-US')} rows, ${chunks} chunks`,
         contenders: 'idem (Runner.run, concurrency 1) vs hand loop (BEGIN; UPDATE; COMMIT per chunk, boundaries precomputed)',
-        median: `${fmtMs(idem)} vs ${fmtMs(loop)} (${(idem / chunks).toFixed(2)} vs ${(loop / chunks).toFixed(2)} ms/chunk)`,
+        median: `${fmtMs(idem)} vs ${fmtMs(loop)} (${(idem / chunks).toFixed(2)} vs ${(loop / chunks).toFixed(2)} ms/chunk; untimed warm-up turn ${fmtMs(warmupMs.get(IDEM) ?? NaN)} vs ${fmtMs(warmupMs.get(LOOP) ?? NaN)})`,
         ratio: `${fmtRatio(ratio)} idem÷loop (paired ${fmtRatio(paired)}; CPU ${fmtRatio(cpu)})`,
         goal: `≤ ${GOAL}`,
         met: ratio <= GOAL,
@@ -38,7 +38,7 @@ export async function benchOverhead(ctx: BenchContext): Promise<BenchResult> {
       },
     ],
     details: costTable('1./2. backfill — cost per contender', samples, LOOP),
-    data: { rows: ctx.opts.rows, chunks, chunkRows: CHUNK_ROWS, samples: Object.fromEntries(samples), medianMs: { idem, loop, single }, ratio, pairedRatio: paired, cpuRatio: cpu },
+    data: { rows: ctx.opts.rows, chunks, chunkRows: CHUNK_ROWS, samples: Object.fromEntries(samples), warmupMs: Object.fromEntries(warmupMs), medianMs: { idem, loop, single }, ratio, pairedRatio: paired, cpuRatio: cpu },
   };
 }
 

@@ -25,8 +25,20 @@ export interface Sample<R = unknown> {
  * each round (A B C, B C A, C A B, …): no contender always runs first, or always right after the
  * same one (the single UPDATE's burst of WAL, say).
  */
-export async function alternate<R>(rounds: number, contenders: ReadonlyArray<Contender<R>>, log: (msg: string) => void, probe?: CostProbe): Promise<Map<string, Sample<R>[]>> {
+export async function alternate<R>(rounds: number, contenders: ReadonlyArray<Contender<R>>, log: (msg: string) => void, probe?: CostProbe, opts: AlternateOptions = {}): Promise<Map<string, Sample<R>[]>> {
   const samples = new Map<string, Sample<R>[]>(contenders.map((c) => [c.name, []]));
+  if (opts.warmup) {
+    for (const c of contenders) {
+      const prepared = await c.prepare(0);
+      try {
+        const { ms } = await timed(() => prepared.run());
+        opts.warmup.set(c.name, ms);
+        log(`  warm-up ${c.name}: ${fmtMs(ms)} (not counted)`);
+      } finally {
+        await prepared.cleanup?.();
+      }
+    }
+  }
   for (let round = 1; round <= rounds; round++) {
     for (const c of rotate(contenders, round - 1)) {
       const prepared = await c.prepare(round);
@@ -45,6 +57,16 @@ export async function alternate<R>(rounds: number, contenders: ReadonlyArray<Con
     }
   }
   return samples;
+}
+
+export interface AlternateOptions {
+  /**
+   * Runs each contender once, untimed, before the rounds and records its time here. Without it the
+   * first rounds of an in-process contender include V8 compiling its code: idem's JavaScript
+   * between two statements took 0.10 ms a chunk in its first 1 000-chunk run and 0.02-0.04 ms from
+   * the third on, while a three-statement loop is compiled at once.
+   */
+  readonly warmup?: Map<string, number>;
 }
 
 /** `xs` starting at index `by` (mod its length): the order of round `by + 1`. */

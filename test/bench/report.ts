@@ -63,7 +63,7 @@ export function renderMarkdown(meta: Meta, results: ReadonlyArray<{ name: BenchN
     `## idem benchmark — ${meta.date}`,
     '',
     `- machine: ${meta.machine.os}, ${meta.machine.cpus}, ${meta.machine.memory} RAM, node ${meta.machine.node}`,
-    `- postgres: ${meta.postgres.version} (${meta.postgres.origin}; synchronous_commit=${s.synchronous_commit}, fsync=${s.fsync}, wal_sync_method=${s.wal_sync_method}, shared_buffers=${s.shared_buffers}, max_wal_size=${s.max_wal_size})`,
+    `- postgres: ${meta.postgres.version} (${meta.postgres.origin}; synchronous_commit=${s.synchronous_commit}, fsync=${s.fsync}, wal_sync_method=${s.wal_sync_method}, shared_buffers=${s.shared_buffers}, max_wal_size=${s.max_wal_size}, huge pages ${s.huge_pages_status ?? 'n/a'})`,
     `- rows: ${meta.rows.toLocaleString('en-US')}, rounds: ${meta.rounds} (contenders alternate, the order rotating each round: A B C, B C A, …; medians)${meta.durationS ? `, total ${Math.round(meta.durationS)} s` : ''}`,
     ...(meta.load ? [`- machine load (1-min average) at start ${meta.load.start.toFixed(1)}, at end ${meta.load.end.toFixed(1)} on ${os.cpus().length} cores: wall-time ratios are only as good as the machine is quiet; CPU and WAL columns below are not inflated by other work`] : []),
     '',

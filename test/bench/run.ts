@@ -67,6 +67,9 @@ async function main(): Promise<number> {
     log(`postgres ${server.version} (${server.origin}); benchmarks: ${opts.only.join(', ')}`);
     const probe = await CostProbe.open(pool);
     if (!probe.measuresServerCpu) log('server CPU not measurable (server not local): pg cpu columns show n/a');
+    if (server.settings.huge_pages_status === 'off') {
+      log('huge pages are off: on a VM the 1 M-row wall times then swing by a third between identical turns (README, Performance); as root, sysctl -w vm.nr_hugepages=1200 before the run steadies them');
+    }
     const ctx: BenchContext = { url: server.url, pool, opts, log, probe };
     for (const name of opts.only) {
       const t0 = performance.now();
