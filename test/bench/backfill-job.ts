@@ -38,25 +38,37 @@ function parseParams(raw: unknown): BenchJobParams {
   return { table: assertIdent(p.table as string), size: size as number, work: work as ChunkWork, sleepMs: sleepMs as number };
 }
 
+/** What the job is built from: this idem, or another checkout's (bench 1's `IDEM_BENCH_BASELINE`). */
+export interface JobLib {
+  readonly defineJob: typeof defineJob;
+  readonly keyRange: typeof keyRange;
+  readonly sql: typeof sql;
+}
+
 /**
  * One chunked step over `params.table` in keyset chunks of `params.size` rows: the job every
  * benchmark runs, in-process (Runner.run) and through the CLI (test/bench/jobs/bench-backfill.ts).
  */
-export const benchBackfill = defineJob<BenchJobParams>({
-  name: 'bench-backfill',
-  description: 'benchmark backfill: normalized = lower(payload) in keyset chunks',
-  params: parseParams,
-  steps: [
-    {
-      name: 'backfill',
-      chunks: (cursor, ctx) => keyRange({ table: ctx.params.table, column: 'id', size: ctx.params.size })(cursor, ctx),
-      async run({ db, params }, { lo, hi }: KeyRangeChunk) {
-        if (params.work === 'sleep') {
-          await sql`select pg_sleep(${params.sleepMs / 1000}) ${sql.raw(JOB_TAG)}`.execute(db);
-          return;
-        }
-        await sql`update ${sql.table(params.table)} set normalized = lower(payload) where id >= ${lo} and id < ${hi} and normalized is distinct from lower(payload) ${sql.raw(JOB_TAG)}`.execute(db);
+export const benchBackfill = benchBackfillWith({ defineJob, keyRange, sql });
+
+/** The same job, built from `lib`. */
+export function benchBackfillWith({ defineJob, keyRange, sql }: JobLib) {
+  return defineJob<BenchJobParams>({
+    name: 'bench-backfill',
+    description: 'benchmark backfill: normalized = lower(payload) in keyset chunks',
+    params: parseParams,
+    steps: [
+      {
+        name: 'backfill',
+        chunks: (cursor, ctx) => keyRange({ table: ctx.params.table, column: 'id', size: ctx.params.size })(cursor, ctx),
+        async run({ db, params }, { lo, hi }: KeyRangeChunk) {
+          if (params.work === 'sleep') {
+            await sql`select pg_sleep(${params.sleepMs / 1000}) ${sql.raw(JOB_TAG)}`.execute(db);
+            return;
+          }
+          await sql`update ${sql.table(params.table)} set normalized = lower(payload) where id >= ${lo} and id < ${hi} and normalized is distinct from lower(payload) ${sql.raw(JOB_TAG)}`.execute(db);
+        },
       },
-    },
-  ],
-});
+    ],
+  });
+}

@@ -1,4 +1,4 @@
-import { backfillRace, IDEM, LOOP, SINGLE } from './backfill-race.ts';
+import { backfillRace, BASELINE, IDEM, LOOP, SINGLE } from './backfill-race.ts';
 import { fmtMs, fmtRatio, median, medianMs, pairedRatio, type Sample } from './measure.ts';
 import { costTable, type BenchContext, type BenchResult } from './report.ts';
 import { CHUNK_ROWS } from './tables.ts';
@@ -28,6 +28,18 @@ export async function benchOverhead(ctx: BenchContext): Promise<BenchResult> {
         goal: `≤ ${GOAL}`,
         met: ratio <= GOAL,
       },
+      ...(samples.has(BASELINE)
+        ? [
+            {
+              benchmark: '1. overhead against another checkout (IDEM_BENCH_BASELINE)',
+              contenders: `idem vs idem (baseline: ${process.env.IDEM_BENCH_BASELINE}), same rounds`,
+              median: `${fmtMs(idem)} vs ${fmtMs(medianMs(samples.get(BASELINE)!))}; baseline÷loop ${fmtRatio(medianMs(samples.get(BASELINE)!) / loop)}`,
+              ratio: `${fmtRatio(idem / medianMs(samples.get(BASELINE)!))} idem÷baseline (paired ${fmtRatio(pairedRatio(idemS, samples.get(BASELINE)!))})`,
+              goal: 'info',
+              met: null,
+            },
+          ]
+        : []),
       {
         benchmark: '1. lower bound: one UPDATE over the table',
         contenders: 'single UPDATE vs hand loop',

@@ -21,14 +21,14 @@ export interface Shape {
 export const defaultShape = (ctx: BenchContext): Shape => ({ rows: ctx.opts.rows, size: CHUNK_ROWS });
 
 /** idem on a fresh table; a fresh run key too, so every turn is a first run. */
-export function idemContender(ctx: BenchContext, shape: Shape, runner: Runner, name: string, prefix: string): Contender {
+export function idemContender(ctx: BenchContext, shape: Shape, runner: Pick<Runner, 'run'>, name: string, prefix: string, job: typeof benchBackfill = benchBackfill): Contender {
   return {
     name,
     async prepare(round) {
       const table = `${prefix}_${round}`;
       await prepareTable(ctx.pool, table, shape.rows);
       return {
-        run: () => runner.run(benchBackfill, { params: { table, size: shape.size }, key: `${table}-${randomBytes(4).toString('hex')}`, concurrency: 1 }),
+        run: () => runner.run(job, { params: { table, size: shape.size }, key: `${table}-${randomBytes(4).toString('hex')}`, concurrency: 1 }),
         cleanup: () => checkedDrop(ctx, table, name),
       };
     },
