@@ -7,7 +7,7 @@ import type { ChunkPage, ChunkSpec, ChunkSource, Job, Json, RunIdentity, Step, S
 import { faultPoint, faultsArmed as faults } from './fault-points.ts';
 import { CommitUnknownError, openChunkSlot, type ChunkSlot } from './chunk-slot.ts';
 import { backoffDelay, DEFAULT_BACKOFF, isRetryable, retrying, type BackoffOptions } from './retry.ts';
-import type { ClaimMode, PendingChunk, StepRow, Store } from './store.ts';
+import type { ClaimMode, PendingChunk, RetryCount, StepRow, Store } from './store.ts';
 import { resolveThrottle, Throttle, type ThrottleOptions } from './throttle.ts';
 import { sleep } from './sleep.ts';
 import { createHealthGate, type HealthSetting } from './health-check.ts';
@@ -212,7 +212,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
       /** A claim that was not expected to find a chunk found one under --max-rate: it was let go, and the next claim reserves its start first. */
       let regate = false;
       /** The next claim's answer when it came with the last COMMIT (its transaction is open), and whether all was planned when it was sent. */
-      let claimed: { rows: PendingChunk[]; plannedBefore: boolean } | undefined;
+      let claimed: ClaimedWithCommit | undefined;
       for (;;) {
         // Fail fast and stop gracefully: a slot starts no chunk once either happened.
         if (failure !== undefined || opts.stop.aborted) return;
@@ -368,8 +368,8 @@ type ChunkTry =
   | { readonly kind: 'abandoned' }
   | { readonly kind: 'backoff'; readonly ms: number }
   | { readonly kind: 'later' }
-  | { readonly kind: 'committed'; readonly chunk: PendingChunk; readonly ms: number; readonly next?: { rows: PendingChunk[]; plannedBefore: boolean } }
-  | { readonly kind: 'failed'; readonly chunk: PendingChunk; readonly err: unknown; readonly counted?: { tries: number; delayMs: number } | null };
+  | { readonly kind: 'committed'; readonly chunk: PendingChunk; readonly ms: number; readonly next?: ClaimedWithCommit }
+  | { readonly kind: 'failed'; readonly chunk: PendingChunk; readonly err: unknown; readonly counted?: RetryCount | null };
 
 /** 0-rows-claimed is "nothing to claim"; SQLSTATE IF001 is the fence trigger refusing a COMMIT. */
 const FENCED_AT_COMMIT = 'IF001';
@@ -377,6 +377,12 @@ const FENCED_AT_COMMIT = 'IF001';
 /** The next chunk's claim, sent with a COMMIT; `plannedBefore`: everything was planned when it was sent. */
 interface NextClaim {
   readonly claim: string;
+  readonly plannedBefore: boolean;
+}
+
+/** A NextClaim's answer: the claimed chunk (none, or one, in a transaction left open). */
+interface ClaimedWithCommit {
+  readonly rows: PendingChunk[];
   readonly plannedBefore: boolean;
 }
 
@@ -457,7 +463,7 @@ async function tryChunk(
       // A transient failure is counted on the chunk in the same message as the ROLLBACK that
       // frees it, so another worker cannot start a try in between that the budget does not see.
       const counted = await slot
-        .rollbackWith<{ tries: number; delayMs: number }>(store.retrySql(run.runId, run.attempt, step.name, chunk.seq, messageOf(err), retryDelays()))
+        .rollbackWith<RetryCount>(store.retrySql(run.runId, run.attempt, step.name, chunk.seq, messageOf(err), retryDelays()))
         .then((rows) => rows[0] ?? null, () => undefined);
       if (counted !== undefined) return { kind: 'failed', chunk, err, counted };
     }

@@ -21,12 +21,14 @@ export interface HeldLocks {
 }
 
 /**
- * The committed chunks of run `r`, counted in one scan together with when the last one was
- * claimed: `cross join lateral` it as `cs`. A chunk commits without writing the run row, so the
- * row's `updated_at` alone says nothing about a run that is moving.
+ * The committed chunks of run `r`, in one scan: how many (`chunks_done`), how many of them its
+ * current attempt did (`done_this_attempt`, for the rate), and when the last one was claimed
+ * (`last_done`). `cross join lateral` it as `cs`. A chunk commits without writing the run row, so
+ * the row's `updated_at` alone says nothing about a run that is moving.
  */
 export function doneChunks(chunks: RawBuilder<unknown>): RawBuilder<unknown> {
-  return sql`(select count(c.done_at)::int as chunks_done, max(c.done_at) as last_done from ${chunks} c where c.run_id = r.id)`;
+  return sql`(select count(c.done_at)::int as chunks_done, (count(*) filter (where c.done_attempt = r.attempt))::int as done_this_attempt,
+    max(c.done_at) as last_done from ${chunks} c where c.run_id = r.id)`;
 }
 
 /** When a run last changed: its row's `updated_at`, or its latest committed chunk where later. */

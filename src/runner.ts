@@ -520,11 +520,10 @@ export class Runner {
     const s = this.schema;
     const { rows } = await sql<any>`
       select r.*,
-        cs.chunks_done, cs.last_done,
+        cs.chunks_done, cs.done_this_attempt, cs.last_done,
         (select coalesce(sum(planned), 0) from ${sql.id(s, 'steps')} st where st.run_id = r.id)::int as chunks_planned,
         coalesce((select bool_and(planned_all) from ${sql.id(s, 'steps')} st where st.run_id = r.id), false) as fully_planned,
         exists (select 1 from ${sql.id(s, 'chunks')} c where c.run_id = r.id and c.skipped_at is not null) as has_skipped,
-        (select count(*) from ${sql.id(s, 'chunks')} c where c.run_id = r.id and c.done_attempt = r.attempt)::int as done_this_attempt,
         extract(epoch from now() - r.attempt_started_at)::float8 as attempt_seconds,
         (select sum(case when planned_all then planned else greatest(planned, coalesce(estimated_chunks, 0)) end)
            from ${sql.id(s, 'steps')} st where st.run_id = r.id)::int as estimated_total

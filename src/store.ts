@@ -51,6 +51,12 @@ export interface PendingChunk {
   backoffMs?: number | null;
 }
 
+/** A chunk's transient failures so far in the run's attempt, and the backoff before its next try (ms). */
+export interface RetryCount {
+  readonly tries: number;
+  readonly delayMs: number;
+}
+
 /**
  * How long a chunk whose retry budget ran out stays out of every claim of the attempt: the worker
  * that spent the last try fails the run (or skips the chunk) meanwhile, and the others see the
@@ -332,8 +338,8 @@ export class Store {
    * EXHAUSTED_HOLD. Null when the chunk is no longer pending (done or skipped by another worker
    * meanwhile) or the attempt was fenced off.
    */
-  async recordRetry(runId: string, attempt: number, step: string, seq: number, message: string, delays: readonly number[]): Promise<{ tries: number; delayMs: number } | null> {
-    const { rows } = await this.#run(sql.raw<{ tries: number; delayMs: number }>(this.retrySql(runId, attempt, step, seq, message, delays)));
+  async recordRetry(runId: string, attempt: number, step: string, seq: number, message: string, delays: readonly number[]): Promise<RetryCount | null> {
+    const { rows } = await this.#run(sql.raw<RetryCount>(this.retrySql(runId, attempt, step, seq, message, delays)));
     return rows[0] ?? null;
   }
 

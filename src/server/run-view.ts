@@ -126,8 +126,7 @@ export class RunViews {
     return sql`
       select r.id, r.job, r.run_key, r.status, r.attempt, r.holder, r.params, r.fingerprint, r.requested,
         r.created_at, r.started_at, r.updated_at, r.finished_at, r.error, r.summary, r.lock_name, r.lock_pid,
-        cs.chunks_done, cs.last_done,
-        (select count(*) from ${s('chunks')} c where c.run_id = r.id and c.done_attempt = r.attempt)::int as done_this_attempt,
+        cs.chunks_done, cs.done_this_attempt, cs.last_done,
         extract(epoch from now() - r.attempt_started_at)::float8 as attempt_seconds,
         coalesce((select json_agg(json_build_object(
             'name', st.name, 'status', st.status, 'planned', st.planned, 'plannedAll', st.planned_all, 'estimated', st.estimated_chunks,
