@@ -22,41 +22,44 @@ export interface Sample<R = unknown> {
 /**
  * Runs the contenders in alternation for `rounds` rounds, so drift in the machine (checkpoints,
  * cache, thermal) spreads over all of them instead of favouring whoever ran last. The order rotates
- * each round (A B C, B C A, C A B, …): no contender always runs first, or always right after the
- * same one (the single UPDATE's burst of WAL, say).
+ * each round (A B C, B C A, C A B, …): no contender always runs first. Within a round each one
+ * still follows the same one (B after A, C after B): bench 1 was run without its single UPDATE to
+ * see whether the turn after that one suffers, and it does not (README, Performance).
  */
 export async function alternate<R>(rounds: number, contenders: ReadonlyArray<Contender<R>>, log: (msg: string) => void, probe?: CostProbe, opts: AlternateOptions = {}): Promise<Map<string, Sample<R>[]>> {
   const samples = new Map<string, Sample<R>[]>(contenders.map((c) => [c.name, []]));
   if (opts.warmup) {
     for (const c of contenders) {
-      const prepared = await c.prepare(0);
-      try {
-        const { ms } = await timed(() => prepared.run());
-        opts.warmup.set(c.name, ms);
-        log(`  warm-up ${c.name}: ${fmtMs(ms)} (not counted)`);
-      } finally {
-        await prepared.cleanup?.();
-      }
+      const { ms } = await turn(c, 0);
+      opts.warmup.set(c.name, ms);
+      log(`  warm-up ${c.name}: ${fmtMs(ms)} (not counted)`);
     }
   }
   for (let round = 1; round <= rounds; round++) {
     for (const c of rotate(contenders, round - 1)) {
-      const prepared = await c.prepare(round);
-      try {
-        const before = await probe?.snapshot();
-        const t0 = performance.now();
-        const result = await prepared.run();
-        const ms = performance.now() - t0;
-        const cost = before ? await probe!.since(before) : undefined;
-        samples.get(c.name)!.push({ ms, result, ...(cost ? { cost } : {}) });
-        const extra = cost ? ` (node cpu ${fmtMs(cost.nodeCpuMs)}, pg cpu ${cost.pgCpuMs === null ? 'n/a' : fmtMs(cost.pgCpuMs)}, wal ${(cost.walBytes / 2 ** 20).toFixed(0)} MB, load ${cost.load1.toFixed(1)})` : '';
-        log(`  round ${round}/${rounds} ${c.name}: ${fmtMs(ms)}${extra}`);
-      } finally {
-        await prepared.cleanup?.();
-      }
+      const sample = await turn(c, round, probe);
+      samples.get(c.name)!.push(sample);
+      const { cost } = sample;
+      const extra = cost ? ` (node cpu ${fmtMs(cost.nodeCpuMs)}, pg cpu ${cost.pgCpuMs === null ? 'n/a' : fmtMs(cost.pgCpuMs)}, wal ${(cost.walBytes / 2 ** 20).toFixed(0)} MB, load ${cost.load1.toFixed(1)})` : '';
+      log(`  round ${round}/${rounds} ${c.name}: ${fmtMs(sample.ms)}${extra}`);
     }
   }
   return samples;
+}
+
+/** One turn of `c`: prepared outside the clock, `run` timed (with its cost when a probe is given), then cleaned up. */
+async function turn<R>(c: Contender<R>, round: number, probe?: CostProbe): Promise<Sample<R>> {
+  const prepared = await c.prepare(round);
+  try {
+    const before = await probe?.snapshot();
+    const t0 = performance.now();
+    const result = await prepared.run();
+    const ms = performance.now() - t0;
+    const cost = before ? await probe!.since(before) : undefined;
+    return { ms, result, ...(cost ? { cost } : {}) };
+  } finally {
+    await prepared.cleanup?.();
+  }
 }
 
 export interface AlternateOptions {
@@ -95,12 +98,6 @@ export function fmtMs(ms: number): string {
 
 export function fmtRatio(x: number): string {
   return Number.isFinite(x) ? x.toFixed(x >= 10 ? 1 : 3) : 'n/a';
-}
-
-export async function timed<R>(fn: () => Promise<R>): Promise<{ ms: number; result: R }> {
-  const t0 = performance.now();
-  const result = await fn();
-  return { ms: performance.now() - t0, result };
 }
 
 /** The median over rounds of a's time ÷ b's time in the same round: drift between rounds cancels out. */
