@@ -47,13 +47,15 @@ interface RunCodeRow {
  * operator allowed it: `refuseChangedCode` ran before the lock) appends the change, shown by
  * `idem status`, and adopts the new fingerprint.
  */
-export async function recordCodeFingerprint(db: Kysely<any>, schema: string, run: RunCodeRow, job: Job, attempt: number): Promise<void> {
+export async function recordCodeFingerprint(db: Kysely<any>, schema: string, run: RunCodeRow, job: Job, attempt: number, joined = false): Promise<void> {
   const now = codeFingerprint(job);
   const before = run.code_fingerprint ?? null;
   if (now === null || before === now) return;
   const runs = sql.id(schema, 'runs');
   // A run's first attempt (or a run recorded before idem kept fingerprints) adopts the current code.
-  if (before === null || attempt === 1) {
+  // A worker joining a live attempt under other code (allowed) changes the code of that attempt,
+  // its first one included: recorded like a resume's change, at the attempt it joined.
+  if (before === null || (attempt === 1 && !joined)) {
     await sql`update ${runs} set code_fingerprint = ${now} where id = ${run.id}`.execute(db);
     return;
   }

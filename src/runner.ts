@@ -386,7 +386,7 @@ export class Runner {
     const stop = AbortSignal.any([lock.lost, control.signal, ...(opts.signal ? [opts.signal] : [])]);
     const abort = AbortSignal.any([lock.lost, ...(opts.abortSignal ? [opts.abortSignal] : [])]);
     try {
-      if (!joined) await retrying(() => recordCodeFingerprint(this.db, this.schema, current, job, attempt));
+      await retrying(() => recordCodeFingerprint(this.db, this.schema, current, job, attempt, joined));
       // The worker that starts the attempt makes skipped chunks pending again; one joining it does
       // not, or it would undo the skips this attempt has made since (every joiner retrying them).
       if (opts.retrySkipped && !joined) {

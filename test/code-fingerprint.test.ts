@@ -3,7 +3,7 @@ import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { defineJob, exitCodeOf, Runner, RunFailedError, sql } from '../src/index.ts';
 import { CodeChangedError } from '../src/code-fingerprint.ts';
-import { killLeftovers, lines, query, REPO, runCli, runRow } from './support/cli.ts';
+import { holdGate, killLeftovers, lines, query, REPO, runCli, runRow, waitFor } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 const testDb = useTestDatabase({ fixtureTables: true });
@@ -113,6 +113,55 @@ describe('code changes between attempts', () => {
     } finally {
       await runner.close();
     }
+  });
+
+  it('a worker joining a live run under other code is refused without the flag; with it, it joins and the change is recorded', async () => {
+    const [a, b] = await Promise.all([Runner.connect({ connectionString: url }), Runner.connect({ connectionString: url })]);
+    const gate = await holdGate(url, 'code-join');
+    let first: Promise<unknown> | undefined;
+    let second: Promise<unknown> | undefined;
+    try {
+      const gated = (version: string) =>
+        defineJob({
+          name: 'joined-code',
+          version,
+          steps: [
+            {
+              name: 'work',
+              chunks: () => ({ chunks: [{ key: 'x' }, { key: 'y' }, { key: 'z' }], next: null }),
+              async run({ db, run }, { key }) {
+                if (key === 'x') await sql`select 1 from gates where name = 'code-join' for share`.execute(db);
+                await sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values ('joined-code', ${run.runKey}, 'work', ${key}, ${run.attempt}, 0)`.execute(db);
+              },
+            },
+          ],
+        });
+      first = a.run(gated('1'), { key: 'j', join: true });
+      await waitFor(async () => (await query(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`))[0].n > 0, 'chunk x to wait at the gate');
+      const refused = await b.run(gated('2'), { key: 'j', join: true }).catch((e: unknown) => e);
+      expect(refused).toBeInstanceOf(CodeChangedError);
+      expect(await runRow(url, 'joined-code', 'j')).toMatchObject({ status: 'running', attempt: 1, code_fingerprint: 'version:1', code_changes: null });
+      second = b.run(gated('2'), { key: 'j', join: true, allowChangedCode: true });
+      const joinedRow = await waitFor(async () => {
+        const row = await runRow(url, 'joined-code', 'j');
+        return row.code_changes ? row : undefined;
+      }, 'the joiner to record the change');
+      expect(joinedRow).toMatchObject({ status: 'running', attempt: 1, code_fingerprint: 'version:2', code_changes: [{ from: 'version:1', to: 'version:2', attempt: 1, at: expect.any(String) }] });
+    } finally {
+      await gate.release();
+      await Promise.allSettled([first, second]);
+      await Promise.all([a.close(), b.close()]);
+    }
+    expect(await first).toMatchObject({ attempt: 1 });
+    expect(await second).toMatchObject({ attempt: 1 });
+    const row = await runRow(url, 'joined-code', 'j');
+    expect(row).toMatchObject({ status: 'succeeded', attempt: 1, code_fingerprint: 'version:2' });
+    expect(row.code_changes).toHaveLength(1);
+    expect(await query(url, `select chunk_key, count(*)::int as n from work_log where job = 'joined-code' group by 1 order by 1`)).toEqual([
+      { chunk_key: 'x', n: 1 },
+      { chunk_key: 'y', n: 1 },
+      { chunk_key: 'z', n: 1 },
+    ]);
   });
 
   it('refuses a version that is neither a string nor a number at load time', () => {
