@@ -67,16 +67,22 @@ export interface PruneResult {
 
 const t = (h: Pick<OperationsHost, 'schema'>, name: string) => sql.id(h.schema, name);
 
-async function targetRun(h: OperationsHost, job: string, key: string | undefined, statuses: readonly string[], verb: string): Promise<RunRow> {
+/**
+ * The run an operator command acts on: the one with `key`, else the job's latest run in one of
+ * `statuses`, a running one first. `pausePending`: a running run with a pause pending counts too
+ * (resume withdraws it).
+ */
+async function targetRun(h: OperationsHost, job: string, key: string | undefined, statuses: readonly string[], verb: string, pausePending = false): Promise<RunRow> {
+  const applies = pausePending ? sql`(status = any(${statuses}::text[]) or (status = 'running' and requested = 'pause'))` : sql`status = any(${statuses}::text[])`;
   const { rows } = await sql<RunRow>`select * from ${t(h, 'runs')}
-    where job = ${job} and ${key === undefined ? sql`status = any(${statuses}::text[])` : sql`run_key = ${key}`}
+    where job = ${job} and ${key === undefined ? applies : sql`run_key = ${key}`}
     order by status = 'running' desc, created_at desc, id desc limit 1`.execute(h.db);
   const run = rows[0];
   if (!run) {
     throw new UsageError(
       'unknownRun',
       key === undefined
-        ? `job "${job}" has no run to ${verb} (none is ${statuses.join(' or ')}); see idem status ${job}`
+        ? `job "${job}" has no run to ${verb} (none is ${statuses.join(' or ')}${pausePending ? ' or running with a pause pending' : ''}); see idem status ${job}`
         : `job "${job}" has no run with key "${key}"; see idem status ${job} for its run keys`,
     );
   }
@@ -106,9 +112,10 @@ export async function requestControl(h: OperationsHost, job: string, what: 'paus
     const live = await isLive(h, run);
     const newStatus = live ? run.status : what === 'pause' ? 'paused' : 'cancelled';
     // Compare-and-set on what was read: a run that finished (or was taken over) in between is not
-    // brought back to life; the request is re-decided on its new state instead.
-    // `requested` is set even for a run nobody executes: a process that starts in between sees it.
-    const { rows } = await sql<{ status: string }>`update ${t(h, 'runs')} set requested = ${what}, status = ${newStatus}, updated_at = now(),
+    // brought back to life; the request is re-decided on its new state instead. A run nobody
+    // executes takes the status at once and keeps no request (a process starting in between bumps
+    // the attempt first, which fails this compare-and-set: the request is then made to it, live).
+    const { rows } = await sql<{ status: string }>`update ${t(h, 'runs')} set requested = ${live ? what : null}, status = ${newStatus}, updated_at = now(),
         finished_at = case when ${newStatus} = 'cancelled' then now() else finished_at end
       where id = ${run.id} and status = ${run.status} and attempt = ${run.attempt} and requested is not distinct from ${run.requested}
       returning status`.execute(h.db);
@@ -120,7 +127,7 @@ export async function requestControl(h: OperationsHost, job: string, what: 'paus
 
 /** Undoes a pause: the run becomes resumable (the next `idem run` or cron tick continues it). */
 export async function resumeRun(h: OperationsHost, job: string, key?: string): Promise<ControlResult> {
-  let run = await targetRun(h, job, key, ['paused'], 'resume');
+  let run = await targetRun(h, job, key, ['paused'], 'resume', true);
   for (let tries = 1; ; tries++) {
     if (run.status !== 'paused' && !(run.status === 'running' && run.requested === 'pause')) {
       throw new UsageError('cannotControl', `run "${run.run_key}" of job "${job}" is ${run.status}, not paused: nothing to resume`);
@@ -131,7 +138,7 @@ export async function resumeRun(h: OperationsHost, job: string, key?: string): P
       returning status`.execute(h.db);
     if (rows[0]) return { job, runKey: run.run_key, status: rows[0].status, live: run.status === 'running' };
     if (tries >= CAS_TRIES) throw new BusyError(`run "${run.run_key}" of job "${job}" kept changing while the resume was requested; try again`);
-    run = await targetRun(h, job, run.run_key, ['paused'], 'resume');
+    run = await targetRun(h, job, run.run_key, ['paused'], 'resume', true);
   }
 }
 

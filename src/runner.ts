@@ -343,6 +343,7 @@ export class Runner {
     const joined = !lock.firstWorker;
     if (current.status === 'succeeded' && !(opts.retrySkipped && (current.summary?.skipped ?? 0) > 0)) return alreadyDone(current);
     refuseControlled(current);
+    if (current.requested) await this.#endByPendingRequest(job, current, joined);
     if (opts.resumeFailed === false && current.status === 'failed') throw recordedFailure(current);
     refuseChangedCode(current, job, opts.allowChangedCode ?? false);
     await faultPoint('after-lock');
@@ -437,6 +438,25 @@ export class Runner {
     }
   }
 
+  /**
+   * An operator paused or cancelled the run while a worker was live, and that worker stopped (killed,
+   * failed) before acting on it. The first worker of the next attempt ends the run by the request
+   * and throws, before any work; a joiner meets a live attempt that is about to stop and is busy.
+   * A request withdrawn meanwhile (resume) leaves the run to continue.
+   */
+  async #endByPendingRequest(job: Job, run: RunRow, joined: boolean): Promise<void> {
+    const what = run.requested!;
+    if (joined) {
+      throw new BusyError(`run ${run.run_key} of job "${job.name}" is ending in the processes that share it (an operator's ${what} is pending); try again once they stopped`);
+    }
+    const ended = await this.store.endByPendingRequest(run.id, run.attempt, run.status, what);
+    if (ended === null) return;
+    this.#log.warn({ job: job.name, runKey: run.run_key, status: ended }, `run ${ended} by an operator's request that its last worker did not live to honour`);
+    throw ended === 'paused'
+      ? new PausedError(`job "${job.name}" paused by an operator (the request was pending when its last worker stopped); run idem resume ${job.name} --key ${run.run_key} to let it continue`)
+      : new CancelledError(`job "${job.name}" cancelled by an operator (the request was pending when its last worker stopped); finished chunks are kept; idem reset ${job.name} --key ${run.run_key} forgets the run`);
+  }
+
   /** Records how an attempt ended and returns the error to throw. A fenced attempt writes nothing. */
   async #recordEnd(runId: string, attempt: number, job: Job, runKey: string, err: unknown, log: Logger, lock: HeldLock): Promise<unknown> {
     if (err instanceof FailedElsewhere) {
@@ -474,6 +494,18 @@ export class Runner {
         );
       }
       if (others === null) await this.store.endRun(runId, attempt, 'interrupted', null).catch(() => {});
+      // An operator's pause or cancel that came too late for this attempt to act on is honoured
+      // by how it ended (Store: #endAttempt): say so instead of "rerun to resume".
+      const ended = await this.store.getRun(runId).then((r) => (r.attempt === attempt ? r.status : null), () => null);
+      if (ended === 'paused' || ended === 'cancelled') {
+        log.warn({ signal: err.signal, status: ended }, `run ${ended} by an operator's request`);
+        return new InterruptedError(
+          err.signal,
+          ended === 'paused'
+            ? `interrupted by ${err.signal}; an operator's pause was pending, so the run is paused: idem resume ${job.name} --key ${runKey} lets it continue`
+            : `interrupted by ${err.signal}; an operator's cancel was pending, so the run is cancelled: finished chunks are kept; idem reset ${job.name} --key ${runKey} forgets the run`,
+        );
+      }
       log.warn({ signal: err.signal }, 'run interrupted; rerun to resume');
       return err;
     }

@@ -514,12 +514,36 @@ export class Store {
     return rows[0]?.summary ?? null;
   }
 
-  /** How an attempt ends when it did not succeed: the one statement behind endRun, failRun and interruptRunSql. */
+  /**
+   * How an attempt ends when it did not succeed: the one statement behind endRun, failRun and
+   * interruptRunSql. An operator's pause or cancel that the attempt had not acted on yet (it stopped
+   * for a signal first) is honoured: the run ends paused or cancelled instead of interrupted, so no
+   * later invocation starts work the operator stopped. A failed run keeps the request, and the next
+   * invocation honours it before any work (Store.endByPendingRequest).
+   */
   #endAttempt(runId: string, attempt: number, status: 'failed' | 'interrupted' | 'paused' | 'cancelled', error: RunErrorInfo | null): RawBuilder<unknown> {
-    return sql`update ${this.#runs} set status = ${status}, updated_at = now(), holder = null, requested = null,
+    const next =
+      status === 'interrupted' ? sql`case requested when 'pause' then 'paused' when 'cancel' then 'cancelled' else 'interrupted' end` : sql`${status}::text`;
+    return sql`update ${this.#runs} set status = ${next}, updated_at = now(), holder = null,
+        requested = ${status === 'failed' ? sql`requested` : sql`null`},
         error = ${error === null ? null : JSON.stringify(error)}::jsonb,
-        finished_at = case when ${status} = 'cancelled' then now() else finished_at end
+        finished_at = case when ${next} = 'cancelled' then now() else finished_at end
       where id = ${runId} and attempt = ${attempt}`;
+  }
+
+  /**
+   * Ends a run that no worker executes by the pause or cancel an operator requested while its last
+   * worker was alive, when that worker died (or failed) before acting on it: called by the next
+   * invocation under the run's lock, before any work. Compare-and-set on what was read; returns the
+   * new status, or null when the run changed meanwhile (a resume withdrew the request).
+   */
+  async endByPendingRequest(runId: string, attempt: number, status: string, requested: 'pause' | 'cancel'): Promise<'paused' | 'cancelled' | null> {
+    const { rows } = await this.#run(sql<{ status: 'paused' | 'cancelled' }>`update ${this.#runs}
+      set status = case requested when 'pause' then 'paused' else 'cancelled' end, requested = null, holder = null, updated_at = now(),
+        finished_at = case when requested = 'cancel' then now() else finished_at end
+      where id = ${runId} and attempt = ${attempt} and status = ${status} and requested = ${requested}
+      returning status`);
+    return rows[0]?.status ?? null;
   }
 
   /** The statement of `endRun(runId, attempt, 'interrupted', null)`, for the lock's session. */

@@ -137,11 +137,13 @@ describe('pause and resume', () => {
     const paused = await idem(['pause', 'counted', '--key', key]);
     expect(paused.code, paused.stderr).toBe(0);
     expect(paused.stdout).toBe(`pause: run ${key} of job "counted" now paused\n`);
-    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'paused', finished_at: null });
+    // Nobody executes it: the status is the whole answer, with no request left pending beside it.
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'paused', finished_at: null, requested: null });
+    expect((await runner.status('counted')).find((s) => s.runKey === key)?.requested).toBeNull();
 
     expect(await runner.cancel('counted', key)).toEqual({ job: 'counted', runKey: key, status: 'cancelled', live: false });
     const row = await runRow(url, 'counted', key);
-    expect(row.status).toBe('cancelled');
+    expect(row).toMatchObject({ status: 'cancelled', requested: null });
     expect(row.finished_at).toBeInstanceOf(Date);
 
     const late = await idem(['pause', 'counted', '--key', key]);
@@ -206,6 +208,103 @@ describe('pause without --key while a run is live', () => {
     expect(await runRow(url, 'counted', 'op-live-pause')).toMatchObject({ status: 'paused' });
     await idem(['cancel', 'counted', '--key', 'op-live-pause']);
     await idem(['cancel', 'counted', '--key', 'op-phantom-pause']);
+  });
+});
+
+describe('a request the live run could not act on is not lost', () => {
+  // The worker stops for another reason (SIGTERM, SIGKILL) after an operator asked it to pause or
+  // cancel: the run ends by the request all the same, and no later invocation does any more work.
+  for (const what of ['cancel', 'pause'] as const) {
+    it(`${what} requested while a SIGTERMed worker finishes its in-flight chunk: the run ends ${what === 'cancel' ? 'cancelled' : 'paused'}, and a rerun does no work`, async () => {
+      const key = `op-term-${what}`;
+      const params = { chunks: 6, gate: `g-term-${what}` };
+      const gate = await holdGate(url, params.gate);
+      let child: ReturnType<typeof spawnCli>;
+      try {
+        child = spawnCli(countedArgs(key, params, ['--log-level', 'info']), { url });
+        await someoneBlocked(); // c0001 in flight at the gate
+        child.child.kill('SIGTERM');
+        await waitFor(async () => child.stderr().includes('SIGTERM'), 'the worker to take the SIGTERM');
+        const asked = await idem([what, 'counted', '--key', key]);
+        expect([asked.code, asked.stdout], asked.stderr).toEqual([0, `${what}: run ${key} of job "counted" requested: the live run stops at its next chunk boundary\n`]);
+      } finally {
+        await gate.release();
+      }
+      const r = await child!.done;
+      expect(r.code, r.stderr).toBe(143);
+      const ended = await runRow(url, 'counted', key);
+      expect(ended).toMatchObject({ status: what === 'cancel' ? 'cancelled' : 'paused', requested: null, attempt: 1 });
+      expect(await doneWork(key)).toEqual(['c0001']);
+      const again = await runCli(countedArgs(key, params), { url });
+      expect(again.code, again.stderr).toBe(what === 'cancel' ? 1 : 75);
+      expect(what === 'cancel' ? again.stderr : busyMessage(again.stderr)).toMatch(what === 'cancel' ? `run ${key} of job "counted" was cancelled` : `run ${key} of job "counted" is paused`);
+      expect(await doneWork(key)).toEqual(['c0001']);
+      expect(await runRow(url, 'counted', key)).toMatchObject({ status: what === 'cancel' ? 'cancelled' : 'paused', attempt: 1 });
+      if (what === 'pause') await idem(['cancel', 'counted', '--key', key]);
+    });
+
+    it(`${what} requested, then the worker is SIGKILLed: the next invocation ends the run ${what === 'cancel' ? 'cancelled' : 'paused'} before any work`, async () => {
+      const key = `op-kill-${what}`;
+      const params = { chunks: 6, gate: `g-kill-${what}` };
+      const gate = await holdGate(url, params.gate);
+      let child: ReturnType<typeof spawnCli>;
+      try {
+        child = spawnCli(countedArgs(key, params), { url });
+        await someoneBlocked();
+        const asked = await idem([what, 'counted', '--key', key]);
+        expect(asked.code, asked.stderr).toBe(0);
+        child.child.kill('SIGKILL');
+        expect((await child.done).signal).toBe('SIGKILL');
+      } finally {
+        await gate.release();
+      }
+      await waitFor(async () => (await sessions(url, 'idem-lock')) === 0, 'the killed lock session to end');
+      expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'running', requested: what, attempt: 1 });
+      const done = await doneWork(key);
+      const again = await runCli(countedArgs(key, params), { url });
+      expect(again.code, again.stderr).toBe(what === 'cancel' ? 1 : 75);
+      expect(what === 'cancel' ? again.stderr : busyMessage(again.stderr)).toMatch(
+        `job "counted" ${what === 'cancel' ? 'cancelled' : 'paused'} by an operator (the request was pending when its last worker stopped)`,
+      );
+      expect(await doneWork(key)).toEqual(done);
+      // The invocation took the crashed run over (attempt 2) and ended it there, before any work.
+      expect(await runRow(url, 'counted', key)).toMatchObject({ status: what === 'cancel' ? 'cancelled' : 'paused', requested: null, attempt: 2 });
+      if (what === 'pause') await idem(['cancel', 'counted', '--key', key]);
+    });
+  }
+});
+
+describe('resume without --key while a run is live', () => {
+  it('withdraws the pause pending on the live run, not an older paused run, whatever a busy invocation left pending', async () => {
+    const params = { chunks: 6, gate: 'g-live-resume' };
+    // An older run of the job, paused by an operator while nobody executed it.
+    await query(url, `insert into fail_chunks values ('c0002', null, null)`);
+    const old = await runCli(countedArgs('op-old-paused', { chunks: 3 }), { url });
+    expect(old.code).toBe(1);
+    await query(url, 'delete from fail_chunks');
+    expect((await idem(['pause', 'counted', '--key', 'op-old-paused'])).code).toBe(0);
+    const gate = await holdGate(url, params.gate);
+    let child: ReturnType<typeof spawnCli>;
+    try {
+      child = spawnCli(countedArgs('op-live-resume', params), { url });
+      await someoneBlocked();
+      expect((await runCli(countedArgs('op-busy-resume', params), { url })).code).toBe(75);
+      expect((await idem(['pause', 'counted'])).stdout).toMatch('run op-live-resume of job "counted" requested');
+      const resumed = await idem(['resume', 'counted']);
+      expect(resumed.code, resumed.stderr).toBe(0);
+      expect(resumed.stdout).toMatch('op-live-resume');
+      expect(await runRow(url, 'counted', 'op-live-resume')).toMatchObject({ status: 'running', requested: null });
+      expect(await runRow(url, 'counted', 'op-old-paused')).toMatchObject({ status: 'paused' });
+    } finally {
+      await gate.release();
+    }
+    const r = await child!.done;
+    // The pause may have reached the live run before the resume withdrew it: then it stops with
+    // the run interrupted (75), as documented; else it finishes the run.
+    expect([0, 75], r.stderr).toContain(r.code);
+    expect((await runRow(url, 'counted', 'op-live-resume')).status).toBe(r.code === 0 ? 'succeeded' : 'interrupted');
+    expect(await runRow(url, 'counted', 'op-old-paused')).toMatchObject({ status: 'paused' });
+    for (const key of ['op-old-paused', 'op-live-resume', 'op-busy-resume']) await idem(['cancel', 'counted', '--key', key]);
   });
 });
 
