@@ -12,9 +12,9 @@ beforeAll(() => {
   url = testDb.url;
 });
 
-const params = (chunks: number, pauseMs: number) => JSON.stringify({ chunks, pauseMs, label: 'x', gate: null });
-const join = (key: string, chunks: number, pauseMs: number, extra: string[] = []) =>
-  spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params(chunks, pauseMs), '--key', key, '--join', ...extra], { url, timeoutMs: 120_000 });
+const params = (chunks: number, pauseMs: number, gate: string | null = null) => JSON.stringify({ chunks, pauseMs, label: 'x', gate });
+const join = (key: string, chunks: number, pauseMs: number, extra: string[] = [], gate: string | null = null) =>
+  spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params(chunks, pauseMs, gate), '--key', key, '--join', ...extra], { url, timeoutMs: 120_000 });
 
 /** Every `work` chunk of the run committed exactly once; returns how many distinct processes did work. */
 async function expectExactlyOnce(key: string, chunks: number): Promise<number> {
@@ -190,8 +190,16 @@ describe('every worker stopped at once', () => {
     // not rolled back). The fixture's retry: 5 tries, backoff 10-50 ms.
     await query(url, `insert into fail_chunks (chunk_key, sqlstate, times) values ('c0005', '40001', 1000000)`);
     await query(url, 'alter sequence fixture_tries restart');
+    // Every chunk waits at a gate until all three workers hold one: a worker that started late
+    // (a loaded machine) would otherwise find the run failed already and resume it, a new budget.
+    const gate = await holdGate(url, 'g-budget');
     try {
-      const workers = Array.from({ length: 3 }, () => join('budget', 200, 20));
+      const workers = Array.from({ length: 3 }, () => join('budget', 200, 20, [], 'g-budget'));
+      try {
+        await waitFor(async () => (await query(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`))[0].n >= 3, 'all three workers at the gate', { timeoutMs: 60_000 });
+      } finally {
+        await gate.release();
+      }
       const results = await Promise.all(workers.map((w) => w.done));
       expect(results.map((r) => r.code)).toEqual([1, 1, 1]);
       const [seq] = await query<{ tries: string }>(url, `select last_value as tries from fixture_tries`);
