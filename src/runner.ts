@@ -1,5 +1,5 @@
 import { hostname } from 'node:os';
-import { sql } from 'kysely';
+import { sql, type Kysely } from 'kysely';
 import type { Logger } from 'pino';
 import { acquireAdvisoryLock, type HeldLock } from './advisory-lock.ts';
 import { openDatabase, type Database } from './database.ts';
@@ -549,6 +549,24 @@ export class Runner {
 
   /** Runs with progress, newest first; `running` only where the job's advisory lock is really held. */
   async status(job?: string, limit = 50): Promise<RunStatusRow[]> {
+    return this.snapshot((view) => view.status(job, limit));
+  }
+
+  /**
+   * Reads in one snapshot (a read-only, repeatable-read transaction): every count of one answer of
+   * `idem status` (the run's, its steps', its workers') sees the same committed chunks, however
+   * fast the workers commit meanwhile. `view.db` is the transaction, for further reads of the same
+   * answer.
+   */
+  snapshot<T>(fn: (view: { readonly db: Kysely<any>; status(job?: string, limit?: number): Promise<RunStatusRow[]> }) => Promise<T>): Promise<T> {
+    return this.db
+      .transaction()
+      .setIsolationLevel('repeatable read')
+      .setAccessMode('read only')
+      .execute((trx) => fn({ db: trx, status: (job, limit = 50) => this.#status(trx, job, limit) }));
+  }
+
+  async #status(db: Kysely<any>, job: string | undefined, limit: number): Promise<RunStatusRow[]> {
     const s = this.schema;
     const { rows } = await sql<any>`
       select r.*,
@@ -561,12 +579,12 @@ export class Runner {
            from ${sql.id(s, 'steps')} st where st.run_id = r.id)::int as estimated_total
       from ${sql.id(s, 'runs')} r cross join lateral ${doneChunks(sql.id(s, 'chunks'))} cs
       where ${job === undefined ? sql`true` : sql`r.job = ${job}`}
-      order by r.created_at desc, r.id desc limit ${limit}`.execute(this.db);
-    const held = await this.heldLocks();
+      order by r.created_at desc, r.id desc limit ${limit}`.execute(db);
+    const held = await this.heldLocks(db);
     const skippedByRun = new Map<string, RunStatusRow['skipped']>();
     const workersByRun = new Map<string, RunWorker[]>();
-    for (const r of rows) if (r.status === 'running') workersByRun.set(String(r.id), await this.#workers(String(r.id), Number(r.attempt)));
-    for (const r of rows) if (r.has_skipped) skippedByRun.set(String(r.id), await this.store.skippedChunks(String(r.id)));
+    for (const r of rows) if (r.status === 'running') workersByRun.set(String(r.id), await this.#workers(db, String(r.id), Number(r.attempt)));
+    for (const r of rows) if (r.has_skipped) skippedByRun.set(String(r.id), await this.store.skippedChunks(String(r.id), 20, db));
     return rows.map((r) => {
       const state = r.status === 'running' ? (runIsLive(r, held, this.#ops()) ? 'running' : 'crashed') : r.status;
       const rate = state === 'running' && r.attempt_seconds > 0 && r.done_this_attempt > 0 ? r.done_this_attempt / r.attempt_seconds : null;
@@ -603,7 +621,7 @@ export class Runner {
    * Live workers of a run: the sessions holding the run's own lock, named `idem-lock host:pid`
    * (a run of an older idem, or under idem migrate, shows its one lock holder by the run row).
    */
-  async #workers(runId: string, attempt: number): Promise<RunWorker[]> {
+  async #workers(db: Kysely<any>, runId: string, attempt: number): Promise<RunWorker[]> {
     const key = lockKey(this.runLockName(runId));
     const { rows } = await sql<{ worker: string; chunks: number; last_minute: number; seconds: number }>`
       with live as (
@@ -619,16 +637,16 @@ export class Runner {
         (select count(*) from ${sql.id(this.schema, 'chunks')} c where c.run_id = ${runId} and c.done_by = live.worker and c.done_at > now() - interval '60 seconds')::int as last_minute,
         -- A worker younger than a minute is rated over its own lifetime, not over 60 s.
         least(60, greatest(1, extract(epoch from now() - live.since)))::float8 as seconds
-      from live order by live.worker`.execute(this.db);
+      from live order by live.worker`.execute(db);
     return rows.map((r) => ({ worker: r.worker, chunks: r.chunks, rate: Math.round((r.last_minute / r.seconds) * 100) / 100 }));
   }
 
   /** The session advisory locks held in this database right now. */
-  async heldLocks(): Promise<HeldLocks> {
+  async heldLocks(db: Kysely<any> = this.db): Promise<HeldLocks> {
     const { rows } = await sql<{ key: string; pid: number }>`
       select ((classid::bigint << 32) | objid::bigint)::text as key, pid from pg_locks
       where locktype = 'advisory' and objsubid = 1 and granted
-        and database = (select oid from pg_database where datname = current_database())`.execute(this.db);
+        and database = (select oid from pg_database where datname = current_database())`.execute(db);
     return { keys: new Set(rows.map((r) => r.key)), byPid: new Set(rows.map((r) => `${r.pid}:${r.key}`)) };
   }
 }

@@ -437,10 +437,12 @@ export class Store {
   }
 
   /** Skipped chunks of a run with their errors, for `idem status`. */
-  async skippedChunks(runId: string, limit = 20): Promise<Array<{ step: string; key: string; error: string | null; attempts: number }>> {
-    const { rows } = await this.#run(sql<{ step: string; key: string; error: string | null; attempts: number }>`
+  async skippedChunks(runId: string, limit = 20, db?: Kysely<any>): Promise<Array<{ step: string; key: string; error: string | null; attempts: number }>> {
+    const query = sql<{ step: string; key: string; error: string | null; attempts: number }>`
       select step, key, error, attempts from ${this.#chunks}
-      where run_id = ${runId} and skipped_at is not null order by step, seq limit ${limit}`);
+      where run_id = ${runId} and skipped_at is not null order by step, seq limit ${limit}`;
+    // In a caller's transaction (a status snapshot) it runs once, not retried on a new connection.
+    const { rows } = db ? await query.execute(db) : await this.#run(query);
     return rows;
   }
 

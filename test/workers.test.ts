@@ -111,6 +111,31 @@ describe('idem status of a shared run', () => {
     await second.done;
   });
 
+  it('one answer of idem status --json is one snapshot: run, steps and workers count the same chunks while 3 workers commit', async () => {
+    const workers = Array.from({ length: 3 }, () => join('snapshot', 2000, 10));
+    try {
+      await waitFor(async () => (await query(url, `select count(*)::int as n from work_log where run_key = 'snapshot' and step = 'work'`))[0].n >= 10, 'the workers to commit chunks');
+      let samples = 0;
+      for (let i = 0; i < 8 && workers.some((w) => w.child.exitCode === null); i++) {
+        const r = await runCli([...FIXTURE_DIRS, 'status', 'counted', '--key', 'snapshot', '--json'], { url });
+        expect(r.code, r.stderr).toBe(0);
+        const v = JSON.parse(r.stdout) as { state: string; chunksDone: number; steps: Array<{ done: number }>; workers: Array<{ chunks: number }> };
+        if (v.state !== 'running') break;
+        samples++;
+        const stepsDone = v.steps.reduce((n, st) => n + st.done, 0);
+        expect([v.chunksDone, stepsDone], r.stdout).toEqual([v.chunksDone, v.chunksDone]);
+        // Every chunk of this attempt was committed by a worker still alive: the workers' counts add up to the run's, less the first step's chunk.
+        const byWorkers = v.workers.reduce((n, w) => n + w.chunks, 0);
+        expect(byWorkers, r.stdout).toBeLessThanOrEqual(v.chunksDone);
+        expect(byWorkers, r.stdout).toBeGreaterThanOrEqual(v.chunksDone - 1);
+      }
+      expect(samples).toBeGreaterThan(2);
+    } finally {
+      for (const w of workers) w.child.kill('SIGKILL');
+      await Promise.all(workers.map((w) => w.done));
+    }
+  });
+
   it('every session of a worker is named after it in pg_stat_activity: its work sessions `idem host:pid`, its lock session `idem-lock host:pid`', async () => {
     const first = join('session-names', 300, 40);
     const second = join('session-names', 300, 40);

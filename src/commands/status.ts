@@ -68,16 +68,16 @@ export interface StepDetail {
   readonly skipped: number;
 }
 
-async function stepDetails(runner: Runner, runId: string): Promise<StepDetail[]> {
+async function stepDetails(db: Runner['db'], schema: string, runId: string): Promise<StepDetail[]> {
   // kysely's sql through idem's own module, never `import('kysely')`: a dynamic import of the package
   // needs its whole namespace, so the bundle would keep every dialect, plugin and helper of kysely.
   const { sql } = await import('../cli-runtime.ts');
-  const s = runner.schema;
+  const s = schema;
   const { rows } = await sql<{ name: string; status: string; planned: number; planned_all: boolean; estimated_chunks: number | null; done: number; skipped: number }>`
     select st.name, st.status, st.planned, st.planned_all, st.estimated_chunks,
       (select count(*) from ${sql.id(s, 'chunks')} c where c.run_id = st.run_id and c.step = st.name and c.done_at is not null)::int as done,
       (select count(*) from ${sql.id(s, 'chunks')} c where c.run_id = st.run_id and c.step = st.name and c.skipped_at is not null)::int as skipped
-    from ${sql.id(s, 'steps')} st where st.run_id = ${runId} order by st.position`.execute(runner.db);
+    from ${sql.id(s, 'steps')} st where st.run_id = ${runId} order by st.position`.execute(db);
   return rows.map((r) => ({ name: r.name, status: r.status, done: r.done, planned: r.planned, plannedAll: r.planned_all, estimated: r.estimated_chunks, skipped: r.skipped }));
 }
 
@@ -157,10 +157,14 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
         const tty = process.stdout.isTTY === true && !process.env.NO_COLOR;
         if (o.key !== undefined) {
           // status() lists newest first; a run key is unique per job, so search that job's runs.
-          const runs = await runner.status(job, 10_000);
-          const run = runs.find((r) => r.runKey === o.key) ?? uniqueByPrefix(runs, job!, o.key);
+          // The run and its steps are read in one snapshot, so their counts agree.
+          const key = o.key;
+          const { run, steps } = await runner.snapshot(async (view) => {
+            const runs = await view.status(job, 10_000);
+            const found = runs.find((r) => r.runKey === key) ?? uniqueByPrefix(runs, job!, key);
+            return { run: found, steps: found ? await stepDetails(view.db, runner.schema, found.runId) : [] };
+          });
           if (!run) throw new UsageError('unknownRun', `job "${job}" has no run with key "${o.key}"; see idem status ${job} for its runs`);
-          const steps = await stepDetails(runner, run.runId);
           process.stdout.write(o.json ? `${JSON.stringify({ ...run, steps })}\n` : `${formatRunDetail(run, steps, new Date(), colours(tty))}\n`);
           return ExitCode.Ok;
         }
