@@ -112,7 +112,9 @@ export async function databaseUrl(g: GlobalOptions, log: Logger, session: Sessio
 export async function openRunner(g: GlobalOptions, log: Logger, session: Session, poolSize = 10, url?: string): Promise<Runner> {
   // The runner brings kysely and pg: loaded by the commands that talk to the database, when they do.
   const [{ Runner }, connectionString] = await Promise.all([import('./cli-runtime.ts'), url ?? databaseUrl(g, log, session)]);
-  const runner = await Runner.connect({ connectionString, schema: g.schema, log, poolSize });
+  // IDEM_IDLE_IN_TRANSACTION_TIMEOUT_MS: for tests, which cannot stall a worker for the default 60 s.
+  const idle = Number(process.env.IDEM_IDLE_IN_TRANSACTION_TIMEOUT_MS);
+  const runner = await Runner.connect({ connectionString, schema: g.schema, log, poolSize, ...(Number.isInteger(idle) && idle > 0 ? { idleInTransactionTimeoutMs: idle } : {}) });
   session.defer(() => runner.close());
   return runner;
 }

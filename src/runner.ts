@@ -39,6 +39,12 @@ export interface RunnerOptions {
    * asks for more concurrency than that is refused rather than left to deadlock. Defaults to `10`.
    */
   readonly poolSize?: number;
+  /**
+   * `idle_in_transaction_session_timeout` of the work sessions, in ms: the server ends a chunk's
+   * session that has sat idle inside its transaction this long (a vanished or stalled process), so
+   * another worker can redo the chunk. 0 turns it off. Defaults to `60000`.
+   */
+  readonly idleInTransactionTimeoutMs?: number;
 }
 
 export interface RunJobOptions {
@@ -174,7 +180,11 @@ export class Runner {
       throw new UsageError('invalidSchema', `schema name ${JSON.stringify(schema)} is not a plain identifier; use letters, digits and _`);
     }
     const log = opts.log ?? silentLogger();
-    const database = await openDatabase(opts.connectionString, { poolSize: opts.poolSize ?? DEFAULT_POOL_SIZE, log });
+    const database = await openDatabase(opts.connectionString, {
+      poolSize: opts.poolSize ?? DEFAULT_POOL_SIZE,
+      log,
+      ...(opts.idleInTransactionTimeoutMs !== undefined ? { idleInTransactionTimeoutMs: opts.idleInTransactionTimeoutMs } : {}),
+    });
     try {
       await retrying(() => ensureRunnerSchema(database.db, schema));
     } catch (err) {
