@@ -1,0 +1,178 @@
+import { fileURLToPath } from 'node:url';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { defineJob, Runner, sql } from '../src/index.ts';
+import { chunkKey } from './fixtures/jobs/counted.ts';
+import { FIXTURE_MIGRATIONS, killLeftovers, query, runRow, sessions, spawnCli, waitFor, workCounts, type CliProcess } from './support/cli.ts';
+import { useTestDatabase } from './support/database.ts';
+
+/**
+ * A worker stalled for longer than idle_in_transaction_session_timeout (SIGSTOP, a VM freeze, a
+ * long GC pause) finds its chunk's session ended by the server (25P03) when it goes on. That is a
+ * lost connection like any other: the chunk rolled back on the server, the slot takes a new
+ * connection and claims again. It must never fail the run, nor rewrite a run another worker
+ * finished meanwhile.
+ */
+const testDb = useTestDatabase({ fixtureTables: true, runner: { idleInTransactionTimeoutMs: 500 } });
+let url: string;
+let runner: Runner;
+beforeAll(() => {
+  ({ url, runner } = testDb);
+});
+afterAll(killLeftovers);
+
+const STALL_DIRS = ['--jobs-dir', fileURLToPath(new URL('./fixtures/stall-jobs', import.meta.url)), '--migrations-dir', FIXTURE_MIGRATIONS];
+/** The server ends a stalled worker's chunk session after this (the CLI default is 60 s). */
+const IDLE_MS = 1_000;
+
+/** Blocks this thread (timers, sockets and all), as a stopped process or a long GC pause would. */
+const stallThread = (ms: number) => Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, ms);
+
+const ones = (n: number) => new Map(Array.from({ length: n }, (_, i) => [chunkKey(i + 1), 1]));
+
+describe('a chunk session ended by idle_in_transaction_session_timeout (25P03)', () => {
+  it('in-process, the event loop blocked inside a chunk: the chunk retries on a new connection; the run succeeds in the same attempt', async () => {
+    const key = 'blocked-loop';
+    let stalled = 0;
+    const job = defineJob({
+      name: 'blocked-loop',
+      retry: { base: 10, max: 50 },
+      steps: [
+        {
+          name: 'work',
+          chunks: () => ({ chunks: [1, 2, 3].map((i) => ({ key: chunkKey(i) })), next: null }),
+          async run(ctx, chunk: { key: string }) {
+            // The claim opened the transaction; the thread stops past the server's timeout, and the
+            // next statement meets the server's FATAL 25P03 as its answer.
+            if (chunk.key === chunkKey(2) && stalled++ === 0) stallThread(1_500);
+            await sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid)
+              values (${ctx.run.job}, ${ctx.run.runKey}, ${ctx.step}, ${chunk.key}, ${ctx.run.attempt}, ${process.pid})`.execute(ctx.db);
+          },
+        },
+      ],
+    });
+    const outcome = await runner.run(job, { key });
+    expect(stalled).toBe(2);
+    expect(outcome).toMatchObject({ status: 'succeeded', attempt: 1, executed: 3 });
+    expect(await workCounts(url, key)).toEqual(ones(3));
+    expect(await runRow(url, 'blocked-loop', key)).toMatchObject({ status: 'succeeded', attempt: 1, error: null });
+    // The lost try was counted on the chunk, in the run's one budget.
+    const [c2] = await query<{ retry_tries: number; error: string }>(url, `select c.retry_tries, c.error from idem.chunks c join idem.runs r on r.id = c.run_id where r.run_key = $1 and c.key = $2`, [key, chunkKey(2)]);
+    expect(c2).toMatchObject({ retry_tries: 1 });
+  });
+});
+
+describe('a --join worker stopped (SIGSTOP) past the idle-in-transaction timeout, then continued', () => {
+  const params = (chunks: number, pauseMs: number) => JSON.stringify({ chunks, pauseMs });
+  const join = (key: string, chunks: number, pauseMs: number) =>
+    spawnCli([...STALL_DIRS, 'run', 'stall', '--params', params(chunks, pauseMs), '--key', key, '--join', '--concurrency', '2'], {
+      url,
+      env: { IDEM_IDLE_IN_TRANSACTION_TIMEOUT_MS: String(IDLE_MS) },
+      timeoutMs: 90_000,
+    });
+  const doneCount = async (key: string) => (await query<{ n: number }>(url, `select count(*)::int as n from work_log where run_key = $1`, [key]))[0]!.n;
+  /** Both workers on the run, and each has committed chunks (so each is inside the chunk loop). */
+  const bothWorking = (key: string, a: CliProcess, b: CliProcess) =>
+    waitFor(
+      async () => {
+        if ((await sessions(url, 'idem-lock')) !== 2) return undefined;
+        const rows = await query<{ pid: number }>(url, `select distinct pid from work_log where run_key = $1`, [key]);
+        const pids = new Set(rows.map((r) => r.pid));
+        return pids.has(a.pid) && pids.has(b.pid) ? true : undefined;
+      },
+      'both workers committing chunks',
+      { timeoutMs: 30_000 },
+    );
+  /** The stopped worker's work sessions are gone: the server ended them (idle in transaction). */
+  const sessionsEnded = (a: CliProcess) =>
+    waitFor(
+      async () => {
+        const rows = await query<{ n: number }>(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and application_name like 'idem %:' || $1 and state = 'idle in transaction'`, [String(a.pid)]);
+        return rows[0]!.n === 0 ? true : undefined;
+      },
+      "the stopped worker's chunk sessions ended by the server",
+      { timeoutMs: 15_000 },
+    );
+
+  it('the run succeeded meanwhile: it stays succeeded, with its one summary, and the stalled worker exits 0', async () => {
+    const key = 'stopped-until-done';
+    const chunks = 150;
+    const a = join(key, chunks, 60);
+    const b = join(key, chunks, 60);
+    try {
+      await bothWorking(key, a, b);
+      // Inside a chunk's JavaScript sleep almost surely (the SQL of a chunk takes ~1 ms of its 60).
+      a.child.kill('SIGSTOP');
+      const rb = await b.done;
+      expect(rb.code, rb.stderr).toBe(0);
+      await sessionsEnded(a);
+      const before = await runRow(url, 'stall', key);
+      expect(before).toMatchObject({ status: 'succeeded', error: null });
+      a.child.kill('SIGCONT');
+      const ra = await a.done;
+      expect(ra.timedOut).toBe(false);
+      expect(ra.code, ra.stderr).toBe(0);
+      const after = await runRow(url, 'stall', key);
+      expect(after).toMatchObject({ status: 'succeeded', attempt: 1, error: null, summary: before.summary });
+      expect(after.finished_at).toEqual(before.finished_at);
+      expect(await workCounts(url, key)).toEqual(ones(chunks));
+    } finally {
+      a.child.kill('SIGCONT');
+    }
+  });
+
+  it('the run still going in another worker: neither fails it; the stalled worker goes on; both exit 0', async () => {
+    const key = 'stopped-while-running';
+    const chunks = 400;
+    const a = join(key, chunks, 50);
+    const b = join(key, chunks, 50);
+    try {
+      await bothWorking(key, a, b);
+      a.child.kill('SIGSTOP');
+      await sessionsEnded(a);
+      // Some more chunks by B alone, then A goes on while B still has plenty to do.
+      const at = await doneCount(key);
+      await waitFor(async () => ((await doneCount(key)) >= at + 10 ? true : undefined), 'the other worker going on');
+      expect((await runRow(url, 'stall', key)).status).toBe('running');
+      const [{ t: continued }] = await query<{ t: Date }>(url, 'select clock_timestamp() as t');
+      a.child.kill('SIGCONT');
+      const [ra, rb] = await Promise.all([a.done, b.done]);
+      expect(ra.code, ra.stderr).toBe(0);
+      expect(rb.code, rb.stderr).toBe(0);
+      expect(await runRow(url, 'stall', key)).toMatchObject({ status: 'succeeded', attempt: 1, error: null, summary: expect.objectContaining({ chunks, attempts: 1 }) });
+      expect(await workCounts(url, key)).toEqual(ones(chunks));
+      // A committed chunks after it came back.
+      const [late] = await query<{ n: number }>(url, `select count(*)::int as n from work_log where run_key = $1 and pid = $2 and logged_at > $3`, [key, a.pid, continued]);
+      expect(late!.n).toBeGreaterThan(0);
+    } finally {
+      a.child.kill('SIGCONT');
+    }
+  });
+});
+
+describe('ending an attempt is a compare-and-set on the run still running under it', () => {
+  it('failRun and endRun do not overwrite a succeeded run, nor one of a newer attempt', async () => {
+    const key = 'cas-end';
+    const job = defineJob({ name: 'cas-end', steps: [{ name: 'only', async run() {} }] });
+    const outcome = await runner.run(job, { key });
+    expect(outcome.status).toBe('succeeded');
+    const runId = outcome.runId!;
+    const before = await runRow(url, 'cas-end', key);
+    const error = { step: 'only', chunk: null, tries: 1, message: 'terminating connection due to idle-in-transaction timeout', code: '25P03', at: new Date().toISOString() };
+    const refused = await runner.store.failRun(runId, outcome.attempt, error);
+    expect(refused).toMatchObject({ kind: 'ended', run: { status: 'succeeded', attempt: outcome.attempt } });
+    await runner.store.endRun(runId, outcome.attempt, 'interrupted', null);
+    // An older attempt's straggler cannot end the run either.
+    await runner.store.endRun(runId, outcome.attempt - 1, 'failed', error);
+    expect(await runRow(url, 'cas-end', key)).toEqual(before);
+  });
+
+  it('failRun records the first failure of a running attempt, and reports it to a second worker', async () => {
+    const key = 'cas-fail';
+    const { run } = await runner.store.claimRun('cas-fail', key, {}, 'fp');
+    await query(url, `update idem.runs set status = 'running', attempt = 1 where id = $1`, [run.id]);
+    const first = { step: 's', chunk: 'c1', tries: 1, message: 'first', at: new Date().toISOString() };
+    expect(await runner.store.failRun(run.id, 1, first)).toEqual({ kind: 'failed' });
+    expect(await runner.store.failRun(run.id, 1, { ...first, message: 'second' })).toEqual({ kind: 'failedElsewhere', error: first });
+    expect(await runRow(url, 'cas-fail', key)).toMatchObject({ status: 'failed', error: first });
+  });
+});
