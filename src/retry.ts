@@ -9,6 +9,15 @@ export const SqlState = {
   DeadlockDetected: '40P01',
   /** The server is shutting down an idle or busy backend (restart, pg_terminate_backend). */
   AdminShutdown: '57P01',
+  /**
+   * The server ended a session that sat idle inside its transaction past
+   * idle_in_transaction_session_timeout (FATAL: the session is gone, its transaction rolled back):
+   * a worker stalled that long (SIGSTOP, a VM freeze, a GC pause) meets it at its next statement.
+   * A lost connection like any other; a fresh one can claim the chunk again.
+   */
+  IdleInTransactionSessionTimeout: '25P03',
+  /** The server ended a session idle (outside a transaction) past idle_session_timeout: likewise gone. */
+  IdleSessionTimeout: '57P05',
   /** Crash recovery in progress: the server will accept connections again shortly. */
   CrashShutdown: '57P02',
   /** Starting up or shutting down: try again after a pause. */

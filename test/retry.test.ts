@@ -65,6 +65,8 @@ describe('isRetryable', () => {
     ['40001 serialization_failure', SqlState.SerializationFailure],
     ['40P01 deadlock_detected', SqlState.DeadlockDetected],
     ['57P01 admin_shutdown', SqlState.AdminShutdown],
+    ['25P03 idle_in_transaction_session_timeout', SqlState.IdleInTransactionSessionTimeout],
+    ['57P05 idle_session_timeout', SqlState.IdleSessionTimeout],
     ['08006 connection_failure', '08006'],
     ['08000 connection_exception', '08000'],
     ['53300 too_many_connections', SqlState.TooManyConnections],
@@ -89,6 +91,8 @@ describe('isRetryable', () => {
     ['23505 unique_violation', pgError('23505')],
     ['42601 syntax_error', pgError('42601')],
     ['42P01 undefined_table', pgError('42P01')],
+    // statement_timeout cancels the statement, not the session: the same chunk would hit it again.
+    ['57014 query_canceled', pgError('57014')],
     ['a plain Error', new Error('boom')],
     ['a string', 'boom'],
     ['null', null],
