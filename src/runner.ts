@@ -431,6 +431,7 @@ export class Runner {
       if (!summary) {
         // Finishing is done once: another worker of this attempt may have found nothing left first.
         const now = await this.store.getRun(runId);
+        if (now.status === 'failed' && now.attempt === attempt) throw new FailedElsewhere(now.error?.message ?? 'unknown error');
         if (now.status !== 'succeeded' || now.attempt !== attempt || !now.summary) throw new FencedError(`attempt ${attempt} of job "${job.name}" was taken over before it could finish`);
         summary = now.summary;
       }
@@ -442,7 +443,15 @@ export class Runner {
       // A connection-class error can arrive before the lock's own session reports its end, so
       // the lock is checked now before such an error may fail a run other workers may share.
       if (!lock.lost.aborted && isRetryable(err instanceof ChunkFailure ? err.cause : err)) await lock.confirm();
-      throw await this.#recordEnd(runId, attempt, job, current.run_key, lock.lost.aborted ? lock.lost.reason : err, log, lock);
+      const end = await this.#recordEnd(runId, attempt, job, current.run_key, lock.lost.aborted ? lock.lost.reason : err, log, lock);
+      if (!(end instanceof SucceededElsewhere)) throw end;
+      // The run's work is all done: this worker's failure was about a chunk another worker
+      // committed. The run stays succeeded, and so does this worker, as a joiner that finds the run
+      // finished does.
+      const { run } = end;
+      const executed = await this.store.committedByWorker(runId, attempt).catch(() => 0);
+      log.info({ executed, chunks: run.summary?.chunks }, 'run succeeded (finished by another worker)');
+      return { status: 'succeeded', job: job.name, runKey: current.run_key, runId, attempt, summary: run.summary, executed, elapsedMs: Math.round(performance.now() - invocationStarted) };
     } finally {
       clearInterval(poll);
     }
@@ -467,7 +476,11 @@ export class Runner {
       : new CancelledError(`job "${job.name}" cancelled by an operator (the request was pending when its last worker stopped); finished chunks are kept; idem reset ${job.name} --key ${run.run_key} forgets the run`);
   }
 
-  /** Records how an attempt ended and returns the error to throw. A fenced attempt writes nothing. */
+  /**
+   * Records how an attempt ended and returns the error to throw. A fenced attempt writes nothing,
+   * and nothing overwrites a run that is no longer running under this attempt (Store.failRun):
+   * when that run had succeeded, returns SucceededElsewhere instead of an error.
+   */
   async #recordEnd(runId: string, attempt: number, job: Job, runKey: string, err: unknown, log: Logger, lock: HeldLock): Promise<unknown> {
     if (err instanceof FailedElsewhere) {
       log.error({ err: errorFields(err) }, 'the run failed in another worker; stopping');
@@ -521,7 +534,7 @@ export class Runner {
     }
     const failure = err instanceof ChunkFailure ? err : new ChunkFailure('(runner)', null, 1, err);
     const cause = failure.cause as { code?: string } | undefined;
-    const earlier = await this.store
+    const recorded = await this.store
       .failRun(runId, attempt, {
         step: failure.step,
         chunk: failure.chunk,
@@ -533,7 +546,20 @@ export class Runner {
       .catch(() => null);
     // Another worker of this attempt failed the run first (often on this very chunk, which this
     // one claimed after that worker's try rolled back): its record stands, and this one says so.
-    if (earlier) return this.#recordEnd(runId, attempt, job, runKey, new FailedElsewhere(earlier.message), log, lock);
+    if (recorded?.kind === 'failedElsewhere' && recorded.error) return this.#recordEnd(runId, attempt, job, runKey, new FailedElsewhere(recorded.error.message), log, lock);
+    if (recorded?.kind === 'ended') {
+      // The run is no longer running under this attempt (failRun is a compare-and-set): it ended
+      // while this worker was away (stopped, its session ended by the server), in another worker
+      // sharing it, or a newer attempt took it over. What was recorded stands.
+      const { run } = recorded;
+      const where = failure.chunk === null ? `step "${failure.step}"` : `step "${failure.step}", chunk ${failure.chunk}`;
+      log.warn({ step: failure.step, chunk: failure.chunk, tries: failure.tries, status: run.status, runAttempt: run.attempt, err: errorFields(failure.cause, failure.message) }, `${where} failed here, but the run had ended meanwhile (${run.status}); not recorded`);
+      if (run.attempt === attempt && run.status === 'succeeded') return new SucceededElsewhere(run);
+      if (run.attempt === attempt && (run.status === 'paused' || run.status === 'cancelled')) {
+        return this.#recordEnd(runId, attempt, job, runKey, new ControlRequest(run.status === 'paused' ? 'pause' : 'cancel'), log, lock);
+      }
+      return this.#recordEnd(runId, attempt, job, runKey, new FencedError(`attempt ${attempt} of job "${job.name}" ended (the run is ${run.status} under attempt ${run.attempt}) before it could record its failure in ${where}: ${failure.message}`), log, lock);
+    }
     const where = failure.chunk === null ? `step "${failure.step}"` : `step "${failure.step}", chunk ${failure.chunk}`;
     log.error({ step: failure.step, chunk: failure.chunk, tries: failure.tries, err: errorFields(failure.cause, failure.message) }, 'run failed');
     return new RunFailedError(
@@ -683,6 +709,14 @@ function untilLost<T>(lost: AbortSignal, work: Promise<T>): Promise<T> {
 
 /** Why a worker stops when another worker on its run failed the run. */
 class FailedElsewhere extends Error {}
+
+/** Not an error: a worker's failure found its run already succeeded (by another worker of the attempt). */
+class SucceededElsewhere {
+  readonly run: RunRow;
+  constructor(run: RunRow) {
+    this.run = run;
+  }
+}
 
 /** Why a live attempt stops at an operator's request. */
 class ControlRequest extends Error {

@@ -100,6 +100,12 @@ export interface RunSummary {
   readonly durationMs: number;
 }
 
+/** What Store.failRun did: recorded the failure, or found the attempt failed by another worker, or over otherwise. */
+export type FailRunResult =
+  | { readonly kind: 'failed' }
+  | { readonly kind: 'failedElsewhere'; readonly error: RunErrorInfo | null }
+  | { readonly kind: 'ended'; readonly run: RunRow };
+
 /** Where and why a run failed; stored on the run, shown by `idem status`. */
 export interface RunErrorInfo {
   readonly step: string;
@@ -489,8 +495,9 @@ export class Store {
 
 
   async finishStep(runId: string, attempt: number, step: string): Promise<void> {
+    // Once: a worker that finds the step done by another keeps its finish time.
     await this.#run(sql`update ${this.#steps} set status = 'done', finished_at = now()
-      where run_id = ${runId} and name = ${step}
+      where run_id = ${runId} and name = ${step} and status <> 'done'
         and exists (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt})`);
   }
 
@@ -521,7 +528,11 @@ export class Store {
    * interruptRunSql. An operator's pause or cancel that the attempt had not acted on yet (it stopped
    * for a signal first) is honoured: the run ends paused or cancelled instead of interrupted, so no
    * later invocation starts work the operator stopped. A failed run keeps the request, and the next
-   * invocation honours it before any work (Store.endByPendingRequest).
+   * invocation honours it before any work (Store.endByPendingRequest). A compare-and-set on the run
+   * still `running` under this attempt: a run that ended meanwhile (succeeded, failed, paused,
+   * cancelled, interrupted, often in another worker sharing it) or that a newer attempt took over is
+   * left as it is. A worker that comes back late (its process was stopped, its session ended by the
+   * server) cannot rewrite how the run ended.
    */
   #endAttempt(runId: string, attempt: number, status: 'failed' | 'interrupted' | 'paused' | 'cancelled', error: RunErrorInfo | null): RawBuilder<unknown> {
     const next =
@@ -530,7 +541,7 @@ export class Store {
         requested = ${status === 'failed' ? sql`requested` : sql`null`},
         error = ${error === null ? null : JSON.stringify(error)}::jsonb,
         finished_at = case when ${next} = 'cancelled' then now() else finished_at end
-      where id = ${runId} and attempt = ${attempt}`;
+      where id = ${runId} and attempt = ${attempt} and status = 'running'`;
   }
 
   /**
@@ -553,23 +564,32 @@ export class Store {
     return this.#endAttempt(runId, attempt, 'interrupted', null).compile(this.#db);
   }
 
-  /** Records how the run ended when it did not succeed (failed or interrupted). */
+  /** Records how the run ended when it did not succeed (failed or interrupted), if it is still running under `attempt`. */
   async endRun(runId: string, attempt: number, status: 'failed' | 'interrupted' | 'paused' | 'cancelled', error: RunErrorInfo | null): Promise<void> {
     await this.#run(this.#endAttempt(runId, attempt, status, error));
   }
 
   /**
-   * Records the attempt failed unless another worker of it already did (the first failure stays
-   * the recorded one). Returns the error already recorded in that case, else null.
+   * Records the attempt failed, if the run is still running under it (compare-and-set, see
+   * #endAttempt). Otherwise says why not: another worker of the attempt failed it first (its
+   * error stays the recorded one), or the run ended otherwise or belongs to a newer attempt
+   * (`ended`, with the run as it is now).
    */
-  async failRun(runId: string, attempt: number, error: RunErrorInfo): Promise<RunErrorInfo | null> {
-    const { rows } = await this.#run(sql`${this.#endAttempt(runId, attempt, 'failed', error)} and status <> 'failed' returning 1`);
-    if (rows.length > 0) return null;
-    // Not written: read what the other worker recorded (in a statement of its own, which sees it
-    // even when the two updates met on the row lock).
-    const { rows: [earlier] } = await this.#run(sql<{ error: RunErrorInfo | null }>`select error from ${this.#runs}
-      where id = ${runId} and attempt = ${attempt} and status = 'failed'`);
-    return earlier?.error ?? null;
+  async failRun(runId: string, attempt: number, error: RunErrorInfo): Promise<FailRunResult> {
+    const { rows } = await this.#run(sql`${this.#endAttempt(runId, attempt, 'failed', error)} returning 1`);
+    if (rows.length > 0) return { kind: 'failed' };
+    // Not written: read the run in a statement of its own, which sees what the other worker wrote
+    // even when the two updates met on the row lock.
+    const run = await this.getRun(runId);
+    if (run.status === 'failed' && run.attempt === attempt) return { kind: 'failedElsewhere', error: run.error };
+    return { kind: 'ended', run };
+  }
+
+  /** Chunks this process (WORKER) committed in the run's attempt. */
+  async committedByWorker(runId: string, attempt: number): Promise<number> {
+    const { rows } = await this.#run(sql<{ n: number }>`select count(*)::int as n from ${this.#chunks}
+      where run_id = ${runId} and done_attempt = ${attempt} and done_by = ${WORKER}`);
+    return rows[0]?.n ?? 0;
   }
 }
 

@@ -133,7 +133,7 @@ describe('a --join worker stopped (SIGSTOP) past the idle-in-transaction timeout
       const at = await doneCount(key);
       await waitFor(async () => ((await doneCount(key)) >= at + 10 ? true : undefined), 'the other worker going on');
       expect((await runRow(url, 'stall', key)).status).toBe('running');
-      const [{ t: continued }] = await query<{ t: Date }>(url, 'select clock_timestamp() as t');
+      const continued = (await query<{ t: Date }>(url, 'select clock_timestamp() as t'))[0]!.t;
       a.child.kill('SIGCONT');
       const [ra, rb] = await Promise.all([a.done, b.done]);
       expect(ra.code, ra.stderr).toBe(0);
@@ -164,6 +164,52 @@ describe('ending an attempt is a compare-and-set on the run still running under 
     // An older attempt's straggler cannot end the run either.
     await runner.store.endRun(runId, outcome.attempt - 1, 'failed', error);
     expect(await runRow(url, 'cas-end', key)).toEqual(before);
+  });
+
+  it('a worker whose chunk failed for good, finding the run succeeded by another worker meanwhile, leaves it succeeded and succeeds', async () => {
+    const key = 'late-failure';
+    let joined!: () => void;
+    const bJoined = new Promise<void>((r) => (joined = r));
+    let c1Tries = 0;
+    const job = defineJob({
+      name: 'late-failure',
+      steps: [
+        {
+          name: 'work',
+          chunks: () => ({ chunks: [1, 2, 3].map((i) => ({ key: chunkKey(i) })), next: null }),
+          async run(ctx, chunk: { key: string }) {
+            if (chunk.key === chunkKey(1) && c1Tries++ === 0) {
+              await bJoined;
+              throw new Error('a bug that the other worker does not hit');
+            }
+            await sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid)
+              values (${ctx.run.job}, ${ctx.run.runKey}, ${ctx.step}, ${chunk.key}, ${ctx.run.attempt}, ${process.pid})`.execute(ctx.db);
+          },
+        },
+      ],
+    });
+    const other = await Runner.connect({ connectionString: url });
+    try {
+      // A records its failure only once B has finished the run (as a worker stopped meanwhile would).
+      const record = runner.store.recordChunkFailure.bind(runner.store);
+      runner.store.recordChunkFailure = async (...args) => {
+        await waitFor(async () => ((await runRow(url, 'late-failure', key))?.status === 'succeeded' ? true : undefined), 'the other worker to finish the run');
+        return record(...args);
+      };
+      const a = runner.run(job, { key, join: true });
+      await waitFor(async () => ((await sessions(url, 'idem-lock')) === 1 ? true : undefined), 'the first worker on the run');
+      const b = other.run(job, { key, join: true });
+      await waitFor(async () => ((await sessions(url, 'idem-lock')) === 2 ? true : undefined), 'the second worker joined');
+      joined();
+      expect(await b).toMatchObject({ status: 'succeeded', attempt: 1 });
+      const before = await runRow(url, 'late-failure', key);
+      expect(await a).toMatchObject({ status: 'succeeded', attempt: 1, summary: before.summary });
+      expect(await runRow(url, 'late-failure', key)).toEqual(before);
+      expect(await workCounts(url, key)).toEqual(ones(3));
+    } finally {
+      delete (runner.store as { recordChunkFailure?: unknown }).recordChunkFailure;
+      await other.close();
+    }
   });
 
   it('failRun records the first failure of a running attempt, and reports it to a second worker', async () => {
