@@ -345,3 +345,48 @@ describe('idem help, status and list', () => {
     ]);
   });
 });
+
+describe('run keys: what --key may contain, and what text output shows of stored ones', () => {
+  /** A control character as the messages name it: visible, never raw. */
+  const CONTROL_KEYS: Array<[string, string]> = [
+    ['evil\n\x1b[2J\x1b[Hfake', 'U+000A'],
+    ['tab\there', 'U+0009'],
+    ['cr\rhere', 'U+000D'],
+    ['esc\x1b', 'U+001B'],
+    ['del\x7f', 'U+007F'],
+    ['c1\u0085next-line', 'U+0085'],
+    ['csi\u009b2J', 'U+009B'],
+  ];
+
+  it('a --key with a control character (C0, DEL, C1) exits 2 with one line naming it and the fix; nothing is written', async () => {
+    const before = await snapshot(url, ALL_TABLES);
+    const results = await Promise.all(CONTROL_KEYS.map(([key]) => idem(['run', 'counted', '--params', '{"chunks":1}', '--key', key])));
+    results.forEach((r, i) => {
+      const [key, named] = CONTROL_KEYS[i]!;
+      const at = [...key].findIndex((ch) => /\p{Cc}/u.test(ch)) + 1;
+      expectOneLineError(r, 2, `--key must not contain control characters (it has ${named} at character ${at}); pass a key of printable characters, e.g. 2026-11-30`);
+      // The refusal itself shows none of them raw.
+      expect(r.stderr.slice(0, -1)).not.toMatch(/\p{Cc}/u);
+    });
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+    expect(await query(url, `select run_key from idem.runs where run_key ~ '[[:cntrl:]]' or run_key like 'c1%' or run_key like 'csi%'`)).toEqual([]);
+  });
+
+  it('--key counts characters, not UTF-16 units: 200 emoji are a key, 201 are refused; printable non-ASCII is allowed', async () => {
+    const emoji200 = '😀'.repeat(200);
+    // One at a time: two runs of a job at once would be busy (75).
+    const run = (key: string) => idem(['run', 'counted', '--params', '{"chunks":1}', '--key', key]);
+    const ok = await run(emoji200);
+    const tooLong = await run('😀'.repeat(201));
+    const accented = await run('Größe-日本-2026');
+    const empty = await run('');
+    expect(ok.code, ok.stderr).toBe(0);
+    expect(await runRow(url, 'counted', emoji200)).toMatchObject({ status: 'succeeded' });
+    expectOneLineError(tooLong, 2, '--key must be 1 to 200 characters (got 201)');
+    expect(await runRow(url, 'counted', '😀'.repeat(201))).toBeUndefined();
+    expect(accented.code, accented.stderr).toBe(0);
+    expect(await runRow(url, 'counted', 'Größe-日本-2026')).toMatchObject({ status: 'succeeded' });
+    expectOneLineError(empty, 2, '--key must be 1 to 200 characters (got 0)');
+  });
+
+});

@@ -1,5 +1,5 @@
 import type { Command } from 'commander';
-import { collectParam, nonNegativeNumber, parseParams, positiveInt, positiveNumber, waitSeconds } from '../cli-parsers.ts';
+import { checkRunKey, collectParam, nonNegativeNumber, parseParams, positiveInt, positiveNumber, waitSeconds } from '../cli-parsers.ts';
 import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
 import { describeOutcome } from '../describe-outcome.ts';
 import { ExitCode, UsageError } from '../errors.ts';
@@ -47,7 +47,7 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
     .action((name: string, o: RunFlags) =>
       cli.runWithSession(async (g, log, session, force) => {
         const params = parseParams(o.params, o.param);
-        if (o.key !== undefined && (o.key.length === 0 || o.key.length > 200)) throw new UsageError('invalidKey', '--key must be 1 to 200 characters');
+        if (o.key !== undefined) checkRunKey(o.key);
         // Loaded when the command runs, not at the top: `idem --help` needs none of them (the job
         // API brings kysely, the schedule croner).
         const { findJob, validateParams, latestSlot, parseCatchUp, parseSchedule, slotKey, slotsSince, POOL_HEADROOM } = await import('../cli-runtime.ts');
