@@ -389,4 +389,14 @@ describe('run keys: what --key may contain, and what text output shows of stored
     expectOneLineError(empty, 2, '--key must be 1 to 200 characters (got 0)');
   });
 
+  it('a skipped chunk tried once says "after 1 try", like a failure does', async () => {
+    await query(url, `insert into fail_chunks (chunk_key) values ('c0002')`);
+    const r = await runCli(['--jobs-dir', MORE_JOBS, 'run', 'skippy', '--key', 'cli-one-try'], { url });
+    expect(r.code, r.stderr).toBe(0);
+    const table = await runCli(['--jobs-dir', MORE_JOBS, 'status', 'skippy'], { url });
+    const detail = await runCli(['--jobs-dir', MORE_JOBS, 'status', 'skippy', '--key', 'cli-one-try'], { url });
+    expect(lines(table.stdout)).toContain('    skipped: step "work" chunk c0002 after 1 try: injected failure in chunk c0002');
+    expect(lines(detail.stdout)).toContain('  step "work" chunk c0002 after 1 try: injected failure in chunk c0002');
+    expect(table.stdout + detail.stdout).not.toContain('1 tries');
+  });
 });

@@ -30,9 +30,12 @@ function chunksOf(r: RunStatusRow): string {
   return `${r.chunksDone}/${r.fullyPlanned ? r.chunksPlanned : `${Math.max(r.chunksPlanned, r.estimatedChunks ?? 0)}~`}`;
 }
 
+/** "1 try", "3 tries": a failed and a skipped chunk say it alike. */
+const tries = (n: number) => `${n} ${n === 1 ? 'try' : 'tries'}`;
+
 function errorOf(r: RunStatusRow): string {
   const e = r.error!;
-  return `step "${e.step}"${e.chunk ? ` chunk ${e.chunk}` : ''} after ${e.tries} ${e.tries === 1 ? 'try' : 'tries'}: ${e.message}`;
+  return `step "${e.step}"${e.chunk ? ` chunk ${e.chunk}` : ''} after ${tries(e.tries)}: ${e.message}`;
 }
 
 /**
@@ -52,7 +55,7 @@ export function formatStatus(rows: readonly RunStatusRow[], now: Date = new Date
     const guards = [r.healthPause ? c.yellow(`paused for health: ${r.healthPause.reason}`) : '', r.codeChanges.length ? c.yellow(`code changed (allowed) at attempt ${r.codeChanges.map((x) => x.attempt).join(', ')}`) : ''];
     const note = r.error ? c.red(`error: ${errorOf(r)}`) : [live, workers, r.requested ? c.yellow(`${r.requested} requested`) : '', ...guards].filter(Boolean).join('  ');
     out.push(line(table[n]!, (i, s) => (i === 2 ? stateColour(r.state, c)(s) : i === 5 ? c.dim(s) : s)) + (note ? `  ${note}` : ''));
-    for (const k of r.skipped) out.push(c.yellow(`    skipped: step "${k.step}" chunk ${k.key} after ${k.attempts} tries: ${k.error ?? ''}`));
+    for (const k of r.skipped) out.push(c.yellow(`    skipped: step "${k.step}" chunk ${k.key} after ${tries(k.attempts)}: ${k.error ?? ''}`));
   });
   return out.join('\n');
 }
@@ -114,7 +117,7 @@ export function formatRunDetail(r: RunStatusRow, steps: readonly StepDetail[], n
   }
   if (r.skipped.length > 0) {
     out.push('', c.bold('skipped chunks') + c.dim(' (retry with idem run --retry-skipped)'));
-    for (const k of r.skipped) out.push(c.yellow(`  step "${k.step}" chunk ${k.key} after ${k.attempts} tries: ${k.error ?? ''}`));
+    for (const k of r.skipped) out.push(c.yellow(`  step "${k.step}" chunk ${k.key} after ${tries(k.attempts)}: ${k.error ?? ''}`));
   }
   if (r.error) out.push('', `${c.bold('last error')}  ${c.red(errorOf(r))}`);
   return out.join('\n');
