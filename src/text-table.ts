@@ -16,3 +16,38 @@ export function textTable(rows: ReadonlyArray<readonly string[]>): TextTable {
     line: (cells, paint = (_, s) => s) => cells.map((cell, i) => paint(i, i === cells.length - 1 ? cell : cell.padEnd(widths[i]!))).join('  '),
   };
 }
+
+/**
+ * What must never reach a terminal raw from a stored value (a run key an older idem accepted, a row
+ * written by SQL, an error message, a job file's description): the control characters (C0, DEL,
+ * C1: newlines, ESC sequences that move the cursor or clear the screen) and the Unicode line
+ * separators and bidirectional embeddings, overrides and isolates (they reorder what follows them).
+ */
+const UNSAFE = /[\u0000-\u001f\u007f-\u009f\u2028\u2029\u202a-\u202e\u2066-\u2069]/g;
+const NAMED: Record<string, string> = { '\n': '\\n', '\r': '\\r', '\t': '\\t' };
+
+/**
+ * `s` with every such character escaped visibly: `\n`, `\r`, `\t`, else `\xHH` (C0, DEL, C1) or
+ * `\uHHHH`. Printable text, non-ASCII included, is left as it is. Every text output of a stored
+ * value goes through here (see {@link visibleDeep}); JSON output does not need it.
+ */
+export function visible(s: string): string {
+  return s.replace(UNSAFE, (ch) => {
+    const code = ch.charCodeAt(0);
+    return NAMED[ch] ?? (code <= 0xff ? `\\x${code.toString(16).padStart(2, '0')}` : `\\u${code.toString(16).padStart(4, '0')}`);
+  });
+}
+
+/**
+ * `value` with {@link visible} applied to every string in it (object fields and array items, at any
+ * depth; dates and other values as they are): the one step a text formatter takes on the rows it
+ * was given, so no field it prints can slip through.
+ */
+export function visibleDeep<T>(value: T): T {
+  if (typeof value === 'string') return visible(value) as T;
+  if (Array.isArray(value)) return value.map((v) => visibleDeep(v)) as T;
+  if (value && typeof value === 'object' && Object.getPrototypeOf(value) === Object.prototype) {
+    return Object.fromEntries(Object.entries(value).map(([k, v]) => [k, visibleDeep(v)])) as T;
+  }
+  return value;
+}

@@ -389,6 +389,29 @@ describe('run keys: what --key may contain, and what text output shows of stored
     expectOneLineError(empty, 2, '--key must be 1 to 200 characters (got 0)');
   });
 
+  it('status shows control characters of a stored key (an older idem, SQL) escaped, never raw, in the table and the detail view', async () => {
+    // The library does not vet keys: this is how such a row gets there, as an older CLI did.
+    const stored = 'evil\n\x1b[2J\x1b[Hfake\u009b';
+    const runner = await Runner.connect({ connectionString: url });
+    try {
+      await runner.run(counted, { params: { chunks: 1 }, key: stored });
+    } finally {
+      await runner.close();
+    }
+    const shown = 'evil\\n\\x1b[2J\\x1b[Hfake\\x9b';
+    const table = await idem(['status', 'counted', '--limit', '10000']);
+    expect(table.code, table.stderr).toBe(0);
+    expect(table.stdout.replace(/\n/g, '')).not.toMatch(/\p{Cc}/u);
+    expect(lines(table.stdout).find((l) => l.includes('evil'))).toMatch(new RegExp(`^counted +${shown.replace(/[\\[\]]/g, '\\$&')} +succeeded `));
+    const detail = await idem(['status', 'counted', '--key', 'evil']);
+    expect(detail.code, detail.stderr).toBe(0);
+    expect(detail.stdout.replace(/\n/g, '')).not.toMatch(/\p{Cc}/u);
+    expect(lines(detail.stdout)[1]).toBe(`run key   ${shown}`);
+    // --json keeps the value exact (JSON escapes it).
+    const json = JSON.parse((await idem(['status', 'counted', '--limit', '10000', '--json'])).stdout) as Array<{ runKey: string }>;
+    expect(json.some((r) => r.runKey === stored)).toBe(true);
+  });
+
   it('a skipped chunk tried once says "after 1 try", like a failure does', async () => {
     await query(url, `insert into fail_chunks (chunk_key) values ('c0002')`);
     const r = await runCli(['--jobs-dir', MORE_JOBS, 'run', 'skippy', '--key', 'cli-one-try'], { url });

@@ -75,3 +75,45 @@ describe('idem list on a terminal', () => {
     expect(formatList([], now)).toBe('no jobs or migrations found');
   });
 });
+
+describe('stored text with control characters on a terminal', () => {
+  // Keys, names and messages from the database (an older idem, a row written by SQL) or from job
+  // files must not move the cursor, clear the screen or break a line: shown escaped, visibly.
+  it('visible() escapes C0, DEL, C1 and bidi controls, and leaves printable text, non-ASCII included, as it is', async () => {
+    const { visible } = await import('../src/text-table.ts');
+    expect(visible('evil\n\x1b[2J\x1b[Hfake')).toBe('evil\\n\\x1b[2J\\x1b[Hfake');
+    expect(visible('a\tb\rc\0d\x7fe\u0085f\u009bg')).toBe('a\\tb\\rc\\x00d\\x7fe\\x85f\\x9bg');
+    expect(visible('left\u202eright\u2066x\u2028y')).toBe('left\\u202eright\\u2066x\\u2028y');
+    expect(visible('Größe 日本 😀 👩‍💻 back\\slash')).toBe('Größe 日本 😀 👩‍💻 back\\slash');
+  });
+
+  it('log lines escape them in the header, the message and every field', () => {
+    const line = formatLogLine(event({ job: 'j\x1b[31m', runKey: 'evil\n\x1b[2Jfake', attempt: 1, msg: 'chunk\x1b]0;title\x07 failed', chunk: 'k\x1b[H', err: { message: 'bad\nthing' } }), {});
+    expect(line.split('\n')).toHaveLength(2);
+    expect(line).not.toMatch(/[\u0000-\u0009\u000b-\u001f\u007f-\u009f]/);
+    expect(line).toContain('── job j\\x1b[31m · run key evil\\n\\x1b[2Jfake · attempt 1');
+    expect(line).toContain('chunk\\x1b]0;title\\x07 failed');
+    expect(line).toContain('chunk=k\\x1b[H');
+  });
+
+  it('idem status and idem list (table and tab-separated) escape them in every cell', async () => {
+    const { formatList, formatListTsv } = await import('../src/commands/list.ts');
+    const { formatStatus } = await import('../src/commands/status.ts');
+    const now = new Date(Date.UTC(2026, 10, 30, 12));
+    const items = [{ kind: 'job' as const, name: 'tab\tname', description: 'two\nlines \x1b[2J', state: 'never run', updatedAt: null }];
+    expect(formatList(items, now).split('\n')[1]).toBe('job   tab\\tname  never run  —        two\\nlines \\x1b[2J');
+    expect(formatListTsv(items)).toBe('job\ttab\\tname\tnever run\ttwo\\nlines \\x1b[2J');
+    const row = {
+      job: 'counted', runKey: 'evil\n\x1b[2Jfake', runId: '1', state: 'failed', attempt: 1, chunksDone: 0, chunksPlanned: 1, fullyPlanned: true, estimatedChunks: null,
+      updatedAt: now, createdAt: now, finishedAt: now, holder: null, throughput: null, etaSeconds: null, workers: [], requested: null, healthPause: null, codeChanges: [],
+      error: { step: 'work', chunk: 'c\r1', tries: 1, message: 'boom\n\x1b[31mred', at: now.toISOString() },
+      skipped: [{ step: 'work', key: 'k\x1b2', attempts: 1, error: 'x\ny' }],
+    };
+    const text = formatStatus([row as never], now);
+    expect(text.split('\n')).toHaveLength(3);
+    expect(text).not.toMatch(/[\u0000-\u0009\u000b-\u001f\u007f-\u009f]/);
+    expect(text).toContain('evil\\n\\x1b[2Jfake');
+    expect(text).toContain('error: step "work" chunk c\\r1 after 1 try: boom\\n\\x1b[31mred');
+    expect(text).toContain('skipped: step "work" chunk k\\x1b2 after 1 try: x\\ny');
+  });
+});

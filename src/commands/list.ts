@@ -3,7 +3,7 @@ import { openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode } from '../errors.ts';
 import type { RunStatusRow } from '../runner.ts';
 import { colours, type Colours } from '../terminal.ts';
-import { textTable } from '../text-table.ts';
+import { textTable, visibleDeep } from '../text-table.ts';
 import { relativeTime, stateColour } from './status.ts';
 
 /** One job or migration of `idem list`, as `--json` prints it. */
@@ -26,8 +26,10 @@ const NO_ITEMS = 'no jobs or migrations found';
  * `idem list` for a person (a terminal): aligned columns, states in colour, the time since the
  * latest run changed, the description last. Pure; exported for tests.
  */
-export function formatList(items: readonly ListItem[], now: Date = new Date(), c: Colours = colours(false)): string {
-  if (items.length === 0) return NO_ITEMS;
+export function formatList(given: readonly ListItem[], now: Date = new Date(), c: Colours = colours(false)): string {
+  if (given.length === 0) return NO_ITEMS;
+  // Names and descriptions come from job files, states from the database: shown escaped.
+  const items = visibleDeep(given);
   const header = ['KIND', 'NAME', 'STATE', 'UPDATED', 'DESCRIPTION'];
   const rows = items.map((i) => [i.kind, i.name, i.state, i.updatedAt ? relativeTime(i.updatedAt, now) : '—', i.description]);
   const { line } = textTable([header, ...rows]);
@@ -35,8 +37,9 @@ export function formatList(items: readonly ListItem[], now: Date = new Date(), c
 }
 
 /** `idem list` for a pipe: one tab-separated line per item (kind, name, state, description), for cut and awk. */
-export function formatListTsv(items: readonly ListItem[]): string {
-  return items.map((i) => `${i.kind}\t${i.name}\t${i.state}\t${i.description}`).join('\n') || NO_ITEMS;
+export function formatListTsv(given: readonly ListItem[]): string {
+  // A tab or newline in a field would break the line into other fields or lines.
+  return visibleDeep(given).map((i) => `${i.kind}\t${i.name}\t${i.state}\t${i.description}`).join('\n') || NO_ITEMS;
 }
 
 /** `idem list`: jobs and migrations with their description and latest state. */

@@ -4,7 +4,7 @@ import { openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode, UsageError } from '../errors.ts';
 import type { Runner, RunStatusRow } from '../runner.ts';
 import { colours, type Colours } from '../terminal.ts';
-import { textTable } from '../text-table.ts';
+import { textTable, visibleDeep } from '../text-table.ts';
 
 /** "just now", "42 s ago", "3 min ago", "5 h ago", "2 d ago". Pure; exported for tests. */
 export function relativeTime(date: Date, now: Date = new Date()): string {
@@ -43,8 +43,10 @@ function errorOf(r: RunStatusRow): string {
  * change and its state in colour; what a person needs next (who holds it, its rate and ETA, its
  * error, a pending request, skipped chunks) after the columns. Pure; exported for tests.
  */
-export function formatStatus(rows: readonly RunStatusRow[], now: Date = new Date(), c: Colours = colours(false)): string {
-  if (rows.length === 0) return 'no runs yet';
+export function formatStatus(stored: readonly RunStatusRow[], now: Date = new Date(), c: Colours = colours(false)): string {
+  if (stored.length === 0) return 'no runs yet';
+  // Keys, errors and names come from the database: their control characters are shown escaped.
+  const rows = visibleDeep(stored);
   const header = ['JOB', 'RUN KEY', 'STATE', 'ATTEMPT', 'CHUNKS', 'UPDATED'];
   const table = rows.map((r) => [r.job, r.runKey.length > 30 ? `${r.runKey.slice(0, 27)}...` : r.runKey, r.state, String(r.attempt), chunksOf(r), relativeTime(r.updatedAt, now)]);
   const { line } = textTable([header, ...table]);
@@ -85,7 +87,8 @@ async function stepDetails(db: Runner['db'], schema: string, runId: string): Pro
 }
 
 /** `idem status <job> --key K`: one run in detail. Pure; exported for tests. */
-export function formatRunDetail(r: RunStatusRow, steps: readonly StepDetail[], now: Date = new Date(), c: Colours = colours(false)): string {
+export function formatRunDetail(stored: RunStatusRow, storedSteps: readonly StepDetail[], now: Date = new Date(), c: Colours = colours(false)): string {
+  const [r, steps] = visibleDeep([stored, storedSteps] as const);
   const when = (d: Date | null) => (d ? `${d.toISOString()} (${relativeTime(d, now)})` : '—');
   const fields: Array<[string, string]> = [
     ['job', r.job],
