@@ -14,6 +14,8 @@ export const CLI_DEFAULT_SCHEMA = 'idem';
 /** The global flags every command sees. */
 export interface GlobalOptions {
   databaseUrl?: string;
+  /** Where databaseUrl came from, as an error message names it: the flag or the environment. */
+  databaseUrlFrom?: '--database-url' | 'DATABASE_URL';
   schema: string;
   jobsDir: string;
   migrationsDir: string;
@@ -47,7 +49,10 @@ export interface CliContext {
 }
 
 export function createCliContext(program: Command, state: { exitCode: number }): CliContext {
-  const globals = () => program.opts<GlobalOptions>();
+  const globals = (): GlobalOptions => ({
+    ...program.opts<GlobalOptions>(),
+    databaseUrlFrom: program.getOptionValueSource('databaseUrl') === 'env' ? 'DATABASE_URL' : '--database-url',
+  });
 
   const runWithSession = async (fn: CommandBody, uses: ReadonlyArray<'jobs' | 'migrations'> = ['jobs', 'migrations']) => {
     const g = globals();
@@ -98,7 +103,8 @@ export function createCliContext(program: Command, state: { exitCode: number }):
 /** DATABASE_URL, or the URL of the embedded server under .idem/ (started if needed, released when the session ends). */
 export async function databaseUrl(g: GlobalOptions, log: Logger, session: Session): Promise<string> {
   if (g.databaseUrl) {
-    const { redactUrl } = await import('./cli-runtime.ts');
+    const { redactUrl, refuseKeywordValue } = await import('./cli-runtime.ts');
+    refuseKeywordValue(g.databaseUrl, g.databaseUrlFrom ?? '--database-url');
     log.debug({ database: redactUrl(g.databaseUrl) }, 'using database');
     return g.databaseUrl;
   }

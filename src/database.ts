@@ -3,7 +3,7 @@ import { Kysely, PostgresDialect } from 'kysely';
 import pg from 'pg';
 import { isRetryable } from './retry.ts';
 import type { Logger } from 'pino';
-import { DatabaseUnavailableError, errorFields } from './errors.ts';
+import { DatabaseUnavailableError, errorFields, UsageError } from './errors.ts';
 
 /**
  * Replaces the password in a connection string (URL or key=value form) with `***`.
@@ -18,6 +18,20 @@ export function redactUrl(url: string): string {
   } catch {
     return url.replace(/(password\s*=\s*)('[^']*'|\S+)/gi, '$1***').replace(/(:\/\/[^:/@\s]*:)[^@\s]*@/, '$1***@');
   }
+}
+
+/**
+ * libpq's other format, `host=db port=5432 user=app password=… dbname=app`: pg (and so idem) reads
+ * only URLs, and would take the whole string for a host name ("host not found"). Refused up front,
+ * before any connection, with what to pass instead; the string itself is not repeated (it holds
+ * the password).
+ */
+export function refuseKeywordValue(connectionString: string, source: string): void {
+  if (!/^\s*[A-Za-z_]+\s*=/.test(connectionString)) return;
+  throw new UsageError(
+    'invalidDatabaseUrl',
+    `${source} is a keyword/value connection string, which idem does not support; pass a URL instead: postgres://user:password@host:5432/db (percent-encode special characters in the password)`,
+  );
 }
 
 /** Removes any occurrence of the connection string's password from a message. */
@@ -80,6 +94,7 @@ export async function openDatabase(
     readonly queryTimeoutMs?: number;
   },
 ): Promise<Database> {
+  refuseKeywordValue(connectionString, 'the connection string');
   const idleMs = opts.idleInTransactionTimeoutMs ?? DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT_MS;
   if (!Number.isInteger(idleMs) || idleMs < 0) throw new TypeError(`idleInTransactionTimeoutMs must be an integer >= 0 (got ${idleMs})`);
   const pool = new pg.Pool({

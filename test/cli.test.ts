@@ -423,3 +423,26 @@ describe('run keys: what --key may contain, and what text output shows of stored
     expect(table.stdout + detail.stdout).not.toContain('1 tries');
   });
 });
+
+describe('--database-url and DATABASE_URL must be URLs', () => {
+  it('a keyword/value connection string exits 2 saying a URL is required, never showing the password; nothing is written', async () => {
+    const u = new URL(url);
+    const kv = `host=${u.hostname} port=${u.port} user=${decodeURIComponent(u.username)} password=secret-kv-pw dbname=${u.pathname.slice(1)}`;
+    const before = await snapshot(url, ALL_TABLES);
+    const [viaFlag, viaEnv, quoted] = await Promise.all([
+      runCli([...FIXTURE_DIRS, '--database-url', kv, 'run', 'counted', '--params', '{"chunks":1}', '--key', 'kv']),
+      runCli([...FIXTURE_DIRS, 'status'], { url: kv }),
+      runCli([...FIXTURE_DIRS, '--database-url', ` host = '127.0.0.1' password='secret-kv-pw'`, 'list']),
+    ]);
+    const fix = 'is a keyword/value connection string, which idem does not support; pass a URL instead: postgres://user:password@host:5432/db';
+    expectOneLineError(viaFlag!, 2, `--database-url ${fix}`);
+    expectOneLineError(viaEnv!, 2, `DATABASE_URL ${fix}`);
+    expectOneLineError(quoted!, 2, `--database-url ${fix}`);
+    for (const r of [viaFlag!, viaEnv!, quoted!]) {
+      expect(r.stderr + r.stdout).not.toContain('secret-kv-pw');
+      expect(r.stderr).not.toContain('host not found');
+    }
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+    expect(await runRow(url, 'counted', 'kv')).toBeUndefined();
+  });
+});
