@@ -116,6 +116,14 @@ export async function openDatabase(
       await client.query(`${SERVER_KEEPALIVES}; set idle_in_transaction_session_timeout = ${idleMs}`).catch(() => {});
     },
   });
+  // Sessions whose sockets are still open. pool.end() resolves once it has asked each idle client
+  // to end, not once they have: close() waits for the sockets, so that whoever counts the server's
+  // sessions next (the embedded server's last-one-out check) no longer sees ours.
+  const open = new Set<pg.Client>();
+  pool.on('connect', (client) => {
+    open.add(client);
+    client.once('end', () => open.delete(client));
+  });
   // An idle client's socket error is emitted on the pool; unhandled, it would kill the process.
   pool.on('error', (err) => opts.log.warn({ err: errorFields(err, redactSecrets(err.message, connectionString)) }, 'idle database connection failed'));
   // A session killed during the check (a restart, pg_terminate_backend) says nothing about a
@@ -146,8 +154,28 @@ export async function openDatabase(
   return {
     db,
     pool,
-    close: () => (closed ??= db.destroy().catch(() => {})),
+    close: () =>
+      (closed ??= (async () => {
+        await db.destroy().catch(() => {});
+        await awaitSocketsClosed(open, CLOSE_WAIT_MS);
+      })()),
   };
+}
+
+/**
+ * How long close() waits for the server's goodbye on its sessions before dropping their sockets: a
+ * dead network never sends it. The CLI's exit watchdog (10 s, 2 s after a lost lock) bounds the whole.
+ */
+const CLOSE_WAIT_MS = 2_000;
+
+async function awaitSocketsClosed(open: ReadonlySet<pg.Client>, ms: number): Promise<void> {
+  if (open.size === 0) return;
+  const clients = [...open];
+  let timer: NodeJS.Timeout | undefined;
+  const bound = new Promise<void>((resolve) => (timer = setTimeout(resolve, ms)));
+  await Promise.race([Promise.all(clients.map((c) => new Promise<void>((resolve) => (open.has(c) ? c.once('end', () => resolve()) : resolve())))), bound]);
+  clearTimeout(timer);
+  for (const c of clients) if (open.has(c)) (c as unknown as { connection?: { stream?: { destroy(): void } } }).connection?.stream?.destroy();
 }
 
 /**

@@ -79,7 +79,15 @@ export async function serveCommand(o: ServeFlags, deps: ServeDeps): Promise<numb
     retentionMs,
     ...(Number.isInteger(rescan) && rescan > 0 ? { rescanMs: rescan } : {}),
   });
-  const address = await server.listen({ host: o.host, port: o.port });
+  let address: string;
+  try {
+    address = await server.listen({ host: o.host, port: o.port });
+  } catch (err) {
+    // Whatever listen() opened before it failed (the LISTEN session of the replay cache) closes
+    // with the pools, before the embedded server's last-one-out check counts the sessions.
+    await server.close(0).catch(() => {});
+    throw err;
+  }
   deps.log.info({ address, jobs: jobs.map((j) => j.name), publicRead: o.publicRead ?? false, maxRuns: o.maxRuns }, 'idem serve listening');
   process.stdout.write(`idem serve: listening on ${address} (${jobs.length} job${jobs.length === 1 ? '' : 's'}; dashboard at ${address}/)\n`);
   await new Promise<void>((resolve) => (deps.stop.aborted ? resolve() : deps.stop.addEventListener('abort', () => resolve(), { once: true })));
