@@ -529,6 +529,12 @@ export class Runner {
             : `interrupted by ${err.signal}; an operator's cancel was pending, so the run is cancelled: finished chunks are kept; idem reset ${job.name} --key ${runKey} forgets the run`,
         );
       }
+      // Ending is a compare-and-set on the running attempt: a run the other workers ended meanwhile
+      // (succeeded, failed) kept that state, and "rerun to resume" would be wrong.
+      if (ended !== null && ended !== 'interrupted' && ended !== 'running') {
+        log.warn({ signal: err.signal, status: ended }, `worker stopped; the run had already ended ${ended} in the other workers`);
+        return new InterruptedError(err.signal, `interrupted by ${err.signal}; the run had already ended ${ended} in the other workers sharing it: idem status ${job.name} --key ${runKey} shows it`);
+      }
       log.warn({ signal: err.signal }, 'run interrupted; rerun to resume');
       return err;
     }
