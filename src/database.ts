@@ -97,6 +97,8 @@ export async function openDatabase(
   refuseKeywordValue(connectionString, 'the connection string');
   const idleMs = opts.idleInTransactionTimeoutMs ?? DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT_MS;
   if (!Number.isInteger(idleMs) || idleMs < 0) throw new TypeError(`idleInTransactionTimeoutMs must be an integer >= 0 (got ${idleMs})`);
+  /** Set once close() begins: errors of the sessions it ends are expected, not logged. */
+  let closing = false;
   const pool = new pg.Pool({
     connectionString,
     max: opts.poolSize,
@@ -110,7 +112,9 @@ export async function openDatabase(
       // A checked-out client whose backend dies between two statements (pg_terminate_backend, a
       // restart) emits 'error' on itself, not on the pool; unhandled, that would crash the process.
       // The next statement on it then fails with a connection error, which the chunk retry handles.
-      client.on('error', (err) => opts.log.warn({ err: errorFields(err, redactSecrets(err.message, connectionString)) }, 'database connection lost'));
+      client.on('error', (err) => {
+        if (!closing) opts.log.warn({ err: errorFields(err, redactSecrets(err.message, connectionString)) }, 'database connection lost');
+      });
       // A work session whose process vanished mid-chunk holds the chunk's row locks: the server ends
       // it after idle_in_transaction_session_timeout, so another worker can redo the chunk.
       await client.query(`${SERVER_KEEPALIVES}; set idle_in_transaction_session_timeout = ${idleMs}`).catch(() => {});
@@ -125,7 +129,9 @@ export async function openDatabase(
     client.once('end', () => open.delete(client));
   });
   // An idle client's socket error is emitted on the pool; unhandled, it would kill the process.
-  pool.on('error', (err) => opts.log.warn({ err: errorFields(err, redactSecrets(err.message, connectionString)) }, 'idle database connection failed'));
+  pool.on('error', (err) => {
+    if (!closing) opts.log.warn({ err: errorFields(err, redactSecrets(err.message, connectionString)) }, 'idle database connection failed');
+  });
   // A session killed during the check (a restart, pg_terminate_backend) says nothing about a
   // pooler: check again on fresh sessions. Reaching the server at all is not retried here: an
   // unreachable database is reported at once.
@@ -156,6 +162,8 @@ export async function openDatabase(
     pool,
     close: () =>
       (closed ??= (async () => {
+        // Errors of sessions this close ends (sockets dropped after the wait) are not news.
+        closing = true;
         await db.destroy().catch(() => {});
         await awaitSocketsClosed(open, CLOSE_WAIT_MS);
       })()),

@@ -296,7 +296,7 @@ describe('a port that cannot be bound', () => {
     try {
       const res = await runCli(['--jobs-dir', ANY_JOBS, 'serve', '--port', String(port)], { url, env: { IDEM_API_TOKEN: TOKEN } });
       expect(res.code, res.stderr).toBe(2);
-      expect(res.stderr.trim().split('\n')).toHaveLength(1);
+      expect(res.stderr.trim().split('\n'), res.stderr).toHaveLength(1);
       expect(res.stderr).toContain(`cannot listen on 127.0.0.1:${port}: the address is in use; pass another --port`);
     } finally {
       holder.close();
