@@ -274,6 +274,27 @@ describe('a request the live run could not act on is not lost', () => {
   }
 });
 
+describe('idem list while a run is live', () => {
+  it('shows the job running, not pending, when a busy invocation of another key left a newer pending row', async () => {
+    const params = { chunks: 4, gate: 'g-list-live' };
+    const gate = await holdGate(url, params.gate);
+    let child: ReturnType<typeof spawnCli>;
+    try {
+      child = spawnCli(countedArgs('op-list-live', params), { url });
+      await someoneBlocked();
+      expect((await runCli(countedArgs('op-list-busy', params), { url })).code).toBe(75);
+      expect(await runRow(url, 'counted', 'op-list-busy')).toMatchObject({ status: 'pending' });
+      const listed = await idem(['list', '--json']);
+      expect(listed.code, listed.stderr).toBe(0);
+      expect((JSON.parse(listed.stdout) as Array<{ name: string; state: string }>).find((i) => i.name === 'counted')?.state).toBe('running');
+    } finally {
+      await gate.release();
+    }
+    expect((await child!.done).code).toBe(0);
+    await idem(['cancel', 'counted', '--key', 'op-list-busy']);
+  });
+});
+
 describe('resume without --key while a run is live', () => {
   it('withdraws the pause pending on the live run, not an older paused run, whatever a busy invocation left pending', async () => {
     const params = { chunks: 6, gate: 'g-live-resume' };
