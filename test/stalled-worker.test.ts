@@ -170,6 +170,10 @@ describe('ending an attempt is a compare-and-set on the run still running under 
     const key = 'late-failure';
     let joined!: () => void;
     const bJoined = new Promise<void>((r) => (joined = r));
+    // The first try of c0001 must be A's: B is started only once A is inside it (both workers run
+    // this job object in this process, so the count is shared).
+    let aInside!: () => void;
+    const aInC1 = new Promise<void>((r) => (aInside = r));
     let c1Tries = 0;
     const job = defineJob({
       name: 'late-failure',
@@ -179,6 +183,7 @@ describe('ending an attempt is a compare-and-set on the run still running under 
           chunks: () => ({ chunks: [1, 2, 3].map((i) => ({ key: chunkKey(i) })), next: null }),
           async run(ctx, chunk: { key: string }) {
             if (chunk.key === chunkKey(1) && c1Tries++ === 0) {
+              aInside();
               await bJoined;
               throw new Error('a bug that the other worker does not hit');
             }
@@ -197,7 +202,8 @@ describe('ending an attempt is a compare-and-set on the run still running under 
         return record(...args);
       };
       const a = runner.run(job, { key, join: true });
-      await waitFor(async () => ((await sessions(url, 'idem-lock')) === 1 ? true : undefined), 'the first worker on the run');
+      await aInC1;
+      expect(await sessions(url, 'idem-lock')).toBe(1);
       const b = other.run(job, { key, join: true });
       await waitFor(async () => ((await sessions(url, 'idem-lock')) === 2 ? true : undefined), 'the second worker joined');
       joined();
