@@ -155,26 +155,6 @@ export async function reopenFailedRun(h: Pick<OperationsHost, 'db' | 'schema'>, 
 }
 
 /**
- * Ends a live attempt that stopped for an operator's request, by the request as it stands now, not
- * as the attempt's poll saw it: a resume may have withdrawn the pause while the in-flight chunks
- * finished (then the run is `interrupted`, the state a resumed paused run has, not `paused`), and
- * a later pause or cancel replaces an earlier one. Compare-and-set on (attempt, running): the first
- * worker of a shared attempt decides, the others read what it wrote. Returns the run's status.
- */
-export async function endControlledAttempt(h: Pick<OperationsHost, 'db' | 'schema'>, runId: string, attempt: number): Promise<string | null> {
-  const { rows } = await sql<{ status: string | null }>`
-    with ended as (
-      update ${t(h, 'runs')} set
-        status = case requested when 'pause' then 'paused' when 'cancel' then 'cancelled' else 'interrupted' end,
-        finished_at = case when requested = 'cancel' then now() else finished_at end,
-        updated_at = now(), holder = null, requested = null, error = null
-      where id = ${runId} and attempt = ${attempt} and status = 'running'
-      returning status)
-    select coalesce((select status from ended), (select status from ${t(h, 'runs')} where id = ${runId})) as status`.execute(h.db);
-  return rows[0]?.status ?? null;
-}
-
-/**
  * Forgets a run (its steps, chunk markers and effects) so the same key executes afresh. Takes the
  * job's lock first, so it cannot pull the rows from under a live run.
  */

@@ -13,7 +13,7 @@ import { refuseOnStandby, type HealthSetting } from './health-check.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import { faultPoint } from './fault-points.ts';
 import { silentLogger } from './log.ts';
-import { doneChunks, endControlledAttempt, lastChange, pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
+import { doneChunks, lastChange, pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
 import { isRetryable, retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
@@ -492,7 +492,7 @@ export class Runner {
     }
     if (err instanceof ControlRequest) {
       // Ended by the request as it stands now: a resume may have withdrawn the pause meanwhile.
-      const ended = await endControlledAttempt(this.#ops(), runId, attempt).catch(() => null);
+      const ended = await this.store.endInterrupted(runId, attempt).then((r) => r?.status ?? null, () => null);
       const status = ended === 'paused' || ended === 'cancelled' || ended === 'interrupted' ? ended : err.what === 'pause' ? 'paused' : 'cancelled';
       log.warn({ status }, `run ${status} by an operator`);
       if (status === 'interrupted') {
@@ -516,10 +516,10 @@ export class Runner {
           `this worker stopped on ${err.signal} (its in-flight chunks finished); the run goes on in ${others} other ${others === 1 ? 'worker' : 'workers'}: idem status ${job.name} --key ${runKey} shows them`,
         );
       }
-      if (others === null) await this.store.endRun(runId, attempt, 'interrupted', null).catch(() => {});
       // An operator's pause or cancel that came too late for this attempt to act on is honoured
       // by how it ended (Store: #endAttempt): say so instead of "rerun to resume".
-      const ended = await this.store.getRun(runId).then((r) => (r.attempt === attempt ? r.status : null), () => null);
+      const after = await (others === null ? this.store.endInterrupted(runId, attempt) : this.store.getRun(runId)).catch(() => null);
+      const ended = after?.attempt === attempt ? after.status : null;
       if (ended === 'paused' || ended === 'cancelled') {
         log.warn({ signal: err.signal, status: ended }, `run ${ended} by an operator's request`);
         return new InterruptedError(
@@ -553,12 +553,12 @@ export class Runner {
     // Another worker of this attempt failed the run first (often on this very chunk, which this
     // one claimed after that worker's try rolled back): its record stands, and this one says so.
     if (recorded?.kind === 'failedElsewhere' && recorded.error) return this.#recordEnd(runId, attempt, job, runKey, new FailedElsewhere(recorded.error.message), log, lock);
+    const where = failure.chunk === null ? `step "${failure.step}"` : `step "${failure.step}", chunk ${failure.chunk}`;
     if (recorded?.kind === 'ended') {
       // The run is no longer running under this attempt (failRun is a compare-and-set): it ended
       // while this worker was away (stopped, its session ended by the server), in another worker
       // sharing it, or a newer attempt took it over. What was recorded stands.
       const { run } = recorded;
-      const where = failure.chunk === null ? `step "${failure.step}"` : `step "${failure.step}", chunk ${failure.chunk}`;
       log.warn({ step: failure.step, chunk: failure.chunk, tries: failure.tries, status: run.status, runAttempt: run.attempt, err: errorFields(failure.cause, failure.message) }, `${where} failed here, but the run had ended meanwhile (${run.status}); not recorded`);
       if (run.attempt === attempt && run.status === 'succeeded') return new SucceededElsewhere(run);
       if (run.attempt === attempt && (run.status === 'paused' || run.status === 'cancelled')) {
@@ -566,7 +566,6 @@ export class Runner {
       }
       return this.#recordEnd(runId, attempt, job, runKey, new FencedError(`attempt ${attempt} of job "${job.name}" ended (the run is ${run.status} under attempt ${run.attempt}) before it could record its failure in ${where}: ${failure.message}`), log, lock);
     }
-    const where = failure.chunk === null ? `step "${failure.step}"` : `step "${failure.step}", chunk ${failure.chunk}`;
     log.error({ step: failure.step, chunk: failure.chunk, tries: failure.tries, err: errorFields(failure.cause, failure.message) }, 'run failed');
     return new RunFailedError(
       `job "${job.name}" failed in ${where} after ${failure.tries} ${failure.tries === 1 ? 'try' : 'tries'}: ${failure.message}; fix the cause and run the same command again to resume there`,

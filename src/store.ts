@@ -559,6 +559,22 @@ export class Store {
     return rows[0]?.status ?? null;
   }
 
+  /**
+   * Ends the attempt `interrupted`, or by the operator's request as it stands now (#endAttempt), and
+   * returns the run's status and attempt after it. A live attempt that stopped for a request ends by
+   * the request as it stands then, not as its poll saw it: a resume may have withdrawn the pause
+   * while the in-flight chunks finished (then the run is `interrupted`, the state a resumed paused
+   * run has), and a later pause or cancel replaces an earlier one. The first worker of a shared
+   * attempt decides; the others read what it wrote.
+   */
+  async endInterrupted(runId: string, attempt: number): Promise<{ status: RunStatus; attempt: number } | null> {
+    const { rows } = await this.#run(sql<{ status: RunStatus; attempt: number }>`
+      with ended as (${this.#endAttempt(runId, attempt, 'interrupted', null)} returning status, attempt)
+      select status, attempt from ended
+      union all select status, attempt from ${this.#runs} where id = ${runId} and not exists (select 1 from ended)`);
+    return rows[0] ?? null;
+  }
+
   /** The statement of `endRun(runId, attempt, 'interrupted', null)`, for the lock's session. */
   interruptRunSql(runId: string, attempt: number): CompiledSql {
     return this.#endAttempt(runId, attempt, 'interrupted', null).compile(this.#db);
