@@ -71,8 +71,14 @@ async function listening(proc: ReturnType<typeof spawnCli>): Promise<void> {
 const serve = (args: string[] = []) =>
   spawnCli(['serve', '--port', '0', '--token-file', TOKEN_FILE, ...args], { cwd: project, env: { IDEM_API_TOKEN: undefined }, timeoutMs: 120_000 });
 
-/** Log messages about the embedded server's lifecycle. */
-const lifecycle = (stderr: string) => logLines(stderr).map((l) => l.msg).filter((m) => /embedded PostgreSQL/.test(m));
+/**
+ * Log messages about the embedded server's starts and stops. The one-time "initialising … (first
+ * run only)" line is left out: whichever test the shuffled order runs first creates the cluster.
+ */
+const lifecycle = (stderr: string) =>
+  logLines(stderr)
+    .map((l) => l.msg)
+    .filter((m) => /embedded PostgreSQL/.test(m) && !/^initialising /.test(m));
 
 describe('the embedded PostgreSQL is stopped when the last idem process exits', () => {
   it('idem serve, stopped by SIGTERM, stops the embedded server it started (its own sessions do not count)', async () => {
