@@ -116,13 +116,25 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
     busy++;
     let timer: NodeJS.Timeout | undefined;
     try {
+      const answer = client.query<R>(text, values as unknown[]);
+      let answered = false;
+      answer.then(
+        () => (answered = true),
+        () => (answered = true),
+      );
       const deadline = new Promise<never>((_, reject) => {
         timer = setTimeout(() => {
-          loseLock(`its session did not answer within ${ms / 1000}s (network gone?)`);
-          reject(lostController.signal.reason);
+          // The deadline can pass while this process could not run (SIGSTOP, a long GC pause, a
+          // chunk blocking the event loop), and on waking timers run before sockets are read: the
+          // answer may be there, unread. Judge after one round of I/O, not before.
+          setImmediate(() => {
+            if (answered) return;
+            loseLock(`its session did not answer within ${ms / 1000}s (network gone?)`);
+            reject(lostController.signal.reason);
+          });
         }, ms);
       });
-      const { rows } = await Promise.race([client.query<R>(text, values as unknown[]), deadline]);
+      const { rows } = await Promise.race([answer, deadline]);
       return rows;
     } finally {
       clearTimeout(timer);

@@ -166,6 +166,45 @@ describe('the attempt bump is tied to holding the lock (item 5)', () => {
   });
 });
 
+describe('a process that was stalled past a lock check\'s deadline reads the answer before judging (issue 9)', () => {
+  // SIGSTOP/SIGCONT, a long GC pause, or a chunk whose code blocks the event loop: the check's
+  // answer arrived while the process could not read it, and on waking the deadline timer ran before
+  // the socket was read. The lock was healthy, yet it counted as lost (exit 69).
+  it('a check answered while the event loop was blocked past its deadline keeps the lock', async () => {
+    const lock = await acquireAdvisoryLock({ connectionString: url, name: 'stall-check', what: 'job "stall"', checkIntervalMs: 60_000, checkTimeoutMs: 200 });
+    try {
+      const confirmed = lock.confirm(); // the check is on the wire now
+      const until = Date.now() + 800; // the server answers within this; the deadline passes unseen
+      while (Date.now() < until) {
+        // blocked, as a stopped process or a synchronous chunk is
+      }
+      await confirmed;
+      expect(lock.lost.aborted, String(lock.lost.reason)).toBe(false);
+      // Still the same session, still holding the lock.
+      const held = await query(url, `select count(*)::int as n from pg_locks where locktype = 'advisory' and pid = $1 and granted`, [lock.pid]);
+      expect(held).toEqual([{ n: 1 }]);
+    } finally {
+      await lock.release();
+    }
+  });
+
+  it('a check that is really unanswered still loses the lock by its deadline', async () => {
+    const lock = await acquireAdvisoryLock({ connectionString: url, name: 'stall-dead', what: 'job "stall"', checkIntervalMs: 60_000, checkTimeoutMs: 300 });
+    process.kill(lock.pid, 'SIGSTOP'); // its backend stops answering, as behind a dead network
+    try {
+      const t = performance.now();
+      await lock.confirm();
+      expect(lock.lost.aborted).toBe(true);
+      expect(String(lock.lost.reason)).toMatch(/did not answer within 0.3s/);
+      expect(performance.now() - t).toBeLessThan(5_000);
+    } finally {
+      process.kill(lock.pid, 'SIGCONT');
+      await lock.release();
+      await query(url, 'select pg_terminate_backend($1)', [lock.pid]).catch(() => {});
+    }
+  });
+});
+
 describe('liveness is per run, not per job (item 6)', () => {
   let open!: () => void;
   const gate = new Promise<void>((resolve) => (open = resolve));
