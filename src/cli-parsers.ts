@@ -29,26 +29,7 @@ export function waitSeconds(value: string | boolean): number | boolean {
   return n;
 }
 
-/** Longest run key, in characters (code points, so 200 emoji are 200 characters). */
-export const MAX_RUN_KEY_CHARS = 200;
-
-/**
- * A run key from the command line: 1 to 200 characters (code points), none of them a control
- * character (C0, DEL, C1: a newline or an ESC sequence in a key would reach every terminal that
- * shows it, and break `idem status`'s lines). Any printable character is allowed, non-ASCII too:
- * keys in the operator's language are legitimate. Throws a UsageError (exit 2) naming the problem.
- */
-export function checkRunKey(key: string, flag = '--key'): void {
-  const chars = [...key];
-  if (chars.length === 0 || chars.length > MAX_RUN_KEY_CHARS) {
-    throw new UsageError('invalidKey', `${flag} must be 1 to ${MAX_RUN_KEY_CHARS} characters (got ${chars.length}); pass ${chars.length === 0 ? 'a non-empty' : 'a shorter'} key, e.g. 2026-11-30`);
-  }
-  const at = chars.findIndex((ch) => /\p{Cc}/u.test(ch));
-  if (at !== -1) {
-    const code = chars[at]!.codePointAt(0)!.toString(16).toUpperCase().padStart(4, '0');
-    throw new UsageError('invalidKey', `${flag} must not contain control characters (it has U+${code} at character ${at + 1}); pass a key of printable characters, e.g. 2026-11-30`);
-  }
-}
+export { checkRunKey, MAX_RUN_KEY_CHARS } from './run-key.ts';
 
 export function collectParam(value: string, previous: Record<string, unknown>): Record<string, unknown> {
   const eq = value.indexOf('=');

@@ -17,6 +17,7 @@ import { doneChunks, lastChange, pruneRuns, requestControl, resetRun, resumeRun,
 import { isRetryable, retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
+import { checkRunKey } from './run-key.ts';
 
 /** Default size of the work pool (RunnerOptions.poolSize). */
 export const DEFAULT_POOL_SIZE = 10;
@@ -206,6 +207,7 @@ export class Runner {
   /** Runs a job to completion (or finds it done). Throws an IdemError subclass on every other outcome. */
   async run(job: Job, opts: RunJobOptions = {}): Promise<RunOutcome> {
     this.#checkConcurrency(opts.concurrency);
+    if (opts.key !== undefined) checkRunKey(opts.key, 'key');
     const params = (await validateParams(job, opts.params)) as Json;
     const fp = fingerprint(params);
     const runKey = opts.key ?? fp;
@@ -261,6 +263,7 @@ export class Runner {
    */
   async migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: Omit<RunJobOptions, 'key' | 'params' | 'dryRun'> = {}): Promise<RunOutcome[]> {
     this.#checkConcurrency(opts.concurrency);
+    for (const m of migrations) checkRunKey(m.runKey, `migration key of job "${m.job?.name}"`);
     const outcomes: RunOutcome[] = [];
     const fp = fingerprint({});
     // Fast path: every migration already done means no lock and no waiting at all.

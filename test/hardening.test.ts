@@ -205,6 +205,30 @@ describe('a process that was stalled past a lock check\'s deadline reads the ans
   });
 });
 
+describe('the library refuses a run key the CLI refuses (issue 9)', () => {
+  it('Runner.run and Runner.migrate refuse an empty, overlong, control-character or non-string key with exit 2, and write nothing', async () => {
+    const job = defineJob({ name: 'lib-key', steps: [{ name: 'only', run: () => {} }] });
+    const cases: Array<[unknown, RegExp]> = [
+      ['', /key must be 1 to 200 characters \(got 0\)/],
+      ['x'.repeat(201), /key must be 1 to 200 characters \(got 201\)/],
+      ['2026-11-30\nevil', /key must not contain control characters \(it has U\+000A at character 11\)/],
+      ['\u001b[31mred', /U\+001B at character 1/],
+      [42, /key must be a string \(got number\)/],
+    ];
+    for (const [key, message] of cases) {
+      const err = await runner.run(job, { key: key as string }).catch((e: unknown) => e);
+      expect(exitCodeOf(err), `${JSON.stringify(key)}: ${String(err)}`).toBe(2);
+      expect(String(err)).toMatch(message);
+    }
+    const mig = await runner.migrate([{ runKey: 'ok\tnot', job }]).catch((e: unknown) => e);
+    expect(exitCodeOf(mig), String(mig)).toBe(2);
+    expect(String(mig)).toMatch(/must not contain control characters \(it has U\+0009/);
+    expect(await query(url, `select count(*)::int as n from idem.runs where job = 'lib-key'`)).toEqual([{ n: 0 }]);
+    // 200 emoji are 200 characters, and fine.
+    expect((await runner.run(job, { key: '🙂'.repeat(200) })).status).toBe('succeeded');
+  });
+});
+
 describe('liveness is per run, not per job (item 6)', () => {
   let open!: () => void;
   const gate = new Promise<void>((resolve) => (open = resolve));

@@ -1,0 +1,24 @@
+import { UsageError } from './errors.ts';
+
+/** Longest run key, in characters (code points, so 200 emoji are 200 characters). */
+export const MAX_RUN_KEY_CHARS = 200;
+
+/**
+ * A run key, from the command line (`--key`) or a library call: a string of 1 to 200 characters
+ * (code points), none of them a control character (C0, DEL, C1: a newline or an ESC sequence in a
+ * key would reach every terminal that shows it, and break `idem status`'s lines). Any printable
+ * character is allowed, non-ASCII too: keys in the operator's language are legitimate. Throws a
+ * UsageError (exit 2) naming the problem, before anything is written.
+ */
+export function checkRunKey(key: unknown, label = '--key'): asserts key is string {
+  if (typeof key !== 'string') throw new UsageError('invalidKey', `${label} must be a string (got ${key === null ? 'null' : typeof key}); pass a key such as '2026-11-30'`);
+  const chars = [...key];
+  if (chars.length === 0 || chars.length > MAX_RUN_KEY_CHARS) {
+    throw new UsageError('invalidKey', `${label} must be 1 to ${MAX_RUN_KEY_CHARS} characters (got ${chars.length}); pass ${chars.length === 0 ? 'a non-empty' : 'a shorter'} key, e.g. 2026-11-30`);
+  }
+  const at = chars.findIndex((ch) => /\p{Cc}/u.test(ch));
+  if (at !== -1) {
+    const code = chars[at]!.codePointAt(0)!.toString(16).toUpperCase().padStart(4, '0');
+    throw new UsageError('invalidKey', `${label} must not contain control characters (it has U+${code} at character ${at + 1}); pass a key of printable characters, e.g. 2026-11-30`);
+  }
+}
