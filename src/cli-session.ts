@@ -4,6 +4,7 @@ import type { Logger } from 'pino';
 import { ExitCode, exitCodeOf, IdemError, InterruptedError, messageOf } from './errors.ts';
 import type { LogLevel } from './log-level.ts';
 import type { Runner } from './runner.ts';
+import { testHookMs } from './test-hooks.ts';
 
 /**
  * runner.ts's DEFAULT_SCHEMA, repeated here so that `idem --help` need not load the runner (and
@@ -119,8 +120,8 @@ export async function openRunner(g: GlobalOptions, log: Logger, session: Session
   // The runner brings kysely and pg: loaded by the commands that talk to the database, when they do.
   const [{ Runner }, connectionString] = await Promise.all([import('./cli-runtime.ts'), url ?? databaseUrl(g, log, session)]);
   // IDEM_IDLE_IN_TRANSACTION_TIMEOUT_MS: for tests, which cannot stall a worker for the default 60 s.
-  const idle = Number(process.env.IDEM_IDLE_IN_TRANSACTION_TIMEOUT_MS);
-  const runner = await Runner.connect({ connectionString, schema: g.schema, log, poolSize, ...(Number.isInteger(idle) && idle > 0 ? { idleInTransactionTimeoutMs: idle } : {}) });
+  const idle = testHookMs('IDEM_IDLE_IN_TRANSACTION_TIMEOUT_MS');
+  const runner = await Runner.connect({ connectionString, schema: g.schema, log, poolSize, ...(idle !== undefined ? { idleInTransactionTimeoutMs: idle } : {}) });
   session.defer(() => runner.close());
   return runner;
 }

@@ -2,6 +2,7 @@ import type pg from 'pg';
 import type { Logger } from 'pino';
 import { ExitCode, InterruptedError } from '../errors.ts';
 import { loadJobDir } from '../loader.ts';
+import { testHookMs } from '../test-hooks.ts';
 import { parseDuration } from '../operations.ts';
 import type { Runner } from '../runner.ts';
 import { loadApiToken } from './api-token.ts';
@@ -62,10 +63,9 @@ export async function serveCommand(o: ServeFlags, deps: ServeDeps): Promise<numb
   // Each executing run takes up to `concurrency` connections of the runner's pool, plus its control
   // and lock reads; the API reads on a pool of their own.
   // IDEM_SERVE_READ_TIMEOUT_MS: for tests, which cannot wait the default 30 s.
-  const readTimeout = Number(process.env.IDEM_SERVE_READ_TIMEOUT_MS);
-  const { runner, reads } = await deps.openDatabase(o.maxRuns * o.concurrency + 4, READ_POOL_SIZE, Number.isInteger(readTimeout) && readTimeout > 0 ? readTimeout : READ_TIMEOUT_MS);
+  const { runner, reads } = await deps.openDatabase(o.maxRuns * o.concurrency + 4, READ_POOL_SIZE, testHookMs('IDEM_SERVE_READ_TIMEOUT_MS') ?? READ_TIMEOUT_MS);
   // IDEM_SERVE_RESCAN_MS: for tests, which cannot wait the default 30 s for a takeover.
-  const rescan = Number(process.env.IDEM_SERVE_RESCAN_MS);
+  const rescan = testHookMs('IDEM_SERVE_RESCAN_MS');
   const server = createServer({
     runner,
     reads,
@@ -77,7 +77,7 @@ export async function serveCommand(o: ServeFlags, deps: ServeDeps): Promise<numb
     bodyLimit: o.bodyLimit,
     log: deps.log,
     retentionMs,
-    ...(Number.isInteger(rescan) && rescan > 0 ? { rescanMs: rescan } : {}),
+    ...(rescan !== undefined ? { rescanMs: rescan } : {}),
   });
   let address: string;
   try {

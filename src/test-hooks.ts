@@ -1,0 +1,9 @@
+/**
+ * A duration from the environment that tests set to shorten one of idem's waits (the defaults are
+ * tens of seconds): a positive integer of milliseconds, or undefined (unset, or anything else) for
+ * the default. Never documented as a setting: each has a flag or an option where users need one.
+ */
+export function testHookMs(name: 'IDEM_SERVE_READ_TIMEOUT_MS' | 'IDEM_SERVE_RESCAN_MS' | 'IDEM_IDLE_IN_TRANSACTION_TIMEOUT_MS'): number | undefined {
+  const n = Number(process.env[name]);
+  return Number.isInteger(n) && n > 0 ? n : undefined;
+}
