@@ -6,7 +6,7 @@ export interface KeyRangeOptions {
   readonly table: string;
   /** An indexed integer or bigint column, usually the primary key. */
   readonly column: string;
-  /** Rows per chunk (at most; gaps in the keys make chunks cover fewer rows). */
+  /** Rows per chunk: a range holds `size` keys (meeting `where`) when it is planned, the last one fewer; gaps in the keys widen a range, they do not thin it. */
   readonly size: number;
   /**
    * Extra SQL condition rows must meet to be counted (e.g. `"reserved_by_normalized is null"`).
