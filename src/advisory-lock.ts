@@ -1,7 +1,7 @@
 import pg from 'pg';
 import { BusyError, DatabaseUnavailableError, InterruptedError, LockLostError } from './errors.ts';
 import { lockKey } from './fingerprint.ts';
-import { sleep } from './sleep.ts';
+import { answerWithin, sleep } from './sleep.ts';
 import { SERVER_KEEPALIVES, sessionName } from './database.ts';
 
 export interface AdvisoryLockOptions {
@@ -114,30 +114,13 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
   /** One statement, raced against a deadline: no answer in time is a lost lock, not a wait. */
   const timed = async <R extends pg.QueryResultRow>(text: string, values: readonly unknown[], ms: number): Promise<R[]> => {
     busy++;
-    let timer: NodeJS.Timeout | undefined;
     try {
-      const answer = client.query<R>(text, values as unknown[]);
-      let answered = false;
-      answer.then(
-        () => (answered = true),
-        () => (answered = true),
-      );
-      const deadline = new Promise<never>((_, reject) => {
-        timer = setTimeout(() => {
-          // The deadline can pass while this process could not run (SIGSTOP, a long GC pause, a
-          // chunk blocking the event loop), and on waking timers run before sockets are read: the
-          // answer may be there, unread. Judge after one round of I/O, not before.
-          setImmediate(() => {
-            if (answered) return;
-            loseLock(`its session did not answer within ${ms / 1000}s (network gone?)`);
-            reject(lostController.signal.reason);
-          });
-        }, ms);
+      const { rows } = await answerWithin(client.query<R>(text, values as unknown[]), ms, () => {
+        loseLock(`its session did not answer within ${ms / 1000}s (network gone?)`);
+        return lostController.signal.reason;
       });
-      const { rows } = await Promise.race([answer, deadline]);
       return rows;
     } finally {
-      clearTimeout(timer);
       busy--;
     }
   };

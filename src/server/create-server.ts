@@ -3,6 +3,7 @@ import { sql } from 'kysely';
 import type pg from 'pg';
 import type { Logger } from 'pino';
 import { errorFields, UsageError } from '../errors.ts';
+import { answerWithin } from '../sleep.ts';
 import { silentLogger } from '../log.ts';
 import { runIsLive } from '../operations.ts';
 import type { Job } from '../job.ts';
@@ -183,15 +184,11 @@ export function createServer(opts: ServerOptions): IdemServer {
   // the database, so only readiness looks at it.
   app.get('/healthz', async () => ({ ok: true }));
   app.get('/readyz', async () => {
-    let timer: NodeJS.Timeout | undefined;
-    const late = new Promise<never>((_, reject) => {
-      timer = setTimeout(() => reject(new HttpProblem(503, 'idem.databaseUnavailable', `PostgreSQL did not answer within ${READY_TIMEOUT_MS / 1000} s; check the database and the network to it, then retry`, { retryable: true })), READY_TIMEOUT_MS);
-    });
-    try {
-      await Promise.race([opts.reads.query('select 1'), late]);
-    } finally {
-      clearTimeout(timer);
-    }
+    await answerWithin(
+      opts.reads.query('select 1'),
+      READY_TIMEOUT_MS,
+      () => new HttpProblem(503, 'idem.databaseUnavailable', `PostgreSQL did not answer within ${READY_TIMEOUT_MS / 1000} s; check the database and the network to it, then retry`, { retryable: true }),
+    );
     return { ok: true, database: 'ok' };
   });
   app.get('/metrics', async (_request, reply) => {

@@ -2,6 +2,7 @@ import pg from 'pg';
 import type { Logger } from 'pino';
 import { SERVER_KEEPALIVES } from '../database.ts';
 import { errorFields } from '../errors.ts';
+import { answerWithin } from '../sleep.ts';
 import type { RunView } from './run-view.ts';
 
 /** The channel the runs table's trigger notifies on (runner migration 0009). */
@@ -198,13 +199,9 @@ export class ReplayCache {
 
   /** A session that stopped answering (a dead network) is dropped: the cache is off until a new one listens. */
   #ping(client: pg.Client, lost: (err?: Error) => void): void {
-    const timeout = setTimeout(() => lost(new Error(`no answer to a ping within ${PING_TIMEOUT_MS} ms`)), PING_TIMEOUT_MS);
-    client.query('select 1').then(
-      () => clearTimeout(timeout),
-      (err: Error) => {
-        clearTimeout(timeout);
-        lost(err);
-      },
+    answerWithin(client.query('select 1'), PING_TIMEOUT_MS, () => new Error(`no answer to a ping within ${PING_TIMEOUT_MS} ms`)).then(
+      () => {},
+      (err: Error) => lost(err),
     );
   }
 
