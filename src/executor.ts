@@ -152,6 +152,15 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
       throw err instanceof ChunkFailure || err instanceof FencedError ? err : new ChunkFailure(step.name, null, 1, err);
     });
     checkPage(step.name, page);
+    if (page.chunks.length === 0 && page.next !== null && JSON.stringify(page.next) === JSON.stringify(cursor)) {
+      // It would be asked for the same window again, forever.
+      throw new ChunkFailure(
+        step.name,
+        null,
+        1,
+        new Error(`chunk source returned no chunks and the cursor it was given (${JSON.stringify(cursor)}) as next; return next: null when the step is done, or a cursor past the window it looked at`),
+      );
+    }
     const result = await store.planWindow(run.runId, run.attempt, step.name, nextSeq - 1, page.chunks, page.next);
     if (result.kind === 'fenced') throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was taken over by a newer attempt while planning`);
     if (result.kind === 'duplicate') {

@@ -205,3 +205,48 @@ describe('keysetQuery', () => {
     );
   });
 });
+
+describe('a custom source that does not move', () => {
+  it('no chunks and the same cursor back fails the run at once, naming the step and the fix, instead of planning forever', async () => {
+    let calls = 0;
+    const job = defineJob({
+      name: 'stuck-source',
+      steps: [
+        {
+          name: 'days',
+          chunks: (cursor) => {
+            calls++;
+            return { chunks: [], next: cursor ?? '2026-11-30' };
+          },
+          run: () => {},
+        },
+      ],
+    });
+    const started = performance.now();
+    const err = await runner.run(job, { key: 'stuck' }).catch((e: unknown) => e);
+    expect(performance.now() - started).toBeLessThan(10_000);
+    expect(String(err)).toMatch(/step "days".*chunk source returned no chunks and the cursor it was given \("2026-11-30"\)/);
+    expect(String(err)).toMatch(/return next: null when the step is done/);
+    expect(calls).toBe(2); // null → "2026-11-30", then "2026-11-30" → "2026-11-30": refused
+    expect((await runRow(url, 'stuck-source', 'stuck'))?.status).toBe('failed');
+  });
+
+  it('empty windows whose cursor moves are fine (a sparse scan)', async () => {
+    const job = defineJob({
+      name: 'sparse-source',
+      steps: [
+        {
+          name: 'scan',
+          chunks: (cursor) => {
+            const at = (cursor as number | null) ?? 0;
+            if (at >= 5) return { chunks: [], next: null };
+            return { chunks: at === 3 ? [{ key: `k${at}` }] : [], next: at + 1 };
+          },
+          run: async ({ db }, chunk) => recordKeys(db, 'sparse-', [chunk.key]),
+        },
+      ],
+    });
+    expect((await runner.run(job, { key: 'sparse' })).status).toBe('succeeded');
+    expect(await query(url, `select key, n from seen where key like 'sparse-%'`)).toEqual([{ key: 'sparse-k3', n: 1 }]);
+  });
+});
