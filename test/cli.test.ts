@@ -164,6 +164,25 @@ describe('idem run', () => {
     expect(await workCounts(url, 'cli-fail')).toEqual(new Map([['c0001', 1], ['c0002', 1], ['c0003', 1]]));
   });
 
+  it('run --json that does not succeed still prints one JSON object on stdout: the exit code, the error code and the message', async () => {
+    await query(url, `insert into fail_chunks (chunk_key) values ('c0001')`);
+    const failed = await idem(['run', 'counted', '--params', '{"chunks":2}', '--key', 'cli-json-fail', '--json']);
+    expect(failed.code, failed.stderr).toBe(1);
+    expect(JSON.parse(failed.stdout)).toEqual({
+      status: 'error',
+      job: 'counted',
+      runKey: 'cli-json-fail',
+      exitCode: 1,
+      code: 'idem.runFailed',
+      error: expect.stringMatching(/^job "counted" failed in step "work", chunk c0001 after 1 try: injected failure in chunk c0001; /),
+    });
+    expect(lines(failed.stderr).filter((l) => l.startsWith('idem: error:'))).toHaveLength(1);
+    // Refused input too (exit 2), with the key it was given.
+    const bad = await idem(['run', 'counted', '--params', '{"chunks":"x"}', '--key', 'cli-json-bad', '--json']);
+    expect(bad.code, bad.stderr).toBe(2);
+    expect(JSON.parse(bad.stdout)).toMatchObject({ status: 'error', job: 'counted', runKey: 'cli-json-bad', exitCode: 2 });
+  });
+
   it('exits 75 at once when another process holds the job\'s lock, naming --wait', async () => {
     const holder = new pg.Client({ connectionString: url });
     await holder.connect();

@@ -2,7 +2,7 @@ import type { Command } from 'commander';
 import { checkRunKey, collectParam, nonNegativeNumber, parseParams, positiveInt, positiveNumber, waitSeconds } from '../cli-parsers.ts';
 import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
 import { describeOutcome } from '../describe-outcome.ts';
-import { ExitCode, UsageError } from '../errors.ts';
+import { ExitCode, exitCodeOf, IdemError, messageOf, UsageError } from '../errors.ts';
 import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
 import { createProgressReporter } from '../progress-reporter.ts';
 
@@ -46,59 +46,71 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
     .option('--allow-changed-code', 'resume a run even though its job file (or version) changed since it started; recorded on the run')
     .action((name: string, o: RunFlags) =>
       cli.runWithSession(async (g, log, session, force) => {
-        const params = parseParams(o.params, o.param);
-        if (o.key !== undefined) checkRunKey(o.key);
-        // Loaded when the command runs, not at the top: `idem --help` needs none of them (the job
-        // API brings kysely, the schedule croner).
-        const { findJob, validateParams, latestSlot, parseCatchUp, parseSchedule, slotKey, slotsSince, POOL_HEADROOM } = await import('../cli-runtime.ts');
-        const job = await findJob(g.jobsDir, name, { migrationsDir: g.migrationsDir });
-        // Bad params are refused before any connection: nothing, not even idem's schema, is created.
-        await validateParams(job, params);
-        const health = await healthSetting(o);
-        // A scheduled job run without --key is the run of its most recent due slot: cron firing
-        // twice, or late, lands on the same run. --catch-up runs each missed slot as its own run.
-        const schedule = job.schedule === undefined ? undefined : parseSchedule(job.schedule);
-        if (o.catchUp !== undefined && (!schedule || o.key !== undefined)) {
-          throw new UsageError('invalidCatchUp', schedule ? '--catch-up picks run keys from the schedule; drop --key' : `--catch-up needs a scheduled job; "${job.name}" has no schedule`);
-        }
-        const slots: Array<Date | null> =
-          o.catchUp !== undefined ? slotsSince(schedule!, parseCatchUp(o.catchUp)) : [o.key === undefined && schedule ? latestSlot(schedule) : null];
-        if (slots.length === 0) {
-          process.stdout.write(`no slot of job "${job.name}" falls within --catch-up ${o.catchUp}\n`);
+        try {
+          const params = parseParams(o.params, o.param);
+          if (o.key !== undefined) checkRunKey(o.key);
+          // Loaded when the command runs, not at the top: `idem --help` needs none of them (the job
+          // API brings kysely, the schedule croner).
+          const { findJob, validateParams, latestSlot, parseCatchUp, parseSchedule, slotKey, slotsSince, POOL_HEADROOM } = await import('../cli-runtime.ts');
+          const job = await findJob(g.jobsDir, name, { migrationsDir: g.migrationsDir });
+          // Bad params are refused before any connection: nothing, not even idem's schema, is created.
+          await validateParams(job, params);
+          const health = await healthSetting(o);
+          // A scheduled job run without --key is the run of its most recent due slot: cron firing
+          // twice, or late, lands on the same run. --catch-up runs each missed slot as its own run.
+          const schedule = job.schedule === undefined ? undefined : parseSchedule(job.schedule);
+          if (o.catchUp !== undefined && (!schedule || o.key !== undefined)) {
+            throw new UsageError('invalidCatchUp', schedule ? '--catch-up picks run keys from the schedule; drop --key' : `--catch-up needs a scheduled job; "${job.name}" has no schedule`);
+          }
+          const slots: Array<Date | null> =
+            o.catchUp !== undefined ? slotsSince(schedule!, parseCatchUp(o.catchUp)) : [o.key === undefined && schedule ? latestSlot(schedule) : null];
+          if (slots.length === 0) {
+            process.stdout.write(`no slot of job "${job.name}" falls within --catch-up ${o.catchUp}\n`);
+            return ExitCode.Ok;
+          }
+          const runner = await openRunner(g, log, session, o.concurrency + POOL_HEADROOM);
+          const signals = installSignals(log, g.shutdownTimeout, force);
+          const throttle = {
+            ...(o.maxRate !== undefined ? { maxRate: o.maxRate } : {}),
+            ...(o.pause !== undefined ? { pauseMs: o.pause } : {}),
+            ...(o.targetChunkMs !== undefined ? { targetChunkMs: o.targetChunkMs } : {}),
+          };
+          for (const slot of slots) {
+            const reporter = o.progress && !o.json && !o.dryRun ? createProgressReporter({ job: job.name, tty: process.stderr.isTTY === true, log }) : undefined;
+            if (reporter) session.defer(async () => reporter.stop());
+            const key = slot ? slotKey(slot) : o.key;
+            // Stopped (the bar cleared) before anything else is written, also when the run throws:
+            // main() writes the error line, and the session's deferred stop runs only after it.
+            const outcome = await runner.run(job, {
+              throttle,
+              ...(reporter ? { onProgress: reporter.update } : {}),
+              params,
+              ...(key !== undefined ? { key } : {}),
+              slot,
+              concurrency: o.concurrency,
+              wait: o.wait ?? false,
+              join: o.join ?? false,
+              dryRun: o.dryRun ?? false,
+              retrySkipped: o.retrySkipped ?? false,
+              allowChangedCode: o.allowChangedCode ?? false,
+              ...health,
+              signal: signals.stop,
+              abortSignal: signals.abort,
+            }).finally(() => reporter?.stop());
+            process.stdout.write(o.json ? `${JSON.stringify(outcome)}\n` : `${describeOutcome(outcome)}\n`);
+          }
           return ExitCode.Ok;
+        } catch (err) {
+          // --json is for scripts: an outcome other than success is an object on stdout too (the
+          // one-line error still goes to stderr, and the exit code is the same).
+          if (o.json) process.stdout.write(`${JSON.stringify(errorOutcome(name, o.key, err))}\n`);
+          throw err;
         }
-        const runner = await openRunner(g, log, session, o.concurrency + POOL_HEADROOM);
-        const signals = installSignals(log, g.shutdownTimeout, force);
-        const throttle = {
-          ...(o.maxRate !== undefined ? { maxRate: o.maxRate } : {}),
-          ...(o.pause !== undefined ? { pauseMs: o.pause } : {}),
-          ...(o.targetChunkMs !== undefined ? { targetChunkMs: o.targetChunkMs } : {}),
-        };
-        for (const slot of slots) {
-          const reporter = o.progress && !o.json && !o.dryRun ? createProgressReporter({ job: job.name, tty: process.stderr.isTTY === true, log }) : undefined;
-          if (reporter) session.defer(async () => reporter.stop());
-          const key = slot ? slotKey(slot) : o.key;
-          // Stopped (the bar cleared) before anything else is written, also when the run throws:
-          // main() writes the error line, and the session's deferred stop runs only after it.
-          const outcome = await runner.run(job, {
-            throttle,
-            ...(reporter ? { onProgress: reporter.update } : {}),
-            params,
-            ...(key !== undefined ? { key } : {}),
-            slot,
-            concurrency: o.concurrency,
-            wait: o.wait ?? false,
-            join: o.join ?? false,
-            dryRun: o.dryRun ?? false,
-            retrySkipped: o.retrySkipped ?? false,
-            allowChangedCode: o.allowChangedCode ?? false,
-            ...health,
-            signal: signals.stop,
-            abortSignal: signals.abort,
-          }).finally(() => reporter?.stop());
-          process.stdout.write(o.json ? `${JSON.stringify(outcome)}\n` : `${describeOutcome(outcome)}\n`);
-        }
-        return ExitCode.Ok;
       }, ['jobs']),
     );
+}
+
+/** What `idem run --json` prints when the run does not succeed: the exit code, idem's error code and the message. */
+function errorOutcome(job: string, key: string | undefined, err: unknown) {
+  return { status: 'error', job, runKey: key ?? null, exitCode: exitCodeOf(err), code: err instanceof IdemError ? err.code : null, error: messageOf(err) };
 }
