@@ -116,4 +116,22 @@ describe('stored text with control characters on a terminal', () => {
     expect(text).toContain('error: step "work" chunk c\\r1 after 1 try: boom\\n\\x1b[31mred');
     expect(text).toContain('skipped: step "work" chunk k\\x1b2 after 1 try: x\\ny');
   });
+
+  it('idem status\'s table shortens a long error to a line, and says how much is left out; the detail view keeps it whole', async () => {
+    const { formatStatus, formatRunDetail } = await import('../src/commands/status.ts');
+    const now = new Date(Date.UTC(2026, 10, 30, 12));
+    const long = `${'x'.repeat(290)}😀${'y'.repeat(19_709)}`; // 20 000 characters
+    const row = {
+      job: 'counted', runKey: 'k', runId: '1', state: 'failed', attempt: 1, chunksDone: 0, chunksPlanned: 1, fullyPlanned: true, estimatedChunks: null,
+      updatedAt: now, createdAt: now, finishedAt: now, holder: null, throughput: null, etaSeconds: null, workers: [], requested: null, healthPause: null, codeChanges: [],
+      error: { step: 'work', chunk: 'c1', tries: 1, message: long, at: now.toISOString() },
+      skipped: [{ step: 'work', key: 'k2', attempts: 1, error: long }],
+    };
+    const lines = formatStatus([row as never], now).split('\n');
+    expect(lines).toHaveLength(3);
+    expect(lines[1]).toContain(`error: step "work" chunk c1 after 1 try: ${'x'.repeat(290)}😀${'y'.repeat(9)}… (19 700 more characters: idem status counted --key k shows all)`);
+    expect(lines[2]).toMatch(/^ {4}skipped: step "work" chunk k2 after 1 try: x{290}😀y{9}… \(19 700 more characters/);
+    expect(lines.every((l) => l.length < 500)).toBe(true);
+    expect(formatRunDetail(row as never, [], now)).toContain(long);
+  });
 });

@@ -3,6 +3,7 @@ import { positiveInt } from '../cli-parsers.ts';
 import { openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode, UsageError } from '../errors.ts';
 import type { Runner, RunStatusRow } from '../runner.ts';
+import { shellQuote } from '../shell-quote.ts';
 import { colours, type Colours } from '../terminal.ts';
 import { textTable, visibleDeep } from '../text-table.ts';
 
@@ -33,10 +34,20 @@ function chunksOf(r: RunStatusRow): string {
 /** "1 try", "3 tries": a failed and a skipped chunk say it alike. */
 const tries = (n: number) => `${n} ${n === 1 ? 'try' : 'tries'}`;
 
-function errorOf(r: RunStatusRow): string {
+function errorOf(r: RunStatusRow, clip: (s: string) => string = (s) => s): string {
   const e = r.error!;
-  return `step "${e.step}"${e.chunk ? ` chunk ${e.chunk}` : ''} after ${tries(e.tries)}: ${e.message}`;
+  return `step "${e.step}"${e.chunk ? ` chunk ${e.chunk}` : ''} after ${tries(e.tries)}: ${clip(e.message)}`;
 }
+
+/** Characters of an error a row of the table shows; the detail view (`--key`) and `--json` show all. */
+const TABLE_ERROR_CHARS = 300;
+
+/** An error cut to TABLE_ERROR_CHARS characters (code points), saying how many more there are and where they are. */
+const clipFor = (r: RunStatusRow) => (s: string) => {
+  const chars = [...s];
+  if (chars.length <= TABLE_ERROR_CHARS) return s;
+  return `${chars.slice(0, TABLE_ERROR_CHARS).join('')}… (${(chars.length - TABLE_ERROR_CHARS).toLocaleString('en-US').replace(/,/g, ' ')} more characters: idem status ${shellQuote(r.job)} --key ${shellQuote(r.runKey)} shows all)`;
+};
 
 /**
  * `idem status` as an aligned table: one row per run, newest first, with the time since its last
@@ -55,9 +66,10 @@ export function formatStatus(stored: readonly RunStatusRow[], now: Date = new Da
     const live = r.state === 'running' ? [`held by ${r.holder ?? '?'}`, r.throughput !== null ? `${r.throughput}/s` : '', r.etaSeconds !== null ? `ETA ${r.etaSeconds}s` : ''].filter(Boolean).join(', ') : '';
     const workers = r.workers.length > 1 ? `${r.workers.length} workers` : '';
     const guards = [r.healthPause ? c.yellow(`paused for health: ${r.healthPause.reason}`) : '', r.codeChanges.length ? c.yellow(`code changed (allowed) at attempt ${r.codeChanges.map((x) => x.attempt).join(', ')}`) : ''];
-    const note = r.error ? c.red(`error: ${errorOf(r)}`) : [live, workers, r.requested ? c.yellow(`${r.requested} requested`) : '', ...guards].filter(Boolean).join('  ');
+    const clip = clipFor(r);
+    const note = r.error ? c.red(`error: ${errorOf(r, clip)}`) : [live, workers, r.requested ? c.yellow(`${r.requested} requested`) : '', ...guards].filter(Boolean).join('  ');
     out.push(line(table[n]!, (i, s) => (i === 2 ? stateColour(r.state, c)(s) : i === 5 ? c.dim(s) : s)) + (note ? `  ${note}` : ''));
-    for (const k of r.skipped) out.push(c.yellow(`    skipped: step "${k.step}" chunk ${k.key} after ${tries(k.attempts)}: ${k.error ?? ''}`));
+    for (const k of r.skipped) out.push(c.yellow(`    skipped: step "${k.step}" chunk ${k.key} after ${tries(k.attempts)}: ${clip(k.error ?? '')}`));
   });
   return out.join('\n');
 }
