@@ -125,7 +125,11 @@ export async function requestControl(h: OperationsHost, job: string, what: 'paus
   }
 }
 
-/** Undoes a pause: the run becomes resumable (the next `idem run` or cron tick continues it). */
+/**
+ * Undoes a pause: the run becomes resumable (the next `idem run` or cron tick continues it). A run
+ * paused after it failed (its error kept) is `failed` again, not `interrupted`: idem finalize runs
+ * an interrupted run behind a deploy, and a failed one is resumed on purpose only.
+ */
 export async function resumeRun(h: OperationsHost, job: string, key?: string): Promise<ControlResult> {
   let run = await targetRun(h, job, key, ['paused'], 'resume', true);
   for (let tries = 1; ; tries++) {
@@ -133,7 +137,7 @@ export async function resumeRun(h: OperationsHost, job: string, key?: string): P
       throw new UsageError('cannotControl', `run "${run.run_key}" of job "${job}" is ${run.status}, not paused: nothing to resume`);
     }
     const { rows } = await sql<{ status: string }>`update ${t(h, 'runs')}
-      set status = case when status = 'paused' then 'interrupted' else status end, requested = null, updated_at = now()
+      set status = case when status <> 'paused' then status when error is not null then 'failed' else 'interrupted' end, requested = null, updated_at = now()
       where id = ${run.id} and status = ${run.status} and attempt = ${run.attempt} and requested is not distinct from ${run.requested}
       returning status`.execute(h.db);
     if (rows[0]) return { job, runKey: run.run_key, status: rows[0].status, live: run.status === 'running' };

@@ -141,6 +141,18 @@ describe('pause and resume', () => {
     expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'paused', finished_at: null, requested: null });
     expect((await runner.status('counted')).find((s) => s.runKey === key)?.requested).toBeNull();
 
+    // Resumed, it is what it was before the pause: failed, with its error (not `interrupted`, which
+    // idem finalize would run behind a deploy: a failed run is resumed on purpose).
+    const resumed = await idem(['resume', 'counted', '--key', key]);
+    expect(resumed.code, resumed.stderr).toBe(0);
+    expect(resumed.stdout).toBe(`resume: run ${key} of job "counted" now failed\n`);
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'failed', requested: null });
+    expect((await runRow(url, 'counted', key)).error).toMatchObject({ chunk: 'c0002' });
+    const fin = await idem(['finalize', 'counted', '--key', key]);
+    expect(fin.code, fin.stderr).toBe(1);
+    expect(await workCounts(url, key)).toEqual(new Map([['c0001', 1]]));
+    expect((await idem(['pause', 'counted', '--key', key])).code).toBe(0);
+
     expect(await runner.cancel('counted', key)).toEqual({ job: 'counted', runKey: key, status: 'cancelled', live: false });
     const row = await runRow(url, 'counted', key);
     expect(row).toMatchObject({ status: 'cancelled', requested: null });
@@ -166,9 +178,9 @@ describe('pause, resume and cancel without --key', () => {
     expect(await runRow(url, 'counted', 'nk-failed')).toMatchObject({ status: 'paused' });
     expect(await runRow(url, 'counted', 'nk-done')).toMatchObject({ status: 'succeeded' });
 
-    // resume: the latest paused run; it is then interrupted (resumable) until it runs again.
+    // resume: the latest paused run; paused after it failed, it is failed again (resumable by a rerun).
     const resumed = await idem(['resume', 'counted']);
-    expect([resumed.code, resumed.stdout], resumed.stderr).toEqual([0, 'resume: run nk-failed of job "counted" now interrupted\n']);
+    expect([resumed.code, resumed.stdout], resumed.stderr).toEqual([0, 'resume: run nk-failed of job "counted" now failed\n']);
 
     // cancel: the latest run not finished (interrupted, paused, failed, pending or running).
     const cancelled = await idem(['cancel', 'counted']);
@@ -437,12 +449,15 @@ describe('prune', () => {
   it('removes succeeded and cancelled runs older than the cutoff with their rows, never a failed, interrupted, paused or running one', async () => {
     await runner.run(withEffects, { key: 'prune-fx' });
     await runner.run(counted, { key: 'prune-ok', params: { chunks: 3 } });
+    // Interrupted: stopped (as by SIGINT) after its first chunk.
+    const stop = new AbortController();
+    await expect(
+      runner.run(counted, { key: 'prune-int', params: { chunks: 3 }, signal: stop.signal, onProgress: (p) => p.done >= 1 && stop.abort(new InterruptedError('SIGINT')) }),
+    ).rejects.toBeInstanceOf(InterruptedError);
     await query(url, `insert into fail_chunks values ('c0002', null, null)`);
-    for (const key of ['prune-failed', 'prune-paused', 'prune-int', 'prune-cancel']) await runner.run(counted, { key, params: { chunks: 3 } }).catch(() => {});
+    for (const key of ['prune-failed', 'prune-paused', 'prune-cancel']) await runner.run(counted, { key, params: { chunks: 3 } }).catch(() => {});
     await query(url, 'delete from fail_chunks');
     await runner.pause('counted', 'prune-paused');
-    await runner.pause('counted', 'prune-int');
-    await runner.resume('counted', 'prune-int'); // a resumed run is interrupted until it runs again
     await runner.cancel('counted', 'prune-cancel');
     const gate = await holdGate(url, 'g-prune');
     const live = runner.run(counted, { key: 'prune-live', params: { chunks: 3, gate: 'g-prune' } });

@@ -268,6 +268,27 @@ describe('operator actions', () => {
     expect(await workCounts(url, key)).toEqual(new Map(Array.from({ length: 6 }, (_, i) => [chunkKey(i + 1), 1])));
   });
 
+  it('a failed run created over HTTP, paused and then resumed, continues in the server and succeeds', async () => {
+    await query(url, `insert into fail_chunks (chunk_key) values ('c0004')`);
+    let id: string;
+    try {
+      const created = await post('k-failed-paused', { chunks: 4 });
+      expect(created.status).toBe(201);
+      id = created.body.id;
+      expect((await api(server.base, 'GET', `/api/runs/${id}?wait=30`)).body).toMatchObject({ state: 'failed' });
+      const paused = await api(server.base, 'POST', `/api/runs/${id}/pause`);
+      expect(paused.status, paused.text).toBe(200);
+      expect(paused.body).toMatchObject({ state: 'paused' });
+    } finally {
+      await query(url, `delete from fail_chunks where chunk_key = 'c0004'`);
+    }
+    const resumed = await api(server.base, 'POST', `/api/runs/${id}/resume`);
+    expect(resumed.status, resumed.text).toBe(200);
+    const done = await api(server.base, 'GET', `/api/runs/${id}?wait=30`);
+    expect(done.body).toMatchObject({ state: 'succeeded', attempt: 2 });
+    expect([...(await workCounts(url, 'k-failed-paused')).values()]).toEqual([1, 1, 1, 1]);
+  });
+
   it('resume retries a failed run created over HTTP in the server, from its first unfinished chunk; a CLI run is left to idem run', async () => {
     await query(url, `insert into fail_chunks (chunk_key) values ('c0023')`);
     let id: string;

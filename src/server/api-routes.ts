@@ -197,6 +197,8 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
       // A run created over HTTP is this server's to execute: resuming it means continuing it now.
       // Other runs continue on their next invocation, as with idem resume.
       if (action === 'resume' && !result.live && before.viaApi && ctx.jobs.has(before.job)) {
+        // Paused after it failed, it is failed again: continued as a resumed failed run is.
+        if (result.status === 'failed') await reopenFailedRun(ctx.runner, before.id, before.attempt);
         ctx.executor.enqueue({ runId: before.id, job: before.job, key: before.key });
       }
       return getRun(before.id);
