@@ -104,8 +104,8 @@ export function createCliContext(program: Command, state: { exitCode: number }):
 /** DATABASE_URL, or the URL of the embedded server under .idem/ (started if needed, released when the session ends). */
 export async function databaseUrl(g: GlobalOptions, log: Logger, session: Session): Promise<string> {
   if (g.databaseUrl) {
-    const { redactUrl, refuseKeywordValue } = await import('./cli-runtime.ts');
-    refuseKeywordValue(g.databaseUrl, g.databaseUrlFrom ?? '--database-url');
+    const { redactUrl, refuseUnsupportedUrl } = await import('./cli-runtime.ts');
+    refuseUnsupportedUrl(g.databaseUrl, g.databaseUrlFrom ?? '--database-url');
     log.debug({ database: redactUrl(g.databaseUrl) }, 'using database');
     return g.databaseUrl;
   }

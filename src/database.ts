@@ -21,12 +21,17 @@ export function redactUrl(url: string): string {
 }
 
 /**
- * libpq's other format, `host=db port=5432 user=app password=… dbname=app`: pg (and so idem) reads
- * only URLs, and would take the whole string for a host name ("host not found"). Refused up front,
+ * A URL of another database (`mysql://…`), which pg would try as PostgreSQL; and libpq's other
+ * format, `host=db port=5432 user=app password=… dbname=app`: pg (and so idem) reads only URLs, and
+ * would take the whole string for a host name ("host not found"). Refused up front,
  * before any connection, with what to pass instead; the string itself is not repeated (it holds
  * the password).
  */
-export function refuseKeywordValue(connectionString: string, source: string): void {
+export function refuseUnsupportedUrl(connectionString: string, source: string): void {
+  const scheme = /^\s*([A-Za-z][A-Za-z0-9+.-]*):\/\//.exec(connectionString)?.[1];
+  if (scheme !== undefined && !['postgres', 'postgresql'].includes(scheme.toLowerCase())) {
+    throw new UsageError('invalidDatabaseUrl', `${source} is a ${scheme}: URL, and idem works with PostgreSQL only; pass postgres://user:password@host:5432/db (or postgresql://)`);
+  }
   if (!/^\s*[A-Za-z_]+\s*=/.test(connectionString)) return;
   throw new UsageError(
     'invalidDatabaseUrl',
@@ -94,7 +99,7 @@ export async function openDatabase(
     readonly queryTimeoutMs?: number;
   },
 ): Promise<Database> {
-  refuseKeywordValue(connectionString, 'the connection string');
+  refuseUnsupportedUrl(connectionString, 'the connection string');
   const idleMs = opts.idleInTransactionTimeoutMs ?? DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT_MS;
   if (!Number.isInteger(idleMs) || idleMs < 0) throw new TypeError(`idleInTransactionTimeoutMs must be an integer >= 0 (got ${idleMs})`);
   /** Set once close() begins: errors of the sessions it ends are expected, not logged. */

@@ -467,4 +467,20 @@ describe('--database-url and DATABASE_URL must be URLs', () => {
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
     expect(await runRow(url, 'counted', 'kv')).toBeUndefined();
   });
+
+  it('a URL of another database (mysql://) exits 2 naming the scheme, never showing the password; nothing is written', async () => {
+    const u = new URL(url);
+    const other = `mysql://${u.username}:secret-my-pw@${u.host}${u.pathname}`;
+    const before = await snapshot(url, ALL_TABLES);
+    const [viaFlag, viaEnv] = await Promise.all([
+      runCli([...FIXTURE_DIRS, '--database-url', other, 'run', 'counted', '--params', '{"chunks":1}', '--key', 'my']),
+      runCli([...FIXTURE_DIRS, 'status'], { url: other }),
+    ]);
+    const fix = 'is a mysql: URL, and idem works with PostgreSQL only; pass postgres://user:password@host:5432/db (or postgresql://)';
+    expectOneLineError(viaFlag!, 2, `--database-url ${fix}`);
+    expectOneLineError(viaEnv!, 2, `DATABASE_URL ${fix}`);
+    for (const r of [viaFlag!, viaEnv!]) expect(r.stderr + r.stdout).not.toContain('secret-my-pw');
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+    expect(await runRow(url, 'counted', 'my')).toBeUndefined();
+  });
 });
