@@ -458,7 +458,7 @@ describe('prune', () => {
 
       const [pruned, bad] = await Promise.all([idem(['prune', '--older-than', '1s', '--json']), idem(['prune', '--older-than', '5x'])]);
       expect(pruned.code, pruned.stderr).toBe(0);
-      expect(JSON.parse(pruned.stdout)).toEqual({ runs: removed.length, steps: sum('steps'), chunks: sum('chunks'), effects: sum('effects') });
+      expect(JSON.parse(pruned.stdout)).toEqual({ runs: removed.length, steps: sum('steps'), chunks: sum('chunks'), effects: sum('effects'), skipped: 0 });
       expect(await perRun()).toEqual(before.filter((r) => !removed.includes(r)));
       const ids = removed.map((r) => r.id);
       for (const table of ['idem.steps', 'idem.chunks', 'idem.effects']) {
