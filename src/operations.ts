@@ -96,6 +96,12 @@ async function isLive(h: OperationsHost, run: RunRow): Promise<boolean> {
   return runIsLive(run, await h.heldLocks(), h);
 }
 
+/** The locks others hold: without those of one session (an operator command's own lock session). */
+function withoutPid(held: HeldLocks, pid: number): HeldLocks {
+  const byPid = [...held.byPid].filter((k) => !k.startsWith(`${pid}:`));
+  return { byPid: new Set(byPid), keys: new Set(byPid.map((k) => k.slice(k.indexOf(':') + 1))) };
+}
+
 /** How many times an operator command re-reads a run that changed under it before giving up. */
 const CAS_TRIES = 5;
 
@@ -158,25 +164,36 @@ export async function reopenFailedRun(h: Pick<OperationsHost, 'db' | 'schema'>, 
 
 /**
  * Forgets a run (its steps, chunk markers and effects) so the same key executes afresh. Takes the
- * job's lock first, so it cannot pull the rows from under a live run.
+ * run's own lock first, exclusively: every process working the run holds it (shared) for as long as
+ * it does, so the rows can never be pulled from under a live run, and no process can enter the run
+ * while it is being deleted. Only that run's lock: liveness is per run, and another run of the
+ * same job being live does not make this one any less safe to forget.
  */
 export async function resetRun(h: OperationsHost, job: string, key: string): Promise<{ chunks: number; effects: number }> {
   const run = await targetRun(h, job, key, [], 'reset');
-  const lock = await acquireAdvisoryLock({ connectionString: h.connectionString, name: h.jobLockName(job), what: `job "${job}"`, wait: false }).catch((err: unknown) => {
-    if (err instanceof BusyError) throw new BusyError(`job "${job}" is running in another process; idem cancel ${job} --key ${key} first, or reset after it ends`);
-    throw err;
+  const what = `run "${key}" of job "${job}"`;
+  const live = () => new BusyError(`${what} is running in another process; idem cancel ${job} --key ${key} first, or reset after it ends`);
+  const lock = await acquireAdvisoryLock({ connectionString: h.connectionString, name: h.runLockName(run.id), what, wait: false }).catch(async (err: unknown) => {
+    if (!(err instanceof BusyError)) throw err;
+    // Workers hold the run's lock shared while they work it; prune or another reset, exclusively.
+    if (await isLive(h, run)) throw live();
+    throw new BusyError(`${what} is being deleted in another process (idem prune or idem reset holds its lock); try again once that has ended`);
   });
   try {
-    // Holding the job's lock, no process runs this job; a migration runs under migrate's lock instead.
-    if (run.lock_name && run.lock_name !== h.jobLockName(job) && (await isLive(h, run))) {
-      throw new BusyError(`run "${key}" of job "${job}" is running under ${run.lock_name}; idem cancel it first`);
-    }
-    const { rows } = await sql<{ chunks: number; effects: number }>`
+    // Holding the run's lock, no worker of this idem is on the run. A run under idem migrate's lock
+    // (or an older idem's exclusive job lock) holds no run lock: the backend that took its attempt
+    // is asked instead (runIsLive), on the row as it is now.
+    const { rows: [now] } = await sql<RunRow>`select * from ${t(h, 'runs')} where id = ${run.id}`.execute(h.db);
+    if (!now) return { chunks: 0, effects: 0 };
+    if (runIsLive({ ...now, id: String(now.id) }, withoutPid(await h.heldLocks(), lock.pid), h)) throw live();
+    // On the lock's own session: the delete can only happen while the lock is held.
+    const q = sql<{ chunks: number; effects: number }>`
       with c as (select count(*)::int as n from ${t(h, 'chunks')} where run_id = ${run.id}),
            e as (select count(*)::int as n from ${t(h, 'effects')} where run_id = ${run.id}),
            d as (delete from ${t(h, 'runs')} where id = ${run.id} returning 1)
-      select (select n from c) as chunks, (select n from e) as effects, (select count(*) from d) as deleted`.execute(h.db);
-    return rows[0]!;
+      select (select n from c) as chunks, (select n from e) as effects, (select count(*) from d) as deleted`.compile(h.db);
+    const rows = await lock.query<{ chunks: number; effects: number }>(q.sql, q.parameters);
+    return { chunks: rows[0]!.chunks, effects: rows[0]!.effects };
   } finally {
     await lock.release();
   }
