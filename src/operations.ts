@@ -184,7 +184,8 @@ export async function resetRun(h: OperationsHost, job: string, key: string): Pro
     // (or an older idem's exclusive job lock) holds no run lock: the backend that took its attempt
     // is asked instead (runIsLive), on the row as it is now.
     const { rows: [now] } = await sql<RunRow>`select * from ${t(h, 'runs')} where id = ${run.id}`.execute(h.db);
-    if (!now) return { chunks: 0, effects: 0 };
+    // Deleted (by prune, or another reset) between the read above and the lock.
+    if (!now) throw new UsageError('unknownRun', `job "${job}" has no run with key "${key}" any more (it was deleted meanwhile); see idem status ${job} for its run keys`);
     if (runIsLive({ ...now, id: String(now.id) }, withoutPid(await h.heldLocks(), lock.pid), h)) throw live();
     // On the lock's own session: the delete can only happen while the lock is held.
     const q = sql<{ chunks: number; effects: number }>`

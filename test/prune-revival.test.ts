@@ -95,6 +95,26 @@ describe('prune and a run revived by --retry-skipped', () => {
     expect(await owned(id)).toEqual({ runs: 0, steps: 0, chunks: 0 });
   });
 
+  it('while a run\'s lock is held exclusively (prune or reset deleting it), a retry and a reset of it are busy, naming that, and change nothing', async () => {
+    const key = 'held-exclusive';
+    const { id, chunks } = await oldSucceededRun(key, 10);
+    const deleter = new pg.Client({ connectionString: url });
+    await deleter.connect();
+    try {
+      await deleter.query('select pg_advisory_lock($1::bigint)', [lockKey(`idem:run:${id}`)]);
+      const r = await retry(key).done;
+      expect(r.code, r.stderr).toBe(75);
+      expect(busyMessage(r.stderr)).toBe(`busy: run "${key}" of job "skippy" is being deleted in another process (idem prune or idem reset holds its lock); run the command again once that has ended`);
+      const reset = await runCli(['--jobs-dir', MORE_JOBS, 'reset', 'skippy', '--key', key], { url });
+      expect(reset.code, reset.stderr).toBe(75);
+      expect(busyMessage(reset.stderr)).toBe(`busy: run "${key}" of job "skippy" is being deleted in another process (idem prune or idem reset holds its lock); try again once that has ended`);
+      expect(await owned(id)).toEqual({ runs: 1, steps: 1, chunks });
+      expect(await runRow(url, 'skippy', key)).toMatchObject({ status: 'succeeded', attempt: 1 });
+    } finally {
+      await deleter.end();
+    }
+  });
+
   it('a retry that starts while prune is deleting the run is refused (exit 75, naming why) and the run goes whole', async () => {
     const key = 'prune-first';
     const { id } = await oldSucceededRun(key, 30_000);
