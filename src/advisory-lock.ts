@@ -38,6 +38,11 @@ export interface AdvisoryLockOptions {
     readonly first: CompiledSql;
     /** Run in the entry transaction by a joining worker (read the attempt it joins). */
     readonly joiner: CompiledSql;
+    /**
+     * The busy error when another process holds the run's lock exclusively (idem prune or idem
+     * reset deleting the run): no worker enters a run while that lasts.
+     */
+    readonly runHeld: string;
   };
 }
 
@@ -167,9 +172,11 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
     let entry: Record<string, unknown> | null = null;
     for (;;) {
       let row: { ok: boolean; pid: number };
+      let runHeld = false;
       if (opts.worker && runKey) {
         const entered = await enterAsWorker(client, key, runKey, lockKey(`${opts.name}:gate`), opts.worker);
         row = { ok: entered.ok, pid: entered.pid };
+        runHeld = entered.runHeld;
         firstWorker = entered.first;
         entry = entered.entry;
         // Entered, but the run refuses (paused or cancelled meanwhile): hand back a held lock
@@ -188,6 +195,7 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
       if (row.ok) break;
       if (opts.signal?.aborted) throw opts.signal.reason ?? new InterruptedError('SIGINT');
       if (Date.now() >= deadline) {
+        if (runHeld && opts.worker) throw new BusyError(opts.worker.runHeld);
         throw new BusyError(
           opts.wait
             ? `${opts.what} is still running in another process after waiting ${opts.wait === true ? '' : `${opts.wait}s`}; try again later`
@@ -274,7 +282,7 @@ async function enterAsWorker(
   runKey: string,
   gateKey: string,
   worker: NonNullable<AdvisoryLockOptions['worker']>,
-): Promise<{ ok: boolean; first: boolean; pid: number; entry: Record<string, unknown> | null }> {
+): Promise<{ ok: boolean; first: boolean; pid: number; entry: Record<string, unknown> | null; runHeld: boolean }> {
   await client.query('begin');
   try {
     await client.query('select pg_advisory_xact_lock($1::bigint)', [gateKey]);
@@ -283,18 +291,27 @@ async function enterAsWorker(
       [jobKey, runKey],
     );
     const r = rows[0]!;
-    const enter = r.got && (r.others === 0 || (worker.join && r.on_run > 0));
+    let enter = r.got && (r.others === 0 || (worker.join && r.on_run > 0));
+    let runHeld = false;
     let entry: Record<string, unknown> | null = null;
     if (enter) {
-      await client.query('select pg_advisory_lock_shared($1::bigint)', [runKey]);
-      // Inside the gate: a worker joining later sees the first worker's attempt bump, never the one before.
-      const stmt = r.others === 0 ? worker.first : worker.joiner;
-      entry = (await client.query(stmt.sql, [...stmt.parameters])).rows[0] ?? null;
-    } else if (r.got) {
-      await client.query('select pg_advisory_unlock_shared($1::bigint)', [jobKey]);
+      // Tried, never waited for: the run's lock held exclusively means idem prune or idem reset is
+      // deleting the run (they take it so that no worker can enter a run they delete, and never
+      // wait themselves for a worker). Waiting here would hold the gate, and every entry of the
+      // job, for as long as the deletion lasts, and then enter a run that is gone.
+      const { rows: [shared] } = await client.query<{ ok: boolean }>('select pg_try_advisory_lock_shared($1::bigint) as ok', [runKey]);
+      if (shared!.ok) {
+        // Inside the gate: a worker joining later sees the first worker's attempt bump, never the one before.
+        const stmt = r.others === 0 ? worker.first : worker.joiner;
+        entry = (await client.query(stmt.sql, [...stmt.parameters])).rows[0] ?? null;
+      } else {
+        enter = false;
+        runHeld = true;
+      }
     }
+    if (!enter && r.got) await client.query('select pg_advisory_unlock_shared($1::bigint)', [jobKey]);
     await client.query('commit');
-    return { ok: enter, first: enter && r.others === 0, pid: r.pid, entry };
+    return { ok: enter, first: enter && r.others === 0, pid: r.pid, entry, runHeld };
   } catch (err) {
     await client.query('rollback').catch(() => {});
     throw err;

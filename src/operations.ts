@@ -63,6 +63,8 @@ export interface PruneResult {
   readonly steps: number;
   readonly chunks: number;
   readonly effects: number;
+  /** Runs old enough to go that another process held (reviving, working or resetting them): left alone. */
+  readonly skipped: number;
 }
 
 const t = (h: Pick<OperationsHost, 'schema'>, name: string) => sql.id(h.schema, name);
@@ -92,6 +94,12 @@ async function targetRun(h: OperationsHost, job: string, key: string | undefined
 async function isLive(h: OperationsHost, run: RunRow): Promise<boolean> {
   if (run.status !== 'running') return false;
   return runIsLive(run, await h.heldLocks(), h);
+}
+
+/** The locks others hold: without those of one session (an operator command's own lock session). */
+function withoutPid(held: HeldLocks, pid: number): HeldLocks {
+  const byPid = [...held.byPid].filter((k) => !k.startsWith(`${pid}:`));
+  return { byPid: new Set(byPid), keys: new Set(byPid.map((k) => k.slice(k.indexOf(':') + 1))) };
 }
 
 /** How many times an operator command re-reads a run that changed under it before giving up. */
@@ -160,25 +168,37 @@ export async function reopenFailedRun(h: Pick<OperationsHost, 'db' | 'schema'>, 
 
 /**
  * Forgets a run (its steps, chunk markers and effects) so the same key executes afresh. Takes the
- * job's lock first, so it cannot pull the rows from under a live run.
+ * run's own lock first, exclusively: every process working the run holds it (shared) for as long as
+ * it does, so the rows can never be pulled from under a live run, and no process can enter the run
+ * while it is being deleted. Only that run's lock: liveness is per run, and another run of the
+ * same job being live does not make this one any less safe to forget.
  */
 export async function resetRun(h: OperationsHost, job: string, key: string): Promise<{ chunks: number; effects: number }> {
   const run = await targetRun(h, job, key, [], 'reset');
-  const lock = await acquireAdvisoryLock({ connectionString: h.connectionString, name: h.jobLockName(job), what: `job "${job}"`, wait: false }).catch((err: unknown) => {
-    if (err instanceof BusyError) throw new BusyError(`job "${job}" is running in another process; idem cancel ${job} --key ${key} first, or reset after it ends`);
-    throw err;
+  const what = `run "${key}" of job "${job}"`;
+  const live = () => new BusyError(`${what} is running in another process; idem cancel ${job} --key ${key} first, or reset after it ends`);
+  const lock = await acquireAdvisoryLock({ connectionString: h.connectionString, name: h.runLockName(run.id), what, wait: false }).catch(async (err: unknown) => {
+    if (!(err instanceof BusyError)) throw err;
+    // Workers hold the run's lock shared while they work it; prune or another reset, exclusively.
+    if (await isLive(h, run)) throw live();
+    throw new BusyError(`${what} is being deleted in another process (idem prune or idem reset holds its lock); try again once that has ended`);
   });
   try {
-    // Holding the job's lock, no process runs this job; a migration runs under migrate's lock instead.
-    if (run.lock_name && run.lock_name !== h.jobLockName(job) && (await isLive(h, run))) {
-      throw new BusyError(`run "${key}" of job "${job}" is running under ${run.lock_name}; idem cancel it first`);
-    }
-    const { rows } = await sql<{ chunks: number; effects: number }>`
+    // Holding the run's lock, no worker of this idem is on the run. A run under idem migrate's lock
+    // (or an older idem's exclusive job lock) holds no run lock: the backend that took its attempt
+    // is asked instead (runIsLive), on the row as it is now.
+    const { rows: [now] } = await sql<RunRow>`select * from ${t(h, 'runs')} where id = ${run.id}`.execute(h.db);
+    // Deleted (by prune, or another reset) between the read above and the lock.
+    if (!now) throw new UsageError('unknownRun', `job "${job}" has no run with key "${key}" any more (it was deleted meanwhile); see idem status ${job} for its run keys`);
+    if (runIsLive({ ...now, id: String(now.id) }, withoutPid(await h.heldLocks(), lock.pid), h)) throw live();
+    // On the lock's own session: the delete can only happen while the lock is held.
+    const q = sql<{ chunks: number; effects: number }>`
       with c as (select count(*)::int as n from ${t(h, 'chunks')} where run_id = ${run.id}),
            e as (select count(*)::int as n from ${t(h, 'effects')} where run_id = ${run.id}),
            d as (delete from ${t(h, 'runs')} where id = ${run.id} returning 1)
-      select (select n from c) as chunks, (select n from e) as effects, (select count(*) from d) as deleted`.execute(h.db);
-    return rows[0]!;
+      select (select n from c) as chunks, (select n from e) as effects, (select count(*) from d) as deleted`.compile(h.db);
+    const rows = await lock.query<{ chunks: number; effects: number }>(q.sql, q.parameters);
+    return { chunks: rows[0]!.chunks, effects: rows[0]!.effects };
   } finally {
     await lock.release();
   }
@@ -188,31 +208,69 @@ export async function resetRun(h: OperationsHost, job: string, key: string): Pro
  * Deletes finished runs (succeeded or cancelled) last touched before the cutoff, with their markers
  * and ledger rows, in bounded batches: a history of millions of chunk rows is removed without one
  * huge transaction or lock. Runs that are running, paused, failed or interrupted are never touched.
+ *
+ * A finished run can come back to life (`idem run --retry-skipped` revives a succeeded run with
+ * skipped chunks), so each run is deleted holding its own lock exclusively, taken with a try-lock
+ * and its state read again under it: a run some process holds (entering or working it) is skipped
+ * and counted in `skipped`, and no process can enter a run while it is being deleted (it is busy,
+ * exit 75, instead). Prune never waits for a worker, so it cannot deadlock with one, and a run it
+ * starts deleting is deleted whole. The statements run on the lock's own session, so none of them
+ * runs once that lock is lost.
  */
 export async function pruneRuns(h: OperationsHost, olderThanMs: number, batch = 10_000): Promise<PruneResult> {
   const cutoff = new Date(Date.now() - olderThanMs).toISOString();
-  const total = { runs: 0, steps: 0, chunks: 0, effects: 0 };
-  for (;;) {
-    const { rows: runs } = await sql<{ id: string }>`select id from ${t(h, 'runs')}
-      where status in ('succeeded', 'cancelled') and coalesce(finished_at, updated_at) < ${cutoff}::timestamptz
-      order by id limit 100`.execute(h.db);
-    if (runs.length === 0) return total;
-    const ids = runs.map((r) => String(r.id));
+  const total = { runs: 0, steps: 0, chunks: 0, effects: 0, skipped: 0 };
+  // Two prunes at once take turns: each would otherwise skip the runs the other is deleting.
+  const lock = await acquireAdvisoryLock({ connectionString: h.connectionString, name: `${h.schema}:prune`, what: 'idem prune', wait: true });
+  const onLock = async <R extends Record<string, unknown>>(q: RawBuilder<R>): Promise<R[]> => {
+    const c = q.compile(h.db);
+    return lock.query<R>(c.sql, c.parameters);
+  };
+  const prunable = sql`status in ('succeeded', 'cancelled') and coalesce(finished_at, updated_at) < ${cutoff}::timestamptz`;
+  try {
+    let after = '0';
     for (;;) {
-      const { rows } = await sql<{ n: number }>`with d as (
-          delete from ${t(h, 'chunks')} where ctid in (select ctid from ${t(h, 'chunks')} where run_id = any(${ids}::bigint[]) limit ${batch}) returning 1)
-        select count(*)::int as n from d`.execute(h.db);
-      total.chunks += rows[0]!.n;
-      if (rows[0]!.n < batch) break;
+      const { rows: runs } = await sql<{ id: string }>`select id from ${t(h, 'runs')}
+        where ${prunable} and id > ${after}::bigint
+        order by id limit 100`.execute(h.db);
+      if (runs.length === 0) return total;
+      for (const { id: rawId } of runs) {
+        const id = String(rawId);
+        after = id;
+        const runKey = lockKey(h.runLockName(id));
+        const [got] = await onLock(sql<{ ok: boolean }>`select pg_try_advisory_lock(${runKey}::bigint) as ok`);
+        if (!got!.ok) {
+          total.skipped++;
+          continue;
+        }
+        try {
+          // Read again under the lock: a run revived since the list above is running, or finished
+          // again just now; either way it is not prunable any more.
+          const still = await onLock(sql<{ id: string }>`select id from ${t(h, 'runs')} where id = ${id} and ${prunable}`);
+          if (still.length === 0) continue;
+          for (;;) {
+            const [deleted] = await onLock(sql<{ n: number }>`with d as (
+                delete from ${t(h, 'chunks')} where ctid in (select ctid from ${t(h, 'chunks')} where run_id = ${id} limit ${batch}) returning 1)
+              select count(*)::int as n from d`);
+            const n = deleted!.n;
+            total.chunks += n;
+            if (n < batch) break;
+          }
+          const [r] = await onLock(sql<{ runs: number; steps: number; effects: number }>`
+            with e as (delete from ${t(h, 'effects')} where run_id = ${id} returning 1),
+                 s as (delete from ${t(h, 'steps')} where run_id = ${id} returning 1),
+                 r as (delete from ${t(h, 'runs')} where id = ${id} returning 1)
+            select (select count(*) from r)::int as runs, (select count(*) from s)::int as steps, (select count(*) from e)::int as effects`);
+          total.runs += r!.runs;
+          total.steps += r!.steps;
+          total.effects += r!.effects;
+        } finally {
+          await onLock(sql<{ ok: boolean }>`select pg_advisory_unlock(${runKey}::bigint) as ok`);
+        }
+      }
     }
-    const { rows } = await sql<{ runs: number; steps: number; effects: number }>`
-      with e as (delete from ${t(h, 'effects')} where run_id = any(${ids}::bigint[]) returning 1),
-           s as (delete from ${t(h, 'steps')} where run_id = any(${ids}::bigint[]) returning 1),
-           r as (delete from ${t(h, 'runs')} where id = any(${ids}::bigint[]) returning 1)
-      select (select count(*) from r)::int as runs, (select count(*) from s)::int as steps, (select count(*) from e)::int as effects`.execute(h.db);
-    total.runs += rows[0]!.runs;
-    total.steps += rows[0]!.steps;
-    total.effects += rows[0]!.effects;
+  } finally {
+    await lock.release();
   }
 }
 

@@ -241,10 +241,16 @@ export class Runner {
           join: opts.join ?? false,
           first: this.store.beginAttemptSql(run.id, `${hostname()}:${process.pid}`, lockName, lockKey(lockName), allowSucceeded),
           joiner: this.store.joinAttemptSql(run.id),
+          runHeld: `run "${runKey}" of job "${job.name}" is being deleted in another process (idem prune or idem reset holds its lock); run the command again once that has ended`,
         },
       }),
     );
     try {
+      // Entered, but the run is gone: prune or reset deleted it after it was claimed above (and
+      // let go of its lock before this process tried it). Its key is free again.
+      if (!lock.entry && (await this.store.findRun(job.name, runKey))?.id !== run.id) {
+        throw new BusyError(`run "${runKey}" of job "${job.name}" was deleted (idem prune or idem reset) while this process was starting it; run the command again to run the key afresh`);
+      }
       const begin = async () => (lock.entry ? toAttemptStart(lock.entry) : null);
       return await this.#runLocked(job, run.id, params, lock, opts, begin);
     } finally {

@@ -387,7 +387,7 @@ describe('cancel and reset', () => {
     expect(await workCounts(url, key)).toEqual(new Map([...ones(8)].map(([k]) => [k, k === 'c0001' ? 2 : 1])));
   });
 
-  it('reset of a live run exits 75 (the job lock is held) and changes nothing', async () => {
+  it('reset of a live run exits 75 (its run lock is held) and changes nothing', async () => {
     const key = 'op-live';
     const gate = await holdGate(url, 'g-live');
     const live = runner.run(counted, { key, params: { chunks: 3, gate: 'g-live' } });
@@ -396,13 +396,47 @@ describe('cancel and reset', () => {
       const before = await snapshot(url, RUN_TABLES);
       const r = await idem(['reset', 'counted', '--key', key]);
       expect(r.code).toBe(75);
-      expect(busyMessage(r.stderr)).toMatch('job "counted" is running in another process; idem cancel counted --key op-live first');
+      expect(busyMessage(r.stderr)).toBe('busy: run "op-live" of job "counted" is running in another process; idem cancel counted --key op-live first, or reset after it ends');
       expect(await snapshot(url, RUN_TABLES)).toEqual(before);
     } finally {
       await gate.release();
     }
     expect(await live).toMatchObject({ status: 'succeeded', attempt: 1, executed: 5 });
     expect(await workCounts(url, key)).toEqual(ones(3));
+  });
+
+  it('reset of a finished run proceeds while another run of the same job is live; reset of that live run names it and its advice works', async () => {
+    await runner.run(counted, { key: 'old2', params: { chunks: 2 } });
+    const old = await runRow(url, 'counted', 'old2');
+    const [{ n: markers }] = await query(url, 'select count(*)::int as n from idem.chunks where run_id = $1', [old.id]);
+    const gate = await holdGate(url, 'g-live2');
+    const live = spawnCli(countedArgs('live2', { chunks: 3, gate: 'g-live2' }, ['--join']), { url });
+    try {
+      await someoneBlocked();
+      const reset = await idem(['reset', 'counted', '--key', 'old2']);
+      expect([reset.code, reset.stderr]).toEqual([0, '']);
+      expect(reset.stdout).toBe(`reset: forgot run old2 of job "counted" (${markers} chunk markers, 0 effects)\n`);
+      expect(await runRow(url, 'counted', 'old2')).toBeUndefined();
+      expect(await query(url, 'select count(*)::int as n from idem.chunks where run_id = $1', [old.id])).toEqual([{ n: 0 }]);
+
+      const before = await snapshot(url, RUN_TABLES);
+      const refused = await idem(['reset', 'counted', '--key', 'live2']);
+      expect(refused.code).toBe(75);
+      expect(busyMessage(refused.stderr)).toBe('busy: run "live2" of job "counted" is running in another process; idem cancel counted --key live2 first, or reset after it ends');
+      expect(await snapshot(url, RUN_TABLES)).toEqual(before);
+      // The advice works: the cancel reaches the live run.
+      const cancel = await idem(['cancel', 'counted', '--key', 'live2']);
+      expect(cancel.code, cancel.stderr).toBe(0);
+      await requestSeen(live, 'cancel');
+    } finally {
+      await gate.release();
+    }
+    const ended = await live.done;
+    expect(ended.code, ended.stderr).toBe(1);
+    expect(await runRow(url, 'counted', 'live2')).toMatchObject({ status: 'cancelled' });
+    const after = await idem(['reset', 'counted', '--key', 'live2']);
+    expect([after.code, after.stderr]).toEqual([0, '']);
+    expect(await runRow(url, 'counted', 'live2')).toBeUndefined();
   });
 
   it('reset forgets a crashed run (its process died; its row still says running)', async () => {
@@ -473,7 +507,7 @@ describe('prune', () => {
 
       const [pruned, bad] = await Promise.all([idem(['prune', '--older-than', '1s', '--json']), idem(['prune', '--older-than', '5x'])]);
       expect(pruned.code, pruned.stderr).toBe(0);
-      expect(JSON.parse(pruned.stdout)).toEqual({ runs: removed.length, steps: sum('steps'), chunks: sum('chunks'), effects: sum('effects') });
+      expect(JSON.parse(pruned.stdout)).toEqual({ runs: removed.length, steps: sum('steps'), chunks: sum('chunks'), effects: sum('effects'), skipped: 0 });
       expect(await perRun()).toEqual(before.filter((r) => !removed.includes(r)));
       const ids = removed.map((r) => r.id);
       for (const table of ['idem.steps', 'idem.chunks', 'idem.effects']) {

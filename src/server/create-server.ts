@@ -208,7 +208,7 @@ export function createServer(opts: ServerOptions): IdemServer {
     if (!opts.retentionMs) return;
     try {
       const r = await runner.prune(opts.retentionMs);
-      if (r.runs > 0) log.info({ runs: r.runs, chunks: r.chunks }, 'pruned runs past the retention');
+      if (r.runs > 0 || r.skipped > 0) log.info({ runs: r.runs, chunks: r.chunks, skipped: r.skipped }, 'pruned runs past the retention');
     } catch (err) {
       log.warn({ err: errorFields(err) }, 'prune failed; the next hour tries again');
     }
