@@ -99,6 +99,17 @@ export class FencedError extends IdemError {
   }
 }
 
+/**
+ * The `code` of anything thrown (a SQLSTATE, a Node errno, an IdemError's code) when it is a
+ * string. Anything may be thrown, `null` and `undefined` included (`throw null`,
+ * `Promise.reject()`): reading `.code` of those directly would throw in the handler itself.
+ */
+export function codeOf(err: unknown): string | undefined {
+  if (err === null || (typeof err !== 'object' && typeof err !== 'function')) return undefined;
+  const code = (err as { code?: unknown }).code;
+  return typeof code === 'string' ? code : undefined;
+}
+
 /** Maps any thrown value to the exit code the CLI should end with. */
 export function exitCodeOf(err: unknown): ExitCode {
   if (err instanceof IdemError) return err.exitCode;
@@ -116,8 +127,8 @@ export function messageOf(err: unknown): string {
     msg = [...new Set(err.errors.map(messageOf))].join('; ');
   }
   if (msg === '' && err instanceof Error) {
-    const code = (err as { code?: unknown }).code;
-    msg = typeof code === 'string' ? `${err.constructor.name} ${code}` : err.constructor.name;
+    const code = codeOf(err);
+    msg = code !== undefined ? `${err.constructor.name} ${code}` : err.constructor.name;
   }
   return msg.split('\n')[0] ?? msg;
 }
@@ -129,8 +140,8 @@ export function messageOf(err: unknown): string {
  */
 export function errorFields(err: unknown, message: string = messageOf(err)): { type: string; message: string; code?: string } {
   const type = err instanceof Error ? err.constructor.name : typeof err;
-  const code = (err as { code?: unknown } | null | undefined)?.code;
-  return typeof code === 'string' ? { type, message, code } : { type, message };
+  const code = codeOf(err);
+  return code !== undefined ? { type, message, code } : { type, message };
 }
 
 /** The run is paused by an operator (`idem pause`); it resumes after `idem resume`. */

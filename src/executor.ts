@@ -2,7 +2,7 @@ import { createHash } from 'node:crypto';
 import type { Kysely } from 'kysely';
 import type pg from 'pg';
 import type { Logger } from 'pino';
-import { errorFields, FencedError, InterruptedError, messageOf } from './errors.ts';
+import { codeOf, errorFields, FencedError, InterruptedError, messageOf } from './errors.ts';
 import type { ChunkPage, ChunkSpec, ChunkSource, Job, Json, RunIdentity, Step, StepContext } from './job.ts';
 import { faultPoint, faultsArmed as faults } from './fault-points.ts';
 import { CommitUnknownError, openChunkSlot, type ChunkSlot } from './chunk-slot.ts';
@@ -459,7 +459,7 @@ async function tryChunk(
     // With the next claim, an error may be the claim's, after the COMMIT took effect.
     const unknown = thrown instanceof CommitUnknownError;
     const err = unknown ? thrown.cause : thrown;
-    if (chunk && !unknown && isRetryable(err) && (err as { code?: string }).code !== FENCED_AT_COMMIT && !opts.stop.aborted && !opts.abort.aborted) {
+    if (chunk && !unknown && isRetryable(err) && codeOf(err) !== FENCED_AT_COMMIT && !opts.stop.aborted && !opts.abort.aborted) {
       // A transient failure is counted on the chunk in the same message as the ROLLBACK that
       // frees it, so another worker cannot start a try in between that the budget does not see.
       const counted = await slot
@@ -469,7 +469,7 @@ async function tryChunk(
     }
     await slot.rollback();
     if (!chunk) throw thrown;
-    if ((err as { code?: string }).code === FENCED_AT_COMMIT) {
+    if (codeOf(err) === FENCED_AT_COMMIT) {
       const attempt = await store.currentAttempt(run.runId).catch(() => -1);
       return { kind: 'failed', chunk, err: new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off by attempt ${attempt}; its chunk ${chunk.key} rolled back`) };
     }

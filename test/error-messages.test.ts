@@ -273,6 +273,42 @@ describe('a job that throws a non-Error value', () => {
   });
 });
 
+describe('a job that throws null, undefined or rejects with nothing', () => {
+  // Each chunk sleeps a little so two --join workers both take part.
+  const job = (name: string, thrown: string, maxFailedChunks: number) =>
+    `export default { name: '${name}', steps: [{ name: 'work', maxFailedChunks: ${maxFailedChunks}, ` +
+    `chunks: () => ({ chunks: Array.from({ length: 12 }, (_, i) => ({ key: 'c' + (i + 1) })), next: null }), ` +
+    `run: async (_ctx, c) => { await new Promise((r) => setTimeout(r, 50)); if (c.key === 'c2') ${thrown}; } }] };\n`;
+  const cases = [
+    ['null', 'throw null', 'null'],
+    ['undefined', 'throw undefined', 'undefined'],
+    ['reject', 'return Promise.reject()', 'undefined'],
+  ] as const;
+
+  for (const [id, thrown, shown] of cases) {
+    it(`${thrown} in a chunk fails the run in that chunk, exit 1, one line`, async () => {
+      const dir = await jobFolder(`throws-${id}`, { 'j.ts': job(`throws-${id}`, thrown, 0) });
+      const r = await runCli(['--jobs-dir', dir, 'run', `throws-${id}`, '--key', 'k'], { url });
+      expect(r.code, r.stderr).toBe(1);
+      expect(lines(r.stderr).filter((l) => l.startsWith('idem: error:'))).toEqual([
+        `idem: error: job "throws-${id}" failed in step "work", chunk c2 after 1 try: ${shown}; fix the cause and run the same command again to resume there`,
+      ]);
+      const [run] = await query<{ error: unknown }>(url, `select error from idem.runs where job = $1`, [`throws-${id}`]);
+      expect(run!.error).toMatchObject({ step: 'work', chunk: 'c2', tries: 1, message: shown });
+    });
+
+    it(`${thrown} in a chunk is skipped under maxFailedChunks by two --join workers, both exit 0`, async () => {
+      const dir = await jobFolder(`skips-${id}`, { 'j.ts': job(`skips-${id}`, thrown, 1) });
+      const rs = await Promise.all([0, 1].map(() => runCli(['--jobs-dir', dir, 'run', `skips-${id}`, '--key', 'k', '--join'], { url })));
+      for (const r of rs) expect(r.code, r.stderr).toBe(0);
+      expect(await query(url, `select c.key, c.error from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = $1 and c.skipped_at is not null`, [`skips-${id}`])).toEqual([
+        { key: 'c2', error: shown },
+      ]);
+      expect((await query<{ status: string }>(url, `select status from idem.runs where job = $1`, [`skips-${id}`]))[0]!.status).toBe('succeeded');
+    });
+  }
+});
+
 describe('the JSON log line of a failure names the error class', () => {
   it('a PostgreSQL error in a chunk logs type DatabaseError with its SQLSTATE, not a bare "Object"', async () => {
     const dir = await jobFolder('database-error', {
