@@ -225,7 +225,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
           // --max-rate is the run's: the start is reserved on the step row, shared by every
           // worker (here without the database only when it cannot be reached).
           const rate = throttle.options.maxRate;
-          const wait = rate ? await store.reserveStart(run.runId, step.name, 1000 / rate).catch(() => throttle.reserveStart()) : 0;
+          const wait = rate ? await store.reserveStart(run.runId, run.attempt, step.name, 1000 / rate).catch(() => throttle.reserveStart()) : 0;
           if (wait > 0) await sleep(wait, opts.stop);
           if (failure !== undefined || opts.stop.aborted) return;
         }

@@ -198,6 +198,16 @@ function runnerMigrations(schema: string): Record<string, Migration> {
         await sql`alter table ${t('steps')} add column rate_next timestamptz`.execute(db);
       },
     },
+    '0011_rate_reserved_by': {
+      async up(db) {
+        // Who reserved rate_next: the run's attempt and the interval (ms) it reserved at. A
+        // reservation of another attempt (one interrupted or failed, whose reserved starts never
+        // happen) or of another rate never makes a start wait longer than the current interval.
+        await sql`alter table ${t('steps')}
+          add column rate_attempt integer,
+          add column rate_interval_ms float8`.execute(db);
+      },
+    },
   };
 }
 
