@@ -122,7 +122,7 @@ export function exitCodeOf(err: unknown): ExitCode {
  * ::1 and 127.0.0.1) is an AggregateError whose message is empty, its parts name each address.
  */
 export function messageOf(err: unknown): string {
-  let msg = err instanceof Error ? err.message : String(err);
+  let msg = err instanceof Error ? err.message : shownValue(err);
   if (msg === '' && err instanceof AggregateError && err.errors.length > 0) {
     msg = [...new Set(err.errors.map(messageOf))].join('; ');
   }
@@ -131,6 +131,29 @@ export function messageOf(err: unknown): string {
     msg = code !== undefined ? `${err.constructor.name} ${code}` : err.constructor.name;
   }
   return msg.split('\n')[0] ?? msg;
+}
+
+/**
+ * A thrown value that is not an Error, as a message: a string or number as it is (`x`, `42`,
+ * `null`), an object by its own string `message` when it has one (what libraries that throw plain
+ * objects mean to say), else by its JSON (`{"status":500}`), never `[object Object]`.
+ */
+function shownValue(err: unknown): string {
+  if (err !== null && typeof err === 'object') {
+    const message = (err as { message?: unknown }).message;
+    if (typeof message === 'string' && message !== '') return message;
+    try {
+      const json = JSON.stringify(err);
+      if (typeof json === 'string' && json !== '{}') return json;
+    } catch {
+      // circular, or a BigInt inside: its string form below
+    }
+  }
+  try {
+    return String(err);
+  } catch {
+    return Object.prototype.toString.call(err); // an object without a prototype
+  }
 }
 
 /**
