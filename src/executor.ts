@@ -109,7 +109,11 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   const throttle = new Throttle(resolveThrottle(opts.job.throttle, step.throttle, opts.throttle));
   // Adaptive sizing learns from each window, so windows are kept small while it steers.
   const planWindow = throttle.options.targetChunkMs && step.chunks ? Math.max(4, opts.concurrency * 2) : opts.planWindow;
-  const health = await createHealthGate({ db: opts.db, schema: store.schema, run, job: opts.job, step, log, ...(opts.health !== undefined ? { override: opts.health } : {}) });
+  // The gate resolves the tables the step names (its own and its chunk source's): a name the
+  // server refuses is the step's mistake, not the runner's.
+  const health = await createHealthGate({ db: opts.db, schema: store.schema, run, job: opts.job, step, log, ...(opts.health !== undefined ? { override: opts.health } : {}) }).catch((err: unknown) => {
+    throw isRetryable(err) ? err : new ChunkFailure(step.name, null, 1, err);
+  });
   let cursor: Json | null = row.cursor;
   let plannedAll = row.planned_all;
   let nextSeq = row.planned + 1;
@@ -152,7 +156,11 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
       throw err instanceof ChunkFailure || err instanceof FencedError ? err : new ChunkFailure(step.name, null, 1, err);
     });
     checkPage(step.name, page);
-    const result = await store.planWindow(run.runId, run.attempt, step.name, nextSeq - 1, page.chunks, page.next);
+    // What the database refuses to store of a page (checkPage catches what it can say better) is
+    // the step's too; a lost connection, after planWindow's own retries, stays the runner's.
+    const result = await store.planWindow(run.runId, run.attempt, step.name, nextSeq - 1, page.chunks, page.next).catch((err: unknown) => {
+      throw isRetryable(err) ? err : new ChunkFailure(step.name, null, 1, err);
+    });
     if (result.kind === 'fenced') throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was taken over by a newer attempt while planning`);
     if (result.kind === 'duplicate') {
       throw new ChunkFailure(step.name, null, 1, new Error(`chunk source returned key ${JSON.stringify(result.key)}, which is already planned as chunk ${result.seq} of the step; chunk keys must be unique and stable`));
@@ -508,6 +516,43 @@ function checkPage(step: string, page: ChunkPage): void {
     if (!c || typeof c.key !== 'string' || c.key === '') throw new ChunkFailure(step, null, 1, new TypeError('every chunk needs a non-empty string key'));
     if (seen.has(c.key)) throw new ChunkFailure(step, null, 1, new Error(`chunk source returned key ${c.key} twice in one window; keys must be unique`));
     seen.add(c.key);
+    const problem = unstorable(c, []);
+    if (problem) throw new ChunkFailure(step, null, 1, new TypeError(`chunk ${/[\u0000-\u001f]/.test(c.key) ? JSON.stringify(c.key) : c.key}: ${problem}`));
+  }
+  try {
+    JSON.stringify(page.next);
+  } catch (err) {
+    throw new ChunkFailure(step, null, 1, new TypeError(`a chunk source's cursor (next) must be JSON: ${messageOf(err)}`));
+  }
+}
+
+/**
+ * What in a chunk spec PostgreSQL cannot store as jsonb (or its key as text), said as what to fix:
+ * a BigInt (JSON has none), the character U+0000 (neither text nor jsonb holds it), or anything
+ * else JSON.stringify refuses (a cycle). Null when it can be stored.
+ */
+function unstorable(value: unknown, at: readonly string[]): string | null {
+  const where = () => (at.length > 0 ? ` (at ${at.join('.')})` : '');
+  if (typeof value === 'bigint') return `chunk specs must be JSON: a BigInt${where()} cannot be stored; convert it to a string or number`;
+  if (typeof value === 'string') {
+    return value.includes('\u0000') ? `chunk specs cannot hold the character U+0000${where()}, which PostgreSQL cannot store in text or jsonb; remove or replace it` : null;
+  }
+  if (value === null || typeof value !== 'object') return null;
+  if (at.length > 64) return null; // JSON.stringify below says what a cycle is
+  if (Array.isArray(value) || Object.getPrototypeOf(value) === Object.prototype || Object.getPrototypeOf(value) === null) {
+    for (const [k, v] of Object.entries(value)) {
+      if (k.includes('\u0000')) return unstorable(k, [...at, JSON.stringify(k)]);
+      const found = unstorable(v, [...at, k]);
+      if (found) return found;
+    }
+    if (at.length > 0) return null;
+  }
+  if (at.length > 0) return null;
+  try {
+    JSON.stringify(value);
+    return null;
+  } catch (err) {
+    return `chunk specs must be JSON: ${messageOf(err)}`;
   }
 }
 

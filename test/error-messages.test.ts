@@ -360,6 +360,19 @@ describe('the final error line is one line, with control characters escaped', ()
   });
 });
 
+describe('a chunk source mistake is its step\'s', () => {
+  it('a chunk spec holding a BigInt: exit 1, the step named, what to fix', async () => {
+    const dir = await jobFolder('bigint-cli', {
+      'b.ts': `export default { name: 'bigint-cli', steps: [{ name: 'plan', chunks: () => ({ chunks: [{ key: 'k1', id: 10n }], next: null }), run: () => {} }] };\n`,
+    });
+    const r = await runCli(['--jobs-dir', dir, 'run', 'bigint-cli', '--key', 'k'], { url });
+    expect(r.code, r.stderr).toBe(1);
+    expect(lines(r.stderr).filter((l) => l.startsWith('idem: error:'))).toEqual([
+      'idem: error: job "bigint-cli" failed in step "plan" after 1 try: chunk k1: chunk specs must be JSON: a BigInt (at id) cannot be stored; convert it to a string or number; fix the cause and run the same command again to resume there',
+    ]);
+  });
+});
+
 describe('the JSON log line of a failure names the error class', () => {
   it('a PostgreSQL error in a chunk logs type DatabaseError with its SQLSTATE, not a bare "Object"', async () => {
     const dir = await jobFolder('database-error', {
