@@ -1,5 +1,6 @@
 import { AbortedTransactionError, DefaultQueryExecutor, PostgresDialect, PostgresDriver, Transaction, type CompiledQuery, type ConnectionProvider, type DatabaseConnection, type Driver, type QueryResult } from 'kysely';
 import type pg from 'pg';
+import { codeOf } from './errors.ts';
 
 /**
  * One worker slot of a step: a connection of the work pool kept for the slot's whole life, so a
@@ -130,8 +131,8 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[]): ChunkS
         // 42P05 duplicate_prepared_statement: a session pooler with server_reset_query turned off
         // handed on a session that has it already. Its name is the hash of its text (Store), so it
         // is this very statement.
-        await c.query(text).catch((err: { code?: string }) => {
-          if (err.code !== '42P05') throw err;
+        await c.query(text).catch((err: unknown) => {
+          if (codeOf(err) !== '42P05') throw err;
         });
         done.add(text);
       }

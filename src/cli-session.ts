@@ -5,6 +5,7 @@ import { ExitCode, exitCodeOf, IdemError, InterruptedError, messageOf } from './
 import type { LogLevel } from './log-level.ts';
 import type { Runner } from './runner.ts';
 import { testHookMs } from './test-hooks.ts';
+import { visibleError } from './text-table.ts';
 
 /**
  * runner.ts's DEFAULT_SCHEMA, repeated here so that `idem --help` need not load the runner (and
@@ -83,7 +84,8 @@ export function createCliContext(program: Command, state: { exitCode: number }):
       state.exitCode = await fn(g, log, session, (code) => void finish(code, 2_000));
     } catch (err) {
       state.exitCode = exitCodeOf(err);
-      const msg = err instanceof IdemError ? err.message : messageOf(err);
+      // One line, control characters escaped; a job file's code frame (idem's own lines) stays below it.
+      const msg = visibleError(err instanceof IdemError ? err.message : messageOf(err), err instanceof IdemError && err.code === 'idem.jobLoadFailed');
       // Busy (75: another process holds the run, or it is paused) is the expected outcome of cron
       // firing twice, not a failure: an info log line, so a cron mail filter or --log-level warn
       // keeps it quiet, while every real failure stays an `idem: error:` line.

@@ -16,6 +16,7 @@ import { registerServeCommand } from './commands/serve.ts';
 import { registerStatusCommand } from './commands/status.ts';
 import { ExitCode, exitCodeOf, messageOf } from './errors.ts';
 import { LOG_LEVELS } from './log-level.ts';
+import { visibleError } from './text-table.ts';
 
 export { CLI_DEFAULT_SCHEMA };
 
@@ -74,7 +75,7 @@ export async function main(argv: string[]): Promise<never> {
       // Help and version print and end well; every other parse error is a usage error.
       process.exit(err.code === 'commander.helpDisplayed' || err.code === 'commander.version' || err.code === 'commander.help' ? 0 : ExitCode.Usage);
     }
-    process.stderr.write(`idem: error: ${messageOf(err)}\n`);
+    process.stderr.write(`idem: error: ${visibleError(messageOf(err))}\n`);
     process.exit(exitCodeOf(err));
   }
   process.exit(state.exitCode);

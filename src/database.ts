@@ -3,7 +3,7 @@ import { Kysely, PostgresDialect } from 'kysely';
 import pg from 'pg';
 import { isRetryable } from './retry.ts';
 import type { Logger } from 'pino';
-import { DatabaseUnavailableError, errorFields, UsageError } from './errors.ts';
+import { codeOf, DatabaseUnavailableError, errorFields, UsageError } from './errors.ts';
 
 /**
  * Replaces the password in a connection string (URL or key=value form) with `***`.
@@ -229,7 +229,7 @@ async function refuseSessionlessPooler(a: pg.PoolClient, b: pg.PoolClient, conne
 const POOLER_PROBES = 10;
 
 export function describeConnectError(err: unknown, connectionString: string): DatabaseUnavailableError {
-  const code = (err as { code?: string }).code;
+  const code = codeOf(err);
   const where = redactUrl(connectionString);
   const raw = redactSecrets((err as Error)?.message ?? String(err), connectionString);
   let msg: string;

@@ -99,6 +99,17 @@ export class FencedError extends IdemError {
   }
 }
 
+/**
+ * The `code` of anything thrown (a SQLSTATE, a Node errno, an IdemError's code) when it is a
+ * string. Anything may be thrown, `null` and `undefined` included (`throw null`,
+ * `Promise.reject()`): reading `.code` of those directly would throw in the handler itself.
+ */
+export function codeOf(err: unknown): string | undefined {
+  if (err === null || (typeof err !== 'object' && typeof err !== 'function')) return undefined;
+  const code = (err as { code?: unknown }).code;
+  return typeof code === 'string' ? code : undefined;
+}
+
 /** Maps any thrown value to the exit code the CLI should end with. */
 export function exitCodeOf(err: unknown): ExitCode {
   if (err instanceof IdemError) return err.exitCode;
@@ -111,15 +122,38 @@ export function exitCodeOf(err: unknown): ExitCode {
  * ::1 and 127.0.0.1) is an AggregateError whose message is empty, its parts name each address.
  */
 export function messageOf(err: unknown): string {
-  let msg = err instanceof Error ? err.message : String(err);
+  let msg = err instanceof Error ? err.message : shownValue(err);
   if (msg === '' && err instanceof AggregateError && err.errors.length > 0) {
     msg = [...new Set(err.errors.map(messageOf))].join('; ');
   }
   if (msg === '' && err instanceof Error) {
-    const code = (err as { code?: unknown }).code;
-    msg = typeof code === 'string' ? `${err.constructor.name} ${code}` : err.constructor.name;
+    const code = codeOf(err);
+    msg = code !== undefined ? `${err.constructor.name} ${code}` : err.constructor.name;
   }
   return msg.split('\n')[0] ?? msg;
+}
+
+/**
+ * A thrown value that is not an Error, as a message: a string or number as it is (`x`, `42`,
+ * `null`), an object by its own string `message` when it has one (what libraries that throw plain
+ * objects mean to say), else by its JSON (`{"status":500}`), never `[object Object]`.
+ */
+function shownValue(err: unknown): string {
+  if (err !== null && typeof err === 'object') {
+    const message = (err as { message?: unknown }).message;
+    if (typeof message === 'string' && message !== '') return message;
+    try {
+      const json = JSON.stringify(err);
+      if (typeof json === 'string' && json !== '{}') return json;
+    } catch {
+      // circular, or a BigInt inside: its string form below
+    }
+  }
+  try {
+    return String(err);
+  } catch {
+    return Object.prototype.toString.call(err); // an object without a prototype
+  }
 }
 
 /**
@@ -129,8 +163,8 @@ export function messageOf(err: unknown): string {
  */
 export function errorFields(err: unknown, message: string = messageOf(err)): { type: string; message: string; code?: string } {
   const type = err instanceof Error ? err.constructor.name : typeof err;
-  const code = (err as { code?: unknown } | null | undefined)?.code;
-  return typeof code === 'string' ? { type, message, code } : { type, message };
+  const code = codeOf(err);
+  return code !== undefined ? { type, message, code } : { type, message };
 }
 
 /** The run is paused by an operator (`idem pause`); it resumes after `idem resume`. */

@@ -2,7 +2,7 @@ import { createHash } from 'node:crypto';
 import type { Kysely } from 'kysely';
 import type pg from 'pg';
 import type { Logger } from 'pino';
-import { errorFields, FencedError, InterruptedError, messageOf } from './errors.ts';
+import { codeOf, errorFields, FencedError, InterruptedError, messageOf } from './errors.ts';
 import type { ChunkPage, ChunkSpec, ChunkSource, Job, Json, RunIdentity, Step, StepContext } from './job.ts';
 import { faultPoint, faultsArmed as faults } from './fault-points.ts';
 import { CommitUnknownError, openChunkSlot, type ChunkSlot } from './chunk-slot.ts';
@@ -109,7 +109,11 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   const throttle = new Throttle(resolveThrottle(opts.job.throttle, step.throttle, opts.throttle));
   // Adaptive sizing learns from each window, so windows are kept small while it steers.
   const planWindow = throttle.options.targetChunkMs && step.chunks ? Math.max(4, opts.concurrency * 2) : opts.planWindow;
-  const health = await createHealthGate({ db: opts.db, schema: store.schema, run, job: opts.job, step, log, ...(opts.health !== undefined ? { override: opts.health } : {}) });
+  // The gate resolves the tables the step names (its own and its chunk source's): a name the
+  // server refuses is the step's mistake, not the runner's.
+  const health = await createHealthGate({ db: opts.db, schema: store.schema, run, job: opts.job, step, log, ...(opts.health !== undefined ? { override: opts.health } : {}) }).catch((err: unknown) => {
+    throw isRetryable(err) ? err : new ChunkFailure(step.name, null, 1, err);
+  });
   let cursor: Json | null = row.cursor;
   let plannedAll = row.planned_all;
   let nextSeq = row.planned + 1;
@@ -161,7 +165,11 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         new Error(`chunk source returned no chunks and the cursor it was given (${JSON.stringify(cursor)}) as next; return next: null when the step is done, or a cursor past the window it looked at`),
       );
     }
-    const result = await store.planWindow(run.runId, run.attempt, step.name, nextSeq - 1, page.chunks, page.next);
+    // What the database refuses to store of a page (checkPage catches what it can say better) is
+    // the step's too; a lost connection, after planWindow's own retries, stays the runner's.
+    const result = await store.planWindow(run.runId, run.attempt, step.name, nextSeq - 1, page.chunks, page.next).catch((err: unknown) => {
+      throw isRetryable(err) ? err : new ChunkFailure(step.name, null, 1, err);
+    });
     if (result.kind === 'fenced') throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was taken over by a newer attempt while planning`);
     if (result.kind === 'duplicate') {
       throw new ChunkFailure(step.name, null, 1, new Error(`chunk source returned key ${JSON.stringify(result.key)}, which is already planned as chunk ${result.seq} of the step; chunk keys must be unique and stable`));
@@ -234,7 +242,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
           // --max-rate is the run's: the start is reserved on the step row, shared by every
           // worker (here without the database only when it cannot be reached).
           const rate = throttle.options.maxRate;
-          const wait = rate ? await store.reserveStart(run.runId, step.name, 1000 / rate).catch(() => throttle.reserveStart()) : 0;
+          const wait = rate ? await store.reserveStart(run.runId, run.attempt, step.name, 1000 / rate).catch(() => throttle.reserveStart()) : 0;
           if (wait > 0) await sleep(wait, opts.stop);
           if (failure !== undefined || opts.stop.aborted) return;
         }
@@ -468,7 +476,7 @@ async function tryChunk(
     // With the next claim, an error may be the claim's, after the COMMIT took effect.
     const unknown = thrown instanceof CommitUnknownError;
     const err = unknown ? thrown.cause : thrown;
-    if (chunk && !unknown && isRetryable(err) && (err as { code?: string }).code !== FENCED_AT_COMMIT && !opts.stop.aborted && !opts.abort.aborted) {
+    if (chunk && !unknown && isRetryable(err) && codeOf(err) !== FENCED_AT_COMMIT && !opts.stop.aborted && !opts.abort.aborted) {
       // A transient failure is counted on the chunk in the same message as the ROLLBACK that
       // frees it, so another worker cannot start a try in between that the budget does not see.
       const counted = await slot
@@ -478,7 +486,7 @@ async function tryChunk(
     }
     await slot.rollback();
     if (!chunk) throw thrown;
-    if ((err as { code?: string }).code === FENCED_AT_COMMIT) {
+    if (codeOf(err) === FENCED_AT_COMMIT) {
       const attempt = await store.currentAttempt(run.runId).catch(() => -1);
       return { kind: 'failed', chunk, err: new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off by attempt ${attempt}; its chunk ${chunk.key} rolled back`) };
     }
@@ -517,6 +525,43 @@ function checkPage(step: string, page: ChunkPage): void {
     if (!c || typeof c.key !== 'string' || c.key === '') throw new ChunkFailure(step, null, 1, new TypeError('every chunk needs a non-empty string key'));
     if (seen.has(c.key)) throw new ChunkFailure(step, null, 1, new Error(`chunk source returned key ${c.key} twice in one window; keys must be unique`));
     seen.add(c.key);
+    const problem = unstorable(c, []);
+    if (problem) throw new ChunkFailure(step, null, 1, new TypeError(`chunk ${/[\u0000-\u001f]/.test(c.key) ? JSON.stringify(c.key) : c.key}: ${problem}`));
+  }
+  try {
+    JSON.stringify(page.next);
+  } catch (err) {
+    throw new ChunkFailure(step, null, 1, new TypeError(`a chunk source's cursor (next) must be JSON: ${messageOf(err)}`));
+  }
+}
+
+/**
+ * What in a chunk spec PostgreSQL cannot store as jsonb (or its key as text), said as what to fix:
+ * a BigInt (JSON has none), the character U+0000 (neither text nor jsonb holds it), or anything
+ * else JSON.stringify refuses (a cycle). Null when it can be stored.
+ */
+function unstorable(value: unknown, at: readonly string[]): string | null {
+  const where = () => (at.length > 0 ? ` (at ${at.join('.')})` : '');
+  if (typeof value === 'bigint') return `chunk specs must be JSON: a BigInt${where()} cannot be stored; convert it to a string or number`;
+  if (typeof value === 'string') {
+    return value.includes('\u0000') ? `chunk specs cannot hold the character U+0000${where()}, which PostgreSQL cannot store in text or jsonb; remove or replace it` : null;
+  }
+  if (value === null || typeof value !== 'object') return null;
+  if (at.length > 64) return null; // JSON.stringify below says what a cycle is
+  if (Array.isArray(value) || Object.getPrototypeOf(value) === Object.prototype || Object.getPrototypeOf(value) === null) {
+    for (const [k, v] of Object.entries(value)) {
+      if (k.includes('\u0000')) return unstorable(k, [...at, JSON.stringify(k)]);
+      const found = unstorable(v, [...at, k]);
+      if (found) return found;
+    }
+    if (at.length > 0) return null;
+  }
+  if (at.length > 0) return null;
+  try {
+    JSON.stringify(value);
+    return null;
+  } catch (err) {
+    return `chunk specs must be JSON: ${messageOf(err)}`;
   }
 }
 

@@ -1,6 +1,6 @@
 import { sql, type Kysely } from 'kysely';
 import type { Logger } from 'pino';
-import { errorFields, UsageError } from './errors.ts';
+import { codeOf, errorFields, UsageError } from './errors.ts';
 import type { Job, RunIdentity, Step } from './job.ts';
 import { sleep } from './sleep.ts';
 
@@ -209,7 +209,7 @@ export async function refuseOnStandby<T>(db: Kysely<any>, fn: () => Promise<T>):
   try {
     return await fn();
   } catch (err) {
-    if ((err as { code?: string }).code !== '25006') throw err;
+    if (codeOf(err) !== '25006') throw err;
     const { rows } = await sql<{ inRecovery: boolean; replayDelaySeconds: number | null }>`
       select pg_is_in_recovery() as "inRecovery", extract(epoch from now() - pg_last_xact_replay_timestamp())::float8 as "replayDelaySeconds"`.execute(db);
     if (!rows[0]?.inRecovery) throw err;

@@ -2,7 +2,7 @@ import { readFile } from 'node:fs/promises';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { inspect } from 'node:util';
-import { IdemError } from './errors.ts';
+import { codeOf, IdemError } from './errors.ts';
 
 /** idem's own sources: a frame here is never the line the user has to fix. */
 const OWN_SOURCES = path.dirname(fileURLToPath(import.meta.url)) + path.sep;
@@ -37,7 +37,7 @@ export async function explainLoadError(file: string, err: unknown): Promise<Load
     const shown = typeof err === 'string' ? JSON.stringify(err) : inspect(err, { breakLength: Infinity, depth: 2 });
     return { cause: `it threw ${shown} while loading (not an Error, so it has no line)`, fix: 'fix the file' };
   }
-  const code = (err as { code?: unknown }).code;
+  const code = codeOf(err);
   if (code === 'ERR_MODULE_NOT_FOUND') return missingImport(err.message);
   // CommonJS (a project without "type": "module"): require() throws MODULE_NOT_FOUND, with the
   // importing file first in its require stack.

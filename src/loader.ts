@@ -4,7 +4,7 @@ import { createRequire } from 'node:module';
 import path from 'node:path';
 import { pathToFileURL } from 'node:url';
 import { recordJobFile } from './code-fingerprint.ts';
-import { messageOf, UsageError } from './errors.ts';
+import { codeOf, messageOf, UsageError } from './errors.ts';
 import { assertJob, type Job } from './job.ts';
 import { explainLoadError, formatLoadFailure } from './load-error.ts';
 import { quoteChoices, suggestSimilar } from './suggest.ts';
@@ -23,7 +23,7 @@ export function isCommonJsFile(file: string): boolean {
     try {
       return (JSON.parse(readFileSync(path.join(dir, 'package.json'), 'utf8')) as { type?: string }).type !== 'module';
     } catch (err) {
-      if ((err as { code?: string }).code !== 'ENOENT') return true;
+      if (codeOf(err) !== 'ENOENT') return true;
     }
     if (path.dirname(dir) === dir) return true;
   }
@@ -84,7 +84,7 @@ export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Prom
   try {
     names = (await readdir(abs)).filter((n) => JOB_FILE.test(n)).sort();
   } catch (err) {
-    if ((err as { code?: string }).code === 'ENOENT') return [];
+    if (codeOf(err) === 'ENOENT') return [];
     throw err;
   }
   const loaded: LoadedJob[] = [];

@@ -3,7 +3,7 @@ import { sql, type Kysely } from 'kysely';
 import type { Logger } from 'pino';
 import { acquireAdvisoryLock, type HeldLock } from './advisory-lock.ts';
 import { openDatabase, type Database } from './database.ts';
-import { BusyError, CancelledError, errorFields, FencedError, InterruptedError, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
+import { BusyError, CancelledError, codeOf, errorFields, FencedError, InterruptedError, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
@@ -548,14 +548,14 @@ export class Runner {
       return err;
     }
     const failure = err instanceof ChunkFailure ? err : new ChunkFailure('(runner)', null, 1, err);
-    const cause = failure.cause as { code?: string } | undefined;
+    const code = codeOf(failure.cause);
     const recorded = await this.store
       .failRun(runId, attempt, {
         step: failure.step,
         chunk: failure.chunk,
         tries: failure.tries,
         message: failure.message,
-        ...(typeof cause?.code === 'string' ? { code: cause.code } : {}),
+        ...(code !== undefined ? { code } : {}),
         at: new Date().toISOString(),
       })
       .catch(() => null);

@@ -368,12 +368,26 @@ export class Store {
    * after the one reserved before it (no earlier than now: idle time is not banked), and returns
    * how long to wait for it (ms).
    */
-  async reserveStart(runId: string, step: string, intervalMs: number): Promise<number> {
+  async reserveStart(runId: string, attempt: number, step: string, intervalMs: number): Promise<number> {
     const gap = sql`${intervalMs}::float8 * interval '1 millisecond'`;
+    // Reservations made by this attempt at this interval queue up (every worker and slot of the
+    // attempt spaced one interval apart). Those of an earlier attempt (interrupted, failed: the
+    // starts they reserved never happen) or made at another rate are not this schedule's: they
+    // delay the start by one interval of the current rate at most, so a rerun with a higher
+    // --max-rate does not wait out the old rate's schedule, nor one at the same rate an extra
+    // interval for a start that never happened.
     const { rows } = await this.#run(sql<{ wait: number }>`
-      update ${this.#steps} set rate_next = greatest(rate_next, clock_timestamp()) + ${gap}
+      with now as (select clock_timestamp() as t)
+      update ${this.#steps} set
+        rate_next = case
+          when rate_attempt = ${attempt} and rate_interval_ms = ${intervalMs}::float8 then greatest(rate_next, now.t)
+          else least(greatest(rate_next, now.t), now.t + ${gap})
+        end + ${gap},
+        rate_attempt = ${attempt},
+        rate_interval_ms = ${intervalMs}::float8
+      from now
       where run_id = ${runId} and name = ${step}
-      returning greatest(0, extract(epoch from rate_next - ${gap} - clock_timestamp()) * 1000)::float8 as wait`);
+      returning greatest(0, extract(epoch from rate_next - ${gap} - now.t) * 1000)::float8 as wait`);
     return rows[0]?.wait ?? 0;
   }
 

@@ -39,6 +39,19 @@ export function visible(s: string): string {
 }
 
 /**
+ * The CLI's final `idem: error:` text: the message with every control character escaped
+ * ({@link visible}), so it is one line and nothing in it (a chunk's error, a params validator's
+ * message) reaches the terminal as an escape sequence. `frame: true` is for a message whose lines
+ * after the first are idem's own (a job file's code frame: the source line and its caret): each of
+ * those lines is escaped on its own, tabs kept so the caret stays under its column.
+ */
+export function visibleError(message: string, frame = false): string {
+  if (!frame) return visible(message);
+  const [head = '', ...rest] = message.split('\n');
+  return [visible(head), ...rest.map((l) => l.split('\t').map(visible).join('\t'))].join('\n');
+}
+
+/**
  * `value` with {@link visible} applied to every string in it (object fields and array items, at any
  * depth; dates and other values as they are): the one step a text formatter takes on the rows it
  * was given, so no field it prints can slip through.

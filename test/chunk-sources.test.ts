@@ -250,3 +250,60 @@ describe('a custom source that does not move', () => {
     expect(await query(url, `select key, n from seen where key like 'sparse-%'`)).toEqual([{ key: 'sparse-k3', n: 1 }]);
   });
 });
+
+describe('a job-definition mistake in planning is the step\'s, with what to fix', () => {
+  const failed = async (job: ReturnType<typeof defineJob<any>>) => {
+    const err = await runner.run(job, { key: 'k' }).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(Error);
+    return { message: (err as Error).message, recorded: (await runRow(url, job.name, 'k')).error };
+  };
+  const sourceOf = (specs: object[]) => () => ({ chunks: specs as { key: string }[], next: null });
+
+  it('keyRange over a table name that is not a name fails in its step', async () => {
+    const { keyRange } = await import('../src/index.ts');
+    // With the autovacuum health check, the gate resolves the source's table before planning.
+    const job = defineJob({ name: 'bad-table', health: { autovacuum: true }, steps: [{ name: 'scan', chunks: keyRange({ table: 'tx; drop table tx', column: 'id', size: 10 }), run: () => {} }] });
+    const { message, recorded } = await failed(job);
+    expect(message).toMatch(/^job "bad-table" failed in step "scan" after 1 try: .*"tx; drop table tx"/);
+    expect(recorded).toMatchObject({ step: 'scan', chunk: null });
+  });
+
+  it('a table name the server refuses (U+0000) for the autovacuum health check fails in its step', async () => {
+    const { keyRange } = await import('../src/index.ts');
+    const job = defineJob({ name: 'nul-table', health: { autovacuum: true }, steps: [{ name: 'scan', chunks: keyRange({ table: 'tx\u0000', column: 'id', size: 10 }), run: () => {} }] });
+    const { message, recorded } = await failed(job);
+    expect(message).toMatch(/^job "nul-table" failed in step "scan" after 1 try: invalid byte sequence for encoding "UTF8": 0x00;/);
+    expect(recorded).toMatchObject({ step: 'scan', chunk: null });
+  });
+
+  it('a chunk spec holding a BigInt fails in its step, saying to convert it', async () => {
+    const job = defineJob({ name: 'bigint-spec', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'a', id: 1n }]), run: () => {} }] });
+    const { message, recorded } = await failed(job);
+    expect(message).toBe(
+      'job "bigint-spec" failed in step "plan" after 1 try: chunk a: chunk specs must be JSON: a BigInt (at id) cannot be stored; convert it to a string or number; fix the cause and run the same command again to resume there',
+    );
+    expect(recorded).toMatchObject({ step: 'plan', chunk: null });
+  });
+
+  it('a chunk spec or key holding U+0000 fails in its step, saying PostgreSQL cannot store it', async () => {
+    const spec = defineJob({ name: 'nul-spec', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'a', name: 'x\u0000y' }]), run: () => {} }] });
+    const s = await failed(spec);
+    expect(s.message).toBe(
+      'job "nul-spec" failed in step "plan" after 1 try: chunk a: chunk specs cannot hold the character U+0000 (at name), which PostgreSQL cannot store in text or jsonb; remove or replace it; fix the cause and run the same command again to resume there',
+    );
+    expect(s.recorded).toMatchObject({ step: 'plan', chunk: null });
+    const key = defineJob({ name: 'nul-key', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'a\u0000b' }]), run: () => {} }] });
+    const k = await failed(key);
+    expect(k.message).toBe(
+      'job "nul-key" failed in step "plan" after 1 try: chunk "a\\u0000b": chunk specs cannot hold the character U+0000 (at key), which PostgreSQL cannot store in text or jsonb; remove or replace it; fix the cause and run the same command again to resume there',
+    );
+    expect(k.recorded).toMatchObject({ step: 'plan', chunk: null });
+  });
+
+  it('whatever else the database refuses to store of a window (a lone surrogate) fails in its step', async () => {
+    const job = defineJob({ name: 'surrogate-spec', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'a', name: 'x\ud800' }]), run: () => {} }] });
+    const { message, recorded } = await failed(job);
+    expect(message).toMatch(/^job "surrogate-spec" failed in step "plan" after 1 try: invalid input syntax for type json;/);
+    expect(recorded).toMatchObject({ step: 'plan', chunk: null });
+  });
+});

@@ -273,6 +273,106 @@ describe('a job that throws a non-Error value', () => {
   });
 });
 
+describe('a job that throws null, undefined or rejects with nothing', () => {
+  // Each chunk sleeps a little so two --join workers both take part.
+  const job = (name: string, thrown: string, maxFailedChunks: number) =>
+    `export default { name: '${name}', steps: [{ name: 'work', maxFailedChunks: ${maxFailedChunks}, ` +
+    `chunks: () => ({ chunks: Array.from({ length: 12 }, (_, i) => ({ key: 'c' + (i + 1) })), next: null }), ` +
+    `run: async (_ctx, c) => { await new Promise((r) => setTimeout(r, 50)); if (c.key === 'c2') ${thrown}; } }] };\n`;
+  const cases = [
+    ['null', 'throw null', 'null'],
+    ['undefined', 'throw undefined', 'undefined'],
+    ['reject', 'return Promise.reject()', 'undefined'],
+  ] as const;
+
+  for (const [id, thrown, shown] of cases) {
+    it(`${thrown} in a chunk fails the run in that chunk, exit 1, one line`, async () => {
+      const dir = await jobFolder(`throws-${id}`, { 'j.ts': job(`throws-${id}`, thrown, 0) });
+      const r = await runCli(['--jobs-dir', dir, 'run', `throws-${id}`, '--key', 'k'], { url });
+      expect(r.code, r.stderr).toBe(1);
+      expect(lines(r.stderr).filter((l) => l.startsWith('idem: error:'))).toEqual([
+        `idem: error: job "throws-${id}" failed in step "work", chunk c2 after 1 try: ${shown}; fix the cause and run the same command again to resume there`,
+      ]);
+      const [run] = await query<{ error: unknown }>(url, `select error from idem.runs where job = $1`, [`throws-${id}`]);
+      expect(run!.error).toMatchObject({ step: 'work', chunk: 'c2', tries: 1, message: shown });
+    });
+
+    it(`${thrown} in a chunk is skipped under maxFailedChunks by two --join workers, both exit 0`, async () => {
+      const dir = await jobFolder(`skips-${id}`, { 'j.ts': job(`skips-${id}`, thrown, 1) });
+      const rs = await Promise.all([0, 1].map(() => runCli(['--jobs-dir', dir, 'run', `skips-${id}`, '--key', 'k', '--join'], { url })));
+      for (const r of rs) expect(r.code, r.stderr).toBe(0);
+      expect(await query(url, `select c.key, c.error from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = $1 and c.skipped_at is not null`, [`skips-${id}`])).toEqual([
+        { key: 'c2', error: shown },
+      ]);
+      expect((await query<{ status: string }>(url, `select status from idem.runs where job = $1`, [`skips-${id}`]))[0]!.status).toBe('succeeded');
+    });
+  }
+});
+
+describe('the final error line is one line, with control characters escaped', () => {
+  /** The `idem: error:` lines of a result, and no raw ESC or CR anywhere on stderr. */
+  const errorLines = (r: CliResult) => {
+    expect(r.stderr).not.toContain('\x1b');
+    expect(r.stderr).not.toContain('\r');
+    return lines(r.stderr).filter((l) => l.startsWith('idem: error:'));
+  };
+
+  it('an error message with ESC sequences, a tab and a CR: run and finalize print it escaped', async () => {
+    const dir = await jobFolder('control-chars', {
+      'cc.ts': `export default { name: 'control-chars', steps: [{ name: 'only', run: () => { throw new Error('bad \\x1b[2J\\x1b[31mred\\ttab\\rCR'); } }] };\n`,
+    });
+    const shown = String.raw`bad \x1b[2J\x1b[31mred\ttab\rCR`;
+    const r = await runCli(['--jobs-dir', dir, 'run', 'control-chars', '--key', 'k'], { url });
+    expect(r.code, r.stderr).toBe(1);
+    expect(errorLines(r)).toEqual([`idem: error: job "control-chars" failed in step "only" after 1 try: ${shown}; fix the cause and run the same command again to resume there`]);
+    const f = await runCli(['--jobs-dir', dir, 'finalize', 'control-chars', '--key', 'k'], { url });
+    expect(f.code, f.stderr).toBe(1);
+    const [line] = errorLines(f);
+    expect(line).toContain(shown);
+    expect(lines(f.stderr).filter((l) => !l.startsWith('{'))).toEqual([line]);
+  });
+
+  it('a params validator whose message has a newline: one line, exit 2 (function and Standard Schema)', async () => {
+    const dir = await jobFolder('params-newline', {
+      'fn.ts': `export default { name: 'params-fn', params: () => { throw new Error('first line\\nsecond line'); }, steps: [{ name: 'a', run: () => {} }] };\n`,
+      'ss.ts':
+        `export default { name: 'params-ss', params: { '~standard': { version: 1, vendor: 'test', validate: () => ({ issues: [{ message: 'bad\\nvalue\\x1b[2J', path: ['n'] }] }) } }, ` +
+        `steps: [{ name: 'a', run: () => {} }] };\n`,
+    });
+    const fn = refusal(await runCli(['--jobs-dir', dir, 'run', 'params-fn', '--key', 'k'], { url }), 2);
+    expect(fn).toEqual([String.raw`idem: error: invalid params for job "params-fn": first line\nsecond line`]);
+    const ss = await runCli(['--jobs-dir', dir, 'run', 'params-ss', '--key', 'k'], { url });
+    expect(refusal(ss, 2)).toEqual([String.raw`idem: error: invalid params for job "params-ss": n: bad\nvalue\x1b[2J`]);
+    expect(errorLines(ss)).toHaveLength(1);
+  });
+
+  it('a thrown plain object shows its message, or else its JSON, not [object Object]', async () => {
+    const dir = await jobFolder('plain-object', {
+      'msg.ts': `export default { name: 'obj-message', steps: [{ name: 'only', run: () => { throw { message: 'x from an object', status: 500 }; } }] };\n`,
+      'json.ts': `export default { name: 'obj-json', steps: [{ name: 'only', run: () => { throw { status: 500, reason: 'nope' }; } }] };\n`,
+    });
+    const m = await runCli(['--jobs-dir', dir, 'run', 'obj-message', '--key', 'k'], { url });
+    expect(m.code, m.stderr).toBe(1);
+    expect(errorLines(m)).toEqual(['idem: error: job "obj-message" failed in step "only" after 1 try: x from an object; fix the cause and run the same command again to resume there']);
+    const j = await runCli(['--jobs-dir', dir, 'run', 'obj-json', '--key', 'k'], { url });
+    expect(j.code, j.stderr).toBe(1);
+    expect(errorLines(j)).toEqual(['idem: error: job "obj-json" failed in step "only" after 1 try: {"status":500,"reason":"nope"}; fix the cause and run the same command again to resume there']);
+  });
+});
+
+describe('a chunk source mistake is its step\'s', () => {
+  it('a chunk spec holding a BigInt: exit 1, the step named, what to fix', async () => {
+    const dir = await jobFolder('bigint-cli', {
+      'b.ts': `export default { name: 'bigint-cli', steps: [{ name: 'plan', chunks: () => ({ chunks: [{ key: 'k1', id: 10n }], next: null }), run: () => {} }] };\n`,
+    });
+    const r = await runCli(['--jobs-dir', dir, 'run', 'bigint-cli', '--key', 'k'], { url });
+    expect(r.code, r.stderr).toBe(1);
+    expect(lines(r.stderr).filter((l) => l.startsWith('idem: error:'))).toEqual([
+      'idem: error: job "bigint-cli" failed in step "plan" after 1 try: chunk k1: chunk specs must be JSON: a BigInt (at id) cannot be stored; convert it to a string or number; fix the cause and run the same command again to resume there',
+    ]);
+  });
+});
+
 describe('the JSON log line of a failure names the error class', () => {
   it('a PostgreSQL error in a chunk logs type DatabaseError with its SQLSTATE, not a bare "Object"', async () => {
     const dir = await jobFolder('database-error', {

@@ -559,3 +559,53 @@ describe('a chunk that fails for good in one of the workers sharing a run', () =
     }
   });
 });
+
+describe('a chunk or step that throws null, undefined or rejects with nothing', () => {
+  // `throw null` is as much a thrown value as `throw 'x'`: it fails (or is skipped) in its own step
+  // and chunk, never in "(runner)" because the runner read `.code` of it.
+  const throwers = {
+    null: () => {
+      throw null;
+    },
+    undefined: () => {
+      throw undefined;
+    },
+    'Promise.reject()': () => Promise.reject(),
+  } as const;
+  const thrower = (name: string, how: () => unknown, maxFailedChunks: number) =>
+    defineJob({
+      name,
+      steps: [
+        {
+          name: 'work',
+          maxFailedChunks,
+          chunks: () => ({ chunks: ['c1', 'c2', 'c3'].map((key) => ({ key })), next: null }),
+          async run(_ctx, chunk: { key: string }) {
+            if (chunk.key === 'c2') await how();
+          },
+        },
+        { name: 'after', run: () => how() },
+      ],
+    });
+
+  for (const [what, how] of Object.entries(throwers)) {
+    const shown = what === 'null' ? 'null' : 'undefined';
+    const id = what === 'null' ? 'null' : what === 'undefined' ? 'undefined' : 'reject';
+    it(`${what} in a chunk fails the run in that chunk`, async () => {
+      const job = thrower(`throws-${id}`, how, 0);
+      const err = await runner.run(job, { key: 'k' }).catch((e: unknown) => e);
+      expect(err).toBeInstanceOf(RunFailedError);
+      expect((err as RunFailedError).message).toBe(`job "throws-${id}" failed in step "work", chunk c2 after 1 try: ${shown}; fix the cause and run the same command again to resume there`);
+      expect((await runRow(db.url, `throws-${id}`, 'k')).error).toMatchObject({ step: 'work', chunk: 'c2', tries: 1, message: shown });
+    });
+
+    it(`${what} in a chunk is skipped under maxFailedChunks; in a step without chunks it fails that step`, async () => {
+      const job = thrower(`skips-${id}`, how, 1);
+      const err = await runner.run(job, { key: 'k' }).catch((e: unknown) => e);
+      expect(err).toBeInstanceOf(RunFailedError);
+      const [status] = await runner.status(`skips-${id}`);
+      expect(status!.skipped).toEqual([expect.objectContaining({ step: 'work', key: 'c2', error: shown })]);
+      expect((await runRow(db.url, `skips-${id}`, 'k')).error).toMatchObject({ step: 'after', chunk: null, tries: 1, message: shown });
+    });
+  }
+});

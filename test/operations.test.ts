@@ -690,6 +690,53 @@ describe('throttling', () => {
   });
 });
 
+describe('--max-rate reservations of an earlier attempt', () => {
+  // An attempt that ends (interrupted, failed) leaves the step's rate_next where its last
+  // reservation put it: the start it reserved never happens. The next attempt's first start waits
+  // at most one interval of its own rate, never the old schedule.
+  let failFirst = true;
+  const job = (name: string) =>
+    defineJob({
+      name,
+      steps: [
+        {
+          name: 'work',
+          chunks: () => ({ chunks: ['c1', 'c2', 'c3', 'c4'].map((key) => ({ key })), next: null }),
+          run: async (_ctx, chunk: { key: string }) => {
+            if (chunk.key === 'c1' && failFirst) throw new Error('first attempt fails');
+            await new Promise((r) => setTimeout(r, 10));
+          },
+        },
+      ],
+    });
+  const leaveSchedule = async (name: string, rate: number) => {
+    failFirst = true;
+    await expect(runner.run(job(name), { key: 'k', throttle: { maxRate: rate } })).rejects.toThrow('first attempt fails');
+    // As an interrupted run at --max-rate 0.01 leaves it: its next reservations far ahead.
+    await query(url, `update idem.steps s set rate_next = clock_timestamp() + interval '100 seconds' from idem.runs r where r.id = s.run_id and r.job = $1 and s.name = 'work'`, [name]);
+    failFirst = false;
+  };
+
+  it('a rerun at a higher rate starts at once', async () => {
+    await leaveSchedule('rate-left-fast', 0.01);
+    const started = performance.now();
+    const out = await runner.run(job('rate-left-fast'), { key: 'k', throttle: { maxRate: 1000 } });
+    expect(out).toMatchObject({ status: 'succeeded', attempt: 2 });
+    expect(performance.now() - started).toBeLessThan(3_000);
+  });
+
+  it('a rerun at the same rate waits at most one interval before its first start, and spaces the rest', async () => {
+    await leaveSchedule('rate-left-same', 1);
+    const started = performance.now();
+    const out = await runner.run(job('rate-left-same'), { key: 'k', throttle: { maxRate: 1 } });
+    expect(out).toMatchObject({ status: 'succeeded', attempt: 2 });
+    // Four starts one second apart, the first at most one second in: 3 to 4 seconds (and a little).
+    const ms = performance.now() - started;
+    expect(ms).toBeGreaterThanOrEqual(2_900);
+    expect(ms).toBeLessThan(5_500);
+  });
+});
+
 describe('Throttle', () => {
   it('reserveStart() spaces starts 1000 / maxRate ms apart and does not bank idle time', () => {
     const t = new Throttle({ maxRate: 20 });

@@ -1,5 +1,5 @@
 import { Migrator, sql, type Kysely, type Migration, type MigrationProvider } from 'kysely';
-import { DatabaseUnavailableError } from '../errors.ts';
+import { codeOf, DatabaseUnavailableError } from '../errors.ts';
 
 /** Kysely's bookkeeping tables for the runner's own schema; kept inside that schema. */
 export const MIGRATION_TABLE = 'idem_migration';
@@ -198,6 +198,16 @@ function runnerMigrations(schema: string): Record<string, Migration> {
         await sql`alter table ${t('steps')} add column rate_next timestamptz`.execute(db);
       },
     },
+    '0011_rate_reserved_by': {
+      async up(db) {
+        // Who reserved rate_next: the run's attempt and the interval (ms) it reserved at. A
+        // reservation of another attempt (one interrupted or failed, whose reserved starts never
+        // happen) or of another rate never makes a start wait longer than the current interval.
+        await sql`alter table ${t('steps')}
+          add column rate_attempt integer,
+          add column rate_interval_ms float8`.execute(db);
+      },
+    },
   };
 }
 
@@ -229,7 +239,7 @@ export async function ensureRunnerSchema(db: Kysely<any>, schema: string): Promi
     const lacking = rows[0]?.lacking;
     if (lacking?.length) throw await privilegeRefusal(db, schema, 'use', `no SELECT, INSERT, UPDATE or DELETE on ${lacking.map((t) => `${schema}.${t}`).join(', ')}`);
   } catch (err) {
-    const code = (err as { code?: string }).code;
+    const code = codeOf(err);
     if (code === INSUFFICIENT_PRIVILEGE) throw await privilegeRefusal(db, schema, 'use', (err as Error).message, err);
     if (code !== UNDEFINED_TABLE) throw err; // undefined_table: a fresh database
   }
@@ -253,7 +263,7 @@ export async function ensureRunnerSchema(db: Kysely<any>, schema: string): Promi
   const { error, results } = await migrator.migrateToLatest();
   if (error) {
     const message = String((error as Error).message ?? error);
-    if ((error as { code?: string }).code === INSUFFICIENT_PRIVILEGE) throw await privilegeRefusal(db, schema, applied ? 'upgrade' : 'create', message, error);
+    if (codeOf(error) === INSUFFICIENT_PRIVILEGE) throw await privilegeRefusal(db, schema, applied ? 'upgrade' : 'create', message, error);
     // Kysely fails before any migration (creating the schema or its bookkeeping tables) without naming one.
     const failed = results?.find((r) => r.status === 'Error')?.migrationName;
     throw new DatabaseUnavailableError(`could not create or upgrade the runner schema "${schema}"${failed ? ` (migration ${failed})` : ''}: ${message}`, { cause: error });
