@@ -173,6 +173,8 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   let failure: unknown;
   /** Chunks waiting out a retry's backoff in one slot: the other slots pass them by. */
   const cooling = new Set<number>();
+  /** Chunks that failed for good in a slot here, until that slot skipped them or failed the run. */
+  const settling = new Map<number, Promise<void>>();
   const tries = new Map<number, number>();
 
   let highestClaimed = 0;
@@ -263,8 +265,12 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         if (outcome.kind === 'backoff') {
           // The last unfinished chunk is backing off after another slot's or worker's transient
           // failure: wait it out, then claim again (whoever claims it first tries it). A second at
-          // most between looks: the worker that spent its last try may skip it meanwhile.
-          await sleep(Math.min(outcome.ms, 1_000), opts.stop);
+          // most between looks: the worker that spent its last try may skip it meanwhile. When that
+          // is a slot here (its wait claim was sent before the slot passed the chunk by), as long
+          // as that slot takes.
+          const settled = settling.get(outcome.seq);
+          if (settled) await settled;
+          else await sleep(Math.min(outcome.ms, 1_000), opts.stop);
           continue;
         }
         if (outcome.kind === 'none') {
@@ -294,11 +300,13 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
           }
           let n = (tries.get(chunk.seq) ?? 0) + 1;
           let delay: number | undefined;
-          if (isRetryable(err) && !opts.stop.aborted) {
+          const transient = isRetryable(err) && !opts.stop.aborted;
+          if (transient || outcome.counted !== undefined) {
             // Counted on the chunk, so the budget and the backoff are the run's, not each worker's:
-            // the other workers pass the chunk by until its backoff is over. Counted with the
-            // ROLLBACK already, unless the connection went (then here, on another).
-            const counted = outcome.counted !== undefined ? outcome.counted : await store.recordRetry(run.runId, run.attempt, step.name, chunk.seq, messageOf(err), retryDelays()).catch(() => undefined);
+            // the other workers pass the chunk by until its backoff is over (or, once it failed for
+            // good, until it is skipped or the run failed). Counted before the claim let the chunk
+            // go already, unless the connection went (then here, on the slot's new connection).
+            const counted = outcome.counted !== undefined ? outcome.counted : await store.recordRetry(run.runId, run.attempt, step.name, chunk.seq, messageOf(err), retryDelays(), slot.db).catch(() => undefined);
             if (counted === null) {
               // Done or skipped by another worker meanwhile, or fenced off (the next claim says so).
               tries.delete(chunk.seq);
@@ -318,10 +326,22 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
             continue;
           }
           tries.delete(chunk.seq);
-          await store.recordChunkFailure(run.runId, step.name, chunk.key, n, messageOf(err)).catch(() => {});
+          // Failed for good. The other slots here pass it by from now on, even should the hold on
+          // the chunk (EXHAUSTED_HOLD) run out before it is skipped or the run failed. Its
+          // bookkeeping goes over this slot's own connection: from the pool it could wait for a
+          // connection that only slots waiting for one themselves (in ctx.effect) could free.
+          cooling.add(chunk.seq);
+          let settle!: () => void;
+          settling.set(chunk.seq, new Promise<void>((resolve) => (settle = resolve)));
+          const settled = () => {
+            cooling.delete(chunk.seq);
+            settling.delete(chunk.seq);
+            settle();
+          };
+          await store.recordChunkFailure(run.runId, step.name, chunk.key, n, messageOf(err), slot.db).catch(() => {});
           const failed = new ChunkFailure(step.name, step.chunks ? chunk.key : null, n, err);
           if (maxSkips > 0 && !opts.stop.aborted) {
-            const skip = await store.skipChunk(run.runId, run.attempt, step.name, chunk.key, failed.message, maxSkips);
+            const skip = await store.skipChunk(run.runId, run.attempt, step.name, chunk.key, failed.message, maxSkips, slot.db).finally(settled);
             if (skip.kind === 'fenced') {
               failure ??= new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off while skipping chunk ${chunk.key}`);
               return;
@@ -335,6 +355,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
             }
           }
           failure ??= failed;
+          settled();
           return;
         }
 
@@ -366,7 +387,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
 type ChunkTry =
   | { readonly kind: 'none' }
   | { readonly kind: 'abandoned' }
-  | { readonly kind: 'backoff'; readonly ms: number }
+  | { readonly kind: 'backoff'; readonly ms: number; readonly seq: number }
   | { readonly kind: 'later' }
   | { readonly kind: 'committed'; readonly chunk: PendingChunk; readonly ms: number; readonly next?: ClaimedWithCommit }
   | { readonly kind: 'failed'; readonly chunk: PendingChunk; readonly err: unknown; readonly counted?: RetryCount | null };
@@ -418,7 +439,7 @@ async function tryChunk(
     if (chunk.backoffMs) {
       // A `wait` claim found the chunk still backing off from a transient error.
       await slot.rollback();
-      return { kind: 'backoff', ms: chunk.backoffMs };
+      return { kind: 'backoff', ms: chunk.backoffMs, seq: chunk.seq };
     }
     const may = mayStart(chunk);
     if (may !== true) {
@@ -459,11 +480,15 @@ async function tryChunk(
     // With the next claim, an error may be the claim's, after the COMMIT took effect.
     const unknown = thrown instanceof CommitUnknownError;
     const err = unknown ? thrown.cause : thrown;
-    if (chunk && !unknown && isRetryable(err) && (err as { code?: string }).code !== FENCED_AT_COMMIT && !opts.stop.aborted && !opts.abort.aborted) {
-      // A transient failure is counted on the chunk in the same message as the ROLLBACK that
-      // frees it, so another worker cannot start a try in between that the budget does not see.
+    if (chunk && slot.open && !unknown && !(err instanceof FencedError) && (err as { code?: string }).code !== FENCED_AT_COMMIT && !opts.abort.aborted) {
+      // The try is counted on the chunk, and a chunk that failed for good (a permanent error, or
+      // its last try) is held back from every claim, inside the chunk's own transaction: its work
+      // rolls back to the savepoint after the claim, and the count commits before the claim's row
+      // lock is let go. No other slot or worker can start a try in between, that the budget does
+      // not see, or of a chunk that is being skipped or failing the run.
+      const final = !isRetryable(err) || opts.stop.aborted;
       const counted = await slot
-        .rollbackWith<RetryCount>(store.retrySql(run.runId, run.attempt, step.name, chunk.seq, messageOf(err), retryDelays()))
+        .abandonWith<RetryCount>(store.retrySql(run.runId, run.attempt, step.name, chunk.seq, messageOf(err), retryDelays(), { inClaim: true, final }))
         .then((rows) => rows[0] ?? null, () => undefined);
       if (counted !== undefined) return { kind: 'failed', chunk, err, counted };
     }
