@@ -49,7 +49,10 @@ export interface ChunkSlot {
    * error thrown (the statement then took no effect).
    */
   abandonWith<R>(statement: string): Promise<R[]>;
-  /** Whether a chunk transaction is open on the slot (begun, not yet committed or rolled back). */
+  /**
+   * Whether a chunk transaction is open on the slot: begun, not committed or rolled back, and the
+   * server still in it (a COMMIT that failed ended it there, though rollback() is still owed).
+   */
   readonly open: boolean;
   /**
    * A Kysely over the slot's own connection, for statements between chunk transactions (a failed
@@ -309,7 +312,7 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[]): ChunkS
       }
     },
     get open() {
-      return inTransaction;
+      return inTransaction && !!client && (client as unknown as { getTransactionStatus?(): string | null }).getTransactionStatus?.() !== 'I';
     },
     get db() {
       return (bookkeeping ??= new Kysely<any>({ dialect: new PostgresDialect({ pool: ownConnection as unknown as pg.Pool }) }));

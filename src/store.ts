@@ -346,8 +346,8 @@ export class Store {
    * EXHAUSTED_HOLD. Null when the chunk is no longer pending (done or skipped by another worker
    * meanwhile) or the attempt was fenced off.
    */
-  async recordRetry(runId: string, attempt: number, step: string, seq: number, message: string, delays: readonly number[], db?: Kysely<any>): Promise<RetryCount | null> {
-    const { rows } = await this.#run(sql.raw<RetryCount>(this.retrySql(runId, attempt, step, seq, message, delays)), db);
+  async recordRetry(runId: string, attempt: number, step: string, seq: number, message: string, delays: readonly number[], db?: Kysely<any>, final = false): Promise<RetryCount | null> {
+    const { rows } = await this.#run(sql.raw<RetryCount>(this.retrySql(runId, attempt, step, seq, message, delays, { final })), db);
     return rows[0] ?? null;
   }
 

@@ -1,6 +1,6 @@
 import pg from 'pg';
 import { afterAll, beforeAll, beforeEach, describe, expect, it } from 'vitest';
-import { defineJob, RunFailedError, Runner } from '../src/index.ts';
+import { defineJob, RunFailedError, Runner, sql } from '../src/index.ts';
 import { useTestDatabase } from './support/database.ts';
 
 /**
@@ -11,7 +11,10 @@ import { useTestDatabase } from './support/database.ts';
  */
 const db = useTestDatabase({
   idemSchema: true,
-  prepare: (url) => query(url, `create table exec_log (job text not null, chunk text not null, at timestamptz not null default clock_timestamp())`),
+  prepare: async (url) => {
+    await query(url, `create table exec_log (job text not null, chunk text not null, at timestamptz not null default clock_timestamp())`);
+    await query(url, `create table deferred_keys (id text primary key deferrable initially deferred)`);
+  },
 });
 
 async function query<R extends pg.QueryResultRow = pg.QueryResultRow>(url: string, text: string, values: unknown[] = []): Promise<R[]> {
@@ -142,6 +145,36 @@ describe('a chunk that fails for good is held back from every other slot until i
       });
     }
   }
+});
+
+describe('a chunk whose COMMIT fails for good (a deferred constraint)', () => {
+  it('is held back from the other slots as well: it runs once, and is skipped once', async () => {
+    const name = 'deferred-16';
+    const job = defineJob({
+      name,
+      steps: [
+        {
+          name: 's',
+          maxFailedChunks: 1,
+          chunks: () => ({ chunks: Array.from({ length: 20 }, (_, i) => ({ key: `c${i}`, i })), next: null }),
+          run: async (ctx, c: { key: string; i: number }) => {
+            if (c.i !== 3) return;
+            await recordExecution(name, c.key);
+            // Checked at COMMIT: the COMMIT fails (23505) and the transaction is over before idem can act in it.
+            await sql`insert into deferred_keys values ('dup'), ('dup')`.execute(ctx.db);
+          },
+        },
+      ],
+    });
+    await withRunner(16, async (runner) => {
+      const out = await runner.run(job, { key: 'k', concurrency: 16 });
+      expect(out.summary).toMatchObject({ chunks: 20, skipped: 1 });
+    });
+    expect((await executions(name)).get('c3')).toBe(1);
+    const c3 = (await chunkRows(name, 'k')).find((r) => r.key === 'c3')!;
+    expect(c3).toMatchObject({ skipped: true, done: false, attempts: 1 });
+    expect(await query(db.url, 'select count(*)::int as n from deferred_keys')).toEqual([{ n: 0 }]);
+  });
 });
 
 describe('an effect that throws under concurrency 8', () => {
