@@ -1,4 +1,4 @@
-import { AbortedTransactionError, DefaultQueryExecutor, PostgresDialect, PostgresDriver, Transaction, type CompiledQuery, type ConnectionProvider, type DatabaseConnection, type Driver, type QueryResult } from 'kysely';
+import { AbortedTransactionError, DefaultQueryExecutor, Kysely, PostgresDialect, PostgresDriver, Transaction, type CompiledQuery, type ConnectionProvider, type DatabaseConnection, type Driver, type QueryResult } from 'kysely';
 import type pg from 'pg';
 import { codeOf } from './errors.ts';
 
@@ -41,6 +41,26 @@ export interface ChunkSlot {
    * Returns the statement's rows; on any error the slot is rolled back as by rollback().
    */
   rollbackWith<R>(statement: string): Promise<R[]>;
+  /**
+   * Ends a chunk that failed: rolls its work back to the savepoint taken right after the claim
+   * (the claim's row lock stays held), runs `statement` (which must undo the claim's marker and
+   * record the failure on the chunk) and commits, all in one message. The chunk row is never
+   * unlocked before `statement` is committed, so no other session can claim the chunk in between.
+   * Returns the statement's rows; on any error the slot is rolled back as by rollback() and the
+   * error thrown (the statement then took no effect).
+   */
+  abandonWith<R>(statement: string): Promise<R[]>;
+  /**
+   * Whether a chunk transaction is open on the slot: begun, not committed or rolled back, and the
+   * server still in it (a COMMIT that failed ended it there, though rollback() is still owed).
+   */
+  readonly open: boolean;
+  /**
+   * A Kysely over the slot's own connection, for statements between chunk transactions (a failed
+   * chunk's bookkeeping): they need no second connection from the pool, which the other slots'
+   * effects and the planner share. Refuses while a chunk transaction is open.
+   */
+  readonly db: Kysely<any>;
   /** Hands the connection back to the pool. */
   release(): void;
 }
@@ -59,6 +79,12 @@ export class CommitUnknownError extends Error {
     this.name = 'CommitUnknownError';
   }
 }
+
+/**
+ * Taken right after every claim, in the claim's message: a chunk that fails rolls back to it, so
+ * its claim's row lock stays held until its failure is recorded (ChunkSlot.abandonWith).
+ */
+const SAVEPOINT = 'idem_chunk';
 
 /** What a chunk's transaction is: `ending` from the moment COMMIT or ROLLBACK is sent. */
 type TransactionState = { status: 'open' | 'ending' | 'over' };
@@ -184,6 +210,35 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[]): ChunkS
     inTransaction = true;
   };
 
+  /**
+   * What ChunkSlot.db's Kysely takes for a pool: hands out the slot's connection (connecting when
+   * the slot has none), never while a chunk transaction is open. A connection that failed (not an
+   * error PostgreSQL answered with on a live session) is dropped, and the next statement connects
+   * afresh, so Store's retries of transient errors do not retry on a dead socket.
+   */
+  const ownConnection = {
+    connect: async () => {
+      if (inTransaction) throw new Error('a chunk transaction is open on this slot: its bookkeeping waits until it ends');
+      const c = (client ??= await connect());
+      const drop = () => {
+        if (client === c) letGo(true);
+      };
+      return {
+        query: (text: string, values?: unknown[]) =>
+          c.query(text, values).catch((err: unknown) => {
+            if (!(err instanceof Error && 'severity' in err) || /^(08|57P)/.test(codeOf(err) ?? '')) drop();
+            throw err;
+          }),
+        // Kysely asks to discard a connection whose ROLLBACK failed.
+        release: (discard?: boolean) => {
+          if (discard) drop();
+        },
+      };
+    },
+    end: async () => {},
+  };
+  let bookkeeping: Kysely<any> | undefined;
+
   const rollback = async () => {
     if (!inTransaction || !client) return;
     try {
@@ -200,8 +255,8 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[]): ChunkS
       const c = (client ??= await connect());
       opened();
       // Simple protocol, two statements in one message: pg answers with one result per statement.
-      const results = (await c.query(`begin;\n${claim}`)) as unknown as pg.QueryResult[];
-      return results[results.length - 1]!.rows as R[];
+      const results = (await c.query(`begin;\n${claim};\nsavepoint ${SAVEPOINT}`)) as unknown as pg.QueryResult[];
+      return results[1]!.rows as R[];
     },
     async commitAndBegin<R>(claim: string) {
       let results: pg.QueryResult[];
@@ -209,7 +264,7 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[]): ChunkS
         // Three statements in one message. PostgreSQL runs them in order and stops at the first
         // error: a failed COMMIT runs no claim; a COMMIT of an aborted transaction answers ROLLBACK
         // and the BEGIN and claim after it still run.
-        results = await end<pg.QueryResult[]>(`commit;\nbegin;\n${claim}`);
+        results = await end<pg.QueryResult[]>(`commit;\nbegin;\n${claim};\nsavepoint ${SAVEPOINT}`);
       } catch (err) {
         // A failed claim left its transaction aborted; a failed COMMIT left none (then ROLLBACK only warns).
         await rollback();
@@ -221,7 +276,7 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[]): ChunkS
         await rollback();
         throw new AbortedTransactionError();
       }
-      return results[results.length - 1]!.rows as R[];
+      return results[2]!.rows as R[];
     },
     get trx() {
       if (!trx) throw new Error('no chunk transaction was opened on this slot');
@@ -243,6 +298,24 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[]): ChunkS
         await rollback();
         throw err;
       }
+    },
+    async abandonWith<R>(statement: string) {
+      if (!client || !inTransaction) throw new Error('no chunk transaction is open on this slot');
+      try {
+        const results = await end<pg.QueryResult[]>(`rollback to savepoint ${SAVEPOINT};\n${statement};\ncommit`);
+        // A COMMIT that answers ROLLBACK committed nothing: the statement took no effect.
+        if (results[2]?.command === 'ROLLBACK') throw new AbortedTransactionError();
+        return results[1]!.rows as R[];
+      } catch (err) {
+        await rollback();
+        throw err;
+      }
+    },
+    get open() {
+      return inTransaction && !!client && (client as unknown as { getTransactionStatus?(): string | null }).getTransactionStatus?.() !== 'I';
+    },
+    get db() {
+      return (bookkeeping ??= new Kysely<any>({ dialect: new PostgresDialect({ pool: ownConnection as unknown as pg.Pool }) }));
     },
     release() {
       state.status = 'over';

@@ -190,6 +190,24 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   let failure: unknown;
   /** Chunks waiting out a retry's backoff in one slot: the other slots pass them by. */
   const cooling = new Set<number>();
+  /**
+   * Chunks a slot here claimed and started, until that slot is done with them: committed, retry
+   * counted, or (failed for good) skipped or the run failed. A claim here that gets one of them
+   * again (its transaction ended without a commit, a COMMIT that failed lets the row go before the
+   * slot could hold it back) starts nothing, and waits for that slot instead.
+   */
+  const owned = new Map<number, { readonly settled: Promise<void>; readonly settle: () => void }>();
+  const own = (seq: number) => {
+    let settle!: () => void;
+    const settled = new Promise<void>((resolve) => (settle = resolve));
+    const entry = { settled, settle };
+    owned.set(seq, entry);
+    return entry;
+  };
+  const disown = (seq: number) => {
+    owned.get(seq)?.settle();
+    owned.delete(seq);
+  };
   const tries = new Map<number, number>();
 
   let highestClaimed = 0;
@@ -222,6 +240,8 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
    */
   const runSlot = async (): Promise<void> => {
     const slot = openChunkSlot(opts.pool, store.claimPrepares);
+    /** The chunk this slot started last (see `owned`). */
+    let mine: { readonly seq: number; readonly entry: ReturnType<typeof own> } | undefined;
     try {
       let retrySeq: number | null = null;
       let lastPass = false;
@@ -259,7 +279,12 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
           // claim sent with a COMMIT passes them by, and finding none there would end the slot.
           // Under --max-rate every start has its reservation: a claim made without one (it was
           // expected to find nothing) lets its chunk go, and the slot claims again after reserving.
-          const mayStart = (chunk: PendingChunk): boolean | 'later' => (!gated && throttle.options.maxRate ? 'later' : onClaimed(chunk));
+          const mayStart = (chunk: PendingChunk): boolean | 'later' | 'busy' => {
+            if (owned.has(chunk.seq)) return 'busy';
+            const may = !gated && throttle.options.maxRate ? 'later' : onClaimed(chunk);
+            if (may === true) mine = { seq: chunk.seq, entry: own(chunk.seq) };
+            return may;
+          };
           outcome = await tryChunk(opts, step, slot, claim, log, mayStart, () => (lastPass ? undefined : claimWithCommit()), retryDelays);
           claimErrors = 0;
         } catch (err) {
@@ -280,8 +305,12 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         if (outcome.kind === 'backoff') {
           // The last unfinished chunk is backing off after another slot's or worker's transient
           // failure: wait it out, then claim again (whoever claims it first tries it). A second at
-          // most between looks: the worker that spent its last try may skip it meanwhile.
-          await sleep(Math.min(outcome.ms, 1_000), opts.stop);
+          // most between looks: the worker that spent its last try may skip it meanwhile. When that
+          // is a slot here (its wait claim was sent before the slot passed the chunk by), as long
+          // as that slot takes.
+          const settled = owned.get(outcome.seq)?.settled;
+          if (settled) await settled;
+          else await sleep(Math.min(outcome.ms, 1_000), opts.stop);
           continue;
         }
         if (outcome.kind === 'none') {
@@ -307,19 +336,27 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
           const err = outcome.err;
           if (err instanceof FencedError || opts.abort.aborted) {
             failure ??= err;
+            disown(chunk.seq);
             return;
           }
           let n = (tries.get(chunk.seq) ?? 0) + 1;
           let delay: number | undefined;
-          if (isRetryable(err) && !opts.stop.aborted) {
+          const transient = isRetryable(err) && !opts.stop.aborted;
+          {
             // Counted on the chunk, so the budget and the backoff are the run's, not each worker's:
-            // the other workers pass the chunk by until its backoff is over. Counted with the
-            // ROLLBACK already, unless the connection went (then here, on another).
-            const counted = outcome.counted !== undefined ? outcome.counted : await store.recordRetry(run.runId, run.attempt, step.name, chunk.seq, messageOf(err), retryDelays()).catch(() => undefined);
+            // the other workers pass the chunk by until its backoff is over (or, once it failed for
+            // good, until it is skipped or the run failed). Counted before the claim let the chunk
+            // go already, unless its transaction could not be held (its COMMIT failed, or the
+            // connection went): then here, on the slot's connection, at once.
+            const counted =
+              outcome.counted !== undefined
+                ? outcome.counted
+                : await store.recordRetry(run.runId, run.attempt, step.name, chunk.seq, messageOf(err), retryDelays(), slot.db, !transient).catch(() => undefined);
             if (counted === null) {
               // Done or skipped by another worker meanwhile, or fenced off (the next claim says so).
               tries.delete(chunk.seq);
               retrySeq = null;
+              disown(chunk.seq);
               continue;
             }
             if (counted) ({ tries: n, delayMs: delay } = counted);
@@ -329,16 +366,26 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
             delay ??= backoffDelay(n, retry);
             log.warn({ chunk: step.chunks ? chunk.key : null, tries: n, delayMs: delay, err: errorFields(err) }, 'transient error, retrying chunk');
             cooling.add(chunk.seq);
+            disown(chunk.seq);
             await sleep(delay, opts.stop);
             cooling.delete(chunk.seq);
             retrySeq = chunk.seq;
             continue;
           }
           tries.delete(chunk.seq);
-          await store.recordChunkFailure(run.runId, step.name, chunk.key, n, messageOf(err)).catch(() => {});
+          // Failed for good. The other slots here pass it by from now on, even should the hold on
+          // the chunk (EXHAUSTED_HOLD) run out before it is skipped or the run failed. Its
+          // bookkeeping goes over this slot's own connection: from the pool it could wait for a
+          // connection that only slots waiting for one themselves (in ctx.effect) could free.
+          cooling.add(chunk.seq);
+          const settled = () => {
+            cooling.delete(chunk.seq);
+            disown(chunk.seq);
+          };
+          await store.recordChunkFailure(run.runId, step.name, chunk.key, n, messageOf(err), slot.db).catch(() => {});
           const failed = new ChunkFailure(step.name, step.chunks ? chunk.key : null, n, err);
           if (maxSkips > 0 && !opts.stop.aborted) {
-            const skip = await store.skipChunk(run.runId, run.attempt, step.name, chunk.key, failed.message, maxSkips);
+            const skip = await store.skipChunk(run.runId, run.attempt, step.name, chunk.key, failed.message, maxSkips, slot.db).finally(settled);
             if (skip.kind === 'fenced') {
               failure ??= new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off while skipping chunk ${chunk.key}`);
               return;
@@ -352,11 +399,13 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
             }
           }
           failure ??= failed;
+          settled();
           return;
         }
 
         retrySeq = null;
         tries.delete(chunk.seq);
+        disown(chunk.seq);
         executed++;
         done++;
         if (adaptive) durations.push(outcome.ms);
@@ -365,6 +414,8 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         if (throttle.options.pauseMs) await sleep(throttle.options.pauseMs, opts.stop);
       }
     } finally {
+      // However the slot ended, no slot here waits for it any more.
+      if (mine && owned.get(mine.seq) === mine.entry) disown(mine.seq);
       // A claim that came with the last COMMIT and was never started rolls back.
       await slot.rollback();
       slot.release();
@@ -383,7 +434,8 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
 type ChunkTry =
   | { readonly kind: 'none' }
   | { readonly kind: 'abandoned' }
-  | { readonly kind: 'backoff'; readonly ms: number }
+  /** The chunk is backing off (`ms`), or a slot here is not done with it (`ms` 0). */
+  | { readonly kind: 'backoff'; readonly ms: number; readonly seq: number }
   | { readonly kind: 'later' }
   | { readonly kind: 'committed'; readonly chunk: PendingChunk; readonly ms: number; readonly next?: ClaimedWithCommit }
   | { readonly kind: 'failed'; readonly chunk: PendingChunk; readonly err: unknown; readonly counted?: RetryCount | null };
@@ -415,7 +467,7 @@ async function tryChunk(
   slot: ChunkSlot,
   claim: string | PendingChunk[],
   stepLog: Logger,
-  mayStart: (chunk: PendingChunk) => boolean | 'later',
+  mayStart: (chunk: PendingChunk) => boolean | 'later' | 'busy',
   next: () => NextClaim | undefined,
   retryDelays: () => readonly number[],
 ): Promise<ChunkTry> {
@@ -435,12 +487,12 @@ async function tryChunk(
     if (chunk.backoffMs) {
       // A `wait` claim found the chunk still backing off from a transient error.
       await slot.rollback();
-      return { kind: 'backoff', ms: chunk.backoffMs };
+      return { kind: 'backoff', ms: chunk.backoffMs, seq: chunk.seq };
     }
     const may = mayStart(chunk);
     if (may !== true) {
       await slot.rollback();
-      return { kind: may === 'later' ? 'later' : 'abandoned' };
+      return may === 'busy' ? { kind: 'backoff', ms: 0, seq: chunk.seq } : { kind: may === 'later' ? 'later' : 'abandoned' };
     }
     const claimed = chunk;
     if (faults) await faultPoint('after-claim');
@@ -476,11 +528,16 @@ async function tryChunk(
     // With the next claim, an error may be the claim's, after the COMMIT took effect.
     const unknown = thrown instanceof CommitUnknownError;
     const err = unknown ? thrown.cause : thrown;
-    if (chunk && !unknown && isRetryable(err) && codeOf(err) !== FENCED_AT_COMMIT && !opts.stop.aborted && !opts.abort.aborted) {
-      // A transient failure is counted on the chunk in the same message as the ROLLBACK that
-      // frees it, so another worker cannot start a try in between that the budget does not see.
-      const counted = await slot
-        .rollbackWith<RetryCount>(store.retrySql(run.runId, run.attempt, step.name, chunk.seq, messageOf(err), retryDelays()))
+    if (chunk && !unknown && !(err instanceof FencedError) && codeOf(err) !== FENCED_AT_COMMIT && !opts.abort.aborted) {
+      // The try is counted on the chunk, and a chunk that failed for good (a permanent error, or
+      // its last try) is held back from every claim, inside the chunk's own transaction: its work
+      // rolls back to the savepoint after the claim, and the count commits before the claim's row
+      // lock is let go. No other slot or worker can start a try in between, that the budget does
+      // not see, or of a chunk that is being skipped or failing the run. When the transaction is
+      // over already (its COMMIT failed, or answered ROLLBACK), in the same message as a ROLLBACK.
+      const final = !isRetryable(err) || opts.stop.aborted;
+      const count = (inClaim: boolean) => store.retrySql(run.runId, run.attempt, step.name, chunk!.seq, messageOf(err), retryDelays(), { inClaim, final });
+      const counted = await (slot.open ? slot.abandonWith<RetryCount>(count(true)) : slot.rollbackWith<RetryCount>(count(false)))
         .then((rows) => rows[0] ?? null, () => undefined);
       if (counted !== undefined) return { kind: 'failed', chunk, err, counted };
     }

@@ -58,10 +58,12 @@ export interface RetryCount {
 }
 
 /**
- * How long a chunk whose retry budget ran out stays out of every claim of the attempt: the worker
- * that spent the last try fails the run (or skips the chunk) meanwhile, and the others see the
- * run failed at their next control poll (1 s) instead of trying the chunk again. Should that worker
- * die first, another tries the chunk once more after this, and fails it for good at once.
+ * How long a chunk that failed for good (its retry budget ran out, or a permanent error) stays out
+ * of every claim of the attempt: the worker whose try failed it fails the run (or skips the chunk)
+ * meanwhile, on the connection the chunk ran on (no wait for the pool), and the others see the
+ * run failed at their next control poll (1 s) instead of trying the chunk again. The hold is
+ * written before the chunk's row lock is let go (Store.retrySql with `inClaim`). Should that
+ * worker die first, another tries the chunk once more after this, and fails it for good at once.
  */
 const EXHAUSTED_HOLD = "interval '10 seconds'";
 
@@ -131,8 +133,8 @@ export class Store {
   readonly #claimNames: Record<ClaimMode, string>;
 
   /** Every bookkeeping statement goes through here: idempotent, so transient errors are retried. */
-  #run<R>(query: RawBuilder<R>): Promise<QueryResult<R>> {
-    return retrying(() => query.execute(this.#db));
+  #run<R>(query: RawBuilder<R>, db: Kysely<any> = this.#db): Promise<QueryResult<R>> {
+    return retrying(() => query.execute(db));
   }
 
   constructor(db: Kysely<any>, schema: string) {
@@ -344,21 +346,30 @@ export class Store {
    * EXHAUSTED_HOLD. Null when the chunk is no longer pending (done or skipped by another worker
    * meanwhile) or the attempt was fenced off.
    */
-  async recordRetry(runId: string, attempt: number, step: string, seq: number, message: string, delays: readonly number[]): Promise<RetryCount | null> {
-    const { rows } = await this.#run(sql.raw<RetryCount>(this.retrySql(runId, attempt, step, seq, message, delays)));
+  async recordRetry(runId: string, attempt: number, step: string, seq: number, message: string, delays: readonly number[], db?: Kysely<any>, final = false): Promise<RetryCount | null> {
+    const { rows } = await this.#run(sql.raw<RetryCount>(this.retrySql(runId, attempt, step, seq, message, delays, { final })), db);
     return rows[0] ?? null;
   }
 
-  /** {@link recordRetry}'s statement, values inlined: it travels in one message with the chunk's ROLLBACK (chunk-slot.ts). */
-  retrySql(runId: string, attempt: number, step: string, seq: number, message: string, delays: readonly number[]): string {
+  /**
+   * {@link recordRetry}'s statement, values inlined. With `inClaim` it is sent by the failing slot
+   * inside the chunk's own transaction, rolled back to just after the claim (ChunkSlot.abandonWith):
+   * it then also undoes the claim's marker, and it commits before the claim's row lock is let go,
+   * so no other slot or worker can start a try in between that the budget does not see. With
+   * `final` the chunk failed for good whatever the budget says (a permanent error): it is held
+   * back for EXHAUSTED_HOLD at once, while the failing slot skips it or fails the run.
+   */
+  retrySql(runId: string, attempt: number, step: string, seq: number, message: string, delays: readonly number[], how: { readonly inClaim?: boolean; readonly final?: boolean } = {}): string {
     if (!/^\d+$/.test(runId) || !Number.isSafeInteger(attempt) || !Number.isSafeInteger(seq)) throw new TypeError('retry values must be integers');
     const lit = (v: string) => pg.Client.prototype.escapeLiteral(v);
     const ms = delays.map((d) => Math.max(0, Math.min(2 ** 31 - 1, Math.round(d))));
     const tries = `(case when retry_attempt = ${attempt} then retry_tries + 1 else 1 end)`;
+    const exhausted = how.final ? 'true' : `${tries} >= ${ms.length}`;
     return `update "${this.schema}"."chunks" set retry_tries = ${tries}, retry_attempt = ${attempt}, error = ${lit(message.slice(0, 4000))},
-        retry_at = clock_timestamp() + case when ${tries} >= ${ms.length} then ${EXHAUSTED_HOLD}
+        ${how.inClaim ? 'done_at = null, done_attempt = null, done_by = null,' : ''}
+        retry_at = clock_timestamp() + case when ${exhausted} then ${EXHAUSTED_HOLD}
           else ('{${ms.join(',')}}'::int[])[${tries}] * interval '1 millisecond' end
-      where run_id = ${runId} and step = ${lit(step)} and seq = ${seq} and done_at is null and skipped_at is null
+      where run_id = ${runId} and step = ${lit(step)} and seq = ${seq} and ${how.inClaim ? `done_attempt = ${attempt} and done_by = ${lit(WORKER)}` : 'done_at is null'} and skipped_at is null
         and exists (select 1 from "${this.schema}"."runs" where id = ${runId} and attempt = ${attempt})
       returning retry_tries as tries, greatest(0, ceil(extract(epoch from retry_at - clock_timestamp()) * 1000))::int as "delayMs"`;
   }
@@ -397,10 +408,13 @@ export class Store {
     return rows[0]?.attempt ?? -1;
   }
 
-  /** Records a failed try of a chunk (outside its rolled-back transaction). */
-  async recordChunkFailure(runId: string, step: string, key: string, tries: number, message: string): Promise<void> {
+  /**
+   * Records a failed try of a chunk (outside its rolled-back transaction). `db`: where to send it
+   * (a chunk slot's own connection, ChunkSlot.db); defaults to the work pool.
+   */
+  async recordChunkFailure(runId: string, step: string, key: string, tries: number, message: string, db?: Kysely<any>): Promise<void> {
     await this.#run(sql`update ${this.#chunks} set attempts = attempts + ${tries}, error = ${message}
-      where run_id = ${runId} and step = ${step} and key = ${key}`);
+      where run_id = ${runId} and step = ${step} and key = ${key}`, db);
   }
 
   /**
@@ -408,12 +422,13 @@ export class Store {
    * the whole run, every worker and slot) allows it; fenced. The step row is locked so two workers
    * skipping at once cannot both take the last place, and a chunk already skipped (another slot or
    * worker claimed it again between its rollback and its skip) is not counted a second time.
-   * `skipped` is the step's count of skipped chunks afterwards.
+   * `skipped` is the step's count of skipped chunks afterwards. `db`: where to send it (a chunk
+   * slot's own connection, ChunkSlot.db); defaults to the work pool.
    */
-  async skipChunk(runId: string, attempt: number, step: string, key: string, message: string, max: number): Promise<{ readonly kind: 'skipped' | 'already' | 'over' | 'fenced'; readonly skipped: number }> {
+  async skipChunk(runId: string, attempt: number, step: string, key: string, message: string, max: number, db: Kysely<any> = this.#db): Promise<{ readonly kind: 'skipped' | 'already' | 'over' | 'fenced'; readonly skipped: number }> {
     // The tries were counted already, by recordChunkFailure when the chunk failed for good.
     return retrying(() =>
-      this.#db.transaction().execute(async (trx) => {
+      db.transaction().execute(async (trx) => {
         const { rows: [row] } = await sql<{ current: boolean }>`
           select r.attempt = ${attempt} as current
           from ${this.#runs} r join ${this.#steps} s on s.run_id = r.id

@@ -334,8 +334,9 @@ describe('bookkeeping counts what happened (item 6)', () => {
       }
       if (dropped === 0 && typeof text === 'string' && text.includes('execute idem_claim_')) {
         return Promise.resolve(result).then((r: any) => {
-          const last = Array.isArray(r) ? r[r.length - 1] : r;
-          if (last?.rows?.[0]?.key === 'item-3') armed = this;
+          // BEGIN, the claim and the savepoint after it (or COMMIT first): the claim's is the UPDATE.
+          const claimed = Array.isArray(r) ? r.find((x: any) => x.command === 'UPDATE') : r;
+          if (claimed?.rows?.[0]?.key === 'item-3') armed = this;
           return r;
         });
       }
