@@ -101,8 +101,9 @@ describe('--catch-up when a slot fails', () => {
       const first = await runCli(args, { url });
       expect(first.code, first.stderr).toBe(1);
       expect(first.stderr).toContain(`injected failure in slot ${slots[1]!.toISOString()}`);
-      // The slot before it ran; the failed one is recorded failed; the one after was not tried.
-      expect(lines(first.stdout).map((l) => JSON.parse(l)).map((o) => [o.runKey, o.status])).toEqual([[keys[0], 'succeeded']]);
+      // The slot before it ran; the failed one is recorded failed (and --json says so, exit code
+      // and all); the one after was not tried.
+      expect(lines(first.stdout).map((l) => JSON.parse(l)).map((o) => [o.runKey, o.status, o.exitCode])).toEqual([[keys[0], 'succeeded', undefined], [keys[1], 'error', 1]]);
       expect((await runsOf('sched_e')).map((r) => [r.run_key, r.status])).toEqual([[keys[0], 'succeeded'], [keys[1], 'failed']]);
       expect(await ticks('cu-fail')).toEqual([{ run_key: keys[0], chunk_key: slots[0]!.toISOString() }]);
     } finally {

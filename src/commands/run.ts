@@ -46,6 +46,8 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
     .option('--allow-changed-code', 'resume a run even though its job file (or version) changed since it started; recorded on the run')
     .action((name: string, o: RunFlags) =>
       cli.runWithSession(async (g, log, session, force) => {
+        /** The run key being worked on, for --json's error object (a --catch-up slot's key). */
+        let current = o.key;
         try {
           const params = parseParams(o.params, o.param);
           if (o.key !== undefined) checkRunKey(o.key);
@@ -79,6 +81,7 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
             const reporter = o.progress && !o.json && !o.dryRun ? createProgressReporter({ job: job.name, tty: process.stderr.isTTY === true, log }) : undefined;
             if (reporter) session.defer(async () => reporter.stop());
             const key = slot ? slotKey(slot) : o.key;
+            current = key;
             // Stopped (the bar cleared) before anything else is written, also when the run throws:
             // main() writes the error line, and the session's deferred stop runs only after it.
             const outcome = await runner.run(job, {
@@ -103,7 +106,7 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
         } catch (err) {
           // --json is for scripts: an outcome other than success is an object on stdout too (the
           // one-line error still goes to stderr, and the exit code is the same).
-          if (o.json) process.stdout.write(`${JSON.stringify(errorOutcome(name, o.key, err))}\n`);
+          if (o.json) process.stdout.write(`${JSON.stringify(errorOutcome(name, current, err))}\n`);
           throw err;
         }
       }, ['jobs']),
