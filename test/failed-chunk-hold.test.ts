@@ -1,6 +1,7 @@
 import pg from 'pg';
 import { afterAll, beforeAll, beforeEach, describe, expect, it } from 'vitest';
 import { defineJob, RunFailedError, Runner, sql } from '../src/index.ts';
+import { query } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 /**
@@ -16,16 +17,6 @@ const db = useTestDatabase({
     await query(url, `create table deferred_keys (id text primary key deferrable initially deferred)`);
   },
 });
-
-async function query<R extends pg.QueryResultRow = pg.QueryResultRow>(url: string, text: string, values: unknown[] = []): Promise<R[]> {
-  const c = new pg.Client({ connectionString: url });
-  await c.connect();
-  try {
-    return (await c.query<R>(text, values)).rows;
-  } finally {
-    await c.end();
-  }
-}
 
 /** Writes outside every chunk transaction: what it records survives the chunk's rollback. */
 let side: pg.Pool;
