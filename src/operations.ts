@@ -1,5 +1,5 @@
 import { sql, type Kysely, type RawBuilder } from 'kysely';
-import { acquireAdvisoryLock } from './advisory-lock.ts';
+import { acquireAdvisoryLock, type HeldLock } from './advisory-lock.ts';
 import { BusyError, UsageError } from './errors.ts';
 import { lockKey } from './fingerprint.ts';
 import type { RunRow } from './store.ts';
@@ -94,6 +94,12 @@ async function targetRun(h: OperationsHost, job: string, key: string | undefined
 async function isLive(h: OperationsHost, run: RunRow): Promise<boolean> {
   if (run.status !== 'running') return false;
   return runIsLive(run, await h.heldLocks(), h);
+}
+
+/** A statement run on a held lock's own session: it cannot run once that lock is lost. */
+function onLockSession<R extends Record<string, unknown>>(lock: HeldLock, db: Kysely<any>, q: RawBuilder<R>): Promise<R[]> {
+  const c = q.compile(db);
+  return lock.query<R>(c.sql, c.parameters);
 }
 
 /** The locks others hold: without those of one session (an operator command's own lock session). */
@@ -192,13 +198,12 @@ export async function resetRun(h: OperationsHost, job: string, key: string): Pro
     if (!now) throw new UsageError('unknownRun', `job "${job}" has no run with key "${key}" any more (it was deleted meanwhile); see idem status ${job} for its run keys`);
     if (runIsLive({ ...now, id: String(now.id) }, withoutPid(await h.heldLocks(), lock.pid), h)) throw live();
     // On the lock's own session: the delete can only happen while the lock is held.
-    const q = sql<{ chunks: number; effects: number }>`
+    const [r] = await onLockSession(lock, h.db, sql<{ chunks: number; effects: number }>`
       with c as (select count(*)::int as n from ${t(h, 'chunks')} where run_id = ${run.id}),
            e as (select count(*)::int as n from ${t(h, 'effects')} where run_id = ${run.id}),
            d as (delete from ${t(h, 'runs')} where id = ${run.id} returning 1)
-      select (select n from c) as chunks, (select n from e) as effects, (select count(*) from d) as deleted`.compile(h.db);
-    const rows = await lock.query<{ chunks: number; effects: number }>(q.sql, q.parameters);
-    return { chunks: rows[0]!.chunks, effects: rows[0]!.effects };
+      select (select n from c) as chunks, (select n from e) as effects, (select count(*) from d) as deleted`);
+    return { chunks: r!.chunks, effects: r!.effects };
   } finally {
     await lock.release();
   }
@@ -222,10 +227,7 @@ export async function pruneRuns(h: OperationsHost, olderThanMs: number, batch = 
   const total = { runs: 0, steps: 0, chunks: 0, effects: 0, skipped: 0 };
   // Two prunes at once take turns: each would otherwise skip the runs the other is deleting.
   const lock = await acquireAdvisoryLock({ connectionString: h.connectionString, name: `${h.schema}:prune`, what: 'idem prune', wait: true });
-  const onLock = async <R extends Record<string, unknown>>(q: RawBuilder<R>): Promise<R[]> => {
-    const c = q.compile(h.db);
-    return lock.query<R>(c.sql, c.parameters);
-  };
+  const onLock = <R extends Record<string, unknown>>(q: RawBuilder<R>) => onLockSession(lock, h.db, q);
   const prunable = sql`status in ('succeeded', 'cancelled') and coalesce(finished_at, updated_at) < ${cutoff}::timestamptz`;
   try {
     let after = '0';
