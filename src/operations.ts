@@ -222,13 +222,14 @@ export async function resetRun(h: OperationsHost, job: string, key: string): Pro
  * starts deleting is deleted whole. The statements run on the lock's own session, so none of them
  * runs once that lock is lost.
  */
-export async function pruneRuns(h: OperationsHost, olderThanMs: number, batch = 10_000): Promise<PruneResult> {
+export async function pruneRuns(h: OperationsHost, olderThanMs: number, batch = PRUNE_BATCH): Promise<PruneResult> {
   const cutoff = new Date(Date.now() - olderThanMs).toISOString();
   const total = { runs: 0, steps: 0, chunks: 0, effects: 0, skipped: 0 };
   // Two prunes at once take turns: each would otherwise skip the runs the other is deleting.
   const lock = await acquireAdvisoryLock({ connectionString: h.connectionString, name: `${h.schema}:prune`, what: 'idem prune', wait: true });
-  const onLock = <R extends Record<string, unknown>>(q: RawBuilder<R>) => onLockSession(lock, h.db, q);
-  const prunable = sql`status in ('succeeded', 'cancelled') and coalesce(finished_at, updated_at) < ${cutoff}::timestamptz`;
+  // A migration's run is never pruned: it is what makes the migration run once per database. A run
+  // marked deleting (by a prune killed part way through it) goes whatever its age.
+  const prunable = sql`kind = 'job' and ((status in ('succeeded', 'cancelled') and coalesce(finished_at, updated_at) < ${cutoff}::timestamptz) or status = 'deleting')`;
   try {
     let after = '0';
     for (;;) {
@@ -239,38 +240,74 @@ export async function pruneRuns(h: OperationsHost, olderThanMs: number, batch = 
       for (const { id: rawId } of runs) {
         const id = String(rawId);
         after = id;
-        const runKey = lockKey(h.runLockName(id));
-        const [got] = await onLock(sql<{ ok: boolean }>`select pg_try_advisory_lock(${runKey}::bigint) as ok`);
-        if (!got!.ok) {
+        const r = await deleteRunHeld(h, lock, id, prunable, batch);
+        if (r === null) {
           total.skipped++;
           continue;
         }
-        try {
-          // Read again under the lock: a run revived since the list above is running, or finished
-          // again just now; either way it is not prunable any more.
-          const still = await onLock(sql<{ id: string }>`select id from ${t(h, 'runs')} where id = ${id} and ${prunable}`);
-          if (still.length === 0) continue;
-          for (;;) {
-            const [deleted] = await onLock(sql<{ n: number }>`with d as (
-                delete from ${t(h, 'chunks')} where ctid in (select ctid from ${t(h, 'chunks')} where run_id = ${id} limit ${batch}) returning 1)
-              select count(*)::int as n from d`);
-            const n = deleted!.n;
-            total.chunks += n;
-            if (n < batch) break;
-          }
-          const [r] = await onLock(sql<{ runs: number; steps: number; effects: number }>`
-            with e as (delete from ${t(h, 'effects')} where run_id = ${id} returning 1),
-                 s as (delete from ${t(h, 'steps')} where run_id = ${id} returning 1),
-                 r as (delete from ${t(h, 'runs')} where id = ${id} returning 1)
-            select (select count(*) from r)::int as runs, (select count(*) from s)::int as steps, (select count(*) from e)::int as effects`);
-          total.runs += r!.runs;
-          total.steps += r!.steps;
-          total.effects += r!.effects;
-        } finally {
-          await onLock(sql<{ ok: boolean }>`select pg_advisory_unlock(${runKey}::bigint) as ok`);
-        }
+        total.runs += r.runs;
+        total.steps += r.steps;
+        total.chunks += r.chunks;
+        total.effects += r.effects;
       }
     }
+  } finally {
+    await lock.release();
+  }
+}
+
+/** Chunk rows deleted per statement by prune: a history of millions goes without one huge transaction. */
+const PRUNE_BATCH = 10_000;
+
+/**
+ * Deletes one run with its rows, on `lock`'s session (so none of it runs once that lock is lost),
+ * holding the run's own lock exclusively, taken with a try-lock: null when another process holds
+ * it (entering, working or deleting the run). Under that lock the run is read again (`still`: a
+ * run revived since it was listed is not deletable any more; zero counts then) and marked
+ * `deleting` in a statement of its own before its markers go in batches: a process killed between
+ * batches leaves a run no one can revive or resume, which the next prune or a rerun of its key
+ * finishes (finishDeletion).
+ */
+async function deleteRunHeld(h: OperationsHost, lock: HeldLock, id: string, still: RawBuilder<unknown>, batch = PRUNE_BATCH): Promise<Omit<PruneResult, 'skipped'> | null> {
+  const onLock = <R extends Record<string, unknown>>(q: RawBuilder<R>) => onLockSession(lock, h.db, q);
+  const runKey = lockKey(h.runLockName(id));
+  const [got] = await onLock(sql<{ ok: boolean }>`select pg_try_advisory_lock(${runKey}::bigint) as ok`);
+  if (!got!.ok) return null;
+  try {
+    const marked = await onLock(sql<{ id: string }>`update ${t(h, 'runs')} set status = 'deleting', updated_at = now() where id = ${id} and ${still} returning id`);
+    if (marked.length === 0) return { runs: 0, steps: 0, chunks: 0, effects: 0 };
+    let chunks = 0;
+    for (;;) {
+      const [deleted] = await onLock(sql<{ n: number }>`with d as (
+          delete from ${t(h, 'chunks')} where ctid in (select ctid from ${t(h, 'chunks')} where run_id = ${id} limit ${batch}) returning 1)
+        select count(*)::int as n from d`);
+      chunks += deleted!.n;
+      if (deleted!.n < batch) break;
+    }
+    const [r] = await onLock(sql<{ runs: number; steps: number; effects: number }>`
+      with e as (delete from ${t(h, 'effects')} where run_id = ${id} returning 1),
+           s as (delete from ${t(h, 'steps')} where run_id = ${id} returning 1),
+           r as (delete from ${t(h, 'runs')} where id = ${id} returning 1)
+      select (select count(*) from r)::int as runs, (select count(*) from s)::int as steps, (select count(*) from e)::int as effects`);
+    return { ...r!, chunks };
+  } finally {
+    await onLock(sql<{ ok: boolean }>`select pg_advisory_unlock(${runKey}::bigint) as ok`);
+  }
+}
+
+/**
+ * Finishes deleting a run a prune marked `deleting` and did not get to delete whole (it was killed
+ * between batches), so that its key runs afresh. Busy (exit 75) while another process holds the
+ * run's lock: a prune or reset deleting it now.
+ */
+export async function finishDeletion(h: OperationsHost, runId: string, what: string): Promise<void> {
+  const busy = () => new BusyError(`${what} is being deleted in another process (idem prune or idem reset holds its lock); run the command again once that has ended`);
+  // The run's own lock, exclusively; deleteRunHeld takes it once more on the same session.
+  const lock = await acquireAdvisoryLock({ connectionString: h.connectionString, name: h.runLockName(runId), what, wait: false }).catch((err: unknown) => {
+    throw err instanceof BusyError ? busy() : err;
+  });
+  try {
+    if ((await deleteRunHeld(h, lock, runId, sql`status = 'deleting'`)) === null) throw busy();
   } finally {
     await lock.release();
   }

@@ -13,7 +13,7 @@ import { refuseOnStandby, type HealthSetting } from './health-check.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import { faultPoint } from './fault-points.ts';
 import { silentLogger } from './log.ts';
-import { doneChunks, lastChange, pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
+import { doneChunks, finishDeletion, lastChange, pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
 import { isRetryable, retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
@@ -213,7 +213,21 @@ export class Runner {
     const runKey = opts.key ?? fp;
     if (opts.dryRun) return this.#dryRun(job, runKey, fp);
 
-    const { run } = await refuseOnStandby(this.db, () => this.store.claimRun(job.name, runKey, params, fp));
+    // A run a prune marked deleting and did not get to delete whole (killed between its batches)
+    // is deleted here first, so that its key runs afresh, as it would have after that prune.
+    for (let tries = 1; ; tries++) {
+      const { run } = await refuseOnStandby(this.db, () => this.store.claimRun(job.name, runKey, params, fp));
+      if (run.status === 'deleting' && tries <= 3) {
+        await finishDeletion(this.#ops(), run.id, `run "${runKey}" of job "${job.name}"`);
+        continue;
+      }
+      const outcome = await this.#runClaimed(job, run, runKey, params, fp, opts);
+      if (outcome !== DELETING || tries > 3) return outcome === DELETING ? refuseDeleting(job.name, runKey) : outcome;
+    }
+  }
+
+  /** Runs a claimed run: the lock, then the attempt. DELETING: a prune marked it meanwhile. */
+  async #runClaimed(job: Job, run: RunRow, runKey: string, params: Json, fp: string, opts: RunJobOptions): Promise<RunOutcome | typeof DELETING> {
     checkFingerprint(job.name, runKey, run, fp);
     if (run.status === 'succeeded' && !(opts.retrySkipped && (run.summary?.skipped ?? 0) > 0)) return alreadyDone(run);
     refuseControlled(run);
@@ -248,8 +262,13 @@ export class Runner {
     try {
       // Entered, but the run is gone: prune or reset deleted it after it was claimed above (and
       // let go of its lock before this process tried it). Its key is free again.
-      if (!lock.entry && (await this.store.findRun(job.name, runKey))?.id !== run.id) {
-        throw new BusyError(`run "${runKey}" of job "${job.name}" was deleted (idem prune or idem reset) while this process was starting it; run the command again to run the key afresh`);
+      if (!lock.entry) {
+        const now = await this.store.findRun(job.name, runKey);
+        if (now?.id !== run.id) {
+          throw new BusyError(`run "${runKey}" of job "${job.name}" was deleted (idem prune or idem reset) while this process was starting it; run the command again to run the key afresh`);
+        }
+        // Marked by a prune that stopped part way through it: finish that deletion, then afresh.
+        if (now.status === 'deleting') return DELETING;
       }
       const begin = async () => (lock.entry ? toAttemptStart(lock.entry) : null);
       return await this.#runLocked(job, run.id, params, lock, opts, begin);
@@ -277,6 +296,8 @@ export class Runner {
     for (const m of migrations) {
       const run = await this.store.findRun(m.job.name, m.runKey);
       if (run) checkFingerprint(m.job.name, m.runKey, run, fp);
+      // Recorded by an idem from before migration runs were marked: mark it, so prune keeps it.
+      if (run && run.kind !== 'migration') await this.store.markMigration(run.id);
       if (run?.status === 'succeeded') outcomes.push(alreadyDone(run));
       else pending.push(m);
     }
@@ -292,7 +313,13 @@ export class Runner {
     );
     try {
       for (const m of pending) {
-        const { run } = await refuseOnStandby(this.db, () => this.store.claimRun(m.job.name, m.runKey, {}, fp));
+        const claim = () => refuseOnStandby(this.db, () => this.store.claimRun(m.job.name, m.runKey, {}, fp, 'migration'));
+        let { run } = await claim();
+        // Pruned part way by an idem from before migration runs were marked: finish it, run afresh.
+        if (run.status === 'deleting') {
+          await finishDeletion(this.#ops(), run.id, `migration ${m.runKey}`);
+          ({ run } = await claim());
+        }
         checkFingerprint(m.job.name, m.runKey, run, fp);
         if (run.status === 'succeeded') {
           outcomes.push(alreadyDone(run));
@@ -325,6 +352,11 @@ export class Runner {
   /** Forgets a run so its key executes afresh; refused while it runs. */
   reset(job: string, key: string): Promise<{ chunks: number; effects: number }> {
     return resetRun(this.#ops(), job, key);
+  }
+
+  /** Finishes deleting a run a killed prune left marked `deleting`, so its key runs afresh; busy while a prune or reset deletes it. */
+  finishDeletion(runId: string, what: string): Promise<void> {
+    return finishDeletion(this.#ops(), runId, what);
   }
 
   /** Deletes succeeded and cancelled runs older than `olderThanMs`, in batches. */
@@ -742,6 +774,14 @@ class ControlRequest extends Error {
 }
 
 /** A paused or cancelled run does not start again until an operator says so. */
+/** #runClaimed's answer for a run a prune marked deleting while this process was entering it. */
+const DELETING = Symbol('deleting');
+
+/** A key whose run kept being marked deleting as fast as this process deleted it: give up, busy. */
+function refuseDeleting(job: string, runKey: string): never {
+  throw new BusyError(`run "${runKey}" of job "${job}" is being deleted in another process (idem prune or idem reset holds its lock); run the command again once that has ended`);
+}
+
 function refuseControlled(run: RunRow): void {
   if (run.status === 'paused') {
     throw new PausedError(`run ${run.run_key} of job "${run.job}" is paused; run idem resume ${run.job} --key ${run.run_key} first`);

@@ -6,7 +6,7 @@ import { retrying } from './retry.ts';
 import type { ChunkSpec, Json } from './job.ts';
 import type { CompiledSql, HeldLock } from './advisory-lock.ts';
 
-export type RunStatus = 'pending' | 'running' | 'succeeded' | 'failed' | 'interrupted' | 'paused' | 'cancelled';
+export type RunStatus = 'pending' | 'running' | 'succeeded' | 'failed' | 'interrupted' | 'paused' | 'cancelled' | 'deleting';
 
 export interface RunRow {
   id: string;
@@ -28,6 +28,8 @@ export interface RunRow {
   lock_name: string | null;
   lock_pid: number | null;
   code_fingerprint?: string | null;
+  /** `migration`: recorded by idem migrate; prune keeps it. */
+  kind?: 'job' | 'migration';
 }
 
 export interface StepRow {
@@ -183,11 +185,11 @@ export class Store {
    * A row inserted by a concurrent claimer after this statement's snapshot is invisible to the
    * second branch, so an empty result means "lost a race": read it again.
    */
-  async claimRun(job: string, runKey: string, params: Json, fingerprint: string): Promise<{ run: RunRow; created: boolean }> {
+  async claimRun(job: string, runKey: string, params: Json, fingerprint: string, kind: 'job' | 'migration' = 'job'): Promise<{ run: RunRow; created: boolean }> {
     for (let i = 0; i < 3; i++) {
       const { rows } = await this.#run(sql<RunRow & { created: boolean }>`
         with ins as (
-          insert into ${this.#runs} (job, run_key, params, fingerprint) values (${job}, ${runKey}, ${JSON.stringify(params)}::jsonb, ${fingerprint})
+          insert into ${this.#runs} (job, run_key, params, fingerprint, kind) values (${job}, ${runKey}, ${JSON.stringify(params)}::jsonb, ${fingerprint}, ${kind})
           on conflict (job, run_key) do nothing returning *
         )
         select *, true as created from ins
@@ -206,6 +208,14 @@ export class Store {
     const { rows } = await this.#run(sql<RunRow>`select * from ${this.#runs} where id = ${runId}`);
     if (!rows[0]) throw new Error(`run ${runId} disappeared (was it reset while running?)`);
     return normalizeRun(rows[0]);
+  }
+
+  /**
+   * Marks a run as a migration's (idem migrate does, for runs an idem from before the mark
+   * recorded), so that prune keeps it: a pruned migration would run again at the next deploy.
+   */
+  async markMigration(runId: string): Promise<void> {
+    await this.#run(sql`update ${this.#runs} set kind = 'migration' where id = ${runId} and kind <> 'migration'`);
   }
 
   async findRun(job: string, runKey: string): Promise<RunRow | undefined> {
@@ -230,7 +240,7 @@ export class Store {
       update ${this.#runs} set attempt = attempt + 1, status = 'running', holder = ${holder}, lock_name = ${lockName},
         lock_pid = pg_backend_pid(), started_at = coalesce(started_at, now()), updated_at = now(), error = null,
         attempt_started_at = clock_timestamp() -- evaluated after any wait for the row lock
-      where id = ${runId} and status not in ('paused', 'cancelled') and (status <> 'succeeded' or ${allowSucceeded})
+      where id = ${runId} and status not in ('paused', 'cancelled', 'deleting') and (status <> 'succeeded' or ${allowSucceeded})
         and exists (select 1 from pg_locks where locktype = 'advisory' and granted and pid = pg_backend_pid() and objsubid = 1
           and ((classid::bigint << 32) | objid::bigint) = ${lockKey}::bigint)
       returning attempt, started_at`.compile(this.#db);

@@ -71,6 +71,38 @@ describe('idem migrate', () => {
     expect(await query(url, `select count(*)::int as n, count(*) filter (where name_upper = upper(name))::int as done from widgets`)).toEqual([{ n: 30, done: 30 }]);
   });
 
+  it('prune and --retention keep migration runs: a migration pruned would run again at the next deploy', async () => {
+    const url = await freshDatabase();
+    const first = await migrate(url, ['--json']);
+    expect(first.code, first.stderr).toBe(0);
+    const log = await backfillLog(url);
+    expect(log).toHaveLength(6);
+    // A run recorded by an idem from before migration runs were marked: the next migrate marks it.
+    await query(url, `update idem.runs set kind = 'job' where run_key = '0001_create_widgets'`);
+    const marking = await migrate(url, ['--json']);
+    expect(marking.code, marking.stderr).toBe(0);
+    expect(await query(url, `select run_key, kind from idem.runs order by run_key`)).toEqual([
+      { run_key: '0001_create_widgets', kind: 'migration' },
+      { run_key: '0002_backfill_widgets', kind: 'migration' },
+    ]);
+    await new Promise((r) => setTimeout(r, 1_100));
+    const pruned = await runCli(['prune', '--older-than', '1s', '--json'], { url });
+    expect(pruned.code, pruned.stderr).toBe(0);
+    expect(JSON.parse(pruned.stdout)).toEqual({ runs: 0, steps: 0, chunks: 0, effects: 0, skipped: 0 });
+    expect(await runsOf(url)).toEqual([
+      { run_key: '0001_create_widgets', status: 'succeeded', attempt: 1 },
+      { run_key: '0002_backfill_widgets', status: 'succeeded', attempt: 1 },
+    ]);
+    // The next deploy's migrate finds both done and runs nothing again.
+    const again = await migrate(url, ['--json']);
+    expect(again.code, again.stderr).toBe(0);
+    expect(JSON.parse(again.stdout)).toMatchObject([
+      { runKey: '0001_create_widgets', status: 'already-succeeded', executed: 0 },
+      { runKey: '0002_backfill_widgets', status: 'already-succeeded', executed: 0 },
+    ]);
+    expect(await backfillLog(url)).toEqual(log);
+  });
+
   it('--wait <seconds> gives up after that long with exit 75; a longer wait migrates once the other pod is done', async () => {
     const url = await freshDatabase();
     // Another "pod" holds the migrate lock.

@@ -181,6 +181,63 @@ describe('prune and a run revived by --retry-skipped', () => {
     expect((await query(url, 'select count(*)::int as n from idem.chunks where run_id = $1 and done_at is null', [id]))[0].n).toBe(0);
   });
 
+  /**
+   * Kills a prune while it waits in its third batch of the run's chunks (one marker near the end is
+   * row-locked), so the first two batches are deleted and committed and the rest is not.
+   */
+  async function killPruneMidway(id: string, chunks: number): Promise<void> {
+    const holder = new pg.Client({ connectionString: url });
+    await holder.connect();
+    try {
+      await holder.query('begin');
+      await holder.query(`select 1 from idem.chunks where run_id = $1 and key = 'p029999' for update`, [id]);
+      const pruning = prune();
+      await waitFor(async () => (await lockWaiters()) >= 1 && (await chunkCount(id)) < chunks, 'prune to delete some batches and stall on the held marker');
+      pruning.child.kill('SIGKILL');
+      expect((await pruning.done).code).toBeNull();
+      // Its backend would still finish the waiting DELETE once the marker is free: end it, as the
+      // server does when it finds the client gone.
+      await holder.query(`select pg_terminate_backend(pid) from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`);
+      await waitFor(async () => (await lockWaiters()) === 0, "the killed prune's backend to end");
+      await holder.query('rollback');
+    } finally {
+      await holder.end();
+    }
+    const left = await owned(id);
+    expect(left.runs).toBe(1);
+    expect(left.chunks).toBeGreaterThan(0);
+    expect(left.chunks).toBeLessThan(chunks);
+  }
+
+  it('a prune killed between its batches leaves the run marked deleting, never succeeded; a rerun of its key finishes the deletion and runs afresh', async () => {
+    const key = 'killed-prune';
+    const { id, chunks } = await oldSucceededRun(key, 30_000);
+    await killPruneMidway(id, chunks);
+    // Before: still "succeeded" with a third of its markers, and --retry-skipped would revive it.
+    expect(await runRow(url, 'skippy', key)).toMatchObject({ id, status: 'deleting' });
+    const shown = await runCli(['--jobs-dir', MORE_JOBS, 'status', 'skippy', '--json'], { url });
+    expect(shown.code, shown.stderr).toBe(0);
+    expect(JSON.parse(shown.stdout)).toEqual(expect.arrayContaining([expect.objectContaining({ runKey: key, state: 'deleting' })]));
+    const r = await retry(key).done;
+    expect(r.code, r.stderr).toBe(0);
+    const out = JSON.parse(r.stdout);
+    expect(out).toMatchObject({ status: 'succeeded', attempt: 1, executed: 5 });
+    expect(String(out.runId)).not.toBe(id);
+    expect(await owned(id)).toEqual({ runs: 0, steps: 0, chunks: 0 });
+    expect(await runRow(url, 'skippy', key)).toMatchObject({ status: 'succeeded', attempt: 1 });
+  });
+
+  it('the next prune finishes a run a killed prune left, whatever its age', async () => {
+    const key = 'killed-prune-2';
+    const { id, chunks } = await oldSucceededRun(key, 30_000);
+    await killPruneMidway(id, chunks);
+    const left = await owned(id);
+    const p = await runCli(['prune', '--older-than', '30d', '--json'], { url });
+    expect(p.code, p.stderr).toBe(0);
+    expect(JSON.parse(p.stdout)).toEqual({ runs: 1, steps: 1, chunks: left.chunks, effects: 0, skipped: 0 });
+    expect(await owned(id)).toEqual({ runs: 0, steps: 0, chunks: 0 });
+  });
+
   it('prune racing a revival never deadlocks, never fails either, and leaves the run whole or gone whole', async () => {
     const outcomes: string[] = [];
     for (let trial = 0; trial < 8; trial++) {

@@ -97,6 +97,23 @@ describe('idem serve killed with SIGKILL mid-run', () => {
     await second.proc.done;
   });
 
+  it('a key whose run a killed prune left marked deleting starts a new run (201); the remnant is gone', async () => {
+    const srv = await startServe(url);
+    const old = await api(srv.base, 'POST', '/api/jobs/counted/runs', { key: 'k-half-pruned', body: { chunks: 3 } });
+    expect((await api(srv.base, 'GET', `/api/runs/${old.body.id}?wait=30`)).body.state).toBe('succeeded');
+    // What a prune killed between its batches leaves: the run marked, some of its markers gone.
+    await query(url, `update idem.runs set status = 'deleting' where id = $1`, [old.body.id]);
+    await query(url, `delete from idem.chunks where run_id = $1 and key in ('c0001', 'c0002')`, [old.body.id]);
+    expect((await api(srv.base, 'GET', `/api/runs/${old.body.id}`)).body.state).toBe('deleting');
+    const again = await api(srv.base, 'POST', '/api/jobs/counted/runs', { key: 'k-half-pruned', body: { chunks: 3 } });
+    expect(again.status, JSON.stringify(again.body)).toBe(201);
+    expect(again.body.id).not.toBe(old.body.id);
+    expect(await query(url, `select count(*)::int as n from idem.chunks where run_id = $1`, [old.body.id])).toEqual([{ n: 0 }]);
+    expect((await api(srv.base, 'GET', `/api/runs/${again.body.id}?wait=30`)).body).toMatchObject({ state: 'succeeded', attempt: 1 });
+    srv.proc.child.kill('SIGTERM');
+    await srv.proc.done;
+  });
+
   it("another server's rescan leaves a run that was just created (pending) to the server that created it", async () => {
     const env = { IDEM_SERVE_RESCAN_MS: '300' };
     const a = await startServe(url, ['--max-runs', '1']);

@@ -23,7 +23,7 @@ export function stateColour(state: string, c: Colours): (s: string) => string {
   if (state === 'running') return c.cyan;
   if (state === 'failed' || state === 'crashed') return c.red;
   if (state === 'paused' || state === 'interrupted') return c.yellow;
-  if (state === 'cancelled') return c.gray;
+  if (state === 'cancelled' || state === 'deleting') return c.gray;
   return (s) => s;
 }
 

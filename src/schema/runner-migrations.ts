@@ -208,6 +208,18 @@ function runnerMigrations(schema: string): Record<string, Migration> {
           add column rate_interval_ms float8`.execute(db);
       },
     },
+    '0012_run_kind_deleting': {
+      async up(db) {
+        // kind: a migration's run is what makes it run once per database, so prune keeps it.
+        // 'deleting': prune marks a run before deleting its markers in batches, so a prune killed
+        // between batches leaves a run nobody can revive, finished by the next prune or a rerun.
+        await sql`alter table ${t('runs')}
+          add column kind text not null default 'job' check (kind in ('job', 'migration')),
+          drop constraint runs_status_check,
+          add constraint runs_status_check
+            check (status in ('pending', 'running', 'succeeded', 'failed', 'interrupted', 'paused', 'cancelled', 'deleting'))`.execute(db);
+      },
+    },
   };
 }
 

@@ -109,7 +109,10 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
     }
     const generation = ctx.replays.generation;
     const existing = await ctx.views.byKey(job.name, key);
-    if (existing) {
+    // A run a prune marked and did not get to delete whole (killed between its batches): finish
+    // that deletion; the key then starts a new run, as after any prune.
+    if (existing?.state === 'deleting') await ctx.runner.finishDeletion(existing.id, `run "${printable(key)}" of job "${job.name}"`);
+    else if (existing) {
       ctx.metrics.replays.inc({ source: 'database' });
       if (existing.fingerprint !== fp) throw paramsMismatch(job.name, key, existing.fingerprint, fp);
       const json = JSON.stringify(existing);

@@ -47,7 +47,7 @@ export function actions(r: RunView): string {
   // A run created over HTTP that stopped on its own continues in the server (POST …/resume).
   const continuable = r.viaApi && ['failed', 'interrupted', 'crashed'].includes(r.state);
   if (r.state === 'paused' || r.requested === 'pause' || continuable) b.push(`<button type="button" class="btn" data-action="resume" data-run="${esc(r.id)}">Resume</button>`);
-  if (!['succeeded', 'cancelled'].includes(r.state) && r.requested !== 'cancel') {
+  if (!['succeeded', 'cancelled', 'deleting'].includes(r.state) && r.requested !== 'cancel') {
     b.push(`<button type="button" class="btn btn-danger" data-action="cancel" data-run="${esc(r.id)}" data-confirm="Cancel run ${esc(r.key)} of ${esc(r.job)}? Finished chunks are kept; the run never continues.">Cancel</button>`);
   }
   return b.length ? `<div class="actions">${b.join('')}</div>` : '';

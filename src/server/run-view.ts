@@ -50,7 +50,7 @@ export interface RunView {
 }
 
 /** States a run can be filtered by. `active` is every state a run can still leave. */
-export const RUN_STATES = ['pending', 'running', 'crashed', 'succeeded', 'failed', 'interrupted', 'paused', 'cancelled', 'active'] as const;
+export const RUN_STATES = ['pending', 'running', 'crashed', 'succeeded', 'failed', 'interrupted', 'paused', 'cancelled', 'deleting', 'active'] as const;
 export type RunStateFilter = (typeof RUN_STATES)[number];
 
 /** Ended: the run will not change again without an operator (long-poll and SSE stop here). */
