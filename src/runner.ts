@@ -297,7 +297,7 @@ export class Runner {
       const run = await this.store.findRun(m.job.name, m.runKey);
       if (run) checkFingerprint(m.job.name, m.runKey, run, fp);
       // Recorded by an idem from before migration runs were marked: mark it, so prune keeps it.
-      if (run && run.kind !== 'migration') await this.store.markMigration(run.id);
+      if (run && run.kind !== 'migration') await refuseOnStandby(this.db, () => this.store.markMigration(run.id));
       if (run?.status === 'succeeded') outcomes.push(alreadyDone(run));
       else pending.push(m);
     }
