@@ -138,7 +138,17 @@ class ChunkQueryExecutor extends DefaultQueryExecutor {
 }
 
 /** Opens a slot; `prepare` are statements each server session of the slot needs once (PREPARE …). */
-export function openChunkSlot(pool: pg.Pool, prepare: readonly string[]): ChunkSlot {
+/**
+ * `checksFirst`: the database has deferrable constraints (Store.hasDeferrableConstraints), whose
+ * checks would otherwise run in the COMMIT, where a failure ends the transaction and lets the
+ * chunk's row go before its failure is recorded, so another worker could claim and run it again
+ * in between. With it, every COMMIT is sent after `SET CONSTRAINTS ALL IMMEDIATE`, in the same
+ * message: the checks (and the fence trigger's) run first, inside the transaction, and a chunk
+ * that fails them is rolled back to its savepoint with its row lock held, like a chunk whose work
+ * threw.
+ */
+export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksFirst = false): ChunkSlot {
+  const checks = checksFirst ? 'set constraints all immediate;\n' : '';
   let client: pg.PoolClient | undefined;
   /** Kysely's connection over `client`, for the job's queries (result shape, errors, as everywhere). */
   let connection: DatabaseConnection | undefined;
@@ -239,6 +249,22 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[]): ChunkS
   };
   let bookkeeping: Kysely<any> | undefined;
 
+  /**
+   * After an error from a message that began with the deferred checks: true when it was theirs,
+   * the transaction is still open and is now back at the claim's savepoint. False when the COMMIT
+   * or what followed it failed (no transaction of the chunk is left to roll back to).
+   */
+  const checksFailed = async (): Promise<boolean> => {
+    if (!checks) return false;
+    try {
+      await client!.query(`rollback to savepoint ${SAVEPOINT}`);
+      inTransaction = true;
+      return true;
+    } catch {
+      return false;
+    }
+  };
+
   const rollback = async () => {
     if (!inTransaction || !client) return;
     try {
@@ -264,13 +290,16 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[]): ChunkS
         // Three statements in one message. PostgreSQL runs them in order and stops at the first
         // error: a failed COMMIT runs no claim; a COMMIT of an aborted transaction answers ROLLBACK
         // and the BEGIN and claim after it still run.
-        results = await end<pg.QueryResult[]>(`commit;\nbegin;\n${claim};\nsavepoint ${SAVEPOINT}`);
+        results = await end<pg.QueryResult[]>(`${checks}commit;\nbegin;\n${claim};\nsavepoint ${SAVEPOINT}`);
       } catch (err) {
+        // The deferred checks failed: a failure of the chunk, whose transaction is still open.
+        if (await checksFailed()) throw err;
         // A failed claim left its transaction aborted; a failed COMMIT left none (then ROLLBACK only warns).
         await rollback();
         throw new CommitUnknownError(err);
       }
       opened();
+      if (checks) results.shift();
       if (results[0]!.command === 'ROLLBACK') {
         // Nothing of the chunk committed: the chunk claimed after it starts no work.
         await rollback();
@@ -283,7 +312,14 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[]): ChunkS
       return trx;
     },
     async commit() {
-      const { command } = await end('commit');
+      let result: pg.QueryResult | pg.QueryResult[];
+      try {
+        result = await end<pg.QueryResult | pg.QueryResult[]>(`${checks}commit`);
+      } catch (err) {
+        await checksFailed();
+        throw err;
+      }
+      const { command } = Array.isArray(result) ? result[result.length - 1]! : result;
       // PostgreSQL ends COMMIT with a ROLLBACK tag when an earlier statement's error aborted the
       // transaction (the job caught it): nothing of the chunk committed.
       if (command === 'ROLLBACK') throw new AbortedTransactionError();

@@ -84,6 +84,7 @@ const EFFECT_NAME = /^[\w.:-]{1,200}$/;
  */
 export async function executeSteps(opts: ExecuteOptions, steps: Map<string, StepRow>): Promise<ExecuteResult> {
   let executed = 0;
+  let checksFirst: boolean | undefined;
   for (const [index, step] of opts.job.steps.entries()) {
     const row = steps.get(step.name);
     if (!row) throw new Error(`step row for "${step.name}" missing`);
@@ -93,14 +94,16 @@ export async function executeSteps(opts: ExecuteOptions, steps: Map<string, Step
     }
     const stepLog = opts.log.child({ step: step.name });
     stepLog.info('step started');
-    executed += await executeStep(opts, step, index, row, stepLog);
+    // Deferred constraints in the database: chunks run their deferred checks before COMMIT (ChunkSlot).
+    checksFirst ??= await opts.store.hasDeferrableConstraints();
+    executed += await executeStep(opts, step, index, row, stepLog, checksFirst);
     await opts.store.finishStep(opts.run.runId, opts.run.attempt, step.name);
     stepLog.info('step done');
   }
   return { executed };
 }
 
-async function executeStep(opts: ExecuteOptions, step: Step, index: number, row: StepRow, log: Logger): Promise<number> {
+async function executeStep(opts: ExecuteOptions, step: Step, index: number, row: StepRow, log: Logger, checksFirst: boolean): Promise<number> {
   const { store, run } = opts;
   const source: ChunkSource = step.chunks ?? (() => ({ chunks: [{ key: SINGLE_STEP_KEY }], next: null }));
   const retry = { ...DEFAULT_BACKOFF, ...opts.job.retry, ...step.retry };
@@ -239,7 +242,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
    * its transaction ends. A slot that finds nothing even then is done.
    */
   const runSlot = async (): Promise<void> => {
-    const slot = openChunkSlot(opts.pool, store.claimPrepares);
+    const slot = openChunkSlot(opts.pool, store.claimPrepares, checksFirst);
     /** The chunk this slot started last (see `owned`). */
     let mine: { readonly seq: number; readonly entry: ReturnType<typeof own> } | undefined;
     try {

@@ -218,6 +218,17 @@ export class Store {
     await this.#run(sql`update ${this.#runs} set kind = 'migration' where id = ${runId} and kind <> 'migration'`);
   }
 
+  /**
+   * Whether the database has a deferrable constraint (or constraint trigger) outside the runner's
+   * schema, whose check a chunk's COMMIT could fail. Then chunks check them before COMMIT, inside
+   * their transaction, so that a chunk failing there is held back like any other (ChunkSlot).
+   */
+  async hasDeferrableConstraints(): Promise<boolean> {
+    const { rows } = await this.#run(sql<{ deferrable: boolean }>`select exists (select 1 from pg_constraint
+      where condeferrable and connamespace <> (select oid from pg_namespace where nspname = ${this.schema})) as deferrable`);
+    return rows[0]!.deferrable;
+  }
+
   async findRun(job: string, runKey: string): Promise<RunRow | undefined> {
     const { rows } = await this.#run(sql<RunRow>`select * from ${this.#runs} where job = ${job} and run_key = ${runKey}`);
     return rows[0] && normalizeRun(rows[0]);

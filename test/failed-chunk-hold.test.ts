@@ -168,6 +168,43 @@ describe('a chunk whose COMMIT fails for good (a deferred constraint)', () => {
   });
 });
 
+describe('chunks whose COMMIT fails for good, in two workers sharing the run', () => {
+  it('each runs once: the other worker never claims one between its failed COMMIT and its hold', async () => {
+    const name = 'deferred-workers';
+    const failing = (i: number) => i % 5 === 2;
+    const job = defineJob({
+      name,
+      steps: [
+        {
+          name: 's',
+          maxFailedChunks: 1_000,
+          chunks: () => ({ chunks: Array.from({ length: 300 }, (_, i) => ({ key: `c${String(i).padStart(3, '0')}`, i })), next: null }),
+          run: async (ctx, c: { key: string; i: number }) => {
+            if (!failing(c.i)) return;
+            await recordExecution(name, c.key);
+            // Checked at COMMIT: a duplicate key of a deferred primary key.
+            await sql`insert into deferred_keys values (${c.key}), (${c.key})`.execute(ctx.db);
+          },
+        },
+      ],
+    });
+    const runners = await Promise.all([0, 1].map(() => Runner.connect({ connectionString: db.url, poolSize: 10 })));
+    try {
+      const outs = await Promise.all(runners.map((r) => r.run(job, { key: 'k', concurrency: 8, join: true })));
+      for (const out of outs) expect(out.status).toBe('succeeded');
+    } finally {
+      await Promise.all(runners.map((r) => r.close()));
+    }
+    const ran = await executions(name);
+    const twice = [...ran].filter(([, n]) => n !== 1);
+    expect(twice, `chunks run more than once: ${twice.map(([k, n]) => `${k}×${n}`).join(', ')}`).toEqual([]);
+    expect(ran.size).toBe(60);
+    const rows = await chunkRows(name, 'k');
+    expect(rows.filter((r) => r.skipped).map((r) => [r.key, r.attempts])).toEqual([...ran.keys()].sort().map((k) => [k, 1]));
+    expect(await query(db.url, 'select count(*)::int as n from deferred_keys')).toEqual([{ n: 0 }]);
+  });
+});
+
 describe('an effect that throws under concurrency 8', () => {
   it('skips the failing chunks, commits the others, calls each receiver once, and never waits for a pool connection', async () => {
     const calls = new Map<string, number>();

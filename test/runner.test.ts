@@ -452,6 +452,33 @@ describe('Runner.run', () => {
     expect(await runRow(url, 'counted', 'fence')).toMatchObject({ attempt: 2, status: 'running', error: null });
   });
 
+  it('fencing holds as well where the database has deferrable constraints (the checks, the fence among them, run before COMMIT)', async () => {
+    await query(url, 'create table fence_deferrable (id int primary key deferrable initially deferred)');
+    const gate = await holdGate(url, 'fence-d');
+    try {
+      const running = rejectionOf(runner.run(counted, { params: { chunks: 3, gate: 'fence-d' }, key: 'fence-d' }));
+      try {
+        await waitFor(async () => (await query(url, `select 1 from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`)).length > 0, 'the chunk to block on the gate');
+        await query(url, `update idem.runs set attempt = attempt + 1 where run_key = 'fence-d'`);
+      } finally {
+        await gate.release();
+      }
+      const err = await running;
+      expect(err).toBeInstanceOf(LockLostError);
+      expect(exitCodeOf(err)).toBe(69);
+      expect(err.message).toContain('fenced off by attempt 2');
+      expect(await workCounts(url, 'fence-d')).toEqual(new Map());
+      expect((await chunkRows(url, 'counted', 'fence-d', 'work')).filter((c) => c.done_at !== null)).toEqual([]);
+      expect(await runRow(url, 'counted', 'fence-d')).toMatchObject({ attempt: 2, status: 'running', error: null });
+      // And an unfenced run in that database commits every chunk once.
+      const ok = await runner.run(counted, { params: { chunks: 5 }, key: 'deferrable-ok' });
+      expect(ok.status).toBe('succeeded');
+      expect([...(await workCounts(url, 'deferrable-ok')).values()]).toEqual([1, 1, 1, 1, 1]);
+    } finally {
+      await query(url, 'drop table fence_deferrable');
+    }
+  });
+
   it('status() lists runs newest first, filtered by job', async () => {
     // Its own runs: two of counted (one finished, one whose row says running though nobody holds
     // the lock, as after a crash) and one of another job.
