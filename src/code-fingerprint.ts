@@ -24,6 +24,16 @@ export async function recordJobFile(job: Job, file: string): Promise<void> {
 }
 
 /**
+ * A job derived from another (the server wraps each step's `run` for its metrics) keeps the code
+ * fingerprint of the one it came from: it is the same code.
+ */
+export function derivedJob<J extends Job>(derived: J, from: Job): J {
+  const hash = fileHashes.get(from);
+  if (hash !== undefined) fileHashes.set(derived, hash);
+  return derived;
+}
+
+/**
  * The fingerprint of a job definition: its declared `version` (`version:<v>`), else the SHA-256
  * of the file it was loaded from, else `null` (a job built in code and never loaded from a file,
  * which has no version to compare: not checked).

@@ -5,6 +5,7 @@ import { defineJob, exitCodeOf, Runner, RunFailedError, sql } from '../src/index
 import { CodeChangedError } from '../src/code-fingerprint.ts';
 import { holdGate, killLeftovers, lines, query, REPO, runCli, runRow, waitFor } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
+import { api, startServe } from './support/server.ts';
 
 const testDb = useTestDatabase({ fixtureTables: true });
 let url: string;
@@ -162,6 +163,35 @@ describe('code changes between attempts', () => {
       { chunk_key: 'y', n: 1 },
       { chunk_key: 'z', n: 1 },
     ]);
+  });
+
+  it('a run started over HTTP records its code too: a resume under an edited file is refused, from the CLI as from the server', async () => {
+    const serverDir = await mkdtemp(path.join(REPO, '.idem', 'code-http-'));
+    try {
+      await writeFile(path.join(serverDir, 'code-check.ts'), JOB_FILE);
+      await query(url, `insert into fail_chunks (chunk_key) values ('b')`);
+      const srv = await startServe(url, [], {}, serverDir);
+      try {
+        const created = await api(srv.base, 'POST', '/api/jobs/code-check/runs', { key: 'k-http', body: {} });
+        expect(created.status).toBe(201);
+        expect((await api(srv.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body.state).toBe('failed');
+      } finally {
+        srv.proc.child.kill('SIGTERM');
+        await srv.proc.done;
+      }
+      await query(url, `delete from fail_chunks where chunk_key = 'b'`);
+      const first = await runRow(url, 'code-check', 'k-http');
+      expect(first).toMatchObject({ status: 'failed', attempt: 1 });
+      // Before: null, so no resume under other code was ever refused.
+      expect(first.code_fingerprint).toMatch(/^sha256:[0-9a-f]{64}$/);
+      await appendFile(path.join(serverDir, 'code-check.ts'), '// a change deployed mid-backfill\n');
+      const refused = await runCli(['--jobs-dir', serverDir, '--log-level', 'warn', 'run', 'code-check', '--key', 'k-http', '--no-progress'], { url });
+      expect(refused.code, refused.stderr).toBe(65);
+      expect(refused.stderr).toContain('was started under other code');
+      expect(await runRow(url, 'code-check', 'k-http')).toMatchObject({ status: 'failed', attempt: 1, code_fingerprint: first.code_fingerprint });
+    } finally {
+      await rm(serverDir, { recursive: true, force: true });
+    }
   });
 
   it('refuses a version that is neither a string nor a number at load time', () => {

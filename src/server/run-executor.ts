@@ -1,3 +1,4 @@
+import { derivedJob } from '../code-fingerprint.ts';
 import { sql } from 'kysely';
 import type { Logger } from 'pino';
 import { runIsLive } from '../operations.ts';
@@ -206,5 +207,5 @@ function instrument(job: Job, metrics: ServerMetrics): Job {
     };
     return { ...step, run } as Step;
   });
-  return Object.freeze({ ...job, steps: Object.freeze(steps) });
+  return derivedJob(Object.freeze({ ...job, steps: Object.freeze(steps) }), job);
 }
