@@ -500,6 +500,8 @@ async function tryChunk(
     const claimed = chunk;
     if (faults) await faultPoint('after-claim');
     const chunkKey = step.chunks ? claimed.key : null;
+    /** Effect names this try used: a name is part of the effect's key, so a second use would get the first's result. */
+    let effectNames: Set<string> | undefined;
     const ctx: StepContext = {
       db: slot.trx,
       params: opts.params,
@@ -507,7 +509,16 @@ async function tryChunk(
       run,
       step: step.name,
       slot: opts.slot,
-      effect: ((name: string, fn: (key: string) => unknown) => performEffect(opts, step.name, claimed.key, name, fn)) as StepContext['effect'],
+      effect: ((name: string, fn: (key: string) => unknown) => {
+        effectNames ??= new Set();
+        if (effectNames.has(name)) {
+          throw new TypeError(
+            `ctx.effect(): name ${JSON.stringify(name)} was already used in chunk ${claimed.key}; an effect's name must be unique within its chunk (it is part of the effect's idempotency key, and a second call would be answered by the first's result): add what tells the calls apart, e.g. \`email:\${user.id}\``,
+          );
+        }
+        effectNames.add(name);
+        return performEffect(opts, step.name, claimed.key, name, fn);
+      }) as StepContext['effect'],
       get log() {
         return chunkKey === null ? stepLog : stepLog.child({ chunk: chunkKey });
       },

@@ -2,7 +2,7 @@ import http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { fileURLToPath } from 'node:url';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
-import { exitCodeOf, RunFailedError, Runner } from '../src/index.ts';
+import { defineJob, exitCodeOf, RunFailedError, Runner, type StepContext } from '../src/index.ts';
 import notify, { NOTIFY_DDL, type NotifyResult } from './fixtures/effect-jobs/notify.ts';
 import { withClient } from './fixtures/tables.ts';
 import { expectFaultCrash, expectKilled, killLeftovers, query, runCli, runRow, spawnCli, waitFor, workCounts } from './support/cli.ts';
@@ -184,6 +184,47 @@ describe('ctx.effect in one process', () => {
     expect(sent.map((d) => d.action)).toEqual(['hang', 'ok']);
     expect(new Set(sent.map((d) => d.key)).size).toBe(1);
     expect((await ledger('notify', 'fx-timeout')).get('c0001/notify')).toMatchObject({ idem_key: sent[0]!.key, status: 'done', tries: 2 });
+  });
+});
+
+describe('effect names within a chunk', () => {
+  it('a name used twice in one chunk fails the chunk, naming the fix; the second call is not silently answered by the first', async () => {
+    const calls: string[] = [];
+    const twice = defineJob({
+      name: 'fx-twice',
+      steps: [
+        {
+          name: 'send',
+          chunks: () => ({ chunks: [{ key: 'a', to: ['x@example.com', 'y@example.com'] }], next: null }),
+          async run(ctx: StepContext, c: { key: string; to: string[] }) {
+            for (const to of c.to) await ctx.effect('email', () => void calls.push(to));
+          },
+        },
+      ],
+    });
+    const err = await runner.run(twice, { key: 'fx-twice' }).then(() => null, (e: unknown) => e);
+    expect(err).toBeInstanceOf(RunFailedError);
+    expect(exitCodeOf(err)).toBe(1);
+    expect((err as Error).message).toContain('ctx.effect(): name "email" was already used in chunk a');
+    expect((err as Error).message).toContain('unique within its chunk');
+    // Before: two recipients, one call, no error.
+    expect(calls).toEqual(['x@example.com']);
+    // Distinct names per recipient: both sent, each once.
+    const distinct = defineJob({
+      name: 'fx-distinct',
+      steps: [
+        {
+          name: 'send',
+          chunks: () => ({ chunks: [{ key: 'a', to: ['x@example.com', 'y@example.com'] }], next: null }),
+          async run(ctx: StepContext, c: { key: string; to: string[] }) {
+            for (const [i, to] of c.to.entries()) await ctx.effect(`email:${i}`, () => void calls.push(to));
+          },
+        },
+      ],
+    });
+    calls.length = 0;
+    expect(await runner.run(distinct, { key: 'fx-distinct' })).toMatchObject({ status: 'succeeded' });
+    expect(calls).toEqual(['x@example.com', 'y@example.com']);
   });
 });
 
