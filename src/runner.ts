@@ -532,8 +532,19 @@ export class Runner {
       return err instanceof LockLostError ? err : new LockLostError(err.message, { cause: err });
     }
     if (err instanceof ControlRequest) {
+      // The run takes the request's state only when its last worker stops, so that a paused run
+      // has nothing in flight in any worker. Decided under the entry gate, as for a signal: the
+      // last to leave ends the run (by the request as it stands then).
+      const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => null);
+      if (others !== null && others > 0) {
+        log.warn({ requested: err.what, otherWorkers: others }, `worker stopped for an operator's ${err.what}; the run ends once its other workers have`);
+        const rest = `${others} other ${others === 1 ? 'worker finishes its' : 'workers finish their'} in-flight chunks`;
+        return err.what === 'pause'
+          ? new PausedError(`job "${job.name}" paused by an operator: this worker finished its in-flight chunks and stopped; the run reads paused once ${rest}; then idem resume ${job.name} --key ${runKey} lets it continue`)
+          : new CancelledError(`job "${job.name}" cancelled by an operator: this worker finished its in-flight chunks and stopped; the run reads cancelled once ${rest}; finished chunks are kept`);
+      }
       // Ended by the request as it stands now: a resume may have withdrawn the pause meanwhile.
-      const ended = await this.store.endInterrupted(runId, attempt).then((r) => r?.status ?? null, () => null);
+      const ended = await (others === null ? this.store.endInterrupted(runId, attempt) : this.store.getRun(runId)).then((r) => (r && r.attempt === attempt ? r.status : null), () => null);
       const status = ended === 'paused' || ended === 'cancelled' || ended === 'interrupted' ? ended : err.what === 'pause' ? 'paused' : 'cancelled';
       log.warn({ status }, `run ${status} by an operator`);
       if (status === 'interrupted') {

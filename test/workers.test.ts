@@ -185,6 +185,32 @@ describe('operating a shared run', () => {
   });
 });
 
+describe('a paused shared run', () => {
+  it('reads paused only once every worker has stopped: no chunk commits after it reads paused', async () => {
+    const workers: CliProcess[] = Array.from({ length: 3 }, () => join('pause-last', 300, 300, ['--concurrency', '2']));
+    await waitFor(async () => ((await sessions(url, 'idem-lock')) === 3 && (await doneCount('pause-last')) >= 6 ? true : undefined), 'three workers on the run', { timeoutMs: 60_000 });
+    const paused = await runCli([...FIXTURE_DIRS, 'pause', 'counted', '--key', 'pause-last'], { url });
+    expect(paused.code).toBe(0);
+    // The moment it reads paused (as a client waiting for it would), what has committed.
+    const atPaused = await waitFor(
+      async () => {
+        const [row] = await query<{ status: string; n: number }>(
+          url,
+          `select status, (select count(*)::int from work_log where run_key = 'pause-last' and step = 'work') as n from idem.runs where run_key = 'pause-last'`,
+        );
+        return row?.status === 'paused' ? row.n : undefined;
+      },
+      'the run to read paused',
+      { timeoutMs: 30_000, intervalMs: 5 },
+    );
+    const results = await Promise.all(workers.map((w) => w.done));
+    expect(results.map((r) => r.code)).toEqual([75, 75, 75]);
+    // Before: the first worker to stop marked it paused while the others' chunks were still in flight.
+    expect(await doneCount('pause-last')).toBe(atPaused);
+    expect(await query(url, `select status, requested from idem.runs where run_key = 'pause-last'`)).toEqual([{ status: 'paused', requested: null }]);
+  });
+});
+
 describe('every worker stopped at once', () => {
   it('SIGTERM to all workers together (a deploy, a scale-down) records the run interrupted, not left running without a holder', async () => {
     for (let round = 0; round < 3; round++) {
