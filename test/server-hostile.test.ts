@@ -5,6 +5,7 @@ import { ALL_TABLES, FIXTURE_JOBS, killLeftovers, query, runCli, runRow, snapsho
 import { startBlackholeProxy } from './support/blackhole-proxy.ts';
 import { useTestDatabase } from './support/database.ts';
 import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
+import { IDEMPOTENCY_KEY } from '../src/server/api-routes.ts';
 
 /**
  * Hostile and edge-case requests found by trying `idem serve` from the outside: each must be one
@@ -339,6 +340,18 @@ describe('HEAD on an event stream', () => {
       expect(res.status).toBe(200);
       expect(res.headers.get('content-type')).toMatch(/^text\/event-stream/);
       expect(Date.now() - started).toBeLessThan(2_000);
+    }
+  });
+});
+
+describe('the dashboard page', () => {
+  it('has an Idempotency-Key pattern that compiles as browsers compile it (v flag) and means the server\'s key grammar', async () => {
+    const res = await api(server.base, 'GET', '/');
+    const pattern = /name="__key"[^>]* pattern="([^"]+)"/.exec(res.text)?.[1];
+    expect(pattern).toBeDefined();
+    const re = new RegExp(`^(?:${pattern})$`, 'v');
+    for (const key of ['a', 'A-z_0.9:~+=/-', 'k'.repeat(200), 'k'.repeat(201), '', 'a b', 'é', 'a\\b', 'a|b', 'a(b)', 'a[b]', 'a{b}']) {
+      expect(re.test(key), key).toBe(IDEMPOTENCY_KEY.test(key));
     }
   });
 });

@@ -114,7 +114,7 @@ function paramsForm(job: Job, schema: any, key: string): string {
   }
   return `<form class="run-form" data-job="${esc(job.name)}" method="post" action="/api/jobs/${esc(job.name)}/runs">
   ${fields}
-  <div class="field"><label for="k-${esc(job.name)}">Idempotency-Key <span class="muted">a fresh one per intended run; a retry reuses it</span></label><input id="k-${esc(job.name)}" name="__key" class="mono" value="${esc(key)}" pattern="[A-Za-z0-9._:~+=/\\-]{1,200}" required></div>
+  <div class="field"><label for="k-${esc(job.name)}">Idempotency-Key <span class="muted">a fresh one per intended run; a retry reuses it</span></label><input id="k-${esc(job.name)}" name="__key" class="mono" value="${esc(key)}" pattern="[A-Za-z0-9._:~+=\\/\\-]{1,200}" required></div>
   <div class="form-foot"><button type="submit" class="btn btn-primary">Run ${esc(job.name)}</button><output class="form-result" aria-live="polite"></output></div>
 </form>`;
 }
