@@ -354,4 +354,15 @@ describe('the dashboard page', () => {
       expect(re.test(key), key).toBe(IDEMPOTENCY_KEY.test(key));
     }
   });
+
+  it('needs no inline styles: no style attribute, and a CSP without unsafe-inline', async () => {
+    const created = await api(server.base, 'POST', '/api/jobs/any/runs', { key: 'k-csp', body: {} });
+    expect((await api(server.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body.state).toBe('succeeded');
+    for (const path of ['/', `/runs/${created.body.id}`]) {
+      const res = await api(server.base, 'GET', path);
+      expect(res.status).toBe(200);
+      expect(res.headers.get('content-security-policy')).not.toContain('unsafe-inline');
+      expect(res.text).not.toMatch(/\sstyle=/);
+    }
+  });
 });

@@ -31,7 +31,7 @@ export function stateTag(state: string): string {
 
 export function progressBar(percent: number | null, label: string): string {
   if (percent === null) return `<div class="bar bar-unknown" role="progressbar" aria-label="${esc(label)}"><div class="fill"></div></div>`;
-  return `<div class="bar${percent === 100 ? ' bar-complete' : ''}" role="progressbar" aria-label="${esc(label)}" aria-valuemin="0" aria-valuemax="100" aria-valuenow="${percent}"><div class="fill" style="width:${percent}%"></div></div>`;
+  return `<div class="bar${percent === 100 ? ' bar-complete' : ''}" role="progressbar" aria-label="${esc(label)}" aria-valuemin="0" aria-valuemax="100" aria-valuenow="${percent}"><div class="fill w${Math.max(0, Math.min(100, Math.round(percent)))}"></div></div>`;
 }
 
 function chunkText(r: RunView): string {
