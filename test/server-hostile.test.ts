@@ -344,6 +344,23 @@ describe('HEAD on an event stream', () => {
   });
 });
 
+describe('path parameters over 100 characters', () => {
+  it('get the answers shorter values get, as problem+json, with the value clipped', async () => {
+    for (const n of [101, 5000]) {
+      const res = await api(server.base, 'POST', `/api/jobs/${'j'.repeat(n)}/runs`, { key: 'k-long-job', body: {} });
+      expectProblem(res, 404, 'idem.unknownJob');
+      expect(res.body.detail.length).toBeLessThan(300);
+      expectProblem(await api(server.base, 'POST', `/api/jobs/${'j'.repeat(n)}/runs`, { key: 'k-long-job', body: {}, token: null }), 401, 'idem.unauthorized');
+    }
+    const short = await api(server.base, 'GET', `/api/runs/${'9'.repeat(30)}`);
+    for (const path of [`/api/runs/${'9'.repeat(150)}`, `/api/runs/${'9'.repeat(150)}/pause`, `/api/runs/${'9'.repeat(150)}/events`]) {
+      const res = await api(server.base, path.endsWith('pause') ? 'POST' : 'GET', path);
+      expectProblem(res, short.status, short.body.type.replace('urn:idem:problem:', ''));
+      expect(res.body.detail.length).toBeLessThan(300);
+    }
+  });
+});
+
 describe('the dashboard page', () => {
   it('has an Idempotency-Key pattern that compiles as browsers compile it (v flag) and means the server\'s key grammar', async () => {
     const res = await api(server.base, 'GET', '/');

@@ -139,6 +139,10 @@ export function createServer(opts: ServerOptions): IdemServer {
     trustProxy: false,
     return503OnClosing: true,
     clientErrorHandler: clientError,
+    // Path parameters are checked by their routes (an unknown job is a 404, a run id that is not one
+    // a 404), whatever their length: Fastify's default of 100 answers longer ones with its own 414
+    // before authentication. Node's header limit (16 KiB, the request line included) bounds them.
+    routerOptions: { maxParamLength: 65_536 },
   });
 
   // Params are JSON only: a text/plain body (Fastify parses it by default) is refused with 415.
