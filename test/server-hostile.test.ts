@@ -361,6 +361,23 @@ describe('path parameters over 100 characters', () => {
   });
 });
 
+describe('a request without a Host header', () => {
+  it('is a problem+json 400 naming the header, not an empty 400; nothing is written', async () => {
+    await settled();
+    const before = await snapshot(url, TABLES);
+    for (const text of [
+      'GET /healthz HTTP/1.1\r\nconnection: close\r\n\r\n',
+      `POST /api/jobs/any/runs HTTP/1.1\r\nauthorization: Bearer ${TOKEN}\r\nidempotency-key: k-nohost\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}`,
+    ]) {
+      const res = await rawHttp(server.base, text);
+      expect(res.status, res.headers).toBe(400);
+      expect(res.headers).toMatch(/content-type: application\/problem\+json/i);
+      expect(JSON.parse(res.body)).toMatchObject({ type: 'urn:idem:problem:idem.missingHost', status: 400, detail: expect.stringMatching(/no Host header; HTTP\/1\.1 requires one/) });
+    }
+    expect(await snapshot(url, TABLES)).toEqual(before);
+  });
+});
+
 describe('the dashboard page', () => {
   it('has an Idempotency-Key pattern that compiles as browsers compile it (v flag) and means the server\'s key grammar', async () => {
     const res = await api(server.base, 'GET', '/');

@@ -139,6 +139,9 @@ export function createServer(opts: ServerOptions): IdemServer {
     trustProxy: false,
     return503OnClosing: true,
     clientErrorHandler: clientError,
+    // Node answers a request without Host with a bare empty 400 of its own; the first onRequest
+    // hook below answers it as a problem instead.
+    http: { requireHostHeader: false },
     // Path parameters are checked by their routes (an unknown job is a 404, a run id that is not one
     // a 404), whatever their length: Fastify's default of 100 answers longer ones with its own 414
     // before authentication. Node's header limit (16 KiB, the request line included) bounds them.
@@ -147,6 +150,12 @@ export function createServer(opts: ServerOptions): IdemServer {
 
   // Params are JSON only: a text/plain body (Fastify parses it by default) is refused with 415.
   app.removeContentTypeParser('text/plain');
+
+  app.addHook('onRequest', async (request) => {
+    if (request.headers.host === undefined && request.raw.httpVersion === '1.1') {
+      throw new HttpProblem(400, 'idem.missingHost', 'the request has no Host header; HTTP/1.1 requires one, so send Host: <the server\'s host:port> (HTTP clients do by themselves)');
+    }
+  });
 
   const tokenMatches = tokenMatcher(opts.token);
   app.addHook('onRequest', async (request, reply) => {
