@@ -378,6 +378,48 @@ describe('a request without a Host header', () => {
   });
 });
 
+/** A POST of raw bytes (fetch() of a string would re-encode it as UTF-8). */
+async function postBytes(base: string, path: string, key: string, bytes: Buffer, contentType = 'application/json') {
+  const res = await fetch(`${base}${path}`, { method: 'POST', headers: { authorization: `Bearer ${TOKEN}`, 'idempotency-key': key, 'content-type': contentType }, body: new Uint8Array(bytes) });
+  const text = await res.text();
+  let body: any = text;
+  try {
+    body = JSON.parse(text);
+  } catch {
+    // Not JSON.
+  }
+  return { status: res.status, headers: res.headers, body, text };
+}
+
+describe('request bodies that are not UTF-8 JSON', () => {
+  it('a body that is not valid UTF-8 is a 400 naming UTF-8, not a run with U+FFFD in its params; nothing is written', async () => {
+    await settled();
+    const before = await snapshot(url, TABLES);
+    for (const bad of ['\xc3', '\xff', '\xed\xa0\x80']) {
+      const res = await postBytes(server.base, '/api/jobs/any/runs', 'k-utf8', Buffer.from(`{"n":1,"tag":"a${bad}b"}`, 'latin1'));
+      expectProblem(res, 400, 'idem.invalidEncoding');
+      expect(res.body.detail).toMatch(/UTF-8/);
+    }
+    expect(await snapshot(url, TABLES)).toEqual(before);
+  });
+
+  it('a charset other than UTF-8 is a 415 naming UTF-8 JSON; charset=utf-8 is fine', async () => {
+    await settled();
+    const before = await snapshot(url, TABLES);
+    for (const type of ['application/json; charset=iso-8859-1', 'application/json;charset="latin1"', 'application/json; charset=utf-16']) {
+      const res = await postBytes(server.base, '/api/jobs/any/runs', 'k-charset', Buffer.from('{"tag":"caf\xe9"}', 'latin1'), type);
+      expectProblem(res, 415, 'idem.unsupportedCharset');
+      expect(res.body.detail).toMatch(/send UTF-8 JSON \(charset=utf-8 or none\)/);
+    }
+    expect(await snapshot(url, TABLES)).toEqual(before);
+    for (const [i, type] of ['application/json; charset=utf-8', 'application/json; charset="UTF-8"'].entries()) {
+      const res = await postBytes(server.base, '/api/jobs/any/runs', `k-charset-ok-${i}`, Buffer.from('{"tag":"café"}', 'utf8'), type);
+      expect(res.status, res.text).toBe(201);
+      expect(res.body.params).toEqual({ tag: 'café' });
+    }
+  });
+});
+
 describe('the dashboard page', () => {
   it('has an Idempotency-Key pattern that compiles as browsers compile it (v flag) and means the server\'s key grammar', async () => {
     const res = await api(server.base, 'GET', '/');

@@ -1,4 +1,4 @@
-import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance } from 'fastify';
+import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance, type FastifyRequest } from 'fastify';
 import { sql } from 'kysely';
 import type pg from 'pg';
 import type { Logger } from 'pino';
@@ -150,6 +150,8 @@ export function createServer(opts: ServerOptions): IdemServer {
 
   // Params are JSON only: a text/plain body (Fastify parses it by default) is refused with 415.
   app.removeContentTypeParser('text/plain');
+  app.removeContentTypeParser('application/json');
+  app.addContentTypeParser('application/json', { parseAs: 'buffer' }, jsonBody(app.getDefaultJsonParser('error', 'error')));
 
   app.addHook('onRequest', async (request) => {
     if (request.headers.host === undefined && request.raw.httpVersion === '1.1') {
@@ -266,6 +268,32 @@ export function createServer(opts: ServerOptions): IdemServer {
         await Promise.all([app.close(), executor.shutdown(deadlineMs), replays.close()]);
       })());
     },
+  };
+}
+
+/** UTF-8 decoding that refuses invalid bytes instead of replacing them with U+FFFD. */
+const UTF8 = new TextDecoder('utf-8', { fatal: true });
+
+type JsonParser = (request: FastifyRequest, body: string, done: (err: Error | null, body?: unknown) => void) => void;
+
+/**
+ * The JSON body parser: UTF-8 only, checked byte for byte (a replaced byte would store other params
+ * than were sent and let two different bodies share a fingerprint), and Fastify's own parser
+ * (which refuses __proto__ and constructor.prototype keys) does the parsing.
+ */
+function jsonBody(parse: JsonParser) {
+  return (request: FastifyRequest, body: Buffer, done: (err: Error | null, body?: unknown) => void): void => {
+    const charset = /;\s*charset\s*=\s*"?([^";\s]*)"?/i.exec(request.headers['content-type'] ?? '')?.[1]?.toLowerCase();
+    if (charset !== undefined && charset !== 'utf-8' && charset !== 'utf8') {
+      return done(new HttpProblem(415, 'idem.unsupportedCharset', `the body's charset is ${JSON.stringify(charset.slice(0, 40))}; send UTF-8 JSON (charset=utf-8 or none)`));
+    }
+    let text: string;
+    try {
+      text = UTF8.decode(body);
+    } catch {
+      return done(new HttpProblem(400, 'idem.invalidEncoding', 'the request body is not valid UTF-8; send the params as UTF-8 JSON'));
+    }
+    parse(request, text, done);
   };
 }
 
