@@ -420,6 +420,24 @@ describe('request bodies that are not UTF-8 JSON', () => {
   });
 });
 
+describe('bodies with a __proto__ or constructor.prototype key', () => {
+  it('are refused with 400 forbiddenKey naming the key (they are valid JSON); nothing is written', async () => {
+    await settled();
+    const before = await snapshot(url, TABLES);
+    for (const [rawBody, name] of [
+      ['{"__proto__":{}}', '"__proto__"'],
+      ['{"a":{"b":[{"__proto__":{"x":1}}]}}', '"__proto__"'],
+      ['{"constructor":{"prototype":{}}}', '"constructor.prototype"'],
+    ] as const) {
+      const res = await api(server.base, 'POST', '/api/jobs/any/runs', { key: 'k-proto', rawBody });
+      expectProblem(res, 400, 'idem.forbiddenKey');
+      expect(res.body.detail).toContain(name);
+      expect(res.body.detail).toMatch(/prototype pollution.*rename/);
+    }
+    expect(await snapshot(url, TABLES)).toEqual(before);
+  });
+});
+
 describe('the dashboard page', () => {
   it('has an Idempotency-Key pattern that compiles as browsers compile it (v flag) and means the server\'s key grammar', async () => {
     const res = await api(server.base, 'GET', '/');

@@ -293,8 +293,31 @@ function jsonBody(parse: JsonParser) {
     } catch {
       return done(new HttpProblem(400, 'idem.invalidEncoding', 'the request body is not valid UTF-8; send the params as UTF-8 JSON'));
     }
-    parse(request, text, done);
+    parse(request, text, (err, parsed) => {
+      if (!err) return done(null, parsed);
+      const key = forbiddenKey(text);
+      if (key === null) return done(err);
+      done(new HttpProblem(400, 'idem.forbiddenKey', `the body has a ${JSON.stringify(key)} key, which idem refuses (prototype pollution); rename it`));
+    });
   };
+}
+
+/**
+ * Why Fastify's parser refused a body that is valid JSON: the key it refuses (`__proto__`, or
+ * `constructor` holding `prototype`). Null when the body is not valid JSON at all.
+ */
+function forbiddenKey(text: string): string | null {
+  let found: string | null = null;
+  try {
+    JSON.parse(text, function (this: unknown, key, value) {
+      if (key === '__proto__') found ??= '__proto__';
+      if (key === 'constructor' && value !== null && typeof value === 'object' && Object.hasOwn(value, 'prototype')) found ??= 'constructor.prototype';
+      return value;
+    });
+  } catch {
+    return null;
+  }
+  return found;
 }
 
 /**
