@@ -438,6 +438,18 @@ describe('bodies with a __proto__ or constructor.prototype key', () => {
   });
 });
 
+describe('an empty body', () => {
+  it('is no params ({}) whatever the Content-Type says', async () => {
+    for (const [i, type] of ['application/json', 'application/json; charset=utf-8', 'text/plain'].entries()) {
+      const res = await postBytes(server.base, '/api/jobs/any/runs', `k-empty-${i}`, Buffer.alloc(0), type);
+      expect(res.status, res.text).toBe(201);
+      expect(res.body.params).toEqual({});
+    }
+    // A non-empty body of another type is still refused.
+    expectProblem(await postBytes(server.base, '/api/jobs/any/runs', 'k-empty-text', Buffer.from('x'), 'text/plain'), 415, 'idem.unsupportedMediaType');
+  });
+});
+
 describe('the dashboard page', () => {
   it('has an Idempotency-Key pattern that compiles as browsers compile it (v flag) and means the server\'s key grammar', async () => {
     const res = await api(server.base, 'GET', '/');

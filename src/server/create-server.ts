@@ -152,6 +152,11 @@ export function createServer(opts: ServerOptions): IdemServer {
   app.removeContentTypeParser('text/plain');
   app.removeContentTypeParser('application/json');
   app.addContentTypeParser('application/json', { parseAs: 'buffer' }, jsonBody(app.getDefaultJsonParser('error', 'error')));
+  // No body at all is no params, whatever the Content-Type says; a body of another type is a 415.
+  app.addContentTypeParser('*', { parseAs: 'buffer' }, (_request, body: Buffer, done) => {
+    if (body.length === 0) return done(null, undefined);
+    done(new HttpProblem(415, 'idem.unsupportedMediaType', 'the request body must be JSON; send Content-Type: application/json'), undefined);
+  });
 
   app.addHook('onRequest', async (request) => {
     if (request.headers.host === undefined && request.raw.httpVersion === '1.1') {
@@ -278,8 +283,8 @@ type JsonParser = (request: FastifyRequest, body: string, done: (err: Error | nu
 
 /**
  * The JSON body parser: UTF-8 only, checked byte for byte (a replaced byte would store other params
- * than were sent and let two different bodies share a fingerprint), and Fastify's own parser
- * (which refuses __proto__ and constructor.prototype keys) does the parsing.
+ * than were sent and let two different bodies share a fingerprint), an empty body is no params, and
+ * Fastify's own parser (which refuses __proto__ and constructor.prototype keys) does the parsing.
  */
 function jsonBody(parse: JsonParser) {
   return (request: FastifyRequest, body: Buffer, done: (err: Error | null, body?: unknown) => void): void => {
@@ -287,6 +292,7 @@ function jsonBody(parse: JsonParser) {
     if (charset !== undefined && charset !== 'utf-8' && charset !== 'utf8') {
       return done(new HttpProblem(415, 'idem.unsupportedCharset', `the body's charset is ${JSON.stringify(charset.slice(0, 40))}; send UTF-8 JSON (charset=utf-8 or none)`));
     }
+    if (body.length === 0) return done(null, undefined);
     let text: string;
     try {
       text = UTF8.decode(body);
