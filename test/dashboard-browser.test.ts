@@ -31,7 +31,22 @@ beforeAll(async () => {
   profile = await mkdtemp(path.join(tmpdir(), 'idem-chromium-'));
   context = await chromium.launchPersistentContext(profile, { executablePath: CHROMIUM, headless: true, args: FLAGS, viewport: { width: 1280, height: 900 } });
   page = context.pages()[0] ?? (await context.newPage());
+  // What the browser refused or complained about: a CSP violation, an invalid pattern attribute.
+  await context.addInitScript(() => {
+    (window as any).__cspViolations = [];
+    document.addEventListener('securitypolicyviolation', (e) => (window as any).__cspViolations.push(`${e.violatedDirective}: ${e.blockedURI || e.sample}`));
+  });
+  page.on('console', (m) => {
+    if (m.type() === 'error' || m.type() === 'warning') consoleProblems.push(m.text());
+  });
 });
+
+const consoleProblems: string[] = [];
+/** Fails when the page reported a CSP violation or the console an error such as an invalid pattern. */
+async function expectNoBrowserComplaints(): Promise<void> {
+  expect(await page.evaluate(() => (window as any).__cspViolations)).toEqual([]);
+  expect(consoleProblems.filter((t) => /Content Security Policy|pattern|regular expression/i.test(t))).toEqual([]);
+}
 
 afterAll(async () => {
   await context?.close().catch(() => {});
@@ -65,6 +80,14 @@ describe('the dashboard in a real browser', () => {
     await job.locator('textarea').fill('{"chunks": 40, "pauseMs": 150, "label": "from the browser"}');
     const key = await job.locator('input[name=__key]').inputValue();
     expect(key).toMatch(/^[0-9a-f-]{36}$/);
+    // The browser checks the key against the pattern itself (an invalid pattern disables it).
+    expect(await job.locator('input[name=__key]').evaluate((el: HTMLInputElement) => {
+      el.value = 'not a valid key';
+      const invalid = el.validity.patternMismatch;
+      el.value = 'a-valid/key=1';
+      return [invalid, el.validity.patternMismatch];
+    })).toEqual([true, false]);
+    await job.locator('input[name=__key]').fill(key);
     await job.locator('button[type=submit]').dblclick();
     await expect.poll(() => job.locator('.form-result a').textContent()).toMatch(/run /);
     expect(await job.locator('input[name=__key]').inputValue()).not.toBe(key);
@@ -85,6 +108,7 @@ describe('the dashboard in a real browser', () => {
     expect(await card.locator('.tag').textContent()).toBe('succeeded');
     // Every change arrived over server-sent events: the page was never reloaded.
     expect(await page.evaluate(() => (window as any).__sameDocument)).toBe(true);
+    await expectNoBrowserComplaints();
 
     // A run left paused and one running, for the picture.
     await api(server.base, 'POST', '/api/jobs/counted/runs', { key: 'reindex-search', body: { chunks: 400, pauseMs: 100, label: 'search' } });
@@ -101,6 +125,7 @@ describe('the dashboard in a real browser', () => {
     expect(await page.locator('table.steps tbody tr').count()).toBe(3);
     expect(await page.locator('svg.chart rect').count()).toBeGreaterThan(0);
     await page.screenshot({ path: path.join(SCREENSHOTS, 'run-page.png'), fullPage: true });
+    await expectNoBrowserComplaints();
 
     const failed = (await query(url, `select id::text from idem.runs where run_key = 'backfill-orders'`))[0].id;
     await page.goto(`${server.base}/runs/${failed}`);

@@ -1,4 +1,7 @@
 import { spawn } from 'node:child_process';
+import { mkdtemp, rm, writeFile } from 'node:fs/promises';
+import { tmpdir } from 'node:os';
+import path from 'node:path';
 import pg from 'pg';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { lockKey } from '../src/fingerprint.ts';
@@ -77,6 +80,20 @@ describe('starting the server', () => {
       const missingFile = await runCli(['--jobs-dir', FIXTURE_JOBS, 'serve', '--token-file', '/nonexistent/token'], { url: fresh.url });
       expect(missingFile.code).toBe(2);
       expect(missingFile.stderr).toContain('cannot read the token file /nonexistent/token (ENOENT); fix --token-file');
+      // An empty token file is named as such, even with IDEM_API_TOKEN set (the file wins).
+      const dir = await mkdtemp(path.join(tmpdir(), 'idem-token-'));
+      try {
+        for (const [content, problem] of [['', 'is empty: put the token on its first line'], ['\n\nsecret-token-0123456789\n', 'has no token on its first line: put the token on its first line']] as const) {
+          const file = path.join(dir, 'empty.tok');
+          await writeFile(file, content);
+          const empty = await runCli(['--jobs-dir', FIXTURE_JOBS, 'serve', '--port', '0', '--token-file', file], { url: fresh.url, env: { IDEM_API_TOKEN: TOKEN } });
+          expect(empty.code, empty.stderr).toBe(2);
+          expect(empty.stderr.trim().split('\n')).toHaveLength(1);
+          expect(empty.stderr).toContain(`--token-file ${file} ${problem}`);
+        }
+      } finally {
+        await rm(dir, { recursive: true, force: true });
+      }
       // Refused before connecting: idem's schema was not even created.
       expect(await query(fresh.url, `select count(*)::int as n from pg_namespace where nspname = 'idem'`)).toEqual([{ n: 0 }]);
     } finally {

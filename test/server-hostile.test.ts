@@ -5,6 +5,7 @@ import { ALL_TABLES, FIXTURE_JOBS, killLeftovers, query, runCli, runRow, snapsho
 import { startBlackholeProxy } from './support/blackhole-proxy.ts';
 import { useTestDatabase } from './support/database.ts';
 import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
+import { IDEMPOTENCY_KEY } from '../src/server/api-routes.ts';
 
 /**
  * Hostile and edge-case requests found by trying `idem serve` from the outside: each must be one
@@ -339,6 +340,135 @@ describe('HEAD on an event stream', () => {
       expect(res.status).toBe(200);
       expect(res.headers.get('content-type')).toMatch(/^text\/event-stream/);
       expect(Date.now() - started).toBeLessThan(2_000);
+    }
+  });
+});
+
+describe('path parameters over 100 characters', () => {
+  it('get the answers shorter values get, as problem+json, with the value clipped', async () => {
+    for (const n of [101, 5000]) {
+      const res = await api(server.base, 'POST', `/api/jobs/${'j'.repeat(n)}/runs`, { key: 'k-long-job', body: {} });
+      expectProblem(res, 404, 'idem.unknownJob');
+      expect(res.body.detail.length).toBeLessThan(300);
+      expectProblem(await api(server.base, 'POST', `/api/jobs/${'j'.repeat(n)}/runs`, { key: 'k-long-job', body: {}, token: null }), 401, 'idem.unauthorized');
+    }
+    const short = await api(server.base, 'GET', `/api/runs/${'9'.repeat(30)}`);
+    for (const path of [`/api/runs/${'9'.repeat(150)}`, `/api/runs/${'9'.repeat(150)}/pause`, `/api/runs/${'9'.repeat(150)}/events`]) {
+      const res = await api(server.base, path.endsWith('pause') ? 'POST' : 'GET', path);
+      expectProblem(res, short.status, short.body.type.replace('urn:idem:problem:', ''));
+      expect(res.body.detail.length).toBeLessThan(300);
+    }
+  });
+});
+
+describe('a request without a Host header', () => {
+  it('is a problem+json 400 naming the header, not an empty 400; nothing is written', async () => {
+    await settled();
+    const before = await snapshot(url, TABLES);
+    for (const text of [
+      'GET /healthz HTTP/1.1\r\nconnection: close\r\n\r\n',
+      `POST /api/jobs/any/runs HTTP/1.1\r\nauthorization: Bearer ${TOKEN}\r\nidempotency-key: k-nohost\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}`,
+    ]) {
+      const res = await rawHttp(server.base, text);
+      expect(res.status, res.headers).toBe(400);
+      expect(res.headers).toMatch(/content-type: application\/problem\+json/i);
+      expect(JSON.parse(res.body)).toMatchObject({ type: 'urn:idem:problem:idem.missingHost', status: 400, detail: expect.stringMatching(/no Host header; HTTP\/1\.1 requires one/) });
+    }
+    expect(await snapshot(url, TABLES)).toEqual(before);
+  });
+});
+
+/** A POST of raw bytes (fetch() of a string would re-encode it as UTF-8). */
+async function postBytes(base: string, path: string, key: string, bytes: Buffer, contentType = 'application/json') {
+  const res = await fetch(`${base}${path}`, { method: 'POST', headers: { authorization: `Bearer ${TOKEN}`, 'idempotency-key': key, 'content-type': contentType }, body: new Uint8Array(bytes) });
+  const text = await res.text();
+  let body: any = text;
+  try {
+    body = JSON.parse(text);
+  } catch {
+    // Not JSON.
+  }
+  return { status: res.status, headers: res.headers, body, text };
+}
+
+describe('request bodies that are not UTF-8 JSON', () => {
+  it('a body that is not valid UTF-8 is a 400 naming UTF-8, not a run with U+FFFD in its params; nothing is written', async () => {
+    await settled();
+    const before = await snapshot(url, TABLES);
+    for (const bad of ['\xc3', '\xff', '\xed\xa0\x80']) {
+      const res = await postBytes(server.base, '/api/jobs/any/runs', 'k-utf8', Buffer.from(`{"n":1,"tag":"a${bad}b"}`, 'latin1'));
+      expectProblem(res, 400, 'idem.invalidEncoding');
+      expect(res.body.detail).toMatch(/UTF-8/);
+    }
+    expect(await snapshot(url, TABLES)).toEqual(before);
+  });
+
+  it('a charset other than UTF-8 is a 415 naming UTF-8 JSON; charset=utf-8 is fine', async () => {
+    await settled();
+    const before = await snapshot(url, TABLES);
+    for (const type of ['application/json; charset=iso-8859-1', 'application/json;charset="latin1"', 'application/json; charset=utf-16']) {
+      const res = await postBytes(server.base, '/api/jobs/any/runs', 'k-charset', Buffer.from('{"tag":"caf\xe9"}', 'latin1'), type);
+      expectProblem(res, 415, 'idem.unsupportedCharset');
+      expect(res.body.detail).toMatch(/send UTF-8 JSON \(charset=utf-8 or none\)/);
+    }
+    expect(await snapshot(url, TABLES)).toEqual(before);
+    for (const [i, type] of ['application/json; charset=utf-8', 'application/json; charset="UTF-8"'].entries()) {
+      const res = await postBytes(server.base, '/api/jobs/any/runs', `k-charset-ok-${i}`, Buffer.from('{"tag":"café"}', 'utf8'), type);
+      expect(res.status, res.text).toBe(201);
+      expect(res.body.params).toEqual({ tag: 'café' });
+    }
+  });
+});
+
+describe('bodies with a __proto__ or constructor.prototype key', () => {
+  it('are refused with 400 forbiddenKey naming the key (they are valid JSON); nothing is written', async () => {
+    await settled();
+    const before = await snapshot(url, TABLES);
+    for (const [rawBody, name] of [
+      ['{"__proto__":{}}', '"__proto__"'],
+      ['{"a":{"b":[{"__proto__":{"x":1}}]}}', '"__proto__"'],
+      ['{"constructor":{"prototype":{}}}', '"constructor.prototype"'],
+    ] as const) {
+      const res = await api(server.base, 'POST', '/api/jobs/any/runs', { key: 'k-proto', rawBody });
+      expectProblem(res, 400, 'idem.forbiddenKey');
+      expect(res.body.detail).toContain(name);
+      expect(res.body.detail).toMatch(/prototype pollution.*rename/);
+    }
+    expect(await snapshot(url, TABLES)).toEqual(before);
+  });
+});
+
+describe('an empty body', () => {
+  it('is no params ({}) whatever the Content-Type says', async () => {
+    for (const [i, type] of ['application/json', 'application/json; charset=utf-8', 'text/plain'].entries()) {
+      const res = await postBytes(server.base, '/api/jobs/any/runs', `k-empty-${i}`, Buffer.alloc(0), type);
+      expect(res.status, res.text).toBe(201);
+      expect(res.body.params).toEqual({});
+    }
+    // A non-empty body of another type is still refused.
+    expectProblem(await postBytes(server.base, '/api/jobs/any/runs', 'k-empty-text', Buffer.from('x'), 'text/plain'), 415, 'idem.unsupportedMediaType');
+  });
+});
+
+describe('the dashboard page', () => {
+  it('has an Idempotency-Key pattern that compiles as browsers compile it (v flag) and means the server\'s key grammar', async () => {
+    const res = await api(server.base, 'GET', '/');
+    const pattern = /name="__key"[^>]* pattern="([^"]+)"/.exec(res.text)?.[1];
+    expect(pattern).toBeDefined();
+    const re = new RegExp(`^(?:${pattern})$`, 'v');
+    for (const key of ['a', 'A-z_0.9:~+=/-', 'k'.repeat(200), 'k'.repeat(201), '', 'a b', 'é', 'a\\b', 'a|b', 'a(b)', 'a[b]', 'a{b}']) {
+      expect(re.test(key), key).toBe(IDEMPOTENCY_KEY.test(key));
+    }
+  });
+
+  it('needs no inline styles: no style attribute, and a CSP without unsafe-inline', async () => {
+    const created = await api(server.base, 'POST', '/api/jobs/any/runs', { key: 'k-csp', body: {} });
+    expect((await api(server.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body.state).toBe('succeeded');
+    for (const path of ['/', `/runs/${created.body.id}`]) {
+      const res = await api(server.base, 'GET', path);
+      expect(res.status).toBe(200);
+      expect(res.headers.get('content-security-policy')).not.toContain('unsafe-inline');
+      expect(res.text).not.toMatch(/\sstyle=/);
     }
   });
 });

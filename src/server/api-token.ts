@@ -13,10 +13,16 @@ export async function loadApiToken(opts: { readonly file?: string; readonly env?
   let token = opts.env;
   let from = 'IDEM_API_TOKEN';
   if (opts.file !== undefined) {
+    let text: string;
     try {
-      token = (await readFile(opts.file, 'utf8')).split('\n')[0]?.trim();
+      text = await readFile(opts.file, 'utf8');
     } catch (err) {
       throw new UsageError('tokenFile', `cannot read the token file ${opts.file} (${(err as { code?: string }).code ?? 'error'}); fix --token-file`, { cause: err });
+    }
+    token = text.split('\n')[0]!.trim();
+    // The file wins over IDEM_API_TOKEN, so an empty one is its own problem, not a missing token.
+    if (!token) {
+      throw new UsageError('tokenFile', `--token-file ${opts.file} ${text.trim() ? 'has no token on its first line' : 'is empty'}: put the token on its first line (e.g. openssl rand -hex 32 > ${opts.file})`);
     }
     from = `token file ${opts.file}`;
   }

@@ -1,4 +1,4 @@
-import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance } from 'fastify';
+import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance, type FastifyRequest } from 'fastify';
 import { sql } from 'kysely';
 import type pg from 'pg';
 import type { Logger } from 'pino';
@@ -139,10 +139,30 @@ export function createServer(opts: ServerOptions): IdemServer {
     trustProxy: false,
     return503OnClosing: true,
     clientErrorHandler: clientError,
+    // Node answers a request without Host with a bare empty 400 of its own; the first onRequest
+    // hook below answers it as a problem instead.
+    http: { requireHostHeader: false },
+    // Path parameters are checked by their routes (an unknown job is a 404, a run id that is not one
+    // a 404), whatever their length: Fastify's default of 100 answers longer ones with its own 414
+    // before authentication. Node's header limit (16 KiB, the request line included) bounds them.
+    routerOptions: { maxParamLength: 65_536 },
   });
 
   // Params are JSON only: a text/plain body (Fastify parses it by default) is refused with 415.
   app.removeContentTypeParser('text/plain');
+  app.removeContentTypeParser('application/json');
+  app.addContentTypeParser('application/json', { parseAs: 'buffer' }, jsonBody(app.getDefaultJsonParser('error', 'error')));
+  // No body at all is no params, whatever the Content-Type says; a body of another type is a 415.
+  app.addContentTypeParser('*', { parseAs: 'buffer' }, (_request, body: Buffer, done) => {
+    if (body.length === 0) return done(null, undefined);
+    done(new HttpProblem(415, 'idem.unsupportedMediaType', 'the request body must be JSON; send Content-Type: application/json'), undefined);
+  });
+
+  app.addHook('onRequest', async (request) => {
+    if (request.headers.host === undefined && request.raw.httpVersion === '1.1') {
+      throw new HttpProblem(400, 'idem.missingHost', 'the request has no Host header; HTTP/1.1 requires one, so send Host: <the server\'s host:port> (HTTP clients do by themselves)');
+    }
+  });
 
   const tokenMatches = tokenMatcher(opts.token);
   app.addHook('onRequest', async (request, reply) => {
@@ -254,6 +274,56 @@ export function createServer(opts: ServerOptions): IdemServer {
       })());
     },
   };
+}
+
+/** UTF-8 decoding that refuses invalid bytes instead of replacing them with U+FFFD. */
+const UTF8 = new TextDecoder('utf-8', { fatal: true });
+
+type JsonParser = (request: FastifyRequest, body: string, done: (err: Error | null, body?: unknown) => void) => void;
+
+/**
+ * The JSON body parser: UTF-8 only, checked byte for byte (a replaced byte would store other params
+ * than were sent and let two different bodies share a fingerprint), an empty body is no params, and
+ * Fastify's own parser (which refuses __proto__ and constructor.prototype keys) does the parsing.
+ */
+function jsonBody(parse: JsonParser) {
+  return (request: FastifyRequest, body: Buffer, done: (err: Error | null, body?: unknown) => void): void => {
+    const charset = /;\s*charset\s*=\s*"?([^";\s]*)"?/i.exec(request.headers['content-type'] ?? '')?.[1]?.toLowerCase();
+    if (charset !== undefined && charset !== 'utf-8' && charset !== 'utf8') {
+      return done(new HttpProblem(415, 'idem.unsupportedCharset', `the body's charset is ${JSON.stringify(charset.slice(0, 40))}; send UTF-8 JSON (charset=utf-8 or none)`));
+    }
+    if (body.length === 0) return done(null, undefined);
+    let text: string;
+    try {
+      text = UTF8.decode(body);
+    } catch {
+      return done(new HttpProblem(400, 'idem.invalidEncoding', 'the request body is not valid UTF-8; send the params as UTF-8 JSON'));
+    }
+    parse(request, text, (err, parsed) => {
+      if (!err) return done(null, parsed);
+      const key = forbiddenKey(text);
+      if (key === null) return done(err);
+      done(new HttpProblem(400, 'idem.forbiddenKey', `the body has a ${JSON.stringify(key)} key, which idem refuses (prototype pollution); rename it`));
+    });
+  };
+}
+
+/**
+ * Why Fastify's parser refused a body that is valid JSON: the key it refuses (`__proto__`, or
+ * `constructor` holding `prototype`). Null when the body is not valid JSON at all.
+ */
+function forbiddenKey(text: string): string | null {
+  let found: string | null = null;
+  try {
+    JSON.parse(text, function (this: unknown, key, value) {
+      if (key === '__proto__') found ??= '__proto__';
+      if (key === 'constructor' && value !== null && typeof value === 'object' && Object.hasOwn(value, 'prototype')) found ??= 'constructor.prototype';
+      return value;
+    });
+  } catch {
+    return null;
+  }
+  return found;
 }
 
 /**

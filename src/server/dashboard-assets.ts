@@ -53,6 +53,7 @@ h2{font-size:13px;text-transform:uppercase;letter-spacing:.06em;color:var(--mute
 [data-state=paused] .bar .fill,[data-state=interrupted] .bar .fill{background:var(--warn)}
 .bar.bar-complete .fill{background:var(--ok)}
 .bar-unknown .fill{width:30%;opacity:.5}
+${Array.from({ length: 101 }, (_, i) => `.bar .w${i}{width:${i}%}`).join('')}
 .progress-line{display:flex;gap:10px;align-items:baseline;margin:6px 0 10px;font-size:13px;color:var(--muted)}
 .pct{font-weight:700;color:var(--text);font-variant-numeric:tabular-nums}
 .facts{display:grid;grid-template-columns:repeat(auto-fill,minmax(92px,1fr));gap:8px 12px;margin:0}

@@ -31,7 +31,7 @@ export function stateTag(state: string): string {
 
 export function progressBar(percent: number | null, label: string): string {
   if (percent === null) return `<div class="bar bar-unknown" role="progressbar" aria-label="${esc(label)}"><div class="fill"></div></div>`;
-  return `<div class="bar${percent === 100 ? ' bar-complete' : ''}" role="progressbar" aria-label="${esc(label)}" aria-valuemin="0" aria-valuemax="100" aria-valuenow="${percent}"><div class="fill" style="width:${percent}%"></div></div>`;
+  return `<div class="bar${percent === 100 ? ' bar-complete' : ''}" role="progressbar" aria-label="${esc(label)}" aria-valuemin="0" aria-valuemax="100" aria-valuenow="${percent}"><div class="fill w${Math.max(0, Math.min(100, Math.round(percent)))}"></div></div>`;
 }
 
 function chunkText(r: RunView): string {
@@ -114,7 +114,7 @@ function paramsForm(job: Job, schema: any, key: string): string {
   }
   return `<form class="run-form" data-job="${esc(job.name)}" method="post" action="/api/jobs/${esc(job.name)}/runs">
   ${fields}
-  <div class="field"><label for="k-${esc(job.name)}">Idempotency-Key <span class="muted">a fresh one per intended run; a retry reuses it</span></label><input id="k-${esc(job.name)}" name="__key" class="mono" value="${esc(key)}" pattern="[A-Za-z0-9._:~+=/\\-]{1,200}" required></div>
+  <div class="field"><label for="k-${esc(job.name)}">Idempotency-Key <span class="muted">a fresh one per intended run; a retry reuses it</span></label><input id="k-${esc(job.name)}" name="__key" class="mono" value="${esc(key)}" pattern="[A-Za-z0-9._:~+=\\/\\-]{1,200}" required></div>
   <div class="form-foot"><button type="submit" class="btn btn-primary">Run ${esc(job.name)}</button><output class="form-result" aria-live="polite"></output></div>
 </form>`;
 }

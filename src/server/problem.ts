@@ -67,8 +67,6 @@ export function toProblem(err: unknown): HttpProblem {
       return new HttpProblem(413, 'idem.bodyTooLarge', 'the request body is larger than the server accepts; send smaller params (see --body-limit)');
     case 'FST_ERR_CTP_INVALID_MEDIA_TYPE':
       return new HttpProblem(415, 'idem.unsupportedMediaType', 'the request body must be JSON; send Content-Type: application/json');
-    case 'FST_ERR_CTP_EMPTY_JSON_BODY':
-      return new HttpProblem(400, 'idem.emptyBody', 'Content-Type is application/json but the body is empty; send {} for no params');
     case 'FST_ERR_CTP_INVALID_CONTENT_LENGTH':
       return new HttpProblem(400, 'idem.badContentLength', 'the Content-Length header does not match the body; send the body as it is');
   }
