@@ -64,8 +64,23 @@ export function buildProgram(state: { exitCode: number }): Command {
   return program;
 }
 
+/**
+ * A warning a library emits (pg's note on sslmode, a deprecation) on one `idem: warning:` line,
+ * like idem's own messages, instead of Node's several lines. Off with NODE_NO_WARNINGS=1 or
+ * --no-warnings, as Node's own printing is.
+ */
+function oneLineWarnings(): void {
+  process.removeAllListeners('warning');
+  if (process.env.NODE_NO_WARNINGS === '1' || process.execArgv.includes('--no-warnings')) return;
+  process.on('warning', (w: Error) => {
+    const text = `${w.name && w.name !== 'Warning' ? `${w.name}: ` : ''}${w.message}`;
+    process.stderr.write(`idem: warning: ${visibleError(text.split('\n').map((l) => l.trim()).filter(Boolean).join(' '))}\n`);
+  });
+}
+
 /** Entry point of the `idem` binary. */
 export async function main(argv: string[]): Promise<never> {
+  oneLineWarnings();
   const state = { exitCode: 0 };
   const program = buildProgram(state);
   try {

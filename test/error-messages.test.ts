@@ -360,6 +360,17 @@ describe('the final error line is one line, with control characters escaped', ()
   });
 });
 
+describe("a library's warning is one line too", () => {
+  it("pg's multi-line note on sslmode=require comes out as one `idem: warning:` line before the error", async () => {
+    const r = await runCli([...FIXTURE_DIRS, 'status'], { url: 'postgres://u:secret@127.0.0.1:1/x?sslmode=require' });
+    expect(r.code, r.stderr).toBe(2);
+    const out = lines(r.stderr).filter((l) => !l.startsWith('{'));
+    // Before: Node's "(node:123) Warning: SECURITY WARNING: …" and eight more lines.
+    expect(out).toEqual([expect.stringMatching(/^idem: warning: SECURITY WARNING: The SSL modes .* use 'sslmode=verify-full'.*uselibpqcompat=true&sslmode=require/), expect.stringMatching(/^idem: error: cannot reach the database/)]);
+    expect(r.stderr).not.toContain('secret');
+  });
+});
+
 describe('a chunk source mistake is its step\'s', () => {
   it('a chunk spec holding a BigInt: exit 1, the step named, what to fix', async () => {
     const dir = await jobFolder('bigint-cli', {
