@@ -784,7 +784,6 @@ class ControlRequest extends Error {
   }
 }
 
-/** A paused or cancelled run does not start again until an operator says so. */
 /** #runClaimed's answer for a run a prune marked deleting while this process was entering it. */
 const DELETING = Symbol('deleting');
 
@@ -793,6 +792,7 @@ function refuseDeleting(job: string, runKey: string): never {
   throw new BusyError(`run "${runKey}" of job "${job}" is being deleted in another process (idem prune or idem reset holds its lock); run the command again once that has ended`);
 }
 
+/** A paused or cancelled run does not start again until an operator says so. */
 function refuseControlled(run: RunRow): void {
   if (run.status === 'paused') {
     throw new PausedError(`run ${run.run_key} of job "${run.job}" is paused; run idem resume ${run.job} --key ${run.run_key} first`);
