@@ -432,13 +432,16 @@ describe('Runner.run', () => {
     }
   });
 
-  it('a zombie attempt cannot commit after a newer attempt took the run over (fencing, exit 69)', async () => {
-    const gate = await holdGate(url, 'fence');
-    const running = rejectionOf(runner.run(counted, { params: { chunks: 3, gate: 'fence' }, key: 'fence' }));
+  /**
+   * Attempt 1 of run `key` blocks inside chunk c0001 on a gate while a takeover bumps the fencing
+   * token: its COMMIT is refused, it fails with exit 69, and nothing of it is committed or recorded.
+   */
+  async function zombieIsFenced(key: string): Promise<void> {
+    const gate = await holdGate(url, key);
+    const running = rejectionOf(runner.run(counted, { params: { chunks: 3, gate: key }, key }));
     try {
-      // Attempt 1 is inside chunk c0001, blocked on the gate; a takeover bumps the fencing token.
       await waitFor(async () => (await query(url, `select 1 from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`)).length > 0, 'the chunk to block on the gate');
-      await query(url, `update idem.runs set attempt = attempt + 1 where run_key = 'fence'`);
+      await query(url, `update idem.runs set attempt = attempt + 1 where run_key = $1`, [key]);
     } finally {
       await gate.release();
     }
@@ -446,30 +449,18 @@ describe('Runner.run', () => {
     expect(err).toBeInstanceOf(LockLostError);
     expect(exitCodeOf(err)).toBe(69);
     expect(err.message).toContain('fenced off by attempt 2');
-    expect(await workCounts(url, 'fence')).toEqual(new Map());
-    expect((await chunkRows(url, 'counted', 'fence', 'work')).filter((c) => c.done_at !== null)).toEqual([]);
+    expect(await workCounts(url, key)).toEqual(new Map());
+    expect((await chunkRows(url, 'counted', key, 'work')).filter((c) => c.done_at !== null)).toEqual([]);
     // The zombie records nothing on the run: it belongs to attempt 2 now.
-    expect(await runRow(url, 'counted', 'fence')).toMatchObject({ attempt: 2, status: 'running', error: null });
-  });
+    expect(await runRow(url, 'counted', key)).toMatchObject({ attempt: 2, status: 'running', error: null });
+  }
+
+  it('a zombie attempt cannot commit after a newer attempt took the run over (fencing, exit 69)', () => zombieIsFenced('fence'));
 
   it('fencing holds as well where the database has deferrable constraints (the checks, the fence among them, run before COMMIT)', async () => {
     await query(url, 'create table fence_deferrable (id int primary key deferrable initially deferred)');
-    const gate = await holdGate(url, 'fence-d');
     try {
-      const running = rejectionOf(runner.run(counted, { params: { chunks: 3, gate: 'fence-d' }, key: 'fence-d' }));
-      try {
-        await waitFor(async () => (await query(url, `select 1 from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`)).length > 0, 'the chunk to block on the gate');
-        await query(url, `update idem.runs set attempt = attempt + 1 where run_key = 'fence-d'`);
-      } finally {
-        await gate.release();
-      }
-      const err = await running;
-      expect(err).toBeInstanceOf(LockLostError);
-      expect(exitCodeOf(err)).toBe(69);
-      expect(err.message).toContain('fenced off by attempt 2');
-      expect(await workCounts(url, 'fence-d')).toEqual(new Map());
-      expect((await chunkRows(url, 'counted', 'fence-d', 'work')).filter((c) => c.done_at !== null)).toEqual([]);
-      expect(await runRow(url, 'counted', 'fence-d')).toMatchObject({ attempt: 2, status: 'running', error: null });
+      await zombieIsFenced('fence-d');
       // And an unfenced run in that database commits every chunk once.
       const ok = await runner.run(counted, { params: { chunks: 5 }, key: 'deferrable-ok' });
       expect(ok.status).toBe('succeeded');
