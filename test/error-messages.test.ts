@@ -360,6 +360,34 @@ describe('the final error line is one line, with control characters escaped', ()
   });
 });
 
+describe('a failed chunk\'s message with newlines is recorded whole', () => {
+  const pretty = JSON.stringify([{ id: 1, problem: 'bad' }], null, 2);
+  const cases = [
+    ['error', `throw new Error('first\\nsecond-line-detail')`, 'first\nsecond-line-detail'],
+    ['string', `throw 'plain\\nstring'`, 'plain\nstring'],
+    ['pretty', `throw new Error(JSON.stringify([{ id: 1, problem: 'bad' }], null, 2))`, pretty],
+  ] as const;
+  for (const [id, thrown, message] of cases) {
+    it(`${thrown}: the run's error, status, status --json, run --json and the final line keep all of it`, async () => {
+      const name = `multiline-${id}`;
+      const dir = await jobFolder(name, { 'j.ts': `export default { name: '${name}', steps: [{ name: 'only', run: () => { ${thrown}; } }] };\n` });
+      const escaped = message.replace(/\n/g, '\\n');
+      const r = await runCli(['--jobs-dir', dir, 'run', name, '--key', 'k', '--json'], { url });
+      expect(r.code, r.stderr).toBe(1);
+      const whole = `job "${name}" failed in step "only" after 1 try: ${message}; fix the cause and run the same command again to resume there`;
+      expect(JSON.parse(r.stdout)).toMatchObject({ status: 'error', exitCode: 1, error: whole });
+      expect(lines(r.stderr).filter((l) => l.startsWith('idem: error:'))).toEqual([`idem: error: ${whole.replace(/\n/g, '\\n')}`]);
+      const [row] = await query<{ message: string }>(url, `select error->>'message' as message from idem.runs where job = $1 and run_key = 'k'`, [name]);
+      expect(row?.message).toBe(message);
+      const json = await runCli(['--jobs-dir', dir, 'status', name, '--json'], { url });
+      expect(JSON.parse(json.stdout)).toEqual([expect.objectContaining({ runKey: 'k', state: 'failed', error: expect.objectContaining({ step: 'only', message }) })]);
+      const table = await runCli(['--jobs-dir', dir, 'status', name], { url });
+      expect(table.code, table.stderr).toBe(0);
+      expect(table.stdout).toContain(escaped.slice(0, 60));
+    });
+  }
+});
+
 describe('a chunk source mistake is its step\'s', () => {
   it('a chunk spec holding a BigInt: exit 1, the step named, what to fix', async () => {
     const dir = await jobFolder('bigint-cli', {
