@@ -361,6 +361,20 @@ describe('idem help, status and list', () => {
     expectOneLineError(ambiguous, 2, 'job "counted" has several runs with a key starting "pfx-" (pfx-a, pfx-b); give more of the key');
   });
 
+  it('status cuts a long key by characters, never inside an emoji, and that text works as --key', async () => {
+    const full = '🙂'.repeat(50);
+    const made = await idem(['run', 'counted', '--params', '{"chunks":1,"label":"emoji-key"}', '--key', full]);
+    expect(made.code, made.stderr).toBe(0);
+    const table = await idem(['status', 'counted', '--limit', '10000']);
+    expect(table.code, table.stderr).toBe(0);
+    expect(table.stdout).not.toContain('\uFFFD');
+    const shown = `${'🙂'.repeat(27)}...`;
+    expect(lines(table.stdout).map((l) => l.split(/ +/)[1]!)).toContain(shown);
+    const r = await idem(['status', 'counted', '--key', shown]);
+    expect(r.code, r.stderr).toBe(0);
+    expect(lines(r.stdout)[1]).toBe(`run key   ${full}`);
+  });
+
   it('list --json shows the fixture jobs and migrations with their latest state', async () => {
     // counted's latest run is this one, whatever other tests ran before.
     const runner = await Runner.connect({ connectionString: url });

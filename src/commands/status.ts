@@ -59,7 +59,7 @@ export function formatStatus(stored: readonly RunStatusRow[], now: Date = new Da
   // Keys, errors and names come from the database: their control characters are shown escaped.
   const rows = visibleDeep(stored);
   const header = ['JOB', 'RUN KEY', 'STATE', 'ATTEMPT', 'CHUNKS', 'UPDATED'];
-  const table = rows.map((r) => [r.job, r.runKey.length > 30 ? `${r.runKey.slice(0, 27)}...` : r.runKey, r.state, String(r.attempt), chunksOf(r), relativeTime(r.updatedAt, now)]);
+  const table = rows.map((r) => [r.job, shownKey(r.runKey), r.state, String(r.attempt), chunksOf(r), relativeTime(r.updatedAt, now)]);
   const { line } = textTable([header, ...table]);
   const out = [line(header, (_, s) => c.bold(s))];
   rows.forEach((r, n) => {
@@ -136,6 +136,16 @@ export function formatRunDetail(stored: RunStatusRow, storedSteps: readonly Step
   }
   if (r.error) out.push('', `${c.bold('last error')}  ${c.red(errorOf(r))}`);
   return out.join('\n');
+}
+
+/**
+ * A run key as the table shows it: longer than 30 characters, its first 27 and `...`. Characters
+ * are code points (`Array.from`), so the cut never falls inside an emoji's surrogate pair (which
+ * showed U+FFFD, and that text passed back as --key matched nothing).
+ */
+function shownKey(key: string): string {
+  const chars = Array.from(key);
+  return chars.length > 30 ? `${chars.slice(0, 27).join('')}...` : key;
 }
 
 /**
