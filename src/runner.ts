@@ -46,6 +46,12 @@ export interface RunnerOptions {
    * another worker can redo the chunk. 0 turns it off. Defaults to `60000`.
    */
   readonly idleInTransactionTimeoutMs?: number;
+  /**
+   * @internal Runs on the connected database before idem's schema is created or upgraded; what it
+   * throws closes the connections and is thrown by connect (the CLI refuses an unknown job name
+   * here, so that refusal writes nothing, not even the schema).
+   */
+  readonly beforeSchema?: (db: Kysely<any>, schema: string) => Promise<void>;
 }
 
 /** Options of {@link Runner.migrate}. */
@@ -198,6 +204,7 @@ export class Runner {
       ...(opts.idleInTransactionTimeoutMs !== undefined ? { idleInTransactionTimeoutMs: opts.idleInTransactionTimeoutMs } : {}),
     });
     try {
+      await opts.beforeSchema?.(database.db, schema);
       await retrying(() => ensureRunnerSchema(database.db, schema));
     } catch (err) {
       await database.close();

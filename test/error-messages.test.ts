@@ -217,6 +217,25 @@ describe('an unknown job name suggests the closest known ones', () => {
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
   });
 
+  it('on a database without idem\'s schema: status, pause, resume, cancel and reset refuse the name and create no schema', async () => {
+    const schema = 'unknown_name_fresh';
+    await query(url, `drop schema if exists ${schema} cascade`);
+    const results = await Promise.all([
+      idem(['--schema', schema, 'status', 'countd']),
+      idem(['--schema', schema, 'pause', 'countd']),
+      idem(['--schema', schema, 'resume', 'countd']),
+      idem(['--schema', schema, 'cancel', 'countd']),
+      idem(['--schema', schema, 'reset', 'countd', '--key', 'k']),
+    ]);
+    for (const r of results) expect(refusal(r, 2)).toEqual([`idem: error: no job named 'countd'; did you mean 'counted'?`]);
+    expect(await query(url, `select to_regnamespace($1)::text as s`, [schema])).toEqual([{ s: null }]);
+    // A known name still works there (and, acting on the database, creates the schema).
+    const known = await idem(['--schema', schema, 'status', 'counted']);
+    expect(known.code, known.stderr).toBe(0);
+    expect(known.stdout).toBe('no runs yet\n');
+    await query(url, `drop schema ${schema} cascade`);
+  });
+
   it('suggests migrations by their job name, and lists the known names when none is close', async () => {
     const [migration, none] = await Promise.all([idem(['status', 'create-widget']), idem(['status', 'zzzzzzzzzzzzzzzz'])]);
     expect(refusal(migration!, 2)).toEqual([`idem: error: no job named 'create-widget'; did you mean 'create-widgets'?`]);
