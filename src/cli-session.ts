@@ -130,6 +130,8 @@ export async function openRunner(g: GlobalOptions, log: Logger, session: Session
     poolSize,
     ...(idle !== undefined ? { idleInTransactionTimeoutMs: idle } : {}),
     ...(beforeSchema ? { beforeSchema } : {}),
+    // The connection string given (not the embedded server's): a connection error's fix names its source.
+    ...(g.databaseUrl && (url === undefined || url === g.databaseUrl) ? { connectionSource: g.databaseUrlFrom ?? '--database-url' } : {}),
   });
   session.defer(() => runner.close());
   return runner;

@@ -52,6 +52,8 @@ export interface RunnerOptions {
    * here, so that refusal writes nothing, not even the schema).
    */
   readonly beforeSchema?: (db: Kysely<any>, schema: string) => Promise<void>;
+  /** @internal Where connectionString came from, as a connection error's fix names it (the CLI: `--database-url` or `DATABASE_URL`). */
+  readonly connectionSource?: string;
 }
 
 /** Options of {@link Runner.migrate}. */
@@ -202,6 +204,7 @@ export class Runner {
       poolSize: opts.poolSize ?? DEFAULT_POOL_SIZE,
       log,
       ...(opts.idleInTransactionTimeoutMs !== undefined ? { idleInTransactionTimeoutMs: opts.idleInTransactionTimeoutMs } : {}),
+      ...(opts.connectionSource !== undefined ? { source: opts.connectionSource } : {}),
     });
     try {
       await opts.beforeSchema?.(database.db, schema);
