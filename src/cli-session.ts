@@ -3,7 +3,7 @@ import type { Command } from 'commander';
 import type { Logger } from 'pino';
 import { ExitCode, exitCodeOf, IdemError, InterruptedError, messageOf } from './errors.ts';
 import type { LogLevel } from './log-level.ts';
-import type { Runner } from './runner.ts';
+import type { Runner, RunnerOptions } from './runner.ts';
 import { testHookMs } from './test-hooks.ts';
 import { visibleError } from './text-table.ts';
 
@@ -118,12 +118,21 @@ export async function databaseUrl(g: GlobalOptions, log: Logger, session: Sessio
 }
 
 /** Opens a Runner on DATABASE_URL, or on the embedded server under .idem/ when none is given (or on `url`, from databaseUrl). */
-export async function openRunner(g: GlobalOptions, log: Logger, session: Session, poolSize = 10, url?: string): Promise<Runner> {
+export async function openRunner(g: GlobalOptions, log: Logger, session: Session, poolSize = 10, url?: string, beforeSchema?: RunnerOptions['beforeSchema']): Promise<Runner> {
   // The runner brings kysely and pg: loaded by the commands that talk to the database, when they do.
   const [{ Runner }, connectionString] = await Promise.all([import('./cli-runtime.ts'), url ?? databaseUrl(g, log, session)]);
   // IDEM_IDLE_IN_TRANSACTION_TIMEOUT_MS: for tests, which cannot stall a worker for the default 60 s.
   const idle = testHookMs('IDEM_IDLE_IN_TRANSACTION_TIMEOUT_MS');
-  const runner = await Runner.connect({ connectionString, schema: g.schema, log, poolSize, ...(idle !== undefined ? { idleInTransactionTimeoutMs: idle } : {}) });
+  const runner = await Runner.connect({
+    connectionString,
+    schema: g.schema,
+    log,
+    poolSize,
+    ...(idle !== undefined ? { idleInTransactionTimeoutMs: idle } : {}),
+    ...(beforeSchema ? { beforeSchema } : {}),
+    // The connection string given (not the embedded server's): a connection error's fix names its source.
+    ...(g.databaseUrl && (url === undefined || url === g.databaseUrl) ? { connectionSource: g.databaseUrlFrom ?? '--database-url' } : {}),
+  });
   session.defer(() => runner.close());
   return runner;
 }

@@ -1,23 +1,32 @@
 import { createHash } from 'node:crypto';
-import { mkdir, readFile, rename, stat, writeFile } from 'node:fs/promises';
+import { mkdir, readFile, rename, writeFile } from 'node:fs/promises';
 import path from 'node:path';
 
 /**
- * Bumped whenever the compile options change what a compiled file holds, so copies built by an
- * older idem are rebuilt: 2 keeps `idem` an import where 1 could bundle a copy of it.
+ * Bumped whenever the compile options or the manifest change, so copies built by an older idem
+ * are rebuilt: 2 keeps `idem` an import where 1 could bundle a copy of it; 3 records each input's
+ * content hash, where 2 trusted mtime and size alone.
  */
-const MANIFEST_VERSION = 2;
+const MANIFEST_VERSION = 3;
 
-/** What a compiled file was built from: each input's path, mtime and size, to know when it is stale. */
+/**
+ * What a compiled file was built from: each input's path and the sha256 of its content, to know
+ * when it is stale. Not mtime and size: `cp -p`, `rsync -a`, tar and Nix keep or normalise mtimes,
+ * so a changed file of the same size looked unchanged and the old code ran.
+ */
 interface Manifest {
   readonly version: typeof MANIFEST_VERSION;
-  readonly inputs: ReadonlyArray<readonly [file: string, mtimeMs: number, size: number]>;
+  readonly inputs: ReadonlyArray<readonly [file: string, sha256: string]>;
+}
+
+async function contentHash(file: string): Promise<string> {
+  return createHash('sha256').update(await readFile(file)).digest('hex');
 }
 
 /**
  * Compiles an ES-module TypeScript job file to one plain JavaScript module under `cacheDir` and
- * returns its path; the next start finds it fresh (every input's mtime and size unchanged) and
- * imports it without compiling anything.
+ * returns its path; the next start finds it fresh (every input's content unchanged: a hash of a
+ * job and its relative imports, a few files) and imports it without compiling anything.
  *
  * Why not tsx's loader hook: on Node 20 a loader hook runs in a thread of its own and every
  * module loaded after it crosses to that thread and back, so a no-op `idem run` spent a second
@@ -74,8 +83,7 @@ export async function compileTypeScriptModule(file: string, cacheDir: string): P
   const inputs = await Promise.all(
     Object.keys(result.metafile.inputs).map(async (rel) => {
       const abs = path.resolve(path.dirname(file), rel);
-      const s = await stat(abs);
-      return [abs, s.mtimeMs, s.size] as const;
+      return [abs, await contentHash(abs)] as const;
     }),
   );
   await mkdir(cacheDir, { recursive: true });
@@ -97,10 +105,9 @@ async function isFresh(manifestFile: string): Promise<boolean> {
   }
   if (manifest.version !== MANIFEST_VERSION) return false;
   const checks = await Promise.all(
-    manifest.inputs.map(async ([file, mtimeMs, size]) => {
+    manifest.inputs.map(async ([file, sha256]) => {
       try {
-        const s = await stat(file);
-        return s.mtimeMs === mtimeMs && s.size === size;
+        return (await contentHash(file)) === sha256;
       } catch {
         return false;
       }

@@ -97,6 +97,8 @@ export async function openDatabase(
      * gives up, about 15 minutes. Defaults to none.
      */
     readonly queryTimeoutMs?: number;
+    /** Where the connection string came from, as an error's fix names it (`--database-url`, `DATABASE_URL`). */
+    readonly source?: string;
   },
 ): Promise<Database> {
   refuseUnsupportedUrl(connectionString, 'the connection string');
@@ -147,7 +149,7 @@ export async function openDatabase(
     } catch (err) {
       for (const c of clients) c.release();
       await pool.end().catch(() => {});
-      throw describeConnectError(err, connectionString);
+      throw describeConnectError(err, connectionString, opts.source);
     }
     try {
       await refuseSessionlessPooler(clients[0]!, clients[1]!, connectionString);
@@ -228,8 +230,16 @@ async function refuseSessionlessPooler(a: pg.PoolClient, b: pg.PoolClient, conne
 /** Alternations of the pooler check once a pooler is seen (see refuseSessionlessPooler). */
 const POOLER_PROBES = 10;
 
-export function describeConnectError(err: unknown, connectionString: string): DatabaseUnavailableError {
+export function describeConnectError(err: unknown, connectionString: string, source?: string): DatabaseUnavailableError {
   const code = codeOf(err);
+  // pg could not parse the string (new URL): most often a password with an unencoded / # ? or @.
+  // Neither the string nor its redaction is repeated: where the URL breaks, the redaction may too.
+  if (code === 'ERR_INVALID_URL') {
+    return new DatabaseUnavailableError(
+      `${source ?? 'the connection string'} is not a valid URL; percent-encode special characters in the user and password (/ as %2F, # as %23, ? as %3F, @ as %40, % as %25): postgres://user:password@host:5432/db`,
+      { cause: err },
+    );
+  }
   const where = redactUrl(connectionString);
   const raw = redactSecrets((err as Error)?.message ?? String(err), connectionString);
   let msg: string;
@@ -248,11 +258,11 @@ export function describeConnectError(err: unknown, connectionString: string): Da
       const role = /role "([^"]+)" is not permitted to log in/.exec(raw)?.[1];
       if (role) msg = `the database at ${where} refused the connection (${raw}); ALTER ROLE ${role} LOGIN, or use a role that may log in`;
       else if (/pg_hba\.conf/.test(raw)) msg = `the database at ${where} refused the connection (${raw}); allow it in the server's pg_hba.conf, or connect as a user, to a database or from a host it allows`;
-      else msg = `the database at ${where} refused the credentials (${raw}); fix the user or password in DATABASE_URL`;
+      else msg = `the database at ${where} refused the credentials (${raw}); fix the user or password in ${source ?? 'DATABASE_URL'}`;
       break;
     }
     case '3D000':
-      msg = `the database at ${where} does not exist (${raw}); create it or fix the database name in DATABASE_URL`;
+      msg = `the database at ${where} does not exist (${raw}); create it or fix the database name in ${source ?? 'DATABASE_URL'}`;
       break;
     default:
       msg = `cannot connect to the database at ${where}: ${raw}; check --database-url / DATABASE_URL`;

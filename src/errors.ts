@@ -116,8 +116,20 @@ export function exitCodeOf(err: unknown): ExitCode {
   return ExitCode.Failed;
 }
 
+/** The longest error message idem records or prints, in characters (code points); longer ones end in `…`. */
+export const MAX_MESSAGE_CHARS = 4000;
+
+/** `message` cut to {@link MAX_MESSAGE_CHARS} code points (never inside a surrogate pair), `…` marking a cut. */
+export function boundedMessage(message: string): string {
+  if (message.length <= MAX_MESSAGE_CHARS) return message;
+  const chars = Array.from(message);
+  return chars.length <= MAX_MESSAGE_CHARS ? message : `${chars.slice(0, MAX_MESSAGE_CHARS - 1).join('')}…`;
+}
+
 /**
- * Extracts a one-line message from anything thrown. An Error without a message of its own says
+ * Extracts the message from anything thrown, whole (newlines kept: a chunk's multi-line error, a
+ * pretty-printed JSON body), bounded by {@link MAX_MESSAGE_CHARS}; text outputs escape its control
+ * characters (`visibleError`), `--json` keeps it. An Error without a message of its own says
  * what it holds instead: Node's refused connection to a host with several addresses (localhost is
  * ::1 and 127.0.0.1) is an AggregateError whose message is empty, its parts name each address.
  */
@@ -130,7 +142,7 @@ export function messageOf(err: unknown): string {
     const code = codeOf(err);
     msg = code !== undefined ? `${err.constructor.name} ${code}` : err.constructor.name;
   }
-  return msg.split('\n')[0] ?? msg;
+  return boundedMessage(msg);
 }
 
 /**
@@ -158,7 +170,7 @@ function shownValue(err: unknown): string {
 
 /**
  * What a log line says of an error: its class (`DatabaseError`, `TypeError`; `string` for a thrown
- * string), its first line (or `message`, already redacted by the caller), and its code (a SQLSTATE,
+ * string), its message (or `message`, already redacted by the caller; JSON keeps it one line), and its code (a SQLSTATE,
  * a Node errno) when it has one. No stack: a log line stays one line, and the message says where.
  */
 export function errorFields(err: unknown, message: string = messageOf(err)): { type: string; message: string; code?: string } {

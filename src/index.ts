@@ -10,6 +10,6 @@ export type { FinalizeHow, FinalizeOptions, FinalizeOutcome } from './finalize.t
 export { CodeChangedError } from './code-fingerprint.ts';
 export { DEFAULT_HEALTH, StandbyError } from './health-check.ts';
 export type { HealthOptions, HealthSetting } from './health-check.ts';
-export type { RunJobOptions, RunOutcome, RunnerOptions, RunStatusRow } from './runner.ts';
+export type { MigrateOptions, RunJobOptions, RunOutcome, RunnerOptions, RunStatusRow } from './runner.ts';
 export type { RunSummary, RunErrorInfo } from './store.ts';
 export { redactUrl } from './database.ts';

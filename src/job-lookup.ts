@@ -1,9 +1,8 @@
 import { stat } from 'node:fs/promises';
-import { sql } from 'kysely';
+import { sql, type Kysely } from 'kysely';
 import type { Logger } from 'pino';
 import { UsageError } from './errors.ts';
 import { loadJobDir, unknownJobError } from './loader.ts';
-import type { Runner } from './runner.ts';
 
 /** A folder of job or migration files, as the CLI was given it. */
 export interface JobFolder {
@@ -42,13 +41,19 @@ export async function checkJobFolders(folders: readonly JobFolder[], log: Logger
  * refused with the closest known names, before anything is written. The files are loaded only on
  * that path, so a job with runs needs no loadable file (its file may be gone).
  */
-export async function assertKnownJob(runner: Runner, name: string, dirs: { readonly jobsDir: string; readonly migrationsDir: string }): Promise<void> {
-  const runs = sql.id(runner.schema, 'runs');
-  const { rows } = await sql<{ found: boolean }>`select exists (select 1 from ${runs} where job = ${name}) as found`.execute(runner.db);
-  if (rows[0]?.found) return;
+export async function assertKnownJob(db: Kysely<any>, schema: string, name: string, dirs: { readonly jobsDir: string; readonly migrationsDir: string }): Promise<void> {
+  // Called before idem's schema is created (Runner.connect's beforeSchema): on a database without
+  // it there are no runs, and a refused name must not leave the schema behind.
+  const runs = sql.id(schema, 'runs');
+  const { rows: table } = await sql<{ found: boolean }>`select to_regclass(format('%I.runs', ${schema}::text)) is not null as found`.execute(db);
+  const hasRuns = table[0]?.found === true;
+  if (hasRuns) {
+    const { rows } = await sql<{ found: boolean }>`select exists (select 1 from ${runs} where job = ${name}) as found`.execute(db);
+    if (rows[0]?.found) return;
+  }
   const loaded = [...(await loadJobDir(dirs.jobsDir, 'jobs')), ...(await loadJobDir(dirs.migrationsDir, 'migrations'))];
   const names = loaded.map((l) => l.job.name);
   if (names.includes(name)) return;
-  const { rows: ran } = await sql<{ job: string }>`select distinct job from ${runs}`.execute(runner.db);
+  const ran = hasRuns ? (await sql<{ job: string }>`select distinct job from ${runs}`.execute(db)).rows : [];
   throw unknownJobError(name, [...names, ...ran.map((r) => r.job)], [dirs.jobsDir, dirs.migrationsDir]);
 }

@@ -46,6 +46,25 @@ export interface RunnerOptions {
    * another worker can redo the chunk. 0 turns it off. Defaults to `60000`.
    */
   readonly idleInTransactionTimeoutMs?: number;
+  /**
+   * @internal Runs on the connected database before idem's schema is created or upgraded; what it
+   * throws closes the connections and is thrown by connect (the CLI refuses an unknown job name
+   * here, so that refusal writes nothing, not even the schema).
+   */
+  readonly beforeSchema?: (db: Kysely<any>, schema: string) => Promise<void>;
+  /** @internal Where connectionString came from, as a connection error's fix names it (the CLI: `--database-url` or `DATABASE_URL`). */
+  readonly connectionSource?: string;
+}
+
+/** Options of {@link Runner.migrate}. */
+export interface MigrateOptions extends Omit<RunJobOptions, 'key' | 'params' | 'dryRun'> {
+  /**
+   * Called with each migration as idem starts checking or running it, and with `null` while it
+   * waits for the migrate lock: what a thrown error was about (`idem migrate --json` names it).
+   */
+  readonly onMigration?: (migration: { readonly runKey: string; readonly job: Job } | null) => void;
+  /** Called with each migration's outcome as it is known (those found done first): the outcomes so far when one fails. */
+  readonly onOutcome?: (outcome: RunOutcome) => void;
 }
 
 export interface RunJobOptions {
@@ -185,8 +204,10 @@ export class Runner {
       poolSize: opts.poolSize ?? DEFAULT_POOL_SIZE,
       log,
       ...(opts.idleInTransactionTimeoutMs !== undefined ? { idleInTransactionTimeoutMs: opts.idleInTransactionTimeoutMs } : {}),
+      ...(opts.connectionSource !== undefined ? { source: opts.connectionSource } : {}),
     });
     try {
+      await opts.beforeSchema?.(database.db, schema);
       await retrying(() => ensureRunnerSchema(database.db, schema));
     } catch (err) {
       await database.close();
@@ -286,22 +307,28 @@ export class Runner {
    * Runs ordered migrations under one lock: every pod of a deploy may call this at once; one works,
    * the others wait (by default) and then find each migration done.
    */
-  async migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: Omit<RunJobOptions, 'key' | 'params' | 'dryRun'> = {}): Promise<RunOutcome[]> {
+  async migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: MigrateOptions = {}): Promise<RunOutcome[]> {
     this.#checkConcurrency(opts.concurrency);
     for (const m of migrations) checkRunKey(m.runKey, `migration key of job "${m.job?.name}"`);
     const outcomes: RunOutcome[] = [];
+    const record = (outcome: RunOutcome) => {
+      outcomes.push(outcome);
+      opts.onOutcome?.(outcome);
+    };
     const fp = fingerprint({});
     // Fast path: every migration already done means no lock and no waiting at all.
     const pending: Array<{ runKey: string; job: Job }> = [];
     for (const m of migrations) {
+      opts.onMigration?.(m);
       const run = await this.store.findRun(m.job.name, m.runKey);
       if (run) checkFingerprint(m.job.name, m.runKey, run, fp);
       // Recorded by an idem from before migration runs were marked: mark it, so prune keeps it.
       if (run && run.kind !== 'migration') await refuseOnStandby(this.db, () => this.store.markMigration(run.id));
-      if (run?.status === 'succeeded') outcomes.push(alreadyDone(run));
+      if (run?.status === 'succeeded') record(alreadyDone(run));
       else pending.push(m);
     }
     if (pending.length === 0) return outcomes;
+    opts.onMigration?.(null);
     const lock = await retrying(() =>
       acquireAdvisoryLock({
         connectionString: this.#connectionString,
@@ -313,6 +340,7 @@ export class Runner {
     );
     try {
       for (const m of pending) {
+        opts.onMigration?.(m);
         const claim = () => refuseOnStandby(this.db, () => this.store.claimRun(m.job.name, m.runKey, {}, fp, 'migration'));
         let { run } = await claim();
         // Pruned part way by an idem from before migration runs were marked: finish it, run afresh.
@@ -322,11 +350,11 @@ export class Runner {
         }
         checkFingerprint(m.job.name, m.runKey, run, fp);
         if (run.status === 'succeeded') {
-          outcomes.push(alreadyDone(run));
+          record(alreadyDone(run));
           continue;
         }
         const begin = () => this.store.beginAttempt(run.id, `${hostname()}:${process.pid}`, lock);
-        outcomes.push(await this.#runLocked(m.job, run.id, {}, lock, opts, begin));
+        record(await this.#runLocked(m.job, run.id, {}, lock, opts, begin));
       }
     } finally {
       await lock.release();

@@ -2,6 +2,7 @@ import { sql, type Kysely, type QueryResult, type RawBuilder } from 'kysely';
 import { createHash } from 'node:crypto';
 import { hostname } from 'node:os';
 import pg from 'pg';
+import { boundedMessage } from './errors.ts';
 import { retrying } from './retry.ts';
 import type { ChunkSpec, Json } from './job.ts';
 import type { CompiledSql, HeldLock } from './advisory-lock.ts';
@@ -388,7 +389,7 @@ export class Store {
     const ms = delays.map((d) => Math.max(0, Math.min(2 ** 31 - 1, Math.round(d))));
     const tries = `(case when retry_attempt = ${attempt} then retry_tries + 1 else 1 end)`;
     const exhausted = how.final ? 'true' : `${tries} >= ${ms.length}`;
-    return `update "${this.schema}"."chunks" set retry_tries = ${tries}, retry_attempt = ${attempt}, error = ${lit(message.slice(0, 4000))},
+    return `update "${this.schema}"."chunks" set retry_tries = ${tries}, retry_attempt = ${attempt}, error = ${lit(boundedMessage(message))},
         ${how.inClaim ? 'done_at = null, done_attempt = null, done_by = null,' : ''}
         retry_at = clock_timestamp() + case when ${exhausted} then ${EXHAUSTED_HOLD}
           else ('{${ms.join(',')}}'::int[])[${tries}] * interval '1 millisecond' end

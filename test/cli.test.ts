@@ -183,6 +183,30 @@ describe('idem run', () => {
     expect(JSON.parse(bad.stdout)).toMatchObject({ status: 'error', job: 'counted', runKey: 'cli-json-bad', exitCode: 2 });
   });
 
+  it('run --json without --key names the default run key (the params fingerprint) in its error object: failed (1) and busy (75)', async () => {
+    await query(url, `insert into fail_chunks (chunk_key) values ('c0001')`);
+    const params = '{"chunks":2,"label":"json-default-key"}';
+    const failed = await idem(['run', 'counted', '--params', params, '--json']);
+    expect(failed.code, failed.stderr).toBe(1);
+    const [row] = await query<{ run_key: string }>(url, `select run_key from idem.runs where job = 'counted' and params->>'label' = 'json-default-key'`);
+    expect(row?.run_key).toMatch(/^sha256:[0-9a-f]{64}$/);
+    expect(JSON.parse(failed.stdout)).toMatchObject({ status: 'error', job: 'counted', runKey: row!.run_key, exitCode: 1, code: 'idem.runFailed' });
+    const holder = new pg.Client({ connectionString: url });
+    await holder.connect();
+    try {
+      await holder.query('select pg_advisory_lock($1::bigint)', [lockKey('idem:job:counted')]);
+      const busy = await idem(['run', 'counted', '--params', params, '--json']);
+      expect(busy.code, busy.stderr).toBe(75);
+      expect(JSON.parse(busy.stdout)).toMatchObject({ status: 'error', job: 'counted', runKey: row!.run_key, exitCode: 75 });
+    } finally {
+      await holder.end();
+    }
+    // Params that never validated have no key to name.
+    const bad = await idem(['run', 'counted', '--params', '{"chunks":"x"}', '--json']);
+    expect(bad.code, bad.stderr).toBe(2);
+    expect(JSON.parse(bad.stdout)).toMatchObject({ status: 'error', job: 'counted', runKey: null, exitCode: 2 });
+  });
+
   it('exits 75 at once when another process holds the job\'s lock, naming --wait', async () => {
     const holder = new pg.Client({ connectionString: url });
     await holder.connect();
@@ -335,6 +359,20 @@ describe('idem help, status and list', () => {
     for (const key of ['pfx-a', 'pfx-b']) expect((await idem(['run', 'counted', '--params', '{"chunks":1}', '--key', key])).code).toBe(0);
     const ambiguous = await idem(['status', 'counted', '--key', 'pfx-']);
     expectOneLineError(ambiguous, 2, 'job "counted" has several runs with a key starting "pfx-" (pfx-a, pfx-b); give more of the key');
+  });
+
+  it('status cuts a long key by characters, never inside an emoji, and that text works as --key', async () => {
+    const full = '🙂'.repeat(50);
+    const made = await idem(['run', 'counted', '--params', '{"chunks":1,"label":"emoji-key"}', '--key', full]);
+    expect(made.code, made.stderr).toBe(0);
+    const table = await idem(['status', 'counted', '--limit', '10000']);
+    expect(table.code, table.stderr).toBe(0);
+    expect(table.stdout).not.toContain('\uFFFD');
+    const shown = `${'🙂'.repeat(27)}...`;
+    expect(lines(table.stdout).map((l) => l.split(/ +/)[1]!)).toContain(shown);
+    const r = await idem(['status', 'counted', '--key', shown]);
+    expect(r.code, r.stderr).toBe(0);
+    expect(lines(r.stdout)[1]).toBe(`run key   ${full}`);
   });
 
   it('list --json shows the fixture jobs and migrations with their latest state', async () => {

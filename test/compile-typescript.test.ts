@@ -1,4 +1,4 @@
-import { mkdtemp, readFile, rm, writeFile } from 'node:fs/promises';
+import { mkdtemp, readFile, rm, stat, utimes, writeFile } from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -38,5 +38,38 @@ describe('compiled TypeScript jobs', () => {
     await writeFile(out, '// kept\n');
     await compileTypeScriptModule(JOB, cache);
     expect(await readFile(out, 'utf8')).toBe('// kept\n');
+  });
+});
+
+describe('the compiled-TypeScript cache', () => {
+  let dir: string;
+  beforeEach(async () => {
+    dir = await mkdtemp(path.join(os.tmpdir(), 'idem-compile-content-'));
+  });
+  afterEach(() => rm(dir, { recursive: true, force: true }));
+
+  it('rebuilds a job whose content changed while its size and mtime did not (cp -p, rsync -a, tar)', async () => {
+    const job = path.join(dir, 'job.ts');
+    const helper = path.join(dir, 'helper.ts');
+    const when = new Date('2025-06-01T12:00:00Z');
+    await writeFile(job, "import { word } from './helper.ts';\nexport const said: string = word;\n");
+    await writeFile(helper, "export const word = 'AAAA';\n");
+    await utimes(job, when, when);
+    await utimes(helper, when, when);
+    const cache = path.join(dir, '.idem', 'cache');
+    const out = await compileTypeScriptModule(job, cache);
+    expect(await readFile(out, 'utf8')).toContain('"AAAA"');
+    // The relative import changes, same size, same mtime: only its content tells.
+    await writeFile(helper, "export const word = 'BBBB';\n");
+    await utimes(helper, when, when);
+    expect((await stat(helper)).mtime.getTime()).toBe(when.getTime());
+    const again = await compileTypeScriptModule(job, cache);
+    expect(again).toBe(out);
+    const code = await readFile(again, 'utf8');
+    expect(code).toContain('"BBBB"');
+    expect(code).not.toContain('"AAAA"');
+    // And unchanged content is still served from the cache, not rebuilt.
+    await writeFile(out, '// kept\n');
+    expect(await readFile(await compileTypeScriptModule(job, cache), 'utf8')).toBe('// kept\n');
   });
 });

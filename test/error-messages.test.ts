@@ -217,6 +217,25 @@ describe('an unknown job name suggests the closest known ones', () => {
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
   });
 
+  it('on a database without idem\'s schema: status, pause, resume, cancel and reset refuse the name and create no schema', async () => {
+    const schema = 'unknown_name_fresh';
+    await query(url, `drop schema if exists ${schema} cascade`);
+    const results = await Promise.all([
+      idem(['--schema', schema, 'status', 'countd']),
+      idem(['--schema', schema, 'pause', 'countd']),
+      idem(['--schema', schema, 'resume', 'countd']),
+      idem(['--schema', schema, 'cancel', 'countd']),
+      idem(['--schema', schema, 'reset', 'countd', '--key', 'k']),
+    ]);
+    for (const r of results) expect(refusal(r, 2)).toEqual([`idem: error: no job named 'countd'; did you mean 'counted'?`]);
+    expect(await query(url, `select to_regnamespace($1)::text as s`, [schema])).toEqual([{ s: null }]);
+    // A known name still works there (and, acting on the database, creates the schema).
+    const known = await idem(['--schema', schema, 'status', 'counted']);
+    expect(known.code, known.stderr).toBe(0);
+    expect(known.stdout).toBe('no runs yet\n');
+    await query(url, `drop schema ${schema} cascade`);
+  });
+
   it('suggests migrations by their job name, and lists the known names when none is close', async () => {
     const [migration, none] = await Promise.all([idem(['status', 'create-widget']), idem(['status', 'zzzzzzzzzzzzzzzz'])]);
     expect(refusal(migration!, 2)).toEqual([`idem: error: no job named 'create-widget'; did you mean 'create-widgets'?`]);
@@ -369,6 +388,34 @@ describe("a library's warning is one line too", () => {
     expect(out).toEqual([expect.stringMatching(/^idem: warning: SECURITY WARNING: The SSL modes .* use 'sslmode=verify-full'.*uselibpqcompat=true&sslmode=require/), expect.stringMatching(/^idem: error: cannot reach the database/)]);
     expect(r.stderr).not.toContain('secret');
   });
+});
+
+describe('a failed chunk\'s message with newlines is recorded whole', () => {
+  const pretty = JSON.stringify([{ id: 1, problem: 'bad' }], null, 2);
+  const cases = [
+    ['error', `throw new Error('first\\nsecond-line-detail')`, 'first\nsecond-line-detail'],
+    ['string', `throw 'plain\\nstring'`, 'plain\nstring'],
+    ['pretty', `throw new Error(JSON.stringify([{ id: 1, problem: 'bad' }], null, 2))`, pretty],
+  ] as const;
+  for (const [id, thrown, message] of cases) {
+    it(`${thrown}: the run's error, status, status --json, run --json and the final line keep all of it`, async () => {
+      const name = `multiline-${id}`;
+      const dir = await jobFolder(name, { 'j.ts': `export default { name: '${name}', steps: [{ name: 'only', run: () => { ${thrown}; } }] };\n` });
+      const escaped = message.replace(/\n/g, '\\n');
+      const r = await runCli(['--jobs-dir', dir, 'run', name, '--key', 'k', '--json'], { url });
+      expect(r.code, r.stderr).toBe(1);
+      const whole = `job "${name}" failed in step "only" after 1 try: ${message}; fix the cause and run the same command again to resume there`;
+      expect(JSON.parse(r.stdout)).toMatchObject({ status: 'error', exitCode: 1, error: whole });
+      expect(lines(r.stderr).filter((l) => l.startsWith('idem: error:'))).toEqual([`idem: error: ${whole.replace(/\n/g, '\\n')}`]);
+      const [row] = await query<{ message: string }>(url, `select error->>'message' as message from idem.runs where job = $1 and run_key = 'k'`, [name]);
+      expect(row?.message).toBe(message);
+      const json = await runCli(['--jobs-dir', dir, 'status', name, '--json'], { url });
+      expect(JSON.parse(json.stdout)).toEqual([expect.objectContaining({ runKey: 'k', state: 'failed', error: expect.objectContaining({ step: 'only', message }) })]);
+      const table = await runCli(['--jobs-dir', dir, 'status', name], { url });
+      expect(table.code, table.stderr).toBe(0);
+      expect(table.stdout).toContain(escaped.slice(0, 60));
+    });
+  }
 });
 
 describe('a chunk source mistake is its step\'s', () => {

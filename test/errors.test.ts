@@ -8,6 +8,7 @@ import {
   IdemError,
   InterruptedError,
   LockLostError,
+  MAX_MESSAGE_CHARS,
   messageOf,
   ParamsMismatchError,
   RunFailedError,
@@ -57,10 +58,13 @@ describe('exit codes', () => {
     expect(new InterruptedError('SIGINT').signal).toBe('SIGINT');
   });
 
-  it('messageOf keeps the first line only, of anything thrown', () => {
-    expect(messageOf(new Error('first line\n    at stack frame'))).toBe('first line');
-    expect(messageOf('plain\nstring')).toBe('plain');
+  it('messageOf keeps the whole message of anything thrown, bounded by code points', () => {
+    expect(messageOf(new Error('first line\nsecond-line-detail'))).toBe('first line\nsecond-line-detail');
+    expect(messageOf('plain\nstring')).toBe('plain\nstring');
     expect(messageOf(42)).toBe('42');
+    const long = messageOf(new Error('🙂'.repeat(MAX_MESSAGE_CHARS + 10)));
+    expect(Array.from(long)).toHaveLength(MAX_MESSAGE_CHARS);
+    expect(long).toBe(`${'🙂'.repeat(MAX_MESSAGE_CHARS - 1)}…`);
   });
 });
 

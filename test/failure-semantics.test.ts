@@ -363,6 +363,29 @@ describe('database health at start-up', () => {
     expect(res.stderr.trim().split('\n')).toHaveLength(1);
   });
 
+  it('wrong credentials from --database-url: the fix names --database-url, not DATABASE_URL', async () => {
+    const bad = new URL(db.url);
+    bad.password = 'not-the-password-xyz';
+    const res = await runCli([...FIXTURE_DIRS, '--database-url', bad.toString(), 'status']);
+    expect(res.code).toBe(2);
+    expect(res.stderr.trim().split('\n')).toEqual([expect.stringMatching(/refused the credentials.*; fix the user or password in --database-url$/)]);
+    expect(res.stderr).not.toContain('not-the-password-xyz');
+    const env = await runCli([...FIXTURE_DIRS, 'status'], { url: bad.toString() });
+    expect(env.stderr.trim().split('\n')).toEqual([expect.stringMatching(/; fix the user or password in DATABASE_URL$/)]);
+  });
+
+  it('a password with an unencoded /, # or ?: exit 2, one line saying to percent-encode it, the password not printed', async () => {
+    const u = new URL(db.url);
+    for (const [password, from] of [['pa/ss-secret', '--database-url'], ['pa#ss-secret', 'DATABASE_URL'], ['pa?ss-secret', '--database-url']] as const) {
+      const raw = `postgres://${u.username}:${password}@${u.host}${u.pathname}`;
+      const res = from === 'DATABASE_URL' ? await runCli([...FIXTURE_DIRS, 'status'], { url: raw }) : await runCli([...FIXTURE_DIRS, '--database-url', raw, 'status']);
+      expect(res.code, res.stderr).toBe(2);
+      const out = res.stderr.trim().split('\n');
+      expect(out, password).toEqual([expect.stringMatching(new RegExp(`^idem: error: ${from} is not a valid URL.*percent-encode.*# as %23`))]);
+      expect(res.stderr).not.toContain('ss-secret');
+    }
+  });
+
   it('a role that may not log in: exit 2 naming ALTER ROLE … LOGIN, not "fix the user or password" (they are right)', async () => {
     await query(db.url, `drop role if exists idem_nologin_role`);
     await query(db.url, `create role idem_nologin_role nologin password 'nologin-secret-xyz'`);

@@ -71,6 +71,39 @@ describe('idem migrate', () => {
     expect(await query(url, `select count(*)::int as n, count(*) filter (where name_upper = upper(name))::int as done from widgets`)).toEqual([{ n: 30, done: 30 }]);
   });
 
+  it('--json when a migration fails: the outcomes so far, then the failed one as an error entry; none for those after it', async () => {
+    const url = await freshDatabase();
+    await query(url, `insert into fail_chunks (chunk_key) values ('[11,16)')`);
+    const r = await migrate(url, ['--json']);
+    expect(r.code, r.stderr).toBe(1);
+    const out = JSON.parse(r.stdout) as unknown[];
+    expect(out).toEqual([
+      expect.objectContaining({ runKey: '0001_create_widgets', job: 'create-widgets', status: 'succeeded', attempt: 1 }),
+      {
+        runKey: '0002_backfill_widgets',
+        job: 'backfill-widgets',
+        status: 'error',
+        exitCode: 1,
+        code: 'idem.runFailed',
+        error: expect.stringMatching(/^job "backfill-widgets" failed in step "backfill", chunk \[11,16\) after 1 try: /),
+      },
+    ]);
+    expect(lines(r.stderr).filter((l) => l.startsWith('idem: error:'))).toHaveLength(1);
+    expect(await runsOf(url)).toEqual([
+      { run_key: '0001_create_widgets', status: 'succeeded', attempt: 1 },
+      { run_key: '0002_backfill_widgets', status: 'failed', attempt: 1 },
+    ]);
+    // The first migration failing: only its entry (the second never ran).
+    const url2 = await freshDatabase();
+    await query(url2, `insert into fail_chunks (chunk_key) values ('create-widgets')`);
+    const first = await migrate(url2, ['--json']);
+    expect(first.code, first.stderr).toBe(1);
+    expect(JSON.parse(first.stdout)).toEqual([
+      { runKey: '0001_create_widgets', job: 'create-widgets', status: 'error', exitCode: 1, code: 'idem.runFailed', error: expect.stringContaining('job "create-widgets" failed in step "create"') },
+    ]);
+    expect(await runsOf(url2)).toEqual([{ run_key: '0001_create_widgets', status: 'failed', attempt: 1 }]);
+  });
+
   it('prune and --retention keep migration runs: a migration pruned would run again at the next deploy', async () => {
     const url = await freshDatabase();
     const first = await migrate(url, ['--json']);
@@ -116,6 +149,11 @@ describe('idem migrate', () => {
       // Busy is logged at info, not as an `idem: error:` line (issue 10).
       expect(lines(bounded.stderr).filter((l) => !l.startsWith('{'))).toEqual([]);
       expect(busyMessage(bounded.stderr)).toBe('busy: idem migrate is still running in another process after waiting 1s; try again later');
+      expect(await runsOf(url)).toEqual([]);
+      // --json: no migration ran, so the one entry names none.
+      const busyJson = await migrate(url, ['--no-wait', '--json']);
+      expect(busyJson.code, busyJson.stderr).toBe(75);
+      expect(JSON.parse(busyJson.stdout)).toEqual([{ runKey: null, job: null, status: 'error', exitCode: 75, code: 'idem.busy', error: expect.stringContaining('idem migrate is running in another process') }]);
       expect(await runsOf(url)).toEqual([]);
 
       const patient = spawnCli([...FIXTURE_DIRS, 'migrate', '--wait', '60', '--json'], { url, timeoutMs: 90_000 });

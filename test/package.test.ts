@@ -49,9 +49,10 @@ beforeAll(async () => {
   // As root the embedded server runs as `postgres`, which must be able to enter the project.
   await fs.chmod(work, 0o755);
   const { stdout } = await sh(REPO, 'npm', ['pack', '--json', '--ignore-scripts', '--pack-destination', work], userEnv());
-  const [info] = JSON.parse(stdout) as Array<{ filename: string; files: Array<{ path: string }> }>;
+  const [info] = JSON.parse(stdout) as Array<{ filename: string; size: number; files: Array<{ path: string }> }>;
   tarball = path.join(work, info!.filename);
   packedFiles = info!.files.map((f) => f.path);
+  packedBytes = info!.size;
 }, 180_000);
 
 afterAll(async () => {
@@ -60,6 +61,7 @@ afterAll(async () => {
 });
 
 let packedFiles: string[] = [];
+let packedBytes = 0;
 
 /**
  * Other Node.js majors to run the installed package under: .test-nodes/<major>/bin/node, which
@@ -210,6 +212,14 @@ async function createProject(p: Project): Promise<string> {
 const idem = (dir: string, args: string[], databaseUrl?: string) => sh(dir, 'npx', ['--no', 'idem', ...args], userEnv(databaseUrl));
 
 describe('the packed tarball', () => {
+  it("README's figures of the tarball are true: its file count, and its packed size within 5%", async () => {
+    const readme = await fs.readFile(path.join(REPO, 'README.md'), 'utf8');
+    const m = /— (\d+) files, (\d+) kB packed/.exec(readme);
+    expect(m, 'README states the tarball as "— N files, X kB packed"').not.toBeNull();
+    expect(Number(m![1])).toBe(packedFiles.length);
+    expect(Math.abs(Number(m![2]) * 1000 - packedBytes) / packedBytes).toBeLessThan(0.05);
+  });
+
   it('holds the compiled package and nothing of the repository (sources, tests, demo)', () => {
     expect(packedFiles).toEqual(expect.arrayContaining(['package.json', 'README.md', 'bin/idem.js', 'dist/cli.js', 'dist/index.js', 'dist/index.d.ts', 'dist/cjs/job-api.js', 'dist/cjs/job-api.d.ts', 'dist/cjs/package.json']));
     expect(packedFiles.filter((f) => !/^(dist\/|bin\/idem\.js$|package\.json$|README\.md$)/.test(f))).toEqual([]);

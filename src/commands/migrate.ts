@@ -2,7 +2,8 @@ import type { Command } from 'commander';
 import { nonNegativeNumber, waitSeconds } from '../cli-parsers.ts';
 import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
 import { describeOutcome } from '../describe-outcome.ts';
-import { ExitCode, UsageError } from '../errors.ts';
+import { ExitCode, exitCodeOf, IdemError, messageOf, UsageError } from '../errors.ts';
+import type { RunOutcome } from '../runner.ts';
 import { describeFinalize } from './finalize.ts';
 import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
 
@@ -38,10 +39,43 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
           else for (const out of finalized) process.stdout.write(`${out.runKey}: ${describeFinalize(out)}\n`);
           return ExitCode.Ok;
         }
-        const outcomes = await runner.migrate(
-          migrations.map((m) => ({ runKey: m.id, job: m.job })),
-          { wait: o.wait ?? true, allowChangedCode: o.allowChangedCode ?? false, ...health, signal: signals.stop, abortSignal: signals.abort },
-        );
+        // --json: a migration that fails is an entry of the outcomes after those that succeeded
+        // (none for those after it, which never ran), as `run --json` prints its error object.
+        const done: RunOutcome[] = [];
+        let current: { readonly runKey: string; readonly job: { readonly name: string } } | null = null;
+        let outcomes: RunOutcome[];
+        try {
+          outcomes = await runner.migrate(
+            migrations.map((m) => ({ runKey: m.id, job: m.job })),
+            {
+              wait: o.wait ?? true,
+              allowChangedCode: o.allowChangedCode ?? false,
+              ...health,
+              signal: signals.stop,
+              abortSignal: signals.abort,
+              onMigration: (m) => {
+                current = m;
+              },
+              onOutcome: (out) => {
+                done.push(out);
+              },
+            },
+          );
+        } catch (err) {
+          if (o.json) {
+            const failed = current as { readonly runKey: string; readonly job: { readonly name: string } } | null;
+            const entry = {
+              runKey: failed?.runKey ?? null,
+              job: failed?.job.name ?? null,
+              status: 'error',
+              exitCode: exitCodeOf(err),
+              code: err instanceof IdemError ? err.code : null,
+              error: messageOf(err),
+            };
+            process.stdout.write(`${JSON.stringify([...done, entry])}\n`);
+          }
+          throw err;
+        }
         if (o.json) process.stdout.write(`${JSON.stringify(outcomes)}\n`);
         else if (outcomes.length === 0) process.stdout.write(`no migrations in ${g.migrationsDir}/\n`);
         else for (const out of outcomes) process.stdout.write(`${out.runKey}: ${describeOutcome(out)}\n`);

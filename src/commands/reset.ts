@@ -11,9 +11,9 @@ export function registerResetCommand(program: Command, cli: CliContext): void {
     .requiredOption('--key <key>', "the run's key (see idem status)")
     .action((job: string, o: { key: string }) =>
       cli.runWithSession(async (g, log, session) => {
-        const runner = await openRunner(g, log, session);
+        // The name is checked before idem's schema is created: a refused name writes nothing.
         const { assertKnownJob } = await import('../cli-runtime.ts');
-        await assertKnownJob(runner, job, g);
+        const runner = await openRunner(g, log, session, undefined, undefined, (db, schema) => assertKnownJob(db, schema, job, g));
         const r = await runner.reset(job, o.key);
         process.stdout.write(`reset: forgot run ${o.key} of job "${job}" (${r.chunks} chunk markers, ${r.effects} effects)\n`);
         return ExitCode.Ok;

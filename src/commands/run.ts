@@ -3,6 +3,7 @@ import { checkRunKey, collectParam, nonNegativeNumber, parseParams, positiveInt,
 import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
 import { describeOutcome } from '../describe-outcome.ts';
 import { ExitCode, exitCodeOf, IdemError, messageOf, UsageError } from '../errors.ts';
+import { fingerprint } from '../fingerprint.ts';
 import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
 import { createProgressReporter } from '../progress-reporter.ts';
 
@@ -56,7 +57,11 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
           const { findJob, validateParams, latestSlot, parseCatchUp, parseSchedule, slotKey, slotsSince, POOL_HEADROOM } = await import('../cli-runtime.ts');
           const job = await findJob(g.jobsDir, name, { migrationsDir: g.migrationsDir });
           // Bad params are refused before any connection: nothing, not even idem's schema, is created.
-          await validateParams(job, params);
+          const valid = await validateParams(job, params);
+          // Without --key the run key is the validated params' fingerprint, as the runner derives it:
+          // --json's error object names it (null only when the params never validated).
+          const defaultKey = fingerprint(valid);
+          current = o.key ?? defaultKey;
           const health = await healthSetting(o);
           // A scheduled job run without --key is the run of its most recent due slot: cron firing
           // twice, or late, lands on the same run. --catch-up runs each missed slot as its own run.
@@ -81,7 +86,7 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
             const reporter = o.progress && !o.json && !o.dryRun ? createProgressReporter({ job: job.name, tty: process.stderr.isTTY === true, log }) : undefined;
             if (reporter) session.defer(async () => reporter.stop());
             const key = slot ? slotKey(slot) : o.key;
-            current = key;
+            current = key ?? defaultKey;
             // Stopped (the bar cleared) before anything else is written, also when the run throws:
             // main() writes the error line, and the session's deferred stop runs only after it.
             const outcome = await runner.run(job, {

@@ -59,7 +59,7 @@ export function formatStatus(stored: readonly RunStatusRow[], now: Date = new Da
   // Keys, errors and names come from the database: their control characters are shown escaped.
   const rows = visibleDeep(stored);
   const header = ['JOB', 'RUN KEY', 'STATE', 'ATTEMPT', 'CHUNKS', 'UPDATED'];
-  const table = rows.map((r) => [r.job, r.runKey.length > 30 ? `${r.runKey.slice(0, 27)}...` : r.runKey, r.state, String(r.attempt), chunksOf(r), relativeTime(r.updatedAt, now)]);
+  const table = rows.map((r) => [r.job, shownKey(r.runKey), r.state, String(r.attempt), chunksOf(r), relativeTime(r.updatedAt, now)]);
   const { line } = textTable([header, ...table]);
   const out = [line(header, (_, s) => c.bold(s))];
   rows.forEach((r, n) => {
@@ -139,6 +139,16 @@ export function formatRunDetail(stored: RunStatusRow, storedSteps: readonly Step
 }
 
 /**
+ * A run key as the table shows it: longer than 30 characters, its first 27 and `...`. Characters
+ * are code points (`Array.from`), so the cut never falls inside an emoji's surrogate pair (which
+ * showed U+FFFD, and that text passed back as --key matched nothing).
+ */
+function shownKey(key: string): string {
+  const chars = Array.from(key);
+  return chars.length > 30 ? `${chars.slice(0, 27).join('')}...` : key;
+}
+
+/**
  * The run whose key starts with `key`, as the table shows a long key (cut, ending in `...`) or as
  * a user shortens one (a params fingerprint is 71 characters): read-only, so a unique prefix is
  * enough, as with git's short hashes. Undefined when none matches; several is a usage error.
@@ -167,11 +177,9 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
     .action((job: string | undefined, o: { json?: boolean; limit: number; key?: string }) =>
       cli.runWithSession(async (g, log, session) => {
         if (o.key !== undefined && job === undefined) throw new UsageError('invalidKey', '--key needs the job too: idem status <job> --key <key>');
-        const runner = await openRunner(g, log, session);
-        if (job !== undefined) {
-          const { assertKnownJob } = await import('../cli-runtime.ts');
-          await assertKnownJob(runner, job, g);
-        }
+        // A job name is checked before idem's schema is created: a refused name writes nothing.
+        const { assertKnownJob } = job !== undefined ? await import('../cli-runtime.ts') : { assertKnownJob: undefined };
+        const runner = await openRunner(g, log, session, undefined, undefined, assertKnownJob && ((db, schema) => assertKnownJob(db, schema, job!, g)));
         const tty = process.stdout.isTTY === true && !process.env.NO_COLOR;
         if (o.key !== undefined) {
           // status() lists newest first; a run key is unique per job, so search that job's runs.
