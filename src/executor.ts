@@ -512,8 +512,13 @@ async function tryChunk(
       effect: ((name: string, fn: (key: string) => unknown) => {
         effectNames ??= new Set();
         if (effectNames.has(name)) {
-          throw new TypeError(
-            `ctx.effect(): name ${JSON.stringify(name)} was already used in chunk ${claimed.key}; an effect's name must be unique within its chunk (it is part of the effect's idempotency key, and a second call would be answered by the first's result): add what tells the calls apart, e.g. \`email:\${user.id}\``,
+          // Rejected, not thrown: in `Promise.all(users.map(() => ctx.effect(…)))` a throw inside
+          // map() would leave the first call's promise unheld, and its rejection unhandled.
+          const where = chunkKey === null ? `step "${step.name}"` : `chunk ${claimed.key}`;
+          return Promise.reject(
+            new TypeError(
+              `ctx.effect(): name ${JSON.stringify(name)} was already used in ${where}; an effect's name must be unique within its chunk (it is part of the effect's idempotency key, and a second call would be answered by the first's result): add what tells the calls apart, e.g. \`email:\${user.id}\``,
+            ),
           );
         }
         effectNames.add(name);

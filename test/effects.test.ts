@@ -228,6 +228,46 @@ describe('effect names within a chunk', () => {
   });
 });
 
+describe('effect names within a chunk, called at once', () => {
+  it('Promise.all over ctx.effect with one name: the chunk fails, the run ends as documented, no unhandled rejection', async () => {
+    const parallel = defineJob({
+      name: 'fx-parallel',
+      steps: [
+        {
+          name: 'send',
+          maxFailedChunks: 5,
+          chunks: () => ({ chunks: ['a', 'b', 'c'].map((key) => ({ key })), next: null }),
+          async run(ctx: StepContext) {
+            await Promise.all(
+              [1, 2].map((u) =>
+                ctx.effect('email', async () => {
+                  await new Promise((r) => setTimeout(r, 50));
+                  throw new Error(`mail server said 503 for user ${u}`);
+                }),
+              ),
+            );
+          },
+        },
+      ],
+    });
+    const unhandled: unknown[] = [];
+    const onUnhandled = (err: unknown) => unhandled.push(err);
+    process.on('unhandledRejection', onUnhandled);
+    try {
+      const out = await runner.run(parallel, { key: 'fx-parallel' });
+      expect(out).toMatchObject({ status: 'succeeded', summary: { skipped: 3 } });
+      await new Promise((r) => setTimeout(r, 300)); // the first calls' rejections settle
+    } finally {
+      process.off('unhandledRejection', onUnhandled);
+    }
+    // Before: the duplicate threw synchronously inside map(), so Promise.all never held the first
+    // call's promise, and its rejection was unhandled (a CLI process died with a raw stack trace).
+    expect(unhandled).toEqual([]);
+    const [row] = await query(url, `select count(*) filter (where c.skipped_at is not null)::int as skipped from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'fx-parallel'`);
+    expect(row.skipped).toBe(3);
+  });
+});
+
 describe('effect keys', () => {
   it('are stable across processes and attempts, and differ per chunk, per name and per run', async () => {
     // The first process hangs in c0002's first effect and is killed there: the ledger says started.
