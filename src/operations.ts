@@ -318,5 +318,11 @@ export function parseDuration(value: string, flag: string): number {
   const m = /^(\d+(?:\.\d+)?)\s*(s|m|h|d|w)$/.exec(value.trim());
   if (!m) throw new UsageError('invalidDuration', `${flag} expects a duration such as 30d, 12h or 90m; got "${value}"`);
   const unit = { s: 1_000, m: 60_000, h: 3_600_000, d: 86_400_000, w: 604_800_000 }[m[2] as 's' | 'm' | 'h' | 'd' | 'w'];
-  return Number(m[1]) * unit;
+  const ms = Number(m[1]) * unit;
+  // Now minus more than that is no date (or is before anything idem recorded).
+  if (!(ms <= MAX_DURATION_MS)) throw new UsageError('invalidDuration', `${flag} ${value} is longer than 100 years; give at most 36500d`);
+  return ms;
 }
+
+/** The longest duration parseDuration takes: 100 years. */
+const MAX_DURATION_MS = 36_500 * 86_400_000;

@@ -11,7 +11,7 @@ import counted, { chunkKey } from './fixtures/jobs/counted.ts';
 import ranged from './fixtures/jobs/ranged.ts';
 import sized, { SIZED_DDL, SIZED_NOMINAL } from './fixtures/sized-jobs/sized.ts';
 import { withClient } from './fixtures/tables.ts';
-import { busyMessage, chunkRows, expectFaultCrash, FIXTURE_DIRS, holdGate, killLeftovers, query, runCli, runRow, sessions, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { busyMessage, chunkRows, lines, expectFaultCrash, FIXTURE_DIRS, holdGate, killLeftovers, query, runCli, runRow, sessions, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 const SIZED_JOBS = fileURLToPath(new URL('./fixtures/sized-jobs', import.meta.url));
@@ -522,6 +522,21 @@ describe('prune', () => {
       await gate.release();
     }
     expect(await live).toMatchObject({ status: 'succeeded' });
+  });
+});
+
+describe('prune durations', () => {
+  it('a duration too large to subtract from now is refused like any bad duration (exit 2), by prune and by serve --retention', async () => {
+    const before = await snapshot(url, ['idem.runs', 'idem.chunks']);
+    for (const value of ['99999999999d', '200000000d', '1000000000d']) {
+      const r = await idem(['prune', '--older-than', value]);
+      expect(r.code, r.stderr).toBe(2);
+      expect(lines(r.stderr).filter((l) => l.startsWith('idem: error:'))).toEqual([`idem: error: --older-than ${value} is longer than 100 years; give at most 36500d`]);
+    }
+    const serve = await idem(['serve', '--port', '0', '--retention', '200000000d'], { IDEM_API_TOKEN: 'x'.repeat(32) });
+    expect(serve.code, serve.stderr).toBe(2);
+    expect(serve.stderr).toContain('--retention 200000000d is longer than 100 years');
+    expect(await snapshot(url, ['idem.runs', 'idem.chunks'])).toEqual(before);
   });
 });
 
