@@ -108,6 +108,14 @@ function withoutPid(held: HeldLocks, pid: number): HeldLocks {
   return { byPid: new Set(byPid), keys: new Set(byPid.map((k) => k.slice(k.indexOf(':') + 1))) };
 }
 
+/** A run a killed prune left `deleting`: no operator command but reset applies to it; what does. */
+function beingDeleted(run: RunRow, job: string, verb: string): UsageError {
+  return new UsageError(
+    'cannotControl',
+    `run "${run.run_key}" of job "${job}" is being deleted (an idem prune stopped part way through it): nothing to ${verb}; idem prune finishes deleting it, and idem run ${job} --key ${run.run_key} runs the key afresh`,
+  );
+}
+
 /** How many times an operator command re-reads a run that changed under it before giving up. */
 const CAS_TRIES = 5;
 
@@ -119,6 +127,7 @@ export async function requestControl(h: OperationsHost, job: string, what: 'paus
   const open = what === 'pause' ? ['running', 'pending', 'failed', 'interrupted'] : ['running', 'pending', 'failed', 'interrupted', 'paused'];
   let run = await targetRun(h, job, key, open, what);
   for (let tries = 1; ; tries++) {
+    if (run.status === 'deleting') throw beingDeleted(run, job, what);
     if (!open.includes(run.status)) {
       const was = run.status === 'succeeded' ? 'had already succeeded' : `is ${run.status}`;
       throw new UsageError('cannotControl', `run "${run.run_key}" of job "${job}" ${was}${tries > 1 ? ' (it changed while the request was made)' : ''}: nothing to ${what}`);
@@ -147,6 +156,7 @@ export async function requestControl(h: OperationsHost, job: string, what: 'paus
 export async function resumeRun(h: OperationsHost, job: string, key?: string): Promise<ControlResult> {
   let run = await targetRun(h, job, key, ['paused'], 'resume', true);
   for (let tries = 1; ; tries++) {
+    if (run.status === 'deleting') throw beingDeleted(run, job, 'resume');
     if (run.status !== 'paused' && !(run.status === 'running' && run.requested === 'pause')) {
       throw new UsageError('cannotControl', `run "${run.run_key}" of job "${job}" is ${run.status}, not paused: nothing to resume`);
     }

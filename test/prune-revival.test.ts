@@ -218,6 +218,12 @@ describe('prune and a run revived by --retry-skipped', () => {
     const shown = await runCli(['--jobs-dir', MORE_JOBS, 'status', 'skippy', '--json'], { url });
     expect(shown.code, shown.stderr).toBe(0);
     expect(JSON.parse(shown.stdout)).toEqual(expect.arrayContaining([expect.objectContaining({ runKey: key, state: 'deleting' })]));
+    for (const verb of ['pause', 'cancel', 'resume']) {
+      const r = await runCli(['--jobs-dir', MORE_JOBS, verb, 'skippy', '--key', key], { url });
+      expect(r.code, r.stderr).toBe(2);
+      expect(r.stderr).toContain(`idem: error: run "${key}" of job "skippy" is being deleted (an idem prune stopped part way through it): nothing to ${verb}; idem prune finishes deleting it, and idem run skippy --key ${key} runs the key afresh`);
+    }
+    expect(await runRow(url, 'skippy', key)).toMatchObject({ id, status: 'deleting', requested: null });
     const r = await retry(key).done;
     expect(r.code, r.stderr).toBe(0);
     const out = JSON.parse(r.stdout);
