@@ -565,8 +565,16 @@ export class Runner {
       // last to leave ends the run (by the request as it stands then).
       const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => null);
       if (others !== null && others > 0) {
-        log.warn({ requested: err.what, otherWorkers: others }, `worker stopped for an operator's ${err.what}; the run ends once its other workers have`);
         const rest = `${others} other ${others === 1 ? 'worker finishes its' : 'workers finish their'} in-flight chunks`;
+        // A resume may have withdrawn the pause since this worker saw it: then the run will not read paused.
+        const now = await this.store.getRun(runId).catch(() => null);
+        if (err.what === 'pause' && now !== null && now.attempt === attempt && now.requested !== 'pause') {
+          log.warn({ otherWorkers: others }, "worker stopped for an operator's pause that was withdrawn meanwhile");
+          return new PauseWithdrawnError(
+            `this worker stopped for an operator's pause that was withdrawn (resumed) meanwhile; the run goes on in its ${others} other ${others === 1 ? 'worker' : 'workers'}, or is interrupted if they stopped too: run the same command again to continue`,
+          );
+        }
+        log.warn({ requested: err.what, otherWorkers: others }, `worker stopped for an operator's ${err.what}; the run ends once its other workers have`);
         return err.what === 'pause'
           ? new PausedError(`job "${job.name}" paused by an operator: this worker finished its in-flight chunks and stopped; the run reads paused once ${rest}; then idem resume ${job.name} --key ${runKey} lets it continue`)
           : new CancelledError(`job "${job.name}" cancelled by an operator: this worker finished its in-flight chunks and stopped; the run reads cancelled once ${rest}; finished chunks are kept`);

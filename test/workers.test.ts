@@ -1,6 +1,6 @@
 import os from 'node:os';
 import { beforeAll, describe, expect, it } from 'vitest';
-import { FIXTURE_DIRS, holdGate, query, runCli, sessions, spawnCli, waitFor, type CliProcess } from './support/cli.ts';
+import { busyMessage, FIXTURE_DIRS, holdGate, query, runCli, sessions, spawnCli, waitFor, type CliProcess } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 import { sessionName } from '../src/database.ts';
 
@@ -208,6 +208,31 @@ describe('a paused shared run', () => {
     // Before: the first worker to stop marked it paused while the others' chunks were still in flight.
     expect(await doneCount('pause-last')).toBe(atPaused);
     expect(await query(url, `select status, requested from idem.runs where run_key = 'pause-last'`)).toEqual([{ status: 'paused', requested: null }]);
+  });
+});
+
+describe('a pause withdrawn while the workers were stopping for it', () => {
+  it('no worker says the run will read paused: the first says the pause was withdrawn, the last ends it interrupted', async () => {
+    const key = 'pause-withdrawn';
+    const gate = await holdGate(url, key);
+    let workers: CliProcess[] = [];
+    try {
+      workers = Array.from({ length: 2 }, () => join(key, 20, 0, [], key));
+      const blocked = async () => (await query<{ n: number }>(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`))[0]!.n;
+      await waitFor(async () => (await blocked()) >= 2, 'both workers to have a chunk in flight at the gate', { timeoutMs: 60_000 });
+      expect((await runCli([...FIXTURE_DIRS, 'pause', 'counted', '--key', key], { url })).code).toBe(0);
+      await waitFor(async () => workers.every((w) => w.stderr().includes('pause requested by an operator')), 'both workers to see the pause', { timeoutMs: 10_000 });
+      const resumed = await runCli([...FIXTURE_DIRS, 'resume', 'counted', '--key', key], { url });
+      expect(resumed.code, resumed.stderr).toBe(0);
+    } finally {
+      await gate.release();
+    }
+    const results = await Promise.all(workers.map((w) => w.done));
+    expect(results.map((r) => r.code)).toEqual([75, 75]);
+    const last = results.map((r) => busyMessage(r.stderr) ?? r.stderr);
+    for (const l of last) expect(l).not.toContain('reads paused');
+    expect(last.filter((l) => l.includes('withdrawn')), last.join('\n')).toHaveLength(2);
+    expect(await query(url, `select status, requested from idem.runs where run_key = $1`, [key])).toEqual([{ status: 'interrupted', requested: null }]);
   });
 });
 
