@@ -77,6 +77,22 @@ export interface LoadedJob {
   readonly job: Job;
 }
 
+/**
+ * The run keys of a migrations folder's files (file names without extension), without importing
+ * them: what prune needs to recognise migration runs an older idem recorded. Empty without the folder.
+ */
+export async function migrationKeys(dir: string): Promise<string[]> {
+  const abs = path.resolve(dir);
+  let names: string[];
+  try {
+    names = (await readdir(abs)).filter((n) => JOB_FILE.test(n)).sort();
+  } catch (err) {
+    if (codeOf(err) === 'ENOENT' || codeOf(err) === 'ENOTDIR') return [];
+    throw err;
+  }
+  return names.map((name) => name.replace(/\.[cm]?[jt]s$/, ''));
+}
+
 /** Imports every job module in a folder (TypeScript through tsx, loaded on demand), sorted by file name. */
 export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Promise<LoadedJob[]> {
   const abs = path.resolve(dir);

@@ -232,9 +232,16 @@ export async function resetRun(h: OperationsHost, job: string, key: string): Pro
  * starts deleting is deleted whole. The statements run on the lock's own session, so none of them
  * runs once that lock is lost.
  */
-export async function pruneRuns(h: OperationsHost, olderThanMs: number, batch = PRUNE_BATCH): Promise<PruneResult> {
+export async function pruneRuns(h: OperationsHost, olderThanMs: number, migrationKeys: readonly string[] = [], batch = PRUNE_BATCH): Promise<PruneResult> {
   const cutoff = new Date(Date.now() - olderThanMs).toISOString();
   const total = { runs: 0, steps: 0, chunks: 0, effects: 0, skipped: 0 };
+  // Runs an idem from before migration runs were marked recorded for the migrations folder's
+  // files (their run keys, without params): marked first, so they are kept (idem migrate marks
+  // them too). A job run with such a key and no params is kept as well: the safe side.
+  if (migrationKeys.length > 0) {
+    await sql`update ${t(h, 'runs')} set kind = 'migration'
+      where kind <> 'migration' and run_key = any(${migrationKeys}::text[]) and params = '{}'::jsonb`.execute(h.db);
+  }
   // Two prunes at once take turns: each would otherwise skip the runs the other is deleting.
   const lock = await acquireAdvisoryLock({ connectionString: h.connectionString, name: `${h.schema}:prune`, what: 'idem prune', wait: true });
   // A migration's run is never pruned: it is what makes the migration run once per database. A run

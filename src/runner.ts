@@ -387,9 +387,13 @@ export class Runner {
     return finishDeletion(this.#ops(), runId, what);
   }
 
-  /** Deletes succeeded and cancelled runs older than `olderThanMs`, in batches. */
-  prune(olderThanMs: number): Promise<PruneResult> {
-    return pruneRuns(this.#ops(), olderThanMs);
+  /**
+   * Deletes succeeded and cancelled runs older than `olderThanMs`, in batches; never a migration's
+   * run. `migrationKeys`: the run keys of the migrations folder's files, so that a migration run
+   * an older idem recorded (before runs were marked) is recognised and kept as well.
+   */
+  prune(olderThanMs: number, opts: { readonly migrationKeys?: readonly string[] } = {}): Promise<PruneResult> {
+    return pruneRuns(this.#ops(), olderThanMs, opts.migrationKeys ?? []);
   }
 
   /**

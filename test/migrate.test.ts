@@ -134,6 +134,31 @@ describe('idem migrate', () => {
       { runKey: '0002_backfill_widgets', status: 'already-succeeded', executed: 0 },
     ]);
     expect(await backfillLog(url)).toEqual(log);
+
+    // Right after an upgrade, before any idem migrate: prune and serve --retention recognise the
+    // migrations folder's runs by their keys (black-box round 4: they deleted them).
+    await query(url, `update idem.runs set kind = 'job'`);
+    const legacy = await runCli([...FIXTURE_DIRS, 'prune', '--older-than', '1s', '--json'], { url });
+    expect(legacy.code, legacy.stderr).toBe(0);
+    expect(JSON.parse(legacy.stdout)).toMatchObject({ runs: 0 });
+    expect(await query(url, `select run_key, kind from idem.runs order by run_key`)).toEqual([
+      { run_key: '0001_create_widgets', kind: 'migration' },
+      { run_key: '0002_backfill_widgets', kind: 'migration' },
+    ]);
+    await query(url, `update idem.runs set kind = 'job'`);
+    const serve = spawnCli([...FIXTURE_DIRS, '--log-level', 'info', 'serve', '--port', '0', '--retention', '1s'], { url, env: { IDEM_API_TOKEN: 'x'.repeat(32) } });
+    try {
+      await waitFor(async () => (await query(url, `select count(*)::int as n from idem.runs where kind = 'migration'`))[0].n === 2, 'serve --retention to mark the migration runs');
+      await waitFor(async () => serve.stdout().includes('listening on'), 'serve to listen');
+    } finally {
+      serve.child.kill('SIGTERM');
+      await serve.done;
+    }
+    expect(await runsOf(url)).toEqual([
+      { run_key: '0001_create_widgets', status: 'succeeded', attempt: 1 },
+      { run_key: '0002_backfill_widgets', status: 'succeeded', attempt: 1 },
+    ]);
+    expect(await backfillLog(url)).toEqual(log);
   });
 
   it('--wait <seconds> gives up after that long with exit 75; a longer wait migrates once the other pod is done', async () => {

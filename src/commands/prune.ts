@@ -13,8 +13,10 @@ export function registerPruneCommand(program: Command, cli: CliContext): void {
       cli.runWithSession(async (g, log, session) => {
         const { parseDuration } = await import('../cli-runtime.ts');
         const ms = parseDuration(o.olderThan, '--older-than');
+        const { migrationKeys } = await import('../loader.ts');
+        const keys = await migrationKeys(g.migrationsDir);
         const runner = await openRunner(g, log, session);
-        const r = await runner.prune(ms);
+        const r = await runner.prune(ms, { migrationKeys: keys });
         const held = r.skipped > 0 ? `; left ${r.skipped} ${r.skipped === 1 ? 'run' : 'runs'} alone that another process holds (reviving, running or resetting it)` : '';
         process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `prune: removed ${r.runs} runs, ${r.steps} steps, ${r.chunks} chunk markers, ${r.effects} effects older than ${o.olderThan}${held}\n`);
         return ExitCode.Ok;

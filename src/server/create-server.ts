@@ -58,6 +58,8 @@ export interface ServerOptions {
   readonly rescanMs?: number;
   /** Prune succeeded and cancelled runs older than this (ms), hourly; their keys become free again. Defaults to `null` (never). */
   readonly retentionMs?: number | null;
+  /** The migrations folder's run keys: retention keeps those runs (see Runner.prune). */
+  readonly migrationKeys?: readonly string[];
 }
 
 export interface IdemServer {
@@ -227,7 +229,7 @@ export function createServer(opts: ServerOptions): IdemServer {
   const prune = async () => {
     if (!opts.retentionMs) return;
     try {
-      const r = await runner.prune(opts.retentionMs);
+      const r = await runner.prune(opts.retentionMs, { migrationKeys: opts.migrationKeys ?? [] });
       if (r.runs > 0 || r.skipped > 0) log.info({ runs: r.runs, chunks: r.chunks, skipped: r.skipped }, 'pruned runs past the retention');
     } catch (err) {
       log.warn({ err: errorFields(err) }, 'prune failed; the next hour tries again');

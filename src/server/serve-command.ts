@@ -1,7 +1,7 @@
 import type pg from 'pg';
 import type { Logger } from 'pino';
 import { ExitCode, InterruptedError } from '../errors.ts';
-import { loadJobDir } from '../loader.ts';
+import { loadJobDir, migrationKeys } from '../loader.ts';
 import { testHookMs } from '../test-hooks.ts';
 import { parseDuration } from '../operations.ts';
 import type { Runner } from '../runner.ts';
@@ -38,6 +38,8 @@ export interface ServeFlags {
 
 export interface ServeDeps {
   readonly jobsDir: string;
+  /** The migrations folder: --retention never prunes its migrations' runs. */
+  readonly migrationsDir?: string;
   readonly log: Logger;
   readonly shutdownTimeoutSeconds: number;
   /**
@@ -77,6 +79,7 @@ export async function serveCommand(o: ServeFlags, deps: ServeDeps): Promise<numb
     bodyLimit: o.bodyLimit,
     log: deps.log,
     retentionMs,
+    migrationKeys: retentionMs !== null && deps.migrationsDir !== undefined ? await migrationKeys(deps.migrationsDir) : [],
     ...(rescan !== undefined ? { rescanMs: rescan } : {}),
   });
   let address: string;
