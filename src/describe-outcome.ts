@@ -1,3 +1,4 @@
+import { exitCodeOf, IdemError, messageOf } from './errors.ts';
 import type { RunOutcome } from './runner.ts';
 
 /** One human line for a run's outcome: what happened, how much, and what to do about skipped chunks. */
@@ -15,4 +16,9 @@ export function describeOutcome(o: RunOutcome): string {
   }
   const took = o.attempt > 1 ? ` (the run took ${((s?.durationMs ?? 0) / 1000).toFixed(1)}s over ${o.attempt} attempts)` : '';
   return `job "${o.job}" succeeded: ${counts}, ${o.executed} executed now in ${((o.elapsedMs ?? s?.durationMs ?? 0) / 1000).toFixed(1)}s${took} (run key ${o.runKey}, attempt ${o.attempt})`;
+}
+
+/** What `--json` says of an outcome other than success (`run`'s error object, `migrate`'s failed entry): the exit code, idem's error code and the message. */
+export function failureFields(err: unknown): { readonly exitCode: number; readonly code: string | null; readonly error: string } {
+  return { exitCode: exitCodeOf(err), code: err instanceof IdemError ? err.code : null, error: messageOf(err) };
 }

@@ -82,27 +82,26 @@ export interface LoadedJob {
  * them: what prune needs to recognise migration runs an older idem recorded. Empty without the folder.
  */
 export async function migrationKeys(dir: string): Promise<string[]> {
-  const abs = path.resolve(dir);
-  let names: string[];
+  return (await jobFileNames(path.resolve(dir), ['ENOENT', 'ENOTDIR'])).map(fileStem);
+}
+
+/** The job files of a folder, sorted by name; none when reading it fails with one of `missing`. */
+async function jobFileNames(abs: string, missing: readonly string[]): Promise<string[]> {
   try {
-    names = (await readdir(abs)).filter((n) => JOB_FILE.test(n)).sort();
+    return (await readdir(abs)).filter((n) => JOB_FILE.test(n)).sort();
   } catch (err) {
-    if (codeOf(err) === 'ENOENT' || codeOf(err) === 'ENOTDIR') return [];
+    if (missing.includes(codeOf(err) ?? '')) return [];
     throw err;
   }
-  return names.map((name) => name.replace(/\.[cm]?[jt]s$/, ''));
 }
+
+/** A job file's name without its extension: a migration's run key. */
+const fileStem = (name: string) => name.replace(/\.[cm]?[jt]s$/, '');
 
 /** Imports every job module in a folder (TypeScript through tsx, loaded on demand), sorted by file name. */
 export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Promise<LoadedJob[]> {
   const abs = path.resolve(dir);
-  let names: string[];
-  try {
-    names = (await readdir(abs)).filter((n) => JOB_FILE.test(n)).sort();
-  } catch (err) {
-    if (codeOf(err) === 'ENOENT') return [];
-    throw err;
-  }
+  const names = await jobFileNames(abs, ['ENOENT']);
   const loaded: LoadedJob[] = [];
   const byName = new Map<string, string>();
   for (const name of names) {
@@ -122,7 +121,7 @@ export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Prom
     if (other) throw new UsageError('duplicateJob', `job name "${job.name}" is defined twice (${other} and ${name}); rename one`);
     byName.set(job.name, name);
     await recordJobFile(job, file);
-    loaded.push({ file, id: name.replace(/\.[cm]?[jt]s$/, ''), job });
+    loaded.push({ file, id: fileStem(name), job });
   }
   return loaded;
 }

@@ -116,6 +116,11 @@ function beingDeleted(run: RunRow, job: string, verb: string): UsageError {
   );
 }
 
+/** Busy because another process holds a run's lock exclusively to delete it; `what` names the run. */
+export function beingDeletedMessage(what: string, advice = 'run the command again once that has ended'): string {
+  return `${what} is being deleted in another process (idem prune or idem reset holds its lock); ${advice}`;
+}
+
 /** How many times an operator command re-reads a run that changed under it before giving up. */
 const CAS_TRIES = 5;
 
@@ -197,7 +202,7 @@ export async function resetRun(h: OperationsHost, job: string, key: string): Pro
     if (!(err instanceof BusyError)) throw err;
     // Workers hold the run's lock shared while they work it; prune or another reset, exclusively.
     if (await isLive(h, run)) throw live();
-    throw new BusyError(`${what} is being deleted in another process (idem prune or idem reset holds its lock); try again once that has ended`);
+    throw new BusyError(beingDeletedMessage(what, 'try again once that has ended'));
   });
   try {
     // Holding the run's lock, no worker of this idem is on the run. A run under idem migrate's lock
@@ -318,7 +323,7 @@ async function deleteRunHeld(h: OperationsHost, lock: HeldLock, id: string, stil
  * run's lock: a prune or reset deleting it now.
  */
 export async function finishDeletion(h: OperationsHost, runId: string, what: string): Promise<void> {
-  const busy = () => new BusyError(`${what} is being deleted in another process (idem prune or idem reset holds its lock); run the command again once that has ended`);
+  const busy = () => new BusyError(beingDeletedMessage(what));
   // The run's own lock, exclusively; deleteRunHeld takes it once more on the same session.
   const lock = await acquireAdvisoryLock({ connectionString: h.connectionString, name: h.runLockName(runId), what, wait: false }).catch((err: unknown) => {
     throw err instanceof BusyError ? busy() : err;

@@ -13,7 +13,7 @@ import { refuseOnStandby, type HealthSetting } from './health-check.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import { faultPoint } from './fault-points.ts';
 import { silentLogger } from './log.ts';
-import { doneChunks, finishDeletion, lastChange, pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
+import { beingDeletedMessage, doneChunks, finishDeletion, lastChange, pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
 import { isRetryable, retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
@@ -276,7 +276,7 @@ export class Runner {
           join: opts.join ?? false,
           first: this.store.beginAttemptSql(run.id, `${hostname()}:${process.pid}`, lockName, lockKey(lockName), allowSucceeded),
           joiner: this.store.joinAttemptSql(run.id),
-          runHeld: `run "${runKey}" of job "${job.name}" is being deleted in another process (idem prune or idem reset holds its lock); run the command again once that has ended`,
+          runHeld: beingDeletedMessage(`run "${runKey}" of job "${job.name}"`),
         },
       }),
     );
@@ -829,7 +829,7 @@ const DELETING = Symbol('deleting');
 
 /** A key whose run kept being marked deleting as fast as this process deleted it: give up, busy. */
 function refuseDeleting(job: string, runKey: string): never {
-  throw new BusyError(`run "${runKey}" of job "${job}" is being deleted in another process (idem prune or idem reset holds its lock); run the command again once that has ended`);
+  throw new BusyError(beingDeletedMessage(`run "${runKey}" of job "${job}"`));
 }
 
 /** A paused or cancelled run does not start again until an operator says so. */

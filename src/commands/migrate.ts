@@ -1,8 +1,8 @@
 import type { Command } from 'commander';
 import { nonNegativeNumber, waitSeconds } from '../cli-parsers.ts';
 import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
-import { describeOutcome } from '../describe-outcome.ts';
-import { ExitCode, exitCodeOf, IdemError, messageOf, UsageError } from '../errors.ts';
+import { describeOutcome, failureFields } from '../describe-outcome.ts';
+import { ExitCode, UsageError } from '../errors.ts';
 import type { RunOutcome } from '../runner.ts';
 import { describeFinalize } from './finalize.ts';
 import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
@@ -42,7 +42,8 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
         // --json: a migration that fails is an entry of the outcomes after those that succeeded
         // (none for those after it, which never ran), as `run --json` prints its error object.
         const done: RunOutcome[] = [];
-        let current: { readonly runKey: string; readonly job: { readonly name: string } } | null = null;
+        // Asserted, not annotated: the callback sets it, which TypeScript's narrowing does not see.
+        let current = null as { readonly runKey: string; readonly job: { readonly name: string } } | null;
         let outcomes: RunOutcome[];
         try {
           outcomes = await runner.migrate(
@@ -63,15 +64,7 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
           );
         } catch (err) {
           if (o.json) {
-            const failed = current as { readonly runKey: string; readonly job: { readonly name: string } } | null;
-            const entry = {
-              runKey: failed?.runKey ?? null,
-              job: failed?.job.name ?? null,
-              status: 'error',
-              exitCode: exitCodeOf(err),
-              code: err instanceof IdemError ? err.code : null,
-              error: messageOf(err),
-            };
+            const entry = { runKey: current?.runKey ?? null, job: current?.job.name ?? null, status: 'error', ...failureFields(err) };
             process.stdout.write(`${JSON.stringify([...done, entry])}\n`);
           }
           throw err;

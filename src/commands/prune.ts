@@ -11,9 +11,8 @@ export function registerPruneCommand(program: Command, cli: CliContext): void {
     .option('--json', 'print the counts as JSON')
     .action((o: { olderThan: string; json?: boolean }) =>
       cli.runWithSession(async (g, log, session) => {
-        const { parseDuration } = await import('../cli-runtime.ts');
+        const { migrationKeys, parseDuration } = await import('../cli-runtime.ts');
         const ms = parseDuration(o.olderThan, '--older-than');
-        const { migrationKeys } = await import('../loader.ts');
         const keys = await migrationKeys(g.migrationsDir);
         const runner = await openRunner(g, log, session);
         const r = await runner.prune(ms, { migrationKeys: keys });

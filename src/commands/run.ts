@@ -1,8 +1,8 @@
 import type { Command } from 'commander';
 import { checkRunKey, collectParam, nonNegativeNumber, parseParams, positiveInt, positiveNumber, waitSeconds } from '../cli-parsers.ts';
 import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
-import { describeOutcome } from '../describe-outcome.ts';
-import { ExitCode, exitCodeOf, IdemError, messageOf, UsageError } from '../errors.ts';
+import { describeOutcome, failureFields } from '../describe-outcome.ts';
+import { ExitCode, UsageError } from '../errors.ts';
 import { fingerprint } from '../fingerprint.ts';
 import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
 import { createProgressReporter } from '../progress-reporter.ts';
@@ -120,5 +120,5 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
 
 /** What `idem run --json` prints when the run does not succeed: the exit code, idem's error code and the message. */
 function errorOutcome(job: string, key: string | undefined, err: unknown) {
-  return { status: 'error', job, runKey: key ?? null, exitCode: exitCodeOf(err), code: err instanceof IdemError ? err.code : null, error: messageOf(err) };
+  return { status: 'error', job, runKey: key ?? null, ...failureFields(err) };
 }
