@@ -3,6 +3,8 @@
  * pinned below them. Every write goes through here, so a log line never lands in the middle of
  * the bar: the bar is cleared, the line written, the bar drawn again.
  */
+import { columns, fitColumns, prepareColumns } from './display-width.ts';
+
 const CLEAR_LINE = '\r\x1b[K';
 
 let status: string | undefined;
@@ -15,29 +17,30 @@ export function writeLines(text: string): void {
 
 /** Draws (or, with undefined, removes) the pinned status line, cut to the terminal's width. */
 export function setStatusLine(text: string | undefined): void {
-  const columns = process.stderr.columns || 100;
-  const next = text === undefined ? undefined : truncate(text, columns - 1);
+  // A step name or key that is not ASCII: exact widths from the next redraw on (until then the cut
+  // over-estimates, so the line still never wraps).
+  if (text !== undefined) prepareColumns(text).catch(() => {});
+  const next = text === undefined ? undefined : truncate(text, (process.stderr.columns || 100) - 1);
   if (next === status) return;
   process.stderr.write(`${CLEAR_LINE}${next ?? ''}`);
   status = next;
 }
 
-/** Cuts visible text (ANSI colour codes do not count, and all of them are kept so colours close) to `width` characters. */
+/**
+ * Cuts visible text to `width` terminal columns (display-width.ts: a wide character takes two, and a
+ * cut never falls inside one). ANSI colour codes take none, and all of them are kept so colours close.
+ */
 export function truncate(text: string, width: number): string {
-  let visible = 0;
   let out = '';
-  for (let i = 0; i < text.length; i++) {
-    if (text[i] === '\x1b') {
-      const end = text.indexOf('m', i);
-      if (end !== -1) {
-        out += text.slice(i, end + 1);
-        i = end;
-        continue;
-      }
+  let left = width;
+  for (const part of text.split(/(\x1b\[[0-9;]*m)/)) {
+    if (part.startsWith('\x1b[')) {
+      out += part;
+    } else if (left > 0) {
+      const fit = fitColumns(part, left);
+      out += fit;
+      left = fit === part ? left - columns(part) : 0;
     }
-    if (visible >= width) continue;
-    out += text[i];
-    visible++;
   }
   return out;
 }

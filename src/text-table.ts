@@ -1,3 +1,5 @@
+import { columns, padColumns } from './display-width.ts';
+
 /** Rows of aligned columns, as `idem status` and `idem list` print them. */
 export interface TextTable {
   /**
@@ -8,12 +10,16 @@ export interface TextTable {
   line(cells: readonly string[], paint?: (column: number, padded: string) => string): string;
 }
 
-/** Aligns every row given (the header among them): each column as wide as its widest cell. */
+/**
+ * Aligns every row given (the header among them): each column as wide as its widest cell. Exact for
+ * wide characters once `prepareColumns` has seen the text (the commands do that before formatting).
+ */
 export function textTable(rows: ReadonlyArray<readonly string[]>): TextTable {
-  const columns = Math.max(0, ...rows.map((r) => r.length));
-  const widths = Array.from({ length: columns }, (_, i) => Math.max(0, ...rows.map((r) => (r[i] ?? '').length)));
+  const count = Math.max(0, ...rows.map((r) => r.length));
+  // Widths in terminal columns (display-width.ts): a CJK key or an emoji takes two.
+  const widths = Array.from({ length: count }, (_, i) => Math.max(0, ...rows.map((r) => columns(r[i] ?? ''))));
   return {
-    line: (cells, paint = (_, s) => s) => cells.map((cell, i) => paint(i, i === cells.length - 1 ? cell : cell.padEnd(widths[i]!))).join('  '),
+    line: (cells, paint = (_, s) => s) => cells.map((cell, i) => paint(i, i === cells.length - 1 ? cell : padColumns(cell, widths[i]!))).join('  '),
   };
 }
 

@@ -135,3 +135,64 @@ describe('stored text with control characters on a terminal', () => {
     expect(formatRunDetail(row as never, [], now)).toContain(long);
   });
 });
+
+describe('wide characters on a terminal (CJK, emoji: two columns each; combining marks: none)', () => {
+  const columnsOf = (s: string) => {
+    // Display columns as a terminal counts them, written out here so the test does not share the code under test.
+    let n = 0;
+    for (const ch of s) {
+      const cp = ch.codePointAt(0)!;
+      if (/\p{M}/u.test(ch)) continue;
+      n += (cp >= 0x1100 && cp <= 0x115f) || (cp >= 0x2e80 && cp <= 0xa4cf) || (cp >= 0xac00 && cp <= 0xd7a3) || (cp >= 0xf900 && cp <= 0xfaff) || (cp >= 0xff00 && cp <= 0xff60) || (cp >= 0x1f300 && cp <= 0x1faff) ? 2 : 1;
+    }
+    return n;
+  };
+
+  it('idem list and idem status align their columns by display width, not by UTF-16 length', async () => {
+    await (await import('../src/display-width.ts')).loadWidth(); // as the commands do for text that is not ASCII
+    const { formatList } = await import('../src/commands/list.ts');
+    const { formatStatus } = await import('../src/commands/status.ts');
+    const now = new Date(Date.UTC(2026, 10, 30, 12));
+    const items = [
+      { kind: 'job' as const, name: '顧客の集計', description: 'd1', state: 'never run', updatedAt: null },
+      { kind: 'job' as const, name: 'cafe\u0301-😀', description: 'd2', state: 'never run', updatedAt: null },
+      { kind: 'job' as const, name: 'plain-ascii-name', description: 'd3', state: 'never run', updatedAt: null },
+    ];
+    const lines = formatList(items, now).split('\n');
+    const stateAt = lines.map((l) => columnsOf(l.slice(0, l.search(/never run|STATE/))));
+    expect(stateAt).toHaveLength(4);
+    expect(new Set(stateAt).size).toBe(1);
+    const row = (runKey: string) => ({
+      job: 'counted', runKey, runId: '1', state: 'succeeded', attempt: 1, chunksDone: 1, chunksPlanned: 1, fullyPlanned: true, estimatedChunks: null,
+      updatedAt: now, createdAt: now, finishedAt: now, holder: null, throughput: null, etaSeconds: null, workers: [], requested: null, healthPause: null, codeChanges: [], error: null, skipped: [],
+    });
+    const status = formatStatus([row('月次-請求書-2026-11'), row('plain-key'), row('😀😀😀')] as never[], now).split('\n');
+    const chunksAt = status.map((l) => columnsOf(l.slice(0, l.search(/1\/1|CHUNKS/))));
+    expect(chunksAt).toHaveLength(4);
+    expect(new Set(chunksAt).size).toBe(1);
+  });
+
+  it('idem status cuts a long wide key to 30 columns, at a character, and the cut text still names the run', async () => {
+    await (await import('../src/display-width.ts')).loadWidth();
+    const { formatStatus } = await import('../src/commands/status.ts');
+    const now = new Date(Date.UTC(2026, 10, 30, 12));
+    const key = '請求書'.repeat(10); // 30 characters, 60 columns
+    const row = {
+      job: 'counted', runKey: key, runId: '1', state: 'succeeded', attempt: 1, chunksDone: 1, chunksPlanned: 1, fullyPlanned: true, estimatedChunks: null,
+      updatedAt: now, createdAt: now, finishedAt: now, holder: null, throughput: null, etaSeconds: null, workers: [], requested: null, healthPause: null, codeChanges: [], error: null, skipped: [],
+    };
+    const line = formatStatus([row as never], now).split('\n')[1]!;
+    const shown = line.split(/\s{2,}/).find((cell) => cell.endsWith('...'))!;
+    expect(shown).toBeDefined();
+    expect(columnsOf(shown)).toBeLessThanOrEqual(30);
+    expect(key.startsWith(shown.slice(0, -3))).toBe(true);
+  });
+
+  it('the progress line is cut to the terminal width in columns, never inside a character', () => {
+    // The emoji would need columns 5 and 6: the line ends before it (nothing after it is shown out of order).
+    expect(truncate('\x1b[32m顧客😀abc\x1b[39m', 5)).toBe('\x1b[32m顧客\x1b[39m');
+    expect(truncate('\x1b[32m顧客😀abc\x1b[39m', 7)).toBe('\x1b[32m顧客😀a\x1b[39m');
+    expect(truncate('😀😀😀', 3)).toBe('😀');
+    expect(truncate('e\u0301tude', 2)).toBe('e\u0301t');
+  });
+});

@@ -2,6 +2,7 @@ import type { Command } from 'commander';
 import { openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode } from '../errors.ts';
 import type { RunStatusRow } from '../runner.ts';
+import { prepareColumns } from '../display-width.ts';
 import { colours, type Colours } from '../terminal.ts';
 import { textTable, visibleDeep } from '../text-table.ts';
 import { relativeTime, stateColour } from './status.ts';
@@ -63,6 +64,7 @@ export function registerListCommand(program: Command, cli: CliContext): void {
           ...migrations.map((m) => ({ kind: 'migration' as const, name: m.id, job: m.job.name, description: m.job.description ?? '', state: latest.get(m.job.name)?.state ?? 'pending', updatedAt: latest.get(m.job.name)?.updatedAt ?? null })),
         ];
         const tty = process.stdout.isTTY === true;
+        if (!o.json && tty) await prepareColumns(JSON.stringify(items));
         const text = o.json ? JSON.stringify(items) : tty ? formatList(items, new Date(), colours(!process.env.NO_COLOR && process.env.TERM !== 'dumb')) : formatListTsv(items);
         process.stdout.write(`${text}\n`);
         return ExitCode.Ok;

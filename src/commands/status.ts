@@ -4,6 +4,7 @@ import { openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode, UsageError } from '../errors.ts';
 import type { Runner, RunStatusRow } from '../runner.ts';
 import { shellQuote } from '../shell-quote.ts';
+import { columns, fitColumns, padColumns, prepareColumns } from '../display-width.ts';
 import { colours, type Colours } from '../terminal.ts';
 import { textTable, visibleDeep } from '../text-table.ts';
 
@@ -119,7 +120,7 @@ export function formatRunDetail(stored: RunStatusRow, storedSteps: readonly Step
   const out = fields.map(([k, v]) => `${c.bold(k.padEnd(width))}  ${v}`);
   if (steps.length > 0) {
     out.push('', c.bold('steps'));
-    const nameWidth = Math.max(...steps.map((s) => s.name.length));
+    const nameWidth = Math.max(...steps.map((s) => columns(s.name)));
     // A step's row says running until someone finishes it: in a run nobody is executing (failed,
     // paused, interrupted, crashed, cancelled) the step where it stopped shows the run's state.
     const shown = steps.map((s) => (s.status === 'running' && r.state !== 'running' ? r.state : s.status));
@@ -127,7 +128,7 @@ export function formatRunDetail(stored: RunStatusRow, storedSteps: readonly Step
     steps.forEach((s, i) => {
       const total = s.plannedAll ? `${s.planned}` : `${Math.max(s.planned, s.estimated ?? 0)}~`;
       const skipped = s.skipped > 0 ? c.yellow(`, ${s.skipped} skipped`) : '';
-      out.push(`  ${i + 1}. ${s.name.padEnd(nameWidth)}  ${shown[i]!.padEnd(statusWidth)}  ${s.done}/${total} chunks${skipped}`);
+      out.push(`  ${i + 1}. ${padColumns(s.name, nameWidth)}  ${shown[i]!.padEnd(statusWidth)}  ${s.done}/${total} chunks${skipped}`);
     });
   }
   if (r.skipped.length > 0) {
@@ -139,13 +140,12 @@ export function formatRunDetail(stored: RunStatusRow, storedSteps: readonly Step
 }
 
 /**
- * A run key as the table shows it: longer than 30 characters, its first 27 and `...`. Characters
- * are code points (`Array.from`), so the cut never falls inside an emoji's surrogate pair (which
- * showed U+FFFD, and that text passed back as --key matched nothing).
+ * A run key as the table shows it: wider than 30 terminal columns, its first 27 columns and `...`.
+ * The cut falls between characters (display-width.ts), never inside an emoji's surrogate pair
+ * (which showed U+FFFD, and that text passed back as --key matched nothing).
  */
 function shownKey(key: string): string {
-  const chars = Array.from(key);
-  return chars.length > 30 ? `${chars.slice(0, 27).join('')}...` : key;
+  return columns(key) > 30 ? `${fitColumns(key, 27)}...` : key;
 }
 
 /**
@@ -191,11 +191,15 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
             return { run: found, steps: found ? await stepDetails(view.db, runner.schema, found.runId) : [] };
           });
           if (!run) throw new UsageError('unknownRun', `job "${job}" has no run with key "${o.key}"; see idem status ${job} for its runs`);
-          process.stdout.write(o.json ? `${JSON.stringify({ ...run, steps })}\n` : `${formatRunDetail(run, steps, new Date(), colours(tty))}\n`);
+          const json = JSON.stringify({ ...run, steps });
+          if (!o.json) await prepareColumns(json);
+          process.stdout.write(o.json ? `${json}\n` : `${formatRunDetail(run, steps, new Date(), colours(tty))}\n`);
           return ExitCode.Ok;
         }
         const rows = await runner.status(job, o.limit);
-        process.stdout.write(o.json ? `${JSON.stringify(rows)}\n` : `${formatStatus(rows, new Date(), colours(tty))}\n`);
+        const json = JSON.stringify(rows);
+        if (!o.json) await prepareColumns(json);
+        process.stdout.write(o.json ? `${json}\n` : `${formatStatus(rows, new Date(), colours(tty))}\n`);
         return ExitCode.Ok;
       }),
     );
