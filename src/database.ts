@@ -10,6 +10,9 @@ import { codeOf, DatabaseUnavailableError, errorFields, UsageError } from './err
  * Every place idem prints a connection string goes through here.
  */
 export function redactUrl(url: string): string {
+  // Where the user or password ends the authority early, the "host" is a piece of them and the rest
+  // holds the password: nothing after the scheme is shown.
+  if (misreadUserinfo(url)) return url.replace(/:\/\/.*$/s, '://***');
   try {
     const u = new URL(url);
     if (u.password) u.password = '***';
@@ -28,6 +31,7 @@ export function redactUrl(url: string): string {
  * the password).
  */
 export function refuseUnsupportedUrl(connectionString: string, source: string): void {
+  if (misreadUserinfo(connectionString)) throw new UsageError('invalidDatabaseUrl', invalidUrlMessage(source));
   const scheme = /^\s*([A-Za-z][A-Za-z0-9+.-]*):\/\//.exec(connectionString)?.[1];
   if (scheme !== undefined && !['postgres', 'postgresql'].includes(scheme.toLowerCase())) {
     throw new UsageError('invalidDatabaseUrl', `${source} is a ${scheme}: URL, and idem works with PostgreSQL only; pass postgres://user:password@host:5432/db (or postgresql://)`);
@@ -37,6 +41,25 @@ export function refuseUnsupportedUrl(connectionString: string, source: string): 
     'invalidDatabaseUrl',
     `${source} is a keyword/value connection string, which idem does not support; pass a URL instead: postgres://user:password@host:5432/db (percent-encode special characters in the password)`,
   );
+}
+
+/**
+ * A user or password with an unencoded `/`, `?` or `#` ends a URL's authority early. Mostly the URL
+ * then fails to parse (a port that is not a number: see describeConnectError), but digits before it
+ * read as a port: `postgres://app:12#pw@db/app` is host `app`, port 12, and the rest, password and
+ * real host included, a fragment. So a URL with a fragment (which PostgreSQL URLs never use), or
+ * with an `@` after an authority that has none, is taken for that mistake.
+ */
+function misreadUserinfo(url: string): boolean {
+  const m = /^\s*[A-Za-z][A-Za-z0-9+.-]*:\/\/([^/?#]*)(.*)$/s.exec(url);
+  if (!m) return false;
+  const [, authority = '', rest = ''] = m;
+  return rest.includes('#') || (!authority.includes('@') && rest.includes('@'));
+}
+
+/** Where a connection string does not parse, or parses as something else: neither it nor its redaction is repeated. */
+function invalidUrlMessage(source: string | undefined): string {
+  return `${source ?? 'the connection string'} is not a valid URL; percent-encode special characters in the user and password (/ as %2F, # as %23, ? as %3F, @ as %40, % as %25): postgres://user:password@host:5432/db`;
 }
 
 /** Removes any occurrence of the connection string's password from a message. */
@@ -235,10 +258,7 @@ export function describeConnectError(err: unknown, connectionString: string, sou
   // pg could not parse the string (new URL): most often a password with an unencoded / # ? or @.
   // Neither the string nor its redaction is repeated: where the URL breaks, the redaction may too.
   if (code === 'ERR_INVALID_URL') {
-    return new DatabaseUnavailableError(
-      `${source ?? 'the connection string'} is not a valid URL; percent-encode special characters in the user and password (/ as %2F, # as %23, ? as %3F, @ as %40, % as %25): postgres://user:password@host:5432/db`,
-      { cause: err },
-    );
+    return new DatabaseUnavailableError(invalidUrlMessage(source), { cause: err });
   }
   const where = redactUrl(connectionString);
   const raw = redactSecrets((err as Error)?.message ?? String(err), connectionString);

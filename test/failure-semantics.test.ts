@@ -376,7 +376,11 @@ describe('database health at start-up', () => {
 
   it('a password with an unencoded /, # or ?: exit 2, one line saying to percent-encode it, the password not printed', async () => {
     const u = new URL(db.url);
-    for (const [password, from] of [['pa/ss-secret', '--database-url'], ['pa#ss-secret', 'DATABASE_URL'], ['pa?ss-secret', '--database-url']] as const) {
+    // A password that starts with digits before the / # or ? parses as a valid URL whose host is the
+    // user and whose port is those digits ("12#ss-secret": host postgres, port 12): it used to
+    // fail as "host not found", printing the whole string, password included.
+    const cases = [['pa/ss-secret', '--database-url'], ['pa#ss-secret', 'DATABASE_URL'], ['pa?ss-secret', '--database-url'], ['12#ss-secret', 'DATABASE_URL'], ['12/ss-secret', '--database-url'], ['12?ss-secret', 'DATABASE_URL']] as const;
+    for (const [password, from] of cases) {
       const raw = `postgres://${u.username}:${password}@${u.host}${u.pathname}`;
       const res = from === 'DATABASE_URL' ? await runCli([...FIXTURE_DIRS, 'status'], { url: raw }) : await runCli([...FIXTURE_DIRS, '--database-url', raw, 'status']);
       expect(res.code, res.stderr).toBe(2);
@@ -384,6 +388,12 @@ describe('database health at start-up', () => {
       expect(out, password).toEqual([expect.stringMatching(new RegExp(`^idem: error: ${from} is not a valid URL.*percent-encode.*# as %23`))]);
       expect(res.stderr).not.toContain('ss-secret');
     }
+    // The library refuses the same before connecting, and its exported redaction shows none of it.
+    const { Runner, redactUrl } = await import('idem');
+    const misread = `postgres://${u.username}:12#ss-secret@${u.host}${u.pathname}`;
+    await expect(Runner.connect({ connectionString: misread })).rejects.toThrow(/^the connection string is not a valid URL; percent-encode/);
+    expect(redactUrl(misread)).toBe('postgres://***');
+    expect(redactUrl(`postgres://${u.username}:ok-secret@${u.host}${u.pathname}`)).not.toContain('ok-secret');
   });
 
   it('a role that may not log in: exit 2 naming ALTER ROLE … LOGIN, not "fix the user or password" (they are right)', async () => {
