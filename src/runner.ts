@@ -1,3 +1,4 @@
+import { setMaxListeners } from 'node:events';
 import { hostname } from 'node:os';
 import { sql, type Kysely } from 'kysely';
 import type { Logger } from 'pino';
@@ -469,6 +470,11 @@ export class Runner {
     }, opts.controlPollMs ?? 1_000);
     const stop = AbortSignal.any([lock.lost, control.signal, ...(opts.signal ? [opts.signal] : [])]);
     const abort = AbortSignal.any([lock.lost, ...(opts.abortSignal ? [opts.abortSignal] : [])]);
+    // Every slot may wait on `stop` at once (a pause, a backoff, a held chunk), and a chunk's own
+    // code listens on `abort` (ctx.signal: a fetch, a driver's cancel). Node's leak warning at 11
+    // listeners printed "Possible EventTarget memory leak" for sixteen slots pausing together; far
+    // past a few per slot it would be a leak, which Node should still name.
+    setMaxListeners(10 + 8 * (opts.concurrency ?? 1), stop, abort);
     try {
       await retrying(() => recordCodeFingerprint(this.db, this.schema, current, job, attempt, joined));
       // The worker that starts the attempt makes skipped chunks pending again; one joining it does

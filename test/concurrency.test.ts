@@ -120,6 +120,18 @@ describe('overlapping runs of one job', () => {
   }, PROCESS_TEST_TIMEOUT);
 });
 
+describe('many slots of one process', () => {
+  it('sixteen slots pausing at once print no warning: nothing hangs more than ten listeners on one signal', async () => {
+    // Each waiting slot hung an abort listener on the run's stop signal: from the eleventh on,
+    // Node printed "MaxListenersExceededWarning: Possible EventTarget memory leak" (the CLI
+    // turned it into an idem: warning: line) for a run that was fine.
+    const res = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', JSON.stringify({ chunks: 48 }), '--key', 'sixteen-slots', '--concurrency', '16', '--pause', '150'], { url });
+    expect(res.code, res.stderr).toBe(0);
+    expect(res.stderr).not.toMatch(/warning|MaxListeners/i);
+    expect(await workCounts(url, 'sixteen-slots')).toEqual(ones(48));
+  }, PROCESS_TEST_TIMEOUT);
+});
+
 describe('parallel `idem migrate`', () => {
   it('five pods migrating at once all exit 0 and each migration does its work once', async () => {
     const gate = await holdGate(url, 'migrate');

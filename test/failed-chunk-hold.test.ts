@@ -1,5 +1,5 @@
 import pg from 'pg';
-import { afterAll, beforeAll, beforeEach, describe, expect, it } from 'vitest';
+import { afterAll, afterEach, beforeAll, beforeEach, describe, expect, it } from 'vitest';
 import { defineJob, RunFailedError, Runner, sql } from '../src/index.ts';
 import { query } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
@@ -25,6 +25,18 @@ beforeAll(() => {
 });
 afterAll(() => side?.end());
 beforeEach(() => side.query('delete from exec_log'));
+
+// Slots that wait (a held chunk, a backoff) must not each hang a listener on one shared signal:
+// past 10, Node prints "MaxListenersExceededWarning: Possible EventTarget memory leak" on the
+// user's stderr (the CLI turns it into an idem: warning: line), for a run that is fine.
+const warnings: string[] = [];
+const onWarning = (w: Error) => warnings.push(`${w.name}: ${w.message}`);
+beforeAll(() => void process.on('warning', onWarning));
+afterAll(() => void process.off('warning', onWarning));
+afterEach(() => {
+  const leaks = warnings.splice(0).filter((w) => w.startsWith('MaxListenersExceededWarning'));
+  expect(leaks).toEqual([]);
+});
 
 const recordExecution = (job: string, chunk: string) => side.query('insert into exec_log (job, chunk) values ($1, $2)', [job, chunk]);
 
