@@ -4,10 +4,11 @@ import { columns, padColumns } from './display-width.ts';
 export interface TextTable {
   /**
    * One row, its cells padded to the column widths and two spaces apart; the last cell is not
-   * padded (it may run long). `paint` colours a cell after padding, so colour codes never count
+   * padded (it may run long) unless `padLast` (text follows the row, and should start at one
+   * column in every row). `paint` colours a cell after padding, so colour codes never count
    * toward a width.
    */
-  line(cells: readonly string[], paint?: (column: number, padded: string) => string): string;
+  line(cells: readonly string[], paint?: (column: number, padded: string) => string, padLast?: boolean): string;
 }
 
 /**
@@ -19,7 +20,7 @@ export function textTable(rows: ReadonlyArray<readonly string[]>): TextTable {
   // Widths in terminal columns (display-width.ts): a CJK key or an emoji takes two.
   const widths = Array.from({ length: count }, (_, i) => Math.max(0, ...rows.map((r) => columns(r[i] ?? ''))));
   return {
-    line: (cells, paint = (_, s) => s) => cells.map((cell, i) => paint(i, i === cells.length - 1 ? cell : padColumns(cell, widths[i]!))).join('  '),
+    line: (cells, paint = (_, s) => s, padLast = false) => cells.map((cell, i) => paint(i, i === cells.length - 1 && !padLast ? cell : padColumns(cell, widths[i]!))).join('  '),
   };
 }
 

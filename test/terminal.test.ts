@@ -166,10 +166,15 @@ describe('wide characters on a terminal (CJK, emoji: two columns each; combining
       job: 'counted', runKey, runId: '1', state: 'succeeded', attempt: 1, chunksDone: 1, chunksPlanned: 1, fullyPlanned: true, estimatedChunks: null,
       updatedAt: now, createdAt: now, finishedAt: now, holder: null, throughput: null, etaSeconds: null, workers: [], requested: null, healthPause: null, codeChanges: [], error: null, skipped: [],
     });
-    const status = formatStatus([row('月次-請求書-2026-11'), row('plain-key'), row('😀😀😀')] as never[], now).split('\n');
+    const failed = (runKey: string, ago: number) => ({ ...row(runKey), state: 'failed', updatedAt: new Date(now.getTime() - ago), error: { step: 'work', chunk: 'c1', tries: 1, message: 'boom', at: now.toISOString() } });
+    const status = formatStatus([row('月次-請求書-2026-11'), row('plain-key'), row('😀😀😀'), failed('f1', 0), failed('f2', 5_000)] as never[], now).split('\n');
     const chunksAt = status.map((l) => columnsOf(l.slice(0, l.search(/1\/1|CHUNKS/))));
-    expect(chunksAt).toHaveLength(4);
+    expect(chunksAt).toHaveLength(6);
     expect(new Set(chunksAt).size).toBe(1);
+    // A note after the last column ("just now" and "5 s ago" differ in width) starts at one column.
+    const notesAt = status.filter((l) => l.includes('error:')).map((l) => l.indexOf('error:'));
+    expect(notesAt).toHaveLength(2);
+    expect(new Set(notesAt).size).toBe(1);
   });
 
   it('idem status cuts a long wide key to 30 columns, at a character, and the cut text still names the run', async () => {

@@ -69,7 +69,8 @@ export function formatStatus(stored: readonly RunStatusRow[], now: Date = new Da
     const guards = [r.healthPause ? c.yellow(`paused for health: ${r.healthPause.reason}`) : '', r.codeChanges.length ? c.yellow(`code changed (allowed) at attempt ${r.codeChanges.map((x) => x.attempt).join(', ')}`) : ''];
     const clip = clipFor(r);
     const note = r.error ? c.red(`error: ${errorOf(r, clip)}`) : [live, workers, r.requested ? c.yellow(`${r.requested} requested`) : '', ...guards].filter(Boolean).join('  ');
-    out.push(line(table[n]!, (i, s) => (i === 2 ? stateColour(r.state, c)(s) : i === 5 ? c.dim(s) : s)) + (note ? `  ${note}` : ''));
+    // Notes start at one column in every row ("just now" and "5 s ago" differ in width).
+    out.push(line(table[n]!, (i, s) => (i === 2 ? stateColour(r.state, c)(s) : i === 5 ? c.dim(s) : s), note !== '') + (note ? `  ${note}` : ''));
     for (const k of r.skipped) out.push(c.yellow(`    skipped: step "${k.step}" chunk ${k.key} after ${tries(k.attempts)}: ${clip(k.error ?? '')}`));
   });
   return out.join('\n');
