@@ -566,7 +566,9 @@ export class Runner {
       return new RunFailedError(`job "${job.name}" failed in another process sharing the run: ${err.message}; fix the cause and run the same command again to resume there`, { cause: err });
     }
     if (err instanceof FencedError || err instanceof LockLostError) {
-      log.error({ err: errorFields(err) }, 'lost the run to another attempt');
+      // A fenced commit proves a newer attempt took over; a lost lock only that its session ended
+      // (a server restart, a terminated backend, a dead network), and the run is free to resume.
+      log.error({ err: errorFields(err) }, err instanceof LockLostError ? "lost the run's advisory lock; stopping" : 'lost the run to another attempt');
       return err instanceof LockLostError ? err : new LockLostError(err.message, { cause: err });
     }
     if (err instanceof ControlRequest) {

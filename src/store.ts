@@ -568,8 +568,10 @@ export class Store {
           'chunks', (select coalesce(sum(chunks), 0)::int from counts),
           'skipped', (select coalesce(sum(skipped), 0)::int from counts),
           'attempts', r.attempt,
-          'startedAt', to_jsonb(${startedAt.toISOString()}::timestamptz),
-          'finishedAt', to_jsonb(now()),
+          -- As JavaScript's toISOString() writes every other time idem prints: UTC, milliseconds, Z
+          -- (to_jsonb of a timestamptz follows the session's TimeZone and keeps microseconds).
+          'startedAt', ${startedAt.toISOString()}::text,
+          'finishedAt', to_char(now() at time zone 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"'),
           'durationMs', (extract(epoch from (now() - ${startedAt.toISOString()}::timestamptz)) * 1000)::bigint)
       where r.id = ${runId} and r.attempt = ${attempt} and r.status = 'running'
       returning r.summary`);

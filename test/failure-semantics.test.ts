@@ -488,6 +488,10 @@ describe('ctx.signal, observed from inside a job', () => {
     expect(res.timedOut, res.stderr).toBe(false);
     expect(res.code, res.stderr).toBe(69);
     expect(res.stderr).toMatch(/signal-watch: ctx\.signal aborted: LockLostError: .*lost the advisory lock/);
+    // The log says what happened: the lock's session ended. No other attempt took the run over
+    // (it said "lost the run to another attempt" after every server restart).
+    expect(res.stderr).not.toMatch(/another attempt/);
+    expect(await query(db.url, `select attempt from idem.runs where run_key = 'sig-lock'`)).toEqual([{ attempt: 1 }]);
   }, 90_000);
 });
 

@@ -47,6 +47,9 @@ describe('Runner.run', () => {
       const first = await runner.run(counted, { params: { chunks }, key });
       expect(first).toMatchObject({ status: 'succeeded', job: 'counted', runKey: key, attempt: 1, executed: chunks + 2 });
       expect(first.summary).toMatchObject({ chunks: chunks + 2, attempts: 1, steps: [{ name: 'prepare', chunks: 1 }, { name: 'work', chunks }, { name: 'finish', chunks: 1 }] });
+      // Both times as idem prints every other (status --json, the API): ISO 8601 in UTC, milliseconds,
+      // whatever the server's TimeZone (finishedAt had microseconds and +00:00 beside startedAt's .546).
+      for (const at of [first.summary!.startedAt, first.summary!.finishedAt]) expect(at).toBe(new Date(at).toISOString());
       const before = await snapshot(url, ALL_TABLES);
 
       const { result: second, statements } = await countStatements(() => runner.run(counted, { params: { chunks }, key }));
