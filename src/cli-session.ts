@@ -72,6 +72,15 @@ export function createCliContext(program: Command, state: { exitCode: number }):
       await session.close();
       process.exit(code);
     };
+    // Until a command installs its graceful handlers (installSignals), a SIGINT or SIGTERM ends it
+    // as the exit-code table says, after releasing what the session holds (a pool, an embedded
+    // server it started). Node's default ended the process by the signal, with neither.
+    onStartupSignal = (sig) => {
+      process.stderr.write(`idem: stopped by ${sig}\n`);
+      void finish(sig === 'SIGINT' ? ExitCode.Sigint : ExitCode.Sigterm, 2_000);
+    };
+    process.on('SIGINT', startupSigint);
+    process.on('SIGTERM', startupSigterm);
     try {
       const { checkJobFolders } = await import('./cli-runtime.ts');
       await checkJobFolders(
@@ -137,12 +146,19 @@ export async function openRunner(g: GlobalOptions, log: Logger, session: Session
   return runner;
 }
 
+/** What a signal does before installSignals: set by runWithSession. */
+let onStartupSignal: (sig: 'SIGINT' | 'SIGTERM') => void = () => {};
+const startupSigint = () => onStartupSignal('SIGINT');
+const startupSigterm = () => onStartupSignal('SIGTERM');
+
 /**
  * Graceful first, forceful second: the first SIGINT/SIGTERM stops new chunks and lets in-flight
  * ones finish; a second signal, or the deadline, aborts the job code and exits (Postgres rolls
  * back whatever was in flight, so nothing is half-done).
  */
 export function installSignals(log: Logger, deadlineSeconds: number, onForce: (code: number) => void) {
+  process.off('SIGINT', startupSigint);
+  process.off('SIGTERM', startupSigterm);
   const stop = new AbortController();
   const abort = new AbortController();
   const handler = (sig: 'SIGINT' | 'SIGTERM') => {

@@ -1,4 +1,6 @@
-import { hostname } from 'node:os';
+import { mkdtemp, rm, writeFile } from 'node:fs/promises';
+import { hostname, tmpdir } from 'node:os';
+import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import pg from 'pg';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
@@ -493,6 +495,32 @@ describe('ctx.signal, observed from inside a job', () => {
     expect(res.stderr).not.toMatch(/another attempt/);
     expect(await query(db.url, `select attempt from idem.runs where run_key = 'sig-lock'`)).toEqual([{ attempt: 1 }]);
   }, 90_000);
+});
+
+describe('a signal while a command starts', () => {
+  it('SIGTERM before the run began exits 143 with one line, not killed by the signal, and nothing is recorded', async () => {
+    // Loading jobs, reaching the database, starting an embedded server: until the command installs
+    // its graceful handlers, Node's default ended the process by the signal (no exit code, no
+    // cleanup), where the exit-code table says 143. A job file that takes its time to load holds
+    // the command there.
+    const dir = await mkdtemp(path.join(tmpdir(), 'idem-slow-load-'));
+    try {
+      await writeFile(
+        path.join(dir, 'slow-load.mjs'),
+        `process.stderr.write('slow-load: loading\\n');\nawait new Promise((r) => setTimeout(r, 30_000));\nexport default { name: 'slow-load', steps: [{ name: 'a', run: async () => {} }] };\n`,
+      );
+      const child = spawnCli(['--jobs-dir', dir, 'run', 'slow-load'], { url: db.url, timeoutMs: 40_000 });
+      await waitFor(async () => child.stderr().includes('slow-load: loading'), 'the job file to start loading');
+      child.child.kill('SIGTERM');
+      const res = await child.done;
+      expect(res.timedOut, res.stderr).toBe(false);
+      expect(res.code, res.stderr).toBe(143);
+      expect(res.stderr.trim().split('\n').at(-1)).toBe('idem: stopped by SIGTERM');
+      expect(await query(db.url, `select count(*)::int as n from idem.runs where job = 'slow-load'`)).toEqual([{ n: 0 }]);
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
+  }, 60_000);
 });
 
 describe('the retryable codes', () => {
