@@ -361,14 +361,14 @@ describe('idem help, status and list', () => {
     expectOneLineError(ambiguous, 2, 'job "counted" has several runs with a key starting "pfx-" (pfx-a, pfx-b); give more of the key');
   });
 
-  it('status cuts a long key by characters, never inside an emoji, and that text works as --key', async () => {
+  it('status cuts a long key to 30 terminal columns, never inside an emoji, and that text works as --key', async () => {
     const full = '🙂'.repeat(50);
     const made = await idem(['run', 'counted', '--params', '{"chunks":1,"label":"emoji-key"}', '--key', full]);
     expect(made.code, made.stderr).toBe(0);
     const table = await idem(['status', 'counted', '--limit', '10000']);
     expect(table.code, table.stderr).toBe(0);
     expect(table.stdout).not.toContain('\uFFFD');
-    const shown = `${'🙂'.repeat(27)}...`;
+    const shown = `${'🙂'.repeat(13)}...`; // two columns each: 26 + '...'
     expect(lines(table.stdout).map((l) => l.split(/ +/)[1]!)).toContain(shown);
     const r = await idem(['status', 'counted', '--key', shown]);
     expect(r.code, r.stderr).toBe(0);
