@@ -108,6 +108,49 @@ const chunkDriver: Driver = {
   destroy: refusing,
 };
 
+/**
+ * A statement that would start or end a transaction (BEGIN, START TRANSACTION, COMMIT, END, ABORT,
+ * ROLLBACK but ROLLBACK TO SAVEPOINT, PREPARE TRANSACTION), after any leading comments. Sent
+ * through ctx.db it would end the chunk's transaction, claim and marker with it, behind idem's
+ * back: refused before it reaches the server. Savepoints stay the job's to use.
+ */
+const TRANSACTION_CONTROL = /^(?:\s+|--[^\n]*(?:\n|$)|\/\*[\s\S]*?\*\/)*(begin|start\s+transaction|commit(?!\s+prepared)|end|abort|rollback(?!(?:\s+(?:work|transaction))?\s+to\b)|prepare\s+transaction)\b/i;
+
+/** The chunk's transaction is gone under the job's feet (a COMMIT or ROLLBACK hidden after a `;`). */
+const endedError = () =>
+  new Error(
+    "ctx.db ended the chunk's transaction (a COMMIT or ROLLBACK among the statements it sent): idem commits each chunk with its marker, so run() must not end it; throw an error to roll the chunk back",
+  );
+
+/**
+ * The slot's connection as a chunk's queries use it: a statement that starts or ends a
+ * transaction is refused, and a query after which no transaction is open (one hidden after a `;`
+ * ended it) fails the chunk at once. Without this, the chunk's work ran again and again: idem's
+ * COMMIT found no transaction (PostgreSQL only warns), took the chunk for committed, and claimed it
+ * again.
+ */
+function guardedConnection(connection: DatabaseConnection, client: pg.PoolClient): DatabaseConnection {
+  const check = (text: string) => {
+    const control = TRANSACTION_CONTROL.exec(text);
+    if (control) throw new Error(`a chunk runs in a transaction of its own that idem commits: ctx.db cannot start, nest or end a transaction (got ${control[1]!.toUpperCase().replace(/\s+/g, ' ')}); throw an error to roll the chunk back`);
+  };
+  return {
+    async executeQuery<R>(query: CompiledQuery) {
+      check(query.sql);
+      const result = await connection.executeQuery<R>(query);
+      if (transactionStatus(client) === 'I') throw endedError();
+      return result;
+    },
+    streamQuery<R>(query: CompiledQuery, chunkSize?: number) {
+      check(query.sql);
+      return connection.streamQuery<R>(query, chunkSize);
+    },
+  };
+}
+
+/** pg's ReadyForQuery status of the session: 'I' idle (no transaction), 'T' in one, 'E' in a failed one. */
+const transactionStatus = (client: pg.PoolClient) => (client as unknown as { getTransactionStatus?(): string | null }).getTransactionStatus?.();
+
 const closedError = (s: TransactionState) =>
   new Error(`this chunk's transaction is ${s.status === 'ending' ? 'ending' : 'over'}: ctx.db may be used only until the chunk's run() returns`);
 
@@ -174,7 +217,7 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
       }
       const driver = new PostgresDriver({ pool: { connect: async () => c } as unknown as pg.Pool });
       await driver.init();
-      connection = await driver.acquireConnection();
+      connection = guardedConnection(await driver.acquireConnection(), c);
     } catch (err) {
       c.release(true);
       throw err;
@@ -285,6 +328,8 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
       return results[1]!.rows as R[];
     },
     async commitAndBegin<R>(claim: string) {
+      // No transaction to commit: the job's statements ended it (guardedConnection tells how).
+      if (transactionStatus(client!) === 'I') throw endedError();
       let results: pg.QueryResult[];
       try {
         // Three statements in one message. PostgreSQL runs them in order and stops at the first
@@ -312,6 +357,7 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
       return trx;
     },
     async commit() {
+      if (transactionStatus(client!) === 'I') throw endedError();
       let result: pg.QueryResult | pg.QueryResult[];
       try {
         result = await end<pg.QueryResult | pg.QueryResult[]>(`${checks}commit`);
@@ -348,7 +394,7 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
       }
     },
     get open() {
-      return inTransaction && !!client && (client as unknown as { getTransactionStatus?(): string | null }).getTransactionStatus?.() !== 'I';
+      return inTransaction && !!client && transactionStatus(client) !== 'I';
     },
     get db() {
       return (bookkeeping ??= new Kysely<any>({ dialect: new PostgresDialect({ pool: ownConnection as unknown as pg.Pool }) }));

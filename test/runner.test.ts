@@ -580,6 +580,41 @@ describe('ctx.db is the chunk transaction, and only while the chunk runs', () =>
     expect(await logged('controlled')).toEqual(['a']);
   });
 
+  it('COMMIT, ROLLBACK or END sent through ctx.db fails the chunk once: the chunk is not run again and again', async () => {
+    // ROLLBACK ended the chunk's transaction, claim and marker with it; idem's COMMIT then found no
+    // transaction (PostgreSQL only warns), counted the chunk as committed, and claimed it again:
+    // 655 runs of one chunk in 2.5 s, forever, and a rerun looped the same way.
+    const statements = ['rollback', 'commit', '/* done */ END', '  Rollback Work', 'abort', 'begin', 'select 1; rollback'];
+    for (const [i, text] of statements.entries()) {
+      const name = `ends-trx-${i}`;
+      let tries = 0;
+      const job = jobWith(name, async (db) => {
+        if (++tries > 3) throw new Error(`looped: chunk b ran ${tries} times`);
+        await sql.raw(text).execute(db);
+      });
+      const err = await rejectionOf(runner.run(job, { key: 'k' }));
+      expect(err, text).toBeInstanceOf(RunFailedError);
+      expect(err.message, text).toMatch(/chunk b after 1 try: .*ctx\.db (cannot start, nest or end a transaction \(got [A-Z ]+\)|ended the chunk's transaction)/);
+      expect(tries, text).toBe(1);
+      expect(await doneKeys(name), text).toEqual(['a']);
+      expect(await logged(name), text).toEqual(['a']);
+    }
+    // A COMMIT hidden after a `;` reaches the server: it commits b's work with b's marker (the claim
+    // wrote it in the same transaction), so b is done exactly once; the chunk stops there (nothing
+    // after it runs outside a transaction) and the run goes on.
+    let tries = 0;
+    const committing = jobWith('ends-trx-commit', async (db) => {
+      if (++tries > 3) throw new Error(`looped: chunk b ran ${tries} times`);
+      await sql.raw('select 1; commit').execute(db);
+      await sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values ('ends-trx-commit', 'k', 'work', 'after-commit', 1, 0)`.execute(db);
+    });
+    expect((await runner.run(committing, { key: 'k' })).status).toBe('succeeded');
+    expect(tries).toBe(1);
+    expect(await doneKeys('ends-trx-commit')).toEqual(['a', 'b', 'c']);
+    expect(await logged('ends-trx-commit')).toEqual(['a', 'b', 'c']);
+    // Savepoints stay the job's own (the test above): ROLLBACK TO SAVEPOINT is not an end.
+  });
+
   it('ctx.db kept past its chunk is refused, so a leaked promise cannot write into the next chunk', async () => {
     let kept: StepContext['db'] | undefined;
     let late: Promise<unknown> | undefined;
