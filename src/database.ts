@@ -13,6 +13,8 @@ export function redactUrl(url: string): string {
   // Where the user or password ends the authority early, the "host" is a piece of them and the rest
   // holds the password: nothing after the scheme is shown.
   if (misreadUserinfo(url)) return url.replace(/:\/\/.*$/s, '://***');
+  // Not a URL at all (no scheme, one slash): everything up to its last @ may be a user and password.
+  if (!POSTGRES_URL.test(url) && !/^\s*[A-Za-z_]+\s*=/.test(url)) return url.replace(/^.*@/s, '***@');
   try {
     const u = new URL(url);
     if (u.password) u.password = '***';
@@ -36,25 +38,38 @@ export function refuseUnsupportedUrl(connectionString: string, source: string): 
   if (scheme !== undefined && !['postgres', 'postgresql'].includes(scheme.toLowerCase())) {
     throw new UsageError('invalidDatabaseUrl', `${source} is a ${scheme}: URL, and idem works with PostgreSQL only; pass postgres://user:password@host:5432/db (or postgresql://)`);
   }
-  if (!/^\s*[A-Za-z_]+\s*=/.test(connectionString)) return;
-  throw new UsageError(
-    'invalidDatabaseUrl',
-    `${source} is a keyword/value connection string, which idem does not support; pass a URL instead: postgres://user:password@host:5432/db (percent-encode special characters in the password)`,
-  );
+  if (/^\s*[A-Za-z_]+\s*=/.test(connectionString)) {
+    throw new UsageError(
+      'invalidDatabaseUrl',
+      `${source} is a keyword/value connection string, which idem does not support; pass a URL instead: postgres://user:password@host:5432/db (percent-encode special characters in the password)`,
+    );
+  }
+  // No scheme, or `postgres:/…`: pg would take the string for a host name or a socket path, and
+  // its error would repeat it, password and all.
+  if (!POSTGRES_URL.test(connectionString)) {
+    throw new UsageError(
+      'invalidDatabaseUrl',
+      `${source} is not a postgres:// URL; pass postgres://user:password@host:5432/db (percent-encode special characters in the password; a Unix socket: postgres:///db?host=/var/run/postgresql)`,
+    );
+  }
 }
+
+const POSTGRES_URL = /^\s*postgres(?:ql)?:\/\//i;
 
 /**
  * A user or password with an unencoded `/`, `?` or `#` ends a URL's authority early. Mostly the URL
  * then fails to parse (a port that is not a number: see describeConnectError), but digits before it
  * read as a port: `postgres://app:12#pw@db/app` is host `app`, port 12, and the rest, password and
- * real host included, a fragment. So a URL with a fragment (which PostgreSQL URLs never use), or
- * with an `@` after an authority that has none, is taken for that mistake.
+ * real host included, a fragment. An `@` in the password before a `/` or `?` does the same
+ * (`postgres://app:p@ss/word@db/app`: password `p`, host `ss`). So a URL with a fragment (which
+ * PostgreSQL URLs never use), or with an `@` after its authority (an `@` in a database name or a
+ * query value must be written %40 then), is taken for that mistake.
  */
 function misreadUserinfo(url: string): boolean {
   const m = /^\s*[A-Za-z][A-Za-z0-9+.-]*:\/\/([^/?#]*)(.*)$/s.exec(url);
   if (!m) return false;
-  const [, authority = '', rest = ''] = m;
-  return rest.includes('#') || (!authority.includes('@') && rest.includes('@'));
+  const [, , rest = ''] = m;
+  return rest.includes('#') || rest.includes('@');
 }
 
 /** Where a connection string does not parse, or parses as something else: neither it nor its redaction is repeated. */

@@ -48,6 +48,15 @@ async function expectConverged(runKey: string, chunks: number): Promise<void> {
   expect((await runRow(db.url, 'counted', runKey)).status).toBe('succeeded');
 }
 
+/** The error a promise rejects with (fails the test if it resolves). */
+const rejectionOf = (p: Promise<unknown>): Promise<Error> =>
+  p.then(
+    (v) => {
+      throw new Error(`expected a rejection, got ${String(v)}`);
+    },
+    (e: Error) => e,
+  );
+
 describe('transient and permanent chunk errors', () => {
   it('a transient SQLSTATE is retried in a fresh transaction and the chunk commits once', async () => {
     await query(db.url, `insert into fail_chunks values ('c0003', '40001', 2)`);
@@ -381,7 +390,8 @@ describe('database health at start-up', () => {
     // A password that starts with digits before the / # or ? parses as a valid URL whose host is the
     // user and whose port is those digits ("12#ss-secret": host postgres, port 12): it used to
     // fail as "host not found", printing the whole string, password included.
-    const cases = [['pa/ss-secret', '--database-url'], ['pa#ss-secret', 'DATABASE_URL'], ['pa?ss-secret', '--database-url'], ['12#ss-secret', 'DATABASE_URL'], ['12/ss-secret', '--database-url'], ['12?ss-secret', 'DATABASE_URL']] as const;
+    // So does an @ before a / or ? ("p@ss/secret": password p, host ss, database "secret@host/db").
+    const cases = [['pa/ss-secret', '--database-url'], ['pa#ss-secret', 'DATABASE_URL'], ['pa?ss-secret', '--database-url'], ['12#ss-secret', 'DATABASE_URL'], ['12/ss-secret', '--database-url'], ['12?ss-secret', 'DATABASE_URL'], ['p@ss/ss-secret', 'DATABASE_URL']] as const;
     for (const [password, from] of cases) {
       const raw = `postgres://${u.username}:${password}@${u.host}${u.pathname}`;
       const res = from === 'DATABASE_URL' ? await runCli([...FIXTURE_DIRS, 'status'], { url: raw }) : await runCli([...FIXTURE_DIRS, '--database-url', raw, 'status']);
@@ -396,6 +406,29 @@ describe('database health at start-up', () => {
     await expect(Runner.connect({ connectionString: misread })).rejects.toThrow(/^the connection string is not a valid URL; percent-encode/);
     expect(redactUrl(misread)).toBe('postgres://***');
     expect(redactUrl(`postgres://${u.username}:ok-secret@${u.host}${u.pathname}`)).not.toContain('ok-secret');
+    for (const password of ['p@ss/ss-secret', 'p@ss?x=ss-secret', 'p@ss/w#rd?ss-secret']) {
+      const raw = `postgres://${u.username}:${password}@${u.host}${u.pathname}`;
+      const err = await rejectionOf(Runner.connect({ connectionString: raw }));
+      expect(err.message, password).toMatch(/^the connection string is not a valid URL; percent-encode/);
+      expect(redactUrl(raw), password).not.toContain('ss-secret');
+    }
+  });
+
+  it('a connection string that is not a postgres:// URL (no scheme, one slash): exit 2 before connecting, the password not printed', async () => {
+    const u = new URL(db.url);
+    const forms = [`${u.username}:ss-secret@${u.host}${u.pathname}`, `//${u.username}:ss-secret@${u.host}${u.pathname}`, `postgres:/${u.username}:ss-secret@${u.host}${u.pathname}`, `postgres//${u.username}:ss-secret@${u.host}${u.pathname}`, 'foo bar'];
+    // pg took each for a host name or a socket path, and the error printed the string whole.
+    const res = await runCli([...FIXTURE_DIRS, 'status'], { url: forms[0] });
+    expect(res.code, res.stderr).toBe(2);
+    expect(res.stderr.trim().split('\n')).toEqual([expect.stringMatching(/^idem: error: DATABASE_URL is not a postgres:\/\/ URL; pass postgres:\/\/user:password@host:5432\/db/)]);
+    expect(res.stderr).not.toContain('ss-secret');
+    const { Runner, redactUrl } = await import('idem');
+    for (const raw of forms) {
+      const err = await rejectionOf(Runner.connect({ connectionString: raw }));
+      expect(err.message, raw).toMatch(/^the connection string is not a postgres:\/\/ URL/);
+      expect(err.message, raw).not.toContain('ss-secret');
+      expect(redactUrl(raw), raw).not.toContain('ss-secret');
+    }
   });
 
   it('a role that may not log in: exit 2 naming ALTER ROLE … LOGIN, not "fix the user or password" (they are right)', async () => {
