@@ -1,13 +1,16 @@
 import { createHash } from 'node:crypto';
 import { mkdir, readFile, rename, writeFile } from 'node:fs/promises';
 import path from 'node:path';
+import { pathToFileURL } from 'node:url';
+import type { Plugin } from 'esbuild';
 
 /**
  * Bumped whenever the compile options or the manifest change, so copies built by an older idem
  * are rebuilt: 2 keeps `idem` an import where 1 could bundle a copy of it; 3 records each input's
- * content hash, where 2 trusted mtime and size alone.
+ * content hash, where 2 trusted mtime and size alone; 4 gives each module its source's
+ * `import.meta.url`, where 3 left the compiled copy's.
  */
-const MANIFEST_VERSION = 3;
+const MANIFEST_VERSION = 4;
 
 /**
  * What a compiled file was built from: each input's path and the sha256 of its content, to know
@@ -62,6 +65,7 @@ export async function compileTypeScriptModule(file: string, cacheDir: string): P
     sourcemap: 'inline',
     logLevel: 'silent',
     absWorkingDir: path.dirname(file),
+    plugins: [sourceImportMeta],
   }).catch((err: { errors?: Array<{ text: string; location: { file: string; line: number; column: number } | null }> }) => {
     // Worded as tsx's TransformError (an absolute path, then ERROR:), which load-error.ts
     // explains with the source line: the same message whichever way the file was compiled.
@@ -95,6 +99,27 @@ export async function compileTypeScriptModule(file: string, cacheDir: string): P
   await rename(`${manifestFile}.${process.pid}.tmp`, manifestFile);
   return out;
 }
+
+const IMPORT_META = /\bimport\.meta\.(url|dirname|filename)\b/g;
+
+/**
+ * `import.meta.url`, `.dirname` and `.filename` of each bundled source file, as that file's own: run
+ * from the cache, they named the compiled copy under .idem/cache/, so a job reading a file next to
+ * it (`new URL('./query.sql', import.meta.url)`) failed under the CLI, where Node running the file
+ * as it is (vitest, tsx) found it. Each module of the bundle gets its own, written in as literals; a
+ * file that does not mention `import.meta` is left for esbuild to read.
+ */
+const sourceImportMeta: Plugin = {
+  name: 'idem-source-import-meta',
+  setup(build) {
+    build.onLoad({ filter: /\.[cm]?[jt]sx?$/ }, async (args) => {
+      const text = await readFile(args.path, 'utf8');
+      if (!text.includes('import.meta')) return undefined;
+      const own: Record<string, string> = { url: pathToFileURL(args.path).href, dirname: path.dirname(args.path), filename: args.path };
+      return { contents: text.replace(IMPORT_META, (_, name: string) => JSON.stringify(own[name])), loader: 'default' };
+    });
+  },
+};
 
 async function isFresh(manifestFile: string): Promise<boolean> {
   let manifest: Manifest;

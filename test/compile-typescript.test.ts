@@ -73,3 +73,35 @@ describe('the compiled-TypeScript cache', () => {
     expect(await readFile(await compileTypeScriptModule(job, cache), 'utf8')).toBe('// kept\n');
   });
 });
+
+describe('import.meta in a compiled TypeScript job', () => {
+  let dir: string;
+  beforeEach(async () => {
+    dir = await mkdtemp(path.join(os.tmpdir(), 'idem-compile-meta-'));
+  });
+  afterEach(() => rm(dir, { recursive: true, force: true }));
+
+  it('is the source file\'s own, in the job and in each module it imports, so a file next to it can be read', async () => {
+    // It was the compiled copy's under .idem/cache/: `new URL('./g.sql', import.meta.url)` failed
+    // with ENOENT under the CLI while the same job passed under vitest.
+    const { mkdir } = await import('node:fs/promises');
+    await mkdir(path.join(dir, 'lib'));
+    await writeFile(path.join(dir, 'g.sql'), 'select 1');
+    await writeFile(path.join(dir, 'lib', 'q.sql'), 'select 2');
+    await writeFile(path.join(dir, 'lib', 'where.ts'), "import { readFileSync } from 'node:fs';\nexport const helper = { url: import.meta.url, sql: readFileSync(new URL('./q.sql', import.meta.url), 'utf8') };\n");
+    await writeFile(
+      path.join(dir, 'job.ts'),
+      "import { readFileSync } from 'node:fs';\nimport { helper } from './lib/where.ts';\nconst sql: string = readFileSync(new URL('./g.sql', import.meta.url), 'utf8');\nexport const seen = { url: import.meta.url, dirname: import.meta.dirname, filename: import.meta.filename, sql, helper };\n",
+    );
+    const out = await compileTypeScriptModule(path.join(dir, 'job.ts'), path.join(dir, '.idem', 'cache'));
+    const { pathToFileURL } = await import('node:url');
+    const { seen } = (await import(pathToFileURL(out).href)) as { seen: Record<string, unknown> };
+    expect(seen).toEqual({
+      url: pathToFileURL(path.join(dir, 'job.ts')).href,
+      dirname: dir,
+      filename: path.join(dir, 'job.ts'),
+      sql: 'select 1',
+      helper: { url: pathToFileURL(path.join(dir, 'lib', 'where.ts')).href, sql: 'select 2' },
+    });
+  });
+});
