@@ -79,13 +79,16 @@ function invalidUrlMessage(source: string | undefined): string {
 
 /** Removes any occurrence of the connection string's password from a message. */
 export function redactSecrets(text: string, connectionString: string): string {
-  let password = '';
+  let forms: string[];
   try {
-    password = decodeURIComponent(new URL(connectionString).password);
+    // As written in the URL (percent-encoded) and as the server gets it.
+    const raw = new URL(connectionString).password;
+    forms = [raw, decodeURIComponent(raw)];
   } catch {
-    password = /password\s*=\s*'?([^'\s]+)/i.exec(connectionString)?.[1] ?? '';
+    forms = [/password\s*=\s*'?([^'\s]+)/i.exec(connectionString)?.[1] ?? ''];
   }
-  return password.length >= 3 ? text.split(password).join('***') : text;
+  for (const password of forms) if (password.length >= 3) text = text.split(password).join('***');
+  return text;
 }
 
 /**

@@ -3,7 +3,7 @@ import { hostname } from 'node:os';
 import { sql, type Kysely } from 'kysely';
 import type { Logger } from 'pino';
 import { acquireAdvisoryLock, type HeldLock } from './advisory-lock.ts';
-import { openDatabase, type Database } from './database.ts';
+import { openDatabase, redactSecrets, type Database } from './database.ts';
 import { BusyError, CancelledError, codeOf, errorFields, FencedError, InterruptedError, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
@@ -487,6 +487,7 @@ export class Runner {
       const { executed } = await untilLost(lock.lost, executeSteps(
         {
           db: this.db,
+          redact: (text) => redactSecrets(text, this.#connectionString),
           pool: this.#database.pool,
           store: this.store,
           job,

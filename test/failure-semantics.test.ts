@@ -101,6 +101,47 @@ describe('transient and permanent chunk errors', () => {
   });
 });
 
+describe("a chunk error that quotes the database's password", () => {
+  it('is recorded, thrown and logged with the password masked', async () => {
+    // A job that builds a URL from DATABASE_URL (a report link, a second client) and throws with
+    // it in the message: the password went whole into idem.chunks.error, idem.runs.error, the
+    // thrown error and the log.
+    const password = decodeURIComponent(new URL(db.url).password);
+    expect(password.length).toBeGreaterThanOrEqual(8);
+    const leaky = defineJob({
+      name: 'leaky',
+      steps: [
+        {
+          name: 'work',
+          maxFailedChunks: 1,
+          chunks: () => ({ chunks: [{ key: 'a' }, { key: 'b' }], next: null }),
+          run: async (_ctx, c: { key: string }) => {
+            throw new Error(`${c.key}: cannot reach ${db.url} (password ${password})`);
+          },
+        },
+      ],
+    });
+    const lines: string[] = [];
+    const { default: pino } = await import('pino');
+    const log = pino({ level: 'debug' }, { write: (s: string) => void lines.push(s) });
+    const own = await Runner.connect({ connectionString: db.url, log });
+    try {
+      const err = await own.run(leaky, { key: 'leaky' }).catch((e: Error) => e);
+      expect(err).toBeInstanceOf(RunFailedError);
+      expect((err as Error).message).toContain('cannot reach');
+      expect((err as Error).message).not.toContain(password);
+    } finally {
+      await own.close();
+    }
+    const stored = await query<{ text: string }>(db.url, `select coalesce(c.error, '') || ' ' || coalesce(r.error::text, '') as text from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'leaky'`);
+    expect(stored).toHaveLength(2);
+    for (const { text } of stored) expect(text).not.toContain(password);
+    expect(stored.map((r) => r.text).join(' ')).toContain('***');
+    expect(lines.join('').length).toBeGreaterThan(0);
+    expect(lines.join('')).not.toContain(password);
+  });
+});
+
 describe('skip policy', () => {
   const skippy = defineJob({
     name: 'skippy',
