@@ -597,8 +597,30 @@ async function performEffect<T>(opts: ExecuteOptions, step: string, chunk: strin
   // A run that lost its lock (or must stop at once) starts no new effect.
   if (opts.abort.aborted) throw opts.abort.reason ?? new FencedError(`attempt ${run.attempt} of job "${run.job}" stopped before effect "${name}"`);
   const result = await fn(key);
+  const unrecordable = notJson(result);
+  if (unrecordable) {
+    // The call happened; unrecorded, the effect counts as started, and a retry performs it again
+    // with the same key (as after a crash mid-call), so the receiver's dedupe still holds.
+    throw new TypeError(
+      `ctx.effect(): the result of effect "${name}" cannot be recorded as JSON (${unrecordable}); return plain JSON from fn (a BigInt as a string or number, no U+0000 in strings). Its call was made: the retry makes it again with the same idempotency key`,
+    );
+  }
   await store.completeEffect(run.runId, step, chunk, name, (result ?? null) as Json);
   return result;
+}
+
+/** Why a value cannot be stored as jsonb (a BigInt anywhere, U+0000 in a string or key), or null. */
+function notJson(value: unknown): string | null {
+  let why: string | null = null;
+  try {
+    JSON.stringify(value, (k, v: unknown) => {
+      if (why === null && (k.includes('\u0000') || (typeof v === 'string' && v.includes('\u0000')))) why = 'U+0000 in a string';
+      return v;
+    });
+  } catch (err) {
+    return typeof (err as Error).message === 'string' && /BigInt/i.test((err as Error).message) ? 'a BigInt' : messageOf(err);
+  }
+  return why;
 }
 function checkPage(step: string, page: ChunkPage): void {
   if (!page || !Array.isArray(page.chunks) || (page.next === undefined)) {

@@ -405,3 +405,31 @@ describe('jobs/send-reservation-reminders', () => {
     expect(refusedSends).toContain('ok');
   });
 });
+
+describe('effect results', () => {
+  it('one that cannot be recorded as JSON (a BigInt, U+0000) fails the chunk naming the effect and the fix', async () => {
+    const calls: string[] = [];
+    for (const [name, value] of [['bigint', 12n], ['nul', 'a\u0000b']] as const) {
+      const job = defineJob({
+        name: `fx-result-${name}`,
+        steps: [
+          {
+            name: 'send',
+            chunks: () => ({ chunks: [{ key: 'a' }], next: null }),
+            async run(ctx: StepContext) {
+              await ctx.effect('charge', () => {
+                calls.push(name);
+                return { id: value } as never; // what a JavaScript job can return
+              });
+            },
+          },
+        ],
+      });
+      const err = await runner.run(job, { key: `fx-result-${name}` }).then(() => null, (e: unknown) => e);
+      expect(err, name).toBeInstanceOf(RunFailedError);
+      // Before: "Do not know how to serialize a BigInt" / "unsupported Unicode escape sequence".
+      expect((err as Error).message, name).toMatch(/ctx\.effect\(\): the result of effect "charge" cannot be recorded as JSON \((a BigInt|U\+0000)[^)]*\); return plain JSON/);
+    }
+    expect(calls).toEqual(['bigint', 'nul']);
+  });
+});
