@@ -35,6 +35,15 @@ function expectProblem(res: { status: number; headers: Headers; body: any }, sta
   expect(res.body.detail).not.toContain('\n');
 }
 
+/** idem_api_replays_total, memory and database together. */
+async function replaysTotal(): Promise<number> {
+  const { text } = await api(server.base, 'GET', '/metrics');
+  return text
+    .split('\n')
+    .filter((l) => l.startsWith('idem_api_replays_total{'))
+    .reduce((n, l) => n + Number(l.slice(l.lastIndexOf(' ') + 1)), 0);
+}
+
 async function runCount(): Promise<number> {
   return (await query<{ n: number }>(url, 'select count(*)::int as n from idem.runs'))[0]!.n;
 }
@@ -135,6 +144,10 @@ describe('POST /api/jobs/:job/runs', () => {
     expect(created.headers.get('location')).toBe(`/api/runs/${created.body.id}`);
     expect(created.headers.get('idempotent-replayed')).toBe('false');
     expect(created.body).toMatchObject({ job: 'counted', key: 'k-first', params: { chunks: 3, pauseMs: 0, label: '', gate: null }, viaApi: true });
+    // Other params while the run is not held in memory (the database path): a 422, not a replay.
+    const replays = await replaysTotal();
+    expectProblem(await post('k-first', { chunks: 4 }), 422, 'idem.paramsMismatch');
+    expect(await replaysTotal()).toBe(replays);
 
     const done = await api(server.base, 'GET', `${created.headers.get('location')}?wait=30`);
     expect(done.status).toBe(200);
@@ -155,8 +168,11 @@ describe('POST /api/jobs/:job/runs', () => {
     expect((await post('k-first', { pauseMs: 0, chunks: 3 })).status).toBe(200);
 
     const before = await snapshot(url, TABLES);
+    const replaysBefore = await replaysTotal();
     const other = await post('k-first', { chunks: 4 });
     expectProblem(other, 422, 'idem.paramsMismatch');
+    // idem_api_replays_total counts replays answered; a refusal is not one.
+    expect(await replaysTotal()).toBe(replaysBefore);
     expect(other.body.storedFingerprint).toBe(created.body.fingerprint);
     expect(other.body.requestFingerprint).toMatch(/^sha256:/);
     expect(other.body.detail).toContain(created.body.fingerprint);
@@ -188,8 +204,11 @@ describe('POST /api/jobs/:job/runs', () => {
     expect((await api(server.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body.state).toBe('succeeded');
   });
 
-  it('100 concurrent POSTs with one key: one 201, the rest 200 replays or 409, one run, one execution', async () => {
+  it('100 concurrent POSTs with one key: one 201, the rest 200 replays or 409, one run, one execution; idem_api_replays_total rises by the replays answered', async () => {
+    const replays = await replaysTotal();
     const responses = await Promise.all(Array.from({ length: 100 }, () => post('k-hundred', { chunks: 5 })));
+    // Every path that answers a replay (memory, a database read, the claim finding the run) counts it, once.
+    expect(await replaysTotal()).toBe(replays + responses.filter((r) => r.headers.get('idempotent-replayed') === 'true').length);
     const statuses = responses.map((r) => r.status);
     expect(statuses.filter((s) => s === 201)).toHaveLength(1);
     expect(statuses.every((s) => s === 201 || s === 200 || s === 409)).toBe(true);

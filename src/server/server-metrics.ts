@@ -42,7 +42,7 @@ export class ServerMetrics {
     this.httpRequests = new Counter({ name: 'idem_http_requests_total', help: 'API requests by route pattern and status code.', labelNames: ['method', 'route', 'status'], registers });
     this.replays = new Counter({
       name: 'idem_api_replays_total',
-      help: 'Idempotency-Key replays, by where the answer came from: memory (a succeeded run, see the README) or database.',
+      help: 'Idempotency-Key replays answered (the 200 answers with Idempotent-Replayed: true; a 422 is not one), by where the answer came from: memory (a succeeded run, see the README) or database.',
       labelNames: ['source'],
       registers,
     });
