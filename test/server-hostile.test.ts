@@ -472,3 +472,20 @@ describe('the dashboard page', () => {
     }
   });
 });
+
+describe('an Idempotency-Key header sent twice', () => {
+  it('is a 400 saying the header was sent more than once, not a key of the joined values; nothing is written', async () => {
+    await settled();
+    const before = await snapshot(url, TABLES);
+    // Node joins repeated headers it does not know with ", ": "te2, te3" read as one 8-character key.
+    const res = await rawHttp(
+      server.base,
+      `POST /api/jobs/any/runs HTTP/1.1\r\nhost: x\r\nauthorization: Bearer ${TOKEN}\r\nidempotency-key: te2\r\nidempotency-key: te3\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}`,
+    );
+    expect(res.status, res.body).toBe(400);
+    const body = JSON.parse(res.body);
+    expect(body).toMatchObject({ type: 'urn:idem:problem:idem.invalidIdempotencyKey', status: 400 });
+    expect(body.detail).toMatch(/Idempotency-Key header was sent 2 times; send it once/);
+    expect(await snapshot(url, TABLES)).toEqual(before);
+  });
+});

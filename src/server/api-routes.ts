@@ -75,6 +75,11 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
     if (key === undefined || key === '') {
       throw new HttpProblem(400, 'idem.missingIdempotencyKey', 'the request has no Idempotency-Key header; send one unique key per intended run (e.g. a UUID), and the same key again on a retry');
     }
+    // Node joins a repeated header it does not know with ", ": "te2, te3" would be judged as one key.
+    const sent = request.raw.headersDistinct['idempotency-key']?.length ?? 1;
+    if (sent > 1) {
+      throw new HttpProblem(400, 'idem.invalidIdempotencyKey', `the Idempotency-Key header was sent ${sent} times; send it once, with the one key of this run`);
+    }
     if (Array.isArray(key) || !IDEMPOTENCY_KEY.test(key)) {
       throw new HttpProblem(
         400,
