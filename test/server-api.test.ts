@@ -137,6 +137,31 @@ describe('bad requests write nothing', () => {
   });
 });
 
+describe('a method a route does not take', () => {
+  it('is 405 with an Allow header naming the methods it takes, not 404; a path no route has stays 404; nothing is written', async () => {
+    const before = await snapshot(url, TABLES);
+    for (const [method, path, allow] of [
+      ['GET', '/api/jobs/counted/runs', 'POST'],
+      ['PUT', '/api/runs/1', 'GET, HEAD'],
+      ['DELETE', '/api/runs/1', 'GET, HEAD'],
+      ['GET', '/api/runs/1/pause', 'POST'],
+      ['POST', '/api/jobs', 'GET, HEAD'],
+      ['OPTIONS', '/api/runs', 'GET, HEAD'],
+      ['DELETE', '/', 'GET, HEAD'],
+    ] as const) {
+      const res = await api(server.base, method, path);
+      expectProblem(res, 405, 'idem.methodNotAllowed');
+      expect(res.headers.get('allow'), `${method} ${path}`).toBe(allow);
+      expect(res.body.detail).toContain(`${method} is not allowed on ${path}; use ${allow}`);
+    }
+    expectProblem(await api(server.base, 'DELETE', '/api/nothing-here'), 404, 'idem.notFound');
+    expectProblem(await api(server.base, 'GET', '/api/jobs/counted/runs/extra'), 404, 'idem.notFound');
+    // Authentication comes first, as for every other answer.
+    expectProblem(await api(server.base, 'PUT', '/api/runs/1', { token: null }), 401, 'idem.unauthorized');
+    expect(await snapshot(url, TABLES)).toEqual(before);
+  });
+});
+
 describe('POST /api/jobs/:job/runs', () => {
   it('creates once (201), replays the stored run (200, Idempotent-Replayed), refuses other params (422)', async () => {
     const created = await post('k-first', { chunks: 3 });

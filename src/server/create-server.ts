@@ -197,9 +197,19 @@ export function createServer(opts: ServerOptions): IdemServer {
   });
 
   app.setNotFoundHandler(async (request, reply) => {
+    const path = request.url.split('?')[0]!;
+    const allow = routeMethods.allowed(path);
+    if (allow.length > 0) {
+      const problem = new HttpProblem(405, 'idem.methodNotAllowed', `${request.method.slice(0, 20)} is not allowed on ${path.slice(0, 100)}; use ${allow.join(', ')}`);
+      return reply.code(405).header('allow', allow.join(', ')).type(PROBLEM_TYPE).send(problemBody(problem));
+    }
     const problem = new HttpProblem(404, 'idem.notFound', `no route ${request.method} ${request.url.split('?')[0]!.slice(0, 100)}; see the API reference in the README`);
     return reply.code(404).type(PROBLEM_TYPE).send(problemBody(problem));
   });
+
+  // Recorded before any route is added, so it sees them all.
+  const routeMethods = new RouteMethods();
+  app.addHook('onRoute', (route) => routeMethods.add(route.url, route.method));
 
   // Liveness: the process serves. Readiness: PostgreSQL answers too, within READY_TIMEOUT_MS (a
   // dead network would otherwise hold the probe until TCP gives up). Restarting a pod cannot fix
@@ -276,6 +286,29 @@ export function createServer(opts: ServerOptions): IdemServer {
       })());
     },
   };
+}
+
+/**
+ * The methods each route path takes. Fastify's router answers a known path asked with another
+ * method as not found; this tells that 405 (with the methods to use) from a path no route has.
+ */
+class RouteMethods {
+  readonly #routes: Array<{ readonly pattern: RegExp; readonly methods: string[] }> = [];
+
+  add(url: string, method: string | readonly string[]): void {
+    // `:name` matches one path segment, as in Fastify's router; everything else literally.
+    const literal = (text: string) => text.replace(/[.*+?^${}()|[\]\\]/g, '\\$&');
+    const pattern = new RegExp(`^${url.split(/(:[A-Za-z0-9_]+)/).map((part) => (part.startsWith(':') ? '[^/]+' : literal(part))).join('')}$`);
+    const methods = typeof method === 'string' ? [method] : [...method];
+    const same = this.#routes.find((r) => r.pattern.source === pattern.source);
+    if (same) same.methods.push(...methods.filter((m) => !same.methods.includes(m)));
+    else this.#routes.push({ pattern, methods });
+  }
+
+  /** The methods `path` takes; empty when no route has that path. */
+  allowed(path: string): string[] {
+    return this.#routes.filter((r) => r.pattern.test(path)).flatMap((r) => r.methods);
+  }
 }
 
 /** UTF-8 decoding that refuses invalid bytes instead of replacing them with U+FFFD. */
