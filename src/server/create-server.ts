@@ -28,6 +28,12 @@ export const DEFAULT_MAX_RUNS = 4;
 export const DEFAULT_RESCAN_MS = 30_000;
 /** Default largest request body: params are small; 64 KiB leaves room and bounds abuse. */
 export const DEFAULT_BODY_LIMIT = 64 * 1024;
+/**
+ * Default time a request has to arrive whole, headers and body: a client that stops sending part
+ * way would otherwise hold its connection (Fastify turns Node's own limit off). Only arriving is
+ * timed: long-polls and event streams answer for as long as they need.
+ */
+export const DEFAULT_REQUEST_TIMEOUT_MS = 60_000;
 
 export interface ServerOptions {
   readonly runner: Runner;
@@ -48,6 +54,8 @@ export interface ServerOptions {
   readonly concurrency?: number;
   /** Largest request body in bytes. Defaults to `65536`. */
   readonly bodyLimit?: number;
+  /** Time a request has to arrive whole (headers and body) before it is answered 408, in ms. Defaults to `60000`. */
+  readonly requestTimeoutMs?: number;
   /** Root logger. Defaults to a silent one. */
   readonly log?: Logger;
   /** How often a live run looks for pause/cancel, in ms. Defaults to `1000`. */
@@ -132,6 +140,7 @@ export function createServer(opts: ServerOptions): IdemServer {
     publicRead: opts.publicRead ?? false,
   };
 
+  const requestTimeout = opts.requestTimeoutMs ?? DEFAULT_REQUEST_TIMEOUT_MS;
   const app = Fastify({
     loggerInstance: log as FastifyBaseLogger,
     // Request lines go to debug from onResponse below: a busy API would otherwise flood the log.
@@ -141,9 +150,15 @@ export function createServer(opts: ServerOptions): IdemServer {
     trustProxy: false,
     return503OnClosing: true,
     clientErrorHandler: clientError,
+    // Twice. Fastify sets it on the server after creating it (0, off, unless given); given to Node
+    // at creation too, Node derives the headers' timeout from it (at most 60 s) and keeps it no
+    // longer than the request's, which it requires: with the default 60 s headers timeout left
+    // above a shorter request timeout, Node 20 never timed a body out.
+    requestTimeout,
     // Node answers a request without Host with a bare empty 400 of its own; the first onRequest
-    // hook below answers it as a problem instead.
-    http: { requireHostHeader: false },
+    // hook below answers it as a problem instead. Node looks for requests past their time every
+    // 30 s by default, which would let one stall for up to twice the timeout.
+    http: { requireHostHeader: false, requestTimeout, connectionsCheckingInterval: Math.min(5_000, requestTimeout) },
     // Path parameters are checked by their routes (an unknown job is a 404, a run id that is not one
     // a 404), whatever their length: Fastify's default of 100 answers longer ones with its own 414
     // before authentication. Node's header limit (16 KiB, the request line included) bounds them.
@@ -371,7 +386,7 @@ function clientError(err: NodeJS.ErrnoException, socket: import('node:net').Sock
   if (err.code === 'ECONNRESET' || socket.destroyed) return;
   const problem =
     err.code === 'ERR_HTTP_REQUEST_TIMEOUT'
-      ? new HttpProblem(408, 'idem.requestTimeout', 'the request did not arrive in time; send it again')
+      ? new HttpProblem(408, 'idem.requestTimeout', 'the request did not arrive whole within the server\'s request timeout; send it again, all of it')
       : err.code === 'HPE_HEADER_OVERFLOW'
         ? new HttpProblem(431, 'idem.headersTooLarge', 'the request headers are larger than the server accepts; send a short Idempotency-Key (at most 200 characters) and no oversized headers')
         : new HttpProblem(400, 'idem.badRequest', 'the request is not valid HTTP (a control character in a header, or a body that does not match its Content-Length); send a well-formed request');
