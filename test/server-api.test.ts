@@ -480,4 +480,21 @@ describe('reads', () => {
     expect(res.text).not.toContain('k-metrics');
     expect(res.text).not.toContain(TOKEN);
   });
+
+  it('idem_runs{job,state} reads 0 once a count it reported drops to nothing, instead of the series vanishing', async () => {
+    // Only this test runs `ranged` on this server.
+    const created = await post('k-gauge', {}, { job: 'ranged' });
+    expect(created.status, created.text).toBe(201);
+    expect((await api(server.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body.state).toBe('succeeded');
+    const series = async () => (await api(server.base, 'GET', '/metrics')).text.split('\n').filter((l) => l.startsWith('idem_runs{job="ranged",'));
+    expect(await series()).toContain('idem_runs{job="ranged",state="succeeded"} 1');
+    await query(url, `delete from idem.runs where job = 'ranged'`);
+    expect(await series()).toContain('idem_runs{job="ranged",state="succeeded"} 0');
+    // Jobs this server does not load are not kept: their series may come and go without bound.
+    await query(url, `insert into idem.runs (job, run_key, params, fingerprint, status) values ('not-loaded', 'k-gauge', '{}', 'x', 'failed')`);
+    const metrics = async () => (await api(server.base, 'GET', '/metrics')).text;
+    expect(await metrics()).toContain('idem_runs{job="not-loaded",state="failed"} 1');
+    await query(url, `delete from idem.runs where job = 'not-loaded'`);
+    expect(await metrics()).not.toContain('job="not-loaded"');
+  });
 });

@@ -105,7 +105,7 @@ export function createServer(opts: ServerOptions): IdemServer {
     for (const r of counted) add(r.job, r.status, r.n);
     for (const r of running) add(r.job, runIsLive(r, locks, runner) ? 'running' : 'crashed', 1);
     return [...out.values()];
-  }, () => ({ runs: replays.size, bytes: replays.bytes }));
+  }, () => ({ runs: replays.size, bytes: replays.bytes }), new Set(jobs.keys()));
   const executor = new RunExecutor({
     runner,
     jobs,
