@@ -1,12 +1,14 @@
 import { spawn } from 'node:child_process';
-import { mkdtemp, rm, writeFile } from 'node:fs/promises';
+import { mkdtemp, readFile, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import pg from 'pg';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { CancelledError, InterruptedError, PausedError, PauseWithdrawnError, RunFailedError } from '../src/errors.ts';
 import { lockKey } from '../src/fingerprint.ts';
+import { EXECUTION_OUTCOMES, executionOutcome } from '../src/server/run-executor.ts';
 import { chunkKey } from './fixtures/jobs/counted.ts';
-import { ALL_TABLES, BIN, FIXTURE_JOBS, holdGate, killLeftovers, runCli, runRow, query, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { ALL_TABLES, BIN, FIXTURE_JOBS, REPO, holdGate, killLeftovers, runCli, runRow, query, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { createTestDatabase, useTestDatabase } from './support/database.ts';
 import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
 
@@ -479,6 +481,25 @@ describe('reads', () => {
     expect(res.text).toMatch(/idem_http_requests_total\{method="GET",route="\/api\/runs\/:id",status="200"\} \d+/);
     expect(res.text).not.toContain('k-metrics');
     expect(res.text).not.toContain(TOKEN);
+  });
+
+  it('idem_runs_ended_total{outcome} takes exactly the values the README documents', async () => {
+    const readme = await readFile(path.join(REPO, 'README.md'), 'utf8');
+    const row = readme.split('\n').find((l) => l.startsWith('| `idem_runs_ended_total{job,outcome}` |'));
+    expect(row, 'the README lists idem_runs_ended_total in its Metrics table').toBeDefined();
+    // The values are the first sentence's; the rest explains them.
+    const documented = [...row!.split(' | ')[1]!.split('. ')[0]!.matchAll(/`([a-z]+)`/g)].map((m) => m[1]);
+    expect(documented.sort()).toEqual([...EXECUTION_OUTCOMES].sort());
+    const refused = Object.assign(new Error('connect ECONNREFUSED 127.0.0.1:5432'), { code: 'ECONNREFUSED' });
+    expect(
+      [new RunFailedError('x'), new PausedError('x'), new CancelledError('x'), new InterruptedError('SIGTERM'), new PauseWithdrawnError('x'), refused].map(executionOutcome),
+    ).toEqual(['failed', 'paused', 'cancelled', 'interrupted', 'interrupted', 'error']);
+    // And what this server reports, after at least one execution.
+    const created = await post('k-outcomes', { chunks: 1 });
+    expect((await api(server.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body.state).toBe('succeeded');
+    const reported = [...(await api(server.base, 'GET', '/metrics')).text.matchAll(/^idem_runs_ended_total\{[^}]*outcome="([^"]+)"/gm)].map((m) => m[1]);
+    expect(reported.length).toBeGreaterThan(0);
+    for (const outcome of reported) expect(documented).toContain(outcome);
   });
 
   it('idem_runs{job,state} reads 0 once a count it reported drops to nothing, instead of the series vanishing', async () => {
