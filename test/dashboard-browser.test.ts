@@ -54,7 +54,7 @@ afterAll(async () => {
   await killLeftovers();
 });
 
-const runCard = (key: string) => page.locator('#active, #completed').locator('article.run', { has: page.locator('.key', { hasText: key }) });
+const runCard = (key: string) => page.locator('#active, #pending, #completed').locator('article.run', { has: page.locator('.key', { hasText: key }) });
 
 describe('the dashboard in a real browser', () => {
   it('starts a run from the form (a double click starts one), shows live progress to 100 %, pauses and resumes from the buttons', async () => {

@@ -139,6 +139,50 @@ describe('bad requests write nothing', () => {
   });
 });
 
+describe('the dashboard with a long queue of pending runs', () => {
+  it('still shows every run that needs an operator, counts each list in full, says where a list is cut, and tags a job new only when it never ran', async () => {
+    const count = async (statuses: string[]) => (await query<{ n: number }>(url, 'select count(*)::int as n from idem.runs where status = any($1)', [statuses]))[0]!.n;
+    const insert = (job: string, prefix: string, status: string, n: number) =>
+      query(url, `insert into idem.runs (job, run_key, params, fingerprint, status) select $1, $2 || g, '{}', 'x', $3 from generate_series(1, $4) g`, [job, prefix, status, n]);
+    const html = async () => (await api(server.base, 'GET', '/')).text;
+    const section = (page: string, id: string) => new RegExp(`<section class="group" id="${id}"[\\s\\S]*?</section>`).exec(page)?.[0] ?? '';
+    const heading = (page: string, id: string) => /<span class="count">([\d,]+\+?)<\/span>/.exec(section(page, id))?.[1];
+    const jobTag = (page: string, job: string) => new RegExp(`<article class="card job" data-job="${job}">\\s*<header class="card-head"><span class="title">${job}</span><span class="tag tag-([a-z]+)"`).exec(page)?.[1];
+    // Only this test and the gauge test (which deletes them) run `ranged` on this server.
+    expect(jobTag(await html(), 'ranged')).toBe('new');
+    try {
+      // Runs that need an operator, older than a queue of 2 000 pending runs.
+      await insert('ranged', 'dash-ok-', 'succeeded', 13);
+      await insert('ranged', 'dash-failed-', 'failed', 2);
+      await insert('counted', 'dash-crashed-', 'running', 1);
+      await insert('counted', 'dash-paused-', 'paused', 1);
+      await insert('counted', 'dash-interrupted-', 'interrupted', 1);
+      await insert('counted', 'dash-queued-', 'pending', 2000);
+      // More completed runs than are counted: the count stops at 10 000.
+      await insert('counted', 'dash-cancelled-', 'cancelled', 10_000);
+      const page = await html();
+      const active = section(page, 'active');
+      for (const [key, state] of [['dash-failed-1', 'failed'], ['dash-failed-2', 'failed'], ['dash-crashed-1', 'crashed'], ['dash-paused-1', 'paused'], ['dash-interrupted-1', 'interrupted']]) {
+        expect(active).toMatch(new RegExp(`<article class="card run" data-run-id="\\d+" data-state="${state}">(?:(?!</article>)[\\s\\S])*<div class="key"[^>]*>${key}</div>`));
+      }
+      expect(active).not.toContain('dash-queued-');
+      // Each heading is the list's total, not the number of cards shown.
+      expect(heading(page, 'active')).toBe(String(await count(['running', 'failed', 'interrupted', 'paused'])));
+      const pending = await count(['pending']);
+      expect(pending).toBeGreaterThanOrEqual(2000);
+      expect(heading(page, 'pending')).toBe(pending.toLocaleString('en-US'));
+      expect(section(page, 'pending')).toContain(`showing the newest 24 of ${pending.toLocaleString('en-US')};`);
+      expect(section(page, 'pending').match(/<article class="card run"/g)).toHaveLength(24);
+      expect(heading(page, 'completed')).toBe('10,000+');
+      expect(section(page, 'completed')).toContain('showing the newest 24 of 10,000+;');
+      // `ranged` ran (its latest run is far behind the queue): tagged with that run's state, not new.
+      expect(jobTag(page, 'ranged')).toMatch(/^(succeeded|failed)$/);
+    } finally {
+      await query(url, `delete from idem.runs where run_key like 'dash-%'`);
+    }
+  });
+});
+
 describe('a method a route does not take', () => {
   it('is 405 with an Allow header naming the methods it takes, not 404; a path no route has stays 404; nothing is written', async () => {
     const before = await snapshot(url, TABLES);

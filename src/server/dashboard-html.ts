@@ -6,9 +6,6 @@ export function esc(value: unknown): string {
   return String(value ?? '').replace(/[&<>"']/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' })[c]!);
 }
 
-const ACTIVE = new Set(['pending', 'running', 'paused', 'failed', 'interrupted', 'crashed']);
-export const isActive = (r: RunView) => ACTIVE.has(r.state);
-
 /** UTC time, with the date when it is not today: absolute, so a live fragment only changes with the run. */
 function when(iso: string | null): string {
   if (!iso) return '—';
@@ -79,16 +76,40 @@ export function runCard(r: RunView): string {
 </article>`;
 }
 
-/** The live part of the dashboard: active and completed runs. */
-export function homeLive(runs: readonly RunView[]): string {
-  const active = runs.filter(isActive);
-  const completed = runs.filter((r) => !isActive(r)).slice(0, 24);
-  const section = (id: string, title: string, items: readonly RunView[], empty: string) => `
+/** One list of the dashboard: its newest runs, and how many it has in all. */
+export interface RunList {
+  readonly runs: readonly RunView[];
+  readonly total: number;
+  /** The count stopped at `total`: there are at least that many. */
+  readonly atLeast: boolean;
+}
+
+/** The dashboard's lists of runs. */
+export interface HomeRuns {
+  /** Running, crashed, failed, interrupted and paused: runs that move or wait for an operator. */
+  readonly active: RunList;
+  readonly pending: RunList;
+  /** Succeeded, cancelled, and deleting (a prune under way). */
+  readonly completed: RunList;
+}
+
+const count = (n: number) => n.toLocaleString('en-US');
+const total = (list: RunList) => `${count(list.total)}${list.atLeast ? '+' : ''}`;
+
+/** The live part of the dashboard: active, pending and completed runs, each headed by its total. */
+export function homeLive(home: HomeRuns): string {
+  const section = (id: string, title: string, list: RunList, empty: string, all: string) => `
 <section class="group" id="${id}" aria-labelledby="${id}-h">
-  <h2 id="${id}-h">${esc(title)} <span class="count">${items.length}</span></h2>
-  ${items.length ? `<div class="grid">${items.map(runCard).join('')}</div>` : `<p class="empty">${esc(empty)}</p>`}
+  <h2 id="${id}-h">${esc(title)} <span class="count">${total(list)}</span></h2>
+  ${list.runs.length ? `<div class="grid">${list.runs.map(runCard).join('')}</div>` : `<p class="empty">${esc(empty)}</p>`}
+  ${list.runs.length < list.total ? `<p class="muted small cut">showing the newest ${count(list.runs.length)} of ${total(list)}; ${all}</p>` : ''}
 </section>`;
-  return `${section('active', 'Active', active, 'Nothing is running. Start a run from a job below.')}${section('completed', 'Completed', completed, 'No run has finished yet.')}`;
+  const api = (q: string) => `<code>GET /api/runs?${esc(q)}</code>`;
+  return (
+    section('active', 'Active', home.active, 'Nothing is running, and no run waits for an operator. Start a run from a job below.', `${api('state=active')} lists them (with the pending ones)`) +
+    section('pending', 'Pending', home.pending, 'No run is waiting to start.', `${api('state=pending')} lists them all`) +
+    section('completed', 'Completed', home.completed, 'No run has finished yet.', `${api('state=succeeded')} and ${api('state=cancelled')} list them`)
+  );
 }
 
 function paramsForm(job: Job, schema: any, key: string): string {
