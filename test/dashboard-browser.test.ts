@@ -2,6 +2,7 @@ import { existsSync } from 'node:fs';
 import { mkdir, mkdtemp, rm } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
+import { fileURLToPath } from 'node:url';
 import { chromium, type BrowserContext, type Page } from 'playwright-core';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { killLeftovers, query, REPO } from './support/cli.ts';
@@ -156,4 +157,49 @@ describe('the dashboard in a real browser', () => {
     // Every asset is served by idem: no other origin is referenced.
     expect(res.text).not.toMatch(/(src|href)="https?:/);
   });
+});
+
+describe('the dashboard of a job with a params schema', () => {
+  // A server of its own, on the same database and browser: the `paint` job (test/fixtures/dashboard-jobs).
+  const DASHBOARD_JOBS = fileURLToPath(new URL('./fixtures/dashboard-jobs', import.meta.url));
+  let dash: ServeProcess;
+  beforeAll(async () => {
+    dash = await startServe(url, ['--public-read'], {}, DASHBOARD_JOBS);
+  });
+
+  /** The dashboard of that server with the token set, and paint's Run form open. */
+  async function paintForm() {
+    await page.goto(`${dash.base}/`);
+    // The token is kept per origin (this server has another port).
+    if ((await page.locator('.token-state').textContent()) !== 'token set') {
+      await page.locator('.token summary').click();
+      await page.locator('#token').fill(TOKEN);
+      await page.locator('.token-form button').click();
+    }
+    const job = page.locator('article.job[data-job="paint"]');
+    await job.locator('summary').click();
+    return job;
+  }
+
+  it('the Run form starts from the schema defaults, and leaves optional fields without one out', async () => {
+    const job = await paintForm();
+    expect(await job.locator('input[name=flag]').isChecked()).toBe(true);
+    expect(await job.locator('select[name=color]').inputValue()).toBe('"green"');
+    expect(await job.locator('input[name=coats]').inputValue()).toBe('2');
+    // Sent untouched: the defaults, and nothing for the optional fields without one.
+    await job.locator('button[type=submit]').click();
+    await expect.poll(() => job.locator('.form-result a').textContent()).toMatch(/^Started run /);
+    const id = (await job.locator('.form-result a').getAttribute('href'))!.split('/').at(-1)!;
+    expect((await api(dash.base, 'GET', `/api/runs/${id}`)).body.params).toEqual({ flag: true, color: 'green', coats: 2 });
+    // Each optional field set by hand is sent.
+    await job.locator('select[name=shade]').selectOption({ label: 'dark' });
+    await job.locator('select[name=glossy]').selectOption({ label: 'false' });
+    await job.locator('input[name=flag]').uncheck();
+    await job.locator('button[type=submit]').click();
+    await expect.poll(async () => (await job.locator('.form-result a').getAttribute('href'))?.split('/').at(-1)).not.toBe(id);
+    const second = (await job.locator('.form-result a').getAttribute('href'))!.split('/').at(-1)!;
+    expect((await api(dash.base, 'GET', `/api/runs/${second}`)).body.params).toEqual({ flag: false, color: 'green', coats: 2, shade: 'dark', glossy: false });
+    await expectNoBrowserComplaints();
+  });
+
 });

@@ -178,8 +178,8 @@ export const DASHBOARD_JS = `'use strict';
     for (const el of form.querySelectorAll('[data-type]')) {
       const t = el.getAttribute('data-type');
       if (t === 'boolean') params[el.name] = el.checked;
-      else if (t === 'enum') params[el.name] = JSON.parse(el.value);
       else if (el.value === '') continue;
+      else if (t === 'enum') params[el.name] = JSON.parse(el.value);
       else if (t === 'integer' || t === 'number') params[el.name] = Number(el.value);
       else params[el.name] = el.value;
     }

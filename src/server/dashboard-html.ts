@@ -121,8 +121,17 @@ function paramsForm(job: Job, schema: any, key: string): string {
       .map(([name, p]) => {
         const id = `p-${job.name}-${name}`;
         const label = `<label for="${esc(id)}">${esc(name)}${required.has(name) ? ' <span class="req">*</span>' : ''}${p.description ? ` <span class="muted">${esc(p.description)}</span>` : ''}</label>`;
-        if (Array.isArray(p.enum)) return `<div class="field">${label}<select id="${esc(id)}" name="${esc(name)}" data-type="enum">${p.enum.map((v: unknown) => `<option value="${esc(JSON.stringify(v))}">${esc(v)}</option>`).join('')}</select></div>`;
-        if (p.type === 'boolean') return `<div class="field field-check"><input type="checkbox" id="${esc(id)}" name="${esc(name)}" data-type="boolean">${label}</div>`;
+        const hasDefault = p.default !== undefined;
+        // An optional enum or boolean without a default starts unset and is left out unless chosen:
+        // a select's first option, or an unticked box's false, would be sent as if chosen.
+        if (Array.isArray(p.enum) || (p.type === 'boolean' && !hasDefault && !required.has(name))) {
+          const values: unknown[] = Array.isArray(p.enum) ? p.enum : [true, false];
+          const chosen = hasDefault ? JSON.stringify(p.default) : undefined;
+          const unset = hasDefault ? '' : required.has(name) ? '<option value="" disabled selected>— choose —</option>' : '<option value="" selected>— not set —</option>';
+          const options = values.map((v) => `<option value="${esc(JSON.stringify(v))}"${JSON.stringify(v) === chosen ? ' selected' : ''}>${esc(v)}</option>`).join('');
+          return `<div class="field">${label}<select id="${esc(id)}" name="${esc(name)}" data-type="enum"${required.has(name) ? ' required' : ''}>${unset}${options}</select></div>`;
+        }
+        if (p.type === 'boolean') return `<div class="field field-check"><input type="checkbox" id="${esc(id)}" name="${esc(name)}" data-type="boolean"${p.default === true ? ' checked' : ''}>${label}</div>`;
         const type = p.type === 'integer' || p.type === 'number' ? 'number' : p.format === 'date' ? 'date' : 'text';
         const dflt = p.default === undefined ? '' : ` value="${esc(p.default)}"`;
         return `<div class="field">${label}<input id="${esc(id)}" name="${esc(name)}" type="${type}" data-type="${esc(p.type ?? 'string')}"${dflt}${required.has(name) ? ' required' : ''}></div>`;
