@@ -3,8 +3,10 @@ import { mkdir, mkdtemp, rm } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
+import pg from 'pg';
 import { chromium, type BrowserContext, type Page } from 'playwright-core';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { lockKey } from '../src/fingerprint.ts';
 import { killLeftovers, query, REPO } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
@@ -199,6 +201,42 @@ describe('the dashboard of a job with a params schema', () => {
     await expect.poll(async () => (await job.locator('.form-result a').getAttribute('href'))?.split('/').at(-1)).not.toBe(id);
     const second = (await job.locator('.form-result a').getAttribute('href'))!.split('/').at(-1)!;
     expect((await api(dash.base, 'GET', `/api/runs/${second}`)).body.params).toEqual({ flag: false, color: 'green', coats: 2, shade: 'dark', glossy: false });
+    await expectNoBrowserComplaints();
+  });
+
+  it('a 409 or a network failure is shown in the Run form, which can be sent again with the same key', async () => {
+    const job = await paintForm();
+    const submit = job.locator('button[type=submit]');
+    const result = job.locator('.form-result');
+    // Another request with the form's key is inside its claim: the 409's own sentence.
+    const key = await job.locator('input[name=__key]').inputValue();
+    const holder = new pg.Client({ connectionString: url });
+    await holder.connect();
+    try {
+      await holder.query('begin');
+      await holder.query('select pg_advisory_xact_lock($1::bigint)', [lockKey(`idem:http:paint:${key}`)]);
+      await submit.click();
+      await expect.poll(() => result.textContent()).toContain('is being processed right now; retry in a moment');
+      expect(await submit.isDisabled()).toBe(false);
+    } finally {
+      await holder.query('rollback').catch(() => {});
+      await holder.end();
+    }
+    // The server cannot be reached: said so, instead of nothing at all.
+    await page.route('**/api/jobs/paint/runs', (route) => route.abort('connectionrefused'));
+    try {
+      await submit.click();
+      await expect.poll(() => result.textContent()).toMatch(/^the server did not answer/);
+      expect(await result.getAttribute('class')).toContain('bad');
+      expect(await submit.isDisabled()).toBe(false);
+    } finally {
+      await page.unroute('**/api/jobs/paint/runs');
+    }
+    // Sent again once the claim is over, the same key starts the run.
+    expect(await job.locator('input[name=__key]').inputValue()).toBe(key);
+    await submit.click();
+    await expect.poll(() => job.locator('.form-result a').textContent()).toMatch(/^Started run /);
+    expect(await query(url, 'select count(*)::int as n from idem.runs where run_key = $1', [key])).toEqual([{ n: 1 }]);
     await expectNoBrowserComplaints();
   });
 

@@ -134,7 +134,7 @@ export const DASHBOARD_JS = `'use strict';
     try { body = await res.json(); } catch (e) { body = null; }
     return { status: res.status, headers: res.headers, body };
   }
-  const problemText = (r) => (r.body && r.body.detail) || ('HTTP ' + r.status);
+  const problemText = (r) => (r.body && (r.body.detail || r.body.title)) || ('HTTP ' + r.status);
   function needToken(r) {
     if (r.status === 401 || r.status === 403) {
       const d = document.querySelector('.token');
@@ -208,7 +208,19 @@ export const DASHBOARD_JS = `'use strict';
     // The key was fixed when the form was drawn: a double click sends the same key twice, and the
     // server starts one run. It changes only after an answer, for the next intended run.
     const key = keyInput.value;
-    const r = await call('POST', form.getAttribute('action'), { headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: JSON.stringify(params) });
+    const submit = form.querySelector('button[type=submit]');
+    submit.disabled = true;
+    let r;
+    try {
+      r = await call('POST', form.getAttribute('action'), { headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: JSON.stringify(params) });
+    } catch (err) {
+      // No answer: the request may or may not have arrived, so the key stays, and sending again
+      // is a retry that starts at most one run.
+      if (keyInput.value === key) { out.className = 'form-result bad'; out.textContent = 'the server did not answer (' + ((err && err.message) || err) + '); send again: the same key starts at most one run'; }
+      return;
+    } finally {
+      submit.disabled = false;
+    }
     if (needToken(r)) return;
     // A second click's answer after the first one's changed the key: the first already reported.
     if (keyInput.value !== key) return;
@@ -220,10 +232,10 @@ export const DASHBOARD_JS = `'use strict';
       a.textContent = (r.status === 201 ? 'Started run ' : 'Already started: run ') + r.body.key;
       out.appendChild(a);
       keyInput.value = freshKey();
-    } else if (r.status === 409) {
-      out.className = 'form-result'; out.textContent = 'Starting…';
     } else {
-      out.className = 'form-result bad'; out.textContent = problemText(r);
+      // A refusal to retry (the 409 of a key inside another request's claim) keeps the key: the
+      // retry gets that request's run. Its sentence says so.
+      out.className = 'form-result' + (r.body && r.body.retryable ? '' : ' bad'); out.textContent = problemText(r);
     }
   });
 
