@@ -169,6 +169,9 @@ describe('the dashboard of a job with a params schema', () => {
     dash = await startServe(url, ['--public-read'], {}, DASHBOARD_JOBS);
   });
 
+  /** The page is no wider than the window: nothing makes it scroll sideways. */
+  const overflow = () => page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+
   /** The dashboard of that server with the token set, and paint's Run form open. */
   async function paintForm() {
     await page.goto(`${dash.base}/`);
@@ -240,4 +243,23 @@ describe('the dashboard of a job with a params schema', () => {
     await expectNoBrowserComplaints();
   });
 
+  it('a skipped chunk with a long unbroken error does not make the run page wider than the window', async () => {
+    const created = await api(dash.base, 'POST', '/api/jobs/paint/runs', { key: 'paint-long-error', body: {} });
+    expect((await api(dash.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body.state).toBe('succeeded');
+    await page.goto(`${dash.base}/runs/${created.body.id}`);
+    expect(await page.locator('.panel', { hasText: 'Skipped chunks' }).locator('td').filter({ hasText: 'bad c2' }).count()).toBe(1);
+    try {
+      for (const width of [1280, 390]) {
+        await page.setViewportSize({ width, height: 900 });
+        expect(await overflow(), `at ${width} px`).toBeLessThanOrEqual(0);
+      }
+      await page.screenshot({ path: path.join(SCREENSHOTS, 'run-page-long-error-phone.png'), fullPage: true });
+      // The dashboard, its run cards and job cards, too.
+      await page.goto(`${dash.base}/`);
+      expect(await overflow(), 'the dashboard at 390 px').toBeLessThanOrEqual(0);
+    } finally {
+      await page.setViewportSize({ width: 1280, height: 900 });
+    }
+    await expectNoBrowserComplaints();
+  });
 });

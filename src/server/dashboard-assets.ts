@@ -31,7 +31,7 @@ h2{font-size:13px;text-transform:uppercase;letter-spacing:.06em;color:var(--mute
 .count{background:var(--idle-soft);color:var(--muted);border-radius:999px;padding:1px 8px;font-size:12px;letter-spacing:0}
 .group{margin:6px 0 28px}
 .grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(min(100%,330px),1fr));gap:14px}
-.card,.panel{background:var(--panel);border:1px solid var(--line);border-radius:var(--radius);box-shadow:var(--shadow);padding:14px 16px;min-width:0}
+.card,.panel{background:var(--panel);border:1px solid var(--line);border-radius:var(--radius);box-shadow:var(--shadow);padding:14px 16px;min-width:0;overflow-wrap:anywhere}
 .panel{margin-bottom:14px}
 .card-head{display:flex;align-items:center;justify-content:space-between;gap:10px}
 .title{font-weight:650;font-size:16px;color:var(--text);overflow:hidden;text-overflow:ellipsis;white-space:nowrap}
@@ -94,6 +94,8 @@ textarea{font-family:ui-monospace,Menlo,monospace}
 .table td{padding:8px;border-bottom:1px solid var(--line);vertical-align:middle}
 .table tr:last-child td{border-bottom:0}
 .num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+.skipped{table-layout:fixed}.skipped .c-step,.skipped .c-chunk{width:22%}.skipped .c-tries{width:4.5em}
+.cell-text{white-space:pre-wrap;max-height:10.5em;overflow:auto}
 .bar-cell{width:40%}
 .chart{width:100%;height:auto;display:block}
 .chart .bars rect{fill:var(--accent)}.chart .axis{stroke:var(--line)}.chart .label{font-size:11px;fill:var(--muted)}

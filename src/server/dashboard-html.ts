@@ -211,8 +211,8 @@ export function runLive(r: RunView): string {
     })
     .join('');
   const skipped = r.skipped?.length
-    ? `<table class="table"><thead><tr><th>step</th><th>chunk</th><th>tries</th><th>error</th></tr></thead><tbody>${r.skipped
-        .map((k) => `<tr><td>${esc(k.step)}</td><td class="mono">${esc(k.key)}</td><td class="num">${k.attempts}</td><td>${esc(k.error)}</td></tr>`)
+    ? `<table class="table skipped"><thead><tr><th class="c-step">step</th><th class="c-chunk">chunk</th><th class="c-tries num">tries</th><th>error</th></tr></thead><tbody>${r.skipped
+        .map((k) => `<tr><td>${esc(k.step)}</td><td class="mono">${esc(k.key)}</td><td class="num">${k.attempts}</td><td><div class="cell-text">${esc(k.error)}</div></td></tr>`)
         .join('')}</tbody></table>`
     : '<p class="empty">None.</p>';
   const pct = r.progress.percent;
