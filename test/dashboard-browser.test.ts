@@ -2,8 +2,11 @@ import { existsSync } from 'node:fs';
 import { mkdir, mkdtemp, rm } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import pg from 'pg';
 import { chromium, type BrowserContext, type Page } from 'playwright-core';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { lockKey } from '../src/fingerprint.ts';
 import { killLeftovers, query, REPO } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
@@ -54,7 +57,7 @@ afterAll(async () => {
   await killLeftovers();
 });
 
-const runCard = (key: string) => page.locator('#active, #completed').locator('article.run', { has: page.locator('.key', { hasText: key }) });
+const runCard = (key: string) => page.locator('#active, #pending, #completed').locator('article.run', { has: page.locator('.key', { hasText: key }) });
 
 describe('the dashboard in a real browser', () => {
   it('starts a run from the form (a double click starts one), shows live progress to 100 %, pauses and resumes from the buttons', async () => {
@@ -155,5 +158,108 @@ describe('the dashboard in a real browser', () => {
     expect(res.text).not.toContain(TOKEN);
     // Every asset is served by idem: no other origin is referenced.
     expect(res.text).not.toMatch(/(src|href)="https?:/);
+  });
+});
+
+describe('the dashboard of a job with a params schema', () => {
+  // A server of its own, on the same database and browser: the `paint` job (test/fixtures/dashboard-jobs).
+  const DASHBOARD_JOBS = fileURLToPath(new URL('./fixtures/dashboard-jobs', import.meta.url));
+  let dash: ServeProcess;
+  beforeAll(async () => {
+    dash = await startServe(url, ['--public-read'], {}, DASHBOARD_JOBS);
+  });
+
+  /** The page is no wider than the window: nothing makes it scroll sideways. */
+  const overflow = () => page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+
+  /** The dashboard of that server with the token set, and paint's Run form open. */
+  async function paintForm() {
+    await page.goto(`${dash.base}/`);
+    // The token is kept per origin (this server has another port).
+    if ((await page.locator('.token-state').textContent()) !== 'token set') {
+      await page.locator('.token summary').click();
+      await page.locator('#token').fill(TOKEN);
+      await page.locator('.token-form button').click();
+    }
+    const job = page.locator('article.job[data-job="paint"]');
+    await job.locator('summary').click();
+    return job;
+  }
+
+  it('the Run form starts from the schema defaults, and leaves optional fields without one out', async () => {
+    const job = await paintForm();
+    expect(await job.locator('input[name=flag]').isChecked()).toBe(true);
+    expect(await job.locator('select[name=color]').inputValue()).toBe('"green"');
+    expect(await job.locator('input[name=coats]').inputValue()).toBe('2');
+    // Sent untouched: the defaults, and nothing for the optional fields without one.
+    await job.locator('button[type=submit]').click();
+    await expect.poll(() => job.locator('.form-result a').textContent()).toMatch(/^Started run /);
+    const id = (await job.locator('.form-result a').getAttribute('href'))!.split('/').at(-1)!;
+    expect((await api(dash.base, 'GET', `/api/runs/${id}`)).body.params).toEqual({ flag: true, color: 'green', coats: 2 });
+    // Each optional field set by hand is sent.
+    await job.locator('select[name=shade]').selectOption({ label: 'dark' });
+    await job.locator('select[name=glossy]').selectOption({ label: 'false' });
+    await job.locator('input[name=flag]').uncheck();
+    await job.locator('button[type=submit]').click();
+    await expect.poll(async () => (await job.locator('.form-result a').getAttribute('href'))?.split('/').at(-1)).not.toBe(id);
+    const second = (await job.locator('.form-result a').getAttribute('href'))!.split('/').at(-1)!;
+    expect((await api(dash.base, 'GET', `/api/runs/${second}`)).body.params).toEqual({ flag: false, color: 'green', coats: 2, shade: 'dark', glossy: false });
+    await expectNoBrowserComplaints();
+  });
+
+  it('a 409 or a network failure is shown in the Run form, which can be sent again with the same key', async () => {
+    const job = await paintForm();
+    const submit = job.locator('button[type=submit]');
+    const result = job.locator('.form-result');
+    // Another request with the form's key is inside its claim: the 409's own sentence.
+    const key = await job.locator('input[name=__key]').inputValue();
+    const holder = new pg.Client({ connectionString: url });
+    await holder.connect();
+    try {
+      await holder.query('begin');
+      await holder.query('select pg_advisory_xact_lock($1::bigint)', [lockKey(`idem:http:paint:${key}`)]);
+      await submit.click();
+      await expect.poll(() => result.textContent()).toContain('is being processed right now; retry in a moment');
+      expect(await submit.isDisabled()).toBe(false);
+    } finally {
+      await holder.query('rollback').catch(() => {});
+      await holder.end();
+    }
+    // The server cannot be reached: said so, instead of nothing at all.
+    await page.route('**/api/jobs/paint/runs', (route) => route.abort('connectionrefused'));
+    try {
+      await submit.click();
+      await expect.poll(() => result.textContent()).toMatch(/^the server did not answer/);
+      expect(await result.getAttribute('class')).toContain('bad');
+      expect(await submit.isDisabled()).toBe(false);
+    } finally {
+      await page.unroute('**/api/jobs/paint/runs');
+    }
+    // Sent again once the claim is over, the same key starts the run.
+    expect(await job.locator('input[name=__key]').inputValue()).toBe(key);
+    await submit.click();
+    await expect.poll(() => job.locator('.form-result a').textContent()).toMatch(/^Started run /);
+    expect(await query(url, 'select count(*)::int as n from idem.runs where run_key = $1', [key])).toEqual([{ n: 1 }]);
+    await expectNoBrowserComplaints();
+  });
+
+  it('a skipped chunk with a long unbroken error does not make the run page wider than the window', async () => {
+    const created = await api(dash.base, 'POST', '/api/jobs/paint/runs', { key: 'paint-long-error', body: {} });
+    expect((await api(dash.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body.state).toBe('succeeded');
+    await page.goto(`${dash.base}/runs/${created.body.id}`);
+    expect(await page.locator('.panel', { hasText: 'Skipped chunks' }).locator('td').filter({ hasText: 'bad c2' }).count()).toBe(1);
+    try {
+      for (const width of [1280, 390]) {
+        await page.setViewportSize({ width, height: 900 });
+        expect(await overflow(), `at ${width} px`).toBeLessThanOrEqual(0);
+      }
+      await page.screenshot({ path: path.join(SCREENSHOTS, 'run-page-long-error-phone.png'), fullPage: true });
+      // The dashboard, its run cards and job cards, too.
+      await page.goto(`${dash.base}/`);
+      expect(await overflow(), 'the dashboard at 390 px').toBeLessThanOrEqual(0);
+    } finally {
+      await page.setViewportSize({ width: 1280, height: 900 });
+    }
+    await expectNoBrowserComplaints();
   });
 });

@@ -1,12 +1,14 @@
 import { spawn } from 'node:child_process';
-import { mkdtemp, rm, writeFile } from 'node:fs/promises';
+import { mkdtemp, readFile, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import pg from 'pg';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { CancelledError, InterruptedError, PausedError, PauseWithdrawnError, RunFailedError } from '../src/errors.ts';
 import { lockKey } from '../src/fingerprint.ts';
+import { EXECUTION_OUTCOMES, executionOutcome } from '../src/server/run-executor.ts';
 import { chunkKey } from './fixtures/jobs/counted.ts';
-import { ALL_TABLES, BIN, FIXTURE_JOBS, holdGate, killLeftovers, runCli, runRow, query, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { ALL_TABLES, BIN, FIXTURE_JOBS, REPO, holdGate, killLeftovers, runCli, runRow, query, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { createTestDatabase, useTestDatabase } from './support/database.ts';
 import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
 
@@ -33,6 +35,15 @@ function expectProblem(res: { status: number; headers: Headers; body: any }, sta
   // The server's own refusals say the fix after a semicolon; operator refusals carry the CLI's wording.
   if (code !== 'idem.cannotControl') expect(res.body.detail).toMatch(/;/);
   expect(res.body.detail).not.toContain('\n');
+}
+
+/** idem_api_replays_total, memory and database together. */
+async function replaysTotal(): Promise<number> {
+  const { text } = await api(server.base, 'GET', '/metrics');
+  return text
+    .split('\n')
+    .filter((l) => l.startsWith('idem_api_replays_total{'))
+    .reduce((n, l) => n + Number(l.slice(l.lastIndexOf(' ') + 1)), 0);
 }
 
 async function runCount(): Promise<number> {
@@ -128,6 +139,75 @@ describe('bad requests write nothing', () => {
   });
 });
 
+describe('the dashboard with a long queue of pending runs', () => {
+  it('still shows every run that needs an operator, counts each list in full, says where a list is cut, and tags a job new only when it never ran', async () => {
+    const count = async (statuses: string[]) => (await query<{ n: number }>(url, 'select count(*)::int as n from idem.runs where status = any($1)', [statuses]))[0]!.n;
+    const insert = (job: string, prefix: string, status: string, n: number) =>
+      query(url, `insert into idem.runs (job, run_key, params, fingerprint, status) select $1, $2 || g, '{}', 'x', $3 from generate_series(1, $4) g`, [job, prefix, status, n]);
+    const html = async () => (await api(server.base, 'GET', '/')).text;
+    const section = (page: string, id: string) => new RegExp(`<section class="group" id="${id}"[\\s\\S]*?</section>`).exec(page)?.[0] ?? '';
+    const heading = (page: string, id: string) => /<span class="count">([\d,]+\+?)<\/span>/.exec(section(page, id))?.[1];
+    const jobTag = (page: string, job: string) => new RegExp(`<article class="card job" data-job="${job}">\\s*<header class="card-head"><span class="title">${job}</span><span class="tag tag-([a-z]+)"`).exec(page)?.[1];
+    // Only this test and the gauge test (which deletes them) run `ranged` on this server.
+    expect(jobTag(await html(), 'ranged')).toBe('new');
+    try {
+      // Runs that need an operator, older than a queue of 2 000 pending runs.
+      await insert('ranged', 'dash-ok-', 'succeeded', 13);
+      await insert('ranged', 'dash-failed-', 'failed', 2);
+      await insert('counted', 'dash-crashed-', 'running', 1);
+      await insert('counted', 'dash-paused-', 'paused', 1);
+      await insert('counted', 'dash-interrupted-', 'interrupted', 1);
+      await insert('counted', 'dash-queued-', 'pending', 2000);
+      // More completed runs than are counted: the count stops at 10 000.
+      await insert('counted', 'dash-cancelled-', 'cancelled', 10_000);
+      const page = await html();
+      const active = section(page, 'active');
+      for (const [key, state] of [['dash-failed-1', 'failed'], ['dash-failed-2', 'failed'], ['dash-crashed-1', 'crashed'], ['dash-paused-1', 'paused'], ['dash-interrupted-1', 'interrupted']]) {
+        expect(active).toMatch(new RegExp(`<article class="card run" data-run-id="\\d+" data-state="${state}">(?:(?!</article>)[\\s\\S])*<div class="key"[^>]*>${key}</div>`));
+      }
+      expect(active).not.toContain('dash-queued-');
+      // Each heading is the list's total, not the number of cards shown.
+      expect(heading(page, 'active')).toBe(String(await count(['running', 'failed', 'interrupted', 'paused'])));
+      const pending = await count(['pending']);
+      expect(pending).toBeGreaterThanOrEqual(2000);
+      expect(heading(page, 'pending')).toBe(pending.toLocaleString('en-US'));
+      expect(section(page, 'pending')).toContain(`showing the newest 24 of ${pending.toLocaleString('en-US')};`);
+      expect(section(page, 'pending').match(/<article class="card run"/g)).toHaveLength(24);
+      expect(heading(page, 'completed')).toBe('10,000+');
+      expect(section(page, 'completed')).toContain('showing the newest 24 of 10,000+;');
+      // `ranged` ran (its latest run is far behind the queue): tagged with that run's state, not new.
+      expect(jobTag(page, 'ranged')).toMatch(/^(succeeded|failed)$/);
+    } finally {
+      await query(url, `delete from idem.runs where run_key like 'dash-%'`);
+    }
+  });
+});
+
+describe('a method a route does not take', () => {
+  it('is 405 with an Allow header naming the methods it takes, not 404; a path no route has stays 404; nothing is written', async () => {
+    const before = await snapshot(url, TABLES);
+    for (const [method, path, allow] of [
+      ['GET', '/api/jobs/counted/runs', 'POST'],
+      ['PUT', '/api/runs/1', 'GET, HEAD'],
+      ['DELETE', '/api/runs/1', 'GET, HEAD'],
+      ['GET', '/api/runs/1/pause', 'POST'],
+      ['POST', '/api/jobs', 'GET, HEAD'],
+      ['OPTIONS', '/api/runs', 'GET, HEAD'],
+      ['DELETE', '/', 'GET, HEAD'],
+    ] as const) {
+      const res = await api(server.base, method, path);
+      expectProblem(res, 405, 'idem.methodNotAllowed');
+      expect(res.headers.get('allow'), `${method} ${path}`).toBe(allow);
+      expect(res.body.detail).toContain(`${method} is not allowed on ${path}; use ${allow}`);
+    }
+    expectProblem(await api(server.base, 'DELETE', '/api/nothing-here'), 404, 'idem.notFound');
+    expectProblem(await api(server.base, 'GET', '/api/jobs/counted/runs/extra'), 404, 'idem.notFound');
+    // Authentication comes first, as for every other answer.
+    expectProblem(await api(server.base, 'PUT', '/api/runs/1', { token: null }), 401, 'idem.unauthorized');
+    expect(await snapshot(url, TABLES)).toEqual(before);
+  });
+});
+
 describe('POST /api/jobs/:job/runs', () => {
   it('creates once (201), replays the stored run (200, Idempotent-Replayed), refuses other params (422)', async () => {
     const created = await post('k-first', { chunks: 3 });
@@ -135,6 +215,10 @@ describe('POST /api/jobs/:job/runs', () => {
     expect(created.headers.get('location')).toBe(`/api/runs/${created.body.id}`);
     expect(created.headers.get('idempotent-replayed')).toBe('false');
     expect(created.body).toMatchObject({ job: 'counted', key: 'k-first', params: { chunks: 3, pauseMs: 0, label: '', gate: null }, viaApi: true });
+    // Other params while the run is not held in memory (the database path): a 422, not a replay.
+    const replays = await replaysTotal();
+    expectProblem(await post('k-first', { chunks: 4 }), 422, 'idem.paramsMismatch');
+    expect(await replaysTotal()).toBe(replays);
 
     const done = await api(server.base, 'GET', `${created.headers.get('location')}?wait=30`);
     expect(done.status).toBe(200);
@@ -155,8 +239,11 @@ describe('POST /api/jobs/:job/runs', () => {
     expect((await post('k-first', { pauseMs: 0, chunks: 3 })).status).toBe(200);
 
     const before = await snapshot(url, TABLES);
+    const replaysBefore = await replaysTotal();
     const other = await post('k-first', { chunks: 4 });
     expectProblem(other, 422, 'idem.paramsMismatch');
+    // idem_api_replays_total counts replays answered; a refusal is not one.
+    expect(await replaysTotal()).toBe(replaysBefore);
     expect(other.body.storedFingerprint).toBe(created.body.fingerprint);
     expect(other.body.requestFingerprint).toMatch(/^sha256:/);
     expect(other.body.detail).toContain(created.body.fingerprint);
@@ -188,8 +275,11 @@ describe('POST /api/jobs/:job/runs', () => {
     expect((await api(server.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body.state).toBe('succeeded');
   });
 
-  it('100 concurrent POSTs with one key: one 201, the rest 200 replays or 409, one run, one execution', async () => {
+  it('100 concurrent POSTs with one key: one 201, the rest 200 replays or 409, one run, one execution; idem_api_replays_total rises by the replays answered', async () => {
+    const replays = await replaysTotal();
     const responses = await Promise.all(Array.from({ length: 100 }, () => post('k-hundred', { chunks: 5 })));
+    // Every path that answers a replay (memory, a database read, the claim finding the run) counts it, once.
+    expect(await replaysTotal()).toBe(replays + responses.filter((r) => r.headers.get('idempotent-replayed') === 'true').length);
     const statuses = responses.map((r) => r.status);
     expect(statuses.filter((s) => s === 201)).toHaveLength(1);
     expect(statuses.every((s) => s === 201 || s === 200 || s === 409)).toBe(true);
@@ -435,5 +525,41 @@ describe('reads', () => {
     expect(res.text).toMatch(/idem_http_requests_total\{method="GET",route="\/api\/runs\/:id",status="200"\} \d+/);
     expect(res.text).not.toContain('k-metrics');
     expect(res.text).not.toContain(TOKEN);
+  });
+
+  it('idem_runs_ended_total{outcome} takes exactly the values the README documents', async () => {
+    const readme = await readFile(path.join(REPO, 'README.md'), 'utf8');
+    const row = readme.split('\n').find((l) => l.startsWith('| `idem_runs_ended_total{job,outcome}` |'));
+    expect(row, 'the README lists idem_runs_ended_total in its Metrics table').toBeDefined();
+    // The values are the first sentence's; the rest explains them.
+    const documented = [...row!.split(' | ')[1]!.split('. ')[0]!.matchAll(/`([a-z]+)`/g)].map((m) => m[1]);
+    expect(documented.sort()).toEqual([...EXECUTION_OUTCOMES].sort());
+    const refused = Object.assign(new Error('connect ECONNREFUSED 127.0.0.1:5432'), { code: 'ECONNREFUSED' });
+    expect(
+      [new RunFailedError('x'), new PausedError('x'), new CancelledError('x'), new InterruptedError('SIGTERM'), new PauseWithdrawnError('x'), refused].map(executionOutcome),
+    ).toEqual(['failed', 'paused', 'cancelled', 'interrupted', 'interrupted', 'error']);
+    // And what this server reports, after at least one execution.
+    const created = await post('k-outcomes', { chunks: 1 });
+    expect((await api(server.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body.state).toBe('succeeded');
+    const reported = [...(await api(server.base, 'GET', '/metrics')).text.matchAll(/^idem_runs_ended_total\{[^}]*outcome="([^"]+)"/gm)].map((m) => m[1]);
+    expect(reported.length).toBeGreaterThan(0);
+    for (const outcome of reported) expect(documented).toContain(outcome);
+  });
+
+  it('idem_runs{job,state} reads 0 once a count it reported drops to nothing, instead of the series vanishing', async () => {
+    // Only this test runs `ranged` on this server.
+    const created = await post('k-gauge', {}, { job: 'ranged' });
+    expect(created.status, created.text).toBe(201);
+    expect((await api(server.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body.state).toBe('succeeded');
+    const series = async () => (await api(server.base, 'GET', '/metrics')).text.split('\n').filter((l) => l.startsWith('idem_runs{job="ranged",'));
+    expect(await series()).toContain('idem_runs{job="ranged",state="succeeded"} 1');
+    await query(url, `delete from idem.runs where job = 'ranged'`);
+    expect(await series()).toContain('idem_runs{job="ranged",state="succeeded"} 0');
+    // Jobs this server does not load are not kept: their series may come and go without bound.
+    await query(url, `insert into idem.runs (job, run_key, params, fingerprint, status) values ('not-loaded', 'k-gauge', '{}', 'x', 'failed')`);
+    const metrics = async () => (await api(server.base, 'GET', '/metrics')).text;
+    expect(await metrics()).toContain('idem_runs{job="not-loaded",state="failed"} 1');
+    await query(url, `delete from idem.runs where job = 'not-loaded'`);
+    expect(await metrics()).not.toContain('job="not-loaded"');
   });
 });

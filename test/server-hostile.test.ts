@@ -472,3 +472,66 @@ describe('the dashboard page', () => {
     }
   });
 });
+
+describe('an Idempotency-Key header sent twice', () => {
+  it('is a 400 saying the header was sent more than once, not a key of the joined values; nothing is written', async () => {
+    await settled();
+    const before = await snapshot(url, TABLES);
+    // Node joins repeated headers it does not know with ", ": "te2, te3" read as one 8-character key.
+    const res = await rawHttp(
+      server.base,
+      `POST /api/jobs/any/runs HTTP/1.1\r\nhost: x\r\nauthorization: Bearer ${TOKEN}\r\nidempotency-key: te2\r\nidempotency-key: te3\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}`,
+    );
+    expect(res.status, res.body).toBe(400);
+    const body = JSON.parse(res.body);
+    expect(body).toMatchObject({ type: 'urn:idem:problem:idem.invalidIdempotencyKey', status: 400 });
+    expect(body.detail).toMatch(/Idempotency-Key header was sent 2 times; send it once/);
+    expect(await snapshot(url, TABLES)).toEqual(before);
+  });
+});
+
+describe('a request that never finishes arriving', () => {
+  it('is answered 408 once the request timeout passes, headers or body, instead of holding the connection open', async () => {
+    // The timeout is 60 s; the test hook shortens it to 1 s.
+    const served = await startServe(url, [], { IDEM_SERVE_REQUEST_TIMEOUT_MS: '1000' }, ANY_JOBS);
+    /** Sends `text` and nothing more; the answer, or status 0 when none came within 10 s. */
+    const stalled = (text: string) =>
+      new Promise<{ status: number; body: string; ms: number }>((resolve) => {
+        const started = Date.now();
+        const socket = net.connect(Number(new URL(served.base).port), '127.0.0.1');
+        let out = '';
+        const done = () => {
+          clearTimeout(timer);
+          socket.destroy();
+          const [head = '', ...rest] = out.split('\r\n\r\n');
+          resolve({ status: Number(head.split(' ')[1] ?? 0) || 0, body: rest.join('\r\n\r\n'), ms: Date.now() - started });
+        };
+        const timer = setTimeout(done, 10_000);
+        socket.setEncoding('latin1');
+        socket.on('data', (d) => (out += d));
+        socket.on('error', () => {});
+        socket.on('close', done);
+        socket.write(text);
+      });
+    try {
+      const before = await snapshot(url, TABLES);
+      const answers = await Promise.all([
+        stalled(`POST /api/jobs/any/runs HTTP/1.1\r\nhost: x\r\nauthorization: Bearer ${TOKEN}\r\nidempotency-key: k-stalled\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{"a":`),
+        stalled(`GET /api/runs HTTP/1.1\r\nhost: x\r\nauthorization: Bearer ${TOKEN}\r\n`),
+      ]);
+      for (const res of answers) {
+        expect(res.status, res.body).toBe(408);
+        expect(JSON.parse(res.body)).toMatchObject({ type: 'urn:idem:problem:idem.requestTimeout', status: 408 });
+        expect(res.ms).toBeLessThan(5_000);
+      }
+      expect(await snapshot(url, TABLES)).toEqual(before);
+      // Only arriving is timed: a keep-alive connection idle for longer, then used, is answered.
+      expect((await api(served.base, 'GET', '/api/runs?limit=1')).status).toBe(200);
+      await new Promise((r) => setTimeout(r, 2_500));
+      expect((await api(served.base, 'GET', '/api/runs?limit=1')).status).toBe(200);
+    } finally {
+      served.proc.child.kill('SIGKILL');
+      await served.proc.done;
+    }
+  }, 60_000);
+});

@@ -75,6 +75,11 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
     if (key === undefined || key === '') {
       throw new HttpProblem(400, 'idem.missingIdempotencyKey', 'the request has no Idempotency-Key header; send one unique key per intended run (e.g. a UUID), and the same key again on a retry');
     }
+    // Node joins a repeated header it does not know with ", ": "te2, te3" would be judged as one key.
+    const sent = request.raw.headersDistinct['idempotency-key']?.length ?? 1;
+    if (sent > 1) {
+      throw new HttpProblem(400, 'idem.invalidIdempotencyKey', `the Idempotency-Key header was sent ${sent} times; send it once, with the one key of this run`);
+    }
     if (Array.isArray(key) || !IDEMPOTENCY_KEY.test(key)) {
       throw new HttpProblem(
         400,
@@ -102,9 +107,11 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
     // Replay fast path: a succeeded run's answer is in memory (replay-cache.ts says when it may
     // be); any other committed run for the key needs no transaction and no lock, one read.
     const cached = ctx.replays.get(job.name, key);
+    // idem_api_replays_total counts replays answered (Idempotent-Replayed: true), so each path
+    // counts after its fingerprint check: a 422 is a refusal, not a replay.
     if (cached) {
-      ctx.metrics.replays.inc({ source: 'memory' });
       if (cached.fingerprint !== fp) throw paramsMismatch(job.name, key, cached.fingerprint, fp);
+      ctx.metrics.replays.inc({ source: 'memory' });
       return sendRun(reply, 200, cached.id, true).type(JSON_TYPE).send(cached.json);
     }
     const generation = ctx.replays.generation;
@@ -113,8 +120,8 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
     // that deletion; the key then starts a new run, as after any prune.
     if (existing?.state === 'deleting') await ctx.runner.finishDeletion(existing.id, `run "${printable(key)}" of job "${job.name}"`);
     else if (existing) {
-      ctx.metrics.replays.inc({ source: 'database' });
       if (existing.fingerprint !== fp) throw paramsMismatch(job.name, key, existing.fingerprint, fp);
+      ctx.metrics.replays.inc({ source: 'database' });
       const json = JSON.stringify(existing);
       ctx.replays.offer(existing, generation, json);
       return sendRun(reply, 200, existing.id, true).type(JSON_TYPE).send(json);
@@ -123,6 +130,8 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
     if (outcome.kind === 'created') ctx.executor.enqueue({ runId: outcome.run.id, job: job.name, key });
     const view = await ctx.views.get(outcome.run.id);
     if (!view) throw new HttpProblem(404, 'idem.unknownRun', `run ${outcome.run.id} was removed (reset or pruned) while answering; send the request again`);
+    // The claim found the run a concurrent request had just committed: a replay read from the database.
+    if (outcome.kind === 'replayed') ctx.metrics.replays.inc({ source: 'database' });
     sendRun(reply, outcome.kind === 'created' ? 201 : 200, view.id, outcome.kind === 'replayed');
     return view;
   });

@@ -28,6 +28,12 @@ export const DEFAULT_MAX_RUNS = 4;
 export const DEFAULT_RESCAN_MS = 30_000;
 /** Default largest request body: params are small; 64 KiB leaves room and bounds abuse. */
 export const DEFAULT_BODY_LIMIT = 64 * 1024;
+/**
+ * Default time a request has to arrive whole, headers and body: a client that stops sending part
+ * way would otherwise hold its connection (Fastify turns Node's own limit off). Only arriving is
+ * timed: long-polls and event streams answer for as long as they need.
+ */
+export const DEFAULT_REQUEST_TIMEOUT_MS = 60_000;
 
 export interface ServerOptions {
   readonly runner: Runner;
@@ -48,6 +54,8 @@ export interface ServerOptions {
   readonly concurrency?: number;
   /** Largest request body in bytes. Defaults to `65536`. */
   readonly bodyLimit?: number;
+  /** Time a request has to arrive whole (headers and body) before it is answered 408, in ms. Defaults to `60000`. */
+  readonly requestTimeoutMs?: number;
   /** Root logger. Defaults to a silent one. */
   readonly log?: Logger;
   /** How often a live run looks for pause/cancel, in ms. Defaults to `1000`. */
@@ -97,7 +105,7 @@ export function createServer(opts: ServerOptions): IdemServer {
     for (const r of counted) add(r.job, r.status, r.n);
     for (const r of running) add(r.job, runIsLive(r, locks, runner) ? 'running' : 'crashed', 1);
     return [...out.values()];
-  }, () => ({ runs: replays.size, bytes: replays.bytes }));
+  }, () => ({ runs: replays.size, bytes: replays.bytes }), new Set(jobs.keys()));
   const executor = new RunExecutor({
     runner,
     jobs,
@@ -132,6 +140,7 @@ export function createServer(opts: ServerOptions): IdemServer {
     publicRead: opts.publicRead ?? false,
   };
 
+  const requestTimeout = opts.requestTimeoutMs ?? DEFAULT_REQUEST_TIMEOUT_MS;
   const app = Fastify({
     loggerInstance: log as FastifyBaseLogger,
     // Request lines go to debug from onResponse below: a busy API would otherwise flood the log.
@@ -141,9 +150,15 @@ export function createServer(opts: ServerOptions): IdemServer {
     trustProxy: false,
     return503OnClosing: true,
     clientErrorHandler: clientError,
+    // Twice. Fastify sets it on the server after creating it (0, off, unless given); given to Node
+    // at creation too, Node derives the headers' timeout from it (at most 60 s) and keeps it no
+    // longer than the request's, which it requires: with the default 60 s headers timeout left
+    // above a shorter request timeout, Node 20 never timed a body out.
+    requestTimeout,
     // Node answers a request without Host with a bare empty 400 of its own; the first onRequest
-    // hook below answers it as a problem instead.
-    http: { requireHostHeader: false },
+    // hook below answers it as a problem instead. Node looks for requests past their time every
+    // 30 s by default, which would let one stall for up to twice the timeout.
+    http: { requireHostHeader: false, requestTimeout, connectionsCheckingInterval: Math.min(5_000, requestTimeout) },
     // Path parameters are checked by their routes (an unknown job is a 404, a run id that is not one
     // a 404), whatever their length: Fastify's default of 100 answers longer ones with its own 414
     // before authentication. Node's header limit (16 KiB, the request line included) bounds them.
@@ -197,9 +212,19 @@ export function createServer(opts: ServerOptions): IdemServer {
   });
 
   app.setNotFoundHandler(async (request, reply) => {
+    const path = request.url.split('?')[0]!;
+    const allow = routeMethods.allowed(path);
+    if (allow.length > 0) {
+      const problem = new HttpProblem(405, 'idem.methodNotAllowed', `${request.method.slice(0, 20)} is not allowed on ${path.slice(0, 100)}; use ${allow.join(', ')}`);
+      return reply.code(405).header('allow', allow.join(', ')).type(PROBLEM_TYPE).send(problemBody(problem));
+    }
     const problem = new HttpProblem(404, 'idem.notFound', `no route ${request.method} ${request.url.split('?')[0]!.slice(0, 100)}; see the API reference in the README`);
     return reply.code(404).type(PROBLEM_TYPE).send(problemBody(problem));
   });
+
+  // Recorded before any route is added, so it sees them all.
+  const routeMethods = new RouteMethods();
+  app.addHook('onRoute', (route) => routeMethods.add(route.url, route.method));
 
   // Liveness: the process serves. Readiness: PostgreSQL answers too, within READY_TIMEOUT_MS (a
   // dead network would otherwise hold the probe until TCP gives up). Restarting a pod cannot fix
@@ -278,6 +303,29 @@ export function createServer(opts: ServerOptions): IdemServer {
   };
 }
 
+/**
+ * The methods each route path takes. Fastify's router answers a known path asked with another
+ * method as not found; this tells that 405 (with the methods to use) from a path no route has.
+ */
+class RouteMethods {
+  readonly #routes: Array<{ readonly pattern: RegExp; readonly methods: string[] }> = [];
+
+  add(url: string, method: string | readonly string[]): void {
+    // `:name` matches one path segment, as in Fastify's router; everything else literally.
+    const literal = (text: string) => text.replace(/[.*+?^${}()|[\]\\]/g, '\\$&');
+    const pattern = new RegExp(`^${url.split(/(:[A-Za-z0-9_]+)/).map((part) => (part.startsWith(':') ? '[^/]+' : literal(part))).join('')}$`);
+    const methods = typeof method === 'string' ? [method] : [...method];
+    const same = this.#routes.find((r) => r.pattern.source === pattern.source);
+    if (same) same.methods.push(...methods.filter((m) => !same.methods.includes(m)));
+    else this.#routes.push({ pattern, methods });
+  }
+
+  /** The methods `path` takes; empty when no route has that path. */
+  allowed(path: string): string[] {
+    return this.#routes.filter((r) => r.pattern.test(path)).flatMap((r) => r.methods);
+  }
+}
+
 /** UTF-8 decoding that refuses invalid bytes instead of replacing them with U+FFFD. */
 const UTF8 = new TextDecoder('utf-8', { fatal: true });
 
@@ -338,7 +386,7 @@ function clientError(err: NodeJS.ErrnoException, socket: import('node:net').Sock
   if (err.code === 'ECONNRESET' || socket.destroyed) return;
   const problem =
     err.code === 'ERR_HTTP_REQUEST_TIMEOUT'
-      ? new HttpProblem(408, 'idem.requestTimeout', 'the request did not arrive in time; send it again')
+      ? new HttpProblem(408, 'idem.requestTimeout', 'the request did not arrive whole within the server\'s request timeout; send it again, all of it')
       : err.code === 'HPE_HEADER_OVERFLOW'
         ? new HttpProblem(431, 'idem.headersTooLarge', 'the request headers are larger than the server accepts; send a short Idempotency-Key (at most 200 characters) and no oversized headers')
         : new HttpProblem(400, 'idem.badRequest', 'the request is not valid HTTP (a control character in a header, or a body that does not match its Content-Length); send a well-formed request');

@@ -31,7 +31,7 @@ h2{font-size:13px;text-transform:uppercase;letter-spacing:.06em;color:var(--mute
 .count{background:var(--idle-soft);color:var(--muted);border-radius:999px;padding:1px 8px;font-size:12px;letter-spacing:0}
 .group{margin:6px 0 28px}
 .grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(min(100%,330px),1fr));gap:14px}
-.card,.panel{background:var(--panel);border:1px solid var(--line);border-radius:var(--radius);box-shadow:var(--shadow);padding:14px 16px;min-width:0}
+.card,.panel{background:var(--panel);border:1px solid var(--line);border-radius:var(--radius);box-shadow:var(--shadow);padding:14px 16px;min-width:0;overflow-wrap:anywhere}
 .panel{margin-bottom:14px}
 .card-head{display:flex;align-items:center;justify-content:space-between;gap:10px}
 .title{font-weight:650;font-size:16px;color:var(--text);overflow:hidden;text-overflow:ellipsis;white-space:nowrap}
@@ -94,6 +94,8 @@ textarea{font-family:ui-monospace,Menlo,monospace}
 .table td{padding:8px;border-bottom:1px solid var(--line);vertical-align:middle}
 .table tr:last-child td{border-bottom:0}
 .num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+.skipped{table-layout:fixed}.skipped .c-step,.skipped .c-chunk{width:22%}.skipped .c-tries{width:4.5em}
+.cell-text{white-space:pre-wrap;max-height:10.5em;overflow:auto}
 .bar-cell{width:40%}
 .chart{width:100%;height:auto;display:block}
 .chart .bars rect{fill:var(--accent)}.chart .axis{stroke:var(--line)}.chart .label{font-size:11px;fill:var(--muted)}
@@ -134,7 +136,7 @@ export const DASHBOARD_JS = `'use strict';
     try { body = await res.json(); } catch (e) { body = null; }
     return { status: res.status, headers: res.headers, body };
   }
-  const problemText = (r) => (r.body && r.body.detail) || ('HTTP ' + r.status);
+  const problemText = (r) => (r.body && (r.body.detail || r.body.title)) || ('HTTP ' + r.status);
   function needToken(r) {
     if (r.status === 401 || r.status === 403) {
       const d = document.querySelector('.token');
@@ -178,8 +180,8 @@ export const DASHBOARD_JS = `'use strict';
     for (const el of form.querySelectorAll('[data-type]')) {
       const t = el.getAttribute('data-type');
       if (t === 'boolean') params[el.name] = el.checked;
-      else if (t === 'enum') params[el.name] = JSON.parse(el.value);
       else if (el.value === '') continue;
+      else if (t === 'enum') params[el.name] = JSON.parse(el.value);
       else if (t === 'integer' || t === 'number') params[el.name] = Number(el.value);
       else params[el.name] = el.value;
     }
@@ -208,7 +210,19 @@ export const DASHBOARD_JS = `'use strict';
     // The key was fixed when the form was drawn: a double click sends the same key twice, and the
     // server starts one run. It changes only after an answer, for the next intended run.
     const key = keyInput.value;
-    const r = await call('POST', form.getAttribute('action'), { headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: JSON.stringify(params) });
+    const submit = form.querySelector('button[type=submit]');
+    submit.disabled = true;
+    let r;
+    try {
+      r = await call('POST', form.getAttribute('action'), { headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: JSON.stringify(params) });
+    } catch (err) {
+      // No answer: the request may or may not have arrived, so the key stays, and sending again
+      // is a retry that starts at most one run.
+      if (keyInput.value === key) { out.className = 'form-result bad'; out.textContent = 'the server did not answer (' + ((err && err.message) || err) + '); send again: the same key starts at most one run'; }
+      return;
+    } finally {
+      submit.disabled = false;
+    }
     if (needToken(r)) return;
     // A second click's answer after the first one's changed the key: the first already reported.
     if (keyInput.value !== key) return;
@@ -220,10 +234,10 @@ export const DASHBOARD_JS = `'use strict';
       a.textContent = (r.status === 201 ? 'Started run ' : 'Already started: run ') + r.body.key;
       out.appendChild(a);
       keyInput.value = freshKey();
-    } else if (r.status === 409) {
-      out.className = 'form-result'; out.textContent = 'Starting…';
     } else {
-      out.className = 'form-result bad'; out.textContent = problemText(r);
+      // A refusal to retry (the 409 of a key inside another request's claim) keeps the key: the
+      // retry gets that request's run. Its sentence says so.
+      out.className = 'form-result' + (r.body && r.body.retryable ? '' : ' bad'); out.textContent = problemText(r);
     }
   });
 

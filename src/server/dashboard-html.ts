@@ -6,9 +6,6 @@ export function esc(value: unknown): string {
   return String(value ?? '').replace(/[&<>"']/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' })[c]!);
 }
 
-const ACTIVE = new Set(['pending', 'running', 'paused', 'failed', 'interrupted', 'crashed']);
-export const isActive = (r: RunView) => ACTIVE.has(r.state);
-
 /** UTC time, with the date when it is not today: absolute, so a live fragment only changes with the run. */
 function when(iso: string | null): string {
   if (!iso) return '—';
@@ -79,16 +76,40 @@ export function runCard(r: RunView): string {
 </article>`;
 }
 
-/** The live part of the dashboard: active and completed runs. */
-export function homeLive(runs: readonly RunView[]): string {
-  const active = runs.filter(isActive);
-  const completed = runs.filter((r) => !isActive(r)).slice(0, 24);
-  const section = (id: string, title: string, items: readonly RunView[], empty: string) => `
+/** One list of the dashboard: its newest runs, and how many it has in all. */
+export interface RunList {
+  readonly runs: readonly RunView[];
+  readonly total: number;
+  /** The count stopped at `total`: there are at least that many. */
+  readonly atLeast: boolean;
+}
+
+/** The dashboard's lists of runs. */
+export interface HomeRuns {
+  /** Running, crashed, failed, interrupted and paused: runs that move or wait for an operator. */
+  readonly active: RunList;
+  readonly pending: RunList;
+  /** Succeeded, cancelled, and deleting (a prune under way). */
+  readonly completed: RunList;
+}
+
+const count = (n: number) => n.toLocaleString('en-US');
+const total = (list: RunList) => `${count(list.total)}${list.atLeast ? '+' : ''}`;
+
+/** The live part of the dashboard: active, pending and completed runs, each headed by its total. */
+export function homeLive(home: HomeRuns): string {
+  const section = (id: string, title: string, list: RunList, empty: string, all: string) => `
 <section class="group" id="${id}" aria-labelledby="${id}-h">
-  <h2 id="${id}-h">${esc(title)} <span class="count">${items.length}</span></h2>
-  ${items.length ? `<div class="grid">${items.map(runCard).join('')}</div>` : `<p class="empty">${esc(empty)}</p>`}
+  <h2 id="${id}-h">${esc(title)} <span class="count">${total(list)}</span></h2>
+  ${list.runs.length ? `<div class="grid">${list.runs.map(runCard).join('')}</div>` : `<p class="empty">${esc(empty)}</p>`}
+  ${list.runs.length < list.total ? `<p class="muted small cut">showing the newest ${count(list.runs.length)} of ${total(list)}; ${all}</p>` : ''}
 </section>`;
-  return `${section('active', 'Active', active, 'Nothing is running. Start a run from a job below.')}${section('completed', 'Completed', completed, 'No run has finished yet.')}`;
+  const api = (q: string) => `<code>GET /api/runs?${esc(q)}</code>`;
+  return (
+    section('active', 'Active', home.active, 'Nothing is running, and no run waits for an operator. Start a run from a job below.', `${api('state=active')} lists them (with the pending ones)`) +
+    section('pending', 'Pending', home.pending, 'No run is waiting to start.', `${api('state=pending')} lists them all`) +
+    section('completed', 'Completed', home.completed, 'No run has finished yet.', `${api('state=succeeded')} and ${api('state=cancelled')} list them`)
+  );
 }
 
 function paramsForm(job: Job, schema: any, key: string): string {
@@ -100,8 +121,17 @@ function paramsForm(job: Job, schema: any, key: string): string {
       .map(([name, p]) => {
         const id = `p-${job.name}-${name}`;
         const label = `<label for="${esc(id)}">${esc(name)}${required.has(name) ? ' <span class="req">*</span>' : ''}${p.description ? ` <span class="muted">${esc(p.description)}</span>` : ''}</label>`;
-        if (Array.isArray(p.enum)) return `<div class="field">${label}<select id="${esc(id)}" name="${esc(name)}" data-type="enum">${p.enum.map((v: unknown) => `<option value="${esc(JSON.stringify(v))}">${esc(v)}</option>`).join('')}</select></div>`;
-        if (p.type === 'boolean') return `<div class="field field-check"><input type="checkbox" id="${esc(id)}" name="${esc(name)}" data-type="boolean">${label}</div>`;
+        const hasDefault = p.default !== undefined;
+        // An optional enum or boolean without a default starts unset and is left out unless chosen:
+        // a select's first option, or an unticked box's false, would be sent as if chosen.
+        if (Array.isArray(p.enum) || (p.type === 'boolean' && !hasDefault && !required.has(name))) {
+          const values: unknown[] = Array.isArray(p.enum) ? p.enum : [true, false];
+          const chosen = hasDefault ? JSON.stringify(p.default) : undefined;
+          const unset = hasDefault ? '' : required.has(name) ? '<option value="" disabled selected>— choose —</option>' : '<option value="" selected>— not set —</option>';
+          const options = values.map((v) => `<option value="${esc(JSON.stringify(v))}"${JSON.stringify(v) === chosen ? ' selected' : ''}>${esc(v)}</option>`).join('');
+          return `<div class="field">${label}<select id="${esc(id)}" name="${esc(name)}" data-type="enum"${required.has(name) ? ' required' : ''}>${unset}${options}</select></div>`;
+        }
+        if (p.type === 'boolean') return `<div class="field field-check"><input type="checkbox" id="${esc(id)}" name="${esc(name)}" data-type="boolean"${p.default === true ? ' checked' : ''}>${label}</div>`;
         const type = p.type === 'integer' || p.type === 'number' ? 'number' : p.format === 'date' ? 'date' : 'text';
         const dflt = p.default === undefined ? '' : ` value="${esc(p.default)}"`;
         return `<div class="field">${label}<input id="${esc(id)}" name="${esc(name)}" type="${type}" data-type="${esc(p.type ?? 'string')}"${dflt}${required.has(name) ? ' required' : ''}></div>`;
@@ -181,8 +211,8 @@ export function runLive(r: RunView): string {
     })
     .join('');
   const skipped = r.skipped?.length
-    ? `<table class="table"><thead><tr><th>step</th><th>chunk</th><th>tries</th><th>error</th></tr></thead><tbody>${r.skipped
-        .map((k) => `<tr><td>${esc(k.step)}</td><td class="mono">${esc(k.key)}</td><td class="num">${k.attempts}</td><td>${esc(k.error)}</td></tr>`)
+    ? `<table class="table skipped"><thead><tr><th class="c-step">step</th><th class="c-chunk">chunk</th><th class="c-tries num">tries</th><th>error</th></tr></thead><tbody>${r.skipped
+        .map((k) => `<tr><td>${esc(k.step)}</td><td class="mono">${esc(k.key)}</td><td class="num">${k.attempts}</td><td><div class="cell-text">${esc(k.error)}</div></td></tr>`)
         .join('')}</tbody></table>`
     : '<p class="empty">None.</p>';
   const pct = r.progress.percent;

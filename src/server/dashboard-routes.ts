@@ -2,17 +2,39 @@ import { randomUUID } from 'node:crypto';
 import type { FastifyInstance } from 'fastify';
 import { paramsSchema } from './api-routes.ts';
 import { DASHBOARD_CSS, DASHBOARD_JS, FAVICON_SVG } from './dashboard-assets.ts';
-import { esc, homeLive, jobsSection, page, runLive } from './dashboard-html.ts';
+import { esc, homeLive, jobsSection, page, runLive, type HomeRuns, type RunList } from './dashboard-html.ts';
 import { HttpProblem } from './problem.ts';
-import type { RunView } from './run-view.ts';
+import type { RunStatus } from '../store.ts';
 import type { ServerContext } from './server-context.ts';
 import { streamEvents } from './sse.ts';
 
-/** Runs the dashboard lists: every active one and the latest finished ones. */
-async function homeRuns(ctx: ServerContext): Promise<RunView[]> {
-  const [active, recent] = await Promise.all([ctx.views.list({ state: 'active', limit: 100 }), ctx.views.list({ limit: 60 })]);
-  const seen = new Set(active.map((r) => r.id));
-  return [...active, ...recent.filter((r) => !seen.has(r.id))];
+/**
+ * The dashboard's lists by stored status. Active: runs that move or wait for an operator (a
+ * `running` row is running or crashed); they are listed apart from the pending ones, so a queue of
+ * pending runs never pushes them off the page.
+ */
+const LISTS: Readonly<Record<keyof HomeRuns, { readonly statuses: readonly RunStatus[]; readonly shown: number }>> = {
+  active: { statuses: ['running', 'failed', 'interrupted', 'paused'], shown: 100 },
+  pending: { statuses: ['pending'], shown: 24 },
+  completed: { statuses: ['succeeded', 'cancelled', 'deleting'], shown: 24 },
+};
+
+/** Runs of a list counted at most: beyond, its heading says 10,000+ (the count stops there). */
+export const COUNT_CAP = 10_000;
+
+/** The newest runs of a list, and how many it has in all. */
+async function runList(ctx: ServerContext, { statuses, shown }: (typeof LISTS)[keyof HomeRuns]): Promise<RunList> {
+  // One more than is shown tells whether the list is cut; only then is it counted.
+  const runs = await ctx.views.list({ statuses, limit: shown + 1 });
+  if (runs.length <= shown) return { runs, total: runs.length, atLeast: false };
+  // Counted a moment after the list was read: never fewer than the list held.
+  const total = Math.max(await ctx.views.count(statuses, COUNT_CAP + 1), shown + 1);
+  return { runs: runs.slice(0, shown), total: Math.min(total, COUNT_CAP), atLeast: total > COUNT_CAP };
+}
+
+async function homeRuns(ctx: ServerContext): Promise<HomeRuns> {
+  const [active, pending, completed] = await Promise.all([runList(ctx, LISTS.active), runList(ctx, LISTS.pending), runList(ctx, LISTS.completed)]);
+  return { active, pending, completed };
 }
 
 /**
@@ -30,9 +52,8 @@ export function registerDashboardRoutes(app: FastifyInstance, ctx: ServerContext
   const csp = "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'; form-action 'self'";
 
   app.get('/', async (_request, reply) => {
-    const runs = await homeRuns(ctx);
-    const latest = new Map<string, RunView>();
-    for (const r of runs) if (!latest.has(r.job) || Number(latest.get(r.job)!.id) < Number(r.id)) latest.set(r.job, r);
+    // A job is new when it has no run at all: asked of the database, not of the lists shown.
+    const [runs, latest] = await Promise.all([homeRuns(ctx), ctx.views.latestOfJobs([...ctx.jobs.keys()])]);
     const jobs = [...ctx.jobs.values()].sort((a, b) => (a.name < b.name ? -1 : 1));
     const html = page('Runs', homeLive(runs), jobsSection(jobs, schemas, latest, randomUUID), { liveUrl: '/live', publicRead: ctx.publicRead });
     return reply.type('text/html; charset=utf-8').header('content-security-policy', csp).header('cache-control', 'no-store').send(html);

@@ -29,6 +29,22 @@ interface Queued {
   readonly key: string;
 }
 
+/** How an execution in this server ended: the `outcome` label of idem_runs_ended_total. */
+export const EXECUTION_OUTCOMES = ['succeeded', 'failed', 'paused', 'cancelled', 'interrupted', 'error'] as const;
+export type ExecutionOutcome = (typeof EXECUTION_OUTCOMES)[number];
+
+/**
+ * The outcome of an execution that threw `err`. `error` is one that ended without an outcome of
+ * the run's own: the database unreachable, the lock lost, the run refused before it started.
+ */
+export function executionOutcome(err: unknown): ExecutionOutcome {
+  if (err instanceof PausedError) return 'paused';
+  if (err instanceof CancelledError) return 'cancelled';
+  if (err instanceof InterruptedError || err instanceof PauseWithdrawnError) return 'interrupted';
+  if (err instanceof RunFailedError) return 'failed';
+  return 'error';
+}
+
 /**
  * A run created moments ago is still `pending` while the server that created it starts it; another
  * server's rescan leaves it alone for this long (then it is orphaned, or queued behind --max-runs,
@@ -121,7 +137,7 @@ export class RunExecutor {
     const { runner, metrics } = this.#o;
     const log = this.#o.log.child({ job: q.job, runId: q.runId });
     const job = instrument(this.#o.jobs.get(q.job)!, metrics);
-    let outcome = 'succeeded';
+    let outcome: ExecutionOutcome = 'succeeded';
     let again = false;
     try {
       const run = await runner.store.getRun(q.runId);
@@ -154,16 +170,7 @@ export class RunExecutor {
       log.info('run executed');
       this.#o.onSucceeded?.(q.runId);
     } catch (err) {
-      outcome =
-        err instanceof PausedError
-          ? 'paused'
-          : err instanceof CancelledError
-            ? 'cancelled'
-            : err instanceof InterruptedError || err instanceof PauseWithdrawnError
-              ? 'interrupted'
-              : err instanceof RunFailedError
-                ? 'failed'
-                : 'error';
+      outcome = executionOutcome(err);
       // The operator resumed the run while it stopped for their pause: it continues here, as a
       // resume of a paused run created over HTTP does.
       again = err instanceof PauseWithdrawnError;

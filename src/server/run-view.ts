@@ -2,7 +2,7 @@ import { sql, type Kysely, type RawBuilder } from 'kysely';
 import type pg from 'pg';
 import type { Json } from '../job.ts';
 import { doneChunks, lastChange, runIsLive, type HeldLocks, type OperationsHost } from '../operations.ts';
-import type { RunErrorInfo, RunSummary } from '../store.ts';
+import type { RunErrorInfo, RunStatus, RunSummary } from '../store.ts';
 
 /** How liveness is decided: the runner's lock names and the locks held right now. */
 export type LockHost = Pick<OperationsHost, 'jobLockName' | 'runLockName' | 'heldLocks'>;
@@ -64,6 +64,8 @@ export interface RunQuery {
   /** Add the run page's detail (skipped chunks, effects ledger counts, chunks per minute). */
   readonly detail?: boolean;
   readonly state?: RunStateFilter;
+  /** Only rows whose stored status is one of these (`running` rows include crashed runs). */
+  readonly statuses?: readonly RunStatus[];
   readonly limit?: number;
   /** Newest first: only runs with an id below this one. */
   readonly before?: string;
@@ -169,6 +171,7 @@ export class RunViews {
         and ${q.job === undefined ? sql`true` : sql`r.job = ${q.job}`}
         and ${q.key === undefined ? sql`true` : sql`r.run_key = ${q.key}`}
         and ${statusFilter}
+        and ${q.statuses === undefined ? sql`true` : sql`r.status = any(${[...q.statuses]}::text[])`}
         and ${q.before === undefined ? sql`true` : sql`r.id < ${q.before}`}`;
     const compiled = this.#select(where, { detail: q.detail ?? false, locks: false, limit: q.limit ?? 50 }).compile(this.#db);
     const { rows } = await this.#reads.query(compiled.sql, [...compiled.parameters]);
@@ -176,6 +179,30 @@ export class RunViews {
     const held = rows.some((r) => r.status === 'running') ? await this.#locks.heldLocks() : NO_LOCKS;
     const views = rows.map((r) => this.#toView(r, held, q.detail ?? false));
     return views;
+  }
+
+  /**
+   * How many runs have one of `statuses`, counting no further than `cap`: there is no index on
+   * status, and a count of every run of a table of a million takes a third of a second, while the
+   * scan of a capped count stops once it has found `cap`.
+   */
+  async count(statuses: readonly RunStatus[], cap: number): Promise<number> {
+    const compiled = sql`select count(*)::int as n from (select 1 from ${this.#t('runs')} where status = any(${[...statuses]}::text[]) limit ${cap}) c`.compile(this.#db);
+    const { rows } = await this.#reads.query<{ n: number }>(compiled.sql, [...compiled.parameters]);
+    return rows[0]!.n;
+  }
+
+  /**
+   * The newest run of each of `jobs` (those that have one), held locks included: one probe of the
+   * (job, created_at) index per job, whatever else the table holds.
+   */
+  async latestOfJobs(jobs: readonly string[]): Promise<Map<string, RunView>> {
+    if (jobs.length === 0) return new Map();
+    const newest = sql`r.id in (select (select x.id from ${this.#t('runs')} x where x.job = j.name order by x.created_at desc, x.id desc limit 1)
+        from unnest(${[...jobs]}::text[]) as j(name))`;
+    const compiled = this.#select(newest, { detail: false, locks: true }).compile(this.#db);
+    const { rows } = await this.#reads.query(compiled.sql, [...compiled.parameters]);
+    return new Map(rows.map((r) => [r.job as string, this.#toView(r, heldFrom(r), false)]));
   }
 
   /** One run with the detail of its page, in one prepared statement. */
@@ -241,9 +268,7 @@ export class RunViews {
 
   /** A row of the prepared views, which carry the held locks for a running run. */
   #rowView(r: any): RunView {
-    const locks = (r.held_locks ?? []) as Array<[string, number]>;
-    const held: HeldLocks = locks.length === 0 ? NO_LOCKS : { keys: new Set(locks.map(([k]) => k)), byPid: new Set(locks.map(([k, pid]) => `${pid}:${k}`)) };
-    return this.#toView(r, held, true);
+    return this.#toView(r, heldFrom(r), true);
   }
 
   #toView(r: any, held: HeldLocks, detail: boolean): RunView {
@@ -280,6 +305,12 @@ export class RunViews {
         select date_trunc('minute', done_at) as m, count(*)::int as n from ${s('chunks')}
         where run_id = r.id and done_at is not null group by 1 order by 1 desc limit 60) m) as chunks_per_minute`;
   }
+}
+
+/** The held advisory locks a row of a statement with the held-locks column carries. */
+function heldFrom(r: any): HeldLocks {
+  const locks = (r.held_locks ?? []) as Array<[string, number]>;
+  return locks.length === 0 ? NO_LOCKS : { keys: new Set(locks.map(([k]) => k)), byPid: new Set(locks.map(([k, pid]) => `${pid}:${k}`)) };
 }
 
 function iso(d: Date | null): string | null {

@@ -68,6 +68,8 @@ export async function serveCommand(o: ServeFlags, deps: ServeDeps): Promise<numb
   const { runner, reads } = await deps.openDatabase(o.maxRuns * o.concurrency + 4, READ_POOL_SIZE, testHookMs('IDEM_SERVE_READ_TIMEOUT_MS') ?? READ_TIMEOUT_MS);
   // IDEM_SERVE_RESCAN_MS: for tests, which cannot wait the default 30 s for a takeover.
   const rescan = testHookMs('IDEM_SERVE_RESCAN_MS');
+  // IDEM_SERVE_REQUEST_TIMEOUT_MS: for tests, which cannot wait the default 60 s.
+  const requestTimeout = testHookMs('IDEM_SERVE_REQUEST_TIMEOUT_MS');
   const server = createServer({
     runner,
     reads,
@@ -81,6 +83,7 @@ export async function serveCommand(o: ServeFlags, deps: ServeDeps): Promise<numb
     retentionMs,
     migrationKeys: retentionMs !== null && deps.migrationsDir !== undefined ? await migrationKeys(deps.migrationsDir) : [],
     ...(rescan !== undefined ? { rescanMs: rescan } : {}),
+    ...(requestTimeout !== undefined ? { requestTimeoutMs: requestTimeout } : {}),
   });
   let address: string;
   try {

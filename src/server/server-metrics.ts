@@ -1,4 +1,5 @@
 import { Counter, Gauge, Histogram, Registry, collectDefaultMetrics } from 'prom-client';
+import { RUN_STATES } from './run-view.ts';
 
 /**
  * The server's Prometheus metrics (prom-client). Labels are job, step, state, route and status:
@@ -19,8 +20,13 @@ export class ServerMetrics {
   /**
    * `runCounts` is read at scrape time: runs per job and state, from the database; `replayCache`
    * too: the succeeded runs whose replays are answered from memory, and the bytes they take.
+   * `jobs` are the jobs this server loads: their `idem_runs` series read 0 once reported.
    */
-  constructor(runCounts: () => Promise<ReadonlyArray<{ job: string; state: string; n: number }>>, replayCache: () => { readonly runs: number; readonly bytes: number }) {
+  constructor(
+    runCounts: () => Promise<ReadonlyArray<{ job: string; state: string; n: number }>>,
+    replayCache: () => { readonly runs: number; readonly bytes: number },
+    jobs: ReadonlySet<string>,
+  ) {
     const registers = [this.registry];
     collectDefaultMetrics({ register: this.registry, prefix: 'idem_' });
     this.chunksCommitted = new Counter({ name: 'idem_chunks_committed_total', help: 'Chunks committed by runs this server executes.', labelNames: ['job', 'step'], registers });
@@ -42,7 +48,7 @@ export class ServerMetrics {
     this.httpRequests = new Counter({ name: 'idem_http_requests_total', help: 'API requests by route pattern and status code.', labelNames: ['method', 'route', 'status'], registers });
     this.replays = new Counter({
       name: 'idem_api_replays_total',
-      help: 'Idempotency-Key replays, by where the answer came from: memory (a succeeded run, see the README) or database.',
+      help: 'Idempotency-Key replays answered (the 200 answers with Idempotent-Replayed: true; a 422 is not one), by where the answer came from: memory (a succeeded run, see the README) or database.',
       labelNames: ['source'],
       registers,
     });
@@ -64,14 +70,24 @@ export class ServerMetrics {
     });
     this.runsExecuting = new Gauge({ name: 'idem_runs_executing', help: 'Runs executing in this server now (at most --max-runs).', registers });
     this.runsQueued = new Gauge({ name: 'idem_runs_queued', help: 'Runs waiting for a free execution slot in this server.', registers });
+    // A series that vanished when its count dropped to nothing would read as "no data" (an alert on
+    // `idem_runs{state="failed"} > 0` never resolves, a graph has a gap), so a pair once reported
+    // reads 0 after. Kept only for the jobs this server loads and the states runs have: bounded.
+    const states: ReadonlySet<string> = new Set(RUN_STATES.filter((s) => s !== 'active'));
+    const reported = new Map<string, { readonly job: string; readonly state: string }>();
     new Gauge({
       name: 'idem_runs',
       help: 'Runs in the database by job and state (running only where the lock is held; crashed otherwise).',
       labelNames: ['job', 'state'],
       registers,
       async collect() {
+        const counts = await runCounts();
         this.reset();
-        for (const r of await runCounts()) this.set({ job: r.job, state: r.state }, r.n);
+        for (const pair of reported.values()) this.set(pair, 0);
+        for (const r of counts) {
+          this.set({ job: r.job, state: r.state }, r.n);
+          if (jobs.has(r.job) && states.has(r.state)) reported.set(`${r.job}\0${r.state}`, { job: r.job, state: r.state });
+        }
       },
     });
   }
