@@ -5,6 +5,7 @@ import { throttleProblems, type ThrottleOptions } from './throttle.ts';
 import { resolveHealth, type HealthSetting } from './health-check.ts';
 import { UsageError } from './errors.ts';
 import { parseSchedule } from './schedule.ts';
+import { tableNameProblem } from './table-name.ts';
 
 /** A JSON value: what params, cursors and chunk specs are made of (they are stored as jsonb). */
 export type Json = null | boolean | number | string | Json[] | { [key: string]: Json };
@@ -104,7 +105,10 @@ interface StepCommon {
   readonly throttle?: ThrottleOptions;
   /** Health checks for this step (thresholds, `false` per indicator, or `false` for none); overrides the job's. */
   readonly health?: HealthSetting;
-  /** Tables this step's chunks write, watched for autovacuum (a chunk source may name its own). Defaults to none. */
+  /**
+   * Tables this step's chunks write, watched for autovacuum (a chunk source may name its own), each
+   * named as it is in the database, unquoted, optionally `schema.table` (`'MixedCase'`). Defaults to none.
+   */
   readonly tables?: readonly string[];
 }
 
@@ -239,8 +243,9 @@ export function assertJob(value: unknown, origin: string): Job {
       if (s?.throttle !== undefined) for (const m of throttleProblems(s.throttle)) problems.push(`steps[${i}].throttle: ${m}`);
       if (s?.retry !== undefined) for (const m of backoffProblems(s.retry)) problems.push(`steps[${i}].retry: ${m}`);
       if (s) checkHealth(s.health, `steps[${i}]: `);
-      if (s && s.tables !== undefined && !(Array.isArray(s.tables) && s.tables.every((t) => typeof t === 'string' && t !== ''))) {
-        problems.push(`steps[${i}].tables must be an array of table names`);
+      if (s && s.tables !== undefined) {
+        if (!(Array.isArray(s.tables) && s.tables.every((t) => typeof t === 'string' && t !== ''))) problems.push(`steps[${i}].tables must be an array of table names`);
+        else for (const [j, t] of s.tables.entries()) problems.push(...[tableNameProblem(t, `steps[${i}].tables[${j}]`) ?? []].flat());
       }
       if (s && s.chunks !== undefined && typeof s.chunks !== 'function') {
         problems.push(`steps[${i}].chunks must be a chunk source function such as keyRange({...})`);
