@@ -44,7 +44,7 @@ interface BaseContext<P> {
   readonly signal: AbortSignal;
   readonly run: RunIdentity;
   readonly step: string;
-  /** The cron slot this run is for (a scheduled job run without --key), else `null`. */
+  /** The cron slot this run is for (a scheduled job run without --key, or with a slot key of its schedule as --key), else `null`. */
   readonly slot: Date | null;
 }
 

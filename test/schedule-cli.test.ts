@@ -91,6 +91,33 @@ describe('idem run on a scheduled job', () => {
   });
 });
 
+describe('--key of a scheduled job', () => {
+  it('a key that is a slot of the schedule runs as that slot (ctx.slot), so --catch-up finds it done; a slot-shaped key off the schedule or not yet due exits 2', async () => {
+    const [older, latest] = slotsSince(schedule, { count: 2 }) as [Date, Date];
+    const byKey = await runCli(tick('sched_g', ['--param', 'tag=by-key', '--key', slotKey(older)]), { url });
+    expect(byKey.code, byKey.stderr).toBe(0);
+    expect(await ticks('by-key')).toEqual([{ run_key: slotKey(older), chunk_key: older.toISOString() }]);
+    // The catch-up finds the slot done (it ran as that slot) and runs only the other one.
+    const catchUp = await runCli(tick('sched_g', ['--param', 'tag=by-key', '--catch-up', '2']), { url });
+    expect(catchUp.code, catchUp.stderr).toBe(0);
+    expect(await ticks('by-key')).toEqual([older, latest].map((s) => ({ run_key: slotKey(s), chunk_key: s.toISOString() })));
+
+    // Shaped like a slot key, but the schedule does not fire then: refused, naming the nearest slots.
+    const off = new Date(older.getTime() + 30 * 60_000);
+    const offSlot = await runCli(tick('sched_h', ['--key', slotKey(off)]), { url });
+    expect(offSlot.code).toBe(2);
+    expect(offSlot.stderr).toBe(
+      `idem: error: --key ${slotKey(off)} is shaped like a slot of job "hourly-tick", but its schedule (0 * * * *, UTC) does not fire then; the nearest slots are ${slotKey(older)} and ${slotKey(latest)}: pass one of them, or a key that is not a UTC time\n`,
+    );
+    // A slot that is not due yet: running it now would mark it done before its time.
+    const future = schedule.next(new Date(Date.now() + 86_400_000));
+    const early = await runCli(tick('sched_h', ['--key', slotKey(future)]), { url });
+    expect(early.code).toBe(2);
+    expect(early.stderr).toBe(`idem: error: --key ${slotKey(future)} is a slot of job "hourly-tick" that is not due yet; the latest due slot is ${slotKey(latestSlot(schedule))}: pass a due slot, or a key that is not a UTC time\n`);
+    expect(await query(url, `select to_regnamespace('sched_h')::text as s`)).toEqual([{ s: null }]);
+  });
+});
+
 describe('--catch-up when a slot fails', () => {
   it('stops at the first failed slot (exit 1); the next tick retries it and goes on', async () => {
     const slots = slotsSince(schedule, { count: 3 });

@@ -54,7 +54,7 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
           if (o.key !== undefined) checkRunKey(o.key);
           // Loaded when the command runs, not at the top: `idem --help` needs none of them (the job
           // API brings kysely, the schedule croner).
-          const { findJob, validateParams, latestSlot, parseCatchUp, parseSchedule, slotKey, slotsSince, POOL_HEADROOM } = await import('../cli-runtime.ts');
+          const { findJob, validateParams, latestSlot, parseCatchUp, parseSchedule, slotKey, slotOfKey, slotsSince, POOL_HEADROOM } = await import('../cli-runtime.ts');
           const job = await findJob(g.jobsDir, name, { migrationsDir: g.migrationsDir });
           // Bad params are refused before any connection: nothing, not even idem's schema, is created.
           const valid = await validateParams(job, params);
@@ -69,8 +69,11 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
           if (o.catchUp !== undefined && (!schedule || o.key !== undefined)) {
             throw new UsageError('invalidCatchUp', schedule ? '--catch-up picks run keys from the schedule; drop --key' : `--catch-up needs a scheduled job; "${job.name}" has no schedule`);
           }
+          // A --key that is a slot key of the schedule is that slot's run (ctx.slot set), as cron's
+          // would be: --catch-up then finds it done. A slot-shaped key off the schedule is refused.
+          const keySlot = schedule && o.key !== undefined ? slotOfKey(schedule, job.name, o.key) : null;
           const slots: Array<Date | null> =
-            o.catchUp !== undefined ? slotsSince(schedule!, parseCatchUp(o.catchUp)) : [o.key === undefined && schedule ? latestSlot(schedule) : null];
+            o.catchUp !== undefined ? slotsSince(schedule!, parseCatchUp(o.catchUp)) : [o.key === undefined && schedule ? latestSlot(schedule) : keySlot];
           if (slots.length === 0) {
             process.stdout.write(`no slot of job "${job.name}" falls within --catch-up ${o.catchUp}\n`);
             return ExitCode.Ok;
