@@ -1,7 +1,7 @@
 import type { Command } from 'commander';
 import { collectParam, nonNegativeNumber, parseParams, positiveInt } from '../cli-parsers.ts';
 import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
-import { describeOutcome } from '../describe-outcome.ts';
+import { describeOutcome, runErrorObject } from '../describe-outcome.ts';
 import { ExitCode } from '../errors.ts';
 import type { FinalizeOutcome } from '../finalize.ts';
 import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
@@ -54,6 +54,6 @@ export function registerFinalizeCommand(program: Command, cli: CliContext): void
         });
         process.stdout.write(o.json ? `${JSON.stringify(outcome)}\n` : `${describeFinalize(outcome)}\n`);
         return ExitCode.Ok;
-      }, ['jobs']),
+      }, ['jobs'], o.json ? (err) => runErrorObject(name, o.key, err) : undefined),
     );
 }
