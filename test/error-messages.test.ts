@@ -3,7 +3,7 @@ import os from 'node:os';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { Runner } from '../src/index.ts';
-import { ALL_TABLES, FIXTURE_DIRS, FIXTURE_JOBS, FIXTURE_MIGRATIONS, killLeftovers, lines, logLines, query, runCli, snapshot, type CliResult } from './support/cli.ts';
+import { ALL_TABLES, FIXTURE_DIRS, FIXTURE_JOBS, FIXTURE_MIGRATIONS, killLeftovers, lines, logLines, query, REPO, runCli, snapshot, type CliResult } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 // Issue 14: every common mistake of a new user ends in an error that says what and where, and how
@@ -416,6 +416,20 @@ describe('a failed chunk\'s message with newlines is recorded whole', () => {
       expect(table.stdout).toContain(escaped.slice(0, 60));
     });
   }
+});
+
+describe('a job definition that loads but is wrong is refused (exit 2), naming the file and the fix', () => {
+  it('unknown keys (a typo, a stray key) at the job and the step level: each named with the closest known key, all at once', async () => {
+    const dir = await jobFolder('unknown-keys', {
+      'typo.js': `export default { name: 'typo', schedual: '0 * * * *', bogus: 1, steps: [{ name: 'a', maxFailedChunk: 2, run() {} }, { name: 'b', run() {}, chunk: () => null }] };\n`,
+    });
+    const before = await snapshot(url, ALL_TABLES);
+    const out = refusal(await runCli(['--jobs-dir', dir, 'run', 'typo'], { url }), 2);
+    expect(out).toEqual([
+      `idem: error: ${path.relative(REPO, path.join(dir, 'typo.js'))}: invalid job definition: unknown key "schedual" (did you mean "schedule"?); unknown key "bogus" (known: name, description, version, params, steps, retry, throttle, health, schedule); steps[0]: unknown key "maxFailedChunk" (did you mean "maxFailedChunks"?); steps[1]: unknown key "chunk" (did you mean "chunks"?)`,
+    ]);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
 });
 
 describe('a chunk source mistake is its step\'s', () => {
