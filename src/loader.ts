@@ -9,7 +9,8 @@ import { assertJob, type Job } from './job.ts';
 import { explainLoadError, formatLoadFailure } from './load-error.ts';
 import { quoteChoices, suggestSimilar } from './suggest.ts';
 
-const JOB_FILE = /^(?!_)(?!.*\.d\.[cm]?ts$)(?!.*\.test\.).*\.(?:[cm]?ts|[cm]?js)$/;
+/** Job files: .ts .mts .cts .js .mjs .cjs, except names starting with `_`, type files and tests (`*.test.*`, `*.spec.*`). */
+const JOB_FILE = /^(?!_)(?!.*\.d\.[cm]?ts$)(?!.*\.(?:test|spec)\.).*\.(?:[cm]?ts|[cm]?js)$/;
 const TYPESCRIPT = /\.[cm]?ts$/;
 
 /**
