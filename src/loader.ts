@@ -7,6 +7,7 @@ import { recordJobFile } from './code-fingerprint.ts';
 import { codeOf, messageOf, UsageError } from './errors.ts';
 import { assertJob, type Job } from './job.ts';
 import { explainLoadError, formatLoadFailure } from './load-error.ts';
+import { MAX_RUN_KEY_CHARS } from './run-key.ts';
 import { quoteChoices, suggestSimilar } from './suggest.ts';
 
 /** Job files: .ts .mts .cts .js .mjs .cjs, except names starting with `_`, type files and tests (`*.test.*`, `*.spec.*`). */
@@ -117,7 +118,9 @@ export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Prom
       const failure = await explainLoadError(file, err).catch(() => ({ cause: messageOf(err), fix: 'fix the file' }));
       throw new UsageError('jobLoadFailed', formatLoadFailure(what, file, failure), { cause: err });
     }
-    const job = assertJob(jobExport(mod), path.relative(process.cwd(), file));
+    const origin = path.relative(process.cwd(), file);
+    const job = assertJob(jobExport(mod), origin);
+    if (what === 'migrations') checkMigration(job, fileStem(name), origin);
     const other = byName.get(job.name);
     if (other) throw new UsageError('duplicateJob', `job name "${job.name}" is defined twice (${other} and ${name}); rename one`);
     byName.set(job.name, name);
@@ -125,6 +128,21 @@ export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Prom
     loaded.push({ file, id: fileStem(name), job });
   }
   return loaded;
+}
+
+/**
+ * What a migration may not be, though a job may: it runs once per database under its file name
+ * as run key (README, Migrations), so params and a schedule would be silently ignored, and a
+ * file name that is not a valid run key would fail only when `migrate` reaches it.
+ */
+function checkMigration(job: Job, id: string, origin: string): void {
+  const problems: string[] = [];
+  if (job.params !== undefined) problems.push('a migration takes no params (it runs once per database, with its file name as run key): remove params, or make it a job in the jobs folder');
+  if (job.schedule !== undefined) problems.push('a migration has no schedule (idem migrate runs it, once): remove schedule, or make it a job in the jobs folder');
+  const chars = [...id].length;
+  if (chars > MAX_RUN_KEY_CHARS) problems.push(`the migration's file name without its extension is its run key, at most ${MAX_RUN_KEY_CHARS} characters; this one has ${chars}: rename the file`);
+  else if (/\p{Cc}/u.test(id)) problems.push("the migration's file name without its extension is its run key, which may not hold control characters: rename the file");
+  if (problems.length > 0) throw new UsageError('invalidMigration', `${origin}: ${problems.join('; ')}`);
 }
 
 /**

@@ -430,6 +430,23 @@ describe('a job definition that loads but is wrong is refused (exit 2), naming t
     ]);
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
   });
+
+  it('a migration declaring params or a schedule, or whose file name is too long to be its run key, is refused naming the file and the fix', async () => {
+    const dir = await jobFolder('migration-params', {
+      '0001_p.js': `export default { name: 'with-params', params: (raw) => raw, schedule: '0 * * * *', steps: [{ name: 'a', run() {} }] };\n`,
+    });
+    const long = `0001_${'x'.repeat(196)}`;
+    const longDir = await jobFolder('migration-long-name', { [`${long}.js`]: `export default { name: 'long-name', steps: [{ name: 'a', run() {} }] };\n` });
+    const before = await snapshot(url, ALL_TABLES);
+    const [declared, tooLong] = await Promise.all([runCli(['--migrations-dir', dir, 'migrate'], { url }), runCli(['--migrations-dir', longDir, 'migrate', '--json'], { url })]);
+    expect(refusal(declared, 2)).toEqual([
+      `idem: error: ${path.relative(REPO, path.join(dir, '0001_p.js'))}: a migration takes no params (it runs once per database, with its file name as run key): remove params, or make it a job in the jobs folder; a migration has no schedule (idem migrate runs it, once): remove schedule, or make it a job in the jobs folder`,
+    ]);
+    const message = `${path.relative(REPO, path.join(longDir, `${long}.js`))}: the migration's file name without its extension is its run key, at most 200 characters; this one has 201: rename the file`;
+    expect({ code: tooLong.code, stderr: tooLong.stderr }).toEqual({ code: 2, stderr: `idem: error: ${message}\n` });
+    expect(JSON.parse(tooLong.stdout)).toEqual([{ runKey: null, job: null, status: 'error', exitCode: 2, code: 'idem.invalidMigration', error: message }]);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
 });
 
 describe('a chunk source mistake is its step\'s', () => {
