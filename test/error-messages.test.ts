@@ -431,6 +431,45 @@ describe('a job definition that loads but is wrong is refused (exit 2), naming t
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
   });
 
+  it('a job and a migration of the same name are refused by every command that reads both folders, naming both files', async () => {
+    const root = path.join(tmp, 'shared-name');
+    await mkdir(path.join(root, 'jobs'), { recursive: true });
+    await mkdir(path.join(root, 'migrations'), { recursive: true });
+    await writeFile(path.join(root, 'package.json'), JSON.stringify({ type: 'module' }));
+    const hello = `export default { name: 'hello', steps: [{ name: 'a', run() {} }] };\n`;
+    await writeFile(path.join(root, 'jobs', 'hello.js'), hello);
+    await writeFile(path.join(root, 'jobs', 'other.js'), `export default { name: 'other', steps: [{ name: 'a', run() {} }] };\n`);
+    await writeFile(path.join(root, 'migrations', '0001_a.js'), `export default { name: 'first', steps: [{ name: 'a', run() {} }] };\n`);
+    await writeFile(path.join(root, 'migrations', '0002_b.js'), hello);
+    const before = await snapshot(url, ALL_TABLES);
+    const in_ = (args: string[]) => runCli(args, { url, cwd: root, timeoutMs: 20_000, env: { IDEM_API_TOKEN: 'a'.repeat(64) } });
+    const results = await Promise.all([
+      in_(['run', 'hello']),
+      in_(['run', 'hello', '--key', '0002_b']),
+      in_(['finalize', 'hello', '--key', 'k']),
+      in_(['list']),
+      in_(['status', 'hello']),
+      in_(['migrate']),
+      in_(['serve', '--port', '0']),
+    ]);
+    for (const r of results) {
+      expect(refusal(r, 2)).toEqual([
+        'idem: error: job name "hello" is defined twice (jobs/hello.js and migrations/0002_b.js): a job and a migration may not share a name (they would share one lock and one list of runs); rename one',
+      ]);
+    }
+    // A job of another name runs: the folders are not refused as a whole.
+    expect((await in_(['run', 'other', '--dry-run'])).code).toBe(0);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+    // A name with runs already (made before the clash, here in process) is refused too.
+    const runner = await Runner.connect({ connectionString: url });
+    try {
+      await runner.run({ name: 'hello', steps: [{ name: 'a', run: async () => {} }] } as never, { key: 'before-the-clash' });
+    } finally {
+      await runner.close();
+    }
+    expect(refusal(await in_(['status', 'hello']), 2)[0]).toMatch(/^idem: error: job name "hello" is defined twice \(jobs\/hello\.js and migrations\/0002_b\.js\)/);
+  });
+
   it('a migration declaring params or a schedule, or whose file name is too long to be its run key, is refused naming the file and the fix', async () => {
     const dir = await jobFolder('migration-params', {
       '0001_p.js': `export default { name: 'with-params', params: (raw) => raw, schedule: '0 * * * *', steps: [{ name: 'a', run() {} }] };\n`,

@@ -37,7 +37,7 @@ export function registerFinalizeCommand(program: Command, cli: CliContext): void
       cli.runWithSession(async (g, log, session, force) => {
         const params = parseParams(o.params, o.param);
         const { findJob } = await import('../cli-runtime.ts');
-        const job = await findJob(g.jobsDir, name);
+        const job = await findJob(g.jobsDir, name, { migrationsDir: g.migrationsDir });
         const health = await healthSetting(o);
         const { finalizeRun, POOL_HEADROOM } = await import('../cli-runtime.ts');
         const runner = await openRunner(g, log, session, o.concurrency + POOL_HEADROOM);

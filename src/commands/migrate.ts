@@ -26,8 +26,10 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
       let current = null as { readonly runKey: string; readonly job: { readonly name: string } } | null;
       return cli.runWithSession(
         async (g, log, session, force) => {
-          const { loadJobDir } = await import('../cli-runtime.ts');
+          const { checkSharedNamesIn, loadJobDir } = await import('../cli-runtime.ts');
           const migrations = await loadJobDir(g.migrationsDir, 'migrations');
+          // A migration a job shares its name with would share the job's lock and runs.
+          await checkSharedNamesIn(migrations, g.jobsDir, 'jobs');
           if (o.timeout !== undefined && o.finalize === undefined) throw new UsageError('invalidTimeout', '--timeout bounds the wait of --finalize; pass --finalize <name>, or use --wait for a plain migrate');
           const health = await healthSetting(o);
           const runner = await openRunner(g, log, session);
