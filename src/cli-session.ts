@@ -45,9 +45,10 @@ export interface CliContext {
   /**
    * `uses`: the folders the command reads; one given explicitly must exist. `run`, `crontab` and
    * `cron` read only the jobs folder (a crontab line carries --migrations-dir through unread).
-   * Defaults to both.
+   * Defaults to both. `jsonError` (a command run with --json): what to print on stdout, as JSON,
+   * when the command ends in an error, whatever threw it (a missing folder, the database, the body).
    */
-  runWithSession(fn: CommandBody, uses?: ReadonlyArray<'jobs' | 'migrations'>): Promise<void>;
+  runWithSession(fn: CommandBody, uses?: ReadonlyArray<'jobs' | 'migrations'>, jsonError?: (err: unknown) => unknown): Promise<void>;
 }
 
 export function createCliContext(program: Command, state: { exitCode: number }): CliContext {
@@ -56,7 +57,7 @@ export function createCliContext(program: Command, state: { exitCode: number }):
     databaseUrlFrom: program.getOptionValueSource('databaseUrl') === 'env' ? 'DATABASE_URL' : '--database-url',
   });
 
-  const runWithSession = async (fn: CommandBody, uses: ReadonlyArray<'jobs' | 'migrations'> = ['jobs', 'migrations']) => {
+  const runWithSession = async (fn: CommandBody, uses: ReadonlyArray<'jobs' | 'migrations'> = ['jobs', 'migrations'], jsonError?: (err: unknown) => unknown) => {
     const g = globals();
     // Loaded here, not at the top: `idem --help` and parse errors never need the runtime. Every
     // command run here needs pg (job files import idem, which brings the runner): loaded first,
@@ -93,6 +94,9 @@ export function createCliContext(program: Command, state: { exitCode: number }):
       state.exitCode = await fn(g, log, session, (code) => void finish(code, 2_000));
     } catch (err) {
       state.exitCode = exitCodeOf(err);
+      // --json is for scripts: an outcome other than success is JSON on stdout too (the one-line
+      // error still goes to stderr, and the exit code is the same).
+      if (jsonError) process.stdout.write(`${JSON.stringify(jsonError(err))}\n`);
       // One line, control characters escaped; a job file's code frame (idem's own lines) stays below it.
       const msg = visibleError(err instanceof IdemError ? err.message : messageOf(err), err instanceof IdemError && err.code === 'idem.jobLoadFailed');
       // Busy (75: another process holds the run, or it is paused) is the expected outcome of cron

@@ -14,7 +14,8 @@ import { registerResetCommand } from './commands/reset.ts';
 import { registerRunCommand } from './commands/run.ts';
 import { registerServeCommand } from './commands/serve.ts';
 import { registerStatusCommand } from './commands/status.ts';
-import { ExitCode, exitCodeOf, messageOf } from './errors.ts';
+import { migrateErrorEntry, runErrorObject } from './describe-outcome.ts';
+import { ExitCode, exitCodeOf, messageOf, UsageError } from './errors.ts';
 import { LOG_LEVELS } from './log-level.ts';
 import { visibleError } from './text-table.ts';
 
@@ -44,8 +45,9 @@ export function buildProgram(state: { exitCode: number }): Command {
     .option('--migrations-dir <dir>', 'folder of ordered migration files', 'migrations')
     .addOption(new Option('--log-level <level>', 'log level (logs go to stderr)').choices(LOG_LEVELS as string[]).default('info'))
     .option('--shutdown-timeout <seconds>', 'after a first SIGINT/SIGTERM, how long in-flight chunks may take', positiveInt(3600), 30)
-    // Parse errors are one line like every other refusal, with the fix (see the help) in it.
-    .configureOutput({ outputError: (str, write) => write(`idem: ${str.trim().replace(/\.$/, '')}; see --help\n`) })
+    // Parse errors are one line like every other refusal, with the fix (see the help) in it;
+    // commander's suggestion ("(Did you mean run?)") comes on a line of its own, joined here.
+    .configureOutput({ outputError: (str, write) => write(`idem: ${oneLine(str)}; see --help\n`) })
     .exitOverride();
 
   const cli = createCliContext(program, state);
@@ -62,6 +64,60 @@ export function buildProgram(state: { exitCode: number }): Command {
   registerPruneCommand(program, cli);
   registerServeCommand(program, cli);
   return program;
+}
+
+/** A commander message on one line, without its final full stop. */
+function oneLine(str: string): string {
+  return str.trim().split(/\s*\n\s*/).join(' ').replace(/\.$/, '');
+}
+
+/** What a command given --json prints on stdout when its command line is refused, by command. */
+const JSON_REFUSALS: Readonly<Record<string, (job: string | null, key: string | null, err: UsageError) => unknown>> = {
+  run: (job, key, err) => runErrorObject(job, key, err),
+  finalize: (job, key, err) => runErrorObject(job, key, err),
+  migrate: (_job, _key, err) => [migrateErrorEntry(null, err)],
+};
+
+/**
+ * `run`, `finalize` and `migrate` with --json print their error object (or array) on stdout for a
+ * command line commander refuses too, as for every other refusal. commander stops at the first bad
+ * token, so the command, its job operand, --key and --json are read off the arguments here: a
+ * program option or a command's option that takes a value skips that value.
+ */
+function writeJsonRefusal(program: Command, args: readonly string[], err: CommanderError): void {
+  let command: Command | undefined;
+  const operands: string[] = [];
+  const values = new Map<string, string>();
+  const optionOf = (flag: string) => (command?.options ?? []).concat(program.options).find((opt) => opt.long === flag || opt.short === flag);
+  for (let i = 0; i < args.length; i++) {
+    const token = args[i]!;
+    if (token === '--') {
+      operands.push(...args.slice(i + 1));
+      break;
+    }
+    if (token.startsWith('-') && token !== '-') {
+      const eq = token.indexOf('=');
+      if (eq > 0) {
+        values.set(token.slice(0, eq), token.slice(eq + 1));
+        continue;
+      }
+      const opt = optionOf(token);
+      const next = args[i + 1];
+      if (opt && next !== undefined && (opt.required || (opt.optional && !next.startsWith('-')))) {
+        values.set(token, next);
+        i++;
+      } else {
+        values.set(token, '');
+      }
+      continue;
+    }
+    if (command) operands.push(token);
+    else if (!(command = program.commands.find((c) => c.name() === token || c.aliases().includes(token)))) return;
+  }
+  const write = command && values.has('--json') ? JSON_REFUSALS[command.name()] : undefined;
+  if (!write) return;
+  const refused = new UsageError(err.code.replace(/^commander\./, ''), oneLine(err.message).replace(/^error: /, ''));
+  process.stdout.write(`${JSON.stringify(write(operands[0] ?? null, values.get('--key') ?? null, refused))}\n`);
 }
 
 /**
@@ -87,8 +143,13 @@ export async function main(argv: string[]): Promise<never> {
     await program.parseAsync(argv);
   } catch (err) {
     if (err instanceof CommanderError) {
-      // Help and version print and end well; every other parse error is a usage error.
-      process.exit(err.code === 'commander.helpDisplayed' || err.code === 'commander.version' || err.code === 'commander.help' ? 0 : ExitCode.Usage);
+      // Help and version print and end well (`idem --help`, `idem help run`); `idem` without a
+      // command printed the help to stderr as commander's error (its exit code 1): a usage error,
+      // as for git and npm. Every other parse error is a usage error too.
+      if (err.code === 'commander.helpDisplayed' || err.code === 'commander.version') process.exit(0);
+      if (err.code === 'commander.help') process.exit(err.exitCode === 0 ? 0 : ExitCode.Usage);
+      writeJsonRefusal(program, argv.slice(2), err);
+      process.exit(ExitCode.Usage);
     }
     process.stderr.write(`idem: error: ${visibleError(messageOf(err))}\n`);
     process.exit(exitCodeOf(err));

@@ -22,3 +22,13 @@ export function describeOutcome(o: RunOutcome): string {
 export function failureFields(err: unknown): { readonly exitCode: number; readonly code: string | null; readonly error: string } {
   return { exitCode: exitCodeOf(err), code: err instanceof IdemError ? err.code : null, error: messageOf(err) };
 }
+
+/** What `idem run --json` (and `finalize --json`) prints when the run does not succeed, or the input is refused. */
+export function runErrorObject(job: string | null, runKey: string | null, err: unknown) {
+  return { status: 'error', job, runKey, ...failureFields(err) };
+}
+
+/** `idem migrate --json`'s entry for the migration that failed (`null`s: none was under way, e.g. the database is unreachable). */
+export function migrateErrorEntry(current: { readonly runKey: string; readonly job: { readonly name: string } } | null, err: unknown) {
+  return { runKey: current?.runKey ?? null, job: current?.job.name ?? null, status: 'error', ...failureFields(err) };
+}

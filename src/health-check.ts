@@ -3,6 +3,7 @@ import type { Logger } from 'pino';
 import { codeOf, errorFields, UsageError } from './errors.ts';
 import type { Job, RunIdentity, Step } from './job.ts';
 import { sleep } from './sleep.ts';
+import { lookupText } from './table-name.ts';
 
 /**
  * Database-health indicators checked before each chunk starts; while one is over its threshold the
@@ -251,7 +252,7 @@ export async function createHealthGate(opts: HealthGateOptions): Promise<HealthG
   const names = [...(opts.step.tables ?? []), ...(opts.step.chunks?.tables ?? [])];
   const tables = new Set<number>();
   if (o.autovacuum && names.length > 0) {
-    const { rows } = await sql<{ oid: string | null }>`select to_regclass(n)::oid::int8 as oid from unnest(${names}::text[]) n`.execute(opts.db);
+    const { rows } = await sql<{ oid: string | null }>`select to_regclass(n)::oid::int8 as oid from unnest(${names.map(lookupText)}::text[]) n`.execute(opts.db);
     for (const r of rows) if (r.oid !== null) tables.add(Number(r.oid));
   }
   const runs = sql.id(opts.schema, 'runs');

@@ -2,7 +2,7 @@ import { stat } from 'node:fs/promises';
 import { sql, type Kysely } from 'kysely';
 import type { Logger } from 'pino';
 import { UsageError } from './errors.ts';
-import { loadJobDir, unknownJobError } from './loader.ts';
+import { checkNameShared, checkSharedNames, loadJobDir, unknownJobError } from './loader.ts';
 
 /** A folder of job or migration files, as the CLI was given it. */
 export interface JobFolder {
@@ -49,10 +49,13 @@ export async function assertKnownJob(db: Kysely<any>, schema: string, name: stri
   const hasRuns = table[0]?.found === true;
   if (hasRuns) {
     const { rows } = await sql<{ found: boolean }>`select exists (select 1 from ${runs} where job = ${name}) as found`.execute(db);
-    if (rows[0]?.found) return;
+    // A job and a migration of this name would mix their runs here: refused, as everywhere.
+    if (rows[0]?.found) return checkNameShared(name, dirs);
   }
-  const loaded = [...(await loadJobDir(dirs.jobsDir, 'jobs')), ...(await loadJobDir(dirs.migrationsDir, 'migrations'))];
-  const names = loaded.map((l) => l.job.name);
+  const jobs = await loadJobDir(dirs.jobsDir, 'jobs');
+  const migrations = await loadJobDir(dirs.migrationsDir, 'migrations');
+  checkSharedNames(jobs, migrations);
+  const names = [...jobs, ...migrations].map((l) => l.job.name);
   if (names.includes(name)) return;
   const ran = hasRuns ? (await sql<{ job: string }>`select distinct job from ${runs}`.execute(db)).rows : [];
   throw unknownJobError(name, [...names, ...ran.map((r) => r.job)], [dirs.jobsDir, dirs.migrationsDir]);

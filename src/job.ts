@@ -5,6 +5,8 @@ import { throttleProblems, type ThrottleOptions } from './throttle.ts';
 import { resolveHealth, type HealthSetting } from './health-check.ts';
 import { UsageError } from './errors.ts';
 import { parseSchedule } from './schedule.ts';
+import { suggestSimilar } from './suggest.ts';
+import { tableNameProblem } from './table-name.ts';
 
 /** A JSON value: what params, cursors and chunk specs are made of (they are stored as jsonb). */
 export type Json = null | boolean | number | string | Json[] | { [key: string]: Json };
@@ -43,7 +45,7 @@ interface BaseContext<P> {
   readonly signal: AbortSignal;
   readonly run: RunIdentity;
   readonly step: string;
-  /** The cron slot this run is for (a scheduled job run without --key), else `null`. */
+  /** The cron slot this run is for (a scheduled job run without --key, or with a slot key of its schedule as --key), else `null`. */
   readonly slot: Date | null;
 }
 
@@ -104,7 +106,10 @@ interface StepCommon {
   readonly throttle?: ThrottleOptions;
   /** Health checks for this step (thresholds, `false` per indicator, or `false` for none); overrides the job's. */
   readonly health?: HealthSetting;
-  /** Tables this step's chunks write, watched for autovacuum (a chunk source may name its own). Defaults to none. */
+  /**
+   * Tables this step's chunks write, watched for autovacuum (a chunk source may name its own), each
+   * named as it is in the database, unquoted, optionally `schema.table` (`'MixedCase'`). Defaults to none.
+   */
   readonly tables?: readonly string[];
 }
 
@@ -196,6 +201,7 @@ export function assertJob(value: unknown, origin: string): Job {
   if (!def || typeof def !== 'object') {
     throw new UsageError('invalidJob', `${origin} does not export a job definition: expected an object with name and steps`);
   }
+  problems.push(...unknownKeys(def, JOB_KEYS, ''));
   if (typeof def.name !== 'string' || !NAME.test(def.name)) {
     problems.push(`name must match ${NAME} (got ${JSON.stringify(def.name)})`);
   }
@@ -229,6 +235,7 @@ export function assertJob(value: unknown, origin: string): Job {
   } else {
     const seen = new Set<string>();
     def.steps.forEach((s: Partial<Step> | undefined, i) => {
+      if (s && typeof s === 'object') problems.push(...unknownKeys(s, STEP_KEYS, `steps[${i}]: `));
       if (!s || typeof s.name !== 'string' || !NAME.test(s.name)) problems.push(`steps[${i}].name must match ${NAME}`);
       else if (seen.has(s.name)) problems.push(`step name "${s.name}" is used twice`);
       else seen.add(s.name);
@@ -239,8 +246,9 @@ export function assertJob(value: unknown, origin: string): Job {
       if (s?.throttle !== undefined) for (const m of throttleProblems(s.throttle)) problems.push(`steps[${i}].throttle: ${m}`);
       if (s?.retry !== undefined) for (const m of backoffProblems(s.retry)) problems.push(`steps[${i}].retry: ${m}`);
       if (s) checkHealth(s.health, `steps[${i}]: `);
-      if (s && s.tables !== undefined && !(Array.isArray(s.tables) && s.tables.every((t) => typeof t === 'string' && t !== ''))) {
-        problems.push(`steps[${i}].tables must be an array of table names`);
+      if (s && s.tables !== undefined) {
+        if (!(Array.isArray(s.tables) && s.tables.every((t) => typeof t === 'string' && t !== ''))) problems.push(`steps[${i}].tables must be an array of table names`);
+        else for (const [j, t] of s.tables.entries()) problems.push(...[tableNameProblem(t, `steps[${i}].tables[${j}]`) ?? []].flat());
       }
       if (s && s.chunks !== undefined && typeof s.chunks !== 'function') {
         problems.push(`steps[${i}].chunks must be a chunk source function such as keyRange({...})`);
@@ -251,6 +259,21 @@ export function assertJob(value: unknown, origin: string): Job {
     throw new UsageError('invalidJob', `${origin}: invalid job definition: ${problems.join('; ')}`);
   }
   return Object.freeze({ ...(def as JobDefinition), steps: Object.freeze([...(def.steps as Step[])]) });
+}
+
+/** Every key a job definition may have; any other is refused (a typo such as `schedual` would otherwise do nothing). */
+const JOB_KEYS: ReadonlyArray<keyof JobDefinition> = ['name', 'description', 'version', 'params', 'steps', 'retry', 'throttle', 'health', 'schedule'];
+/** Every key a step may have. */
+const STEP_KEYS: ReadonlyArray<keyof SingleStep | keyof ChunkedStep> = ['name', 'run', 'chunks', 'retry', 'maxFailedChunks', 'throttle', 'health', 'tables'];
+
+/** `unknown key "schedual" (did you mean "schedule"?)` for each own key of `value` not in `known`. */
+function unknownKeys(value: object, known: readonly string[], where: string): string[] {
+  return Object.keys(value)
+    .filter((k) => !known.includes(k))
+    .map((k) => {
+      const similar = suggestSimilar(k, known);
+      return `${where}unknown key ${JSON.stringify(k)} (${similar.length > 0 ? `did you mean ${similar.map((n) => JSON.stringify(n)).join(' or ')}?` : `known: ${known.join(', ')}`})`;
+    });
 }
 
 function isStandardSchema(v: unknown): v is StandardSchemaV1 {

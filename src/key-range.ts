@@ -1,10 +1,15 @@
 import { sql, type RawBuilder } from 'kysely';
 import type { ChunkSource, ChunkSpec, Json } from './job.ts';
+import { columnNameProblem, parseTableName, regclassText, tableNameProblem, tableRef } from './table-name.ts';
 
 export interface KeyRangeOptions {
-  /** Table to cut, optionally schema-qualified (`"public.reservations"`). */
+  /**
+   * Table to cut, named as it is in the database (case and all, without quotes), optionally
+   * schema-qualified: `'reservations'`, `'public.reservations'`, `'MixedCase'` for a table created
+   * as `"MixedCase"`.
+   */
   readonly table: string;
-  /** An indexed integer or bigint column, usually the primary key. */
+  /** An indexed integer or bigint column, usually the primary key, named as it is in the database (`'Id'` for `"Id"`). */
   readonly column: string;
   /** Rows per chunk: a range holds `size` keys (meeting `where`) when it is planned, the last one fewer; gaps in the keys widen a range, they do not thin it. */
   readonly size: number;
@@ -30,13 +35,13 @@ export interface KeyRangeChunk extends ChunkSpec {
  * keyRange({ table: 'reservations', column: 'id', size: 1000, where: 'reserved_by_normalized is null' })
  */
 export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, unknown, KeyRangeChunk> {
-  const problems: string[] = [];
-  if (typeof opts?.table !== 'string' || opts.table === '') problems.push('table must be a non-empty string');
-  if (typeof opts?.column !== 'string' || opts.column === '') problems.push('column must be a non-empty string');
+  const problems = [tableNameProblem(opts?.table, 'table'), columnNameProblem(opts?.column, 'column')].filter((p) => p !== null);
   if (!Number.isInteger(opts?.size) || opts.size < 1) problems.push(`size must be an integer >= 1 (got ${opts?.size})`);
   if (problems.length) throw new TypeError(`keyRange(): ${problems.join('; ')}`);
-  const table = sql.table(opts.table);
-  const column = sql.ref(opts.column);
+  // One spelling for the queries and for every catalog lookup (src/table-name.ts).
+  const table = tableRef(opts.table);
+  const regclass = regclassText(opts.table);
+  const column = sql.id(opts.column);
   const extra = opts.where === undefined ? sql`true` : typeof opts.where === 'string' ? sql.raw(`(${opts.where})`) : opts.where;
 
   // Once per database handle: a source object is usually module-level and outlives runs.
@@ -44,7 +49,7 @@ export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, unknown, K
   const source: ChunkSource<unknown, unknown, KeyRangeChunk> = async (cursor, ctx) => {
     let check = checked.get(ctx.db);
     if (!check) {
-      check = checkKeyColumn(ctx.db, opts.table, opts.column);
+      check = checkKeyColumn(ctx.db, opts.table, regclass, opts.column);
       checked.set(ctx.db, check);
       check.catch(() => checked.delete(ctx.db));
     }
@@ -101,10 +106,11 @@ export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, unknown, K
   };
   // From the planner's statistics (reltuples), not a count(*): free, and good enough for an ETA.
   source.estimate = async (ctx) => {
-    const { rows } = await sql<{ n: number }>`select greatest(reltuples, 0)::float8 as n from pg_class where oid = to_regclass(${opts.table})`.execute(ctx.db);
+    const { rows } = await sql<{ n: number }>`select greatest(reltuples, 0)::float8 as n from pg_class where oid = to_regclass(${regclass})`.execute(ctx.db);
     const n = rows[0]?.n;
     return n === undefined || n <= 0 ? null : Math.ceil(n / opts.size);
   };
+  // The same spelling as `table`: the health check resolves it by the same rule.
   source.tables = [opts.table];
   return source;
 }
@@ -115,18 +121,26 @@ export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, unknown, K
  * silently skip rows) with a unique index (a key repeated more than `size` times cannot be cut
  * into ranges: the source would emit `[5,5)` forever).
  */
-async function checkKeyColumn(db: PlanDb, table: string, column: string): Promise<void> {
-  const name = column.split('.').pop()!.replace(/^"(.*)"$/, '$1');
-  const { rows } = await sql<{ found: boolean; type: string | null; unique_indexed: boolean }>`
-    select to_regclass(${table}) is not null as found,
+async function checkKeyColumn(db: PlanDb, table: string, regclass: string, name: string): Promise<void> {
+  const { schema, name: relname } = parseTableName(table);
+  // The `other_*` columns: the names a wrong-case spelling meant (`'mixedcase'` for "MixedCase").
+  const { rows } = await sql<{ found: boolean; type: string | null; unique_indexed: boolean; other_tables: string[] | null; other_columns: string[] | null }>`
+    select to_regclass(${regclass}) is not null as found,
       (select format_type(a.atttypid, null) from pg_attribute a
-        where a.attrelid = to_regclass(${table}) and a.attname = ${name} and a.attnum > 0 and not a.attisdropped) as type,
+        where a.attrelid = to_regclass(${regclass}) and a.attname = ${name} and a.attnum > 0 and not a.attisdropped) as type,
       exists (select 1 from pg_index i join pg_attribute a on a.attrelid = i.indrelid and a.attnum = i.indkey[0]
-        where i.indrelid = to_regclass(${table}) and a.attname = ${name} and i.indisunique and i.indisvalid
-          and i.indnatts = 1 and i.indpred is null) as unique_indexed`.execute(db);
+        where i.indrelid = to_regclass(${regclass}) and a.attname = ${name} and i.indisunique and i.indisvalid
+          and i.indnatts = 1 and i.indpred is null) as unique_indexed,
+      (select array_agg(case when ${schema}::text is null then c.relname::text else n.nspname || '.' || c.relname end order by n.nspname, c.relname)
+        from pg_class c join pg_namespace n on n.oid = c.relnamespace
+        where lower(c.relname) = lower(${relname}) and c.relkind in ('r', 'p', 'm', 'v', 'f')
+          and (case when ${schema}::text is null then pg_table_is_visible(c.oid) else lower(n.nspname) = lower(${schema}) end)) as other_tables,
+      (select array_agg(a.attname::text order by a.attname) from pg_attribute a
+        where a.attrelid = to_regclass(${regclass}) and lower(a.attname) = lower(${name}) and a.attname <> ${name} and a.attnum > 0 and not a.attisdropped) as other_columns`.execute(db);
   const r = rows[0]!;
-  if (!r.found) throw new TypeError(`keyRange(): table ${JSON.stringify(table)} does not exist; create it before the step runs, or fix the table name`);
-  if (r.type === null) throw new TypeError(`keyRange(): table ${JSON.stringify(table)} has no column ${JSON.stringify(name)}; fix the column name`);
+  const meant = (names: string[] | null) => (names?.length ? `; did you mean ${names.map((n) => `'${n}'`).join(' or ')}? (names are case-sensitive, as in the database)` : '');
+  if (!r.found) throw new TypeError(`keyRange(): table ${JSON.stringify(table)} does not exist${meant(r.other_tables)}; create it before the step runs, or fix the table name`);
+  if (r.type === null) throw new TypeError(`keyRange(): table ${JSON.stringify(table)} has no column ${JSON.stringify(name)}${meant(r.other_columns)}; fix the column name`);
   if (!['smallint', 'integer', 'bigint'].includes(r.type)) {
     throw new TypeError(
       `keyRange(): column ${JSON.stringify(name)} of ${JSON.stringify(table)} is ${r.type}, but keyRange cuts by integer order (a text key sorts '10' before '9', so rows would be skipped); use an integer column or a custom chunk source`,

@@ -1,5 +1,6 @@
 import { sql, type RawBuilder } from 'kysely';
 import type { ChunkSource, ChunkSpec, Json } from './job.ts';
+import { columnNameProblem, tableNameProblem } from './table-name.ts';
 
 export interface KeysetQueryOptions {
   /**
@@ -7,13 +8,17 @@ export interface KeysetQueryOptions {
    * input): `'select tenant_id, id from orders where status = \'open\''` or a sql`` builder.
    */
   readonly query: string | RawBuilder<unknown>;
-  /** The key column or columns: unique together, not null, ideally an index's leading columns. */
+  /**
+   * The key column or columns: unique together, not null, ideally an index's leading columns; named
+   * as they are in the database, unquoted (`'Id'` for a column created as `"Id"`).
+   */
   readonly key: string | readonly string[];
   /** Rows per chunk. */
   readonly size: number;
   /**
-   * Tables the step touches, for the autovacuum health indicator. Defaults to none (declare them
-   * on the step with `tables` instead, or here).
+   * Tables the step touches, for the autovacuum health indicator, named as they are in the
+   * database (unquoted, optionally `schema.table`). Defaults to none (declare them on the step
+   * with `tables` instead, or here).
    */
   readonly tables?: readonly string[];
 }
@@ -51,8 +56,13 @@ export function keysetQuery(opts: KeysetQueryOptions): KeysetSource {
     problems.push('query must be a non-empty SQL string or a sql`` builder');
   }
   if (columns.length === 0 || columns.some((c) => typeof c !== 'string' || c === '')) problems.push('key must be a column name or a non-empty array of them');
+  else for (const c of columns) problems.push(...[columnNameProblem(c, 'key') ?? []].flat());
   if (new Set(columns).size !== columns.length) problems.push('key names a column twice');
   if (!Number.isInteger(opts?.size) || opts.size < 1) problems.push(`size must be an integer >= 1 (got ${opts?.size})`);
+  if (opts?.tables !== undefined) {
+    if (!Array.isArray(opts.tables)) problems.push('tables must be an array of table names');
+    else for (const [i, t] of opts.tables.entries()) problems.push(...[tableNameProblem(t, `tables[${i}]`) ?? []].flat());
+  }
   if (problems.length) throw new TypeError(`keysetQuery(): ${problems.join('; ')}`);
 
   const query = typeof opts.query === 'string' ? sql.raw(opts.query) : opts.query;

@@ -1,5 +1,5 @@
 import { existsSync, readFileSync } from 'node:fs';
-import { readdir, stat } from 'node:fs/promises';
+import { readdir, readFile, stat } from 'node:fs/promises';
 import { createRequire } from 'node:module';
 import path from 'node:path';
 import { pathToFileURL } from 'node:url';
@@ -7,9 +7,11 @@ import { recordJobFile } from './code-fingerprint.ts';
 import { codeOf, messageOf, UsageError } from './errors.ts';
 import { assertJob, type Job } from './job.ts';
 import { explainLoadError, formatLoadFailure } from './load-error.ts';
+import { MAX_RUN_KEY_CHARS } from './run-key.ts';
 import { quoteChoices, suggestSimilar } from './suggest.ts';
 
-const JOB_FILE = /^(?!_)(?!.*\.d\.[cm]?ts$)(?!.*\.test\.).*\.(?:[cm]?ts|[cm]?js)$/;
+/** Job files: .ts .mts .cts .js .mjs .cjs, except names starting with `_`, type files and tests (`*.test.*`, `*.spec.*`). */
+const JOB_FILE = /^(?!_)(?!.*\.d\.[cm]?ts$)(?!.*\.(?:test|spec)\.).*\.(?:[cm]?ts|[cm]?js)$/;
 const TYPESCRIPT = /\.[cm]?ts$/;
 
 /**
@@ -107,23 +109,112 @@ export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Prom
   for (const name of names) {
     const file = path.join(abs, name);
     if (!(await stat(file)).isFile()) continue;
-    let mod: Record<string, unknown>;
-    try {
-      mod = await importJobFile(file);
-    } catch (err) {
-      // The first line says what and where; the source line with a caret follows it.
-      // Explaining must never hide the error it explains.
-      const failure = await explainLoadError(file, err).catch(() => ({ cause: messageOf(err), fix: 'fix the file' }));
-      throw new UsageError('jobLoadFailed', formatLoadFailure(what, file, failure), { cause: err });
-    }
-    const job = assertJob(jobExport(mod), path.relative(process.cwd(), file));
-    const other = byName.get(job.name);
-    if (other) throw new UsageError('duplicateJob', `job name "${job.name}" is defined twice (${other} and ${name}); rename one`);
-    byName.set(job.name, name);
-    await recordJobFile(job, file);
-    loaded.push({ file, id: fileStem(name), job });
+    const one = await loadJobFile(file, what);
+    if (what === 'migrations') checkMigration(one.job, one.id, path.relative(process.cwd(), file));
+    const other = byName.get(one.job.name);
+    if (other) throw new UsageError('duplicateJob', `job name "${one.job.name}" is defined twice (${other} and ${name}); rename one`);
+    byName.set(one.job.name, name);
+    loaded.push(one);
   }
   return loaded;
+}
+
+/** Imports one job file and checks its job (not what only a migration must be: see checkMigration). */
+async function loadJobFile(file: string, what: 'jobs' | 'migrations'): Promise<LoadedJob> {
+  let mod: Record<string, unknown>;
+  try {
+    mod = await importJobFile(file);
+  } catch (err) {
+    // The first line says what and where; the source line with a caret follows it.
+    // Explaining must never hide the error it explains.
+    const failure = await explainLoadError(file, err).catch(() => ({ cause: messageOf(err), fix: 'fix the file' }));
+    throw new UsageError('jobLoadFailed', formatLoadFailure(what, file, failure), { cause: err });
+  }
+  const job = assertJob(jobExport(mod), path.relative(process.cwd(), file));
+  await recordJobFile(job, file);
+  return { file, id: fileStem(path.basename(file)), job };
+}
+
+/**
+ * A job and a migration of one name would share the job's lock and its list of runs (`idem status`
+ * would mix them, `idem run hello --key 0002_b` would find the migration's run): refused like two
+ * jobs of one name. Paths relative to the working directory, the job's first.
+ */
+function sharedNameError(name: string, jobFile: string, migrationFile: string): UsageError {
+  const rel = (f: string) => path.relative(process.cwd(), f);
+  return new UsageError(
+    'duplicateJob',
+    `job name "${name}" is defined twice (${rel(jobFile)} and ${rel(migrationFile)}): a job and a migration may not share a name (they would share one lock and one list of runs); rename one`,
+  );
+}
+
+/** Refuses a name that both folders define, both loaded (`idem list`, `idem status` of an unknown name). */
+export function checkSharedNames(jobs: readonly LoadedJob[], migrations: readonly LoadedJob[]): void {
+  const byName = new Map(jobs.map((j) => [j.job.name, j.file]));
+  for (const m of migrations) {
+    const jobFile = byName.get(m.job.name);
+    if (jobFile !== undefined) throw sharedNameError(m.job.name, jobFile, m.file);
+  }
+}
+
+/**
+ * Refuses a name of `loaded` that a file of the other folder defines too, without importing that
+ * whole folder: `idem run` must not import every migration (a project's migrations only grow, and
+ * a no-op rerun stays one job file; test/cli-startup.test.ts), nor `idem migrate` every job. So only
+ * the files that spell one of the names out as a string literal (`'hello'`, `"hello"`, `` `hello` ``)
+ * are imported, to read their name; one that does not load is left to the commands that load its
+ * folder. A name computed at load time (`name: prefix + 'x'`) is seen only where both folders are
+ * loaded (list, status; see checkSharedNames).
+ */
+export async function checkSharedNamesIn(loaded: readonly LoadedJob[], otherDir: string, other: 'jobs' | 'migrations'): Promise<void> {
+  if (loaded.length === 0) return;
+  const abs = path.resolve(otherDir);
+  const byName = new Map(loaded.map((l) => [l.job.name, l.file]));
+  for (const name of await jobFileNames(abs, ['ENOENT', 'ENOTDIR'])) {
+    const file = path.join(abs, name);
+    const text = await readFile(file, 'utf8').catch(() => '');
+    if (!spellsOut(text, [...byName.keys()])) continue;
+    const found = await loadJobFile(file, other).catch(() => null);
+    const mine = found ? byName.get(found.job.name) : undefined;
+    if (!found || mine === undefined) continue;
+    throw other === 'migrations' ? sharedNameError(found.job.name, mine, found.file) : sharedNameError(found.job.name, found.file, mine);
+  }
+}
+
+/** Whether a file's text has one of the names as a string literal (`'hello'`, `"hello"`, `` `hello` ``). */
+function spellsOut(text: string, names: readonly string[]): boolean {
+  return names.some((n) => text.includes(`'${n}'`) || text.includes(`"${n}"`) || text.includes(`\`${n}\``));
+}
+
+/**
+ * For a command given a job name (`status`, `pause`, `reset`…): refuses the name when a job file and
+ * a migration file both define it, importing only files that spell it out (see checkSharedNamesIn).
+ */
+export async function checkNameShared(name: string, dirs: { readonly jobsDir: string; readonly migrationsDir: string }): Promise<void> {
+  const abs = path.resolve(dirs.jobsDir);
+  const jobs: LoadedJob[] = [];
+  for (const file of await jobFileNames(abs, ['ENOENT', 'ENOTDIR'])) {
+    const text = await readFile(path.join(abs, file), 'utf8').catch(() => '');
+    if (!spellsOut(text, [name])) continue;
+    const found = await loadJobFile(path.join(abs, file), 'jobs').catch(() => null);
+    if (found?.job.name === name) jobs.push(found);
+  }
+  await checkSharedNamesIn(jobs, dirs.migrationsDir, 'migrations');
+}
+
+/**
+ * What a migration may not be, though a job may: it runs once per database under its file name
+ * as run key (README, Migrations), so params and a schedule would be silently ignored, and a
+ * file name that is not a valid run key would fail only when `migrate` reaches it.
+ */
+function checkMigration(job: Job, id: string, origin: string): void {
+  const problems: string[] = [];
+  if (job.params !== undefined) problems.push('a migration takes no params (it runs once per database, with its file name as run key): remove params, or make it a job in the jobs folder');
+  if (job.schedule !== undefined) problems.push('a migration has no schedule (idem migrate runs it, once): remove schedule, or make it a job in the jobs folder');
+  const chars = [...id].length;
+  if (chars > MAX_RUN_KEY_CHARS) problems.push(`the migration's file name without its extension is its run key, at most ${MAX_RUN_KEY_CHARS} characters; this one has ${chars}: rename the file`);
+  else if (/\p{Cc}/u.test(id)) problems.push("the migration's file name without its extension is its run key, which may not hold control characters: rename the file");
+  if (problems.length > 0) throw new UsageError('invalidMigration', `${origin}: ${problems.join('; ')}`);
 }
 
 /**
@@ -142,12 +233,16 @@ function jobExport(mod: Record<string, unknown>): unknown {
 
 /**
  * Finds a job by name among the folder's job files. An unknown name suggests the closest known
- * ones; a migration's name says to use `idem migrate` (when the migrations folder is given).
+ * ones; a migration's name says to use `idem migrate`, and a job a migration shares its name with
+ * is refused (both when the migrations folder is given).
  */
 export async function findJob(dir: string, name: string, opts: { readonly migrationsDir?: string } = {}): Promise<Job> {
   const all = await loadJobDir(dir, 'jobs');
   const hit = all.find((j) => j.job.name === name);
-  if (hit) return hit.job;
+  if (hit) {
+    if (opts.migrationsDir !== undefined) await checkSharedNamesIn([hit], opts.migrationsDir, 'migrations');
+    return hit.job;
+  }
   if (opts.migrationsDir !== undefined) {
     // Only to word the refusal: a migrations folder that does not load says nothing here.
     const migrations = await loadJobDir(opts.migrationsDir, 'migrations').catch(() => []);

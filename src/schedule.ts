@@ -223,6 +223,32 @@ export function slotKey(slot: Date): string {
   return slot.toISOString().replace(/\.\d{3}Z$/, 'Z');
 }
 
+const SLOT_KEY = /^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$/;
+
+/**
+ * The slot an explicit run key (`--key`) of a scheduled job names, or null when the key is not a
+ * slot key (the format `slotKey` writes, a real UTC time): `idem run job --key 2026-11-30T03:00:00Z`
+ * is that slot's run, with `ctx.slot` set, as cron would have run it. A key of that format that is
+ * not a slot of the schedule, or a slot not due yet at `now`, is a UsageError (exit 2): the first is
+ * almost surely a typo of one (named in the message), and the second would be recorded done before
+ * its time, so the due slot's run (cron's) would find it done.
+ */
+export function slotOfKey(schedule: Schedule, job: string, key: string, now: Date = new Date()): Date | null {
+  if (!SLOT_KEY.test(key)) return null;
+  const at = new Date(Date.parse(key));
+  if (!Number.isFinite(at.getTime()) || slotKey(at) !== key) return null;
+  if (schedule.next(new Date(at.getTime() - 1)).getTime() !== at.getTime()) {
+    throw new UsageError(
+      'invalidKey',
+      `--key ${key} is shaped like a slot of job "${job}", but its schedule (${schedule.expression}, ${schedule.timezone}) does not fire then; the nearest slots are ${slotKey(schedule.previous(at))} and ${slotKey(schedule.next(at))}: pass one of them, or a key that is not a UTC time`,
+    );
+  }
+  if (at > now) {
+    throw new UsageError('invalidKey', `--key ${key} is a slot of job "${job}" that is not due yet; the latest due slot is ${slotKey(latestSlot(schedule, now))}: pass a due slot, or a key that is not a UTC time`);
+  }
+  return at;
+}
+
 /** Options of `renderCrontab`. */
 export interface CrontabOptions {
   /** Folder each line changes into: the project root, where the jobs folder is. */
@@ -256,7 +282,12 @@ export function renderCrontab(entries: ReadonlyArray<ScheduledJob>, opts: Cronta
     '# (e.g. 2026-11-30T03:00:00Z), so a slot never runs twice.',
     '# Exit codes: 0 done, or already done (a no-op); 75 busy: another run holds the job\'s lock, harmless,',
     '# that run does the work; 1 failed: progress is kept and the slot resumes where it stopped when run',
-    `# again${opts.catchUp !== undefined ? ` (the next invocation retries it: --catch-up ${opts.catchUp})` : ' (rerun the line by hand, or pass --catch-up to cover it)'}; 2 usage: fix the job or flags, nothing ran.`,
+    '# again; 2 usage: fix the job or flags, nothing ran.',
+    opts.catchUp !== undefined
+      ? `# A failed or missed slot is retried by the next invocation (--catch-up ${opts.catchUp} on each line), or by hand by its key`
+      : '# A failed or missed slot is retried by --catch-up (idem crontab --catch-up N puts it on each line), or by hand by its key',
+    `# (a line run by hand runs the latest slot, not a given one), in ${shellQuote(opts.cwd)}:`,
+    `#   ${opts.command} run <job> --key 2026-11-30T03:00:00Z`,
     '# Overlapping invocations are safe: the lock lets one process run a job at a time.',
     '# cron reads times in the system timezone unless a CRON_TZ= line precedes them. CRON_TZ is honoured by',
     '# cronie and other Vixie-cron derivatives (see man 5 crontab); a cron that ignores it fires in the',

@@ -4,7 +4,8 @@ import { mkdtemp, rm, stat, writeFile } from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { defineJob, InterruptedError, keyList, keysetQuery, Runner, sql, type KeyListChunk, type KeysetChunk, type PlanContext } from '../src/index.ts';
+import { defineJob, InterruptedError, keyList, keyRange, keysetQuery, Runner, sql, type KeyListChunk, type KeyRangeChunk, type KeysetChunk, type PlanContext } from '../src/index.ts';
+import { lookupText } from '../src/table-name.ts';
 import { query, runRow } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
@@ -203,6 +204,61 @@ describe('keysetQuery', () => {
     expect(() => keysetQuery({ query: '', key: [], size: 0 })).toThrow(
       'keysetQuery(): query must be a non-empty SQL string or a sql`` builder; key must be a column name or a non-empty array of them; size must be an integer >= 1 (got 0)',
     );
+  });
+});
+
+describe('keyRange: a table or column name is spelled as it is in the database', () => {
+  beforeAll(async () => {
+    // Created quoted: the names keep their case, and only that spelling names them.
+    await query(url, `create table "MixedCase" ("Id" int primary key, v int)`);
+    await query(url, `insert into "MixedCase" select g, 0 from generate_series(1, 20) g`);
+    await query(url, `create schema "Sales"`);
+    await query(url, `create table "Sales"."Orders" ("Id" bigint primary key, v int)`);
+    await query(url, `insert into "Sales"."Orders" select g, 0 from generate_series(1, 10) g`);
+    await query(url, `analyze "MixedCase"; analyze "Sales"."Orders"`);
+  });
+
+  const touch = (table: string, column: string, size: number) => {
+    const source = keyRange({ table, column, size });
+    return defineJob({
+      name: `mixed-${table.replace(/\W/g, '-').toLowerCase()}`,
+      steps: [{ name: 'touch', chunks: source, run: ({ db }, c: KeyRangeChunk) => sql`update ${sql.table(table)} set v = v + 1 where ${sql.ref(column)} >= ${c.lo} and ${sql.ref(column)} < ${c.hi}`.execute(db) }],
+    });
+  };
+
+  it("plans and estimates a mixed-case table and column named as written ('MixedCase', 'Id'), schema-qualified too", async () => {
+    const out = await runner.run(touch('MixedCase', 'Id', 7), { key: 'm' });
+    expect(out.summary?.steps[0]).toEqual({ name: 'touch', chunks: 3 });
+    expect(await query(url, `select min(v), max(v) from "MixedCase"`)).toEqual([{ min: 1, max: 1 }]);
+    // The estimate reads the same table: 20 rows (the planner's statistics) / 7.
+    expect(await query(url, `select s.estimated_chunks from idem.steps s join idem.runs r on r.id = s.run_id where r.job = 'mixed-mixedcase'`)).toEqual([{ estimated_chunks: 3 }]);
+    const qualified = await runner.run(touch('Sales.Orders', 'Id', 4), { key: 'q' });
+    expect(qualified.summary?.steps[0]).toEqual({ name: 'touch', chunks: 3 });
+    expect(await query(url, `select min(v), max(v) from "Sales"."Orders"`)).toEqual([{ min: 1, max: 1 }]);
+    // The autovacuum health check watches the same table: it resolves the source's `tables` (and a
+    // step's) by the same rule.
+    const tables = keyRange({ table: 'Sales.Orders', column: 'Id', size: 1 }).tables!;
+    expect(tables).toEqual(['Sales.Orders']);
+    const resolved = await query(url, `select to_regclass(n)::oid::int8 as oid from unnest($1::text[]) n`, [[...tables, 'MixedCase'].map(lookupText)]);
+    expect(resolved).toEqual(await query(url, `select oid::int8 as oid from unnest(array['"Sales"."Orders"'::regclass, '"MixedCase"'::regclass]) oid`));
+  });
+
+  it('refuses a quoted name at definition, with the spelling to use, and names the table a wrong-case name meant', async () => {
+    expect(() => keyRange({ table: '"MixedCase"', column: '"Id"', size: 7 })).toThrow(
+      `keyRange(): table must be the name as it is in the database, without quotes (got '"MixedCase"'): write table: 'MixedCase'; column must be the name as it is in the database, without quotes (got '"Id"'): write column: 'Id'`,
+    );
+    expect(() => keyRange({ table: 'a.b.c', column: 'id', size: 1 })).toThrow(`keyRange(): table must be a name or schema.name (got 'a.b.c')`);
+    // The same rule wherever idem takes a table or column name.
+    expect(() => defineJob({ name: 'quoted-tables', steps: [{ name: 's', tables: ['ok', '"MixedCase"'], run() {} }] })).toThrow(
+      `defineJob(): invalid job definition: steps[0].tables[1] must be the name as it is in the database, without quotes (got '"MixedCase"'): write steps[0].tables[1]: 'MixedCase'`,
+    );
+    expect(() => keysetQuery({ query: 'select 1', key: '"Id"', size: 1, tables: ['"Sales"."Orders"'] })).toThrow(
+      `keysetQuery(): key must be the name as it is in the database, without quotes (got '"Id"'): write key: 'Id'; tables[0] must be the name as it is in the database, without quotes (got '"Sales"."Orders"'): write tables[0]: 'Sales.Orders'`,
+    );
+    const err = await runner.run(touch('mixedcase', 'Id', 7), { key: 'lower' }).catch((e: unknown) => e);
+    expect((err as Error).message).toMatch(/keyRange\(\): table "mixedcase" does not exist; did you mean 'MixedCase'\? \(names are case-sensitive, as in the database\)/);
+    const col = await runner.run(touch('MixedCase', 'id', 7), { key: 'lower-col' }).catch((e: unknown) => e);
+    expect((col as Error).message).toMatch(/keyRange\(\): table "MixedCase" has no column "id"; did you mean 'Id'\?/);
   });
 });
 

@@ -117,6 +117,40 @@ describe('idem run', () => {
     expectOneLineError(flag!, 2, "unknown option '--bogus'");
     expectOneLineError(value!, 2, 'expected an integer from 1 to 64, got "0"');
     expectOneLineError(command!, 2, "unknown command 'frobnicate'");
+    // commander's suggestion came on a second line.
+    const [typo, optionTypo] = await Promise.all([idem(['rnu']), idem(['run', 'counted', '--jsn'])]);
+    expect(typo.stderr).toBe("idem: error: unknown command 'rnu' (Did you mean run?); see --help\n");
+    expect(optionTypo.stderr).toBe("idem: error: unknown option '--jsn' (Did you mean --json?); see --help\n");
+    expect([typo.code, optionTypo.code]).toEqual([2, 2]);
+  });
+
+  it('idem without a command is a usage error: the help on stderr, exit 2 (as git and npm do)', async () => {
+    const r = await idem([]);
+    expect({ code: r.code, stdout: r.stdout }).toEqual({ code: 2, stdout: '' });
+    expect(r.stderr).toMatch(/^Usage: idem \[options\] \[command\]/);
+  });
+
+  it('run --json prints its error object on stdout for every refusal, a command line that does not parse and a missing folder too', async () => {
+    const [concurrency, param, wait, noJob, folder] = await Promise.all([
+      idem(['run', 'counted', '--json', '--concurrency', '0']),
+      idem(['run', 'counted', '--param', 'noeq', '--json']),
+      idem(['run', '--key', 'k1', 'counted', '--wait', 'abc', '--json']),
+      idem(['run', '--json']),
+      runCli(['--jobs-dir', '/nonexistent-idem-jobs', 'run', 'counted', '--json'], { url }),
+    ]);
+    const refused = (job: string | null, runKey: string | null, code: string, error: string) => ({ status: 'error', job, runKey, exitCode: 2, code, error });
+    const cases: Array<[CliResult, object]> = [
+      [concurrency!, refused('counted', null, 'idem.invalidArgument', `option '--concurrency <n>' argument '0' is invalid. expected an integer from 1 to 64, got "0"`)],
+      [param!, refused('counted', null, 'idem.invalidArgument', `option '--param <key=value>' argument 'noeq' is invalid. expected key=value, got "noeq"`)],
+      [wait!, refused('counted', 'k1', 'idem.invalidArgument', `option '--wait [seconds]' argument 'abc' is invalid. expected a number of seconds >= 0, got "abc"`)],
+      [noJob!, refused(null, null, 'idem.missingArgument', `missing required argument 'job'`)],
+      [folder!, refused('counted', null, 'idem.missingFolder', '--jobs-dir /nonexistent-idem-jobs: no such folder; create it or fix the path')],
+    ];
+    for (const [r, expected] of cases) {
+      expect(r.code, r.stderr).toBe(2);
+      expect(JSON.parse(r.stdout)).toEqual(expected);
+      expect(lines(r.stderr)).toHaveLength(1);
+    }
   });
 
   it('an unreachable database exits 2 with a one-line error that never shows the password', async () => {

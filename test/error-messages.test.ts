@@ -3,7 +3,7 @@ import os from 'node:os';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { Runner } from '../src/index.ts';
-import { ALL_TABLES, FIXTURE_DIRS, FIXTURE_JOBS, FIXTURE_MIGRATIONS, killLeftovers, lines, logLines, query, runCli, snapshot, type CliResult } from './support/cli.ts';
+import { ALL_TABLES, FIXTURE_DIRS, FIXTURE_JOBS, FIXTURE_MIGRATIONS, killLeftovers, lines, logLines, query, REPO, runCli, snapshot, type CliResult } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 // Issue 14: every common mistake of a new user ends in an error that says what and where, and how
@@ -416,6 +416,76 @@ describe('a failed chunk\'s message with newlines is recorded whole', () => {
       expect(table.stdout).toContain(escaped.slice(0, 60));
     });
   }
+});
+
+describe('a job definition that loads but is wrong is refused (exit 2), naming the file and the fix', () => {
+  it('unknown keys (a typo, a stray key) at the job and the step level: each named with the closest known key, all at once', async () => {
+    const dir = await jobFolder('unknown-keys', {
+      'typo.js': `export default { name: 'typo', schedual: '0 * * * *', bogus: 1, steps: [{ name: 'a', maxFailedChunk: 2, run() {} }, { name: 'b', run() {}, chunk: () => null }] };\n`,
+    });
+    const before = await snapshot(url, ALL_TABLES);
+    const out = refusal(await runCli(['--jobs-dir', dir, 'run', 'typo'], { url }), 2);
+    expect(out).toEqual([
+      `idem: error: ${path.relative(REPO, path.join(dir, 'typo.js'))}: invalid job definition: unknown key "schedual" (did you mean "schedule"?); unknown key "bogus" (known: name, description, version, params, steps, retry, throttle, health, schedule); steps[0]: unknown key "maxFailedChunk" (did you mean "maxFailedChunks"?); steps[1]: unknown key "chunk" (did you mean "chunks"?)`,
+    ]);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it('a job and a migration of the same name are refused by every command that reads both folders, naming both files', async () => {
+    const root = path.join(tmp, 'shared-name');
+    await mkdir(path.join(root, 'jobs'), { recursive: true });
+    await mkdir(path.join(root, 'migrations'), { recursive: true });
+    await writeFile(path.join(root, 'package.json'), JSON.stringify({ type: 'module' }));
+    const hello = `export default { name: 'hello', steps: [{ name: 'a', run() {} }] };\n`;
+    await writeFile(path.join(root, 'jobs', 'hello.js'), hello);
+    await writeFile(path.join(root, 'jobs', 'other.js'), `export default { name: 'other', steps: [{ name: 'a', run() {} }] };\n`);
+    await writeFile(path.join(root, 'migrations', '0001_a.js'), `export default { name: 'first', steps: [{ name: 'a', run() {} }] };\n`);
+    await writeFile(path.join(root, 'migrations', '0002_b.js'), hello);
+    const before = await snapshot(url, ALL_TABLES);
+    const in_ = (args: string[]) => runCli(args, { url, cwd: root, timeoutMs: 20_000, env: { IDEM_API_TOKEN: 'a'.repeat(64) } });
+    const results = await Promise.all([
+      in_(['run', 'hello']),
+      in_(['run', 'hello', '--key', '0002_b']),
+      in_(['finalize', 'hello', '--key', 'k']),
+      in_(['list']),
+      in_(['status', 'hello']),
+      in_(['migrate']),
+      in_(['serve', '--port', '0']),
+    ]);
+    for (const r of results) {
+      expect(refusal(r, 2)).toEqual([
+        'idem: error: job name "hello" is defined twice (jobs/hello.js and migrations/0002_b.js): a job and a migration may not share a name (they would share one lock and one list of runs); rename one',
+      ]);
+    }
+    // A job of another name runs: the folders are not refused as a whole.
+    expect((await in_(['run', 'other', '--dry-run'])).code).toBe(0);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+    // A name with runs already (made before the clash, here in process) is refused too.
+    const runner = await Runner.connect({ connectionString: url });
+    try {
+      await runner.run({ name: 'hello', steps: [{ name: 'a', run: async () => {} }] } as never, { key: 'before-the-clash' });
+    } finally {
+      await runner.close();
+    }
+    expect(refusal(await in_(['status', 'hello']), 2)[0]).toMatch(/^idem: error: job name "hello" is defined twice \(jobs\/hello\.js and migrations\/0002_b\.js\)/);
+  });
+
+  it('a migration declaring params or a schedule, or whose file name is too long to be its run key, is refused naming the file and the fix', async () => {
+    const dir = await jobFolder('migration-params', {
+      '0001_p.js': `export default { name: 'with-params', params: (raw) => raw, schedule: '0 * * * *', steps: [{ name: 'a', run() {} }] };\n`,
+    });
+    const long = `0001_${'x'.repeat(196)}`;
+    const longDir = await jobFolder('migration-long-name', { [`${long}.js`]: `export default { name: 'long-name', steps: [{ name: 'a', run() {} }] };\n` });
+    const before = await snapshot(url, ALL_TABLES);
+    const [declared, tooLong] = await Promise.all([runCli(['--migrations-dir', dir, 'migrate'], { url }), runCli(['--migrations-dir', longDir, 'migrate', '--json'], { url })]);
+    expect(refusal(declared, 2)).toEqual([
+      `idem: error: ${path.relative(REPO, path.join(dir, '0001_p.js'))}: a migration takes no params (it runs once per database, with its file name as run key): remove params, or make it a job in the jobs folder; a migration has no schedule (idem migrate runs it, once): remove schedule, or make it a job in the jobs folder`,
+    ]);
+    const message = `${path.relative(REPO, path.join(longDir, `${long}.js`))}: the migration's file name without its extension is its run key, at most 200 characters; this one has 201: rename the file`;
+    expect({ code: tooLong.code, stderr: tooLong.stderr }).toEqual({ code: 2, stderr: `idem: error: ${message}\n` });
+    expect(JSON.parse(tooLong.stdout)).toEqual([{ runKey: null, job: null, status: 'error', exitCode: 2, code: 'idem.invalidMigration', error: message }]);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
 });
 
 describe('a chunk source mistake is its step\'s', () => {

@@ -22,11 +22,13 @@ async function folder(name: string, files: Record<string, string>): Promise<stri
 }
 
 describe('loading job folders', () => {
-  it('accepts a plain default-exported object as well as defineJob, in file-name order, skipping tests and type files', async () => {
+  it('accepts a plain default-exported object as well as defineJob, in file-name order, skipping tests (*.test.*, *.spec.*) and type files', async () => {
     const d = await folder('mixed', {
       '02_plain.ts': `export default { name: 'plain', description: 'no defineJob', steps: [{ name: 'only', run() {} }] };`,
       '01_defined.ts': `import { defineJob } from ${JSON.stringify(INDEX)};\nexport default defineJob({ name: 'defined', steps: [{ name: 's', run() {} }] });`,
       'helper.test.ts': `throw new Error('a test file must not be loaded');`,
+      'helper.spec.ts': `throw new Error('a spec file (vitest, jest, mocha name tests so too) must not be loaded');`,
+      'other.spec.mjs': `throw new Error('nor a spec file of another extension');`,
       'types.d.ts': `export type X = number;`,
       '_private.ts': `throw new Error('a file starting with _ must not be loaded');`,
     });

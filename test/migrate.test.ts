@@ -104,6 +104,22 @@ describe('idem migrate', () => {
     expect(await runsOf(url2)).toEqual([{ run_key: '0001_create_widgets', status: 'failed', attempt: 1 }]);
   });
 
+  it('--json prints the outcomes array when migrate fails before any migration: an unreachable database, a bad flag', async () => {
+    const [unreachable, badFlag] = await Promise.all([
+      migrate('postgres://u:secret@127.0.0.1:1/x', ['--json']),
+      runCli([...FIXTURE_DIRS, 'migrate', '--json', '--wait', 'abc']),
+    ]);
+    expect(unreachable.code, unreachable.stderr).toBe(2);
+    expect(JSON.parse(unreachable.stdout)).toEqual([
+      { runKey: null, job: null, status: 'error', exitCode: 2, code: 'idem.databaseUnavailable', error: expect.stringMatching(/^cannot reach the database at postgres:\/\/u:\*\*\*@127\.0\.0\.1:1\/x/) },
+    ]);
+    expect(unreachable.stdout).not.toContain('secret');
+    expect(badFlag.code, badFlag.stderr).toBe(2);
+    expect(JSON.parse(badFlag.stdout)).toEqual([
+      { runKey: null, job: null, status: 'error', exitCode: 2, code: 'idem.invalidArgument', error: `option '--wait [seconds]' argument 'abc' is invalid. expected a number of seconds >= 0, got "abc"` },
+    ]);
+  });
+
   it('prune and --retention keep migration runs: a migration pruned would run again at the next deploy', async () => {
     const url = await freshDatabase();
     const first = await migrate(url, ['--json']);

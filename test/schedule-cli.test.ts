@@ -5,7 +5,7 @@ import { fileURLToPath } from 'node:url';
 import { afterAll, afterEach, beforeAll, beforeEach, describe, expect, it } from 'vitest';
 import { latestSlot, parseSchedule, slotKey, slotsSince } from '../src/schedule.ts';
 import { TICK_SCHEDULE } from './fixtures/scheduled-jobs/hourly-tick.ts';
-import { busyMessage, FIXTURE_JOBS, killLeftovers, lines, query, REPO, runCli, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { busyMessage, FIXTURE_JOBS, killLeftovers, query, REPO, runCli, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 const SCHEDULED_JOBS = fileURLToPath(new URL('./fixtures/scheduled-jobs', import.meta.url));
@@ -77,7 +77,8 @@ describe('idem run on a scheduled job', () => {
 
     const first = await runCli(args, { url });
     expect(first.code, first.stderr).toBe(0);
-    const outs = first.stdout.trim().split('\n').map((l) => JSON.parse(l));
+    // One JSON document, an array of the slots' outcomes, as migrate --json prints its migrations'.
+    const outs = JSON.parse(first.stdout) as Array<{ runKey: string; status: string; executed: number }>;
     expect(outs.map((o) => [o.runKey, o.status, o.executed])).toEqual(keys.map((k) => [k, 'succeeded', 1]));
     // Three runs, created in slot order; each slot's step saw its own slot.
     expect((await runsOf('sched_b')).map((r) => [r.run_key, r.status])).toEqual(keys.map((k) => [k, 'succeeded']));
@@ -85,9 +86,36 @@ describe('idem run on a scheduled job', () => {
 
     const second = await runCli(args, { url });
     expect(second.code).toBe(0);
-    expect(second.stdout.trim().split('\n').map((l) => JSON.parse(l)).map((o) => [o.runKey, o.status, o.executed])).toEqual(keys.map((k) => [k, 'already-succeeded', 0]));
+    expect((JSON.parse(second.stdout) as Array<{ runKey: string; status: string; executed: number }>).map((o) => [o.runKey, o.status, o.executed])).toEqual(keys.map((k) => [k, 'already-succeeded', 0]));
     expect(await ticks('catch-up')).toHaveLength(3);
     expect(await runsOf('sched_b')).toHaveLength(3);
+  });
+});
+
+describe('--key of a scheduled job', () => {
+  it('a key that is a slot of the schedule runs as that slot (ctx.slot), so --catch-up finds it done; a slot-shaped key off the schedule or not yet due exits 2', async () => {
+    const [older, latest] = slotsSince(schedule, { count: 2 }) as [Date, Date];
+    const byKey = await runCli(tick('sched_g', ['--param', 'tag=by-key', '--key', slotKey(older)]), { url });
+    expect(byKey.code, byKey.stderr).toBe(0);
+    expect(await ticks('by-key')).toEqual([{ run_key: slotKey(older), chunk_key: older.toISOString() }]);
+    // The catch-up finds the slot done (it ran as that slot) and runs only the other one.
+    const catchUp = await runCli(tick('sched_g', ['--param', 'tag=by-key', '--catch-up', '2']), { url });
+    expect(catchUp.code, catchUp.stderr).toBe(0);
+    expect(await ticks('by-key')).toEqual([older, latest].map((s) => ({ run_key: slotKey(s), chunk_key: s.toISOString() })));
+
+    // Shaped like a slot key, but the schedule does not fire then: refused, naming the nearest slots.
+    const off = new Date(older.getTime() + 30 * 60_000);
+    const offSlot = await runCli(tick('sched_h', ['--key', slotKey(off)]), { url });
+    expect(offSlot.code).toBe(2);
+    expect(offSlot.stderr).toBe(
+      `idem: error: --key ${slotKey(off)} is shaped like a slot of job "hourly-tick", but its schedule (0 * * * *, UTC) does not fire then; the nearest slots are ${slotKey(older)} and ${slotKey(latest)}: pass one of them, or a key that is not a UTC time\n`,
+    );
+    // A slot that is not due yet: running it now would mark it done before its time.
+    const future = schedule.next(new Date(Date.now() + 86_400_000));
+    const early = await runCli(tick('sched_h', ['--key', slotKey(future)]), { url });
+    expect(early.code).toBe(2);
+    expect(early.stderr).toBe(`idem: error: --key ${slotKey(future)} is a slot of job "hourly-tick" that is not due yet; the latest due slot is ${slotKey(latestSlot(schedule))}: pass a due slot, or a key that is not a UTC time\n`);
+    expect(await query(url, `select to_regnamespace('sched_h')::text as s`)).toEqual([{ s: null }]);
   });
 });
 
@@ -103,7 +131,7 @@ describe('--catch-up when a slot fails', () => {
       expect(first.stderr).toContain(`injected failure in slot ${slots[1]!.toISOString()}`);
       // The slot before it ran; the failed one is recorded failed (and --json says so, exit code
       // and all); the one after was not tried.
-      expect(lines(first.stdout).map((l) => JSON.parse(l)).map((o) => [o.runKey, o.status, o.exitCode])).toEqual([[keys[0], 'succeeded', undefined], [keys[1], 'error', 1]]);
+      expect((JSON.parse(first.stdout) as Array<{ runKey: string; status: string; exitCode?: number }>).map((o) => [o.runKey, o.status, o.exitCode])).toEqual([[keys[0], 'succeeded', undefined], [keys[1], 'error', 1]]);
       expect((await runsOf('sched_e')).map((r) => [r.run_key, r.status])).toEqual([[keys[0], 'succeeded'], [keys[1], 'failed']]);
       expect(await ticks('cu-fail')).toEqual([{ run_key: keys[0], chunk_key: slots[0]!.toISOString() }]);
     } finally {
@@ -112,7 +140,7 @@ describe('--catch-up when a slot fails', () => {
     // The next tick (same command) finds the first slot done, retries the failed one, then runs the last.
     const next = await runCli(args, { url });
     expect(next.code, next.stderr).toBe(0);
-    expect(lines(next.stdout).map((l) => JSON.parse(l)).map((o) => [o.runKey, o.status, o.attempt])).toEqual([
+    expect((JSON.parse(next.stdout) as Array<{ runKey: string; status: string; attempt: number }>).map((o) => [o.runKey, o.status, o.attempt])).toEqual([
       [keys[0], 'already-succeeded', 1],
       [keys[1], 'succeeded', 2],
       [keys[2], 'succeeded', 1],
@@ -123,7 +151,7 @@ describe('--catch-up when a slot fails', () => {
   it('--catch-up 12h runs every hourly slot of the last 12 hours, oldest first', async () => {
     const r = await runCli(tick('sched_f', ['--param', 'tag=cu-12h', '--catch-up', '12h', '--json']), { url });
     expect(r.code, r.stderr).toBe(0);
-    const keys = lines(r.stdout).map((l) => JSON.parse(l)).map((o) => (expect(o).toMatchObject({ status: 'succeeded', executed: 1 }), o.runKey as string));
+    const keys = (JSON.parse(r.stdout) as Array<{ runKey: string }>).map((o) => (expect(o).toMatchObject({ status: 'succeeded', executed: 1 }), o.runKey));
     // Twelve consecutive hours ending with the latest due slot (computed here, not by src/).
     const latest = Math.floor(Date.now() / 3_600_000) * 3_600_000;
     const expected = Array.from({ length: 12 }, (_, i) => new Date(latest - (11 - i) * 3_600_000).toISOString().replace('.000Z', 'Z'));

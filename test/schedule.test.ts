@@ -199,6 +199,9 @@ describe('renderCrontab', () => {
     expect(text).toContain('# berlin-export: 30 2 * * MON-FRI (Europe/Berlin)');
     expect(text).toMatch(/# Exit codes: 0 done.*75 busy/s);
     expect(text).toMatch(/1 failed/);
+    // A line run by hand runs the latest slot: the header says how to rerun a given one.
+    expect(text).toContain("or by hand by its key\n# (a line run by hand runs the latest slot, not a given one), in '/srv/my app':\n#   npx idem run <job> --key 2026-11-30T03:00:00Z\n");
+    expect(text).not.toMatch(/rerun the line by hand/);
     expect(text).toMatch(/Overlapping invocations are safe/);
     expect(text).toMatch(/CRON_TZ is honoured by\n# cronie/);
   });
@@ -206,7 +209,7 @@ describe('renderCrontab', () => {
   it('escapes % for cron, quotes paths, defaults the log file and passes --catch-up', () => {
     const text = renderCrontab(entries.slice(0, 1), { cwd: "/srv/o'neil", command: 'node bin/idem.js --log-level warn', catchUp: '2' });
     expect(text).toContain("cd '/srv/o'\\''neil' && node bin/idem.js --log-level warn run nightly-report --catch-up 2 >> idem-cron.log 2>&1");
-    expect(text).toContain('the next invocation retries it: --catch-up 2');
+    expect(text).toContain('# A failed or missed slot is retried by the next invocation (--catch-up 2 on each line), or by hand by its key');
     expect(renderCrontab(entries.slice(0, 1), { cwd: '/srv/100%', command: 'npx idem' })).toContain("cd '/srv/100\\%' &&");
     expect(usageError(() => renderCrontab(entries, { cwd: '/srv', command: 'npx idem\nrm -rf /' })).code).toBe('idem.invalidCrontab');
     expect(usageError(() => renderCrontab(entries, { cwd: '/srv', command: 'npx idem', catchUp: 'soon' })).code).toBe('idem.invalidCatchUp');

@@ -14,7 +14,7 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
         const { loadJobDir, runCronLoop, slotKey } = await import('../cli-runtime.ts');
         const loaded = await loadJobDir(g.jobsDir, 'jobs');
         const byName = new Map(loaded.map((l) => [l.job.name, l.job]));
-        const entries = await scheduledJobs(g.jobsDir);
+        const entries = await scheduledJobs(g.jobsDir, g.migrationsDir);
         const runner = await openRunner(g, log, session);
         const signals = installSignals(log, g.shutdownTimeout, force);
         log.info({ jobs: entries.map((e) => `${e.job} (${e.schedule.expression})`) }, 'idem cron started');

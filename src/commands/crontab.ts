@@ -3,13 +3,16 @@ import { CLI_DEFAULT_SCHEMA, type CliContext } from '../cli-session.ts';
 import { ExitCode, UsageError } from '../errors.ts';
 import type { ScheduledJob } from '../schedule.ts';
 
-/** Every job in the folder that declares a schedule, by name. */
-export async function scheduledJobs(dir: string): Promise<ScheduledJob[]> {
+/**
+ * Every job in the folder that declares a schedule, by name; refused when a migration (in
+ * `migrationsDir`) shares a scheduled job's name, which would share its lock and runs.
+ */
+export async function scheduledJobs(dir: string, migrationsDir: string): Promise<ScheduledJob[]> {
   // Loaded here, not at the top: `idem --help` needs neither the job files nor croner.
-  const { loadJobDir, parseSchedule } = await import('../cli-runtime.ts');
-  const loaded = await loadJobDir(dir, 'jobs');
-  return loaded
-    .filter((l) => l.job.schedule !== undefined)
+  const { checkSharedNamesIn, loadJobDir, parseSchedule } = await import('../cli-runtime.ts');
+  const scheduled = (await loadJobDir(dir, 'jobs')).filter((l) => l.job.schedule !== undefined);
+  await checkSharedNamesIn(scheduled, migrationsDir, 'migrations');
+  return scheduled
     .map((l) => ({ job: l.job.name, schedule: parseSchedule(l.job.schedule!) }))
     .sort((a, b) => (a.job < b.job ? -1 : 1));
 }
@@ -24,7 +27,7 @@ export function registerCrontabCommand(program: Command, cli: CliContext): void 
     .option('--catch-up <N>', 'add --catch-up N to each line, so a failed or missed slot is retried by the next tick')
     .action((o: { command: string; logFile?: string; catchUp?: string }) =>
       cli.runWithSession(async (g) => {
-        const entries = await scheduledJobs(g.jobsDir);
+        const entries = await scheduledJobs(g.jobsDir, g.migrationsDir);
         if (entries.length === 0) throw new UsageError('noScheduledJobs', `no job in ${g.jobsDir}/ declares a schedule; add schedule: '0 3 * * *' to one`);
         // Every global flag that changes which lock, tables or files a run uses goes on the line,
         // quoted: a cron run under another schema would take another lock than a manual run.

@@ -1,7 +1,7 @@
 import type { Command } from 'commander';
 import { collectParam, nonNegativeNumber, parseParams, positiveInt } from '../cli-parsers.ts';
 import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
-import { describeOutcome } from '../describe-outcome.ts';
+import { describeOutcome, runErrorObject } from '../describe-outcome.ts';
 import { ExitCode } from '../errors.ts';
 import type { FinalizeOutcome } from '../finalize.ts';
 import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
@@ -37,7 +37,7 @@ export function registerFinalizeCommand(program: Command, cli: CliContext): void
       cli.runWithSession(async (g, log, session, force) => {
         const params = parseParams(o.params, o.param);
         const { findJob } = await import('../cli-runtime.ts');
-        const job = await findJob(g.jobsDir, name);
+        const job = await findJob(g.jobsDir, name, { migrationsDir: g.migrationsDir });
         const health = await healthSetting(o);
         const { finalizeRun, POOL_HEADROOM } = await import('../cli-runtime.ts');
         const runner = await openRunner(g, log, session, o.concurrency + POOL_HEADROOM);
@@ -54,6 +54,6 @@ export function registerFinalizeCommand(program: Command, cli: CliContext): void
         });
         process.stdout.write(o.json ? `${JSON.stringify(outcome)}\n` : `${describeFinalize(outcome)}\n`);
         return ExitCode.Ok;
-      }, ['jobs']),
+      }, ['jobs'], o.json ? (err) => runErrorObject(name, o.key, err) : undefined),
     );
 }

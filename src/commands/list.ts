@@ -51,9 +51,10 @@ export function registerListCommand(program: Command, cli: CliContext): void {
     .option('--json', 'print as JSON')
     .action((o: { json?: boolean }) =>
       cli.runWithSession(async (g, log, session) => {
-        const { loadJobDir } = await import('../cli-runtime.ts');
+        const { checkSharedNames, loadJobDir } = await import('../cli-runtime.ts');
         const jobs = await loadJobDir(g.jobsDir, 'jobs');
         const migrations = await loadJobDir(g.migrationsDir, 'migrations');
+        checkSharedNames(jobs, migrations);
         const runner = await openRunner(g, log, session);
         // A job's latest run, except that a live one wins: a busy invocation of another key leaves
         // a newer `pending` row beside it, which is not what the job is doing.

@@ -1,7 +1,7 @@
 import type { Command } from 'commander';
 import { nonNegativeNumber, waitSeconds } from '../cli-parsers.ts';
 import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
-import { describeOutcome, failureFields } from '../describe-outcome.ts';
+import { describeOutcome, migrateErrorEntry } from '../describe-outcome.ts';
 import { ExitCode, UsageError } from '../errors.ts';
 import type { RunOutcome } from '../runner.ts';
 import { describeFinalize } from './finalize.ts';
@@ -17,36 +17,38 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
     .option('--allow-changed-code', 'resume migrations whose file (or version) changed since they started; recorded on the run')
     .option('--finalize <name>', 'deploys: make sure this migration (and those before it) succeeded: done → exit 0, running elsewhere → wait, idle → run it here, failed → exit 1')
     .option('--timeout <seconds>', 'with --finalize: how long to wait for a migration running elsewhere (default: no bound)', nonNegativeNumber)
-    .action((o: { wait?: number | boolean; json?: boolean; allowChangedCode?: boolean; finalize?: string; timeout?: number } & HealthFlags) =>
-      cli.runWithSession(async (g, log, session, force) => {
-        const { loadJobDir } = await import('../cli-runtime.ts');
-        const migrations = await loadJobDir(g.migrationsDir, 'migrations');
-        if (o.timeout !== undefined && o.finalize === undefined) throw new UsageError('invalidTimeout', '--timeout bounds the wait of --finalize; pass --finalize <name>, or use --wait for a plain migrate');
-        const health = await healthSetting(o);
-        const runner = await openRunner(g, log, session);
-        const signals = installSignals(log, g.shutdownTimeout, force);
-        if (o.finalize !== undefined) {
-          const { finalizeMigration } = await import('../cli-runtime.ts');
-          const list = migrations.map((m) => ({ runKey: m.id, job: m.job }));
-          const finalized = await finalizeMigration(runner, list, o.finalize, {
-            ...(o.timeout !== undefined ? { timeoutSeconds: o.timeout } : {}),
-            allowChangedCode: o.allowChangedCode ?? false,
-            ...health,
-            signal: signals.stop,
-            abortSignal: signals.abort,
-          });
-          if (o.json) process.stdout.write(`${JSON.stringify(finalized)}\n`);
-          else for (const out of finalized) process.stdout.write(`${out.runKey}: ${describeFinalize(out)}\n`);
-          return ExitCode.Ok;
-        }
-        // --json: a migration that fails is an entry of the outcomes after those that succeeded
-        // (none for those after it, which never ran), as `run --json` prints its error object.
-        const done: RunOutcome[] = [];
-        // Asserted, not annotated: the callback sets it, which TypeScript's narrowing does not see.
-        let current = null as { readonly runKey: string; readonly job: { readonly name: string } } | null;
-        let outcomes: RunOutcome[];
-        try {
-          outcomes = await runner.migrate(
+    .action((o: { wait?: number | boolean; json?: boolean; allowChangedCode?: boolean; finalize?: string; timeout?: number } & HealthFlags) => {
+      // --json: a migrate that fails prints the outcomes so far, then the failed migration as an
+      // entry (none for those after it, which never ran), as `run --json` prints its error object;
+      // an entry with null runKey and job when none was under way (a bad flag, the database, the lock).
+      const done: RunOutcome[] = [];
+      // Asserted, not annotated: the callback sets it, which TypeScript's narrowing does not see.
+      let current = null as { readonly runKey: string; readonly job: { readonly name: string } } | null;
+      return cli.runWithSession(
+        async (g, log, session, force) => {
+          const { checkSharedNamesIn, loadJobDir } = await import('../cli-runtime.ts');
+          const migrations = await loadJobDir(g.migrationsDir, 'migrations');
+          // A migration a job shares its name with would share the job's lock and runs.
+          await checkSharedNamesIn(migrations, g.jobsDir, 'jobs');
+          if (o.timeout !== undefined && o.finalize === undefined) throw new UsageError('invalidTimeout', '--timeout bounds the wait of --finalize; pass --finalize <name>, or use --wait for a plain migrate');
+          const health = await healthSetting(o);
+          const runner = await openRunner(g, log, session);
+          const signals = installSignals(log, g.shutdownTimeout, force);
+          if (o.finalize !== undefined) {
+            const { finalizeMigration } = await import('../cli-runtime.ts');
+            const list = migrations.map((m) => ({ runKey: m.id, job: m.job }));
+            const finalized = await finalizeMigration(runner, list, o.finalize, {
+              ...(o.timeout !== undefined ? { timeoutSeconds: o.timeout } : {}),
+              allowChangedCode: o.allowChangedCode ?? false,
+              ...health,
+              signal: signals.stop,
+              abortSignal: signals.abort,
+            });
+            if (o.json) process.stdout.write(`${JSON.stringify(finalized)}\n`);
+            else for (const out of finalized) process.stdout.write(`${out.runKey}: ${describeFinalize(out)}\n`);
+            return ExitCode.Ok;
+          }
+          const outcomes = await runner.migrate(
             migrations.map((m) => ({ runKey: m.id, job: m.job })),
             {
               wait: o.wait ?? true,
@@ -62,17 +64,13 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
               },
             },
           );
-        } catch (err) {
-          if (o.json) {
-            const entry = { runKey: current?.runKey ?? null, job: current?.job.name ?? null, status: 'error', ...failureFields(err) };
-            process.stdout.write(`${JSON.stringify([...done, entry])}\n`);
-          }
-          throw err;
-        }
-        if (o.json) process.stdout.write(`${JSON.stringify(outcomes)}\n`);
-        else if (outcomes.length === 0) process.stdout.write(`no migrations in ${g.migrationsDir}/\n`);
-        else for (const out of outcomes) process.stdout.write(`${out.runKey}: ${describeOutcome(out)}\n`);
-        return ExitCode.Ok;
-      }, ['migrations']),
-    );
+          if (o.json) process.stdout.write(`${JSON.stringify(outcomes)}\n`);
+          else if (outcomes.length === 0) process.stdout.write(`no migrations in ${g.migrationsDir}/\n`);
+          else for (const out of outcomes) process.stdout.write(`${out.runKey}: ${describeOutcome(out)}\n`);
+          return ExitCode.Ok;
+        },
+        ['migrations'],
+        o.json ? (err) => [...done, migrateErrorEntry(current, err)] : undefined,
+      );
+    });
 }

@@ -1,7 +1,8 @@
 import type { Command } from 'commander';
 import { checkRunKey, collectParam, nonNegativeNumber, parseParams, positiveInt, positiveNumber, waitSeconds } from '../cli-parsers.ts';
 import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
-import { describeOutcome, failureFields } from '../describe-outcome.ts';
+import { describeOutcome, runErrorObject } from '../describe-outcome.ts';
+import type { RunOutcome } from '../runner.ts';
 import { ExitCode, UsageError } from '../errors.ts';
 import { fingerprint } from '../fingerprint.ts';
 import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
@@ -45,16 +46,19 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
     .option('--catch-up <N|duration>', 'scheduled jobs: run the missed slots oldest first, the last N or those within a duration (e.g. 3, 12h, 2d)')
     .option('--json', 'print the outcome as JSON on stdout')
     .option('--allow-changed-code', 'resume a run even though its job file (or version) changed since it started; recorded on the run')
-    .action((name: string, o: RunFlags) =>
-      cli.runWithSession(async (g, log, session, force) => {
-        /** The run key being worked on, for --json's error object (a --catch-up slot's key). */
-        let current = o.key;
-        try {
+    .action((name: string, o: RunFlags) => {
+      /** The run key being worked on, for --json's error object (a --catch-up slot's key). */
+      let current = o.key;
+      /** --catch-up: the slots' outcomes so far, printed with the failed slot's error as one array. */
+      const outcomes: RunOutcome[] = [];
+      const jsonError = (err: unknown) => (o.catchUp !== undefined ? [...outcomes, runErrorObject(name, current ?? null, err)] : runErrorObject(name, current ?? null, err));
+      return cli.runWithSession(
+        async (g, log, session, force) => {
           const params = parseParams(o.params, o.param);
           if (o.key !== undefined) checkRunKey(o.key);
           // Loaded when the command runs, not at the top: `idem --help` needs none of them (the job
           // API brings kysely, the schedule croner).
-          const { findJob, validateParams, latestSlot, parseCatchUp, parseSchedule, slotKey, slotsSince, POOL_HEADROOM } = await import('../cli-runtime.ts');
+          const { findJob, validateParams, latestSlot, parseCatchUp, parseSchedule, slotKey, slotOfKey, slotsSince, POOL_HEADROOM } = await import('../cli-runtime.ts');
           const job = await findJob(g.jobsDir, name, { migrationsDir: g.migrationsDir });
           // Bad params are refused before any connection: nothing, not even idem's schema, is created.
           const valid = await validateParams(job, params);
@@ -69,10 +73,13 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
           if (o.catchUp !== undefined && (!schedule || o.key !== undefined)) {
             throw new UsageError('invalidCatchUp', schedule ? '--catch-up picks run keys from the schedule; drop --key' : `--catch-up needs a scheduled job; "${job.name}" has no schedule`);
           }
+          // A --key that is a slot key of the schedule is that slot's run (ctx.slot set), as cron's
+          // would be: --catch-up then finds it done. A slot-shaped key off the schedule is refused.
+          const keySlot = schedule && o.key !== undefined ? slotOfKey(schedule, job.name, o.key) : null;
           const slots: Array<Date | null> =
-            o.catchUp !== undefined ? slotsSince(schedule!, parseCatchUp(o.catchUp)) : [o.key === undefined && schedule ? latestSlot(schedule) : null];
+            o.catchUp !== undefined ? slotsSince(schedule!, parseCatchUp(o.catchUp)) : [o.key === undefined && schedule ? latestSlot(schedule) : keySlot];
           if (slots.length === 0) {
-            process.stdout.write(`no slot of job "${job.name}" falls within --catch-up ${o.catchUp}\n`);
+            process.stdout.write(o.json ? '[]\n' : `no slot of job "${job.name}" falls within --catch-up ${o.catchUp}\n`);
             return ExitCode.Ok;
           }
           const runner = await openRunner(g, log, session, o.concurrency + POOL_HEADROOM);
@@ -105,20 +112,17 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
               signal: signals.stop,
               abortSignal: signals.abort,
             }).finally(() => reporter?.stop());
-            process.stdout.write(o.json ? `${JSON.stringify(outcome)}\n` : `${describeOutcome(outcome)}\n`);
+            outcomes.push(outcome);
+            // --catch-up --json: one array at the end (as migrate --json), not a line per slot.
+            if (!o.json) process.stdout.write(`${describeOutcome(outcome)}\n`);
+            else if (o.catchUp === undefined) process.stdout.write(`${JSON.stringify(outcome)}\n`);
           }
+          if (o.json && o.catchUp !== undefined) process.stdout.write(`${JSON.stringify(outcomes)}\n`);
           return ExitCode.Ok;
-        } catch (err) {
-          // --json is for scripts: an outcome other than success is an object on stdout too (the
-          // one-line error still goes to stderr, and the exit code is the same).
-          if (o.json) process.stdout.write(`${JSON.stringify(errorOutcome(name, current, err))}\n`);
-          throw err;
-        }
-      }, ['jobs']),
-    );
-}
-
-/** What `idem run --json` prints when the run does not succeed: the exit code, idem's error code and the message. */
-function errorOutcome(job: string, key: string | undefined, err: unknown) {
-  return { status: 'error', job, runKey: key ?? null, ...failureFields(err) };
+        },
+        ['jobs'],
+        // --json is for scripts: an outcome other than success, or input refused, is JSON on stdout too.
+        o.json ? jsonError : undefined,
+      );
+    });
 }

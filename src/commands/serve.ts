@@ -19,6 +19,9 @@ export function registerServeCommand(program: Command, cli: CliContext): void {
       cli.runWithSession(async (g, log, session, force) => {
         // Fastify and the server load only when the command runs, not for --help.
         const { serveCommand } = await import('../server/serve-command.ts');
+        // A job a migration shares its name with would share the migration's lock and runs.
+        const { checkSharedNamesIn, loadJobDir } = await import('../cli-runtime.ts');
+        await checkSharedNamesIn(await loadJobDir(g.jobsDir, 'jobs'), g.migrationsDir, 'migrations');
         const signals = installSignals(log, g.shutdownTimeout, force);
         const openDatabase = async (poolSize: number, readPoolSize: number, readTimeoutMs: number) => {
           const url = await databaseUrl(g, log, session);
