@@ -72,10 +72,11 @@ function oneLine(str: string): string {
 }
 
 /** What a command given --json prints on stdout when its command line is refused, by command. */
-const JSON_REFUSALS: Readonly<Record<string, (job: string | null, key: string | null, err: UsageError) => unknown>> = {
-  run: (job, key, err) => runErrorObject(job, key, err),
-  finalize: (job, key, err) => runErrorObject(job, key, err),
-  migrate: (_job, _key, err) => [migrateErrorEntry(null, err)],
+const JSON_REFUSALS: Readonly<Record<string, (job: string | null, flags: ReadonlyMap<string, string>, err: UsageError) => unknown>> = {
+  // `run --catch-up --json` prints an array (of the slots' outcomes), here the error alone.
+  run: (job, flags, err) => (flags.has('--catch-up') ? [runErrorObject(job, null, err)] : runErrorObject(job, flags.get('--key') ?? null, err)),
+  finalize: (job, flags, err) => runErrorObject(job, flags.get('--key') ?? null, err),
+  migrate: (_job, _flags, err) => [migrateErrorEntry(null, err)],
 };
 
 /**
@@ -117,7 +118,7 @@ function writeJsonRefusal(program: Command, args: readonly string[], err: Comman
   const write = command && values.has('--json') ? JSON_REFUSALS[command.name()] : undefined;
   if (!write) return;
   const refused = new UsageError(err.code.replace(/^commander\./, ''), oneLine(err.message).replace(/^error: /, ''));
-  process.stdout.write(`${JSON.stringify(write(operands[0] ?? null, values.get('--key') ?? null, refused))}\n`);
+  process.stdout.write(`${JSON.stringify(write(operands[0] ?? null, values, refused))}\n`);
 }
 
 /**

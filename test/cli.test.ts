@@ -151,6 +151,9 @@ describe('idem run', () => {
       expect(JSON.parse(r.stdout)).toEqual(expected);
       expect(lines(r.stderr)).toHaveLength(1);
     }
+    // With --catch-up, --json prints an array (the slots' outcomes): here the refusal alone.
+    const catchUp = await idem(['run', 'counted', '--catch-up', '3', '--json', '--concurrency', '0']);
+    expect(JSON.parse(catchUp.stdout)).toEqual([refused('counted', null, 'idem.invalidArgument', `option '--concurrency <n>' argument '0' is invalid. expected an integer from 1 to 64, got "0"`)]);
   });
 
   it('an unreachable database exits 2 with a one-line error that never shows the password', async () => {
