@@ -168,22 +168,30 @@ export function checkSharedNames(jobs: readonly LoadedJob[], migrations: readonl
  */
 export async function checkSharedNamesIn(loaded: readonly LoadedJob[], otherDir: string, other: 'jobs' | 'migrations'): Promise<void> {
   if (loaded.length === 0) return;
-  const abs = path.resolve(otherDir);
   const byName = new Map(loaded.map((l) => [l.job.name, l.file]));
-  for (const name of await jobFileNames(abs, ['ENOENT', 'ENOTDIR'])) {
-    const file = path.join(abs, name);
-    const text = await readFile(file, 'utf8').catch(() => '');
-    if (!spellsOut(text, [...byName.keys()])) continue;
-    const found = await loadJobFile(file, other).catch(() => null);
-    const mine = found ? byName.get(found.job.name) : undefined;
-    if (!found || mine === undefined) continue;
+  for (const found of await jobsSpelling(otherDir, [...byName.keys()], other)) {
+    const mine = byName.get(found.job.name);
+    if (mine === undefined) continue;
     throw other === 'migrations' ? sharedNameError(found.job.name, mine, found.file) : sharedNameError(found.job.name, found.file, mine);
   }
 }
 
-/** Whether a file's text has one of the names as a string literal (`'hello'`, `"hello"`, `` `hello` ``). */
-function spellsOut(text: string, names: readonly string[]): boolean {
-  return names.some((n) => text.includes(`'${n}'`) || text.includes(`"${n}"`) || text.includes(`\`${n}\``));
+/**
+ * The jobs of a folder's files that spell out one of `names` as a string literal (`'hello'`,
+ * `"hello"`, `` `hello` ``), imported to read their name; the other files are only read, and a
+ * file that does not load is left to the commands that load its folder.
+ */
+async function jobsSpelling(dir: string, names: readonly string[], what: 'jobs' | 'migrations'): Promise<LoadedJob[]> {
+  const abs = path.resolve(dir);
+  const found: LoadedJob[] = [];
+  for (const name of await jobFileNames(abs, ['ENOENT', 'ENOTDIR'])) {
+    const file = path.join(abs, name);
+    const text = await readFile(file, 'utf8').catch(() => '');
+    if (!names.some((n) => text.includes(`'${n}'`) || text.includes(`"${n}"`) || text.includes(`\`${n}\``))) continue;
+    const one = await loadJobFile(file, what).catch(() => null);
+    if (one) found.push(one);
+  }
+  return found;
 }
 
 /**
@@ -191,14 +199,7 @@ function spellsOut(text: string, names: readonly string[]): boolean {
  * a migration file both define it, importing only files that spell it out (see checkSharedNamesIn).
  */
 export async function checkNameShared(name: string, dirs: { readonly jobsDir: string; readonly migrationsDir: string }): Promise<void> {
-  const abs = path.resolve(dirs.jobsDir);
-  const jobs: LoadedJob[] = [];
-  for (const file of await jobFileNames(abs, ['ENOENT', 'ENOTDIR'])) {
-    const text = await readFile(path.join(abs, file), 'utf8').catch(() => '');
-    if (!spellsOut(text, [name])) continue;
-    const found = await loadJobFile(path.join(abs, file), 'jobs').catch(() => null);
-    if (found?.job.name === name) jobs.push(found);
-  }
+  const jobs = (await jobsSpelling(dirs.jobsDir, [name], 'jobs')).filter((j) => j.job.name === name);
   await checkSharedNamesIn(jobs, dirs.migrationsDir, 'migrations');
 }
 
