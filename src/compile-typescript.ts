@@ -8,9 +8,10 @@ import type { Plugin } from 'esbuild';
  * Bumped whenever the compile options or the manifest change, so copies built by an older idem
  * are rebuilt: 2 keeps `idem` an import where 1 could bundle a copy of it; 3 records each input's
  * content hash, where 2 trusted mtime and size alone; 4 gives each module its source's
- * `import.meta.url`, where 3 left the compiled copy's.
+ * `import.meta.url`, where 3 left the compiled copy's; 5 hashes the bytes compiled, where 4 read
+ * each input again after the build.
  */
-const MANIFEST_VERSION = 4;
+const MANIFEST_VERSION = 5;
 
 /**
  * What a compiled file was built from: each input's path and the sha256 of its content, to know
@@ -46,6 +47,7 @@ export async function compileTypeScriptModule(file: string, cacheDir: string): P
   const manifestFile = `${out}.json`;
   if (await isFresh(manifestFile)) return out;
   const { build } = await import('esbuild');
+  const loaded = new Map<string, string>();
   const result = await build({
     entryPoints: [file],
     bundle: true,
@@ -65,7 +67,7 @@ export async function compileTypeScriptModule(file: string, cacheDir: string): P
     sourcemap: 'inline',
     logLevel: 'silent',
     absWorkingDir: path.dirname(file),
-    plugins: [sourceImportMeta],
+    plugins: [loadHashed(loaded)],
   }).catch((err: { errors?: Array<{ text: string; location: { file: string; line: number; column: number } | null }> }) => {
     // Worded as tsx's TransformError (an absolute path, then ERROR:), which load-error.ts
     // explains with the source line: the same message whichever way the file was compiled.
@@ -84,10 +86,13 @@ export async function compileTypeScriptModule(file: string, cacheDir: string): P
     e.name = 'TransformError';
     throw e;
   });
+  // The hash of the bytes esbuild compiled, not of the file read again now: an edit that lands
+  // meanwhile (an editor saving, a deploy copying) would be recorded as compiled, and every later
+  // start would run the old code as fresh. Such an edit is found stale at the next start instead.
   const inputs = await Promise.all(
     Object.keys(result.metafile.inputs).map(async (rel) => {
       const abs = path.resolve(path.dirname(file), rel);
-      return [abs, await contentHash(abs)] as const;
+      return [abs, loaded.get(abs) ?? (await contentHash(abs))] as const;
     }),
   );
   await mkdir(cacheDir, { recursive: true });
@@ -103,23 +108,27 @@ export async function compileTypeScriptModule(file: string, cacheDir: string): P
 const IMPORT_META = /\bimport\.meta\.(url|dirname|filename)\b/g;
 
 /**
- * `import.meta.url`, `.dirname` and `.filename` of each bundled source file, as that file's own: run
- * from the cache, they named the compiled copy under .idem/cache/, so a job reading a file next to
- * it (`new URL('./query.sql', import.meta.url)`) failed under the CLI, where Node running the file
- * as it is (vitest, tsx) found it. Each module of the bundle gets its own, written in as literals; a
- * file that does not mention `import.meta` is left for esbuild to read.
+ * Loads every input of the bundle itself, so that `hashes` records the sha256 of the very bytes
+ * compiled (by absolute path). And `import.meta.url`, `.dirname` and `.filename` of each bundled
+ * source file as that file's own: run from the cache, they named the compiled copy under
+ * .idem/cache/, so a job reading a file next to it (`new URL('./query.sql', import.meta.url)`)
+ * failed under the CLI, where Node running the file as it is (vitest, tsx) found it. Each module of
+ * the bundle gets its own, written in as literals.
  */
-const sourceImportMeta: Plugin = {
-  name: 'idem-source-import-meta',
+const loadHashed = (hashes: Map<string, string>): Plugin => ({
+  name: 'idem-load-hashed',
   setup(build) {
-    build.onLoad({ filter: /\.[cm]?[jt]sx?$/ }, async (args) => {
-      const text = await readFile(args.path, 'utf8');
-      if (!text.includes('import.meta')) return undefined;
+    build.onLoad({ filter: /.*/, namespace: 'file' }, async (args) => {
+      const bytes = await readFile(args.path);
+      hashes.set(args.path, createHash('sha256').update(bytes).digest('hex'));
+      if (!/\.[cm]?[jt]sx?$/.test(args.path)) return { contents: bytes, loader: 'default' };
+      const text = bytes.toString('utf8');
+      if (!text.includes('import.meta')) return { contents: bytes, loader: 'default' };
       const own: Record<string, string> = { url: pathToFileURL(args.path).href, dirname: path.dirname(args.path), filename: args.path };
       return { contents: text.replace(IMPORT_META, (_, name: string) => JSON.stringify(own[name])), loader: 'default' };
     });
   },
-};
+});
 
 async function isFresh(manifestFile: string): Promise<boolean> {
   let manifest: Manifest;

@@ -72,6 +72,36 @@ describe('the compiled-TypeScript cache', () => {
     await writeFile(out, '// kept\n');
     expect(await readFile(await compileTypeScriptModule(job, cache), 'utf8')).toBe('// kept\n');
   });
+
+  it('never serves old code for a file edited while it compiled (the bytes compiled are the bytes hashed)', async () => {
+    // An editor saving, or a deploy copying, while a run starts: esbuild read the old content, the
+    // manifest recorded the new content's hash, and every later start ran the old code as fresh.
+    // The edit lands at moments swept across a build's duration, measured first.
+    const job = path.join(dir, 'job.ts');
+    const cache = path.join(dir, '.idem', 'cache');
+    const build = async (text: string) => {
+      await writeFile(job, text);
+      const t = performance.now();
+      await compileTypeScriptModule(job, cache);
+      return performance.now() - t;
+    };
+    await build("export const version: string = 'warm';\n");
+    const took = [await build("export const version: string = 'a';\n"), await build("export const version: string = 'b';\n"), await build("export const version: string = 'c';\n")].sort((a, b) => a - b)[1]!;
+    const stale: number[] = [];
+    for (let i = 0; i < 40; i++) {
+      const at = (took * i) / 30;
+      await writeFile(job, `export const version: string = 'old-${i}';\n`);
+      const started = performance.now();
+      const compiling = compileTypeScriptModule(job, cache);
+      // Finer than a timer's millisecond: yield to I/O until the moment comes.
+      while (performance.now() - started < at) await new Promise(setImmediate);
+      await writeFile(job, `export const version: string = 'new-${i}';\n`);
+      await compiling;
+      // The next start must run what the file says now.
+      if (!(await readFile(await compileTypeScriptModule(job, cache), 'utf8')).includes(`new-${i}`)) stale.push(Math.round(at * 10) / 10);
+    }
+    expect(stale, `a build takes ~${Math.round(took)} ms; stale at these edit times (ms)`).toEqual([]);
+  });
 });
 
 describe('import.meta in a compiled TypeScript job', () => {
