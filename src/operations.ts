@@ -70,16 +70,25 @@ export interface PruneResult {
 const t = (h: Pick<OperationsHost, 'schema'>, name: string) => sql.id(h.schema, name);
 
 /**
- * The run an operator command acts on: the one with `key`, else the job's latest run in one of
- * `statuses`, a running one first. `pausePending`: a running run with a pause pending counts too
- * (resume withdraws it).
+ * The run an operator command acts on: the one with `key`, else the job's live run (a worker holds
+ * it) in one of `statuses`, else its latest run in one of them. A crashed run's row still says
+ * `running`, so the row's status alone would pick a crashed run over the live one, or over a newer
+ * pending one. `pausePending`: a running run with a pause pending counts too (resume withdraws it).
  */
 async function targetRun(h: OperationsHost, job: string, key: string | undefined, statuses: readonly string[], verb: string, pausePending = false): Promise<RunRow> {
-  const applies = pausePending ? sql`(status = any(${statuses}::text[]) or (status = 'running' and requested = 'pause'))` : sql`status = any(${statuses}::text[])`;
-  const { rows } = await sql<RunRow>`select * from ${t(h, 'runs')}
-    where job = ${job} and ${key === undefined ? applies : sql`run_key = ${key}`}
-    order by status = 'running' desc, created_at desc, id desc limit 1`.execute(h.db);
-  const run = rows[0];
+  let run: RunRow | undefined;
+  if (key === undefined) {
+    const applies = pausePending ? sql`(status = any(${statuses}::text[]) or (status = 'running' and requested = 'pause'))` : sql`status = any(${statuses}::text[])`;
+    // Every running candidate (the live one is among them) and the latest candidate of all.
+    const { rows } = await sql<RunRow>`select * from ${t(h, 'runs')} r
+      where job = ${job} and ${applies} and (status = 'running' or id = (select id from ${t(h, 'runs')} where job = ${job} and ${applies} order by created_at desc, id desc limit 1))
+      order by created_at desc, id desc`.execute(h.db);
+    const running = rows.filter((r) => r.status === 'running');
+    const held = running.length > 0 ? await h.heldLocks() : undefined;
+    run = (held && running.find((r) => runIsLive(r, held, h))) ?? rows[0];
+  } else {
+    run = (await sql<RunRow>`select * from ${t(h, 'runs')} where job = ${job} and run_key = ${key}`.execute(h.db)).rows[0];
+  }
   if (!run) {
     throw new UsageError(
       'unknownRun',

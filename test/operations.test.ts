@@ -223,6 +223,40 @@ describe('pause without --key while a run is live', () => {
   });
 });
 
+describe('without --key, a crashed run is not the live one', () => {
+  it('pause acts on the live run though a newer crashed run still reads running, and cancel then on the newest run it applies to', async () => {
+    // L crashes, then C crashes (newer); L is rerun and is live (attempt 2). Both rows read
+    // `running`: only the lock tells the live one. Ordering by status and age picked C.
+    const params = { chunks: 6, gate: 'g-crashed-target' };
+    for (const key of ['op-ct-live', 'op-ct-crashed']) {
+      expectFaultCrash(await runCli(countedArgs(key, params), { url, env: { IDEM_FAULT: 'after-commit:crash:1' } }), 'after-commit');
+      expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'running', attempt: 1 });
+    }
+    const gate = await holdGate(url, params.gate);
+    let child: ReturnType<typeof spawnCli>;
+    try {
+      child = spawnCli(countedArgs('op-ct-live', params), { url });
+      await someoneBlocked();
+      // A busy invocation of a third key meanwhile leaves the newest row, pending.
+      expect((await runCli(countedArgs('op-ct-pending', params), { url })).code).toBe(75);
+      const paused = await idem(['pause', 'counted']);
+      expect([paused.code, paused.stdout], paused.stderr).toEqual([0, 'pause: run op-ct-live of job "counted" requested: the live run stops at its next chunk boundary\n']);
+      expect(await runRow(url, 'counted', 'op-ct-crashed')).toMatchObject({ status: 'running', requested: null, attempt: 1 });
+      await requestSeen(child, 'pause');
+    } finally {
+      await gate.release();
+    }
+    expect((await child!.done).code).toBe(75);
+    expect(await runRow(url, 'counted', 'op-ct-live')).toMatchObject({ status: 'paused' });
+    // No run is live now: cancel takes the newest run it applies to (the pending one), not the
+    // crashed run because its row says running.
+    const cancelled = await idem(['cancel', 'counted']);
+    expect([cancelled.code, cancelled.stdout], cancelled.stderr).toEqual([0, 'cancel: run op-ct-pending of job "counted" now cancelled\n']);
+    expect(await runRow(url, 'counted', 'op-ct-crashed')).toMatchObject({ status: 'running', requested: null });
+    for (const key of ['op-ct-live', 'op-ct-crashed']) await idem(['cancel', 'counted', '--key', key]);
+  });
+});
+
 describe('a request the live run could not act on is not lost', () => {
   // The worker stops for another reason (SIGTERM, SIGKILL) after an operator asked it to pause or
   // cancel: the run ends by the request all the same, and no later invocation does any more work.
