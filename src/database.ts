@@ -77,7 +77,10 @@ function invalidUrlMessage(source: string | undefined): string {
   return `${source ?? 'the connection string'} is not a valid URL; percent-encode special characters in the user and password (/ as %2F, # as %23, ? as %3F, @ as %40, % as %25): postgres://user:password@host:5432/db`;
 }
 
-/** Removes any occurrence of the connection string's password from a message. */
+/**
+ * Removes any occurrence of the connection's password from a message: the connection string's, and
+ * PGPASSWORD's, which pg uses when the string has none.
+ */
 export function redactSecrets(text: string, connectionString: string): string {
   let forms: string[];
   try {
@@ -87,6 +90,7 @@ export function redactSecrets(text: string, connectionString: string): string {
   } catch {
     forms = [/password\s*=\s*'?([^'\s]+)/i.exec(connectionString)?.[1] ?? ''];
   }
+  forms.push(process.env.PGPASSWORD ?? '');
   for (const password of forms) if (password.length >= 3) text = text.split(password).join('***');
   return text;
 }

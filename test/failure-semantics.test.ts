@@ -142,6 +142,33 @@ describe("a chunk error that quotes the database's password", () => {
   });
 });
 
+describe('a chunk error that quotes a password given in PGPASSWORD', () => {
+  it('is masked too: the URL has none, pg took it from the environment', async () => {
+    const password = decodeURIComponent(new URL(db.url).password);
+    const bare = new URL(db.url);
+    bare.password = '';
+    const leaky = defineJob({
+      name: 'leaky-env',
+      steps: [{ name: 'work', run: async () => void (await Promise.reject(new Error(`connect failed for app/${password}`))) }],
+    });
+    const saved = process.env.PGPASSWORD;
+    process.env.PGPASSWORD = password;
+    const own = await Runner.connect({ connectionString: bare.href });
+    try {
+      const err = await own.run(leaky, { key: 'leaky-env' }).catch((e: Error) => e);
+      expect(err).toBeInstanceOf(RunFailedError);
+      expect((err as Error).message).toContain('connect failed for app/***');
+    } finally {
+      await own.close();
+      if (saved === undefined) delete process.env.PGPASSWORD;
+      else process.env.PGPASSWORD = saved;
+    }
+    const stored = await query<{ text: string }>(db.url, `select coalesce(c.error, '') || ' ' || coalesce(r.error::text, '') as text from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'leaky-env'`);
+    expect(stored).toHaveLength(1);
+    expect(stored[0]!.text).not.toContain(password);
+  });
+});
+
 describe('skip policy', () => {
   const skippy = defineJob({
     name: 'skippy',
