@@ -26,6 +26,17 @@ if (module.enableCompileCache && !process.env.NODE_COMPILE_CACHE) {
   if (home) module.enableCompileCache(path.join(home, 'idem', 'node-compile-cache'));
 }
 
+// A SIGINT or SIGTERM while idem's own modules load (before a command takes over: see
+// src/cli-session.ts, which removes this) ends it as the exit-code table says, with one line,
+// not killed by the signal: nothing is open yet to close.
+const earlySignal = (sig) => {
+  process.stderr.write(`idem: stopped by ${sig}\n`);
+  process.exit(sig === 'SIGINT' ? 130 : 143);
+};
+globalThis[Symbol.for('idem.earlySignal')] = earlySignal;
+process.on('SIGINT', earlySignal);
+process.on('SIGTERM', earlySignal);
+
 let cli;
 try {
   cli = await import('../dist/cli.js');

@@ -80,6 +80,7 @@ export function createCliContext(program: Command, state: { exitCode: number }):
       process.stderr.write(`idem: stopped by ${sig}\n`);
       void finish(sig === 'SIGINT' ? ExitCode.Sigint : ExitCode.Sigterm, 2_000);
     };
+    dropEarlySignals();
     process.on('SIGINT', startupSigint);
     process.on('SIGTERM', startupSigterm);
     try {
@@ -150,6 +151,14 @@ export async function openRunner(g: GlobalOptions, log: Logger, session: Session
   return runner;
 }
 
+/** Removes bin/idem.js's handlers of a signal while idem loads: from here the session's own handle it. */
+function dropEarlySignals(): void {
+  const early = (globalThis as Record<symbol, unknown>)[Symbol.for('idem.earlySignal')] as ((sig: NodeJS.Signals) => void) | undefined;
+  if (!early) return;
+  process.off('SIGINT', early);
+  process.off('SIGTERM', early);
+}
+
 /** What a signal does before installSignals: set by runWithSession. */
 let onStartupSignal: (sig: 'SIGINT' | 'SIGTERM') => void = () => {};
 const startupSigint = () => onStartupSignal('SIGINT');
@@ -161,6 +170,7 @@ const startupSigterm = () => onStartupSignal('SIGTERM');
  * back whatever was in flight, so nothing is half-done).
  */
 export function installSignals(log: Logger, deadlineSeconds: number, onForce: (code: number) => void) {
+  dropEarlySignals();
   process.off('SIGINT', startupSigint);
   process.off('SIGTERM', startupSigterm);
   const stop = new AbortController();

@@ -1,14 +1,16 @@
 import { mkdtemp, rm, writeFile } from 'node:fs/promises';
 import { hostname, tmpdir } from 'node:os';
 import path from 'node:path';
-import { fileURLToPath } from 'node:url';
+import { fileURLToPath, pathToFileURL } from 'node:url';
+import { spawn } from 'node:child_process';
+import { existsSync } from 'node:fs';
 import pg from 'pg';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { defineJob, RunFailedError, Runner, sql } from '../src/index.ts';
 import { sessionName } from '../src/database.ts';
 import { FAULT_POINTS } from '../src/fault-points.ts';
 import { useTestDatabase } from './support/database.ts';
-import { expectFaultCrash, FIXTURE_DIRS, killLeftovers, logLines, type CliProcess, type CliResult, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, holdGate } from './support/cli.ts';
+import { BIN, expectFaultCrash, FIXTURE_DIRS, killLeftovers, logLines, type CliProcess, type CliResult, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, holdGate } from './support/cli.ts';
 import counted, { maybeFail } from './fixtures/jobs/counted.ts';
 
 const MORE_JOBS = fileURLToPath(new URL('./fixtures/more-jobs', import.meta.url));
@@ -618,6 +620,30 @@ describe('a signal while a command starts', () => {
       expect(res.code, res.stderr).toBe(143);
       expect(res.stderr.trim().split('\n').at(-1)).toBe('idem: stopped by SIGTERM');
       expect(await query(db.url, `select count(*)::int as n from idem.runs where job = 'slow-load'`)).toEqual([{ n: 0 }]);
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
+  }, 60_000);
+
+  it('SIGTERM while the CLI itself still loads exits 143 with one line, not killed by the signal', async () => {
+    // Before any command starts (idem's own modules loading: ~0.1-0.5 s of every start) there was
+    // no handler at all. A loader hook holds the import of dist/cli.js, and says when it does.
+    const dir = await mkdtemp(path.join(tmpdir(), 'idem-slow-cli-'));
+    const marker = path.join(dir, 'holding');
+    try {
+      await writeFile(
+        path.join(dir, 'hooks.mjs'),
+        `import { writeFileSync } from 'node:fs';\nexport async function resolve(specifier, context, next) {\n  if (specifier.endsWith('/dist/cli.js')) { writeFileSync(${JSON.stringify(marker)}, ''); await new Promise((r) => setTimeout(r, 20_000)); }\n  return next(specifier, context);\n}\n`,
+      );
+      await writeFile(path.join(dir, 'register.mjs'), `import { register } from 'node:module';\nregister(${JSON.stringify(pathToFileURL(path.join(dir, 'hooks.mjs')).href)});\n`);
+      const child = spawn(process.execPath, ['--import', pathToFileURL(path.join(dir, 'register.mjs')).href, BIN, 'status'], { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, DATABASE_URL: db.url } });
+      let stderr = '';
+      child.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
+      const exited = new Promise<[number | null, string | null]>((resolve) => child.on('close', (code, signal) => resolve([code, signal])));
+      await waitFor(async () => existsSync(marker), 'the CLI to start loading', { timeoutMs: 15_000 });
+      child.kill('SIGTERM');
+      expect(await exited, stderr).toEqual([143, null]);
+      expect(stderr.trim()).toBe('idem: stopped by SIGTERM');
     } finally {
       await rm(dir, { recursive: true, force: true });
     }
