@@ -2,7 +2,7 @@ import pg from 'pg';
 import { BusyError, DatabaseUnavailableError, InterruptedError, LockLostError } from './errors.ts';
 import { lockKey } from './fingerprint.ts';
 import { answerWithin, sleep } from './sleep.ts';
-import { SERVER_KEEPALIVES, sessionName } from './database.ts';
+import { SESSION_SETUP, sessionName } from './database.ts';
 
 export interface AdvisoryLockOptions {
   readonly connectionString: string;
@@ -162,8 +162,9 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
   try {
     // Server-side keepalives for this session only: if this host vanishes (power, network), the
     // server notices within about a minute and drops the session and its lock, instead of keeping
-    // the job "busy" for the hours the OS defaults would take.
-    await client.query(SERVER_KEEPALIVES);
+    // the job "busy" for the hours the OS defaults would take. And no idle_session_timeout: the
+    // session idles between its checks for the whole run.
+    await client.query(SESSION_SETUP);
     const { rows: [first] } = await client.query<{ pid: number }>('select pg_backend_pid() as pid');
     const pid = first!.pid;
     const deadline = opts.wait === true ? Infinity : opts.wait ? Date.now() + opts.wait * 1000 : 0;

@@ -103,6 +103,15 @@ export function redactSecrets(text: string, connectionString: string): string {
  */
 export const SERVER_KEEPALIVES = 'set tcp_keepalives_idle = 30; set tcp_keepalives_interval = 10; set tcp_keepalives_count = 3; set tcp_user_timeout = 60000';
 
+/**
+ * What every idem session (lock and work) sets first: the server-side keepalives, and no
+ * `idle_session_timeout` (PostgreSQL 14+). A role or database may set one (`ALTER ROLE … SET
+ * idle_session_timeout = '1min'`) for clients that forget their sessions; idem's lock session idles
+ * on purpose for the whole run, between its checks, and the server ending it lost every run's lock
+ * (exit 69) after that long. A vanished idem host is found by the keepalives instead.
+ */
+export const SESSION_SETUP = `${SERVER_KEEPALIVES}; select set_config('idle_session_timeout', '0', false) where current_setting('server_version_num')::int >= 140000`;
+
 /** PostgreSQL keeps the first 63 bytes of an application_name (NAMEDATALEN - 1) and drops the rest. */
 const APPLICATION_NAME_BYTES = 63;
 
@@ -169,7 +178,7 @@ export async function openDatabase(
       });
       // A work session whose process vanished mid-chunk holds the chunk's row locks: the server ends
       // it after idle_in_transaction_session_timeout, so another worker can redo the chunk.
-      await client.query(`${SERVER_KEEPALIVES}; set idle_in_transaction_session_timeout = ${idleMs}`).catch(() => {});
+      await client.query(`${SESSION_SETUP}; set idle_in_transaction_session_timeout = ${idleMs}`).catch(() => {});
     },
   });
   // Sessions whose sockets are still open. pool.end() resolves once it has asked each idle client

@@ -456,3 +456,29 @@ describe('a worker whose work sessions are killed while it starts (found by the 
     expect(await query(url, 'select n from hits where item = 100')).toEqual([{ n: 1 }]);
   });
 });
+
+describe("a role's idle_session_timeout does not end idem's sessions", () => {
+  it('a run whose lock session idles past it keeps its lock and succeeds', async () => {
+    // ALTER ROLE … SET idle_session_timeout = '1500ms' (PostgreSQL 14+), here through the URL for
+    // this test's sessions only: the lock session idles between its checks and was ended, and
+    // every run exited 69 (lost the advisory lock) within seconds.
+    const [v] = await query<{ n: number }>(url, `select current_setting('server_version_num')::int as n`);
+    if (v!.n < 140000) return;
+    const strict = new URL(url);
+    strict.searchParams.set('options', '-c idle_session_timeout=300');
+    const slow = defineJob({
+      name: 'idle-session',
+      steps: [{ name: 'items', chunks: () => ({ chunks: [1, 2, 3, 4, 5, 6].map((item) => ({ key: `i${item}`, item })), next: null }), run: async ({ db }, c: { item: number }) => {
+        await sql`select pg_sleep(0.25)`.execute(db);
+        await sql`insert into hits (item, n) values (${100 + c.item}, 1) on conflict (item) do update set n = hits.n + 1`.execute(db);
+      } }],
+    });
+    const own = await Runner.connect({ connectionString: strict.href });
+    try {
+      expect(await own.run(slow, { key: 'idle-session' })).toMatchObject({ status: 'succeeded', attempt: 1 });
+    } finally {
+      await own.close();
+    }
+    expect(await query(url, 'select count(*)::int as n, sum(n)::int as total from hits where item > 100 and item <= 106')).toEqual([{ n: 6, total: 6 }]);
+  }, 30_000);
+});

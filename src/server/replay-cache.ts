@@ -1,6 +1,6 @@
 import pg from 'pg';
 import type { Logger } from 'pino';
-import { SERVER_KEEPALIVES } from '../database.ts';
+import { SESSION_SETUP } from '../database.ts';
 import { errorFields } from '../errors.ts';
 import { answerWithin } from '../sleep.ts';
 import type { RunView } from './run-view.ts';
@@ -182,7 +182,7 @@ export class ReplayCache {
     });
     client
       .connect()
-      .then(() => client.query(`${SERVER_KEEPALIVES}; listen ${SUCCEEDED_RUN_CHANGED}`))
+      .then(() => client.query(`${SESSION_SETUP}; listen ${SUCCEEDED_RUN_CHANGED}`))
       .then(
         () => {
           if (this.#client !== client) return;
