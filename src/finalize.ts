@@ -4,6 +4,7 @@ import { sleep } from './sleep.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import type { RunJobOptions, Runner, RunOutcome } from './runner.ts';
 import type { RunRow } from './store.ts';
+import { continueCommand, shellQuote } from './shell-quote.ts';
 
 /** How finalize got the run to succeeded. */
 export type FinalizeHow = 'already-succeeded' | 'waited' | 'ran-inline';
@@ -93,13 +94,13 @@ export async function finalizeMigration(
 }
 
 /** The error a failed run recorded, as the one-line refusal finalize ends with (exit 1). */
-export function recordedFailure(run: Pick<RunRow, 'job' | 'run_key' | 'error'>): RunFailedError {
+export function recordedFailure(run: Pick<RunRow, 'job' | 'run_key' | 'error' | 'params' | 'kind'>): RunFailedError {
   const e = run.error;
   const where = e ? (e.chunk === null ? ` in step "${e.step}"` : ` in step "${e.step}", chunk ${e.chunk}`) : '';
   const tries = e ? ` after ${e.tries} ${e.tries === 1 ? 'try' : 'tries'}` : '';
-  return new RunFailedError(
-    `run ${run.run_key} of job "${run.job}" failed${where}${tries}: ${e?.message ?? 'no error recorded'}; fix the cause, resume it (idem run ${run.job} --key ${run.run_key}, or idem migrate), then finalize again`,
-  );
+  // A command that resumes it as it is: a job's run with its params (see continueCommand).
+  const resume = run.kind === 'migration' ? 'idem migrate' : continueCommand(run.job, run.run_key, run.params, `<its params: idem status ${shellQuote(run.job)} --key ${shellQuote(run.run_key)} --json>`);
+  return new RunFailedError(`run ${run.run_key} of job "${run.job}" failed${where}${tries}: ${e?.message ?? 'no error recorded'}; fix the cause, resume it (${resume}), then finalize again`);
 }
 
 /** Whether the backend that took the run's lock (its job's, or migrate's) still holds it. */

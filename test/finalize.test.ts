@@ -89,7 +89,9 @@ describe('finalize', () => {
     expect(err).toBeInstanceOf(RunFailedError);
     expect(exitCodeOf(err)).toBe(1);
     expect((err as Error).message).toBe(
-      'run failed of job "counted" failed in step "work", chunk c0002 after 1 try: injected failure in chunk c0002; fix the cause, resume it (idem run counted --key failed, or idem migrate), then finalize again',
+      // The command given resumes the run: with its params (without them idem run computes other
+      // params and refuses the key, exit 65) as validated, shell-quoted; no `idem migrate` for a job.
+      `run failed of job "counted" failed in step "work", chunk c0002 after 1 try: injected failure in chunk c0002; fix the cause, resume it (idem run counted --key failed --params '{"gate":null,"label":"","chunks":3,"pauseMs":0}'), then finalize again`,
     );
     expect(await snapshot(url, TABLES)).toEqual(before);
 
@@ -97,6 +99,10 @@ describe('finalize', () => {
     expect(cli.code).toBe(1);
     expect(lines(cli.stderr).filter((l) => !l.startsWith('{'))).toEqual([`idem: error: ${(err as Error).message}`]);
     expect(await snapshot(url, TABLES)).toEqual(before);
+    // And the command it gives does resume the run.
+    const resumed = await runCli([...FIXTURE_DIRS, '--log-level', 'warn', 'run', 'counted', '--key', 'failed', '--params', '{"gate":null,"label":"","chunks":3,"pauseMs":0}'], { url });
+    expect(resumed.code, resumed.stderr).toBe(0);
+    expect(await runRow(url, 'counted', 'failed')).toMatchObject({ status: 'succeeded', attempt: 2 });
   });
 
   it('idem migrate --finalize runs the named migration and those before it, then exits 0 at once; an unknown name exits 2', async () => {

@@ -3,7 +3,7 @@ import { UsageError } from '../errors.ts';
 import { fingerprint } from '../fingerprint.ts';
 import { NAME as JOB_NAME, validateParams, type Job, type Json } from '../job.ts';
 import { reopenFailedRun } from '../operations.ts';
-import { shellQuote } from '../shell-quote.ts';
+import { continueCommand } from '../shell-quote.ts';
 import { claimRequest, paramsMismatch, printable } from './claim-request.ts';
 import { HttpProblem } from './problem.ts';
 import { ENDED_STATES, RUN_STATES, type RunStateFilter, type RunView } from './run-view.ts';
@@ -38,18 +38,9 @@ export function paramsSchema(job: Job): Json | null {
 
 const JSON_TYPE = 'application/json; charset=utf-8';
 
-/** Longest --params shown in a message; longer ones are named, not written out. */
-const MAX_PARAMS_SHOWN = 500;
-
-/**
- * The `idem run` that continues a run the CLI started: its whole key and, unless empty, its params
- * (without them `idem run` computes other params and refuses the key), shell-quoted.
- */
-function continueCommand(run: RunView): string {
-  const params = JSON.stringify(run.params ?? {});
-  const command = `idem run ${shellQuote(run.job)} --key ${shellQuote(run.key)}`;
-  if (params === '{}') return command;
-  return params.length <= MAX_PARAMS_SHOWN ? `${command} --params ${shellQuote(params)}` : `${command} --params <the params GET /api/runs/${run.id} shows>`;
+/** The `idem run` that continues a run the CLI started (see continueCommand). */
+function continueRunCommand(run: RunView): string {
+  return continueCommand(run.job, run.key, run.params, `<the params GET /api/runs/${run.id} shows>`);
 }
 
 /** Sets the status and headers of an answer that is one run; returns the reply. */
@@ -196,7 +187,7 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
       if (action === 'resume' && RESUMABLE_STATES.has(before.state)) {
         const run = `run "${printable(before.key)}" of job "${printable(before.job)}" is ${before.state}`;
         if (!before.viaApi) {
-          throw new HttpProblem(409, 'idem.cannotControl', `${run} and was started by idem run, not over HTTP: continue it with ${continueCommand(before)}`);
+          throw new HttpProblem(409, 'idem.cannotControl', `${run} and was started by idem run, not over HTTP: continue it with ${continueRunCommand(before)}`);
         }
         if (!ctx.jobs.has(before.job)) {
           throw new HttpProblem(409, 'idem.cannotControl', `${run}, and this server does not load that job: start the server with the --jobs-dir that holds it, or continue it with idem run`);
