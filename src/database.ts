@@ -296,11 +296,11 @@ export function describeConnectError(err: unknown, connectionString: string, sou
   let msg: string;
   switch (code) {
     case 'ECONNREFUSED':
-      msg = `cannot reach the database at ${where}: connection refused; start the server or fix --database-url / DATABASE_URL`;
+      msg = `cannot reach the database at ${where}: connection refused; start the server or fix ${source ?? '--database-url / DATABASE_URL'}`;
       break;
     case 'ENOTFOUND':
     case 'EAI_AGAIN':
-      msg = `cannot reach the database at ${where}: host not found; fix the host in --database-url / DATABASE_URL`;
+      msg = `cannot reach the database at ${where}: host not found; fix the host in ${source ?? '--database-url / DATABASE_URL'}`;
       break;
     case '28P01':
     case '28000': {
@@ -316,7 +316,7 @@ export function describeConnectError(err: unknown, connectionString: string, sou
       msg = `the database at ${where} does not exist (${raw}); create it or fix the database name in ${source ?? 'DATABASE_URL'}`;
       break;
     default:
-      msg = `cannot connect to the database at ${where}: ${raw}; check --database-url / DATABASE_URL`;
+      msg = `cannot connect to the database at ${where}: ${raw}; check ${source ?? '--database-url / DATABASE_URL'}`;
   }
   return new DatabaseUnavailableError(msg, { cause: err });
 }

@@ -163,8 +163,9 @@ describe('idem run', () => {
       runCli([...FIXTURE_DIRS, '--database-url', secretUrl, 'status']),
       runCli([...FIXTURE_DIRS, '--log-level', 'trace', 'run', 'counted', '--params', '{"chunks":2}'], { url: secretUrl }),
     ]);
-    expectOneLineError(viaEnv!, 2, 'cannot reach the database at postgres://u:***@127.0.0.1:1/x: connection refused; start the server or fix --database-url / DATABASE_URL');
-    expectOneLineError(viaFlag!, 2, 'cannot reach the database at postgres://u:***@127.0.0.1:1/x');
+    // The fix names the source used.
+    expectOneLineError(viaEnv!, 2, 'cannot reach the database at postgres://u:***@127.0.0.1:1/x: connection refused; start the server or fix DATABASE_URL');
+    expectOneLineError(viaFlag!, 2, 'cannot reach the database at postgres://u:***@127.0.0.1:1/x: connection refused; start the server or fix --database-url');
     expect(traced!.code).toBe(2);
     for (const r of [viaEnv!, viaFlag!, traced!]) {
       expect(r.stderr + r.stdout).not.toContain('secret');
