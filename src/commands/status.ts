@@ -3,6 +3,7 @@ import { positiveInt } from '../cli-parsers.ts';
 import { openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode, UsageError } from '../errors.ts';
 import type { Runner, RunStatusRow } from '../runner.ts';
+import { quoteKey } from '../run-key.ts';
 import { shellQuote } from '../shell-quote.ts';
 import { columns, fitColumns, padColumns, prepareColumns } from '../display-width.ts';
 import { colours, type Colours } from '../terminal.ts';
@@ -191,7 +192,7 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
             const found = runs.find((r) => r.runKey === key) ?? uniqueByPrefix(runs, job!, key);
             return { run: found, steps: found ? await stepDetails(view.db, runner.schema, found.runId) : [] };
           });
-          if (!run) throw new UsageError('unknownRun', `job "${job}" has no run with key "${o.key}"; see idem status ${job} for its runs`);
+          if (!run) throw new UsageError('unknownRun', `job "${job}" has no run with key ${quoteKey(o.key)}; see idem status ${job} for its runs`);
           const json = JSON.stringify({ ...run, steps });
           if (!o.json) await prepareColumns(json);
           process.stdout.write(o.json ? `${json}\n` : `${formatRunDetail(run, steps, new Date(), colours(tty))}\n`);
