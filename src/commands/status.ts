@@ -181,7 +181,7 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
         if (o.key !== undefined && job === undefined) throw new UsageError('invalidKey', '--key needs the job too: idem status <job> --key <key>');
         // A job name is checked before idem's schema is created: a refused name writes nothing.
         const { assertKnownJob } = job !== undefined ? await import('../cli-runtime.ts') : { assertKnownJob: undefined };
-        const runner = await openRunner(g, log, session, undefined, undefined, assertKnownJob && ((db, schema) => assertKnownJob(db, schema, job!, g)));
+        const runner = await openRunner(g, log, session, undefined, undefined, assertKnownJob && ((db, schema) => assertKnownJob(db, schema, job!, g)), true);
         const tty = process.stdout.isTTY === true && !process.env.NO_COLOR;
         if (o.key !== undefined) {
           // status() lists newest first; a run key is unique per job, so search that job's runs.
