@@ -132,7 +132,7 @@ export async function databaseUrl(g: GlobalOptions, log: Logger, session: Sessio
 }
 
 /** Opens a Runner on DATABASE_URL, or on the embedded server under .idem/ when none is given (or on `url`, from databaseUrl). */
-export async function openRunner(g: GlobalOptions, log: Logger, session: Session, poolSize = 10, url?: string, beforeSchema?: RunnerOptions['beforeSchema']): Promise<Runner> {
+export async function openRunner(g: GlobalOptions, log: Logger, session: Session, poolSize = 10, url?: string, beforeSchema?: RunnerOptions['beforeSchema'], readOnly = false): Promise<Runner> {
   // The runner brings kysely and pg: loaded by the commands that talk to the database, when they do.
   const [{ Runner }, connectionString] = await Promise.all([import('./cli-runtime.ts'), url ?? databaseUrl(g, log, session)]);
   // IDEM_IDLE_IN_TRANSACTION_TIMEOUT_MS: for tests, which cannot stall a worker for the default 60 s.
@@ -144,6 +144,7 @@ export async function openRunner(g: GlobalOptions, log: Logger, session: Session
     poolSize,
     ...(idle !== undefined ? { idleInTransactionTimeoutMs: idle } : {}),
     ...(beforeSchema ? { beforeSchema } : {}),
+    ...(readOnly ? { readOnly } : {}),
     // The connection string given (not the embedded server's): a connection error's fix names its source.
     ...(g.databaseUrl && (url === undefined || url === g.databaseUrl) ? { connectionSource: g.databaseUrlFrom ?? '--database-url' } : {}),
   });

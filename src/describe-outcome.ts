@@ -1,21 +1,22 @@
 import { exitCodeOf, IdemError, messageOf } from './errors.ts';
 import type { RunOutcome } from './runner.ts';
+import { visible } from './text-table.ts';
 
 /** One human line for a run's outcome: what happened, how much, and what to do about skipped chunks. */
 export function describeOutcome(o: RunOutcome): string {
   const s = o.summary;
   if (o.status === 'dry-run') {
     const steps = o.plan!.steps.map((st) => `${st.name}${st.chunked ? ' (chunked)' : ''}`).join(', ');
-    return `dry run: job "${o.job}" run key ${o.runKey} is ${o.plan!.state}; steps: ${steps}; nothing was written`;
+    return `dry run: job "${o.job}" run key ${visible(o.runKey)} is ${o.plan!.state}; steps: ${steps}; nothing was written`;
   }
   const skipped = s && s.skipped > 0 ? ` (${s.skipped} skipped: see idem status, retry with --retry-skipped)` : '';
   const counts = s ? `${s.chunks} chunk${s.chunks === 1 ? '' : 's'} in ${s.steps.length} step${s.steps.length === 1 ? '' : 's'}${skipped}` : '';
   if (o.status === 'already-succeeded') {
     const finished = s?.finishedAt ? new Date(s.finishedAt).toISOString() : '?';
-    return `job "${o.job}" already done (run key ${o.runKey}, finished ${finished}): ${counts}; nothing to do`;
+    return `job "${o.job}" already done (run key ${visible(o.runKey)}, finished ${finished}): ${counts}; nothing to do`;
   }
   const took = o.attempt > 1 ? ` (the run took ${((s?.durationMs ?? 0) / 1000).toFixed(1)}s over ${o.attempt} attempts)` : '';
-  return `job "${o.job}" succeeded: ${counts}, ${o.executed} executed now in ${((o.elapsedMs ?? s?.durationMs ?? 0) / 1000).toFixed(1)}s${took} (run key ${o.runKey}, attempt ${o.attempt})`;
+  return `job "${o.job}" succeeded: ${counts}, ${o.executed} executed now in ${((o.elapsedMs ?? s?.durationMs ?? 0) / 1000).toFixed(1)}s${took} (run key ${visible(o.runKey)}, attempt ${o.attempt})`;
 }
 
 /** What `--json` says of an outcome other than success (`run`'s error object, `migrate`'s failed entry): the exit code, idem's error code and the message. */

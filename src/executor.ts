@@ -56,6 +56,9 @@ export interface ExecuteOptions {
 
 /** Where a run is, for progress lines and ETA. */
 export interface Progress {
+  /** The run's key and attempt, so a progress log line names its run as the run's other lines do. */
+  readonly runKey: string;
+  readonly attempt: number;
   readonly step: string;
   readonly stepIndex: number;
   readonly steps: number;
@@ -131,7 +134,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   const since = performance.now();
   const planCtx = () => ({ db: opts.db, params: opts.params, log, signal: opts.abort, run, step: step.name, slot: opts.slot, windowSize: planWindow, sizeFactor: throttle.sizeFactor });
   const progress = () =>
-    opts.onProgress?.({ step: step.name, stepIndex: index, steps: opts.job.steps.length, done, planned: nextSeq - 1, estimated, fullyPlanned: plannedAll, executedNow: executed, since });
+    opts.onProgress?.({ runKey: run.runKey, attempt: run.attempt, step: step.name, stepIndex: index, steps: opts.job.steps.length, done, planned: nextSeq - 1, estimated, fullyPlanned: plannedAll, executedNow: executed, since });
 
   if (estimated === null && source.estimate && !plannedAll) {
     const e = await Promise.resolve(source.estimate(planCtx())).catch(() => null);

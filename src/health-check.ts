@@ -174,6 +174,40 @@ class HealthProbe {
 
 const probes = new WeakMap<Kysely<any>, HealthProbe>();
 
+/**
+ * The indicators that read other roles' sessions or the standbys: PostgreSQL shows those columns
+ * (xact_start, wait_event_type, query_start, vacuum progress, replay_lag) as NULL to a role without
+ * pg_read_all_stats (a superuser has it), so they could never fire. Its own role's sessions stay
+ * visible, which is why nothing else shows the blindness.
+ */
+const NEED_READ_ALL_STATS = ['replicationLagSeconds', 'autovacuum', 'transactionAgeSeconds', 'lockWaitMs'] as const;
+
+/** Runs already warned of blind indicators (the identity object lives as long as the run's invocation). */
+const warnedBlind = new WeakMap<RunIdentity, Set<string>>();
+
+/**
+ * Logs once per run which of the step's indicators this role cannot see, and the grant that fixes
+ * it. A check that fails says nothing: the probe's own failure is logged when it happens.
+ */
+async function warnIfBlind(db: Kysely<any>, o: Required<HealthOptions>, run: RunIdentity, log: Logger): Promise<void> {
+  const on = NEED_READ_ALL_STATS.filter((k) => o[k] !== false);
+  const warned = warnedBlind.get(run) ?? new Set<string>();
+  if (on.every((k) => warned.has(k))) return;
+  const seen = await sql<{ role: string; stats: boolean }>`select current_user as role, pg_has_role(current_user, 'pg_read_all_stats', 'USAGE') as stats`
+    .execute(db)
+    .then((r) => r.rows[0], () => undefined);
+  if (!seen || seen.stats) return;
+  const blind = on.filter((k) => !warned.has(k));
+  for (const k of blind) warned.add(k);
+  warnedBlind.set(run, warned);
+  const names = blind.length > 1 ? `${blind.slice(0, -1).join(', ')} and ${blind.at(-1)}` : blind[0];
+  const role = /^[a-z_][a-z0-9_$]*$/.test(seen.role) ? seen.role : `"${seen.role.replaceAll('"', '""')}"`;
+  log.warn(
+    { indicators: blind, role: seen.role },
+    `health checks cannot see other roles' sessions: role ${role} lacks pg_read_all_stats, so ${names} never pause this run; GRANT pg_read_all_stats TO ${role} (or pg_monitor; see README, Database privileges)`,
+  );
+}
+
 /** Why the database is unhealthy for this step, or null. */
 function diagnose(m: Measurement, o: Required<HealthOptions>, tables: ReadonlySet<number>): { indicator: string; reason: string } | null {
   if (o.replicationLagSeconds !== false && m.replicationLagSeconds !== null && m.replicationLagSeconds > o.replicationLagSeconds) {
@@ -249,6 +283,7 @@ export async function createHealthGate(opts: HealthGateOptions): Promise<HealthG
   if (!o) return null;
   let probe = probes.get(opts.db);
   if (!probe) probes.set(opts.db, (probe = new HealthProbe(opts.db)));
+  await warnIfBlind(opts.db, o, opts.run, opts.log);
   const names = [...(opts.step.tables ?? []), ...(opts.step.chunks?.tables ?? [])];
   const tables = new Set<number>();
   if (o.autovacuum && names.length > 0) {

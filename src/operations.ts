@@ -2,6 +2,7 @@ import { sql, type Kysely, type RawBuilder } from 'kysely';
 import { acquireAdvisoryLock, type HeldLock } from './advisory-lock.ts';
 import { BusyError, UsageError } from './errors.ts';
 import { lockKey } from './fingerprint.ts';
+import { quoteKey } from './run-key.ts';
 import type { RunRow } from './store.ts';
 
 /** What an operator command needs from the runner. */
@@ -94,7 +95,7 @@ async function targetRun(h: OperationsHost, job: string, key: string | undefined
       'unknownRun',
       key === undefined
         ? `job "${job}" has no run to ${verb} (none is ${statuses.join(' or ')}${pausePending ? ' or running with a pause pending' : ''}); see idem status ${job}`
-        : `job "${job}" has no run with key "${key}"; see idem status ${job} for its run keys`,
+        : `job "${job}" has no run with key ${quoteKey(key)}; see idem status ${job} for its run keys`,
     );
   }
   return { ...run, id: String(run.id) };
@@ -219,7 +220,7 @@ export async function resetRun(h: OperationsHost, job: string, key: string): Pro
     // is asked instead (runIsLive), on the row as it is now.
     const { rows: [now] } = await sql<RunRow>`select * from ${t(h, 'runs')} where id = ${run.id}`.execute(h.db);
     // Deleted (by prune, or another reset) between the read above and the lock.
-    if (!now) throw new UsageError('unknownRun', `job "${job}" has no run with key "${key}" any more (it was deleted meanwhile); see idem status ${job} for its run keys`);
+    if (!now) throw new UsageError('unknownRun', `job "${job}" has no run with key ${quoteKey(key)} any more (it was deleted meanwhile); see idem status ${job} for its run keys`);
     if (runIsLive({ ...now, id: String(now.id) }, withoutPid(await h.heldLocks(), lock.pid), h)) throw live();
     // On the lock's own session: the delete can only happen while the lock is held.
     const [r] = await onLockSession(lock, h.db, sql<{ chunks: number; effects: number }>`

@@ -58,7 +58,8 @@ export function createProgressReporter(opts: { readonly job: string; readonly tt
       setStatusLine(formatProgressBar(last, performance.now(), 24, c));
       drawn = true;
     } else {
-      opts.log.info({ step: last.step, done: last.done, planned: last.planned, estimated: last.estimated, executedNow: last.executedNow }, formatProgress(opts.job, last));
+      // The fields every other line of the run carries (the run's child logger binds them).
+      opts.log.info({ job: opts.job, runKey: last.runKey, attempt: last.attempt, step: last.step, done: last.done, planned: last.planned, estimated: last.estimated, executedNow: last.executedNow }, formatProgress(opts.job, last));
     }
   };
   const timer = setInterval(draw, opts.tty ? 250 : (opts.intervalMs ?? 10_000));

@@ -1,3 +1,5 @@
+import { sleep } from './sleep.ts';
+
 /**
  * SQLSTATEs after which the same chunk, retried in a fresh transaction, can succeed.
  * Everything else is a bug or bad data: retrying would only repeat it.
@@ -102,7 +104,7 @@ export async function retrying<T>(fn: () => Promise<T>, opts: BackoffOptions = {
       return await fn();
     } catch (err) {
       if (attempt >= attempts || !isRetryable(err)) throw err;
-      await new Promise((r) => setTimeout(r, backoffDelay(attempt, opts)));
+      await sleep(backoffDelay(attempt, opts));
     }
   }
 }

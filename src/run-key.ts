@@ -3,6 +3,21 @@ import { UsageError } from './errors.ts';
 /** Longest run key, in characters (code points, so 200 emoji are 200 characters). */
 export const MAX_RUN_KEY_CHARS = 200;
 
+/** How many characters of an over-long key a message quotes. */
+const QUOTED_KEY_CHARS = 40;
+
+/**
+ * `key` in double quotes, as a message names it; one longer than any run key may be is cut to its
+ * first 40 characters and an ellipsis, with its length and the limit: a 5 000-character paste must
+ * not fill the terminal, and no run can have it. Escaping control and bidi characters is the
+ * output's job (`visible`, `visibleError`).
+ */
+export function quoteKey(key: string): string {
+  const chars = [...key];
+  if (chars.length <= MAX_RUN_KEY_CHARS) return `"${key}"`;
+  return `"${chars.slice(0, QUOTED_KEY_CHARS).join('')}…" (${chars.length} characters; a run key has at most ${MAX_RUN_KEY_CHARS})`;
+}
+
 /**
  * A run key, from the command line (`--key`) or a library call: a string of 1 to 200 characters
  * (code points), none of them a control character (C0, DEL, C1: a newline or an ESC sequence in a

@@ -53,6 +53,13 @@ export interface RunnerOptions {
    * here, so that refusal writes nothing, not even the schema).
    */
   readonly beforeSchema?: (db: Kysely<any>, schema: string) => Promise<void>;
+  /**
+   * Connect to read only (status, list): idem's tables need just SELECT then, not INSERT, UPDATE
+   * and DELETE, so a monitoring role can use it; writing through it fails with PostgreSQL's
+   * permission error. The schema is still created or upgraded when it must be (that takes its
+   * owner). Defaults to `false`.
+   */
+  readonly readOnly?: boolean;
   /** @internal Where connectionString came from, as a connection error's fix names it (the CLI: `--database-url` or `DATABASE_URL`). */
   readonly connectionSource?: string;
 }
@@ -209,7 +216,7 @@ export class Runner {
     });
     try {
       await opts.beforeSchema?.(database.db, schema);
-      await retrying(() => ensureRunnerSchema(database.db, schema));
+      await retrying(() => ensureRunnerSchema(database.db, schema, opts.readOnly ? 'read' : 'write'));
     } catch (err) {
       await database.close();
       throw err;

@@ -485,6 +485,34 @@ describe('run keys: what --key may contain, and what text output shows of stored
     expectOneLineError(empty, 2, '--key must be 1 to 200 characters (got 0)');
   });
 
+  it('a key with a bidi override is echoed escaped by run, reset and pause, as status shows it; an over-long key is echoed cut, with the limit', async () => {
+    // U+202E is printable for --key (not a control character) but reorders the rest of a terminal line.
+    const key = 'bidi-\u202eevil';
+    const shown = 'bidi-\\u202eevil';
+    const run = await idem(['run', 'counted', '--params', '{"chunks":1}', '--key', key]);
+    expect(run.code, run.stderr).toBe(0);
+    expect(run.stdout).toContain(`(run key ${shown}, attempt 1)`);
+    const again = await idem(['run', 'counted', '--params', '{"chunks":1}', '--key', key]);
+    expect(again.stdout).toContain(`(run key ${shown}, finished `);
+    const pause = await idem(['pause', 'counted', '--key', key]);
+    expectOneLineError(pause, 2, `run "${shown}" of job "counted"`);
+    const reset = await idem(['reset', 'counted', '--key', key]);
+    expect(reset.code, reset.stderr).toBe(0);
+    expect(reset.stdout).toMatch(new RegExp(`^reset: forgot run ${shown.replace(/\\/g, '\\\\')} of job "counted" `));
+    // Text output and error lines; stderr's JSON log lines keep the value exact, as --json does.
+    for (const r of [run, again, reset]) expect(r.stdout).not.toContain('\u202e');
+    expect(pause.stderr).not.toContain('\u202e');
+
+    const long = 'k'.repeat(5000);
+    // pause, resume and cancel share one lookup; reset and status have their own.
+    const commands = ['pause', 'reset', 'status'];
+    const refused = await Promise.all(commands.map((command) => idem([command, 'counted', '--key', long])));
+    refused.forEach((r, i) => {
+      expectOneLineError(r, 2, `job "counted" has no run with key "${'k'.repeat(40)}…" (5000 characters; a run key has at most 200); see idem status counted`);
+      expect(r.stderr.length, commands[i]).toBeLessThan(400);
+    });
+  });
+
   it('status shows control characters of a stored key (an older idem, SQL) escaped, never raw, in the table and the detail view', async () => {
     // Neither the CLI nor the library stores such a key any more; an older idem's library did. Here
     // the row is made as it left it: a run, its key rewritten in SQL.

@@ -1,6 +1,7 @@
+import { randomBytes } from 'node:crypto';
 import pg from 'pg';
 import pino from 'pino';
-import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { afterAll, beforeAll, describe, expect, inject, it, vi } from 'vitest';
 import { defineJob, Runner, sql, UsageError, type HealthOptions } from '../src/index.ts';
 import { parseHealthFlag, resolveHealth } from '../src/health-check.ts';
 import counted from './fixtures/jobs/counted.ts';
@@ -190,5 +191,56 @@ describe('health checks before each chunk', () => {
     expect(parseHealthFlag('walArchivePending=off', parseHealthFlag('autovacuum=off'))).toEqual({ autovacuum: false, walArchivePending: false });
     expect(() => parseHealthFlag('lockWaitMs=soon')).toThrow(UsageError);
     expect(() => defineJob({ name: 'bad-health', health: { transactionAgeSeconds: -1 }, steps: [{ name: 's', run() {} }] })).toThrow(/transactionAgeSeconds must be a number >= 0 or false/);
+  });
+});
+
+// PostgreSQL shows another role's sessions (their transaction start, lock waits, vacuum progress)
+// and the standbys' lag only to a role with pg_read_all_stats: without it the indicators read NULL
+// and never fire. idem says so once per run instead of staying silently blind.
+describe('health checks under the least-privilege role the README documents', () => {
+  const role = `idem_health_${randomBytes(4).toString('hex')}`;
+  const roleLogs: Array<{ msg: string; [k: string]: unknown }> = [];
+  let roleRunner: Runner | undefined;
+  beforeAll(async () => {
+    const password = randomBytes(12).toString('hex');
+    await query(url, `create role ${role} login password '${password}'`);
+    await query(url, `grant usage on schema idem to ${role}; grant select, insert, update, delete on all tables in schema idem to ${role}`);
+    // What the fixture job's own SQL needs.
+    await query(url, `grant select, insert, update, delete on all tables in schema public to ${role}; grant usage on all sequences in schema public to ${role}`);
+    const u = new URL(url);
+    u.username = role;
+    u.password = password;
+    roleRunner = await Runner.connect({ connectionString: u.toString(), log: pino({ level: 'info' }, { write: (line: string) => void roleLogs.push(JSON.parse(line)) }) });
+  });
+  afterAll(async () => {
+    await roleRunner?.close();
+    // Roles are cluster-wide: take back what it holds in this database, then drop it.
+    await query(url, `drop owned by ${role}`).catch(() => {});
+    await query(inject('adminUrl'), `drop role if exists ${role}`);
+  });
+
+  it('without pg_read_all_stats warns once naming the blind indicators and the grant; with it, the same transaction pauses the run', async () => {
+    const tx = await openTransaction();
+    try {
+      await waitFor(() => olderThan(tx.pid, 1), 'the transaction to be older than 1 s');
+      const blind = await roleRunner!.run(counted, { params: { chunks: 2 }, key: 'blind', health: { ...FAST, transactionAgeSeconds: 1 } });
+      expect(blind).toMatchObject({ status: 'succeeded' });
+      const warnings = roleLogs.filter((l) => /pg_read_all_stats/.test(l.msg));
+      expect(warnings.map((l) => l.msg)).toEqual([
+        `health checks cannot see other roles' sessions: role ${role} lacks pg_read_all_stats, so replicationLagSeconds, autovacuum, transactionAgeSeconds and lockWaitMs never pause this run; GRANT pg_read_all_stats TO ${role} (or pg_monitor; see README, Database privileges)`,
+      ]);
+      expect(warnings[0]).toMatchObject({ level: 40, job: 'counted', runKey: 'blind' });
+
+      await query(url, `grant pg_read_all_stats to ${role}`);
+      roleLogs.length = 0;
+      const seeing = roleRunner!.run(counted, { params: { chunks: 2 }, key: 'seeing', health: { ...FAST, transactionAgeSeconds: 1 } });
+      const pause = await waitFor(async () => (await runRow(url, 'counted', 'seeing'))?.health_pause, 'the run to pause for health');
+      expect(pause.reason).toMatch(new RegExp(`^transaction of pid ${tx.pid} \\(idle in transaction\\) open \\d+ s > 1 s$`));
+      await tx.release();
+      expect(await seeing).toMatchObject({ status: 'succeeded' });
+      expect(roleLogs.filter((l) => /pg_read_all_stats/.test(l.msg))).toEqual([]);
+    } finally {
+      await tx.release();
+    }
   });
 });

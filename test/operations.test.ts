@@ -4,7 +4,8 @@ import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { defineJob, InterruptedError, Runner, type StepContext } from '../src/index.ts';
 import { CancelledError } from '../src/errors.ts';
 import type { Progress } from '../src/executor.ts';
-import { formatProgress } from '../src/progress-reporter.ts';
+import { createProgressReporter, formatProgress } from '../src/progress-reporter.ts';
+import pino from 'pino';
 import { RunViews } from '../src/server/run-view.ts';
 import { resolveThrottle, Throttle } from '../src/throttle.ts';
 import counted, { chunkKey } from './fixtures/jobs/counted.ts';
@@ -803,7 +804,7 @@ describe('Throttle', () => {
 });
 
 describe('formatProgress', () => {
-  const p = (over: Partial<Progress>): Progress => ({ step: 'work', stepIndex: 1, steps: 3, done: 25, planned: 100, estimated: null, fullyPlanned: true, executedNow: 20, since: 0, ...over });
+  const p = (over: Partial<Progress>): Progress => ({ runKey: 'k', attempt: 1, step: 'work', stepIndex: 1, steps: 3, done: 25, planned: 100, estimated: null, fullyPlanned: true, executedNow: 20, since: 0, ...over });
 
   it('shows done/total, the rate of this invocation and the ETA', () => {
     expect(formatProgress('counted', p({}), 10_000)).toBe('counted step 2/3 work: 25/100 chunks, 2.0/s, ETA 38s');
@@ -817,6 +818,19 @@ describe('formatProgress', () => {
   it('says ETA ? before anything ran, and shows a bare count when nothing is planned', () => {
     expect(formatProgress('counted', p({ executedNow: 0 }), 10_000)).toBe('counted step 2/3 work: 25/100 chunks, 0.0/s, ETA ?');
     expect(formatProgress('j', p({ stepIndex: 0, steps: 1, done: 0, planned: 0, executedNow: 0 }), 10_000)).toBe('j step 1/1 work: 0 chunks, 0.0/s, ETA ?');
+  });
+
+  it('a JSON progress line names the job, run key and attempt, as every other line of the run does', async () => {
+    const logged: Array<Record<string, unknown>> = [];
+    const log = pino({ level: 'info' }, { write: (line: string) => void logged.push(JSON.parse(line)) });
+    const reporter = createProgressReporter({ job: 'counted', tty: false, log, intervalMs: 10 });
+    try {
+      await runner.run(counted, { params: { chunks: 2 }, key: 'progress-fields', onProgress: reporter.update });
+      await waitFor(async () => logged.length > 0, 'a progress line');
+    } finally {
+      reporter.stop();
+    }
+    expect(logged[0]).toMatchObject({ job: 'counted', runKey: 'progress-fields', attempt: 1, step: expect.any(String), msg: expect.stringMatching(/^counted step /) });
   });
 
   it('never shows 60 seconds in a minute', () => {

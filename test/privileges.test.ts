@@ -139,7 +139,7 @@ describe('a role without CREATE on the database', { shuffle: false }, () => {
     try {
       const r = await asRole(['run', 'counted', '--params', '{"chunks":2}', '--key', 'weak-3']);
       expect(oneLine(r, 2)).toBe(
-        `idem: error: role ${role} may not use the runner schema "idem" (no SELECT, INSERT, UPDATE or DELETE on idem.chunks): as the schema's owner, ` +
+        `idem: error: role ${role} may not use the runner schema "idem" (no DELETE on idem.chunks): as the schema's owner, ` +
           `GRANT USAGE ON SCHEMA idem TO ${role}; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA idem TO ${role} (see README, Database privileges)`,
       );
       expect(await query(ownerUrl, `select * from idem.runs where run_key = 'weak-3'`)).toEqual([]);
@@ -153,3 +153,40 @@ describe('a role without CREATE on the database', { shuffle: false }, () => {
 function escape(text: string): string {
   return text.replace(/[.*+?^${}()|[\]\\]/g, '\\$&');
 }
+
+// A monitoring role may read idem's tables and nothing more: status and list work for it, and a
+// command that writes names exactly the privileges it lacks. A database of its own: the suite above
+// starts before idem's schema exists.
+describe('a read-only role (USAGE on the schema, SELECT on its tables)', () => {
+  let db: TestDatabase;
+  const reader = `idem_read_${randomBytes(4).toString('hex')}`;
+  let readerUrl: string;
+  beforeAll(async () => {
+    db = await createTestDatabase();
+    await createFixtureTables(db.url);
+    const owner = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":1}', '--key', 'seen'], { url: db.url });
+    expect(owner.code, owner.stderr).toBe(0);
+    const password = randomBytes(12).toString('hex');
+    await query(db.url, `create role ${reader} login password '${password}'; grant usage on schema idem to ${reader}; grant select on all tables in schema idem to ${reader}`);
+    const u = new URL(db.url);
+    u.username = reader;
+    u.password = password;
+    readerUrl = u.toString();
+  });
+  afterAll(async () => {
+    await db?.drop();
+    await query(inject('adminUrl'), `drop role if exists ${reader}`);
+  });
+
+  it('runs idem status and idem list, and is told the exact privileges a run lacks', async () => {
+    const asReader = (args: string[]) => runCli([...FIXTURE_DIRS, ...args], { url: readerUrl });
+    const [status, list, run] = await Promise.all([asReader(['status', 'counted', '--json']), asReader(['list']), asReader(['run', 'counted', '--params', '{"chunks":1}', '--key', 'unseen'])]);
+    expect(status.code, status.stderr).toBe(0);
+    expect(JSON.parse(status.stdout).map((r: { runKey: string }) => r.runKey)).toEqual(['seen']);
+    expect(list.code, list.stderr).toBe(0);
+    expect(list.stdout).toContain('counted');
+    expect(oneLine(run, 2)).toMatch(new RegExp(`^idem: error: role ${reader} may not use the runner schema "idem" \\(no INSERT, UPDATE or DELETE on idem\\.\\w+(, idem\\.\\w+)*\\): `));
+    expect(run.stderr).toContain('idem.runs');
+    expect(await query(db.url, `select run_key from idem.runs`)).toEqual([{ run_key: 'seen' }]);
+  });
+});

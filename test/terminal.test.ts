@@ -31,7 +31,7 @@ describe('log lines on a terminal', () => {
 });
 
 describe('the progress bar', () => {
-  const p = { step: 'work', stepIndex: 1, steps: 3, done: 25, planned: 100, estimated: null, fullyPlanned: true, executedNow: 20, since: 0 };
+  const p = { runKey: 'k', attempt: 1, step: 'work', stepIndex: 1, steps: 3, done: 25, planned: 100, estimated: null, fullyPlanned: true, executedNow: 20, since: 0 };
   it('shows the step, a bar of done/planned, the rate and the ETA', () => {
     expect(formatProgressBar(p, 10_000, 10)).toBe('step 2/3 work ███░░░░░░░ 25/100 chunks · 2.0/s · ETA 38s');
   });

@@ -1,6 +1,7 @@
 import type { Command } from 'commander';
 import { openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode } from '../errors.ts';
+import { visible } from '../text-table.ts';
 
 function registerControl(program: Command, cli: CliContext, name: 'pause' | 'resume' | 'cancel', description: string): void {
   program
@@ -20,7 +21,7 @@ function registerControl(program: Command, cli: CliContext, name: 'pause' | 'res
           : name === 'resume'
             ? 'pause withdrawn: the live run goes on (had it already stopped for the pause, it is interrupted and continues on its next invocation)'
             : 'requested: the live run stops at its next chunk boundary';
-        process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `${name}: run ${r.runKey} of job "${r.job}" ${how}\n`);
+        process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `${name}: run ${visible(r.runKey)} of job "${r.job}" ${how}\n`);
         return ExitCode.Ok;
       }),
     );

@@ -4,6 +4,7 @@ import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
 import { describeOutcome, migrateErrorEntry } from '../describe-outcome.ts';
 import { ExitCode, UsageError } from '../errors.ts';
 import type { RunOutcome } from '../runner.ts';
+import { visible } from '../text-table.ts';
 import { describeFinalize } from './finalize.ts';
 import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
 
@@ -45,7 +46,7 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
               abortSignal: signals.abort,
             });
             if (o.json) process.stdout.write(`${JSON.stringify(finalized)}\n`);
-            else for (const out of finalized) process.stdout.write(`${out.runKey}: ${describeFinalize(out)}\n`);
+            else for (const out of finalized) process.stdout.write(`${visible(out.runKey)}: ${describeFinalize(out)}\n`);
             return ExitCode.Ok;
           }
           const outcomes = await runner.migrate(
@@ -66,7 +67,7 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
           );
           if (o.json) process.stdout.write(`${JSON.stringify(outcomes)}\n`);
           else if (outcomes.length === 0) process.stdout.write(`no migrations in ${g.migrationsDir}/\n`);
-          else for (const out of outcomes) process.stdout.write(`${out.runKey}: ${describeOutcome(out)}\n`);
+          else for (const out of outcomes) process.stdout.write(`${visible(out.runKey)}: ${describeOutcome(out)}\n`);
           return ExitCode.Ok;
         },
         ['migrations'],

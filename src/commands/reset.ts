@@ -1,6 +1,7 @@
 import type { Command } from 'commander';
 import { openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode } from '../errors.ts';
+import { visible } from '../text-table.ts';
 
 /** `idem reset <job> --key K`: forget a run so its key runs afresh. */
 export function registerResetCommand(program: Command, cli: CliContext): void {
@@ -15,7 +16,7 @@ export function registerResetCommand(program: Command, cli: CliContext): void {
         const { assertKnownJob } = await import('../cli-runtime.ts');
         const runner = await openRunner(g, log, session, undefined, undefined, (db, schema) => assertKnownJob(db, schema, job, g));
         const r = await runner.reset(job, o.key);
-        process.stdout.write(`reset: forgot run ${o.key} of job "${job}" (${r.chunks} chunk markers, ${r.effects} effects)\n`);
+        process.stdout.write(`reset: forgot run ${visible(o.key)} of job "${visible(job)}" (${r.chunks} chunk markers, ${r.effects} effects)\n`);
         return ExitCode.Ok;
       }),
     );

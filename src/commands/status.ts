@@ -3,6 +3,7 @@ import { positiveInt } from '../cli-parsers.ts';
 import { openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode, UsageError } from '../errors.ts';
 import type { Runner, RunStatusRow } from '../runner.ts';
+import { quoteKey } from '../run-key.ts';
 import { shellQuote } from '../shell-quote.ts';
 import { columns, fitColumns, padColumns, prepareColumns } from '../display-width.ts';
 import { colours, type Colours } from '../terminal.ts';
@@ -180,7 +181,7 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
         if (o.key !== undefined && job === undefined) throw new UsageError('invalidKey', '--key needs the job too: idem status <job> --key <key>');
         // A job name is checked before idem's schema is created: a refused name writes nothing.
         const { assertKnownJob } = job !== undefined ? await import('../cli-runtime.ts') : { assertKnownJob: undefined };
-        const runner = await openRunner(g, log, session, undefined, undefined, assertKnownJob && ((db, schema) => assertKnownJob(db, schema, job!, g)));
+        const runner = await openRunner(g, log, session, undefined, undefined, assertKnownJob && ((db, schema) => assertKnownJob(db, schema, job!, g)), true);
         const tty = process.stdout.isTTY === true && !process.env.NO_COLOR;
         if (o.key !== undefined) {
           // status() lists newest first; a run key is unique per job, so search that job's runs.
@@ -191,7 +192,7 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
             const found = runs.find((r) => r.runKey === key) ?? uniqueByPrefix(runs, job!, key);
             return { run: found, steps: found ? await stepDetails(view.db, runner.schema, found.runId) : [] };
           });
-          if (!run) throw new UsageError('unknownRun', `job "${job}" has no run with key "${o.key}"; see idem status ${job} for its runs`);
+          if (!run) throw new UsageError('unknownRun', `job "${job}" has no run with key ${quoteKey(o.key)}; see idem status ${job} for its runs`);
           const json = JSON.stringify({ ...run, steps });
           if (!o.json) await prepareColumns(json);
           process.stdout.write(o.json ? `${json}\n` : `${formatRunDetail(run, steps, new Date(), colours(tty))}\n`);

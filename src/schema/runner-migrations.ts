@@ -233,23 +233,25 @@ export function knownMigrationNames(schema = 'idem'): string[] {
  * migration is recorded, nothing else runs (so a no-op rerun stays O(1)). Kysely's Migrator takes
  * a lock of its own, so every pod of a deploy may call this at once.
  */
-export async function ensureRunnerSchema(db: Kysely<any>, schema: string): Promise<void> {
+export async function ensureRunnerSchema(db: Kysely<any>, schema: string, access: 'read' | 'write' = 'write'): Promise<void> {
   const known = knownMigrationNames(schema);
   let applied: string[] | null = null;
+  const privileges = access === 'read' ? ['SELECT'] : ['SELECT', 'INSERT', 'UPDATE', 'DELETE'];
   try {
     // The same statement checks that this role may use every runner table, so a role that was
     // granted too little is refused here, before it writes anything, not halfway through a run.
-    const { rows } = await sql<{ name: string; lacking: string[] | null }>`
-      select m.name, (select array_agg(c.relname::text order by c.relname) from pg_class c
+    // One privilege per has_table_privilege call: given a list, it is true when any one is held.
+    const { rows } = await sql<{ name: string; lacking: Array<{ table: string; missing: string[] }> | null }>`
+      select m.name, (select json_agg(json_build_object('table', c.relname, 'missing', p.missing) order by c.relname) from pg_class c
+          cross join lateral (select array_agg(w order by o) as missing from unnest(${privileges}::text[]) with ordinality as u(w, o)
+            where not has_table_privilege(c.oid, w)) p
           where c.relnamespace = (select oid from pg_namespace where nspname = ${schema})
             and c.relkind in ('r', 'p') and c.relname not in (${MIGRATION_TABLE}, ${MIGRATION_LOCK_TABLE})
-            -- One privilege per call: given a list, has_table_privilege is true when any one is held.
-            and not (has_table_privilege(c.oid, 'select') and has_table_privilege(c.oid, 'insert')
-                 and has_table_privilege(c.oid, 'update') and has_table_privilege(c.oid, 'delete'))) as lacking
+            and p.missing is not null) as lacking
       from ${sql.id(schema, MIGRATION_TABLE)} m`.execute(db);
     applied = rows.map((r) => r.name);
     const lacking = rows[0]?.lacking;
-    if (lacking?.length) throw await privilegeRefusal(db, schema, 'use', `no SELECT, INSERT, UPDATE or DELETE on ${lacking.map((t) => `${schema}.${t}`).join(', ')}`);
+    if (lacking?.length) throw await privilegeRefusal(db, schema, 'use', missingPrivileges(schema, lacking));
   } catch (err) {
     const code = codeOf(err);
     if (code === INSUFFICIENT_PRIVILEGE) throw await privilegeRefusal(db, schema, 'use', (err as Error).message, err);
@@ -280,6 +282,16 @@ export async function ensureRunnerSchema(db: Kysely<any>, schema: string): Promi
     const failed = results?.find((r) => r.status === 'Error')?.migrationName;
     throw new DatabaseUnavailableError(`could not create or upgrade the runner schema "${schema}"${failed ? ` (migration ${failed})` : ''}: ${message}`, { cause: error });
   }
+}
+
+/** "no INSERT, UPDATE or DELETE on idem.chunks, idem.runs; no DELETE on idem.steps": tables grouped by what they lack. */
+function missingPrivileges(schema: string, lacking: ReadonlyArray<{ table: string; missing: string[] }>): string {
+  const groups = new Map<string, string[]>();
+  for (const { table, missing } of lacking) {
+    const what = missing.length > 1 ? `${missing.slice(0, -1).join(', ')} or ${missing.at(-1)}` : missing[0]!;
+    groups.set(what, [...(groups.get(what) ?? []), `${schema}.${table}`]);
+  }
+  return [...groups].map(([what, tables]) => `no ${what} on ${tables.join(', ')}`).join('; ');
 }
 
 /** SQLSTATE 42P01: the runner schema's bookkeeping table is not there yet (a fresh database). */
