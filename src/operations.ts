@@ -348,7 +348,7 @@ export async function finishDeletion(h: OperationsHost, runId: string, what: str
 /** Parses `30d`, `12h`, `90m`, `2w`, `45s` into milliseconds. */
 export function parseDuration(value: string, flag: string): number {
   const m = /^(\d+(?:\.\d+)?)\s*(s|m|h|d|w)$/.exec(value.trim());
-  if (!m) throw new UsageError('invalidDuration', `${flag} expects a duration such as 30d, 12h or 90m; got "${value}"`);
+  if (!m) throw new UsageError('invalidDuration', `${flag} expects a duration such as 30d, 12h or 90m (units s, m, h, d, w; at most 36500d); got "${value}"`);
   const unit = { s: 1_000, m: 60_000, h: 3_600_000, d: 86_400_000, w: 604_800_000 }[m[2] as 's' | 'm' | 'h' | 'd' | 'w'];
   const ms = Number(m[1]) * unit;
   // Now minus more than that is no date (or is before anything idem recorded).

@@ -540,7 +540,7 @@ describe('prune', () => {
       const sum = (f: 'steps' | 'chunks' | 'effects') => removed.reduce((n, r) => n + r[f], 0);
       expect(sum('effects')).toBe(2);
 
-      const [pruned, bad] = await Promise.all([idem(['prune', '--older-than', '1s', '--json']), idem(['prune', '--older-than', '5x'])]);
+      const [pruned, bad, years] = await Promise.all([idem(['prune', '--older-than', '1s', '--json']), idem(['prune', '--older-than', '5x']), idem(['prune', '--older-than', '100y'])]);
       expect(pruned.code, pruned.stderr).toBe(0);
       expect(JSON.parse(pruned.stdout)).toEqual({ runs: removed.length, steps: sum('steps'), chunks: sum('chunks'), effects: sum('effects'), skipped: 0 });
       expect(await perRun()).toEqual(before.filter((r) => !removed.includes(r)));
@@ -549,7 +549,9 @@ describe('prune', () => {
         expect(await query(url, `select count(*)::int as n from ${table} where run_id = any($1::bigint[])`, [ids])).toEqual([{ n: 0 }]);
       }
       expect(bad.code).toBe(2);
-      expect(bad.stderr).toMatch('--older-than expects a duration such as 30d, 12h or 90m; got "5x"');
+      expect(bad.stderr).toMatch('--older-than expects a duration such as 30d, 12h or 90m (units s, m, h, d, w; at most 36500d); got "5x"');
+      // No unit for years: the message names the units there are and the limit in one of them.
+      expect([years.code, years.stderr]).toEqual([2, 'idem: error: --older-than expects a duration such as 30d, 12h or 90m (units s, m, h, d, w; at most 36500d); got "100y"\n']);
 
       const again = await idem(['prune', '--older-than', '1s']);
       expect(again.stdout).toBe('prune: removed 0 runs, 0 steps, 0 chunk markers, 0 effects older than 1s\n');

@@ -95,7 +95,7 @@ describe('prune and a run revived by --retry-skipped', () => {
       await worker.end();
     }
     const text = await runCli(['prune', '--older-than', '30m'], { url });
-    expect(text.stdout).toBe('prune: removed 1 runs, 1 steps, 105 chunk markers, 0 effects older than 30m\n');
+    expect(text.stdout).toBe('prune: removed 1 run, 1 step, 105 chunk markers, 0 effects older than 30m\n');
     expect(await owned(id)).toEqual({ runs: 0, steps: 0, chunks: 0 });
   });
 

@@ -17,8 +17,11 @@ export function registerPruneCommand(program: Command, cli: CliContext): void {
         const runner = await openRunner(g, log, session);
         const r = await runner.prune(ms, { migrationKeys: keys });
         const held = r.skipped > 0 ? `; left ${r.skipped} ${r.skipped === 1 ? 'run' : 'runs'} alone that another process holds (reviving, running or resetting it)` : '';
-        process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `prune: removed ${r.runs} runs, ${r.steps} steps, ${r.chunks} chunk markers, ${r.effects} effects older than ${o.olderThan}${held}\n`);
+        process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `prune: removed ${count(r.runs, 'run')}, ${count(r.steps, 'step')}, ${count(r.chunks, 'chunk marker')}, ${count(r.effects, 'effect')} older than ${o.olderThan}${held}\n`);
         return ExitCode.Ok;
       }, []),
     );
 }
+
+/** `1 run`, `2 runs`. */
+const count = (n: number, what: string) => `${n} ${what}${n === 1 ? '' : 's'}`;
