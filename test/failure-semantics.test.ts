@@ -700,6 +700,21 @@ describe('database health at start-up', () => {
       await query(db.url, `delete from idem.idem_migration where name = '9999_from_the_future'`);
     }
   });
+
+  it('a schema from before the open-runs index gets it from concurrent first uses, once, its runs kept', async () => {
+    // As an idem before 0013 left it: runs there, the index and its record not.
+    await query(db.url, `drop index idem.runs_open_idx`);
+    await query(db.url, `delete from idem.idem_migration where name = '0013_runs_open_idx'`);
+    const runs = async () => (await query<{ n: number }>(db.url, `select count(*)::int as n from idem.runs`))[0]!.n;
+    const before = await runs();
+    const runners = await Promise.all(Array.from({ length: 4 }, () => Runner.connect({ connectionString: db.url })));
+    await Promise.all(runners.map((r) => r.close()));
+    expect(await query(db.url, `select name from idem.idem_migration where name like '0013%'`)).toEqual([{ name: '0013_runs_open_idx' }]);
+    expect(await query(db.url, `select indexdef from pg_indexes where schemaname = 'idem' and indexname = 'runs_open_idx'`)).toEqual([
+      { indexdef: "CREATE INDEX runs_open_idx ON idem.runs USING btree (id, status) WHERE (status <> ALL (ARRAY['succeeded'::text, 'cancelled'::text]))" },
+    ]);
+    expect(await runs()).toBe(before);
+  });
 });
 
 describe('a chunk that fails for good at --concurrency > 1', () => {
