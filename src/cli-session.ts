@@ -93,7 +93,10 @@ export function createCliContext(program: Command, state: { exitCode: number }):
         log,
       );
       state.exitCode = await fn(g, log, session, (code) => void finish(code, 2_000));
-    } catch (err) {
+    } catch (thrown) {
+      // Whatever the command ends with is printed (and --json'd): a job file that threw while
+      // loading, or params its schema refused, with DATABASE_URL in the message, shows it masked.
+      const err = g.databaseUrl ? (await import('./cli-runtime.ts')).redactError(thrown, g.databaseUrl) : thrown;
       state.exitCode = exitCodeOf(err);
       // --json is for scripts: an outcome other than success is JSON on stdout too (the one-line
       // error still goes to stderr, and the exit code is the same).

@@ -96,6 +96,34 @@ export function redactSecrets(text: string, connectionString: string): string {
 }
 
 /**
+ * Masks the connection string's password in a thrown value before it is recorded, logged or
+ * printed: an Error's message and stack, along its `cause` chain (a RunFailedError's cause is the
+ * job's own error, which a caller's console.error prints whole) and an AggregateError's errors; a
+ * thrown string is returned masked. Mutates the errors in place, as they are the ones thrown on.
+ * @example throw redactError(err, connectionString);
+ */
+export function redactError<T>(err: T, connectionString: string): T {
+  const redact = (text: string) => redactSecrets(text, connectionString);
+  if (typeof err === 'string') return redact(err) as T;
+  const seen = new Set<unknown>();
+  const visit = (e: unknown): void => {
+    if (!(e instanceof Error) || seen.has(e)) return;
+    seen.add(e);
+    try {
+      e.message = redact(e.message);
+      if (typeof e.stack === 'string') e.stack = redact(e.stack);
+      if (typeof e.cause === 'string') e.cause = redact(e.cause);
+    } catch {
+      // A frozen error cannot be masked; better left as it is than a second error where the first is being recorded.
+    }
+    visit(e.cause);
+    if (e instanceof AggregateError) e.errors.forEach(visit);
+  };
+  visit(err);
+  return err;
+}
+
+/**
  * Server-side TCP keepalives for every idem session (lock and work): if this host vanishes (power,
  * network), the server notices within about a minute (30 s idle + 3 probes 10 s apart) and ends
  * the session, freeing its advisory lock and row locks, instead of after the OS defaults' ~2 hours.

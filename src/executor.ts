@@ -30,8 +30,8 @@ export class ChunkFailure extends Error {
 
 export interface ExecuteOptions {
   readonly db: Kysely<any>;
-  /** Masks the database's password in a job's error before it is recorded, logged or thrown. */
-  readonly redact?: (text: string) => string;
+  /** Masks the database's password in a job's error (an Error in place, a thrown string as a copy) before it is recorded, logged or thrown. */
+  readonly redact?: <T>(err: T) => T;
   /** The work pool behind `db`: each worker slot keeps one of its connections (chunk-slot.ts). */
   readonly pool: pg.Pool;
   readonly store: Store;
@@ -551,13 +551,10 @@ async function tryChunk(
   } catch (thrown) {
     // With the next claim, an error may be the claim's, after the COMMIT took effect.
     const unknown = thrown instanceof CommitUnknownError;
-    const err = unknown ? thrown.cause : thrown;
     // A job's error that quotes DATABASE_URL (a report link, a second client's URL) is recorded in
     // idem.chunks and idem.runs, logged and printed: its password is masked once, here.
-    if (opts.redact && err instanceof Error) {
-      err.message = opts.redact(err.message);
-      if (typeof err.stack === 'string') err.stack = opts.redact(err.stack);
-    }
+    const raw = unknown ? thrown.cause : thrown;
+    const err = opts.redact ? opts.redact(raw) : raw;
     if (chunk && !unknown && !(err instanceof FencedError) && codeOf(err) !== FENCED_AT_COMMIT && !opts.abort.aborted) {
       // The try is counted on the chunk, and a chunk that failed for good (a permanent error, or
       // its last try) is held back from every claim, inside the chunk's own transaction: its work

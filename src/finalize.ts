@@ -1,5 +1,6 @@
 import { BusyError, RunFailedError, UsageError } from './errors.ts';
 import { runIsLive } from './operations.ts';
+import { slotOfJobKey } from './schedule.ts';
 import { sleep } from './sleep.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import type { RunJobOptions, Runner, RunOutcome } from './runner.ts';
@@ -30,6 +31,9 @@ export interface FinalizeOptions extends Pick<RunJobOptions, 'concurrency' | 'si
  * @example await finalizeRun(runner, job, { key: 'backfill-2026-11', timeoutSeconds: 600 });
  */
 export async function finalizeRun(runner: Runner, job: Job, opts: FinalizeOptions): Promise<FinalizeOutcome> {
+  // A key that is a slot of the job's schedule is that slot's run (ctx.slot), as `idem run --key`
+  // runs it; a slot-shaped key off the schedule, or not due yet, is refused before anything is read.
+  const slot = slotOfJobKey(job, opts.key);
   const deadline = opts.timeoutSeconds === undefined ? Infinity : Date.now() + opts.timeoutSeconds * 1000;
   let waited = false;
   // Polls rather than waiting on the job's lock: whoever takes the lock bumps the attempt and
@@ -46,7 +50,7 @@ export async function finalizeRun(runner: Runner, job: Job, opts: FinalizeOption
     }
     const params = existing ? existing.params : ((await validateParams(job, opts.params)) as Json);
     try {
-      const outcome = await runner.run(job, { params, key: opts.key, wait: false, resumeFailed: false, ...pick(opts) });
+      const outcome = await runner.run(job, { params, key: opts.key, slot, wait: false, resumeFailed: false, ...pick(opts) });
       return { ...outcome, how: how(outcome, waited) };
     } catch (err) {
       // Someone else took it between our look and our try: wait for them like any live run.

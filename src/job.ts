@@ -45,7 +45,7 @@ interface BaseContext<P> {
   readonly signal: AbortSignal;
   readonly run: RunIdentity;
   readonly step: string;
-  /** The cron slot this run is for (a scheduled job run without --key, or with a slot key of its schedule as --key), else `null`. */
+  /** The cron slot this run is for (a scheduled job run without --key, or with a slot key of its schedule as its run key: `run`'s or `finalize`'s --key, a POST's Idempotency-Key), else `null`. */
   readonly slot: Date | null;
 }
 

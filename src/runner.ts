@@ -3,7 +3,7 @@ import { hostname } from 'node:os';
 import { sql, type Kysely } from 'kysely';
 import type { Logger } from 'pino';
 import { acquireAdvisoryLock, type HeldLock } from './advisory-lock.ts';
-import { openDatabase, redactSecrets, type Database } from './database.ts';
+import { openDatabase, redactError, type Database } from './database.ts';
 import { BusyError, CancelledError, codeOf, errorFields, FencedError, InterruptedError, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
@@ -494,7 +494,7 @@ export class Runner {
       const { executed } = await untilLost(lock.lost, executeSteps(
         {
           db: this.db,
-          redact: (text) => redactSecrets(text, this.#connectionString),
+          redact: (err) => redactError(err, this.#connectionString),
           pool: this.#database.pool,
           store: this.store,
           job,
@@ -524,7 +524,11 @@ export class Runner {
       }
       log.info({ executed, chunks: summary.chunks, durationMs: summary.durationMs }, 'run succeeded');
       return { status: 'succeeded', job: job.name, runKey: current.run_key, runId, attempt, summary, executed, elapsedMs: Math.round(performance.now() - invocationStarted) };
-    } catch (err) {
+    } catch (thrown) {
+      // A job's error that quotes DATABASE_URL is recorded in idem.runs, logged and thrown: the
+      // chunks' own are masked as they fail (executor.ts), the rest here, whatever threw them (a
+      // chunk source planning the next window, the health gate resolving a step's tables).
+      const err = redactError(thrown, this.#connectionString);
       // Once the lock is gone, whatever failed next (often a statement on a connection killed in
       // the same sweep) is a symptom: the run was lost, not failed, and must not be marked failed.
       // A connection-class error can arrive before the lock's own session reports its end, so

@@ -233,20 +233,30 @@ const SLOT_KEY = /^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$/;
  * almost surely a typo of one (named in the message), and the second would be recorded done before
  * its time, so the due slot's run (cron's) would find it done.
  */
-export function slotOfKey(schedule: Schedule, job: string, key: string, now: Date = new Date()): Date | null {
+export function slotOfKey(schedule: Schedule, job: string, key: string, now: Date = new Date(), keyName = '--key'): Date | null {
   if (!SLOT_KEY.test(key)) return null;
   const at = new Date(Date.parse(key));
   if (!Number.isFinite(at.getTime()) || slotKey(at) !== key) return null;
   if (schedule.next(new Date(at.getTime() - 1)).getTime() !== at.getTime()) {
     throw new UsageError(
       'invalidKey',
-      `--key ${key} is shaped like a slot of job "${job}", but its schedule (${schedule.expression}, ${schedule.timezone}) does not fire then; the nearest slots are ${slotKey(schedule.previous(at))} and ${slotKey(schedule.next(at))}: pass one of them, or a key that is not a UTC time`,
+      `${keyName} ${key} is shaped like a slot of job "${job}", but its schedule (${schedule.expression}, ${schedule.timezone}) does not fire then; the nearest slots are ${slotKey(schedule.previous(at))} and ${slotKey(schedule.next(at))}: pass one of them, or a key that is not a UTC time`,
     );
   }
   if (at > now) {
-    throw new UsageError('invalidKey', `--key ${key} is a slot of job "${job}" that is not due yet; the latest due slot is ${slotKey(latestSlot(schedule, now))}: pass a due slot, or a key that is not a UTC time`);
+    throw new UsageError('invalidKey', `${keyName} ${key} is a slot of job "${job}" that is not due yet; the latest due slot is ${slotKey(latestSlot(schedule, now))}: pass a due slot, or a key that is not a UTC time`);
   }
   return at;
+}
+
+/**
+ * `slotOfKey` for a job: null for a job without a schedule, and (before its schedule is parsed)
+ * for a key not shaped like a slot key. So `idem finalize --key` and a POST's Idempotency-Key run a
+ * slot of the schedule as that slot, as `idem run --key` does. `keyName`: how a refusal names the key.
+ */
+export function slotOfJobKey(job: { readonly name: string; readonly schedule?: ScheduleInput }, key: string, keyName = '--key', now: Date = new Date()): Date | null {
+  if (job.schedule === undefined || !SLOT_KEY.test(key)) return null;
+  return slotOfKey(parseSchedule(job.schedule), job.name, key, now, keyName);
 }
 
 /** Options of `renderCrontab`. */

@@ -12,6 +12,7 @@ import { FAULT_POINTS } from '../src/fault-points.ts';
 import { useTestDatabase } from './support/database.ts';
 import { BIN, expectFaultCrash, FIXTURE_DIRS, killLeftovers, logLines, type CliProcess, type CliResult, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, holdGate } from './support/cli.ts';
 import counted, { maybeFail } from './fixtures/jobs/counted.ts';
+import { api, startServe } from './support/server.ts';
 
 const MORE_JOBS = fileURLToPath(new URL('./fixtures/more-jobs', import.meta.url));
 
@@ -169,6 +170,174 @@ describe('a chunk error that quotes a password given in PGPASSWORD', () => {
     expect(stored).toHaveLength(1);
     expect(stored[0]!.text).not.toContain(password);
   });
+});
+
+describe("a chunk that throws a string quoting the database's password", () => {
+  it('is recorded and thrown with the password masked', async () => {
+    // Not an Error: its text cannot be masked in place, as an Error's message is.
+    const password = decodeURIComponent(new URL(db.url).password);
+    const leaky = defineJob({
+      name: 'leaky-string-chunk',
+      steps: [
+        {
+          name: 'work',
+          chunks: () => ({ chunks: [{ key: 'a' }], next: null }),
+          run: async () => {
+            throw `cannot reach ${db.url}`;
+          },
+        },
+      ],
+    });
+    const err = await rejectionOf(runner.run(leaky, { key: 'leaky' }));
+    expect(err.message).toContain('cannot reach');
+    expect(err.message).not.toContain(password);
+    const stored = await query<{ text: string }>(db.url, `select coalesce(c.error, '') || ' ' || coalesce(r.error::text, '') as text from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'leaky-string-chunk'`);
+    expect(stored).toHaveLength(1);
+    expect(stored[0]!.text).toContain('cannot reach');
+    expect(stored[0]!.text).not.toContain(password);
+  });
+});
+
+describe("a planning error that quotes the database's password", () => {
+  // A chunk source (a keyset query, a key list read from elsewhere, a custom source) that throws
+  // with DATABASE_URL in its message: planning's failure went past the chunks' masking, whole into
+  // idem.runs.error, the log, the thrown error and the CLI's stderr and --json.
+  const password = () => decodeURIComponent(new URL(db.url).password);
+  const leakyPlan = (name: string, thrown: 'an Error' | 'a string') =>
+    defineJob({
+      name,
+      steps: [
+        {
+          name: 'plan',
+          chunks: () => {
+            const text = `cannot plan: ${db.url} refused (password ${password()})`;
+            throw thrown === 'an Error' ? new Error(text) : text;
+          },
+          run: async () => {},
+        },
+      ],
+    });
+
+  it.each(['an Error', 'a string'] as const)('%s thrown by a chunk source is recorded, thrown and logged with the password masked', async (thrown) => {
+    expect(password().length).toBeGreaterThanOrEqual(8);
+    const name = `leaky-plan-${thrown === 'an Error' ? 'error' : 'string'}`;
+    const lines: string[] = [];
+    const { default: pino } = await import('pino');
+    const log = pino({ level: 'debug' }, { write: (s: string) => void lines.push(s) });
+    const own = await Runner.connect({ connectionString: db.url, log });
+    let err: Error;
+    try {
+      err = await rejectionOf(own.run(leakyPlan(name, thrown), { key: 'leaky' }));
+    } finally {
+      await own.close();
+    }
+    expect(err).toBeInstanceOf(RunFailedError);
+    expect(err.message).toContain('cannot plan');
+    expect(err.message).toContain('***');
+    // The whole chain a caller may print (console.error shows causes and stacks).
+    for (let e: unknown = err; e instanceof Error; e = e.cause) {
+      expect(e.message).not.toContain(password());
+      expect(String(e.stack)).not.toContain(password());
+    }
+    const stored = await query<{ text: string }>(
+      db.url,
+      `select row_to_json(r)::text || ' ' || coalesce((select json_agg(s)::text from idem.steps s where s.run_id = r.id), '') || ' ' || coalesce((select json_agg(c)::text from idem.chunks c where c.run_id = r.id), '') as text
+       from idem.runs r where r.job = $1`,
+      [name],
+    );
+    expect(stored).toHaveLength(1);
+    expect(stored[0]!.text).toContain('cannot plan');
+    expect(stored[0]!.text).not.toContain(password());
+    expect(lines.join('')).toContain('cannot plan');
+    expect(lines.join('')).not.toContain(password());
+  });
+
+  it("an effect's error is recorded, thrown and logged with the password masked", async () => {
+    const leakyEffect = defineJob({
+      name: 'leaky-effect',
+      steps: [{ name: 'notify', run: (ctx) => ctx.effect('mail', () => Promise.reject(new Error(`mail relay refused ${db.url}`))) }],
+    });
+    const lines: string[] = [];
+    const { default: pino } = await import('pino');
+    const own = await Runner.connect({ connectionString: db.url, log: pino({ level: 'debug' }, { write: (s: string) => void lines.push(s) }) });
+    let err: Error;
+    try {
+      err = await rejectionOf(own.run(leakyEffect, { key: 'leaky' }));
+    } finally {
+      await own.close();
+    }
+    expect(err.message).toContain('mail relay refused');
+    for (let e: unknown = err; e instanceof Error; e = e.cause) expect(`${e.message} ${e.stack}`).not.toContain(password());
+    const [stored] = await query<{ text: string }>(
+      db.url,
+      `select row_to_json(r)::text || ' ' || (select json_agg(e)::text from idem.effects e where e.run_id = r.id) || ' ' || (select json_agg(c)::text from idem.chunks c where c.run_id = r.id) as text from idem.runs r where r.job = 'leaky-effect'`,
+    );
+    expect(stored!.text).toContain('mail relay refused');
+    expect(stored!.text).not.toContain(password());
+    expect(lines.join('')).not.toContain(password());
+  });
+
+  describe('through the CLI and idem serve', () => {
+    let dir: string;
+    beforeAll(async () => {
+      dir = await mkdtemp(path.join(tmpdir(), 'idem-leaky-plan-'));
+      await writeFile(
+        path.join(dir, 'leaky-cli-plan.mjs'),
+        `export default { name: 'leaky-cli-plan', steps: [{ name: 'plan', chunks: () => { throw new Error('cannot plan: ' + process.env.DATABASE_URL + ' refused'); }, run: async () => {} }] };\n`,
+      );
+    });
+    afterAll(() => rm(dir, { recursive: true, force: true }));
+
+    it('is printed masked on stderr and in --json by idem run and idem finalize', async () => {
+      const run = await runCli(['--jobs-dir', dir, 'run', 'leaky-cli-plan', '--key', 'cli', '--json'], { url: db.url });
+      // finalize finds the run failed and prints its recorded error.
+      const fin = await runCli(['--jobs-dir', dir, 'finalize', 'leaky-cli-plan', '--key', 'cli', '--json'], { url: db.url });
+      for (const r of [run, fin]) {
+        expect(r.code, r.stderr).toBe(1);
+        expect(r.stderr).toContain('cannot plan');
+        expect(JSON.parse(r.stdout)).toMatchObject({ status: 'error', exitCode: 1 });
+        expect(r.stdout).toContain('***');
+        expect(r.stdout + r.stderr).not.toContain(password());
+      }
+      const [row] = await query<{ text: string }>(db.url, `select error::text as text from idem.runs where job = 'leaky-cli-plan' and run_key = 'cli'`);
+      expect(row!.text).toContain('cannot plan');
+      expect(row!.text).not.toContain(password());
+    }, 60_000);
+
+    it("is recorded, served and logged masked by idem serve's executor", async () => {
+      const server = await startServe(db.url, [], {}, dir);
+      try {
+        const created = await api(server.base, 'POST', '/api/jobs/leaky-cli-plan/runs', { body: {}, key: 'serve' });
+        expect(created.status, created.text).toBe(201);
+        const failed = await api(server.base, 'GET', `/api/runs/${created.body.id}?wait=30`);
+        expect(failed.body).toMatchObject({ state: 'failed' });
+        expect(failed.text).toContain('cannot plan');
+        expect(failed.text).not.toContain(password());
+        const page = await api(server.base, 'GET', `/runs/${created.body.id}`);
+        expect(page.text).toContain('cannot plan');
+        expect(page.text).not.toContain(password());
+      } finally {
+        server.proc.child.kill('SIGTERM');
+        await server.proc.done;
+      }
+      expect(server.proc.stderr()).toContain('cannot plan');
+      expect(server.proc.stdout() + server.proc.stderr()).not.toContain(password());
+    }, 60_000);
+  });
+
+  it('a job file that throws it while loading is printed masked', async () => {
+    const dir = await mkdtemp(path.join(tmpdir(), 'idem-leaky-load-'));
+    try {
+      await writeFile(path.join(dir, 'leaky-load.mjs'), `throw new Error('cannot connect to ' + process.env.DATABASE_URL);\n`);
+      const r = await runCli(['--jobs-dir', dir, 'run', 'leaky-load', '--json'], { url: db.url });
+      expect(r.code, r.stderr).toBe(2);
+      expect(r.stderr).toContain('cannot connect to');
+      expect(r.stdout).toContain('***');
+      expect(r.stdout + r.stderr).not.toContain(password());
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
+  }, 60_000);
 });
 
 describe('skip policy', () => {
@@ -530,6 +699,21 @@ describe('database health at start-up', () => {
     } finally {
       await query(db.url, `delete from idem.idem_migration where name = '9999_from_the_future'`);
     }
+  });
+
+  it('a schema from before the open-runs index gets it from concurrent first uses, once, its runs kept', async () => {
+    // As an idem before 0013 left it: runs there, the index and its record not.
+    await query(db.url, `drop index idem.runs_open_idx`);
+    await query(db.url, `delete from idem.idem_migration where name = '0013_runs_open_idx'`);
+    const runs = async () => (await query<{ n: number }>(db.url, `select count(*)::int as n from idem.runs`))[0]!.n;
+    const before = await runs();
+    const runners = await Promise.all(Array.from({ length: 4 }, () => Runner.connect({ connectionString: db.url })));
+    await Promise.all(runners.map((r) => r.close()));
+    expect(await query(db.url, `select name from idem.idem_migration where name like '0013%'`)).toEqual([{ name: '0013_runs_open_idx' }]);
+    expect(await query(db.url, `select indexdef from pg_indexes where schemaname = 'idem' and indexname = 'runs_open_idx'`)).toEqual([
+      { indexdef: "CREATE INDEX runs_open_idx ON idem.runs USING btree (id, status) WHERE (status <> ALL (ARRAY['succeeded'::text, 'cancelled'::text]))" },
+    ]);
+    expect(await runs()).toBe(before);
   });
 });
 

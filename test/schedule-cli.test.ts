@@ -7,6 +7,7 @@ import { latestSlot, parseSchedule, slotKey, slotsSince } from '../src/schedule.
 import { TICK_SCHEDULE } from './fixtures/scheduled-jobs/hourly-tick.ts';
 import { busyMessage, FIXTURE_JOBS, killLeftovers, query, REPO, runCli, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
+import { api, startServe } from './support/server.ts';
 
 const SCHEDULED_JOBS = fileURLToPath(new URL('./fixtures/scheduled-jobs', import.meta.url));
 const schedule = parseSchedule(TICK_SCHEDULE);
@@ -116,6 +117,61 @@ describe('--key of a scheduled job', () => {
     expect(early.code).toBe(2);
     expect(early.stderr).toBe(`idem: error: --key ${slotKey(future)} is a slot of job "hourly-tick" that is not due yet; the latest due slot is ${slotKey(latestSlot(schedule))}: pass a due slot, or a key that is not a UTC time\n`);
     expect(await query(url, `select to_regnamespace('sched_h')::text as s`)).toEqual([{ s: null }]);
+  });
+});
+
+describe('a slot key given to idem finalize or to idem serve', () => {
+  it('idem finalize --key <slot> runs as that slot (ctx.slot); a slot-shaped key off the schedule or not yet due exits 2, writing nothing', async () => {
+    const [older, latest] = slotsSince(schedule, { count: 2 }) as [Date, Date];
+    const fin = (schema: string, key: string) => ['--jobs-dir', SCHEDULED_JOBS, '--schema', schema, 'finalize', 'hourly-tick', '--param', 'tag=fin-key', '--key', key];
+    const ran = await runCli(fin('sched_fin', slotKey(older)), { url });
+    expect(ran.code, ran.stderr).toBe(0);
+    expect(await ticks('fin-key')).toEqual([{ run_key: slotKey(older), chunk_key: older.toISOString() }]);
+    const off = new Date(older.getTime() + 30 * 60_000);
+    const offSlot = await runCli(fin('sched_fin_off', slotKey(off)), { url });
+    expect(offSlot.code).toBe(2);
+    expect(offSlot.stderr).toBe(
+      `idem: error: --key ${slotKey(off)} is shaped like a slot of job "hourly-tick", but its schedule (0 * * * *, UTC) does not fire then; the nearest slots are ${slotKey(older)} and ${slotKey(latest)}: pass one of them, or a key that is not a UTC time\n`,
+    );
+    const future = schedule.next(new Date(Date.now() + 86_400_000));
+    const early = await runCli(fin('sched_fin_off', slotKey(future)), { url });
+    expect(early.code).toBe(2);
+    expect(early.stderr).toBe(`idem: error: --key ${slotKey(future)} is a slot of job "hourly-tick" that is not due yet; the latest due slot is ${slotKey(latestSlot(schedule))}: pass a due slot, or a key that is not a UTC time\n`);
+    expect(await query(url, `select to_regnamespace('sched_fin_off')::text as s`)).toEqual([{ s: null }]);
+    expect(await ticks('fin-key')).toHaveLength(1);
+  });
+
+  it("a POST whose Idempotency-Key is a slot of the schedule runs as that slot (ctx.slot); one off the schedule or not yet due is 422, writing nothing", async () => {
+    const [older, latest] = slotsSince(schedule, { count: 2 }) as [Date, Date];
+    const server = await startServe(url, ['--schema', 'sched_srv'], {}, SCHEDULED_JOBS);
+    try {
+      const post = (key: string) => api(server.base, 'POST', '/api/jobs/hourly-tick/runs', { body: { tag: 'srv-key' }, key });
+      const created = await post(slotKey(older));
+      expect(created.status, created.text).toBe(201);
+      expect((await api(server.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body).toMatchObject({ state: 'succeeded' });
+      expect(await ticks('srv-key')).toEqual([{ run_key: slotKey(older), chunk_key: older.toISOString() }]);
+
+      const off = new Date(older.getTime() + 30 * 60_000);
+      const offSlot = await post(slotKey(off));
+      expect(offSlot.status, offSlot.text).toBe(422);
+      expect(offSlot.headers.get('content-type')).toMatch(/^application\/problem\+json/);
+      expect(offSlot.body).toMatchObject({
+        type: 'urn:idem:problem:idem.invalidKey',
+        status: 422,
+        detail: `Idempotency-Key ${slotKey(off)} is shaped like a slot of job "hourly-tick", but its schedule (0 * * * *, UTC) does not fire then; the nearest slots are ${slotKey(older)} and ${slotKey(latest)}: pass one of them, or a key that is not a UTC time`,
+      });
+      const future = schedule.next(new Date(Date.now() + 86_400_000));
+      const early = await post(slotKey(future));
+      expect(early.status, early.text).toBe(422);
+      expect(early.body).toMatchObject({
+        type: 'urn:idem:problem:idem.invalidKey',
+        detail: `Idempotency-Key ${slotKey(future)} is a slot of job "hourly-tick" that is not due yet; the latest due slot is ${slotKey(latestSlot(schedule))}: pass a due slot, or a key that is not a UTC time`,
+      });
+      expect(await query(url, `select run_key from sched_srv.runs order by id`)).toEqual([{ run_key: slotKey(older) }]);
+    } finally {
+      server.proc.child.kill('SIGTERM');
+      await server.proc.done;
+    }
   });
 });
 

@@ -36,8 +36,11 @@ export function registerFinalizeCommand(program: Command, cli: CliContext): void
     .action((name: string, o: FinalizeFlags) =>
       cli.runWithSession(async (g, log, session, force) => {
         const params = parseParams(o.params, o.param);
-        const { findJob } = await import('../cli-runtime.ts');
+        const { findJob, slotOfJobKey } = await import('../cli-runtime.ts');
         const job = await findJob(g.jobsDir, name, { migrationsDir: g.migrationsDir });
+        // finalizeRun refuses a slot-shaped key off the job's schedule too; here that is before
+        // any connection, so the refusal creates nothing, not even idem's schema.
+        slotOfJobKey(job, o.key);
         const health = await healthSetting(o);
         const { finalizeRun, POOL_HEADROOM } = await import('../cli-runtime.ts');
         const runner = await openRunner(g, log, session, o.concurrency + POOL_HEADROOM);

@@ -3,6 +3,7 @@ import { UsageError } from '../errors.ts';
 import { fingerprint } from '../fingerprint.ts';
 import { NAME as JOB_NAME, validateParams, type Job, type Json } from '../job.ts';
 import { reopenFailedRun } from '../operations.ts';
+import { slotOfJobKey } from '../schedule.ts';
 import { continueCommand } from '../shell-quote.ts';
 import { claimRequest, paramsMismatch, printable } from './claim-request.ts';
 import { HttpProblem } from './problem.ts';
@@ -81,6 +82,14 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
     const job = ctx.jobs.get(request.params.job);
     if (!job) {
       throw new HttpProblem(404, 'idem.unknownJob', `unknown job "${printable(request.params.job)}"; GET /api/jobs lists the jobs this server runs`);
+    }
+    // A key that is a slot of the job's schedule is that slot's run, as with `idem run --key`
+    // (the executor runs it with ctx.slot); one the schedule never fires at, or not due yet, is refused.
+    try {
+      slotOfJobKey(job, key, 'Idempotency-Key');
+    } catch (err) {
+      if (err instanceof UsageError) throw new HttpProblem(422, err.code, err.message);
+      throw err;
     }
     // No body at all is no params; a JSON null is a body that is not an object.
     const raw = request.body === undefined ? {} : request.body;

@@ -2,6 +2,7 @@ import { derivedJob } from '../code-fingerprint.ts';
 import { sql } from 'kysely';
 import type { Logger } from 'pino';
 import { runIsLive } from '../operations.ts';
+import { slotOfJobKey } from '../schedule.ts';
 import { BusyError, CancelledError, errorFields, InterruptedError, PausedError, PauseWithdrawnError, RunFailedError } from '../errors.ts';
 import type { Job, Step } from '../job.ts';
 import type { Runner } from '../runner.ts';
@@ -145,6 +146,7 @@ export class RunExecutor {
       const base = {
         params: run.params,
         key: run.run_key,
+        slot: slotOf(this.#o.jobs.get(q.job)!, run.run_key),
         concurrency: this.#o.concurrency,
         controlPollMs: this.#o.controlPollMs,
         signal: this.#stop.signal,
@@ -193,6 +195,19 @@ export class RunExecutor {
     timer.unref();
     await Promise.allSettled([...this.#running.values()]);
     clearTimeout(timer);
+  }
+}
+
+/**
+ * The slot a run's key names (POST checked it against the job's schedule, as `idem run --key`
+ * does), so the run executes with ctx.slot set. A key the schedule no longer fires at (the job's
+ * schedule changed since) runs with no slot rather than not at all.
+ */
+function slotOf(job: Job, key: string): Date | null {
+  try {
+    return slotOfJobKey(job, key);
+  } catch {
+    return null;
   }
 }
 

@@ -163,7 +163,7 @@ export class RunViews {
       q.state === undefined
         ? sql`true`
         : q.state === 'active'
-          ? sql`r.status not in ('succeeded', 'cancelled')`
+          ? sql`r.status not in ('succeeded', 'cancelled')` // runs_open_idx's predicate, word for word
           : q.state === 'crashed'
             ? sql`r.status = 'running'`
             : sql`r.status = ${q.state}`;
@@ -182,9 +182,10 @@ export class RunViews {
   }
 
   /**
-   * How many runs have one of `statuses`, counting no further than `cap`: there is no index on
-   * status, and a count of every run of a table of a million takes a third of a second, while the
-   * scan of a capped count stops once it has found `cap`.
+   * How many runs have one of `statuses`, counting no further than `cap`. Runs that have not ended
+   * are counted in runs_open_idx; ended ones (succeeded, cancelled) are not in it, and a
+   * count of every one of a table of a million takes a third of a second, while the scan of a
+   * capped count stops once it has found `cap`.
    */
   async count(statuses: readonly RunStatus[], cap: number): Promise<number> {
     const compiled = sql`select count(*)::int as n from (select 1 from ${this.#t('runs')} where status = any(${[...statuses]}::text[]) limit ${cap}) c`.compile(this.#db);

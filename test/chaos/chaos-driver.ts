@@ -101,6 +101,21 @@ export function startRunner(databaseUrl: string, runKey: string, concurrency: nu
   return child;
 }
 
+/** Lines of a process's stderr a report quotes: enough of its log to tell why a rare exit happened. */
+export const STDERR_TAIL_LINES = 40;
+
+/**
+ * The end of a process's stderr for a report, one indented line each under what happened, so a
+ * flake seen once (a seed that does not replay it) can be diagnosed from the report alone.
+ */
+export function stderrTail(stderr: string, lines = STDERR_TAIL_LINES): string {
+  const all = stderr.trimEnd().split('\n');
+  if (all.length === 1 && all[0] === '') return ' (no stderr)';
+  const shown = all.slice(-lines);
+  const cut = all.length > shown.length ? `, last ${shown.length} of ${all.length} lines` : '';
+  return `; its stderr${cut}:\n${shown.map((l) => `      | ${l}`).join('\n')}`;
+}
+
 /** Waits for every child and checks how each ended; then waits until their sessions are gone. */
 export async function settle(client: pg.Client, children: Child[], stats: ChaosStats, label: string): Promise<void> {
   let timedOut = false;
@@ -117,10 +132,9 @@ export async function settle(client: pg.Client, children: Child[], stats: ChaosS
   for (const [i, end] of ends.entries()) {
     const c = children[i]!;
     const { code, signal, stderr } = await end;
-    const tail = stderr.trim().split('\n').slice(-6).join(' | ');
-    if (hung.has(c)) stats.hangs.push(`${label}: ${c.role} still running after ${SETTLE_MS} ms: ${tail}`);
+    if (hung.has(c)) stats.hangs.push(`${label}: ${c.role} still running after ${SETTLE_MS} ms${stderrTail(stderr)}`);
     else if (signal !== null ? !(signal === 'SIGKILL' && c.killedByDriver) : !c.allowed.has(code!)) {
-      stats.unexpectedExits.push(`${label}: ${c.role} ended with ${code ?? signal} (allowed: ${[...c.allowed].join(', ')}${c.killedByDriver ? ', SIGKILL' : ''}): ${tail}`);
+      stats.unexpectedExits.push(`${label}: ${c.role} ended with ${code ?? signal} (allowed: ${[...c.allowed].join(', ')}${c.killedByDriver ? ', SIGKILL' : ''})${stderrTail(stderr)}`);
     }
   }
   clearTimeout(timer);

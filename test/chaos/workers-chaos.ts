@@ -1,7 +1,7 @@
 import { readdir, readFile, readlink } from 'node:fs/promises';
 import pg from 'pg';
 import { chaosFailures } from './chaos.ts';
-import { newChaosStats, prng, settle, sleep, startRunner, withChaosDriver, type ChaosStats, type Child } from './chaos-driver.ts';
+import { newChaosStats, prng, settle, sleep, startRunner, stderrTail, withChaosDriver, type ChaosStats, type Child } from './chaos-driver.ts';
 
 /**
  * Chaos for workers (`npm run chaos -- --workers`): every run is shared by 2–6 `idem run --join`
@@ -155,7 +155,7 @@ export async function runWorkersChaos(opts: WorkersChaosOptions): Promise<Worker
         }
         if (code === 75) {
           if (/ending in the processes that share it/.test(stderr)) stats.busyWhileEnding++;
-          else stats.unexpectedExits.push(`round ${round} (${driver.runKey}): ${c.role} exited 75 though it asked to join: ${stderr.trim().split('\n').slice(-3).join(' | ')}`);
+          else stats.unexpectedExits.push(`round ${round} (${driver.runKey}): ${c.role} exited 75 though it asked to join${stderrTail(stderr)}`);
         }
       }
       await driver.endEpisodeIfDone();
