@@ -4,7 +4,7 @@ import { sql, type Kysely } from 'kysely';
 import type { Logger } from 'pino';
 import { acquireAdvisoryLock, type HeldLock } from './advisory-lock.ts';
 import { openDatabase, redactError, type Database } from './database.ts';
-import { BusyError, CancelledError, codeOf, errorFields, FencedError, InterruptedError, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
+import { BusyError, CancelledError, codeOf, errorFields, FencedError, IdemError, InterruptedError, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
@@ -92,7 +92,11 @@ export interface RunJobOptions {
   readonly join?: boolean;
   /** Report what would run without writing anything. Defaults to `false`. */
   readonly dryRun?: boolean;
-  /** Aborting stops the run gracefully: no new chunk starts, in-flight ones finish. */
+  /**
+   * Aborting stops the run gracefully: no new chunk starts, in-flight ones finish, the run ends
+   * `interrupted` and run() rejects with an InterruptedError (exit 143; 130 for the reason
+   * 'SIGINT'), whatever the abort's reason. A later run of the key resumes it.
+   */
   readonly signal?: AbortSignal;
   /** Aborting makes the job's `ctx.signal` abort too (second Ctrl-C, shutdown deadline). */
   readonly abortSignal?: AbortSignal;
@@ -188,6 +192,10 @@ export class Runner {
   readonly schema: string;
   readonly store: Store;
   readonly #database: Database;
+  /** Aborted by close(): every run in flight stops gracefully. */
+  readonly #closing = new AbortController();
+  /** Runs in flight (run, migrate), settled or not: close() waits for them. */
+  readonly #inFlight = new Set<Promise<void>>();
   readonly #connectionString: string;
   readonly #log: Logger;
   readonly #poolSize: number;
@@ -229,12 +237,66 @@ export class Runner {
   }
 
   /** Idempotent. */
+  /**
+   * Closes the runner. Runs in flight (run, migrate, finalizeRun) are stopped first, gracefully: no
+   * new chunk starts, chunks in flight finish and commit, and each such run ends `interrupted` (its
+   * promise rejects with InterruptedError, exit 143); a later run of the same key resumes it. Then
+   * the pool closes. A run() after close() is refused.
+   */
   async close(): Promise<void> {
+    if (this.#inFlight.size > 0) {
+      this.#closing.abort(new InterruptedError('SIGTERM', 'stopped by Runner.close(): chunks in flight finished, no new chunk started; finished chunks are kept, run it again to resume'));
+      await Promise.all(this.#inFlight);
+    } else {
+      this.#closing.abort();
+    }
     await this.#database.close();
   }
 
+  /**
+   * Runs `body` as a run in flight of this runner: refused once the runner is closed, and stopped
+   * gracefully by close(). It gets the caller's signals as the run sees them: `signal` (stop) aborted
+   * by the caller's or by close(), `abortSignal` (ctx.signal) by the caller's, each with an
+   * InterruptedError for reason (see interruption()).
+   */
+  async #inFlightRun<T>(caller: { readonly signal?: AbortSignal; readonly abortSignal?: AbortSignal }, body: (signals: { signal: AbortSignal; abortSignal?: AbortSignal }) => Promise<T>): Promise<T> {
+    if (this.#closing.signal.aborted) throw new UsageError('runnerClosed', 'this Runner was closed; open another with Runner.connect()');
+    const undo: Array<() => void> = [];
+    const follow = (sources: AbortSignal[]): AbortSignal => {
+      const c = new AbortController();
+      const onAbort = function (this: AbortSignal) {
+        c.abort(interruption(this.reason));
+      };
+      for (const s of sources) {
+        if (s.aborted) c.abort(interruption(s.reason));
+        else {
+          s.addEventListener('abort', onAbort, { once: true });
+          undo.push(() => s.removeEventListener('abort', onAbort));
+        }
+      }
+      return c.signal;
+    };
+    const signal = follow([this.#closing.signal, ...(caller.signal ? [caller.signal] : [])]);
+    const running = body({ signal, ...(caller.abortSignal ? { abortSignal: follow([caller.abortSignal]) } : {}) });
+    const settled = running.then(
+      () => {},
+      () => {},
+    );
+    this.#inFlight.add(settled);
+    try {
+      return await running;
+    } finally {
+      this.#inFlight.delete(settled);
+      for (const u of undo) u();
+    }
+  }
+
   /** Runs a job to completion (or finds it done). Throws an IdemError subclass on every other outcome. */
-  async run(job: Job, opts: RunJobOptions = {}): Promise<RunOutcome> {
+  run(job: Job, opts: RunJobOptions = {}): Promise<RunOutcome> {
+    return this.#inFlightRun(opts, (signals) => this.#run(job, { ...opts, ...signals }));
+  }
+
+  async #run(job: Job, opts: RunJobOptions): Promise<RunOutcome> {
     this.#checkConcurrency(opts.concurrency);
     if (opts.key !== undefined) checkRunKey(opts.key, 'key');
     const params = (await validateParams(job, opts.params)) as Json;
@@ -315,7 +377,11 @@ export class Runner {
    * Runs ordered migrations under one lock: every pod of a deploy may call this at once; one works,
    * the others wait (by default) and then find each migration done.
    */
-  async migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: MigrateOptions = {}): Promise<RunOutcome[]> {
+  migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: MigrateOptions = {}): Promise<RunOutcome[]> {
+    return this.#inFlightRun(opts, (signals) => this.#migrate(migrations, { ...opts, ...signals }));
+  }
+
+  async #migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: MigrateOptions): Promise<RunOutcome[]> {
     this.#checkConcurrency(opts.concurrency);
     for (const m of migrations) checkRunKey(m.runKey, `migration key of job "${m.job?.name}"`);
     const outcomes: RunOutcome[] = [];
@@ -833,6 +899,22 @@ class SucceededElsewhere {
   constructor(run: RunRow) {
     this.run = run;
   }
+}
+
+/**
+ * Why a run stops when the caller's AbortSignal (RunJobOptions.signal) or close() aborts: an
+ * interruption, a graceful stop that finished chunks survive and a rerun resumes, never the run's
+ * failure. idem's own reasons stand as they are (the CLI's InterruptedError on a signal); the
+ * strings 'SIGINT' and 'SIGTERM' name the signal; anything else (abort()'s AbortError,
+ * AbortSignal.timeout()'s TimeoutError, an Error or value of the caller's) is a SIGTERM-like stop,
+ * exit 143, whose message quotes it. It was thrown as the run's failure: the run read failed
+ * ("This operation was aborted") and finalize refused to finish it.
+ */
+function interruption(reason: unknown): IdemError {
+  if (reason instanceof IdemError) return reason;
+  if (reason === 'SIGINT' || reason === 'SIGTERM') return new InterruptedError(reason);
+  const why = reason instanceof Error ? reason.message : String(reason);
+  return new InterruptedError('SIGTERM', `stopped by the caller's AbortSignal (${why}); finished chunks are kept, run it again to resume`);
 }
 
 /** Why a live attempt stops at an operator's request. */

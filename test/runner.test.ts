@@ -648,3 +648,60 @@ describe('ctx.db is the chunk transaction, and only while the chunk runs', () =>
     expect(await doneKeys('leaked')).toEqual(['a', 'b']);
   });
 });
+
+describe("a run stopped by the caller's AbortSignal", () => {
+  // RunJobOptions.signal: "Aborting stops the run gracefully". An AbortError, a timeout's or any
+  // Error reason was thrown as the run's failure: the run read failed (step "(runner)": "This
+  // operation was aborted") and finalizeRun refused it. Only an InterruptedError reason stopped it.
+  const reasons: Array<[string, (c: AbortController) => void, 'SIGINT' | 'SIGTERM']> = [
+    ['abort() (an AbortError)', (c) => c.abort(), 'SIGTERM'],
+    ['an Error of the caller', (c) => c.abort(new Error('shutting down')), 'SIGTERM'],
+    ["the string 'SIGINT'", (c) => c.abort('SIGINT'), 'SIGINT'],
+    ["the string 'SIGTERM'", (c) => c.abort('SIGTERM'), 'SIGTERM'],
+  ];
+  it.each(reasons)('%s: the run is interrupted (InterruptedError), and the rest runs once later', async (_what, abort, signal) => {
+    const key = `caller-abort-${signal}-${Math.random().toString(36).slice(2, 8)}`;
+    const stop = new AbortController();
+    const err = await rejectionOf(
+      runner.run(counted, {
+        key,
+        params: { chunks: 6 },
+        signal: stop.signal,
+        onProgress: (p) => {
+          if (p.step === 'work' && p.done === 2) abort(stop);
+        },
+      }),
+    );
+    expect(err.constructor.name, err.message).toBe('InterruptedError');
+    expect([(err as Error & { signal?: string }).signal, exitCodeOf(err)]).toEqual([signal, signal === 'SIGINT' ? 130 : 143]);
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'interrupted', error: null, attempt: 1 });
+    expect(await runner.run(counted, { key, params: { chunks: 6 } })).toMatchObject({ status: 'succeeded', attempt: 2 });
+    expect(await workCounts(url, key)).toEqual(new Map(Array.from({ length: 6 }, (_, i) => [chunkKey(i + 1), 1])));
+  });
+});
+
+describe('Runner.close() while a run is in flight', () => {
+  it('stops the run gracefully (interrupted) and closes promptly; a rerun does the rest once', async () => {
+    // close() waited for the whole step (every remaining chunk), then the run threw "driver has
+    // already been destroyed" as a failure and its row stayed running.
+    const own = await Runner.connect({ connectionString: url });
+    const key = `close-in-flight-${Math.random().toString(36).slice(2, 8)}`;
+    let started!: () => void;
+    const twoDone = new Promise<void>((r) => (started = r));
+    const run = rejectionOf(own.run(counted, { key, params: { chunks: 30, pauseMs: 100 }, onProgress: (p) => p.step === 'work' && p.done === 2 && started() }));
+    await twoDone;
+    const t = performance.now();
+    await own.close();
+    const closeMs = performance.now() - t;
+    const err = await run;
+    // The chunk in flight finishes (≤ 100 ms of work here), nothing new starts: not the ~2.8 s left.
+    expect(closeMs, `close took ${Math.round(closeMs)} ms`).toBeLessThan(1_500);
+    expect(err.constructor.name, err.message).toBe('InterruptedError');
+    expect(err.message).toMatch(/Runner\.close\(\)/);
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'interrupted', error: null });
+    expect(await runner.run(counted, { key, params: { chunks: 30, pauseMs: 100 } })).toMatchObject({ status: 'succeeded' });
+    expect(await workCounts(url, key)).toEqual(new Map(Array.from({ length: 30 }, (_, i) => [chunkKey(i + 1), 1])));
+    // A closed runner runs nothing more.
+    await expect(own.run(counted, { key: `${key}-after`, params: { chunks: 1 } })).rejects.toThrow('this Runner was closed; open another with Runner.connect()');
+  });
+});
