@@ -3,7 +3,7 @@ import { hostname } from 'node:os';
 import { sql, type Kysely } from 'kysely';
 import type { Logger } from 'pino';
 import { acquireAdvisoryLock, type HeldLock } from './advisory-lock.ts';
-import { openDatabase, redactError, type Database } from './database.ts';
+import { describeConnectError, openDatabase, redactError, type Database } from './database.ts';
 import { BusyError, CancelledError, codeOf, errorFields, FencedError, IdemError, InterruptedError, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
@@ -197,12 +197,15 @@ export class Runner {
   /** Runs in flight (run, migrate), settled or not: close() waits for them. */
   readonly #inFlight = new Set<Promise<void>>();
   readonly #connectionString: string;
+  /** Where the connection string came from, as a connection error's fix names it. */
+  readonly #connectionSource: string | undefined;
   readonly #log: Logger;
   readonly #poolSize: number;
 
   private constructor(database: Database, opts: RunnerOptions, schema: string, log: Logger) {
     this.#database = database;
     this.#connectionString = opts.connectionString;
+    this.#connectionSource = opts.connectionSource;
     this.#log = log;
     this.#poolSize = opts.poolSize ?? DEFAULT_POOL_SIZE;
     this.schema = schema;
@@ -236,9 +239,8 @@ export class Runner {
     return this.#database.db;
   }
 
-  /** Idempotent. */
   /**
-   * Closes the runner. Runs in flight (run, migrate, finalizeRun) are stopped first, gracefully: no
+   * Closes the runner (idempotent). Runs in flight (run, migrate, finalizeRun) are stopped first, gracefully: no
    * new chunk starts, chunks in flight finish and commit, and each such run ends `interrupted` (its
    * promise rejects with InterruptedError, exit 143); a later run of the same key resumes it. Then
    * the pool closes. A run() after close() is refused.
@@ -285,6 +287,12 @@ export class Runner {
     this.#inFlight.add(settled);
     try {
       return await running;
+    } catch (err) {
+      // The database went away since connect(): reaching it failed before the run could start (a
+      // lost connection later on is a lost lock or a chunk's failure, idem errors both). Said as
+      // connect() says it, exit 2, not pg's bare `connect ECONNREFUSED` (exit 1, "the run failed").
+      if (!(err instanceof IdemError) && UNREACHABLE.has(codeOf(err) ?? '')) throw describeConnectError(err, this.#connectionString, this.#connectionSource);
+      throw err;
     } finally {
       this.#inFlight.delete(settled);
       for (const u of undo) u();
@@ -900,6 +908,9 @@ class SucceededElsewhere {
     this.run = run;
   }
 }
+
+/** Errors of reaching the server at all (a socket that never connected, a server refusing sessions). */
+const UNREACHABLE = new Set(['ECONNREFUSED', 'ENOTFOUND', 'EAI_AGAIN', 'ETIMEDOUT', 'EHOSTUNREACH', 'ENETUNREACH', '57P03', '3D000', '28P01', '28000']);
 
 /**
  * Why a run stops when the caller's AbortSignal (RunJobOptions.signal) or close() aborts: an

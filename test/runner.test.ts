@@ -705,3 +705,25 @@ describe('Runner.close() while a run is in flight', () => {
     await expect(own.run(counted, { key: `${key}-after`, params: { chunks: 1 } })).rejects.toThrow('this Runner was closed; open another with Runner.connect()');
   });
 });
+
+describe('Runner.run when the database went away after connect', () => {
+  it('throws DatabaseUnavailableError (exit 2) naming the problem, without the password, as Runner.connect does', async () => {
+    // It threw pg's own `connect ECONNREFUSED 127.0.0.1:…`, which exitCodeOf mapped to 1 ("the run
+    // failed; its progress is recorded"), though nothing was recorded.
+    const { startBlackholeProxy } = await import('./support/blackhole-proxy.ts');
+    const direct = new URL(url);
+    const proxy = await startBlackholeProxy(Number(direct.port));
+    const via = new URL(url);
+    via.port = String(proxy.port);
+    const own = await Runner.connect({ connectionString: via.href });
+    try {
+      await proxy.close(); // the port no longer answers: connection refused
+      const err = await rejectionOf(own.run(counted, { key: 'db-went-away', params: { chunks: 1 } }));
+      expect([err.constructor.name, exitCodeOf(err)], err.message).toEqual(['DatabaseUnavailableError', 2]);
+      expect(err.message).toBe(`cannot reach the database at ${via.href.replace(`:${via.password}@`, ':***@')}: connection refused; start the server or fix --database-url / DATABASE_URL`);
+    } finally {
+      await own.close();
+    }
+    expect(await query(url, `select count(*)::int as n from idem.runs where run_key = 'db-went-away'`)).toEqual([{ n: 0 }]);
+  }, 30_000);
+});
