@@ -329,7 +329,12 @@ async function validateRawParams<P>(job: Job<P>, raw: unknown): Promise<P> {
   const v = job.params;
   if (v === undefined) {
     if (raw === undefined || (isPlainObject(raw) && Object.keys(raw).length === 0)) return {} as P;
-    throw new UsageError('invalidParams', `job "${job.name}" takes no params, got ${JSON.stringify(raw)}; drop --params/--param`);
+    // The depth check first: stringifying 30 000 levels overflowed the stack (an HTTP 500). And the
+    // params quoted only in part: a 60 kB body made a 60 kB message.
+    const problem = unstorable(raw);
+    if (problem) throw new UsageError('invalidParams', `invalid params for job "${job.name}": ${problem}`);
+    const given = JSON.stringify(raw);
+    throw new UsageError('invalidParams', `job "${job.name}" takes no params, got ${given.length > 200 ? `${given.slice(0, 200)}…` : given}; drop --params/--param`);
   }
   if (isStandardSchema(v)) {
     const result = await v['~standard'].validate(raw ?? {});

@@ -237,14 +237,16 @@ export function slotOfKey(schedule: Schedule, job: string, key: string, now: Dat
   if (!SLOT_KEY.test(key)) return null;
   const at = new Date(Date.parse(key));
   if (!Number.isFinite(at.getTime()) || slotKey(at) !== key) return null;
+  // Not due first: a key beyond what the schedule can compute (croner stops at year 2999) is
+  // refused as not due, where asking the schedule about it failed with its own error.
+  if (at > now) {
+    throw new UsageError('invalidKey', `${keyName} ${key} is a slot of job "${job}" that is not due yet; the latest due slot is ${slotKey(latestSlot(schedule, now))}: pass a due slot, or a key that is not a UTC time`);
+  }
   if (schedule.next(new Date(at.getTime() - 1)).getTime() !== at.getTime()) {
     throw new UsageError(
       'invalidKey',
       `${keyName} ${key} is shaped like a slot of job "${job}", but its schedule (${schedule.expression}, ${schedule.timezone}) does not fire then; the nearest slots are ${slotKey(schedule.previous(at))} and ${slotKey(schedule.next(at))}: pass one of them, or a key that is not a UTC time`,
     );
-  }
-  if (at > now) {
-    throw new UsageError('invalidKey', `${keyName} ${key} is a slot of job "${job}" that is not due yet; the latest due slot is ${slotKey(latestSlot(schedule, now))}: pass a due slot, or a key that is not a UTC time`);
   }
   return at;
 }

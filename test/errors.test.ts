@@ -99,6 +99,17 @@ async function rejection(p: Promise<unknown>): Promise<UsageError> {
 }
 
 describe('validateParams', () => {
+  it('a job without params given a deeply nested body: the depth refusal, short (not a stack overflow, nor the whole body quoted)', async () => {
+    // `{"tag": [[[…30 000…]]]}` to a job without params: the message stringified the whole body,
+    // RangeError "Maximum call stack size exceeded" (HTTP 500, CLI exit 1).
+    const deep = JSON.parse(`{"tag":${'['.repeat(30_000)}${']'.repeat(30_000)}}`);
+    const err = await rejection(validateParams(job(), deep));
+    expect(err.message).toMatch(/^invalid params for job "nightly": params\.tag(\[0\])+\[\.\.\. nests deeper than 100 levels$/);
+    const wide = await rejection(validateParams(job(), { tag: 'x'.repeat(60_000) }));
+    expect(wide.message.length).toBeLessThan(400);
+    expect(wide.message).toMatch(/^job "nightly" takes no params, got \{"tag":"xxx.*…; drop --params\/--param$/);
+  });
+
   it('a Standard Schema: returns its output value (defaults applied)', async () => {
     await expect(validateParams(job(tinySchema()), { day: '2026-11-30' })).resolves.toEqual({ day: '2026-11-30', max: 10 });
     await expect(validateParams(job(tinySchema({ async: true })), { day: 'd', limits: { max: 3 } })).resolves.toEqual({ day: 'd', max: 3 });

@@ -8,6 +8,7 @@ import {
   runCronLoop,
   type Schedule,
   slotKey,
+  slotOfKey,
   slotsSince,
 } from '../src/schedule.ts';
 
@@ -358,5 +359,19 @@ describe('runCronLoop', () => {
     await expect(runCronLoop({ entries: [] as { job: string; schedule: Schedule }[], runSlot: async () => {}, signal: controller.signal })).rejects.toMatchObject({
       code: 'idem.noScheduledJobs',
     });
+  });
+});
+
+describe('slotOfKey far in the future', () => {
+  it('a slot-shaped key past what the schedule can compute is "not due yet", a usage error (not the failure of the schedule itself)', () => {
+    // croner finds no slot after year 2999: the off-schedule check threw "has no slot after …",
+    // an HTTP 500 and a CLI exit 1.
+    const hourly = parseSchedule('0 * * * *');
+    const now = at('2026-12-02T08:00:00Z');
+    for (const key of ['3000-01-01T00:00:00Z', '9999-12-31T22:30:00Z', '9999-12-31T23:00:00Z']) {
+      const err = usageError(() => slotOfKey(hourly, 'hourly', key, now));
+      expect(err.code).toBe('idem.invalidKey');
+      expect(err.message).toBe(`--key ${key} is a slot of job "hourly" that is not due yet; the latest due slot is 2026-12-02T08:00:00Z: pass a due slot, or a key that is not a UTC time`);
+    }
   });
 });

@@ -99,6 +99,16 @@ describe('bodies and filters', () => {
     expect((await api(server.base, 'GET', '/api/runs?job=not-here')).body).toEqual({ runs: [], nextCursor: null });
   });
 
+  it('a path whose percent-encoding does not decode is a problem+json 400, with or without a token', async () => {
+    // Fastify answered it with its own JSON ({"code":"FST_ERR_BAD_URL",…}), not a problem.
+    for (const [path, token] of [['/api/runs/%ff', false], ['/api/jobs/%E0%A4%A/runs', true]] as const) {
+      const res = await rawHttp(server.base, `GET ${path} HTTP/1.1\r\nhost: x\r\n${token ? `authorization: Bearer ${TOKEN}\r\n` : ''}connection: close\r\n\r\n`);
+      expect(res.status, res.body).toBe(400);
+      expect(res.headers).toMatch(/content-type: application\/problem\+json/i);
+      expect(JSON.parse(res.body)).toMatchObject({ type: 'urn:idem:problem:idem.badUrl', status: 400, detail: expect.stringMatching(/;/) });
+    }
+  });
+
   it('requests the HTTP parser refuses are problem+json too', async () => {
     const nul = await rawHttp(server.base, `POST /api/jobs/any/runs HTTP/1.1\r\nhost: x\r\nauthorization: Bearer ${TOKEN}\r\nidempotency-key: a\u0000b\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}`);
     expect(nul.status).toBe(400);

@@ -1,4 +1,4 @@
-import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance, type FastifyRequest } from 'fastify';
+import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify';
 import { sql } from 'kysely';
 import type pg from 'pg';
 import type { Logger } from 'pino';
@@ -163,6 +163,15 @@ export function createServer(opts: ServerOptions): IdemServer {
     // a 404), whatever their length: Fastify's default of 100 answers longer ones with its own 414
     // before authentication. Node's header limit (16 KiB, the request line included) bounds them.
     routerOptions: { maxParamLength: 65_536 },
+    // A path that cannot be routed at all (a % not followed by UTF-8 in hex) is refused before any
+    // hook, authentication included: a problem like every other refusal, not Fastify's own JSON.
+    frameworkErrors: (err, _request, reply) => {
+      const problem =
+        err.code === 'FST_ERR_BAD_URL'
+          ? new HttpProblem(400, 'idem.badUrl', 'the request path has a percent-encoding that does not decode; percent-encode the path as UTF-8 (%2F, %C3%A9)')
+          : toProblem(err);
+      void (reply as FastifyReply).code(problem.status).type(PROBLEM_TYPE).send(problemBody(problem));
+    },
   });
 
   // Params are JSON only: a text/plain body (Fastify parses it by default) is refused with 415.
