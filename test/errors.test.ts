@@ -1,4 +1,8 @@
+import { createRequire } from 'node:module';
+import path from 'node:path';
+import { pathToFileURL } from 'node:url';
 import { describe, expect, it } from 'vitest';
+import { REPO } from './support/cli.ts';
 import {
   BusyError,
   DatabaseUnavailableError,
@@ -45,6 +49,24 @@ describe('exit codes', () => {
     expect(exitCodeOf(Object.assign(new Error('dup'), { code: '23505', exitCode: 2 }))).toBe(1);
     expect(exitCodeOf('boom')).toBe(1);
     expect(exitCodeOf(undefined)).toBe(1);
+  });
+
+  it("are recognised by the other module copy: require('idem') and import('idem') in one process", async () => {
+    // A CommonJS host requires idem (dist/cjs/, the job API) and imports it (dist/index.js, the
+    // runner): two copies of errors.ts, two sets of classes. The runner's BusyError went through
+    // the required copy's exitCodeOf as 1, and instanceof the required class was false.
+    const required = createRequire(import.meta.url)(path.join(REPO, 'dist', 'cjs', 'job-api.js')) as typeof import('../src/errors.ts');
+    const imported = (await import(pathToFileURL(path.join(REPO, 'dist', 'index.js')).href)) as typeof import('../src/errors.ts');
+    expect(required.IdemError).not.toBe(imported.IdemError);
+    for (const [made, other] of [[imported, required], [required, imported]] as const) {
+      const mismatch = new made.ParamsMismatchError('x');
+      const busy = new made.BusyError('b');
+      expect([other.exitCodeOf(mismatch), other.exitCodeOf(busy), other.exitCodeOf(new made.InterruptedError('SIGINT'))]).toEqual([65, 75, 130]);
+      expect(mismatch instanceof other.ParamsMismatchError && mismatch instanceof other.IdemError && busy instanceof other.BusyError).toBe(true);
+      // Each class still tells its own: a BusyError is no ParamsMismatchError, whichever copy asks.
+      expect(busy instanceof other.ParamsMismatchError || busy instanceof made.ParamsMismatchError).toBe(false);
+      expect(new Error('x') instanceof other.IdemError).toBe(false);
+    }
   });
 
   it('keep the cause they were given', () => {
