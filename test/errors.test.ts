@@ -69,6 +69,14 @@ describe('exit codes', () => {
     }
   });
 
+  it('every error class a run can throw is exported by the package, PauseWithdrawnError too', async () => {
+    const api = await import('../src/index.ts');
+    const errors = await import('../src/errors.ts');
+    for (const [name, value] of Object.entries(errors)) {
+      if (typeof value === 'function' && value.prototype instanceof Error) expect(api, name).toHaveProperty(name, value);
+    }
+  });
+
   it('keep the cause they were given', () => {
     const cause = new Error('ECONNREFUSED');
     expect(new DatabaseUnavailableError('cannot reach', { cause }).cause).toBe(cause);
@@ -214,6 +222,8 @@ describe('defineJob', () => {
     expect(e.message).toContain('steps[1].run must be a function');
     expect(e.message).toContain('steps[2].chunks must be a chunk source function');
     expect(e.message).toContain('steps[3].name must match');
+    // Not only the regex: what a name may be, in words.
+    expect(e.message).toContain('name must match /^[a-z0-9][a-z0-9._:-]{0,99}$/i (letters, digits and . _ : -, starting with a letter or digit, at most 100 characters, got "bad name!")');
     expect(e.message.split('; ')).toHaveLength(6);
   });
 
