@@ -11,7 +11,7 @@
 // - dist/pino.cjs: pino, required when the first log line is written (see src/log.ts).
 // - .d.ts next to them, by tsc (declarations only; the types refer to kysely's own).
 import { spawn } from 'node:child_process';
-import { mkdir, readFile, rm, writeFile } from 'node:fs/promises';
+import { mkdir, readdir, readFile, rm, writeFile } from 'node:fs/promises';
 import { createRequire } from 'node:module';
 import { fileURLToPath } from 'node:url';
 import { build } from 'esbuild';
@@ -76,10 +76,9 @@ await mkdir(new URL('../dist/cjs', import.meta.url), { recursive: true });
 // The package is "type": "module"; this marks the .js files under dist/cjs/ as CommonJS.
 await writeFile(new URL('../dist/cjs/package.json', import.meta.url), '{ "type": "commonjs" }\n');
 // idem/testing is ESM, but a CommonJS TypeScript project type-checks its imports as CommonJS: there
-// `idem` is dist/cjs/job-api.d.ts, whose jobs and `sql` carry kysely's CommonJS types, which the
-// ESM declarations' (kysely's ESM types, a class with #private) do not accept. So the kit's
-// declarations are also given as CommonJS ones (the `require` condition of "./testing", types
-// only), next to the job API's: the same text, its relative imports resolved in dist/cjs/.
+// `idem` is dist/cjs/job-api.d.ts. So the kit's declarations are also given as CommonJS ones (the
+// `require` condition of "./testing", types only), next to the job API's: the same text, its
+// relative imports resolved in dist/cjs/.
 const testingDts = await readFile(new URL('../dist/testing.d.ts', import.meta.url), 'utf8');
 for (const [, spec] of testingDts.matchAll(/from '(\.[^']+)'/g)) {
   const target = new URL(`../dist/cjs/${spec.replace(/\.ts$/, '.d.ts')}`, import.meta.url);
@@ -88,3 +87,28 @@ for (const [, spec] of testingDts.matchAll(/from '(\.[^']+)'/g)) {
   });
 }
 await writeFile(new URL('../dist/cjs/testing.d.ts', import.meta.url), testingDts);
+
+// kysely ships CommonJS and ESM declarations, and TypeScript takes them for two sets of classes
+// (Transaction has a #private member): a job made by require('idem')'s defineJob, its ctx.db typed
+// from kysely's CommonJS declarations, was refused by the Runner of import('idem') (ESM), the way a
+// CommonJS program embeds the runner. So the CommonJS declarations take kysely's types from its ESM
+// declarations too (`resolution-mode: import`, TypeScript 5.3+): one Kysely, whichever entry.
+// `sql`, a value, is declared with kysely's ESM type of it.
+const KYSELY_IMPORT = /^(import|export)( type)? \{([^}]*)\} from 'kysely';$/gm;
+for (const file of (await readdir(new URL('../dist/cjs/', import.meta.url))).filter((f) => f.endsWith('.d.ts'))) {
+  const url = new URL(`../dist/cjs/${file}`, import.meta.url);
+  const text = await readFile(url, 'utf8');
+  const rewritten = text.replace(KYSELY_IMPORT, (line, kind, typeOnly, list) => {
+    const names = list.split(',').map((n) => n.trim()).filter(Boolean);
+    const types = names.filter((n) => typeOnly || n.startsWith('type ')).map((n) => n.replace(/^type /, ''));
+    const values = names.filter((n) => !typeOnly && !n.startsWith('type '));
+    if (values.some((v) => v !== 'sql')) throw new Error(`dist/cjs/${file}: ${line} imports a value of kysely other than sql; declare its type in scripts/build.mjs`);
+    if (kind === 'export' && types.length > 0) throw new Error(`dist/cjs/${file}: ${line} re-exports kysely's types; extend scripts/build.mjs`);
+    const imported = [...types, ...(values.length > 0 ? ['Sql as KyselySql'] : [])];
+    const lines = [`import type { ${imported.join(', ')} } from 'kysely' with { 'resolution-mode': 'import' };`];
+    if (values.length > 0) lines.push(`${kind === 'export' ? 'export ' : ''}declare const sql: KyselySql;`);
+    return lines.join('\n');
+  });
+  if (/from 'kysely'(?! with)/.test(rewritten)) throw new Error(`dist/cjs/${file}: an import of kysely that scripts/build.mjs does not rewrite`);
+  if (rewritten !== text) await writeFile(url, rewritten);
+}

@@ -1,7 +1,7 @@
 import { createHash } from 'node:crypto';
 import { readFile } from 'node:fs/promises';
 import { sql, type Kysely } from 'kysely';
-import { ExitCode, IdemError } from './errors.ts';
+import { brandErrorClass, ExitCode, IdemError } from './errors.ts';
 import type { Job } from './job.ts';
 
 /**
@@ -10,6 +10,10 @@ import type { Job } from './job.ts';
  * what the run was started with.
  */
 export class CodeChangedError extends IdemError {
+  static {
+    brandErrorClass(this, 'CodeChangedError');
+  }
+
   constructor(message: string) {
     super('idem.codeChanged', ExitCode.ParamsMismatch, message);
   }

@@ -82,45 +82,152 @@ function invalidUrlMessage(source: string | undefined): string {
  * PGPASSWORD's, which pg uses when the string has none.
  */
 export function redactSecrets(text: string, connectionString: string): string {
+  return maskAll(text, secretForms(connectionString));
+}
+
+/** The password's forms redactSecrets masks: as written in the URL (percent-encoded), as the server gets it, and PGPASSWORD. */
+function secretForms(connectionString: string): string[] {
   let forms: string[];
   try {
-    // As written in the URL (percent-encoded) and as the server gets it.
     const raw = new URL(connectionString).password;
     forms = [raw, decodeURIComponent(raw)];
   } catch {
     forms = [/password\s*=\s*'?([^'\s]+)/i.exec(connectionString)?.[1] ?? ''];
   }
   forms.push(process.env.PGPASSWORD ?? '');
-  for (const password of forms) if (password.length >= 3) text = text.split(password).join('***');
+  return forms.filter((password) => password.length >= 3);
+}
+
+function maskAll(text: string, forms: readonly string[]): string {
+  for (const password of forms) if (text.includes(password)) text = text.split(password).join('***');
   return text;
 }
 
 /**
  * Masks the connection string's password in a thrown value before it is recorded, logged or
- * printed: an Error's message and stack, along its `cause` chain (a RunFailedError's cause is the
- * job's own error, which a caller's console.error prints whole) and an AggregateError's errors; a
- * thrown string is returned masked. Mutates the errors in place, as they are the ones thrown on.
+ * printed: an Error's message, stack and own enumerable properties (pg's `detail`, an HTTP client's
+ * `config`), along its `cause` chain (a RunFailedError's cause is the job's own error, which a
+ * caller's console.error prints whole) and an AggregateError's errors. Errors are masked in place,
+ * as they are the ones thrown on. Anything else (a thrown string, a plain object or array, such as
+ * an HTTP client's `{ message, config: { url } }`, whether thrown or a cause) is replaced by a
+ * masked copy where it holds the password: the job's own object is left as it was.
  * @example throw redactError(err, connectionString);
  */
 export function redactError<T>(err: T, connectionString: string): T {
-  const redact = (text: string) => redactSecrets(text, connectionString);
-  if (typeof err === 'string') return redact(err) as T;
-  const seen = new Set<unknown>();
-  const visit = (e: unknown): void => {
-    if (!(e instanceof Error) || seen.has(e)) return;
-    seen.add(e);
+  const forms = secretForms(connectionString);
+  const redact = (text: string) => maskAll(text, forms);
+  const errors = new Set<Error>();
+  let budget = MASK_MAX_VALUES;
+
+  /**
+   * `value` as it may be shown: masked in place (an Error), the same value (nothing in it to
+   * mask), or a masked copy (a string, an object or array holding the password). Copies share
+   * `copies`, so a cycle in the job's object is a cycle in the copy.
+   */
+  const masked = (value: unknown): unknown => {
+    if (typeof value === 'string') return redact(value);
+    if (value instanceof Error) return visitError(value), value;
+    if (value === null || typeof value !== 'object') return value;
+    let changed = false;
+    const copies = new Map<object, unknown>();
+    const copy = (v: unknown, depth: number): unknown => {
+      if (typeof v === 'string') {
+        const r = redact(v);
+        if (r !== v) changed = true;
+        return r;
+      }
+      if (v instanceof Error) return visitError(v), v;
+      if (v === null || typeof v !== 'object' || !copyable(v)) return v;
+      const seen = copies.get(v);
+      if (seen !== undefined) return seen;
+      if (depth > MASK_MAX_DEPTH || --budget < 0) {
+        // Too deep or too large to look through: not shown, rather than shown unchecked.
+        changed = true;
+        return NOT_CHECKED;
+      }
+      if (Array.isArray(v)) {
+        const out: unknown[] = [];
+        copies.set(v, out);
+        for (const item of v) out.push(copy(item, depth + 1));
+        return out;
+      }
+      if (v instanceof Map) {
+        const out = new Map();
+        copies.set(v, out);
+        for (const [k, item] of v) out.set(copy(k, depth + 1), copy(item, depth + 1));
+        return out;
+      }
+      if (v instanceof Set) {
+        const out = new Set();
+        copies.set(v, out);
+        for (const item of v) out.add(copy(item, depth + 1));
+        return out;
+      }
+      // Its class kept (util.inspect shows `AxiosHeaders { … }`), its own enumerable fields copied.
+      const out = Object.create(Object.getPrototypeOf(v)) as Record<string, unknown>;
+      copies.set(v, out);
+      for (const key of Object.keys(v)) {
+        let item: unknown;
+        try {
+          item = (v as Record<string, unknown>)[key];
+        } catch {
+          continue; // a getter that throws: nothing to show
+        }
+        const k = redact(key);
+        if (k !== key) changed = true;
+        out[k] = copy(item, depth + 1);
+      }
+      return out;
+    };
+    const result = copy(value, 0);
+    return changed ? result : value;
+  };
+
+  const visitError = (e: Error): void => {
+    if (errors.has(e)) return;
+    errors.add(e);
     try {
       e.message = redact(e.message);
       if (typeof e.stack === 'string') e.stack = redact(e.stack);
-      if (typeof e.cause === 'string') e.cause = redact(e.cause);
     } catch {
       // A frozen error cannot be masked; better left as it is than a second error where the first is being recorded.
     }
-    visit(e.cause);
-    if (e instanceof AggregateError) e.errors.forEach(visit);
+    const fields: string[] = ['cause', ...Object.keys(e).filter((k) => k !== 'cause')];
+    for (const key of fields) {
+      if (!Object.prototype.hasOwnProperty.call(e, key)) continue;
+      try {
+        const before = (e as unknown as Record<string, unknown>)[key];
+        const after = masked(before);
+        if (after !== before) (e as unknown as Record<string, unknown>)[key] = after;
+      } catch {
+        // read-only or a throwing getter: left as it is
+      }
+    }
+    if (e instanceof AggregateError && Array.isArray(e.errors)) {
+      try {
+        const after = masked(e.errors);
+        if (after !== e.errors) e.errors = after as unknown[];
+      } catch {
+        // left as it is
+      }
+    }
   };
-  visit(err);
-  return err;
+
+  return masked(err) as T;
+}
+
+/** How deep redactError looks into a plain object or array a job threw, or gave as a cause. */
+const MASK_MAX_DEPTH = 10;
+/** How many objects and arrays redactError copies for one error (a cause holding a large response body). */
+const MASK_MAX_VALUES = 2_000;
+/** What stands in a masked copy for the part of a job's object too deep or too large to look through. */
+const NOT_CHECKED = '[not shown: too deep or too large to check for the password]';
+
+/** Objects redactError copies: plain ones, class instances (an HTTP client's config), arrays, Maps and Sets; not Dates, Buffers, promises and the like. */
+function copyable(v: object): boolean {
+  if (Array.isArray(v) || v instanceof Map || v instanceof Set) return true;
+  if (ArrayBuffer.isView(v) || v instanceof ArrayBuffer || v instanceof Date || v instanceof RegExp || v instanceof Promise || v instanceof WeakMap || v instanceof WeakSet) return false;
+  return typeof (v as { then?: unknown }).then !== 'function';
 }
 
 /**

@@ -22,8 +22,49 @@ export const ExitCode = {
 } as const;
 export type ExitCode = (typeof ExitCode)[keyof typeof ExitCode];
 
-/** Base class: every error idem raises on purpose carries a stable `code` and the exit code it maps to. */
+/**
+ * Where each idem error class marks its prototype, so that `instanceof` and {@link exitCodeOf}
+ * recognise its errors whichever copy of idem made them. A CommonJS host that requires idem (the
+ * job API, dist/cjs/) and imports it (the runner, ESM) has two copies of these classes in one
+ * process; a job's BusyError from the one was no BusyError of the other. `Symbol.for` keys are
+ * shared by every copy.
+ */
+const CLASS_KEY = Symbol.for('idem.errorClass');
+const brandKey = (name: string) => Symbol.for(`idem.error.${name}`);
+
+/**
+ * Marks `cls` as the idem error class `name`: its instances (its subclasses' too) answer
+ * `instanceof` of the same class from any copy of idem. A user's own subclass, not marked, is
+ * told by its prototype chain alone, as usual.
+ * @internal
+ */
+export function brandErrorClass(cls: abstract new (...args: never[]) => IdemError, name: string): void {
+  Object.defineProperty(cls.prototype, CLASS_KEY, { value: name });
+  Object.defineProperty(cls.prototype, brandKey(name), { value: true });
+}
+
+/**
+ * Base class: every error idem raises on purpose carries a stable `code` and the exit code it maps
+ * to. `instanceof` works across copies of idem (`require('idem')` and `import('idem')` in one
+ * process): `err instanceof BusyError` holds for a BusyError either made.
+ */
 export class IdemError extends Error {
+  static {
+    brandErrorClass(this, 'IdemError');
+  }
+
+  /**
+   * The prototype chain first, then the class's mark (see {@link brandErrorClass}). Inherited by
+   * every subclass with `this` the class asked about, so it checks that class's own mark, never
+   * its parent's: a BusyError is no ParamsMismatchError, from any copy.
+   */
+  static override [Symbol.hasInstance]<T>(this: abstract new (...args: never[]) => T, value: unknown): value is T {
+    if (Function.prototype[Symbol.hasInstance].call(this, value)) return true;
+    if (value === null || typeof value !== 'object') return false;
+    const name = Object.getOwnPropertyDescriptor(this.prototype, CLASS_KEY)?.value;
+    return typeof name === 'string' && (value as Record<symbol, unknown>)[brandKey(name)] === true;
+  }
+
   readonly code: string;
   readonly exitCode: ExitCode;
   constructor(code: string, exitCode: ExitCode, message: string, options?: { cause?: unknown }) {
@@ -36,6 +77,10 @@ export class IdemError extends Error {
 
 /** Bad input from the user: a flag, a job name, params. Nothing was changed. */
 export class UsageError extends IdemError {
+  static {
+    brandErrorClass(this, 'UsageError');
+  }
+
   constructor(code: string, message: string, options?: { cause?: unknown }) {
     super(`idem.${code}`, ExitCode.Usage, message, options);
   }
@@ -43,6 +88,10 @@ export class UsageError extends IdemError {
 
 /** The database cannot be used (unreachable, wrong credentials, schema too new, pooled sessions). */
 export class DatabaseUnavailableError extends IdemError {
+  static {
+    brandErrorClass(this, 'DatabaseUnavailableError');
+  }
+
   constructor(message: string, options?: { cause?: unknown }) {
     super('idem.databaseUnavailable', ExitCode.Usage, message, options);
   }
@@ -50,6 +99,10 @@ export class DatabaseUnavailableError extends IdemError {
 
 /** Same (job, run key) was used before with other params: refused, never silently replayed. */
 export class ParamsMismatchError extends IdemError {
+  static {
+    brandErrorClass(this, 'ParamsMismatchError');
+  }
+
   constructor(message: string) {
     super('idem.paramsMismatch', ExitCode.ParamsMismatch, message);
   }
@@ -57,6 +110,10 @@ export class ParamsMismatchError extends IdemError {
 
 /** Another process holds the job's advisory lock. */
 export class BusyError extends IdemError {
+  static {
+    brandErrorClass(this, 'BusyError');
+  }
+
   constructor(message: string) {
     super('idem.busy', ExitCode.Busy, message);
   }
@@ -64,6 +121,10 @@ export class BusyError extends IdemError {
 
 /** The run failed in a step or chunk; recorded on the run row, resumable. */
 export class RunFailedError extends IdemError {
+  static {
+    brandErrorClass(this, 'RunFailedError');
+  }
+
   constructor(message: string, options?: { cause?: unknown }) {
     super('idem.runFailed', ExitCode.Failed, message, options);
   }
@@ -71,6 +132,10 @@ export class RunFailedError extends IdemError {
 
 /** The run was stopped by a signal after in-flight chunks finished or rolled back. */
 export class InterruptedError extends IdemError {
+  static {
+    brandErrorClass(this, 'InterruptedError');
+  }
+
   readonly signal: 'SIGINT' | 'SIGTERM';
   constructor(signal: 'SIGINT' | 'SIGTERM', message?: string) {
     super(
@@ -84,6 +149,10 @@ export class InterruptedError extends IdemError {
 
 /** The lock session died: another attempt may now own the run, so this one must stop. */
 export class LockLostError extends IdemError {
+  static {
+    brandErrorClass(this, 'LockLostError');
+  }
+
   constructor(message: string, options?: { cause?: unknown }) {
     super('idem.lockLost', ExitCode.LockLost, message, options);
   }
@@ -94,6 +163,10 @@ export class LockLostError extends IdemError {
  * Raised inside the chunk transaction so its work rolls back.
  */
 export class FencedError extends IdemError {
+  static {
+    brandErrorClass(this, 'FencedError');
+  }
+
   constructor(message: string) {
     super('idem.fenced', ExitCode.LockLost, message);
   }
@@ -110,9 +183,12 @@ export function codeOf(err: unknown): string | undefined {
   return typeof code === 'string' ? code : undefined;
 }
 
-/** Maps any thrown value to the exit code the CLI should end with. */
+/**
+ * Maps any thrown value to the exit code the CLI should end with: an idem error's own (from any
+ * copy of idem in the process, see {@link IdemError}), else 1.
+ */
 export function exitCodeOf(err: unknown): ExitCode {
-  if (err instanceof IdemError) return err.exitCode;
+  if (err instanceof IdemError && typeof err.exitCode === 'number') return err.exitCode;
   return ExitCode.Failed;
 }
 
@@ -181,6 +257,10 @@ export function errorFields(err: unknown, message: string = messageOf(err)): { t
 
 /** The run is paused by an operator (`idem pause`); it resumes after `idem resume`. */
 export class PausedError extends IdemError {
+  static {
+    brandErrorClass(this, 'PausedError');
+  }
+
   constructor(message: string) {
     super('idem.paused', ExitCode.Busy, message);
   }
@@ -192,6 +272,10 @@ export class PausedError extends IdemError {
  * continues it.
  */
 export class PauseWithdrawnError extends IdemError {
+  static {
+    brandErrorClass(this, 'PauseWithdrawnError');
+  }
+
   constructor(message: string) {
     super('idem.pauseWithdrawn', ExitCode.Busy, message);
   }
@@ -199,6 +283,10 @@ export class PauseWithdrawnError extends IdemError {
 
 /** The run was cancelled by an operator (`idem cancel`); `idem reset` forgets it. */
 export class CancelledError extends IdemError {
+  static {
+    brandErrorClass(this, 'CancelledError');
+  }
+
   constructor(message: string) {
     super('idem.cancelled', ExitCode.Failed, message);
   }

@@ -1,6 +1,6 @@
 import { sql, type Kysely } from 'kysely';
 import type { Logger } from 'pino';
-import { codeOf, errorFields, UsageError } from './errors.ts';
+import { brandErrorClass, codeOf, errorFields, UsageError } from './errors.ts';
 import type { Job, RunIdentity, Step } from './job.ts';
 import { sleep } from './sleep.ts';
 import { lookupText } from './table-name.ts';
@@ -91,6 +91,10 @@ export function parseHealthFlag(value: string, previous: HealthOptions = {}): He
 
 /** The database is a standby (in recovery): idem must not try to write there. */
 export class StandbyError extends UsageError {
+  static {
+    brandErrorClass(this, 'StandbyError');
+  }
+
   constructor(message: string) {
     super('standby', message);
   }

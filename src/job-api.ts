@@ -31,6 +31,7 @@ export {
   BusyError,
   CancelledError,
   PausedError,
+  PauseWithdrawnError,
   DatabaseUnavailableError,
   ExitCode,
   FencedError,

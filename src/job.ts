@@ -180,6 +180,8 @@ export interface JobDefinition<P = any, DB = any> {
 export type Job<P = any, DB = any> = Readonly<JobDefinition<P, DB>>;
 
 export const NAME = /^[a-z0-9][a-z0-9._:-]{0,99}$/i;
+/** {@link NAME} in words, for the errors that quote it. */
+const NAME_RULE = `${NAME} (letters, digits and . _ : -, starting with a letter or digit, at most 100 characters`;
 
 /**
  * Declares a job. Checks the definition once, at load time, and reports every problem together.
@@ -203,7 +205,7 @@ export function assertJob(value: unknown, origin: string): Job {
   }
   problems.push(...unknownKeys(def, JOB_KEYS, ''));
   if (typeof def.name !== 'string' || !NAME.test(def.name)) {
-    problems.push(`name must match ${NAME} (got ${JSON.stringify(def.name)})`);
+    problems.push(`name must match ${NAME_RULE}, got ${JSON.stringify(def.name)})`);
   }
   if (def.schedule !== undefined) {
     try {
@@ -236,7 +238,7 @@ export function assertJob(value: unknown, origin: string): Job {
     const seen = new Set<string>();
     def.steps.forEach((s: Partial<Step> | undefined, i) => {
       if (s && typeof s === 'object') problems.push(...unknownKeys(s, STEP_KEYS, `steps[${i}]: `));
-      if (!s || typeof s.name !== 'string' || !NAME.test(s.name)) problems.push(`steps[${i}].name must match ${NAME}`);
+      if (!s || typeof s.name !== 'string' || !NAME.test(s.name)) problems.push(`steps[${i}].name must match ${NAME_RULE}, got ${JSON.stringify(s?.name)})`);
       else if (seen.has(s.name)) problems.push(`step name "${s.name}" is used twice`);
       else seen.add(s.name);
       if (!s || typeof s.run !== 'function') problems.push(`steps[${i}].run must be a function`);

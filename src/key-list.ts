@@ -31,6 +31,13 @@ export interface KeyListChunk extends ChunkSpec {
 const BLOCK = 64 * 1024;
 
 /**
+ * The params a keyList source asks of its job: those its `keys`/`file` function declares, else
+ * none in particular. Its `(p) => p.ids` unannotated leaves P `any` (the job's params are not
+ * inferred into it), and a source typed `ChunkSource<any>` made the whole job's `ctx.params` `any`.
+ */
+type ParamsOfList<P> = unknown extends P ? unknown : P;
+
+/**
  * Chunks over a list of keys: given inline or by the params (`keys`), or streamed from a file of
  * keys, one per line or one CSV column (`file`). Chunk keys are positions in the list
  * (`keys[0,1000)`), stable as long as the list is. Empty lines are skipped.
@@ -38,7 +45,7 @@ const BLOCK = 64 * 1024;
  * keyList({ file: (p) => p.file, size: 1000 })        // run: ({ db }, { keys }) => … where id = any(${keys})
  * keyList({ keys: (p) => p.userIds, size: 100 })
  */
-export function keyList<P = any>(opts: KeyListOptions<P>): ChunkSource<P, unknown, KeyListChunk> {
+export function keyList<P = any>(opts: KeyListOptions<P>): ChunkSource<ParamsOfList<P>, any, KeyListChunk> {
   const problems: string[] = [];
   if ((opts?.keys === undefined) === (opts?.file === undefined)) problems.push('pass exactly one of keys or file');
   if (opts?.keys !== undefined && !Array.isArray(opts.keys) && typeof opts.keys !== 'function') problems.push('keys must be an array or a function of the params');
@@ -64,7 +71,7 @@ export function keyList<P = any>(opts: KeyListOptions<P>): ChunkSource<P, unknow
       if (!Array.isArray(keys)) throw new TypeError(`keyList(): keys(params) must return an array (got ${typeof keys})`);
       return keys;
     };
-    const source: ChunkSource<P, unknown, KeyListChunk> = (cursor, ctx) => {
+    const source: ChunkSource<ParamsOfList<P>, any, KeyListChunk> = (cursor, ctx) => {
       const keys = list(ctx.params);
       const from = typeof cursor === 'number' ? cursor : 0;
       const to = Math.min(keys.length, from + Math.max(1, ctx.windowSize) * chunkSize(ctx.sizeFactor));
@@ -75,7 +82,7 @@ export function keyList<P = any>(opts: KeyListOptions<P>): ChunkSource<P, unknow
   }
 
   const fileOf = (params: P) => path.resolve(typeof opts.file === 'function' ? opts.file(params) : opts.file!);
-  const source: ChunkSource<P, unknown, KeyListChunk> = async (cursor, ctx) => {
+  const source: ChunkSource<ParamsOfList<P>, any, KeyListChunk> = async (cursor, ctx) => {
     const file = fileOf(ctx.params);
     const format = opts.format ?? (file.toLowerCase().endsWith('.csv') ? 'csv' : 'lines');
     const at = cursor === null ? null : (cursor as { offset: number; index: number; column: number });

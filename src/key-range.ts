@@ -34,7 +34,7 @@ export interface KeyRangeChunk extends ChunkSpec {
  * @example
  * keyRange({ table: 'reservations', column: 'id', size: 1000, where: 'reserved_by_normalized is null' })
  */
-export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, unknown, KeyRangeChunk> {
+export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, any, KeyRangeChunk> {
   const problems = [tableNameProblem(opts?.table, 'table'), columnNameProblem(opts?.column, 'column')].filter((p) => p !== null);
   if (!Number.isInteger(opts?.size) || opts.size < 1) problems.push(`size must be an integer >= 1 (got ${opts?.size})`);
   if (problems.length) throw new TypeError(`keyRange(): ${problems.join('; ')}`);
@@ -46,7 +46,7 @@ export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, unknown, K
 
   // Once per database handle: a source object is usually module-level and outlives runs.
   const checked = new WeakMap<object, Promise<void>>();
-  const source: ChunkSource<unknown, unknown, KeyRangeChunk> = async (cursor, ctx) => {
+  const source: ChunkSource<unknown, any, KeyRangeChunk> = async (cursor, ctx) => {
     let check = checked.get(ctx.db);
     if (!check) {
       check = checkKeyColumn(ctx.db, opts.table, regclass, opts.column);

@@ -35,7 +35,7 @@ export interface KeysetChunk extends ChunkSpec {
   readonly through: string[];
 }
 
-export type KeysetSource = ChunkSource<unknown, unknown, KeysetChunk> & {
+export type KeysetSource = ChunkSource<unknown, any, KeysetChunk> & {
   /** The chunk's condition on the key columns, for the step's statements: `where ${source.where(chunk)}`. */
   where(chunk: KeysetChunk, alias?: string): RawBuilder<unknown>;
 };
@@ -74,7 +74,7 @@ export function keysetQuery(opts: KeysetQueryOptions): KeysetSource {
   const order = (alias: string, dir: 'asc' | 'desc') => sql.join(columns.map((c) => sql`${sql.ref(`${alias}.${c}`)} ${sql.raw(dir)}`));
   const keyOf = (through: readonly string[]) => JSON.stringify(through);
 
-  const plan: ChunkSource<unknown, unknown, KeysetChunk> = async (cursor, ctx) => {
+  const plan: ChunkSource<unknown, any, KeysetChunk> = async (cursor, ctx) => {
     const after = cursor === null ? null : (cursor as string[]);
     if (after !== null && (!Array.isArray(after) || after.length !== columns.length)) {
       throw new TypeError(`keysetQuery(): the stored cursor ${JSON.stringify(cursor)} does not match key (${columns.join(', ')}); the key of an unfinished run must not change`);

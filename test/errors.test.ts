@@ -1,4 +1,8 @@
+import { createRequire } from 'node:module';
+import path from 'node:path';
+import { pathToFileURL } from 'node:url';
 import { describe, expect, it } from 'vitest';
+import { REPO } from './support/cli.ts';
 import {
   BusyError,
   DatabaseUnavailableError,
@@ -45,6 +49,32 @@ describe('exit codes', () => {
     expect(exitCodeOf(Object.assign(new Error('dup'), { code: '23505', exitCode: 2 }))).toBe(1);
     expect(exitCodeOf('boom')).toBe(1);
     expect(exitCodeOf(undefined)).toBe(1);
+  });
+
+  it("are recognised by the other module copy: require('idem') and import('idem') in one process", async () => {
+    // A CommonJS host requires idem (dist/cjs/, the job API) and imports it (dist/index.js, the
+    // runner): two copies of errors.ts, two sets of classes. The runner's BusyError went through
+    // the required copy's exitCodeOf as 1, and instanceof the required class was false.
+    const required = createRequire(import.meta.url)(path.join(REPO, 'dist', 'cjs', 'job-api.js')) as typeof import('../src/errors.ts');
+    const imported = (await import(pathToFileURL(path.join(REPO, 'dist', 'index.js')).href)) as typeof import('../src/errors.ts');
+    expect(required.IdemError).not.toBe(imported.IdemError);
+    for (const [made, other] of [[imported, required], [required, imported]] as const) {
+      const mismatch = new made.ParamsMismatchError('x');
+      const busy = new made.BusyError('b');
+      expect([other.exitCodeOf(mismatch), other.exitCodeOf(busy), other.exitCodeOf(new made.InterruptedError('SIGINT'))]).toEqual([65, 75, 130]);
+      expect(mismatch instanceof other.ParamsMismatchError && mismatch instanceof other.IdemError && busy instanceof other.BusyError).toBe(true);
+      // Each class still tells its own: a BusyError is no ParamsMismatchError, whichever copy asks.
+      expect(busy instanceof other.ParamsMismatchError || busy instanceof made.ParamsMismatchError).toBe(false);
+      expect(new Error('x') instanceof other.IdemError).toBe(false);
+    }
+  });
+
+  it('every error class a run can throw is exported by the package, PauseWithdrawnError too', async () => {
+    const api = await import('../src/index.ts');
+    const errors = await import('../src/errors.ts');
+    for (const [name, value] of Object.entries(errors)) {
+      if (typeof value === 'function' && value.prototype instanceof Error) expect(api, name).toHaveProperty(name, value);
+    }
   });
 
   it('keep the cause they were given', () => {
@@ -203,6 +233,8 @@ describe('defineJob', () => {
     expect(e.message).toContain('steps[1].run must be a function');
     expect(e.message).toContain('steps[2].chunks must be a chunk source function');
     expect(e.message).toContain('steps[3].name must match');
+    // Not only the regex: what a name may be, in words.
+    expect(e.message).toContain('name must match /^[a-z0-9][a-z0-9._:-]{0,99}$/i (letters, digits and . _ : -, starting with a letter or digit, at most 100 characters, got "bad name!")');
     expect(e.message.split('; ')).toHaveLength(6);
   });
 

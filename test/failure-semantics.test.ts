@@ -4,6 +4,7 @@ import path from 'node:path';
 import { fileURLToPath, pathToFileURL } from 'node:url';
 import { spawn } from 'node:child_process';
 import { existsSync } from 'node:fs';
+import { inspect } from 'node:util';
 import pg from 'pg';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { defineJob, RunFailedError, Runner, sql } from '../src/index.ts';
@@ -142,6 +143,45 @@ describe("a chunk error that quotes the database's password", () => {
     expect(stored.map((r) => r.text).join(' ')).toContain('***');
     expect(lines.join('').length).toBeGreaterThan(0);
     expect(lines.join('')).not.toContain(password);
+  });
+});
+
+describe("a job error whose cause is a plain object quoting the database's password", () => {
+  it('is thrown to a library caller with a masked copy of the object, and recorded masked', async () => {
+    // An HTTP client's error is an object holding the request (axios: `config.url`); a job that
+    // calls out with DATABASE_URL in a URL, or wraps such an error as a cause, put the password
+    // whole into what util.inspect (console.error) prints of the RunFailedError.
+    const password = decodeURIComponent(new URL(db.url).password);
+    const thrownObject: Record<string, unknown> = { message: 'request failed', config: { url: db.url, headers: [`Referer: ${db.url}`] } };
+    thrownObject.self = thrownObject;
+    const nested = { detail: db.url, more: { deeper: [{ url: db.url }] } };
+    const axiosLike = defineJob({
+      name: 'leaky-object-cause',
+      steps: [{ name: 'work', chunks: () => ({ chunks: [{ key: 'a' }], next: null }), run: async () => Promise.reject(thrownObject) }],
+    });
+    const wrapped = defineJob({
+      name: 'leaky-nested-cause',
+      steps: [{ name: 'work', run: async () => Promise.reject(new Error('outer', { cause: new Error('x', { cause: nested }) })) }],
+    });
+    for (const job of [axiosLike, wrapped]) {
+      const err = await rejectionOf(runner.run(job, { key: 'k' }));
+      expect(err).toBeInstanceOf(RunFailedError);
+      const shown = inspect(err, { depth: 20 });
+      expect(shown).toContain('***');
+      expect(shown).not.toContain(password);
+    }
+    const shown = inspect(await rejectionOf(runner.run(axiosLike, { key: 'k' })), { depth: 20 });
+    expect(shown).toContain("url: 'postgres://");
+    expect(shown).toContain('[Circular');
+    // The job's own objects are left as they were: masked copies are thrown, not these.
+    expect((thrownObject.config as { url: string }).url).toBe(db.url);
+    expect(nested.more.deeper[0]!.url).toBe(db.url);
+    const stored = await query<{ text: string }>(
+      db.url,
+      `select coalesce(c.error, '') || ' ' || coalesce(r.error::text, '') as text from idem.runs r left join idem.chunks c on c.run_id = r.id where r.job in ('leaky-object-cause', 'leaky-nested-cause')`,
+    );
+    expect(stored).toHaveLength(2);
+    for (const { text } of stored) expect(text).not.toContain(password);
   });
 });
 

@@ -147,6 +147,35 @@ import hello from './hello.js';
 export const check = () => expectConvergent(hello, { snapshot: async (db) => (await sql\`select * from greetings order by job\`.execute(db)).rows });
 `;
 
+/**
+ * A CommonJS TypeScript program embedding the runner (not a job: a leading _), type-checked: its
+ * job is made by require('idem')'s defineJob, its Runner comes from import('idem'). The two
+ * entries' declarations must describe one Kysely: kysely's CommonJS and ESM declarations are two
+ * classes (with #private), and a job typed from the one was refused by Runner.run typed from the other.
+ */
+const CJS_EMBED_CHECK = `import { defineJob, exitCodeOf, keyRange, sql, type KeyRangeChunk } from 'idem';
+
+const job = defineJob({
+  name: 'embedded',
+  params: (raw) => raw as { n: number },
+  steps: [{ name: 'a', chunks: keyRange({ table: 'items', column: 'id', size: 2 }), run: ({ db, params }, { lo, hi }: KeyRangeChunk) => sql\`update items set v = \${params.n} where id >= \${lo} and id < \${hi}\`.execute(db) }],
+});
+
+export async function embed(url: string): Promise<number> {
+  const { Runner, finalizeRun } = await import('idem');
+  const runner = await Runner.connect({ connectionString: url });
+  try {
+    await runner.run(job, { params: { n: 5 }, key: 'k' });
+    await finalizeRun(runner, job, { key: 'k', params: { n: 5 } });
+    return 0;
+  } catch (err) {
+    return exitCodeOf(err);
+  } finally {
+    await runner.close();
+  }
+}
+`;
+
 const PROJECTS: Project[] = [
   {
     name: 'esm-ts',
@@ -180,6 +209,7 @@ export const kit: typeof expectConvergent = expectConvergent;
       'jobs/hello.ts': esmJob('hello-ts', upsert('hello-ts')),
       'jobs/hello-mts.mts': esmJob('hello-mts', upsert('hello-mts')),
       'jobs/_kit.ts': KIT_CHECK,
+      'jobs/_embed.ts': CJS_EMBED_CHECK,
     },
   },
   {
