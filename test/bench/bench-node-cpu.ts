@@ -97,8 +97,10 @@ export async function benchNodeCpu(ctx: BenchContext): Promise<BenchResult> {
     for (const text of store.claimPrepares) await floor.query(text);
     const claim = store.claimSql('next', floorRun!.id, floorRun!.attempt, 's', []);
     let turn = 0;
-    const idemContender = (lib: typeof idemPackage) => async (n: number) => {
-      const runner = await lib.Runner.connect({ connectionString: url });
+    // The baseline in a schema of its own: an older idem refuses a runner schema that a newer one
+    // has migrated further ("the schema is newer than this binary").
+    const idemContender = (lib: typeof idemPackage, schema?: string) => async (n: number) => {
+      const runner = await lib.Runner.connect({ connectionString: url, ...(schema ? { schema } : {}) });
       try {
         const j = job(n, lib.defineJob, lib.sql);
         return await cpuMs(async () => void (await runner.run(j, { key: `r${++turn}-${n}`, health: false })));
@@ -110,7 +112,7 @@ export async function benchNodeCpu(ctx: BenchContext): Promise<BenchResult> {
     const baseline = baselineDir ? ((await import(pathToFileURL(path.resolve(baselineDir, 'dist/index.js')).href)) as typeof idemPackage) : undefined;
     const contenders: Record<string, (n: number) => Promise<Cpu>> = {
       [IDEM]: idemContender(idemPackage),
-      ...(baseline ? { [BASELINE]: idemContender(baseline) } : {}),
+      ...(baseline ? { [BASELINE]: idemContender(baseline, 'idem_baseline') } : {}),
       [KYSELY]: async (n) => {
         const db = new Kysely<any>({ dialect: new PostgresDialect({ pool: new pg.Pool({ connectionString: url, max: 2 }) }) });
         try {
