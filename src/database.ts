@@ -125,9 +125,6 @@ export function redactError<T>(err: T, connectionString: string): T {
    * `copies`, so a cycle in the job's object is a cycle in the copy.
    */
   const masked = (value: unknown): unknown => {
-    if (typeof value === 'string') return redact(value);
-    if (value instanceof Error) return visitError(value), value;
-    if (value === null || typeof value !== 'object') return value;
     let changed = false;
     const copies = new Map<object, unknown>();
     const copy = (v: unknown, depth: number): unknown => {

@@ -186,7 +186,7 @@ const probes = new WeakMap<Kysely<any>, HealthProbe>();
  */
 const NEED_READ_ALL_STATS = ['replicationLagSeconds', 'autovacuum', 'transactionAgeSeconds', 'lockWaitMs'] as const;
 
-/** Runs already warned of blind indicators (the identity object lives as long as the run's invocation). */
+/** Indicators already looked at for a run, blind or not (the identity object lives as long as the run's invocation). */
 const warnedBlind = new WeakMap<RunIdentity, Set<string>>();
 
 /**
@@ -200,10 +200,12 @@ async function warnIfBlind(db: Kysely<any>, o: Required<HealthOptions>, run: Run
   const seen = await sql<{ role: string; stats: boolean }>`select current_user as role, pg_has_role(current_user, 'pg_read_all_stats', 'USAGE') as stats`
     .execute(db)
     .then((r) => r.rows[0], () => undefined);
-  if (!seen || seen.stats) return;
+  if (!seen) return;
   const blind = on.filter((k) => !warned.has(k));
+  // Seen once per run: a role that can see them is not asked again at the next step either.
   for (const k of blind) warned.add(k);
   warnedBlind.set(run, warned);
+  if (seen.stats) return;
   const names = blind.length > 1 ? `${blind.slice(0, -1).join(', ')} and ${blind.at(-1)}` : blind[0];
   const role = /^[a-z_][a-z0-9_$]*$/.test(seen.role) ? seen.role : `"${seen.role.replaceAll('"', '""')}"`;
   log.warn(

@@ -246,12 +246,8 @@ export class Runner {
    * the pool closes. A run() after close() is refused.
    */
   async close(): Promise<void> {
-    if (this.#inFlight.size > 0) {
-      this.#closing.abort(new InterruptedError('SIGTERM', 'stopped by Runner.close(): chunks in flight finished, no new chunk started; finished chunks are kept, run it again to resume'));
-      await Promise.all(this.#inFlight);
-    } else {
-      this.#closing.abort();
-    }
+    this.#closing.abort(new InterruptedError('SIGTERM', 'stopped by Runner.close(): chunks in flight finished, no new chunk started; finished chunks are kept, run it again to resume'));
+    await Promise.all(this.#inFlight);
     await this.#database.close();
   }
 
