@@ -3,7 +3,7 @@
  * the checks on (default 5 s interval) and off. `node --import tsx test/bench/bench-health.ts`
  * (DATABASE_URL, or an embedded server in a temp dir).
  */
-import { defineJob, Runner, sql } from '../../src/index.ts';
+import { defineJob, Runner, sql } from 'idem';
 import { openBenchServer } from './server.ts';
 
 const server = await openBenchServer(() => {});

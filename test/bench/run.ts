@@ -36,6 +36,13 @@ const BENCHES: Record<BenchName, (ctx: BenchContext) => Promise<BenchResult>> = 
   workers: benchWorkers,
 };
 
+// The benchmarks measure the package as users import it (dist/, built by `prebench`): under the
+// root tsconfig's `paths`, tsx would hand them src/ instead (test/bench/register.mjs).
+const idemEntry = import.meta.resolve('idem');
+if (!idemEntry.endsWith('/dist/index.js')) {
+  throw new Error(`'idem' resolves to ${idemEntry}, not the built package (dist/index.js): run the benchmarks with npm run bench`);
+}
+
 const log = (msg: string) => process.stderr.write(`${new Date().toISOString().slice(11, 19)} ${msg}\n`);
 
 async function main(): Promise<number> {
