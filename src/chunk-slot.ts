@@ -199,6 +199,10 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
   let trx: Transaction<any> | undefined;
   /** From BEGIN sent until a COMMIT or ROLLBACK was answered: the server may hold a transaction. */
   let inTransaction = false;
+  /** The message commitAndBegin() sends, made once per claim text (a slot sends the same one chunk after chunk). */
+  let pipelined = { claim: '', text: '' };
+  const commitAndBeginText = (claim: string) =>
+    pipelined.claim === claim ? pipelined.text : (pipelined = { claim, text: `${checks}commit;\nbegin;\n${claim};\nsavepoint ${SAVEPOINT}` }).text;
 
   const connect = async (): Promise<pg.PoolClient> => {
     const c = await pool.connect();
@@ -335,7 +339,7 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
         // Three statements in one message. PostgreSQL runs them in order and stops at the first
         // error: a failed COMMIT runs no claim; a COMMIT of an aborted transaction answers ROLLBACK
         // and the BEGIN and claim after it still run.
-        results = await end<pg.QueryResult[]>(`${checks}commit;\nbegin;\n${claim};\nsavepoint ${SAVEPOINT}`);
+        results = await end<pg.QueryResult[]>(commitAndBeginText(claim));
       } catch (err) {
         // The deferred checks failed: a failure of the chunk, whose transaction is still open.
         if (await checksFailed()) throw err;
