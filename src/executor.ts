@@ -4,6 +4,7 @@ import type pg from 'pg';
 import type { Logger } from 'pino';
 import { codeOf, errorFields, FencedError, InterruptedError, messageOf } from './errors.ts';
 import type { ChunkPage, ChunkSpec, ChunkSource, Job, Json, RunIdentity, Step, StepContext } from './job.ts';
+import { reviveSpec } from './job.ts';
 import { faultPoint, faultsArmed as faults } from './fault-points.ts';
 import { CommitUnknownError, openChunkSlot, type ChunkSlot } from './chunk-slot.ts';
 import { backoffDelay, DEFAULT_BACKOFF, isRetryable, retrying, type BackoffOptions } from './retry.ts';
@@ -534,7 +535,7 @@ async function tryChunk(
       },
     };
     // The job's work, in the same transaction.
-    if (step.chunks) await step.run(ctx, claimed.spec);
+    if (step.chunks) await step.run(ctx, reviveSpec(step.chunks, claimed.spec));
     else await (step.run as (c: StepContext) => unknown)(ctx);
     if (faults) {
       await faultPoint('after-work');

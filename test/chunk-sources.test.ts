@@ -262,6 +262,24 @@ describe('keyRange: a table or column name is spelled as it is in the database',
   });
 });
 
+describe('keyRange: a run planned by an older idem', () => {
+  it('resumes chunks stored without `last` (planned before it existed) with last = hi - 1', async () => {
+    await query(url, `create table kr_resume (id integer primary key, v integer not null default 0)`);
+    await query(url, `insert into kr_resume (id) select generate_series(1, 9)`);
+    const job = defineJob({
+      name: 'kr-resume',
+      steps: [{ name: 'touch', chunks: keyRange({ table: 'kr_resume', column: 'id', size: 3 }), run: ({ db }, c: KeyRangeChunk) => sql`update kr_resume set v = v + 1 where id between ${c.lo} and ${c.last}`.execute(db) }],
+    });
+    const stop = new AbortController();
+    const first = await runner.run(job, { key: 'old', signal: stop.signal, onProgress: (p) => p.done >= 1 && stop.abort(new InterruptedError('SIGINT')) }).catch((e: unknown) => e);
+    expect(first).toBeInstanceOf(InterruptedError);
+    // What an older idem stored: { key, lo, hi }.
+    await query(url, `update idem.chunks set spec = spec - 'last' where run_id = (select id from idem.runs where job = 'kr-resume')`);
+    expect(await runner.run(job, { key: 'old' })).toMatchObject({ status: 'succeeded', attempt: 2 });
+    expect(await query(url, `select min(v), max(v) from kr_resume`)).toEqual([{ min: 1, max: 1 }]);
+  });
+});
+
 describe('a custom source that does not move', () => {
   it('no chunks and the same cursor back fails the run at once, naming the step and the fix, instead of planning forever', async () => {
     let calls = 0;
