@@ -200,6 +200,26 @@ describe('keysetQuery', () => {
     expect(await runRow(url, 'keyset', 'k')).toMatchObject({ status: 'succeeded' });
   });
 
+  it('refuses a query whose key is NULL in some row (rows no chunk holds) at first planning, naming the column and the fix', async () => {
+    await query(url, `create table ks_nulls (tenant text, id integer, touched integer not null default 0, unique (tenant, id))`);
+    await query(url, `insert into ks_nulls (tenant, id) select 'a', g from generate_series(1, 5) g union all select 'b', null union all select 'c', null`);
+    const touch = (name: string, q: string) => {
+      const src = keysetQuery({ query: q, key: ['tenant', 'id'], size: 2 });
+      return defineJob({ name, steps: [{ name: 'touch', chunks: src, run: ({ db }, c: KeysetChunk) => sql`update ks_nulls set touched = touched + 1 where ${src.where(c)}`.execute(db) }] });
+    };
+    const err = await runner.run(touch('ks-nulls', 'select tenant, id from ks_nulls'), { key: 'k' }).catch((e: unknown) => e);
+    expect((err as Error).message).toBe(
+      'job "ks-nulls" failed in step "touch" after 1 try: keysetQuery(): the query returns rows whose key column "id" is NULL, which no chunk holds, so they would be skipped; make the key columns NOT NULL, or exclude those rows in the query (where tenant is not null and id is not null) and handle them in another step; fix the cause and run the same command again to resume there',
+    );
+    expect(await query(url, `select count(*)::int as n from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'ks-nulls'`)).toEqual([{ n: 0 }]);
+    const ok = await runner.run(touch('ks-not-null', 'select tenant, id from ks_nulls where tenant is not null and id is not null'), { key: 'k' });
+    expect(ok.status).toBe('succeeded');
+    expect(await query(url, `select (tenant is null or id is null) as has_null, min(touched), max(touched) from ks_nulls group by 1 order by 1`)).toEqual([
+      { has_null: false, min: 1, max: 1 },
+      { has_null: true, min: 0, max: 0 },
+    ]);
+  });
+
   it('refuses bad options at definition time', () => {
     expect(() => keysetQuery({ query: '', key: [], size: 0 })).toThrow(
       'keysetQuery(): query must be a non-empty SQL string or a sql`` builder; key must be a column name or a non-empty array of them; size must be an integer >= 1 (got 0)',
