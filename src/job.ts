@@ -306,7 +306,8 @@ export async function validateParams<P>(job: Job<P>, raw: unknown): Promise<P> {
   return params;
 }
 
-const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/;
+/** A UTF-16 surrogate without its pair: not well-formed Unicode, and jsonb refuses it. */
+export const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/;
 
 /** Deepest nesting of objects and arrays params may have: canonical JSON and jsonb recurse per level. */
 export const MAX_PARAMS_DEPTH = 100;

@@ -13,7 +13,8 @@ export function unsafeNumberPath(value: unknown, root = ''): string | null {
   const stack: Array<[unknown, string]> = [[value, root]];
   while (stack.length > 0) {
     const [v, path] = stack.pop()!;
-    if (typeof v === 'number' && Math.abs(v) > Number.MAX_SAFE_INTEGER) return path === '' ? '(the value)' : path;
+    // Non-finite numbers (1e400) are validateParams' to refuse: it says what they became.
+    if (typeof v === 'number' && Number.isFinite(v) && Math.abs(v) > Number.MAX_SAFE_INTEGER) return path === '' ? '(the value)' : path;
     if (v === null || typeof v !== 'object') continue;
     const entries = Object.entries(v as Record<string, unknown>);
     // Reversed onto the stack, so the first offending value in document order is the one named.

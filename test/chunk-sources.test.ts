@@ -82,6 +82,13 @@ describe('keyList', () => {
     expect(est.estimated_chunks).toBeLessThan(60);
   });
 
+  it('a lines file starting with a UTF-8 byte order mark: the mark is not part of the first key', async () => {
+    const file = path.join(dir, 'bom.txt');
+    await writeFile(file, '\uFEFFa1\na2\n');
+    const page = await keyList<{ file: string }>({ file: (p) => p.file, size: 10 })(null, planCtx(10, { file }));
+    expect(page.chunks.flatMap((c) => c.keys)).toEqual(['a1', 'a2']);
+  });
+
   it('reads a CSV column by header name, with quoted fields, and refuses a missing column', async () => {
     const file = path.join(dir, 'users.csv');
     await writeFile(file, 'name,email,id\r\n"Doe, Jane","jane@x.org",17\r\nBob,"say ""hi""@x.org",18\r\n\r\nEve,e@x.org,19');
@@ -394,10 +401,37 @@ describe('a job-definition mistake in planning is the step\'s, with what to fix'
     expect(k.recorded).toMatchObject({ step: 'plan', chunk: null });
   });
 
-  it('whatever else the database refuses to store of a window (a lone surrogate) fails in its step', async () => {
+  it('a chunk spec or key holding a lone surrogate fails in its step, naming the chunk and the field', async () => {
     const job = defineJob({ name: 'surrogate-spec', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'a', name: 'x\ud800' }]), run: () => {} }] });
     const { message, recorded } = await failed(job);
-    expect(message).toMatch(/^job "surrogate-spec" failed in step "plan" after 1 try: invalid input syntax for type json;/);
+    expect(message).toBe(
+      'job "surrogate-spec" failed in step "plan" after 1 try: chunk a: chunk specs cannot hold a lone surrogate (at name), which is not well-formed Unicode and PostgreSQL cannot store as JSON; remove or replace it; fix the cause and run the same command again to resume there',
+    );
     expect(recorded).toMatchObject({ step: 'plan', chunk: null });
+    const key = await failed(defineJob({ name: 'surrogate-key', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'a\ud800b' }]), run: () => {} }] }));
+    expect(key.message).toMatch(/^job "surrogate-key" failed in step "plan" after 1 try: chunk "a\\ud800b": chunk specs cannot hold a lone surrogate \(at key\)/);
+  });
+
+  it('NaN or Infinity in a chunk spec fails in its step instead of being stored as null', async () => {
+    const { message } = await failed(defineJob({ name: 'nan-spec', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'a', lo: NaN }, { key: 'b', hi: Infinity }]), run: () => {} }] }));
+    expect(message).toBe(
+      'job "nan-spec" failed in step "plan" after 1 try: chunk a: chunk specs must be JSON: NaN (at lo) has no JSON form and would be stored as null; use a number or a string; fix the cause and run the same command again to resume there',
+    );
+  });
+
+  it('a chunk key longer than 2000 bytes of UTF-8 fails in its step, naming the chunk (clipped) and the limit', async () => {
+    const { message, recorded } = await failed(defineJob({ name: 'long-key', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'x'.repeat(3_000_000) }]), run: () => {} }] }));
+    expect(message).toBe(
+      `job "long-key" failed in step "plan" after 1 try: chunk ${'x'.repeat(40)}… (3000000 bytes): a chunk key is at most 2000 bytes of UTF-8 (the chunk index holds no longer one); key the chunk by something shorter, e.g. its range or a hash of its content; fix the cause and run the same command again to resume there`,
+    );
+    expect(recorded).toMatchObject({ step: 'plan', chunk: null });
+    // 2000 bytes exactly (500 four-byte characters) is stored.
+    const ok = defineJob({ name: 'max-key', steps: [{ name: 'plan', chunks: sourceOf([{ key: '🙂'.repeat(500) }]), run: () => {} }] });
+    expect((await runner.run(ok, { key: 'k' })).status).toBe('succeeded');
+  });
+
+  it('a key repeated within one window is quoted in the message, as across windows', async () => {
+    const { message } = await failed(defineJob({ name: 'dup-window', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'a b' }, { key: 'a b' }]), run: () => {} }] }));
+    expect(message).toMatch(/: chunk source returned key "a b" twice in one window; keys must be unique;/);
   });
 });
