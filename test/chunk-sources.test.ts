@@ -85,7 +85,7 @@ describe('keyList', () => {
   it('a lines file starting with a UTF-8 byte order mark: the mark is not part of the first key', async () => {
     const file = path.join(dir, 'bom.txt');
     await writeFile(file, '\uFEFFa1\na2\n');
-    const page = await keyList<{ file: string }>({ file: (p) => p.file, size: 10 })(null, planCtx(10, { file }));
+    const page = await keyList({ file, size: 10 })(null, planCtx(10));
     expect(page.chunks.flatMap((c) => c.keys)).toEqual(['a1', 'a2']);
   });
 
