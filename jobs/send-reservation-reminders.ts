@@ -50,10 +50,10 @@ export default defineJob<ReminderParams>({
     {
       name: 'remind',
       chunks: keyRange({ table: 'reservations', column: 'id', size: 100 }),
-      async run(ctx, { lo, hi }: KeyRangeChunk) {
+      async run(ctx, { lo, last }: KeyRangeChunk) {
         const { rows } = await sql<{ id: string; item_code: string; quantity: number; reserved_by: string; created_at: Date }>`
           select r.id, r.item_code, r.quantity, r.reserved_by, r.created_at from reservations r
-          where r.id >= ${lo} and r.id < ${hi}
+          where r.id between ${lo} and ${last}
             and not exists (select 1 from reservation_reminders m where m.reservation_id = r.id)
           order by r.id`.execute(ctx.db);
         for (const r of rows) {

@@ -1,5 +1,6 @@
 import { InvalidArgumentError } from 'commander';
 import { UsageError } from './errors.ts';
+import { UNSAFE_NUMBER_RULE, unsafeNumberPath } from './unsafe-number.ts';
 
 /** Commander argument parsers and the params parser: pure, so every command refuses bad flags the same way. */
 export function positiveInt(max: number) {
@@ -55,6 +56,13 @@ export function parseParams(json: string | undefined, pairs: Record<string, unkn
     if (!base || typeof base !== 'object' || Array.isArray(base)) {
       throw new UsageError('invalidParams', `--params must be a JSON object, got ${json}; pass e.g. --params '{"day":"2026-11-30"}'`);
     }
+  }
+  // Before anything else reads them: a rounded number would be another run's key.
+  const inJson = unsafeNumberPath(base);
+  if (inJson !== null) throw new UsageError('invalidParams', `--params: ${inJson} ${UNSAFE_NUMBER_RULE}`);
+  for (const [name, value] of Object.entries(pairs)) {
+    const at = unsafeNumberPath(value, name);
+    if (at !== null) throw new UsageError('invalidParams', `--param ${name}: ${at} ${UNSAFE_NUMBER_RULE}`);
   }
   return { ...(base as Record<string, unknown>), ...pairs };
 }

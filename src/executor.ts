@@ -4,6 +4,7 @@ import type pg from 'pg';
 import type { Logger } from 'pino';
 import { codeOf, errorFields, FencedError, InterruptedError, messageOf } from './errors.ts';
 import type { ChunkPage, ChunkSpec, ChunkSource, Job, Json, RunIdentity, Step, StepContext } from './job.ts';
+import { LONE_SURROGATE, reviveSpec } from './job.ts';
 import { faultPoint, faultsArmed as faults } from './fault-points.ts';
 import { CommitUnknownError, openChunkSlot, type ChunkSlot } from './chunk-slot.ts';
 import { backoffDelay, DEFAULT_BACKOFF, isRetryable, retrying, type BackoffOptions } from './retry.ts';
@@ -525,7 +526,7 @@ async function tryChunk(
     if (faults) await faultPoint('after-claim');
     const ctx = new ChunkContext(opts, step, slot.trx, claimed.key, !step.chunks, stepLog);
     // The job's work, in the same transaction.
-    if (step.chunks) await step.run(ctx, claimed.spec);
+    if (step.chunks) await step.run(ctx, reviveSpec(step.chunks, claimed.spec));
     else await (step.run as (c: StepContext) => unknown)(ctx);
     if (faults) {
       await faultPoint('after-work');
@@ -660,6 +661,18 @@ function notJson(value: unknown): string | null {
   }
   return why;
 }
+/**
+ * Longest chunk key, in bytes of UTF-8. The chunk's primary key (run_id, step, key) and the effects
+ * ledger's (run_id, step, chunk, name: step <= 100, name <= 200 characters) are btree indexes, whose
+ * entries hold at most 2704 bytes, compressed or not: 2000 always fits, with the other columns.
+ */
+const MAX_CHUNK_KEY_BYTES = 2000;
+
+/** A chunk key as a message quotes it: as is, or JSON-quoted when it holds a control character or a lone surrogate. */
+function keyLabel(key: string): string {
+  return /[\u0000-\u001f]/.test(key) || LONE_SURROGATE.test(key) ? JSON.stringify(key) : key;
+}
+
 function checkPage(step: string, page: ChunkPage): void {
   if (!page || !Array.isArray(page.chunks) || (page.next === undefined)) {
     throw new ChunkFailure(step, null, 1, new TypeError('a chunk source must return { chunks: ChunkSpec[], next: cursor | null }'));
@@ -667,34 +680,44 @@ function checkPage(step: string, page: ChunkPage): void {
   const seen = new Set<string>();
   for (const c of page.chunks as ChunkSpec[]) {
     if (!c || typeof c.key !== 'string' || c.key === '') throw new ChunkFailure(step, null, 1, new TypeError('every chunk needs a non-empty string key'));
-    if (seen.has(c.key)) throw new ChunkFailure(step, null, 1, new Error(`chunk source returned key ${c.key} twice in one window; keys must be unique`));
+    const bytes = Buffer.byteLength(c.key, 'utf8');
+    if (bytes > MAX_CHUNK_KEY_BYTES) {
+      const head = c.key.slice(0, /[\uD800-\uDBFF]/.test(c.key[39] ?? '') ? 39 : 40);
+      throw new ChunkFailure(
+        step,
+        null,
+        1,
+        new TypeError(`chunk ${keyLabel(head)}… (${bytes} bytes): a chunk key is at most ${MAX_CHUNK_KEY_BYTES} bytes of UTF-8 (the chunk index holds no longer one); key the chunk by something shorter, e.g. its range or a hash of its content`),
+      );
+    }
+    if (seen.has(c.key)) throw new ChunkFailure(step, null, 1, new Error(`chunk source returned key ${JSON.stringify(c.key)} twice in one window; keys must be unique`));
     seen.add(c.key);
     const problem = unstorable(c, []);
-    if (problem) throw new ChunkFailure(step, null, 1, new TypeError(`chunk ${/[\u0000-\u001f]/.test(c.key) ? JSON.stringify(c.key) : c.key}: ${problem}`));
+    if (problem) throw new ChunkFailure(step, null, 1, new TypeError(`chunk ${keyLabel(c.key)}: ${problem}`));
   }
-  try {
-    JSON.stringify(page.next);
-  } catch (err) {
-    throw new ChunkFailure(step, null, 1, new TypeError(`a chunk source's cursor (next) must be JSON: ${messageOf(err)}`));
-  }
+  const problem = unstorable(page.next, []);
+  if (problem) throw new ChunkFailure(step, null, 1, new TypeError(`a chunk source's cursor (next): ${problem}`));
 }
 
 /**
  * What in a chunk spec PostgreSQL cannot store as jsonb (or its key as text), said as what to fix:
- * a BigInt (JSON has none), the character U+0000 (neither text nor jsonb holds it), or anything
- * else JSON.stringify refuses (a cycle). Null when it can be stored.
+ * a BigInt (JSON has none), NaN or ±Infinity (JSON.stringify would make them null, silently), the
+ * character U+0000 (neither text nor jsonb holds it), a lone surrogate (jsonb refuses it), or
+ * anything else JSON.stringify refuses (a cycle). Null when it can be stored.
  */
 function unstorable(value: unknown, at: readonly string[]): string | null {
   const where = () => (at.length > 0 ? ` (at ${at.join('.')})` : '');
   if (typeof value === 'bigint') return `chunk specs must be JSON: a BigInt${where()} cannot be stored; convert it to a string or number`;
+  if (typeof value === 'number') return Number.isFinite(value) ? null : `chunk specs must be JSON: ${value}${where()} has no JSON form and would be stored as null; use a number or a string`;
   if (typeof value === 'string') {
-    return value.includes('\u0000') ? `chunk specs cannot hold the character U+0000${where()}, which PostgreSQL cannot store in text or jsonb; remove or replace it` : null;
+    if (value.includes('\u0000')) return `chunk specs cannot hold the character U+0000${where()}, which PostgreSQL cannot store in text or jsonb; remove or replace it`;
+    return LONE_SURROGATE.test(value) ? `chunk specs cannot hold a lone surrogate${where()}, which is not well-formed Unicode and PostgreSQL cannot store as JSON; remove or replace it` : null;
   }
   if (value === null || typeof value !== 'object') return null;
   if (at.length > 64) return null; // JSON.stringify below says what a cycle is
   if (Array.isArray(value) || Object.getPrototypeOf(value) === Object.prototype || Object.getPrototypeOf(value) === null) {
     for (const [k, v] of Object.entries(value)) {
-      if (k.includes('\u0000')) return unstorable(k, [...at, JSON.stringify(k)]);
+      if (k.includes('\u0000') || LONE_SURROGATE.test(k)) return unstorable(k, [...at, JSON.stringify(k)]);
       const found = unstorable(v, [...at, k]);
       if (found) return found;
     }

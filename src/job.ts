@@ -21,6 +21,19 @@ export interface ChunkSpec {
   readonly [field: string]: Json;
 }
 
+/**
+ * A chunk source's way to bring a spec an older idem stored up to today's shape, so a run planned
+ * before an upgrade resumes with the fields its job now reads (keyRange's `last`). Symbol.for: the
+ * CommonJS copy of the job API (a CommonJS job file's keyRange) and the ESM runner share it.
+ */
+export const REVIVE_SPEC: unique symbol = Symbol.for('idem.reviveSpec');
+
+/** The spec as the source's current version shapes it (unchanged for a source without a reviver). */
+export function reviveSpec(source: object, spec: ChunkSpec): ChunkSpec {
+  const revive = (source as { [REVIVE_SPEC]?: (spec: ChunkSpec) => ChunkSpec })[REVIVE_SPEC];
+  return typeof revive === 'function' ? revive(spec) : spec;
+}
+
 /** What a chunk source returns for one call: a window of chunks and the cursor to continue from. */
 export interface ChunkPage<C extends ChunkSpec = ChunkSpec> {
   readonly chunks: readonly C[];
@@ -293,7 +306,8 @@ export async function validateParams<P>(job: Job<P>, raw: unknown): Promise<P> {
   return params;
 }
 
-const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/;
+/** A UTF-16 surrogate without its pair: not well-formed Unicode, and jsonb refuses it. */
+export const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/;
 
 /** Deepest nesting of objects and arrays params may have: canonical JSON and jsonb recurse per level. */
 export const MAX_PARAMS_DEPTH = 100;

@@ -169,6 +169,8 @@ class LineReader {
         const start = this.offset;
         let text = this.#buffer.subarray(0, end).toString('utf8');
         if (text.endsWith('\r')) text = text.slice(0, -1);
+        // A byte order mark (Excel, Windows editors) is no part of the first key or header.
+        if (start === 0 && text.startsWith('\uFEFF')) text = text.slice(1);
         const consumed = nl >= 0 ? nl + 1 : end;
         this.#buffer = this.#buffer.subarray(consumed);
         this.offset += consumed;

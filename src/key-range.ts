@@ -1,5 +1,5 @@
 import { sql, type RawBuilder } from 'kysely';
-import type { ChunkSource, ChunkSpec, Json } from './job.ts';
+import { REVIVE_SPEC, type ChunkSource, type ChunkSpec, type Json } from './job.ts';
 import { columnNameProblem, parseTableName, regclassText, tableNameProblem, tableRef } from './table-name.ts';
 
 export interface KeyRangeOptions {
@@ -20,11 +20,23 @@ export interface KeyRangeOptions {
   readonly where?: string | RawBuilder<unknown>;
 }
 
-/** A half-open key range `[lo, hi)`: the chunk's work should touch only rows with lo <= key < hi. */
+/**
+ * A key range `[lo, hi)`, that is `[lo, last]`: the chunk's work should touch only rows with
+ * `key between lo and last`. Prefer `last` to `hi`: the last range's `hi` is its last key + 1, which
+ * an `integer` (or `smallint`) column cannot hold when that key is the type's maximum, so
+ * `id < ${hi}` fails there ("value 2147483648 is out of range for type integer"); for every other key
+ * `lo <= key < hi` selects the same rows.
+ * @example
+ * run: ({ db }, { lo, last }: KeyRangeChunk) => sql`update orders set … where id between ${lo} and ${last}`.execute(db)
+ */
 export interface KeyRangeChunk extends ChunkSpec {
   readonly key: string;
+  /** The first key of the range (inclusive). */
   readonly lo: number;
+  /** The end of the range, exclusive: `last + 1`. */
   readonly hi: number;
+  /** The end of the range, inclusive: `hi - 1`. Chunks planned by idem before it had `last` get it on resume. */
+  readonly last: number;
 }
 
 /**
@@ -49,7 +61,7 @@ export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, any, KeyRa
   const source: ChunkSource<unknown, any, KeyRangeChunk> = async (cursor, ctx) => {
     let check = checked.get(ctx.db);
     if (!check) {
-      check = checkKeyColumn(ctx.db, opts.table, regclass, opts.column);
+      check = checkKeyColumn(ctx.db, opts.table, regclass, opts.column, sql`select count(*)::int as n from ${table} where ${column} is null and ${extra}`);
       checked.set(ctx.db, check);
       check.catch(() => checked.delete(ctx.db));
     }
@@ -100,7 +112,7 @@ export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, any, KeyRa
     for (let i = 0; i + 1 < boundaries.length; i++) {
       const lo = boundaries[i]!;
       const hi = boundaries[i + 1]!;
-      chunks.push({ key: `[${lo},${hi})`, lo, hi });
+      chunks.push({ key: `[${lo},${hi})`, lo, hi, last: hi - 1 });
     }
     return { chunks, next };
   };
@@ -112,6 +124,10 @@ export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, any, KeyRa
   };
   // The same spelling as `table`: the health check resolves it by the same rule.
   source.tables = [opts.table];
+  // Chunks an idem before `last` stored are [lo, hi) of integers: last is hi - 1 for them too.
+  Object.assign(source, {
+    [REVIVE_SPEC]: (spec: ChunkSpec) => (spec.last === undefined && typeof spec.hi === 'number' ? { ...spec, last: spec.hi - 1 } : spec),
+  });
   return source;
 }
 
@@ -119,15 +135,19 @@ export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, any, KeyRa
  * keyRange cuts `[lo, hi)` ranges by the column's integer order, so the column must be an integer
  * type (a text column of digits sorts '10' < '9', and a job filtering `id >= lo and id < hi` would
  * silently skip rows) with a unique index (a key repeated more than `size` times cannot be cut
- * into ranges: the source would emit `[5,5)` forever).
+ * into ranges: the source would emit `[5,5)` forever), holding no NULL among the rows `where`
+ * selects (no range holds a NULL: those rows would be skipped, silently). A column declared NOT
+ * NULL costs no statement more than the catalog query.
  */
-async function checkKeyColumn(db: PlanDb, table: string, regclass: string, name: string): Promise<void> {
+async function checkKeyColumn(db: PlanDb, table: string, regclass: string, name: string, countNulls: RawBuilder<{ n: number }>): Promise<void> {
   const { schema, name: relname } = parseTableName(table);
   // The `other_*` columns: the names a wrong-case spelling meant (`'mixedcase'` for "MixedCase").
-  const { rows } = await sql<{ found: boolean; type: string | null; unique_indexed: boolean; other_tables: string[] | null; other_columns: string[] | null }>`
+  const { rows } = await sql<{ found: boolean; type: string | null; not_null: boolean | null; unique_indexed: boolean; other_tables: string[] | null; other_columns: string[] | null }>`
     select to_regclass(${regclass}) is not null as found,
       (select format_type(a.atttypid, null) from pg_attribute a
         where a.attrelid = to_regclass(${regclass}) and a.attname = ${name} and a.attnum > 0 and not a.attisdropped) as type,
+      (select a.attnotnull from pg_attribute a
+        where a.attrelid = to_regclass(${regclass}) and a.attname = ${name} and a.attnum > 0 and not a.attisdropped) as not_null,
       exists (select 1 from pg_index i join pg_attribute a on a.attrelid = i.indrelid and a.attnum = i.indkey[0]
         where i.indrelid = to_regclass(${regclass}) and a.attname = ${name} and i.indisunique and i.indisvalid
           and i.indnatts = 1 and i.indpred is null) as unique_indexed,
@@ -151,6 +171,15 @@ async function checkKeyColumn(db: PlanDb, table: string, regclass: string, name:
       `keyRange(): column ${JSON.stringify(name)} of ${JSON.stringify(table)} has no unique index, and a key repeated more than size times cannot be cut into ranges; add a unique index (usually the primary key) or use a custom chunk source`,
     );
   }
+  if (r.not_null) return;
+  // A unique index holds any number of NULLs, and finds them (`is null` is an index condition).
+  const { rows: nulls } = await countNulls.execute(db);
+  const n = nulls[0]?.n ?? 0;
+  if (n > 0) {
+    throw new TypeError(
+      `keyRange(): column ${JSON.stringify(name)} of ${JSON.stringify(table)} has ${n} ${n === 1 ? 'row' : 'rows'} where it is NULL, which no range holds, so ${n === 1 ? 'it' : 'they'} would be skipped; declare the column NOT NULL, or pass a where that excludes them (where: '${/^[a-z_][a-z0-9_]*$/.test(name) ? name : `"${name}"`} is not null') and handle those rows in another step`,
+    );
+  }
 }
 
 type PlanDb = Parameters<RawBuilder<unknown>['execute']>[0];
@@ -158,7 +187,7 @@ type PlanDb = Parameters<RawBuilder<unknown>['execute']>[0];
 function toSafeInt(v: unknown, what: string): number {
   const n = typeof v === 'number' ? v : Number(v);
   if (!Number.isSafeInteger(n)) {
-    throw new TypeError(`keyRange(): ${what} value ${String(v)} is not an integer within ±2^53; use a custom chunk source for such keys`);
+    throw new TypeError(`keyRange(): ${what} value ${String(v)} is not a safe integer, within ±(2^53−1); use a custom chunk source for such keys`);
   }
   return n;
 }

@@ -1,5 +1,5 @@
 import { sql, type RawBuilder } from 'kysely';
-import type { ChunkSource, ChunkSpec, Json } from './job.ts';
+import type { ChunkSource, ChunkSpec, Json, PlanContext } from './job.ts';
 import { columnNameProblem, tableNameProblem } from './table-name.ts';
 
 export interface KeysetQueryOptions {
@@ -9,7 +9,8 @@ export interface KeysetQueryOptions {
    */
   readonly query: string | RawBuilder<unknown>;
   /**
-   * The key column or columns: unique together, not null, ideally an index's leading columns; named
+   * The key column or columns: unique together, never NULL in the query's rows (checked when the
+   * step's first window is planned), ideally an index's leading columns; named
    * as they are in the database, unquoted (`'Id'` for a column created as `"Id"`).
    */
   readonly key: string | readonly string[];
@@ -73,12 +74,32 @@ export function keysetQuery(opts: KeysetQueryOptions): KeysetSource {
   const values = (v: readonly string[]) => sql.join(v.map((x) => sql`${x}`));
   const order = (alias: string, dir: 'asc' | 'desc') => sql.join(columns.map((c) => sql`${sql.ref(`${alias}.${c}`)} ${sql.raw(dir)}`));
   const keyOf = (through: readonly string[]) => JSON.stringify(through);
+  const ident = (c: string) => (/^[a-z_][a-z0-9_]*$/.test(c) ? c : `"${c}"`);
+
+  /**
+   * Rows whose key is NULL are in no chunk (`(k) > (…)` and `(k) <= (…)` are never true for them):
+   * they would be skipped while the run succeeds. Checked once, when the step's first window is
+   * planned. One probe: `is null` on a NOT NULL table column is folded away by PostgreSQL 17+, and
+   * an index on the key finds NULLs; otherwise it scans the query once.
+   */
+  const refuseNullKeys = async (db: PlanContext['db']): Promise<void> => {
+    const isNull = (c: string) => sql`${sql.ref(`q.${c}`)} is null`;
+    const { rows } = await sql<Record<string, boolean>>`
+      select ${sql.join(columns.map((c, i) => sql`${isNull(c)} as ${sql.ref(`n${i}`)}`))}
+      from (${query}) q where ${sql.join(columns.map(isNull), sql` or `)} limit 1`.execute(db);
+    if (rows.length === 0) return;
+    const column = columns.find((_, i) => rows[0]![`n${i}`]) ?? columns[0]!;
+    throw new TypeError(
+      `keysetQuery(): the query returns rows whose key column ${JSON.stringify(column)} is NULL, which no chunk holds, so they would be skipped; make the key columns NOT NULL, or exclude those rows in the query (where ${columns.map((c) => `${ident(c)} is not null`).join(' and ')}) and handle them in another step`,
+    );
+  };
 
   const plan: ChunkSource<unknown, any, KeysetChunk> = async (cursor, ctx) => {
     const after = cursor === null ? null : (cursor as string[]);
     if (after !== null && (!Array.isArray(after) || after.length !== columns.length)) {
       throw new TypeError(`keysetQuery(): the stored cursor ${JSON.stringify(cursor)} does not match key (${columns.join(', ')}); the key of an unfinished run must not change`);
     }
+    if (after === null) await refuseNullKeys(ctx.db);
     const windowChunks = Math.max(1, ctx.windowSize);
     const size = Math.max(1, Math.round(opts.size * (ctx.sizeFactor ?? 1)));
     const lower = after === null ? sql`true` : sql`(${cols('q')}) > (${values(after)})`;

@@ -82,6 +82,13 @@ describe('keyList', () => {
     expect(est.estimated_chunks).toBeLessThan(60);
   });
 
+  it('a lines file starting with a UTF-8 byte order mark: the mark is not part of the first key', async () => {
+    const file = path.join(dir, 'bom.txt');
+    await writeFile(file, '\uFEFFa1\na2\n');
+    const page = await keyList({ file, size: 10 })(null, planCtx(10));
+    expect(page.chunks.flatMap((c) => c.keys)).toEqual(['a1', 'a2']);
+  });
+
   it('reads a CSV column by header name, with quoted fields, and refuses a missing column', async () => {
     const file = path.join(dir, 'users.csv');
     await writeFile(file, 'name,email,id\r\n"Doe, Jane","jane@x.org",17\r\nBob,"say ""hi""@x.org",18\r\n\r\nEve,e@x.org,19');
@@ -200,6 +207,26 @@ describe('keysetQuery', () => {
     expect(await runRow(url, 'keyset', 'k')).toMatchObject({ status: 'succeeded' });
   });
 
+  it('refuses a query whose key is NULL in some row (rows no chunk holds) at first planning, naming the column and the fix', async () => {
+    await query(url, `create table ks_nulls (tenant text, id integer, touched integer not null default 0, unique (tenant, id))`);
+    await query(url, `insert into ks_nulls (tenant, id) select 'a', g from generate_series(1, 5) g union all select 'b', null union all select 'c', null`);
+    const touch = (name: string, q: string) => {
+      const src = keysetQuery({ query: q, key: ['tenant', 'id'], size: 2 });
+      return defineJob({ name, steps: [{ name: 'touch', chunks: src, run: ({ db }, c: KeysetChunk) => sql`update ks_nulls set touched = touched + 1 where ${src.where(c)}`.execute(db) }] });
+    };
+    const err = await runner.run(touch('ks-nulls', 'select tenant, id from ks_nulls'), { key: 'k' }).catch((e: unknown) => e);
+    expect((err as Error).message).toBe(
+      'job "ks-nulls" failed in step "touch" after 1 try: keysetQuery(): the query returns rows whose key column "id" is NULL, which no chunk holds, so they would be skipped; make the key columns NOT NULL, or exclude those rows in the query (where tenant is not null and id is not null) and handle them in another step; fix the cause and run the same command again to resume there',
+    );
+    expect(await query(url, `select count(*)::int as n from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'ks-nulls'`)).toEqual([{ n: 0 }]);
+    const ok = await runner.run(touch('ks-not-null', 'select tenant, id from ks_nulls where tenant is not null and id is not null'), { key: 'k' });
+    expect(ok.status).toBe('succeeded');
+    expect(await query(url, `select (tenant is null or id is null) as has_null, min(touched), max(touched) from ks_nulls group by 1 order by 1`)).toEqual([
+      { has_null: false, min: 1, max: 1 },
+      { has_null: true, min: 0, max: 0 },
+    ]);
+  });
+
   it('refuses bad options at definition time', () => {
     expect(() => keysetQuery({ query: '', key: [], size: 0 })).toThrow(
       'keysetQuery(): query must be a non-empty SQL string or a sql`` builder; key must be a column name or a non-empty array of them; size must be an integer >= 1 (got 0)',
@@ -259,6 +286,24 @@ describe('keyRange: a table or column name is spelled as it is in the database',
     expect((err as Error).message).toMatch(/keyRange\(\): table "mixedcase" does not exist; did you mean 'MixedCase'\? \(names are case-sensitive, as in the database\)/);
     const col = await runner.run(touch('MixedCase', 'id', 7), { key: 'lower-col' }).catch((e: unknown) => e);
     expect((col as Error).message).toMatch(/keyRange\(\): table "MixedCase" has no column "id"; did you mean 'Id'\?/);
+  });
+});
+
+describe('keyRange: a run planned by an older idem', () => {
+  it('resumes chunks stored without `last` (planned before it existed) with last = hi - 1', async () => {
+    await query(url, `create table kr_resume (id integer primary key, v integer not null default 0)`);
+    await query(url, `insert into kr_resume (id) select generate_series(1, 9)`);
+    const job = defineJob({
+      name: 'kr-resume',
+      steps: [{ name: 'touch', chunks: keyRange({ table: 'kr_resume', column: 'id', size: 3 }), run: ({ db }, c: KeyRangeChunk) => sql`update kr_resume set v = v + 1 where id between ${c.lo} and ${c.last}`.execute(db) }],
+    });
+    const stop = new AbortController();
+    const first = await runner.run(job, { key: 'old', signal: stop.signal, onProgress: (p) => p.done >= 1 && stop.abort(new InterruptedError('SIGINT')) }).catch((e: unknown) => e);
+    expect(first).toBeInstanceOf(InterruptedError);
+    // What an older idem stored: { key, lo, hi }.
+    await query(url, `update idem.chunks set spec = spec - 'last' where run_id = (select id from idem.runs where job = 'kr-resume')`);
+    expect(await runner.run(job, { key: 'old' })).toMatchObject({ status: 'succeeded', attempt: 2 });
+    expect(await query(url, `select min(v), max(v) from kr_resume`)).toEqual([{ min: 1, max: 1 }]);
   });
 });
 
@@ -356,10 +401,37 @@ describe('a job-definition mistake in planning is the step\'s, with what to fix'
     expect(k.recorded).toMatchObject({ step: 'plan', chunk: null });
   });
 
-  it('whatever else the database refuses to store of a window (a lone surrogate) fails in its step', async () => {
+  it('a chunk spec or key holding a lone surrogate fails in its step, naming the chunk and the field', async () => {
     const job = defineJob({ name: 'surrogate-spec', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'a', name: 'x\ud800' }]), run: () => {} }] });
     const { message, recorded } = await failed(job);
-    expect(message).toMatch(/^job "surrogate-spec" failed in step "plan" after 1 try: invalid input syntax for type json;/);
+    expect(message).toBe(
+      'job "surrogate-spec" failed in step "plan" after 1 try: chunk a: chunk specs cannot hold a lone surrogate (at name), which is not well-formed Unicode and PostgreSQL cannot store as JSON; remove or replace it; fix the cause and run the same command again to resume there',
+    );
     expect(recorded).toMatchObject({ step: 'plan', chunk: null });
+    const key = await failed(defineJob({ name: 'surrogate-key', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'a\ud800b' }]), run: () => {} }] }));
+    expect(key.message).toMatch(/^job "surrogate-key" failed in step "plan" after 1 try: chunk "a\\ud800b": chunk specs cannot hold a lone surrogate \(at key\)/);
+  });
+
+  it('NaN or Infinity in a chunk spec fails in its step instead of being stored as null', async () => {
+    const { message } = await failed(defineJob({ name: 'nan-spec', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'a', lo: NaN }, { key: 'b', hi: Infinity }]), run: () => {} }] }));
+    expect(message).toBe(
+      'job "nan-spec" failed in step "plan" after 1 try: chunk a: chunk specs must be JSON: NaN (at lo) has no JSON form and would be stored as null; use a number or a string; fix the cause and run the same command again to resume there',
+    );
+  });
+
+  it('a chunk key longer than 2000 bytes of UTF-8 fails in its step, naming the chunk (clipped) and the limit', async () => {
+    const { message, recorded } = await failed(defineJob({ name: 'long-key', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'x'.repeat(3_000_000) }]), run: () => {} }] }));
+    expect(message).toBe(
+      `job "long-key" failed in step "plan" after 1 try: chunk ${'x'.repeat(40)}… (3000000 bytes): a chunk key is at most 2000 bytes of UTF-8 (the chunk index holds no longer one); key the chunk by something shorter, e.g. its range or a hash of its content; fix the cause and run the same command again to resume there`,
+    );
+    expect(recorded).toMatchObject({ step: 'plan', chunk: null });
+    // 2000 bytes exactly (500 four-byte characters) is stored.
+    const ok = defineJob({ name: 'max-key', steps: [{ name: 'plan', chunks: sourceOf([{ key: '🙂'.repeat(500) }]), run: () => {} }] });
+    expect((await runner.run(ok, { key: 'k' })).status).toBe('succeeded');
+  });
+
+  it('a key repeated within one window is quoted in the message, as across windows', async () => {
+    const { message } = await failed(defineJob({ name: 'dup-window', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'a b' }, { key: 'a b' }]), run: () => {} }] }));
+    expect(message).toMatch(/: chunk source returned key "a b" twice in one window; keys must be unique;/);
   });
 });

@@ -90,6 +90,18 @@ describe('idem run', () => {
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
   });
 
+  it('a number beyond the safe integers in --param/--params exits 2 naming its path, instead of being rounded into another run', async () => {
+    const before = await snapshot(url, ALL_TABLES);
+    const [pair, json] = await Promise.all([
+      idem(['run', 'counted', '--param', 'ids=[1,9007199254740993]']),
+      idem(['run', 'counted', '--params', '{"chunks":2,"filter":{"min":-9007199254740993}}']),
+    ]);
+    const rounds = 'is a number beyond the safe integers, ±(2^53−1), which would be rounded (two different values would become one run); pass it as a string';
+    expectOneLineError(pair!, 2, `--param ids: ids[1] ${rounds}`);
+    expectOneLineError(json!, 2, `--params: filter.min ${rounds}`);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
   it('a bad flag, a bad flag value, an unknown command or a bad --key exits 2 naming it, and changes nothing', async () => {
     const before = await snapshot(url, ALL_TABLES);
     const [flag, value, command, key] = await Promise.all([

@@ -19,6 +19,12 @@ beforeAll(async () => {
     insert into big select 10000000000 + g * 1000 from generate_series(0, 24) g;
     create table huge (id bigint primary key);
     insert into huge values (1), (9007199254740993);
+    create table int_max (id integer primary key, touched integer not null default 0);
+    insert into int_max (id) values (1), (2), (2147483647);
+    create table small_max (id smallint primary key, touched integer not null default 0);
+    insert into small_max (id) values (1), (32767);
+    create table nullable_key (id integer unique, touched integer not null default 0);
+    insert into nullable_key (id) select generate_series(1, 5) union all select null union all select null;
     create schema other;
     create table other.things (id integer primary key);
     insert into other.things select generate_series(1, 7);
@@ -70,6 +76,7 @@ function expectExactCover(chunks: readonly KeyRangeChunk[], keys: number[], size
   }
   for (const c of chunks) {
     expect(c.lo).toBeLessThan(c.hi);
+    expect(c.last).toBe(c.hi - 1);
     expect(c.key).toBe(`[${c.lo},${c.hi})`);
   }
   const perKey = keys.map((k) => chunks.filter((c) => c.lo <= k && k < c.hi).length);
@@ -87,10 +94,10 @@ describe('keyRange', () => {
     const page = await keyRange({ table: 'gappy', column: 'id', size: 4 })(null, ctx(100));
     expect(page).toEqual({
       chunks: [
-        { key: '[1,5)', lo: 1, hi: 5 },
-        { key: '[5,9)', lo: 5, hi: 9 },
-        { key: '[9,102)', lo: 9, hi: 102 },
-        { key: '[102,106)', lo: 102, hi: 106 },
+        { key: '[1,5)', lo: 1, hi: 5, last: 4 },
+        { key: '[5,9)', lo: 5, hi: 9, last: 8 },
+        { key: '[9,102)', lo: 9, hi: 102, last: 101 },
+        { key: '[102,106)', lo: 102, hi: 106, last: 105 },
       ],
       next: null,
     });
@@ -100,11 +107,11 @@ describe('keyRange', () => {
   it('returns at most windowSize chunks per call and the cursor continues exactly where the window ended', async () => {
     const source = keyRange({ table: 'gappy', column: 'id', size: 4 });
     const first = await source(null, ctx(1));
-    expect(first).toEqual({ chunks: [{ key: '[1,5)', lo: 1, hi: 5 }], next: 5 });
+    expect(first).toEqual({ chunks: [{ key: '[1,5)', lo: 1, hi: 5, last: 4 }], next: 5 });
     const second = await source(first.next, ctx(1));
-    expect(second).toEqual({ chunks: [{ key: '[5,9)', lo: 5, hi: 9 }], next: 9 });
+    expect(second).toEqual({ chunks: [{ key: '[5,9)', lo: 5, hi: 9, last: 8 }], next: 9 });
     const rest = await source(second.next, ctx(2));
-    expect(rest).toEqual({ chunks: [{ key: '[9,102)', lo: 9, hi: 102 }, { key: '[102,106)', lo: 102, hi: 106 }], next: null });
+    expect(rest).toEqual({ chunks: [{ key: '[9,102)', lo: 9, hi: 102, last: 101 }, { key: '[102,106)', lo: 102, hi: 106, last: 105 }], next: null });
   });
 
   it('is deterministic: the same cursor gives the same chunks', async () => {
@@ -164,15 +171,46 @@ describe('keyRange', () => {
     const pages = await allWindows({ table: 'big', column: 'id', size: 10 }, 1);
     const chunks = pages.flatMap((p) => p.chunks);
     expect(chunks).toEqual([
-      { key: '[10000000000,10000010000)', lo: 10_000_000_000, hi: 10_000_010_000 },
-      { key: '[10000010000,10000020000)', lo: 10_000_010_000, hi: 10_000_020_000 },
-      { key: '[10000020000,10000024001)', lo: 10_000_020_000, hi: 10_000_024_001 },
+      { key: '[10000000000,10000010000)', lo: 10_000_000_000, hi: 10_000_010_000, last: 10_000_009_999 },
+      { key: '[10000010000,10000020000)', lo: 10_000_010_000, hi: 10_000_020_000, last: 10_000_019_999 },
+      { key: '[10000020000,10000024001)', lo: 10_000_020_000, hi: 10_000_024_001, last: 10_000_024_000 },
     ]);
     expectExactCover(chunks, await ids('big'), 10);
   });
 
   it('refuses keys beyond 2^53 instead of rounding them, naming the way out', async () => {
-    await expect(keyRange({ table: 'huge', column: 'id', size: 1 })(null, ctx(10))).rejects.toThrow(/not an integer within ±2\^53; use a custom chunk source/);
+    await expect(keyRange({ table: 'huge', column: 'id', size: 1 })(null, ctx(10))).rejects.toThrow(/not a safe integer, within ±\(2\^53−1\); use a custom chunk source/);
+  });
+
+  it('a key at its type\'s maximum (integer, smallint) is reached by the inclusive bound: `id between lo and last`', async () => {
+    // The last range's hi is max + 1, which `id < hi` cannot bind for the column's type; last = hi - 1 can.
+    for (const [table, max] of [['int_max', 2147483647], ['small_max', 32767]] as const) {
+      const chunks = (await allWindows({ table, column: 'id', size: 1 }, 2)).flatMap((p) => p.chunks);
+      expect(chunks.at(-1)).toEqual({ key: `[${max},${max + 1})`, lo: max, hi: max + 1, last: max });
+      for (const c of chunks) await sql`update ${sql.table(table)} set touched = touched + 1 where id between ${c.lo} and ${c.last}`.execute(db);
+      expect(await sql<{ n: number }>`select count(*)::int as n from ${sql.table(table)} where touched <> 1`.execute(db).then((r) => r.rows[0]!.n)).toBe(0);
+      await expect(sql`select 1 from ${sql.table(table)} where id < ${chunks.at(-1)!.hi}`.execute(db)).rejects.toThrow(/out of range/);
+    }
+  });
+
+  it('refuses a nullable key column holding NULLs (rows no range holds), naming the count and the fix, unless `where` excludes them', async () => {
+    await expect(keyRange({ table: 'nullable_key', column: 'id', size: 2 })(null, ctx(10))).rejects.toThrow(
+      'keyRange(): column "id" of "nullable_key" has 2 rows where it is NULL, which no range holds, so they would be skipped; declare the column NOT NULL, or pass a where that excludes them (where: \'id is not null\') and handle those rows in another step',
+    );
+    const chunks = (await allWindows({ table: 'nullable_key', column: 'id', size: 2, where: 'id is not null' }, 10)).flatMap((p) => p.chunks);
+    expectExactCover(chunks, [1, 2, 3, 4, 5], 2);
+  });
+
+  it('checks a NOT NULL key column in the catalog query alone: no statement looks for NULL rows', async () => {
+    const seen: string[] = [];
+    const spy = new Kysely<any>({ dialect: new PostgresDialect({ pool: new pg.Pool({ connectionString: database.url, max: 1 }) }), log: (e) => void seen.push(e.query.sql) });
+    try {
+      await keyRange({ table: 'gappy', column: 'id', size: 4 })(null, { ...ctx(10), db: spy } as PlanContext<unknown>);
+    } finally {
+      await spy.destroy();
+    }
+    expect(seen).toHaveLength(2); // the catalog check, then the window
+    expect(seen.some((q) => /"id" is null/.test(q))).toBe(false);
   });
 
   it('accepts a schema-qualified table', async () => {

@@ -122,6 +122,9 @@ describe('bad requests write nothing', () => {
     expectProblem(invalid, 400, 'idem.invalidParams');
     expect(invalid.body.detail).toContain('chunks must be an integer');
     expectProblem(await post('k-array', [1, 2]), 400, 'idem.invalidParams');
+    const rounded = await api(server.base, 'POST', '/api/jobs/counted/runs', { key: 'k-unsafe-int', rawBody: '{"chunks":2,"ids":[9007199254740993]}' });
+    expectProblem(rounded, 400, 'idem.invalidParams');
+    expect(rounded.body.detail).toBe('the body\'s ids[0] is a number beyond the safe integers, ±(2^53−1), which would be rounded (two different values would become one run); pass it as a string');
     expectProblem(await api(server.base, 'POST', '/api/jobs/counted/runs', { key: 'k-malformed', rawBody: '{"chunks": 2,' }), 400, 'idem.malformedJson');
     expectProblem(await api(server.base, 'POST', '/api/jobs/counted/runs', { key: 'k-big', rawBody: JSON.stringify({ label: 'x'.repeat(100_000) }) }), 413, 'idem.bodyTooLarge');
     expectProblem(await api(server.base, 'POST', '/api/jobs/counted/runs', { key: 'k-text', rawBody: 'chunks=2', headers: { 'content-type': 'text/plain' } }), 415, 'idem.unsupportedMediaType');

@@ -5,6 +5,7 @@ import { NAME as JOB_NAME, validateParams, type Job, type Json } from '../job.ts
 import { reopenFailedRun } from '../operations.ts';
 import { slotOfJobKey } from '../schedule.ts';
 import { continueCommand } from '../shell-quote.ts';
+import { UNSAFE_NUMBER_RULE, unsafeNumberPath } from '../unsafe-number.ts';
 import { claimRequest, paramsMismatch, printable } from './claim-request.ts';
 import { HttpProblem } from './problem.ts';
 import { ENDED_STATES, RUN_STATES, type RunStateFilter, type RunView } from './run-view.ts';
@@ -96,6 +97,9 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
     if (typeof raw !== 'object' || raw === null || Array.isArray(raw)) {
       throw new HttpProblem(400, 'idem.invalidParams', 'the body must be a JSON object of params; send {} for none');
     }
+    // Fastify's parser rounded a number beyond ±(2^53−1): another run's key, another row.
+    const unsafe = unsafeNumberPath(raw);
+    if (unsafe !== null) throw new HttpProblem(400, 'idem.invalidParams', `the body's ${unsafe} ${UNSAFE_NUMBER_RULE}`);
     let params: Json;
     try {
       params = (await validateParams(job, raw)) as Json;
