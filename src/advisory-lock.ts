@@ -3,7 +3,7 @@ import { BusyError, DatabaseUnavailableError, InterruptedError, LockLostError } 
 import { lockKey } from './fingerprint.ts';
 import { answerWithin, sleep } from './sleep.ts';
 import { lockSessionSetup, sessionName } from './database.ts';
-import { testHookMs } from './test-hooks.ts';
+import { lockCheckIntervalMs, type LockHolder, describeHolder } from './lock-holder.ts';
 
 export interface AdvisoryLockOptions {
   readonly connectionString: string;
@@ -63,24 +63,10 @@ export interface CompiledSql {
 /** Default of `checkTimeoutMs`. */
 export const LOCK_CHECK_TIMEOUT_MS = 5_000;
 
-/**
- * Default of `checkIntervalMs`. IDEM_LOCK_CHECK_INTERVAL_MS (tests only, see test-hooks.ts)
- * shortens it, and with it every bound derived from it, in every process of a test alike.
- */
-export function lockCheckIntervalMs(): number {
-  return testHookMs('IDEM_LOCK_CHECK_INTERVAL_MS') ?? 2_000;
-}
-
 /** Default of `idleSessionTimeoutMs`, in check intervals: 60 s. Far above one interval, so a slow check or GC pause never ends a live session. */
 export const LOCK_IDLE_INTERVALS = 30;
 /** `idleSessionTimeoutMs` is never below this many check intervals. */
 const MIN_IDLE_INTERVALS = 10;
-
-/**
- * A lock session silent for this many check intervals (30 s) belongs to no live idem: a live one
- * sends a statement on it every interval. The busy error and `idem status` say it looks dead.
- */
-export const SILENT_INTERVALS = 15;
 
 /** A held session-level advisory lock; `lost` aborts when its session dies. */
 export interface HeldLock {
@@ -232,10 +218,11 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
       if (opts.signal?.aborted) throw opts.signal.reason ?? new InterruptedError('SIGINT');
       if (Date.now() >= deadline) {
         if (runHeld && opts.worker) throw new BusyError(opts.worker.runHeld);
+        const holders = await describeHolders(client, key, interval);
         throw new BusyError(
           opts.wait
-            ? `${opts.what} is still running in another process after waiting ${opts.wait === true ? '' : `${opts.wait}s`}; try again later`
-            : `${opts.what} is running in another process (its advisory lock is held); try again later or pass --wait`,
+            ? `${opts.what} is still running in another process after waiting ${opts.wait === true ? '' : `${opts.wait}s`} (${holders}); try again later`
+            : `${opts.what} is running in another process (${holders}); try again later or pass --wait`,
         );
       }
       await sleep(POLL_MS + Math.floor(Math.random() * POLL_MS), opts.signal);
@@ -289,6 +276,42 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
   } catch (err) {
     await release();
     throw err;
+  }
+}
+
+/**
+ * Sessions holding a 64-bit advisory key (granted, any mode) in this database, other than the one
+ * asking, the most silent first. pg_stat_activity shows another role's state_change only to a
+ * superuser or a member of pg_read_all_stats: null then.
+ */
+export async function lockHolders(run: (text: string, values: unknown[]) => Promise<Array<Record<string, unknown>>>, keys: readonly string[]): Promise<Array<LockHolder & { key: string }>> {
+  const rows = await run(
+    `select distinct l.pid, ((l.classid::bigint << 32) | l.objid::bigint)::text as key, a.application_name,
+        case when a.state = 'active' then 0 else extract(epoch from now() - a.state_change) end::float8 as silent
+      from pg_locks l left join pg_stat_activity a on a.pid = l.pid
+      where l.locktype = 'advisory' and l.granted and l.objsubid = 1 and l.pid <> pg_backend_pid()
+        and l.database = (select oid from pg_database where datname = current_database())
+        and ((l.classid::bigint << 32) | l.objid::bigint) = any($1::bigint[])
+      order by silent desc nulls last, l.pid`,
+    [keys],
+  );
+  return rows.map((r) => ({
+    key: String(r.key),
+    pid: Number(r.pid),
+    applicationName: (r.application_name as string | null) || null,
+    silentSeconds: r.silent === null || r.silent === undefined ? null : Math.max(0, Math.round(Number(r.silent) * 10) / 10),
+  }));
+}
+
+/** Who holds `key`, for the busy error; never fails the error it is part of. */
+async function describeHolders(client: pg.Client, key: string, intervalMs: number): Promise<string> {
+  try {
+    const holders = await lockHolders(async (text, values) => (await client.query(text, values)).rows, [key]);
+    if (holders.length === 0) return 'its advisory lock is held';
+    const shown = holders.slice(0, 3).map((h) => describeHolder(h, intervalMs));
+    return `its advisory lock is held by ${shown.join('; ')}${holders.length > 3 ? `; and ${holders.length - 3} more` : ''}`;
+  } catch {
+    return 'its advisory lock is held';
   }
 }
 
