@@ -700,10 +700,13 @@ export class Runner {
       // other, so the last of them records the run interrupted instead of each counting the others.
       const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => null);
       if (others !== null && others > 0) {
-        log.warn({ signal: err.signal, otherWorkers: others }, 'worker stopped; the run goes on in the other workers');
+        // Said as what was true when it left: the others may be stopping too (every worker of a
+        // deploy gets SIGTERM at once), and the last of them records the run interrupted.
+        const were = `${others} other ${others === 1 ? 'worker was' : 'workers were'} still on the run`;
+        log.warn({ signal: err.signal, otherWorkers: others }, `worker stopped; ${were}`);
         return new InterruptedError(
           err.signal,
-          `this worker stopped on ${err.signal} (its in-flight chunks finished); the run goes on in ${others} other ${others === 1 ? 'worker' : 'workers'}: idem status ${job.name} --key ${runKey} shows them`,
+          `this worker stopped on ${err.signal} (its in-flight chunks finished); ${were} as it left (the last of them to stop records the run interrupted): idem status ${job.name} --key ${runKey} shows them`,
         );
       }
       // An operator's pause or cancel that came too late for this attempt to act on is honoured
