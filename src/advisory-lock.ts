@@ -2,7 +2,8 @@ import pg from 'pg';
 import { BusyError, DatabaseUnavailableError, InterruptedError, LockLostError } from './errors.ts';
 import { lockKey } from './fingerprint.ts';
 import { answerWithin, sleep } from './sleep.ts';
-import { SESSION_SETUP, sessionName } from './database.ts';
+import { lockSessionSetup, sessionName } from './database.ts';
+import { lockCheckIntervalMs, type LockHolder, describeHolder } from './lock-holder.ts';
 
 export interface AdvisoryLockOptions {
   readonly connectionString: string;
@@ -16,8 +17,15 @@ export interface AdvisoryLockOptions {
   readonly holder?: string;
   /** Aborting stops a wait (the caller is being interrupted). */
   readonly signal?: AbortSignal;
-  /** How often the held session is checked for life, in ms. Defaults to `2000`. */
+  /** How often the held session is checked for life, in ms. Defaults to `2000` (LOCK_CHECK_INTERVAL_MS). */
   readonly checkIntervalMs?: number;
+  /**
+   * The lock session's `idle_session_timeout` (PostgreSQL 14+), in ms: the server ends the session,
+   * and frees the lock, once it has sent nothing for this long (the process stopped, or its host
+   * vanished behind a proxy that keeps the server's side of the connection alive). At least 10
+   * check intervals. Defaults to 30 check intervals (60 s).
+   */
+  readonly idleSessionTimeoutMs?: number;
   /**
    * How long a check, or a statement sent on the lock's session, may go unanswered before the lock
    * counts as lost, in ms: a host whose network vanished never answers, and never errors either.
@@ -54,6 +62,11 @@ export interface CompiledSql {
 
 /** Default of `checkTimeoutMs`. */
 export const LOCK_CHECK_TIMEOUT_MS = 5_000;
+
+/** Default of `idleSessionTimeoutMs`, in check intervals: 60 s. Far above one interval, so a slow check or GC pause never ends a live session. */
+export const LOCK_IDLE_INTERVALS = 30;
+/** `idleSessionTimeoutMs` is never below this many check intervals. */
+const MIN_IDLE_INTERVALS = 10;
 
 /** A held session-level advisory lock; `lost` aborts when its session dies. */
 export interface HeldLock {
@@ -114,6 +127,14 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
     destroySocket(client);
   };
   const checkTimeout = opts.checkTimeoutMs ?? LOCK_CHECK_TIMEOUT_MS;
+  const interval = opts.checkIntervalMs ?? lockCheckIntervalMs();
+  const idleMs = Math.max(opts.idleSessionTimeoutMs ?? interval * LOCK_IDLE_INTERVALS, interval * MIN_IDLE_INTERVALS);
+  /** An error of the session, as the lost lock's reason. */
+  const whyLost = (err: unknown) =>
+    // 57P05: the server's idle_session_timeout, which only a silent process meets (see lockSessionSetup).
+    (err as { code?: string }).code === '57P05'
+      ? `the server ended its session after ${idleMs / 1000}s without a statement from this process (stopped or frozen that long, or cut off behind a proxy)`
+      : (err as Error).message;
   /** Statements in flight on the session; the periodic check never queues behind one. */
   let busy = 0;
   /** One statement, raced against a deadline: no answer in time is a lost lock, not a wait. */
@@ -130,7 +151,7 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
     }
   };
   // Without an 'error' listener a dropped socket would crash the process instead of failing the run.
-  client.on('error', (err) => loseLock(err.message, err));
+  client.on('error', (err) => loseLock(whyLost(err), err));
   client.on('end', () => loseLock('its session ended'));
   let released = false;
   try {
@@ -160,11 +181,11 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
   };
 
   try {
-    // Server-side keepalives for this session only: if this host vanishes (power, network), the
-    // server notices within about a minute and drops the session and its lock, instead of keeping
-    // the job "busy" for the hours the OS defaults would take. And no idle_session_timeout: the
-    // session idles between its checks for the whole run.
-    await client.query(SESSION_SETUP);
+    // Server-side keepalives: if this host vanishes (power, network), the server notices within
+    // about a minute and drops the session and its lock, instead of keeping the job "busy" for the
+    // hours the OS defaults would take. And idle_session_timeout: where keepalives cannot tell (a
+    // proxy between, a stopped process), the server ends a session this process no longer checks.
+    await client.query(lockSessionSetup(idleMs));
     const { rows: [first] } = await client.query<{ pid: number }>('select pg_backend_pid() as pid');
     const pid = first!.pid;
     const deadline = opts.wait === true ? Infinity : opts.wait ? Date.now() + opts.wait * 1000 : 0;
@@ -197,21 +218,21 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
       if (opts.signal?.aborted) throw opts.signal.reason ?? new InterruptedError('SIGINT');
       if (Date.now() >= deadline) {
         if (runHeld && opts.worker) throw new BusyError(opts.worker.runHeld);
+        const holders = await describeHolders(client, key, interval);
         throw new BusyError(
           opts.wait
-            ? `${opts.what} is still running in another process after waiting ${opts.wait === true ? '' : `${opts.wait}s`}; try again later`
-            : `${opts.what} is running in another process (its advisory lock is held); try again later or pass --wait`,
+            ? `${opts.what} is still running in another process after waiting ${opts.wait === true ? '' : `${opts.wait}s`} (${holders}); try again later`
+            : `${opts.what} is running in another process (${holders}); try again later or pass --wait`,
         );
       }
       await sleep(POLL_MS + Math.floor(Math.random() * POLL_MS), opts.signal);
     }
-    const interval = opts.checkIntervalMs ?? 2_000;
     const check = () =>
       timed<{ pid: number }>('select pg_backend_pid() as pid', [], checkTimeout).then(
         (rows) => {
           if (rows[0]?.pid !== pid) loseLock('the session behind the lock changed');
         },
-        (err) => loseLock((err as Error).message, err),
+        (err) => loseLock(whyLost(err), err),
       );
     timer = setInterval(() => {
       // Never queue a check behind one that has not answered: the deadline of that one decides.
@@ -255,6 +276,42 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
   } catch (err) {
     await release();
     throw err;
+  }
+}
+
+/**
+ * Sessions holding a 64-bit advisory key (granted, any mode) in this database, other than the one
+ * asking, the most silent first. pg_stat_activity shows another role's state_change only to a
+ * superuser or a member of pg_read_all_stats: null then.
+ */
+export async function lockHolders(run: (text: string, values: unknown[]) => Promise<Array<Record<string, unknown>>>, keys: readonly string[]): Promise<Array<LockHolder & { key: string }>> {
+  const rows = await run(
+    `select distinct l.pid, ((l.classid::bigint << 32) | l.objid::bigint)::text as key, a.application_name,
+        case when a.state = 'active' then 0 else extract(epoch from now() - a.state_change) end::float8 as silent
+      from pg_locks l left join pg_stat_activity a on a.pid = l.pid
+      where l.locktype = 'advisory' and l.granted and l.objsubid = 1 and l.pid <> pg_backend_pid()
+        and l.database = (select oid from pg_database where datname = current_database())
+        and ((l.classid::bigint << 32) | l.objid::bigint) = any($1::bigint[])
+      order by silent desc nulls last, l.pid`,
+    [keys],
+  );
+  return rows.map((r) => ({
+    key: String(r.key),
+    pid: Number(r.pid),
+    applicationName: (r.application_name as string | null) || null,
+    silentSeconds: r.silent === null || r.silent === undefined ? null : Math.max(0, Math.round(Number(r.silent) * 10) / 10),
+  }));
+}
+
+/** Who holds `key`, for the busy error; never fails the error it is part of. */
+async function describeHolders(client: pg.Client, key: string, intervalMs: number): Promise<string> {
+  try {
+    const holders = await lockHolders(async (text, values) => (await client.query(text, values)).rows, [key]);
+    if (holders.length === 0) return 'its advisory lock is held';
+    const shown = holders.slice(0, 3).map((h) => describeHolder(h, intervalMs));
+    return `its advisory lock is held by ${shown.join('; ')}${holders.length > 3 ? `; and ${holders.length - 3} more` : ''}`;
+  } catch {
+    return 'its advisory lock is held';
   }
 }
 

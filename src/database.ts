@@ -238,11 +238,29 @@ export const SERVER_KEEPALIVES = 'set tcp_keepalives_idle = 30; set tcp_keepaliv
 /**
  * What every idem session (lock and work) sets first: the server-side keepalives, and no
  * `idle_session_timeout` (PostgreSQL 14+). A role or database may set one (`ALTER ROLE … SET
- * idle_session_timeout = '1min'`) for clients that forget their sessions; idem's lock session idles
- * on purpose for the whole run, between its checks, and the server ending it lost every run's lock
- * (exit 69) after that long. A vanished idem host is found by the keepalives instead.
+ * idle_session_timeout = '1min'`) for clients that forget their sessions; a work session may idle
+ * in the pool for as long as a chunk takes elsewhere, and the server ending it cost a retry. The
+ * lock session sets its own instead (lockSessionSetup).
  */
-export const SESSION_SETUP = `${SERVER_KEEPALIVES}; select set_config('idle_session_timeout', '0', false) where current_setting('server_version_num')::int >= 140000`;
+export const SESSION_SETUP = `${SERVER_KEEPALIVES}; ${idleSessionTimeout(0)}`;
+
+/**
+ * The lock session's setup: SESSION_SETUP, then an `idle_session_timeout` of its own (PostgreSQL
+ * 14+). A live idem sends a statement on its lock session every check interval (2 s), so the
+ * server ends it only when the process went silent: stopped (SIGSTOP, a frozen VM) or its host
+ * gone behind a proxy (PgBouncer) whose server connection stays healthy, where keepalives never
+ * fire because the server's peer is the proxy. The lock is freed then, within `ms`, and the
+ * process, if it ever wakes, finds its lock lost (exit 69) and its commits fenced off.
+ */
+export function lockSessionSetup(ms: number): string {
+  // The same bound inside its transactions (the entry gate, leave()): short, and without job code.
+  return `${SERVER_KEEPALIVES}; ${idleSessionTimeout(ms)}; set idle_in_transaction_session_timeout = ${ms}`;
+}
+
+function idleSessionTimeout(ms: number): string {
+  if (!Number.isInteger(ms) || ms < 0) throw new TypeError(`idle_session_timeout must be an integer >= 0 ms (got ${ms})`);
+  return `select set_config('idle_session_timeout', '${ms}', false) where current_setting('server_version_num')::int >= 140000`;
+}
 
 /** PostgreSQL keeps the first 63 bytes of an application_name (NAMEDATALEN - 1) and drops the rest. */
 const APPLICATION_NAME_BYTES = 63;

@@ -1,8 +1,9 @@
 import { setMaxListeners } from 'node:events';
 import { hostname } from 'node:os';
-import { sql, type Kysely } from 'kysely';
+import { CompiledQuery, sql, type Kysely } from 'kysely';
 import type { Logger } from 'pino';
-import { acquireAdvisoryLock, type HeldLock } from './advisory-lock.ts';
+import { acquireAdvisoryLock, lockHolders, type HeldLock } from './advisory-lock.ts';
+import { looksDead, type LockHolder } from './lock-holder.ts';
 import { describeConnectError, openDatabase, redactError, type Database } from './database.ts';
 import { BusyError, CancelledError, codeOf, errorFields, FencedError, IdemError, InterruptedError, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
@@ -145,6 +146,13 @@ export interface RunWorker {
   readonly chunks: number;
   /** Chunks per second it committed over the last minute. */
   readonly rate: number;
+  /** Seconds since its lock session's last statement; null where the role may not see it. */
+  readonly silentSeconds: number | null;
+  /**
+   * Silent far longer than a live idem allows (15 check intervals, 30 s): stopped, or its host gone
+   * behind a proxy. Not counted in the run's rate and ETA; the server ends it after 60 s (14+).
+   */
+  readonly silent: boolean;
 }
 
 /** A run's state as `idem status` reports it. */
@@ -692,10 +700,13 @@ export class Runner {
       // other, so the last of them records the run interrupted instead of each counting the others.
       const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => null);
       if (others !== null && others > 0) {
-        log.warn({ signal: err.signal, otherWorkers: others }, 'worker stopped; the run goes on in the other workers');
+        // Said as what was true when it left: the others may be stopping too (every worker of a
+        // deploy gets SIGTERM at once), and the last of them records the run interrupted.
+        const were = `${others} other ${others === 1 ? 'worker was' : 'workers were'} still on the run`;
+        log.warn({ signal: err.signal, otherWorkers: others }, `worker stopped; ${were}`);
         return new InterruptedError(
           err.signal,
-          `this worker stopped on ${err.signal} (its in-flight chunks finished); the run goes on in ${others} other ${others === 1 ? 'worker' : 'workers'}: idem status ${job.name} --key ${runKey} shows them`,
+          `this worker stopped on ${err.signal} (its in-flight chunks finished); ${were} as it left (the last of them to stop records the run interrupted): idem status ${job.name} --key ${runKey} shows them`,
         );
       }
       // An operator's pause or cancel that came too late for this attempt to act on is honoured
@@ -810,7 +821,14 @@ export class Runner {
     for (const r of rows) if (r.has_skipped) skippedByRun.set(String(r.id), await this.store.skippedChunks(String(r.id), 20, db));
     return rows.map((r) => {
       const state = r.status === 'running' ? (runIsLive(r, held, this.#ops()) ? 'running' : 'crashed') : r.status;
-      const rate = state === 'running' && r.attempt_seconds > 0 && r.done_this_attempt > 0 ? r.done_this_attempt / r.attempt_seconds : null;
+      const workers = state === 'running' ? (workersByRun.get(String(r.id)) ?? []) : [];
+      // A silent worker commits nothing more: the rate is the live workers' over the last minute then.
+      const live = workers.filter((w) => !w.silent);
+      const rate =
+        state !== 'running' ? null
+        : live.length < workers.length ? (live.length > 0 && live.some((w) => w.rate > 0) ? live.reduce((sum, w) => sum + w.rate, 0) : null)
+        : r.attempt_seconds > 0 && r.done_this_attempt > 0 ? r.done_this_attempt / r.attempt_seconds
+        : null;
       const estimated = r.estimated_total ?? null;
       return {
         job: r.job,
@@ -829,7 +847,7 @@ export class Runner {
         error: r.error,
         summary: r.summary,
         skipped: skippedByRun.get(String(r.id)) ?? [],
-        workers: state === 'running' ? (workersByRun.get(String(r.id)) ?? []) : [],
+        workers,
         throughput: rate === null ? null : Math.round(rate * 100) / 100,
         estimatedChunks: estimated,
         etaSeconds: rate && estimated !== null ? Math.max(0, Math.round((estimated - r.chunks_done) / rate)) : null,
@@ -846,22 +864,38 @@ export class Runner {
    */
   async #workers(db: Kysely<any>, runId: string, attempt: number): Promise<RunWorker[]> {
     const key = lockKey(this.runLockName(runId));
-    const { rows } = await sql<{ worker: string; chunks: number; last_minute: number; seconds: number }>`
+    const { rows } = await sql<{ worker: string; silent: number | null; chunks: number; last_minute: number; seconds: number }>`
       with live as (
-        select substr(a.application_name, length('idem-lock ') + 1) as worker, min(a.backend_start) as since
+        select substr(a.application_name, length('idem-lock ') + 1) as worker, min(a.backend_start) as since,
+          min(case when a.state = 'active' then 0 else extract(epoch from now() - a.state_change) end)::float8 as silent
         from pg_locks l join pg_stat_activity a on a.pid = l.pid
         where l.locktype = 'advisory' and l.granted and l.objsubid = 1
           and l.database = (select oid from pg_database where datname = current_database())
           and ((l.classid::bigint << 32) | l.objid::bigint) = ${key}::bigint and a.application_name like 'idem-lock %'
         group by 1
       )
-      select live.worker,
+      select live.worker, live.silent,
         (select count(*) from ${sql.id(this.schema, 'chunks')} c where c.run_id = ${runId} and c.done_attempt = ${attempt} and c.done_by = live.worker)::int as chunks,
         (select count(*) from ${sql.id(this.schema, 'chunks')} c where c.run_id = ${runId} and c.done_by = live.worker and c.done_at > now() - interval '60 seconds')::int as last_minute,
         -- A worker younger than a minute is rated over its own lifetime, not over 60 s.
         least(60, greatest(1, extract(epoch from now() - live.since)))::float8 as seconds
       from live order by live.worker`.execute(db);
-    return rows.map((r) => ({ worker: r.worker, chunks: r.chunks, rate: Math.round((r.last_minute / r.seconds) * 100) / 100 }));
+    return rows.map((r) => {
+      const silentSeconds = r.silent === null ? null : Math.max(0, Math.round(r.silent * 10) / 10);
+      return { worker: r.worker, chunks: r.chunks, rate: Math.round((r.last_minute / r.seconds) * 100) / 100, silentSeconds, silent: looksDead({ silentSeconds, applicationName: `idem-lock ${r.worker}` }) };
+    });
+  }
+
+  /**
+   * Sessions holding these jobs' locks now, the most silent first: with no live run of the job,
+   * one left behind (a process stopped, or its host gone behind a proxy) that keeps every new run
+   * of the job busy.
+   */
+  async jobLockHolders(jobs: readonly string[], db: Kysely<any> = this.db): Promise<Array<LockHolder & { readonly job: string }>> {
+    if (jobs.length === 0) return [];
+    const byKey = new Map(jobs.map((j) => [lockKey(this.jobLockName(j)), j]));
+    const holders = await lockHolders(async (text, values) => (await db.executeQuery<Record<string, unknown>>(CompiledQuery.raw(text, values))).rows, [...byKey.keys()]);
+    return holders.map(({ key, ...h }) => ({ ...h, job: byKey.get(key)! }));
   }
 
   /** The session advisory locks held in this database right now. */

@@ -66,7 +66,7 @@ describe('overlapping runs of one job', () => {
       for (const r of losers) {
         // Busy is info, not an error: no `idem: error:` line, one "busy: …" log line.
         expect(lines(r.stderr).filter((l) => !l.startsWith('{'))).toEqual([]);
-        expect(busyMessage(r.stderr)).toBe('busy: job "counted" is running in another process (its advisory lock is held); try again later or pass --wait');
+        expect(busyMessage(r.stderr)).toMatch(/^busy: job "counted" is running in another process \(its advisory lock is held by backend \d+ \((?:idem-lock [^,)]+:\d+, )?silent \d+s\)(?:; backend \d+ \((?:idem-lock [^,)]+:\d+, )?silent \d+s\))*\); try again later or pass --wait$/);
       }
       // "At once" is proven by the gate: the winner cannot finish before it opens, and all nine
       // exited while it was shut. The times are only reported (a loaded machine stretches them).
@@ -75,7 +75,7 @@ describe('overlapping runs of one job', () => {
       const bounded = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params, '--key', 'ten', '--wait', '1'], { url });
       expect(bounded.code, bounded.stderr).toBe(75);
       expect(lines(bounded.stderr).filter((l) => !l.startsWith('{'))).toEqual([]);
-      expect(busyMessage(bounded.stderr)).toBe('busy: job "counted" is still running in another process after waiting 1s; try again later');
+      expect(busyMessage(bounded.stderr)).toMatch(/^busy: job "counted" is still running in another process after waiting 1s \(its advisory lock is held by backend \d+ \((?:idem-lock [^,)]+:\d+, )?silent \d+s\)(?:; backend \d+ \((?:idem-lock [^,)]+:\d+, )?silent \d+s\))*\); try again later$/);
       const winner = many.procs.find((p) => !losers.some((l) => l.pid === p.pid))!;
       expect(winner.child.exitCode).toBeNull();
       const [status] = await runner.status('counted', 1);
@@ -143,7 +143,7 @@ describe('parallel `idem migrate`', () => {
       const impatient = await runCli([...FIXTURE_DIRS, 'migrate', '--no-wait'], { url, env: { IDEM_TEST_GATE: 'migrate' } });
       expect(impatient.code, impatient.stderr).toBe(75);
       expect(lines(impatient.stderr).filter((l) => !l.startsWith('{'))).toEqual([]);
-      expect(busyMessage(impatient.stderr)).toBe('busy: idem migrate is running in another process (its advisory lock is held); try again later or pass --wait');
+      expect(busyMessage(impatient.stderr)).toMatch(/^busy: idem migrate is running in another process \(its advisory lock is held by backend \d+ \((?:idem-lock [^,)]+:\d+, )?silent \d+s\)(?:; backend \d+ \((?:idem-lock [^,)]+:\d+, )?silent \d+s\))*\); try again later or pass --wait$/);
       // The first migration is done; the second is stuck in its first chunk.
       expect(await query(url, `select run_key, status from idem.runs where job in ('create-widgets', 'backfill-widgets') order by run_key`)).toEqual([
         { run_key: '0001_create_widgets', status: 'succeeded' },

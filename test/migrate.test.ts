@@ -189,7 +189,7 @@ describe('idem migrate', () => {
       expect(bounded.code, bounded.stderr).toBe(75);
       // Busy is logged at info, not as an `idem: error:` line (issue 10).
       expect(lines(bounded.stderr).filter((l) => !l.startsWith('{'))).toEqual([]);
-      expect(busyMessage(bounded.stderr)).toBe('busy: idem migrate is still running in another process after waiting 1s; try again later');
+      expect(busyMessage(bounded.stderr)).toMatch(/^busy: idem migrate is still running in another process after waiting 1s \(its advisory lock is held by backend \d+ \((?:idem-lock [^,)]+:\d+, )?silent \d+s\)(?:; backend \d+ \((?:idem-lock [^,)]+:\d+, )?silent \d+s\))*\); try again later$/);
       expect(await runsOf(url)).toEqual([]);
       // --json: no migration ran, so the one entry names none.
       const busyJson = await migrate(url, ['--no-wait', '--json']);

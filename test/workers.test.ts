@@ -68,10 +68,10 @@ describe('idem run --join', () => {
     workers[0]!.child.kill('SIGTERM');
     const stopped = await workers[0]!.done;
     expect(stopped.code).toBe(143);
-    expect(stopped.stderr).toContain('the run goes on in the other workers');
+    expect(stopped.stderr).toContain('worker stopped; 2 other workers were still on the run');
     // Its last line says the run goes on elsewhere, not that the user must rerun to resume it.
     const last = stopped.stderr.trim().split('\n').at(-1)!;
-    expect(last).toMatch(/^idem: .*SIGTERM.*the run goes on in 2 other workers/);
+    expect(last).toMatch(/^idem: .*SIGTERM.*; 2 other workers were still on the run as it left/);
     expect(last).not.toMatch(/run the same command again to resume/);
     workers[1]!.child.kill('SIGKILL');
     const results = await Promise.all(workers.slice(1).map((w) => w.done));

@@ -3,6 +3,7 @@ import { positiveInt } from '../cli-parsers.ts';
 import { openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode, UsageError } from '../errors.ts';
 import type { Runner, RunStatusRow } from '../runner.ts';
+import { describeHolder, type LockHolder } from '../lock-holder.ts';
 import { quoteKey } from '../run-key.ts';
 import { shellQuote } from '../shell-quote.ts';
 import { columns, fitColumns, padColumns, prepareColumns } from '../display-width.ts';
@@ -66,7 +67,8 @@ export function formatStatus(stored: readonly RunStatusRow[], now: Date = new Da
   const out = [line(header, (_, s) => c.bold(s))];
   rows.forEach((r, n) => {
     const live = r.state === 'running' ? [`held by ${r.holder ?? '?'}`, r.throughput !== null ? `${r.throughput}/s` : '', r.etaSeconds !== null ? `ETA ${r.etaSeconds}s` : ''].filter(Boolean).join(', ') : '';
-    const workers = r.workers.length > 1 ? `${r.workers.length} workers` : '';
+    const silent = r.workers.filter((w) => w.silent).length;
+    const workers = [r.workers.length > 1 ? `${r.workers.length} workers` : '', silent > 0 ? c.yellow(`${silent} silent (looks dead): idem status ${shellQuote(r.job)} --key ${shellQuote(r.runKey)}`) : ''].filter(Boolean).join('  ');
     const guards = [r.healthPause ? c.yellow(`paused for health: ${r.healthPause.reason}`) : '', r.codeChanges.length ? c.yellow(`code changed (allowed) at attempt ${r.codeChanges.map((x) => x.attempt).join(', ')}`) : ''];
     const clip = clipFor(r);
     const note = r.error ? c.red(`error: ${errorOf(r, clip)}`) : [live, workers, r.requested ? c.yellow(`${r.requested} requested`) : '', ...guards].filter(Boolean).join('  ');
@@ -75,6 +77,16 @@ export function formatStatus(stored: readonly RunStatusRow[], now: Date = new Da
     for (const k of r.skipped) out.push(c.yellow(`    skipped: step "${k.step}" chunk ${k.key} after ${tries(k.attempts)}: ${clip(k.error ?? '')}`));
   });
   return out.join('\n');
+}
+
+/**
+ * Jobs whose lock a session holds while none of their listed runs is live: a process left behind
+ * (stopped, or its host gone behind a proxy) keeping every new run of the job busy. One line each,
+ * naming the session and the fix. Pure; exported for tests.
+ */
+export function formatOrphanHolders(rows: readonly RunStatusRow[], holders: ReadonlyArray<LockHolder & { readonly job: string }>, c: Colours = colours(false)): string[] {
+  const live = new Set(rows.filter((r) => r.state === 'running').map((r) => r.job));
+  return visibleDeep(holders.filter((h) => !live.has(h.job))).map((h) => c.yellow(`job ${quoteKey(h.job)}: no run of it is live, yet its lock is held by ${describeHolder(h)}; new runs of it exit 75 (busy) until that session ends`));
 }
 
 /** One step of a run, for the detail view. */
@@ -111,7 +123,7 @@ export function formatRunDetail(stored: RunStatusRow, storedSteps: readonly Step
     ['state', `${stateColour(r.state, c)(r.state)}, attempt ${r.attempt}${r.requested ? c.yellow(` (${r.requested} requested)`) : ''}`],
     ['chunks', `${chunksOf(r)} done${r.throughput !== null ? `, ${r.throughput}/s` : ''}${r.etaSeconds !== null ? `, ETA ${r.etaSeconds}s` : ''}`],
     ...(r.holder ? ([['held by', r.holder]] as Array<[string, string]>) : []),
-    ...(r.workers.length > 0 ? ([['workers', r.workers.map((w) => `${w.worker} (${w.chunks} chunks, ${w.rate}/s)`).join(', ')]] as Array<[string, string]>) : []),
+    ...(r.workers.length > 0 ? ([['workers', r.workers.map((w) => `${w.worker} (${w.chunks} chunks, ${w.rate}/s${w.silent ? c.yellow(`, silent ${Math.floor(w.silentSeconds ?? 0)}s: looks dead, not counted in the rate`) : ''})`).join(', ')]] as Array<[string, string]>) : []),
     ...(r.healthPause ? ([['health', c.yellow(`paused for health: ${r.healthPause.reason}`)]] as Array<[string, string]>) : []),
     ...(r.codeChanges.length ? ([['code', c.yellow(`changed (allowed) at attempt ${r.codeChanges.map((x) => x.attempt).join(', ')}`)]] as Array<[string, string]>) : []),
     ['created', when(r.createdAt)],
@@ -201,7 +213,9 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
         const rows = await runner.status(job, o.limit);
         const json = JSON.stringify(rows);
         if (!o.json) await prepareColumns(json);
-        process.stdout.write(o.json ? `${json}\n` : `${formatStatus(rows, new Date(), colours(tty))}\n`);
+        // --json keeps its shape (an array of runs); the table tells of a lock held with no live run.
+        const orphans = o.json ? [] : formatOrphanHolders(rows, await runner.jobLockHolders(job !== undefined ? [job] : [...new Set(rows.map((r) => r.job))]), colours(tty));
+        process.stdout.write(o.json ? `${json}\n` : `${[formatStatus(rows, new Date(), colours(tty)), ...orphans].join('\n')}\n`);
         return ExitCode.Ok;
       }),
     );
