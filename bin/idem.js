@@ -26,16 +26,15 @@ if (module.enableCompileCache && !process.env.NODE_COMPILE_CACHE) {
   if (home) module.enableCompileCache(path.join(home, 'idem', 'node-compile-cache'));
 }
 
-// A SIGINT or SIGTERM while idem's own modules load (before a command takes over: see
+// A SIGINT, SIGTERM or SIGHUP while idem's own modules load (before a command takes over: see
 // src/cli-session.ts, which removes this) ends it as the exit-code table says, with one line,
 // not killed by the signal: nothing is open yet to close.
 const earlySignal = (sig) => {
   process.stderr.write(`idem: stopped by ${sig}\n`);
-  process.exit(sig === 'SIGINT' ? 130 : 143);
+  process.exit(sig === 'SIGINT' ? 130 : sig === 'SIGHUP' ? 129 : 143);
 };
 globalThis[Symbol.for('idem.earlySignal')] = earlySignal;
-process.on('SIGINT', earlySignal);
-process.on('SIGTERM', earlySignal);
+for (const sig of ['SIGINT', 'SIGTERM', 'SIGHUP']) process.on(sig, earlySignal);
 
 let cli;
 try {

@@ -1,7 +1,7 @@
 import path from 'node:path';
 import type { Command } from 'commander';
 import type { Logger } from 'pino';
-import { ExitCode, exitCodeOf, IdemError, InterruptedError, messageOf } from './errors.ts';
+import { ExitCode, exitCodeOf, exitCodeOfSignal, IdemError, InterruptedError, messageOf, STOP_SIGNALS, type StopSignal } from './errors.ts';
 import type { LogLevel } from './log-level.ts';
 import type { Runner, RunnerOptions } from './runner.ts';
 import { testHookMs } from './test-hooks.ts';
@@ -78,11 +78,10 @@ export function createCliContext(program: Command, state: { exitCode: number }):
     // server it started). Node's default ended the process by the signal, with neither.
     onStartupSignal = (sig) => {
       process.stderr.write(`idem: stopped by ${sig}\n`);
-      void finish(sig === 'SIGINT' ? ExitCode.Sigint : ExitCode.Sigterm, 2_000);
+      void finish(exitCodeOfSignal(sig), 2_000);
     };
     dropEarlySignals();
-    process.on('SIGINT', startupSigint);
-    process.on('SIGTERM', startupSigterm);
+    for (const sig of STOP_SIGNALS) process.on(sig, startupSignal[sig]);
     try {
       const { checkJobFolders } = await import('./cli-runtime.ts');
       await checkJobFolders(
@@ -159,14 +158,16 @@ export async function openRunner(g: GlobalOptions, log: Logger, session: Session
 function dropEarlySignals(): void {
   const early = (globalThis as Record<symbol, unknown>)[Symbol.for('idem.earlySignal')] as ((sig: NodeJS.Signals) => void) | undefined;
   if (!early) return;
-  process.off('SIGINT', early);
-  process.off('SIGTERM', early);
+  for (const sig of STOP_SIGNALS) process.off(sig, early);
 }
 
 /** What a signal does before installSignals: set by runWithSession. */
-let onStartupSignal: (sig: 'SIGINT' | 'SIGTERM') => void = () => {};
-const startupSigint = () => onStartupSignal('SIGINT');
-const startupSigterm = () => onStartupSignal('SIGTERM');
+let onStartupSignal: (sig: StopSignal) => void = () => {};
+const startupSignal: Record<StopSignal, () => void> = {
+  SIGINT: () => onStartupSignal('SIGINT'),
+  SIGTERM: () => onStartupSignal('SIGTERM'),
+  SIGHUP: () => onStartupSignal('SIGHUP'),
+};
 
 /**
  * Graceful first, forceful second: the first SIGINT/SIGTERM stops new chunks and lets in-flight
@@ -175,12 +176,11 @@ const startupSigterm = () => onStartupSignal('SIGTERM');
  */
 export function installSignals(log: Logger, deadlineSeconds: number, onForce: (code: number) => void) {
   dropEarlySignals();
-  process.off('SIGINT', startupSigint);
-  process.off('SIGTERM', startupSigterm);
+  for (const sig of STOP_SIGNALS) process.off(sig, startupSignal[sig]);
   const stop = new AbortController();
   const abort = new AbortController();
-  const handler = (sig: 'SIGINT' | 'SIGTERM') => {
-    const code = sig === 'SIGINT' ? ExitCode.Sigint : ExitCode.Sigterm;
+  const handler = (sig: StopSignal) => {
+    const code = exitCodeOfSignal(sig);
     if (!stop.signal.aborted) {
       log.warn({ signal: sig, deadlineSeconds }, 'stopping: no new chunks; in-flight chunks may finish (signal again to abort them)');
       stop.abort(new InterruptedError(sig));
@@ -195,7 +195,8 @@ export function installSignals(log: Logger, deadlineSeconds: number, onForce: (c
       onForce(code);
     }
   };
-  process.on('SIGINT', () => handler('SIGINT'));
-  process.on('SIGTERM', () => handler('SIGTERM'));
+  // SIGHUP: the terminal closed (an ssh session dropped, the shell that started idem exited).
+  // Node's default ended the process there and then, the run left `running` until it was taken for crashed.
+  for (const sig of STOP_SIGNALS) process.on(sig, () => handler(sig));
   return { stop: stop.signal, abort: abort.signal };
 }

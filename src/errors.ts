@@ -15,6 +15,8 @@ export const ExitCode = {
   LockLost: 69,
   /** Another run holds the job's lock (sysexits EX_TEMPFAIL); retry later or pass --wait. */
   Busy: 75,
+  /** Interrupted by SIGHUP (the terminal closed: an ssh session dropped, the shell exited); resumable. */
+  Sighup: 129,
   /** Interrupted by SIGINT; resumable. */
   Sigint: 130,
   /** Interrupted by SIGTERM; resumable. */
@@ -130,17 +132,26 @@ export class RunFailedError extends IdemError {
   }
 }
 
+/** The signals that stop idem gracefully: in-flight chunks finish, the run is recorded interrupted. */
+export type StopSignal = 'SIGINT' | 'SIGTERM' | 'SIGHUP';
+export const STOP_SIGNALS: readonly StopSignal[] = ['SIGINT', 'SIGTERM', 'SIGHUP'];
+
+/** 128 + the signal's number, as a shell reports a process the signal ended. */
+export function exitCodeOfSignal(signal: StopSignal): ExitCode {
+  return signal === 'SIGINT' ? ExitCode.Sigint : signal === 'SIGHUP' ? ExitCode.Sighup : ExitCode.Sigterm;
+}
+
 /** The run was stopped by a signal after in-flight chunks finished or rolled back. */
 export class InterruptedError extends IdemError {
   static {
     brandErrorClass(this, 'InterruptedError');
   }
 
-  readonly signal: 'SIGINT' | 'SIGTERM';
-  constructor(signal: 'SIGINT' | 'SIGTERM', message?: string) {
+  readonly signal: StopSignal;
+  constructor(signal: StopSignal, message?: string) {
     super(
       'idem.interrupted',
-      signal === 'SIGINT' ? ExitCode.Sigint : ExitCode.Sigterm,
+      exitCodeOfSignal(signal),
       message ?? `interrupted by ${signal}; finished chunks are kept, run the same command again to resume`,
     );
     this.signal = signal;

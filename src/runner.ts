@@ -5,7 +5,7 @@ import type { Logger } from 'pino';
 import { acquireAdvisoryLock, lockHolders, type HeldLock } from './advisory-lock.ts';
 import { looksDead, type LockHolder } from './lock-holder.ts';
 import { describeConnectError, openDatabase, redactError, type Database } from './database.ts';
-import { BusyError, CancelledError, codeOf, errorFields, FencedError, IdemError, InterruptedError, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
+import { BusyError, CancelledError, codeOf, errorFields, FencedError, IdemError, InterruptedError, STOP_SIGNALS, type StopSignal, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
@@ -946,14 +946,14 @@ const UNREACHABLE = new Set(['ECONNREFUSED', 'ENOTFOUND', 'EAI_AGAIN', 'ETIMEDOU
  * Why a run stops when the caller's AbortSignal (RunJobOptions.signal) or close() aborts: an
  * interruption, a graceful stop that finished chunks survive and a rerun resumes, never the run's
  * failure. idem's own reasons stand as they are (the CLI's InterruptedError on a signal); the
- * strings 'SIGINT' and 'SIGTERM' name the signal; anything else (abort()'s AbortError,
+ * strings 'SIGINT', 'SIGTERM' and 'SIGHUP' name the signal; anything else (abort()'s AbortError,
  * AbortSignal.timeout()'s TimeoutError, an Error or value of the caller's) is a SIGTERM-like stop,
  * exit 143, whose message quotes it. It was thrown as the run's failure: the run read failed
  * ("This operation was aborted") and finalize refused to finish it.
  */
 function interruption(reason: unknown): IdemError {
   if (reason instanceof IdemError) return reason;
-  if (reason === 'SIGINT' || reason === 'SIGTERM') return new InterruptedError(reason);
+  if (typeof reason === 'string' && (STOP_SIGNALS as readonly string[]).includes(reason)) return new InterruptedError(reason as StopSignal);
   const why = reason instanceof Error ? reason.message : String(reason);
   return new InterruptedError('SIGTERM', `stopped by the caller's AbortSignal (${why}); finished chunks are kept, run it again to resume`);
 }

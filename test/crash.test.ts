@@ -85,6 +85,8 @@ describe('a run stopped with one SIGTERM or SIGINT', () => {
   it.each([
     ['SIGTERM', 143],
     ['SIGINT', 130],
+    // The terminal closed (an ssh session dropped, the shell that started it exited).
+    ['SIGHUP', 129],
   ] as const)('%s: the chunk in flight commits, no new one starts, exit %i as interrupted, and the same command resumes', async (sig, exitCode) => {
     const key = `stop-${sig}`;
     const gate = `gate-${sig}`;
