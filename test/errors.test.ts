@@ -22,7 +22,7 @@ import { defineJob, validateParams, type Job, type StandardSchemaV1 } from '../s
 
 describe('exit codes', () => {
   it('are the documented numbers', () => {
-    expect(ExitCode).toEqual({ Ok: 0, Failed: 1, Usage: 2, ParamsMismatch: 65, LockLost: 69, Busy: 75, Sigint: 130, Sigterm: 143 });
+    expect(ExitCode).toEqual({ Ok: 0, Failed: 1, Usage: 2, ParamsMismatch: 65, LockLost: 69, Busy: 75, Sighup: 129, Sigint: 130, Sigterm: 143 });
   });
 
   it.each([
