@@ -184,7 +184,8 @@ async function demo(): Promise<void> {
   expectExit(await idem(['run', 'seed-demo-data', '--param', 'rows=20000', ...q]), 0, 'second seed');
 
   heading('Ten overlapping invocations of one run', 'As if cron fired ten times: one process takes the advisory lock and works, the others exit 75 (busy) at once.');
-  const overlapArgs = ['run', JOB, '--key', 'demo-overlap', '--param', 'pauseMs=100', ...q];
+  // info: a busy exit (75) is logged at info, not as an error, so --log-level warn would show nothing of it.
+  const overlapArgs = ['run', JOB, '--key', 'demo-overlap', '--param', 'pauseMs=100', '--log-level', 'info'];
   out(`${shown(overlapArgs)}   (× 10, started together)`);
   const results = await Promise.all(Array.from({ length: 10 }, () => startIdem(overlapArgs).done));
   const tally = new Map<string, Result[]>();
@@ -201,7 +202,15 @@ async function demo(): Promise<void> {
   const worker = results.find((r) => r.code === 0);
   const busy = results.find((r) => r.code === 75);
   if (worker) out(`    stdout of the one that worked:\n${indent(worker.stdout, '      ')}`);
-  if (busy) out(`    stderr of one busy process:\n${indent(busy.stderr, '      ')}`);
+  // Its stderr is not a terminal: pino's JSON lines. The message is what a terminal would show.
+  const message = (line: string) => {
+    try {
+      return String((JSON.parse(line) as { msg?: unknown }).msg ?? line);
+    } catch {
+      return line;
+    }
+  };
+  if (busy) out(`    stderr of one busy process (its log's message):\n${indent(busy.stderr.split('\n').filter(Boolean).map(message).join('\n'), '      ')}`);
   if (!worker) throw new Error('no invocation of the overlap run succeeded');
   const [totals] = await query<{ rows: number; total: string; reserved: string }>(
     `select count(*)::int as rows, sum(total_quantity)::text as total, (select sum(quantity) from reservations)::text as reserved from reservation_daily_totals`,
