@@ -578,9 +578,11 @@ async function tryChunk(
 }
 
 /**
- * A chunk's `ctx`. A class, not an object literal: a literal with a getter (`log`, made only when
- * asked for, since a pino child costs more than the rest of the context) takes V8's slow path,
- * about 1 µs a chunk. `effect` stays an own property, so that `({ effect }) => effect(…)` works.
+ * A chunk's `ctx`: a class instance whose fields are all its own data properties, so that a job's
+ * `{ ...ctx, db }`, `Object.create(ctx)` and a Proxy see every one of them. Not an object literal
+ * with a `log` getter (made only when asked for): V8 builds such a literal on its slow path, ~1 µs
+ * a chunk, where the chunk's child logger made at once costs ~0.2-0.5 µs and this object ~0.05 µs.
+ * `effect` is an own arrow function, so that `({ effect }) => effect(…)` works.
  */
 class ChunkContext implements StepContext {
   readonly db: StepContext['db'];
@@ -589,9 +591,8 @@ class ChunkContext implements StepContext {
   readonly run: RunIdentity;
   readonly step: string;
   readonly slot: Date | null;
+  readonly log: Logger;
   readonly effect: StepContext['effect'];
-  readonly #stepLog: Logger;
-  readonly #chunkKey: string | null;
   constructor(opts: ExecuteOptions, step: Step, db: StepContext['db'], key: string, wholeStep: boolean, stepLog: Logger) {
     this.db = db;
     this.params = opts.params;
@@ -599,8 +600,7 @@ class ChunkContext implements StepContext {
     this.run = opts.run;
     this.step = step.name;
     this.slot = opts.slot;
-    this.#stepLog = stepLog;
-    this.#chunkKey = wholeStep ? null : key;
+    this.log = wholeStep ? stepLog : stepLog.child({ chunk: key });
     /** Effect names this try used: a name is part of the effect's key, so a second use would get the first's result. */
     let effectNames: Set<string> | undefined;
     this.effect = ((name: string, fn: (key: string) => unknown) => {
@@ -618,9 +618,6 @@ class ChunkContext implements StepContext {
       effectNames.add(name);
       return performEffect(opts, step.name, key, name, fn);
     }) as StepContext['effect'];
-  }
-  get log(): Logger {
-    return this.#chunkKey === null ? this.#stepLog : this.#stepLog.child({ chunk: this.#chunkKey });
   }
 }
 

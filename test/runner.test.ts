@@ -647,6 +647,34 @@ describe('ctx.db is the chunk transaction, and only while the chunk runs', () =>
     expect(await logged('leaked')).toEqual(['a', 'b']);
     expect(await doneKeys('leaked')).toEqual(['a', 'b']);
   });
+
+  it("a job's helpers may copy ctx ({ ...ctx }), derive from it or wrap it: every field comes along", async () => {
+    const seen: Array<Record<string, unknown>> = [];
+    const job = defineJob({
+      name: 'ctx-copies',
+      steps: [
+        {
+          name: 'work',
+          chunks: () => ({ chunks: [{ key: 'a' }, { key: 'b' }], next: null }),
+          async run(ctx, chunk: { key: string }) {
+            const copy = { ...ctx, extra: 1 };
+            const derived = Object.create(ctx) as StepContext;
+            const wrapped = new Proxy(ctx, {});
+            for (const [how, c] of [['spread', copy], ['Object.create', derived], ['Proxy', wrapped]] as const) {
+              seen.push({ how, chunk: chunk.key, log: (c.log?.bindings() as { chunk?: string } | undefined)?.chunk, effect: typeof c.effect, step: c.step, runKey: c.run?.runKey, signal: c.signal instanceof AbortSignal });
+            }
+            // The copy's db is the chunk's transaction: its work commits with the chunk.
+            await sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values ('ctx-copies', ${copy.run.runKey}, 'work', ${chunk.key}, ${copy.run.attempt}, 0)`.execute(copy.db);
+          },
+        },
+      ],
+    });
+    expect((await runner.run(job, { key: 'k' })).status).toBe('succeeded');
+    expect(seen).toEqual(
+      ['a', 'b'].flatMap((chunk) => ['spread', 'Object.create', 'Proxy'].map((how) => ({ how, chunk, log: chunk, effect: 'function', step: 'work', runKey: 'k', signal: true }))),
+    );
+    expect(await logged('ctx-copies')).toEqual(['a', 'b']);
+  });
 });
 
 describe("a run stopped by the caller's AbortSignal", () => {
