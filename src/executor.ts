@@ -526,7 +526,7 @@ async function tryChunk(
     if (faults) await faultPoint('after-claim');
     const ctx = new ChunkContext(opts, step, slot.trx, claimed.key, !step.chunks, stepLog);
     // The job's work, in the same transaction.
-    if (step.chunks) await step.run(ctx, reviveSpec(step.chunks, claimed.spec));
+    if (step.chunks) await step.run(ctx, reviveSpec(claimed.spec));
     else await (step.run as (c: StepContext) => unknown)(ctx);
     if (faults) {
       await faultPoint('after-work');

@@ -22,16 +22,15 @@ export interface ChunkSpec {
 }
 
 /**
- * A chunk source's way to bring a spec an older idem stored up to today's shape, so a run planned
- * before an upgrade resumes with the fields its job now reads (keyRange's `last`). Symbol.for: the
- * CommonJS copy of the job API (a CommonJS job file's keyRange) and the ESM runner share it.
+ * A stored chunk spec as today's idem shapes it: a keyRange chunk planned by an idem from before
+ * keyRange's `last` (`{ key: '[lo,hi)', lo, hi }`) gets `last = hi - 1`, so a job updated to
+ * `between ${lo} and ${last}` does not bind NULL (no row, the chunk done with nothing done) on
+ * resume. By its shape, not by its source: a job may wrap keyRange in a source of its own (to make
+ * `where` depend on params), which carries nothing of keyRange's.
  */
-export const REVIVE_SPEC: unique symbol = Symbol.for('idem.reviveSpec');
-
-/** The spec as the source's current version shapes it (unchanged for a source without a reviver). */
-export function reviveSpec(source: object, spec: ChunkSpec): ChunkSpec {
-  const revive = (source as { [REVIVE_SPEC]?: (spec: ChunkSpec) => ChunkSpec })[REVIVE_SPEC];
-  return typeof revive === 'function' ? revive(spec) : spec;
+export function reviveSpec(spec: ChunkSpec): ChunkSpec {
+  if (spec.last !== undefined || !Number.isSafeInteger(spec.lo) || !Number.isSafeInteger(spec.hi) || spec.key !== `[${spec.lo},${spec.hi})`) return spec;
+  return { ...spec, last: (spec.hi as number) - 1 };
 }
 
 /** What a chunk source returns for one call: a window of chunks and the cursor to continue from. */

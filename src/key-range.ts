@@ -1,5 +1,5 @@
 import { sql, type RawBuilder } from 'kysely';
-import { REVIVE_SPEC, type ChunkSource, type ChunkSpec, type Json } from './job.ts';
+import type { ChunkSource, ChunkSpec, Json } from './job.ts';
 import { columnNameProblem, parseTableName, regclassText, tableNameProblem, tableRef } from './table-name.ts';
 
 export interface KeyRangeOptions {
@@ -54,7 +54,9 @@ export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, any, KeyRa
   const table = tableRef(opts.table);
   const regclass = regclassText(opts.table);
   const column = sql.id(opts.column);
-  const extra = opts.where === undefined ? sql`true` : typeof opts.where === 'string' ? sql.raw(`(${opts.where})`) : opts.where;
+  // In parentheses either way: `lower and a or b` would be `(lower and a) or b`, and cut ranges from
+  // rows outside the window (boundaries out of order, rows skipped or covered twice).
+  const extra = opts.where === undefined ? sql`true` : typeof opts.where === 'string' ? sql.raw(`(${opts.where})`) : sql`(${opts.where})`;
 
   // Once per database handle: a source object is usually module-level and outlives runs.
   const checked = new WeakMap<object, Promise<void>>();
@@ -124,10 +126,6 @@ export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, any, KeyRa
   };
   // The same spelling as `table`: the health check resolves it by the same rule.
   source.tables = [opts.table];
-  // Chunks an idem before `last` stored are [lo, hi) of integers: last is hi - 1 for them too.
-  Object.assign(source, {
-    [REVIVE_SPEC]: (spec: ChunkSpec) => (spec.last === undefined && typeof spec.hi === 'number' ? { ...spec, last: spec.hi - 1 } : spec),
-  });
   return source;
 }
 

@@ -140,7 +140,8 @@ export function keysetQuery(opts: KeysetQueryOptions): KeysetSource {
     const ref = (c: string) => sql.ref(alias ? `${alias}.${c}` : c);
     const row = sql.join(columns.map(ref));
     const upper = sql`(${row}) <= (${values(chunk.through)})`;
-    return chunk.after === null ? upper : sql`(${row}) > (${values(chunk.after)}) and ${upper}`;
+    // In parentheses: a job's `where ${src.where(c)} or …` stays one condition on the chunk.
+    return chunk.after === null ? upper : sql`((${row}) > (${values(chunk.after)}) and ${upper})`;
   };
   return Object.assign(plan, { where });
 }

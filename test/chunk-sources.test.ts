@@ -4,7 +4,7 @@ import { mkdtemp, rm, stat, writeFile } from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { defineJob, InterruptedError, keyList, keyRange, keysetQuery, Runner, sql, type KeyListChunk, type KeyRangeChunk, type KeysetChunk, type PlanContext } from '../src/index.ts';
+import { defineJob, InterruptedError, keyList, keyRange, keysetQuery, Runner, sql, type KeyListChunk, type KeyRangeChunk, type ChunkSource, type KeysetChunk, type PlanContext } from '../src/index.ts';
 import { lookupText } from '../src/table-name.ts';
 import { query, runRow } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
@@ -290,20 +290,25 @@ describe('keyRange: a table or column name is spelled as it is in the database',
 });
 
 describe('keyRange: a run planned by an older idem', () => {
-  it('resumes chunks stored without `last` (planned before it existed) with last = hi - 1', async () => {
-    await query(url, `create table kr_resume (id integer primary key, v integer not null default 0)`);
-    await query(url, `insert into kr_resume (id) select generate_series(1, 9)`);
+  // Wrapped: a job's own source calling keyRange (to make `where` depend on params) carries
+  // nothing of keyRange's; the stored spec's shape says what it is.
+  it.each([
+    ['keyRange itself', 'kr_resume', (src: ReturnType<typeof keyRange>) => src],
+    ['keyRange wrapped in a source of the job', 'kr_resume_w', (src: ReturnType<typeof keyRange>): ChunkSource => (cursor, ctx) => src(cursor, ctx)],
+  ] as const)('resumes chunks stored without `last` (planned before it existed) with last = hi - 1: %s', async (_, table, wrap) => {
+    await query(url, `create table ${table} (id integer primary key, v integer not null default 0)`);
+    await query(url, `insert into ${table} (id) select generate_series(1, 9)`);
     const job = defineJob({
-      name: 'kr-resume',
-      steps: [{ name: 'touch', chunks: keyRange({ table: 'kr_resume', column: 'id', size: 3 }), run: ({ db }, c: KeyRangeChunk) => sql`update kr_resume set v = v + 1 where id between ${c.lo} and ${c.last}`.execute(db) }],
+      name: `kr-resume-${table}`,
+      steps: [{ name: 'touch', chunks: wrap(keyRange({ table, column: 'id', size: 3 })), run: ({ db }, c: KeyRangeChunk) => sql`update ${sql.table(table)} set v = v + 1 where id between ${c.lo} and ${c.last}`.execute(db) }],
     });
     const stop = new AbortController();
     const first = await runner.run(job, { key: 'old', signal: stop.signal, onProgress: (p) => p.done >= 1 && stop.abort(new InterruptedError('SIGINT')) }).catch((e: unknown) => e);
     expect(first).toBeInstanceOf(InterruptedError);
     // What an older idem stored: { key, lo, hi }.
-    await query(url, `update idem.chunks set spec = spec - 'last' where run_id = (select id from idem.runs where job = 'kr-resume')`);
+    await query(url, `update idem.chunks set spec = spec - 'last' where run_id = (select id from idem.runs where job = $1)`, [job.name]);
     expect(await runner.run(job, { key: 'old' })).toMatchObject({ status: 'succeeded', attempt: 2 });
-    expect(await query(url, `select min(v), max(v) from kr_resume`)).toEqual([{ min: 1, max: 1 }]);
+    expect(await query(url, `select min(v), max(v) from ${table}`)).toEqual([{ min: 1, max: 1 }]);
   });
 });
 

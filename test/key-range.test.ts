@@ -163,6 +163,14 @@ describe('keyRange', () => {
     expect(none).toEqual({ chunks: [], next: null });
   });
 
+  it('a sql`` where with OR at its top is one condition: `lower and (a or b)`, not `lower and a or b`', async () => {
+    const matching = await ids('random_gaps', 'id % 3 = 0 or id % 5 = 0');
+    for (const [size, windowSize] of [[4, 2], [25, 3]] as const) {
+      const pages = await allWindows({ table: 'random_gaps', column: 'id', size, where: sql`id % 3 = 0 or id % 5 = 0` }, windowSize);
+      expectExactCover(pages.flatMap((p) => p.chunks), matching, size);
+    }
+  });
+
   it('an empty table gives no chunks and next = null', async () => {
     expect(await keyRange({ table: 'empty_t', column: 'id', size: 10 })(null, ctx(100))).toEqual({ chunks: [], next: null });
   });
