@@ -887,15 +887,19 @@ export class Runner {
   }
 
   /**
-   * Sessions holding these jobs' locks now, the most silent first: with no live run of the job,
-   * one left behind (a process stopped, or its host gone behind a proxy) that keeps every new run
-   * of the job busy.
+   * Sessions holding the locks of those of these jobs none of whose runs is `running` (in the whole
+   * table, not the page `status` shows), the most silent first: one left behind (a process stopped,
+   * or its host gone behind a proxy) that keeps every new run of the job busy.
    */
   async jobLockHolders(jobs: readonly string[], db: Kysely<any> = this.db): Promise<Array<LockHolder & { readonly job: string }>> {
     if (jobs.length === 0) return [];
     const byKey = new Map(jobs.map((j) => [lockKey(this.jobLockName(j)), j]));
     const holders = await lockHolders(async (text, values) => (await db.executeQuery<Record<string, unknown>>(CompiledQuery.raw(text, values))).rows, [...byKey.keys()]);
-    return holders.map(({ key, ...h }) => ({ ...h, job: byKey.get(key)! }));
+    if (holders.length === 0) return [];
+    // Read after the holders: a run that started in between is seen running, not taken for none.
+    const { rows } = await sql<{ job: string }>`select distinct job from ${sql.id(this.schema, 'runs')} where job = any(${jobs}) and status = 'running'`.execute(db);
+    const running = new Set(rows.map((r) => r.job));
+    return holders.map(({ key, ...h }) => ({ ...h, job: byKey.get(key)! })).filter((h) => !running.has(h.job));
   }
 
   /** The session advisory locks held in this database right now. */

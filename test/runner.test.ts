@@ -493,6 +493,26 @@ describe('Runner.run', () => {
     expect(mine.find((r) => r.runKey === 'status-crashed')).toMatchObject({ state: 'crashed', holder: null });
     expect(mine.find((r) => r.runKey === 'status-ok')).toMatchObject({ state: 'succeeded', chunksDone: 12, chunksPlanned: 12, fullyPlanned: true });
   });
+
+  it('jobLockHolders() names a session holding a job\'s lock only while no run of the job is running, however many runs status shows', async () => {
+    const job = 'holders-job';
+    const holder = new pg.Client({ connectionString: url, application_name: 'idem-lock elsewhere:1' });
+    await holder.connect();
+    try {
+      await holder.query('select pg_advisory_lock($1::bigint)', [lockKey(runner.jobLockName(job))]);
+      const run = (key: string, status: string) => query(url, `insert into idem.runs (job, run_key, params, fingerprint, kind, status) values ($1, $2, '{}', 'f', 'job', $3)`, [job, key, status]);
+      await run('done-one', 'succeeded');
+      expect((await runner.jobLockHolders([job])).map((h) => ({ job: h.job, name: h.applicationName }))).toEqual([{ job, name: 'idem-lock elsewhere:1' }]);
+      // A running run, older than a newer pending one (a cron firing while it works): status
+      // --limit 1 shows only the pending one, and the lock is still the running run's.
+      await run('long-one', 'running');
+      await run('fired-meanwhile', 'pending');
+      expect((await runner.status(job, 1)).map((r) => r.runKey)).toEqual(['fired-meanwhile']);
+      expect(await runner.jobLockHolders([job])).toEqual([]);
+    } finally {
+      await holder.end();
+    }
+  });
 });
 
 describe('ctx.db is the chunk transaction, and only while the chunk runs', () => {
