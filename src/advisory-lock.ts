@@ -23,7 +23,8 @@ export interface AdvisoryLockOptions {
    * The lock session's `idle_session_timeout` (PostgreSQL 14+), in ms: the server ends the session,
    * and frees the lock, once it has sent nothing for this long (the process stopped, or its host
    * vanished behind a proxy that keeps the server's side of the connection alive). At least 10
-   * check intervals. Defaults to 30 check intervals (60 s).
+   * check intervals (a smaller one is raised to that). 0 turns it off. Defaults to 30 check
+   * intervals (60 s).
    */
   readonly idleSessionTimeoutMs?: number;
   /**
@@ -128,7 +129,7 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
   };
   const checkTimeout = opts.checkTimeoutMs ?? LOCK_CHECK_TIMEOUT_MS;
   const interval = opts.checkIntervalMs ?? lockCheckIntervalMs();
-  const idleMs = Math.max(opts.idleSessionTimeoutMs ?? interval * LOCK_IDLE_INTERVALS, interval * MIN_IDLE_INTERVALS);
+  const idleMs = opts.idleSessionTimeoutMs === 0 ? 0 : Math.max(opts.idleSessionTimeoutMs ?? interval * LOCK_IDLE_INTERVALS, interval * MIN_IDLE_INTERVALS);
   /** An error of the session, as the lost lock's reason. */
   const whyLost = (err: unknown) =>
     // 57P05: the server's idle_session_timeout, which only a silent process meets (see lockSessionSetup).

@@ -49,6 +49,15 @@ export interface RunnerOptions {
    */
   readonly idleInTransactionTimeoutMs?: number;
   /**
+   * `idle_session_timeout` of the lock session, in ms (PostgreSQL 14+): the server ends it, freeing
+   * the job's lock, once this process has sent nothing on it for this long. A live idem checks its
+   * lock every 2 s, so only a process that went silent meets it: stopped (SIGSTOP, a frozen VM), its
+   * host gone behind a proxy (PgBouncer) that keeps the server's side alive, or a job blocking
+   * Node's event loop that long (then the run stops, exit 69: raise it, or 0 turns it off, for
+   * such jobs). At least 20 000 (10 checks). Defaults to `60000`.
+   */
+  readonly lockIdleTimeoutMs?: number;
+  /**
    * @internal Runs on the connected database before idem's schema is created or upgraded; what it
    * throws closes the connections and is thrown by connect (the CLI refuses an unknown job name
    * here, so that refusal writes nothing, not even the schema).
@@ -209,6 +218,7 @@ export class Runner {
   readonly #connectionSource: string | undefined;
   readonly #log: Logger;
   readonly #poolSize: number;
+  readonly #lockIdleTimeoutMs: number | undefined;
 
   private constructor(database: Database, opts: RunnerOptions, schema: string, log: Logger) {
     this.#database = database;
@@ -216,6 +226,7 @@ export class Runner {
     this.#connectionSource = opts.connectionSource;
     this.#log = log;
     this.#poolSize = opts.poolSize ?? DEFAULT_POOL_SIZE;
+    this.#lockIdleTimeoutMs = opts.lockIdleTimeoutMs;
     this.schema = schema;
     this.store = new Store(database.db, schema);
   }
@@ -223,6 +234,10 @@ export class Runner {
   /** Connects, checks the server, and creates or upgrades the runner schema. */
   static async connect(opts: RunnerOptions): Promise<Runner> {
     const schema = opts.schema ?? DEFAULT_SCHEMA;
+    const lockIdle = opts.lockIdleTimeoutMs;
+    if (lockIdle !== undefined && !(Number.isInteger(lockIdle) && (lockIdle === 0 || lockIdle >= 20_000))) {
+      throw new TypeError(`lockIdleTimeoutMs must be 0 (off) or an integer of at least 20000 ms, ten of the lock's 2 s checks (got ${lockIdle})`);
+    }
     if (!/^[a-z_][a-z0-9_]{0,62}$/i.test(schema)) {
       throw new UsageError('invalidSchema', `schema name ${JSON.stringify(schema)} is not a plain identifier; use letters, digits and _`);
     }
@@ -353,6 +368,7 @@ export class Runner {
         what: `job "${job.name}"`,
         wait: opts.wait ?? false,
         ...(opts.signal ? { signal: opts.signal } : {}),
+        ...(this.#lockIdleTimeoutMs !== undefined ? { idleSessionTimeoutMs: this.#lockIdleTimeoutMs } : {}),
         worker: {
           runName: this.runLockName(run.id),
           join: opts.join ?? false,
@@ -422,6 +438,7 @@ export class Runner {
         what: 'idem migrate',
         wait: opts.wait ?? true,
         ...(opts.signal ? { signal: opts.signal } : {}),
+        ...(this.#lockIdleTimeoutMs !== undefined ? { idleSessionTimeoutMs: this.#lockIdleTimeoutMs } : {}),
       }),
     );
     try {

@@ -3,6 +3,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { chunkKey } from './fixtures/jobs/counted.ts';
 import { FIXTURE_MIGRATIONS, killLeftovers, query, runRow, spawnCli, waitFor, workCounts, type CliProcess } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
+import { defineJob, exitCodeOf, Runner } from '../src/index.ts';
 
 /**
  * A process that went silent while holding its lock: its host vanished behind PgBouncer (whose
@@ -127,4 +128,39 @@ describe('operators see a silent lock holder', () => {
       a.child.kill('SIGKILL');
     }
   });
+});
+
+describe('RunnerOptions.lockIdleTimeoutMs', () => {
+  // The lock's checks every 0.1 s here (the idle timeout 3 s by default); a chunk blocks the event
+  // loop for 4 s, as synchronous work in a job does: no check, no statement on the lock session.
+  const blocking = defineJob({
+    name: 'blocks-loop',
+    steps: [{ name: 'work', chunks: () => ({ chunks: [{ key: 'a' }], next: null }), run: () => void busyWait(4_000) }],
+  });
+  const busyWait = (ms: number) => {
+    const until = Date.now() + ms;
+    while (Date.now() < until);
+  };
+
+  it('by default a job blocking the event loop past it loses its lock (69); 0 turns it off and the run succeeds', async () => {
+    const before = process.env.IDEM_LOCK_CHECK_INTERVAL_MS;
+    process.env.IDEM_LOCK_CHECK_INTERVAL_MS = '100';
+    try {
+      const runner = await Runner.connect({ connectionString: url });
+      const off = await Runner.connect({ connectionString: url, lockIdleTimeoutMs: 0 });
+      try {
+        const lost = await runner.run(blocking, { key: 'default' }).catch((e: unknown) => e);
+        expect(exitCodeOf(lost)).toBe(69);
+        expect(String((lost as Error).message)).toMatch(/the server ended its session after 3s without a statement from this process/);
+        expect((await off.run(blocking, { key: 'off' })).status).toBe('succeeded');
+      } finally {
+        await runner.close();
+        await off.close();
+      }
+      await expect(Runner.connect({ connectionString: url, lockIdleTimeoutMs: 5_000 })).rejects.toThrow(/lockIdleTimeoutMs must be 0 \(off\) or an integer of at least 20000 ms/);
+    } finally {
+      if (before === undefined) delete process.env.IDEM_LOCK_CHECK_INTERVAL_MS;
+      else process.env.IDEM_LOCK_CHECK_INTERVAL_MS = before;
+    }
+  }, 60_000);
 });
