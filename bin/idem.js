@@ -1,9 +1,11 @@
 #!/usr/bin/env node
 // The CLI runs compiled JavaScript from dist/: no TypeScript compiler at start-up. TypeScript job
 // files are handled later, and only when a folder holds some (see src/loader.ts).
+import fs from 'node:fs';
 import module from 'node:module';
 import os from 'node:os';
 import path from 'node:path';
+import tty from 'node:tty';
 
 // Node 22.1+ keeps V8's compiled code of idem and its dependencies on disk between runs (a
 // faster start for cron and operators); Node 20 has no such cache, and nothing happens. Kept in
@@ -30,6 +32,17 @@ if (module.enableCompileCache && !process.env.NODE_COMPILE_CACHE) {
 // src/cli-session.ts, which removes this) ends it as the exit-code table says, with one line,
 // not killed by the signal: nothing is open yet to close.
 const earlySignal = (sig) => {
+  // A terminal that hung up (see src/hangup.ts): fds 0-2 on it go to /dev/null first, or Node 20
+  // aborts at exit restoring its settings, and the line below is a failed write to nobody.
+  if (sig === 'SIGHUP') {
+    for (const fd of [0, 1, 2]) {
+      try {
+        if (!fs.fstatSync(fd).isCharacterDevice() || tty.isatty(fd)) continue;
+        fs.closeSync(fd);
+        fs.openSync('/dev/null', fd === 0 ? 'r' : 'w');
+      } catch {}
+    }
+  }
   process.stderr.write(`idem: stopped by ${sig}\n`);
   process.exit(sig === 'SIGINT' ? 130 : sig === 'SIGHUP' ? 129 : 143);
 };

@@ -1,6 +1,7 @@
 import path from 'node:path';
 import type { Command } from 'commander';
 import type { Logger } from 'pino';
+import { detachHungUpTerminal, guardStdio } from './hangup.ts';
 import { ExitCode, exitCodeOf, exitCodeOfSignal, IdemError, InterruptedError, messageOf, STOP_SIGNALS, type StopSignal } from './errors.ts';
 import type { LogLevel } from './log-level.ts';
 import type { Runner, RunnerOptions } from './runner.ts';
@@ -77,10 +78,12 @@ export function createCliContext(program: Command, state: { exitCode: number }):
     // as the exit-code table says, after releasing what the session holds (a pool, an embedded
     // server it started). Node's default ended the process by the signal, with neither.
     onStartupSignal = (sig) => {
+      if (sig === 'SIGHUP') detachHungUpTerminal();
       process.stderr.write(`idem: stopped by ${sig}\n`);
       void finish(exitCodeOfSignal(sig), 2_000);
     };
     dropEarlySignals();
+    guardStdio();
     for (const sig of STOP_SIGNALS) process.on(sig, startupSignal[sig]);
     try {
       const { checkJobFolders } = await import('./cli-runtime.ts');
@@ -180,6 +183,8 @@ export function installSignals(log: Logger, deadlineSeconds: number, onForce: (c
   const stop = new AbortController();
   const abort = new AbortController();
   const handler = (sig: StopSignal) => {
+    // A terminal that hung up: before the first line written to it fails.
+    if (sig === 'SIGHUP') detachHungUpTerminal();
     const code = exitCodeOfSignal(sig);
     if (!stop.signal.aborted) {
       log.warn({ signal: sig, deadlineSeconds }, 'stopping: no new chunks; in-flight chunks may finish (signal again to abort them)');

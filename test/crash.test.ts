@@ -1,7 +1,14 @@
+import { spawn, spawnSync } from 'node:child_process';
+import { existsSync } from 'node:fs';
+import { mkdtemp, readFile, rm } from 'node:fs/promises';
+import os from 'node:os';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
+import { shellQuote } from '../src/shell-quote.ts';
 import { Runner } from '../src/index.ts';
 import counted, { chunkKey } from './fixtures/jobs/counted.ts';
-import { chunkRows, endState, expectFaultCrash, expectKilled, FIXTURE_DIRS, holdGate, killLeftovers, lines, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { BIN, chunkRows, endState, expectFaultCrash, expectKilled, FIXTURE_DIRS, holdGate, killLeftovers, lines, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 // idem's schema exists before the first poll of idem.chunks.
@@ -132,6 +139,40 @@ describe('a run stopped with one SIGTERM or SIGINT', () => {
     const rerun = await run(key, params).done;
     expect(rerun.code, rerun.stderr).toBe(0);
     expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'succeeded', attempt: 2 });
+    expect(await workCounts(url, key)).toEqual(ones(CHUNKS));
+  }, 120_000);
+});
+
+/** `script` (util-linux) runs a command on a terminal of its own; killing it hangs that terminal up. */
+const hasScript = spawnSync('script', ['--version'], { stdio: 'ignore' }).status === 0;
+
+describe('a terminal that hangs up under a run (an ssh session dropped)', () => {
+  // Every write to the terminal fails (EIO) from then on, and Node 20 aborted at exit restoring
+  // its settings: the process died by SIGABRT, the run left `running` (crashed).
+  it.skipIf(!hasScript)('stops the run as SIGHUP does: exit 129, interrupted, every committed chunk once, and the same command resumes', async () => {
+    const key = 'hangup';
+    const dir = await mkdtemp(path.join(os.tmpdir(), 'idem-hangup-'));
+    const result = path.join(dir, 'exit.json');
+    const idemArgs = [BIN, ...FIXTURE_DIRS, 'run', 'counted', '--params', JSON.stringify({ ...PARAMS, pauseMs: 150 }), '--key', key];
+    const line = [process.execPath, fileURLToPath(new URL('./fixtures/hangup-launcher.mjs', import.meta.url)), result, process.execPath, ...idemArgs].map(shellQuote).join(' ');
+    const env: NodeJS.ProcessEnv = { ...process.env, DATABASE_URL: url, SHELL: '/bin/bash' };
+    delete env.NODE_OPTIONS;
+    const terminal = spawn('script', ['-qfec', line, '/dev/null'], { env, stdio: ['ignore', 'ignore', 'ignore'] });
+    try {
+      await waitFor(async () => (await doneKeys(key)).length >= 3, 'three chunks to be done', { timeoutMs: 60_000 });
+      terminal.kill('SIGKILL'); // its end of the terminal closes: the terminal hangs up
+      await waitFor(async () => existsSync(result), 'the run to end', { timeoutMs: 30_000 });
+      expect(JSON.parse(await readFile(result, 'utf8'))).toEqual({ code: 129, signal: null });
+    } finally {
+      terminal.kill('SIGKILL');
+      await rm(dir, { recursive: true, force: true });
+    }
+    await settled();
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'interrupted', attempt: 1, holder: null });
+    const done = await doneKeys(key);
+    expect(await workCounts(url, key)).toEqual(new Map(done.map((k) => [k, 1])));
+    const rerun = await run(key, { ...PARAMS, pauseMs: 150 }).done;
+    expect(rerun.code, rerun.stderr).toBe(0);
     expect(await workCounts(url, key)).toEqual(ones(CHUNKS));
   }, 120_000);
 });
