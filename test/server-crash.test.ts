@@ -43,17 +43,24 @@ describe('idem serve killed with SIGKILL mid-run', () => {
     expect(stopped.code, stopped.stderr).toBe(143);
   });
 
-  it('SIGTERM stops live runs at a chunk boundary as interrupted; the next start finishes them', async () => {
+  it.each([
+    ['SIGTERM', 143, 'k-term'],
+    ['SIGHUP', 129, 'k-hup'],
+  ] as const)('%s stops live runs at a chunk boundary as interrupted, recorded with that signal; the next start finishes them', async (sig, exitCode, key) => {
     const first = await startServe(url);
-    const created = await api(first.base, 'POST', '/api/jobs/counted/runs', { key: 'k-term', body: { chunks: CHUNKS, pauseMs: 50 } });
-    await waitFor(async () => (await workCounts(url, 'k-term')).size >= 3, 'three chunks to commit', { timeoutMs: 60_000 });
-    first.proc.child.kill('SIGTERM');
-    expect((await first.proc.done).code).toBe(143);
-    expect(await runRow(url, 'counted', 'k-term')).toMatchObject({ status: 'interrupted' });
+    const created = await api(first.base, 'POST', '/api/jobs/counted/runs', { key, body: { chunks: CHUNKS, pauseMs: 50 } });
+    await waitFor(async () => (await workCounts(url, key)).size >= 3, 'three chunks to commit', { timeoutMs: 60_000 });
+    first.proc.child.kill(sig);
+    const stopped = await first.proc.done;
+    expect(stopped.code, stopped.stderr).toBe(exitCode);
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'interrupted' });
+    const interrupted = stopped.stderr.split('\n').filter((l) => l.includes('"msg":"run interrupted'));
+    expect(interrupted.length, stopped.stderr).toBe(1);
+    expect(JSON.parse(interrupted[0]!)).toMatchObject({ runKey: key, signal: sig });
     const second = await startServe(url);
     const done = await api(second.base, 'GET', `/api/runs/${created.body.id}?wait=60`);
     expect(done.body).toMatchObject({ state: 'succeeded', attempt: 2 });
-    expect([...(await workCounts(url, 'k-term')).values()]).toEqual(Array.from({ length: CHUNKS }, () => 1));
+    expect([...(await workCounts(url, key)).values()]).toEqual(Array.from({ length: CHUNKS }, () => 1));
     second.proc.child.kill('SIGTERM');
     await second.proc.done;
   });

@@ -2,7 +2,7 @@ import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance, t
 import { sql } from 'kysely';
 import type pg from 'pg';
 import type { Logger } from 'pino';
-import { errorFields, UsageError } from '../errors.ts';
+import { errorFields, InterruptedError, UsageError } from '../errors.ts';
 import { answerWithin } from '../sleep.ts';
 import { silentLogger } from '../log.ts';
 import { runIsLive } from '../operations.ts';
@@ -76,7 +76,8 @@ export interface IdemServer {
   /** Listens, then queues the unfinished runs created over HTTP. Returns the bound address. */
   listen(opts: { readonly host?: string; readonly port?: number }): Promise<string>;
   /** Stops accepting requests, lets live runs stop at a chunk boundary (interrupted, resumed on next start). Idempotent. */
-  close(deadlineMs?: number): Promise<void>;
+  /** `reason`: why it stops (an InterruptedError names the signal the stopped runs are recorded with). */
+  close(deadlineMs?: number, reason?: unknown): Promise<void>;
 }
 
 /** How long /readyz waits for PostgreSQL's answer before it says not ready. */
@@ -300,13 +301,13 @@ export function createServer(opts: ServerOptions): IdemServer {
       }
       return address;
     },
-    close(deadlineMs = 30_000) {
+    close(deadlineMs = 30_000, reason?: unknown) {
       return (closed ??= (async () => {
         closing.abort();
         clearInterval(pruneTimer);
         clearInterval(rescanTimer);
         for (const close of [...ctx.openStreams]) close();
-        await Promise.all([app.close(), executor.shutdown(deadlineMs), replays.close()]);
+        await Promise.all([app.close(), executor.shutdown(deadlineMs, reason instanceof InterruptedError ? reason.signal : 'SIGTERM'), replays.close()]);
       })());
     },
   };

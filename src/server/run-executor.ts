@@ -3,7 +3,7 @@ import { sql } from 'kysely';
 import type { Logger } from 'pino';
 import { runIsLive } from '../operations.ts';
 import { slotOfJobKey } from '../schedule.ts';
-import { BusyError, CancelledError, errorFields, InterruptedError, PausedError, PauseWithdrawnError, RunFailedError } from '../errors.ts';
+import { BusyError, CancelledError, errorFields, InterruptedError, PausedError, PauseWithdrawnError, RunFailedError, type StopSignal } from '../errors.ts';
 import type { Job, Step } from '../job.ts';
 import type { Runner } from '../runner.ts';
 import type { RunStatus } from '../store.ts';
@@ -188,10 +188,11 @@ export class RunExecutor {
    * Graceful stop: nothing new starts, live runs stop after their in-flight chunks and are
    * recorded `interrupted` (resumed at the next start). After `deadlineMs` the job code is aborted.
    */
-  async shutdown(deadlineMs: number): Promise<void> {
+  async shutdown(deadlineMs: number, signal: StopSignal = 'SIGTERM'): Promise<void> {
     this.#queue.length = 0;
-    this.#stop.abort(new InterruptedError('SIGTERM'));
-    const timer = setTimeout(() => this.#abort.abort(new InterruptedError('SIGTERM')), deadlineMs);
+    // The signal that stopped the server is the one the runs it stops are recorded with.
+    this.#stop.abort(new InterruptedError(signal));
+    const timer = setTimeout(() => this.#abort.abort(new InterruptedError(signal)), deadlineMs);
     timer.unref();
     await Promise.allSettled([...this.#running.values()]);
     clearTimeout(timer);

@@ -98,7 +98,7 @@ export async function serveCommand(o: ServeFlags, deps: ServeDeps): Promise<numb
   process.stdout.write(`idem serve: listening on ${address} (${jobs.length} job${jobs.length === 1 ? '' : 's'}; dashboard at ${address}/)\n`);
   await new Promise<void>((resolve) => (deps.stop.aborted ? resolve() : deps.stop.addEventListener('abort', () => resolve(), { once: true })));
   deps.log.info('idem serve stopping: no new requests; live runs stop at their next chunk boundary');
-  await server.close(deps.shutdownTimeoutSeconds * 1000);
+  await server.close(deps.shutdownTimeoutSeconds * 1000, deps.stop.reason);
   const reason = deps.stop.reason;
   return reason instanceof InterruptedError ? reason.exitCode : ExitCode.Ok;
 }
