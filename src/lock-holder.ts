@@ -41,7 +41,7 @@ export function looksDead(holder: Pick<LockHolder, 'silentSeconds' | 'applicatio
 export function describeHolder(h: LockHolder, intervalMs: number = lockCheckIntervalMs()): string {
   const what = [h.applicationName, h.silentSeconds !== null ? `silent ${Math.floor(h.silentSeconds)}s` : null].filter(Boolean).join(', ');
   const dead = looksDead(h, intervalMs)
-    ? `: it looks dead (a live idem sends a statement on its lock session every ${intervalMs / 1000}s), end it with select pg_terminate_backend(${h.pid}) or see README "A vanished host holds its locks" for the settings that free it`
+    ? `: it looks dead (a live idem sends a statement on its lock session every ${intervalMs / 1000}s; none comes from a process stopped, cut off behind a proxy, or whose job blocks its event loop), end it with select pg_terminate_backend(${h.pid}) (safe: the run's fencing refuses that process's commits, and a rerun resumes) or see README "A vanished host holds its locks" for the settings that free it`
     : '';
   return `backend ${h.pid}${what ? ` (${what})` : ''}${dead}`;
 }
