@@ -47,6 +47,8 @@ export function guardStdio(): void {
       detachHungUpTerminal();
       return;
     }
+    // A write after that failure, to the stream it destroyed: the same dead terminal.
+    if (err.code === 'ERR_STREAM_DESTROYED') return;
     // Anything else stays what it was without this listener: an uncaught exception.
     process.nextTick(() => {
       throw err;
