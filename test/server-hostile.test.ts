@@ -258,7 +258,9 @@ describe('connections that die silently (a NAT or firewall that forgot them)', (
       // Requests that land on the forgotten connections get no answer from PostgreSQL: after the
       // read timeout, a 503 to retry (never a 500, never a hang); one on a fresh connection, a 200.
       const cutAt = Date.now();
-      const stuck = await Promise.all(Array.from({ length: 4 }, () => get('/api/runs?limit=1', 10_000)));
+      // Bounded at 25 s, as in the test below: in one CI run under the whole suite's load, two of
+      // the four got no answer within 10 s (alone they answer within 4 s).
+      const stuck = await Promise.all(Array.from({ length: 4 }, () => get('/api/runs?limit=1', 25_000)));
       expect(stuck.every((s) => s === 200 || s === 503), String(stuck)).toBe(true);
       expect(stuck).toContain(503);
       await waitFor(async () => ((await get('/readyz', 5_000)) === 200 && (await get('/api/runs?limit=1', 5_000)) === 200) || undefined, 'the read pool to recover', {
