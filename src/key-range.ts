@@ -1,6 +1,6 @@
 import { sql, type RawBuilder } from 'kysely';
 import type { ChunkSource, ChunkSpec, Json } from './job.ts';
-import { columnNameProblem, parseTableName, regclassText, tableNameProblem, tableRef } from './table-name.ts';
+import { columnInSql, columnNameProblem, parseTableName, regclassText, tableNameProblem, tableRef } from './table-name.ts';
 
 export interface KeyRangeOptions {
   /**
@@ -175,7 +175,7 @@ async function checkKeyColumn(db: PlanDb, table: string, regclass: string, name:
   const n = nulls[0]?.n ?? 0;
   if (n > 0) {
     throw new TypeError(
-      `keyRange(): column ${JSON.stringify(name)} of ${JSON.stringify(table)} has ${n} ${n === 1 ? 'row' : 'rows'} where it is NULL, which no range holds, so ${n === 1 ? 'it' : 'they'} would be skipped; declare the column NOT NULL, or pass a where that excludes them (where: '${/^[a-z_][a-z0-9_]*$/.test(name) ? name : `"${name}"`} is not null') and handle those rows in another step`,
+      `keyRange(): column ${JSON.stringify(name)} of ${JSON.stringify(table)} has ${n} ${n === 1 ? 'row' : 'rows'} where it is NULL, which no range holds, so ${n === 1 ? 'it' : 'they'} would be skipped; declare the column NOT NULL, or pass a where that excludes them (where: '${columnInSql(name)} is not null') and handle those rows in another step`,
     );
   }
 }

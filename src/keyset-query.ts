@@ -1,6 +1,6 @@
 import { sql, type RawBuilder } from 'kysely';
 import type { ChunkSource, ChunkSpec, Json, PlanContext } from './job.ts';
-import { columnNameProblem, tableNameProblem } from './table-name.ts';
+import { columnInSql, columnNameProblem, tableNameProblem } from './table-name.ts';
 
 export interface KeysetQueryOptions {
   /**
@@ -74,8 +74,6 @@ export function keysetQuery(opts: KeysetQueryOptions): KeysetSource {
   const values = (v: readonly string[]) => sql.join(v.map((x) => sql`${x}`));
   const order = (alias: string, dir: 'asc' | 'desc') => sql.join(columns.map((c) => sql`${sql.ref(`${alias}.${c}`)} ${sql.raw(dir)}`));
   const keyOf = (through: readonly string[]) => JSON.stringify(through);
-  const ident = (c: string) => (/^[a-z_][a-z0-9_]*$/.test(c) ? c : `"${c}"`);
-
   /**
    * Rows whose key is NULL are in no chunk (`(k) > (…)` and `(k) <= (…)` are never true for them):
    * they would be skipped while the run succeeds. Checked once, when the step's first window is
@@ -90,7 +88,7 @@ export function keysetQuery(opts: KeysetQueryOptions): KeysetSource {
     if (rows.length === 0) return;
     const column = columns.find((_, i) => rows[0]![`n${i}`]) ?? columns[0]!;
     throw new TypeError(
-      `keysetQuery(): the query returns rows whose key column ${JSON.stringify(column)} is NULL, which no chunk holds, so they would be skipped; make the key columns NOT NULL, or exclude those rows in the query (where ${columns.map((c) => `${ident(c)} is not null`).join(' and ')}) and handle them in another step`,
+      `keysetQuery(): the query returns rows whose key column ${JSON.stringify(column)} is NULL, which no chunk holds, so they would be skipped; make the key columns NOT NULL, or exclude those rows in the query (where ${columns.map((c) => `${columnInSql(c)} is not null`).join(' and ')}) and handle them in another step`,
     );
   };
 

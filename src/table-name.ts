@@ -41,6 +41,11 @@ export function parseTableName(value: string): TableName {
 
 const quoteIdent = (s: string) => `"${s.replace(/"/g, '""')}"`;
 
+/** A column as SQL text an error message suggests spells it: bare when plain lower case, else quoted. */
+export function columnInSql(name: string): string {
+  return /^[a-z_][a-z0-9_]*$/.test(name) ? name : quoteIdent(name);
+}
+
 /** The name as `to_regclass` and `::regclass` read it: each part quoted (`"Sales"."Orders"`). */
 export function regclassText(value: string): string {
   const t = parseTableName(value);
