@@ -3,7 +3,7 @@ import { BusyError, DatabaseUnavailableError, InterruptedError, LockLostError } 
 import { lockKey } from './fingerprint.ts';
 import { answerWithin, sleep } from './sleep.ts';
 import { lockSessionSetup, sessionName } from './database.ts';
-import { lockCheckIntervalMs, type LockHolder, describeHolder } from './lock-holder.ts';
+import { lockCheckIntervalMs, SILENT_SECONDS_SQL, silentSecondsOf, type LockHolder, describeHolder } from './lock-holder.ts';
 
 export interface AdvisoryLockOptions {
   readonly connectionString: string;
@@ -288,7 +288,7 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
 export async function lockHolders(run: (text: string, values: unknown[]) => Promise<Array<Record<string, unknown>>>, keys: readonly string[]): Promise<Array<LockHolder & { key: string }>> {
   const rows = await run(
     `select distinct l.pid, ((l.classid::bigint << 32) | l.objid::bigint)::text as key, a.application_name,
-        case when a.state = 'active' then 0 else extract(epoch from now() - a.state_change) end::float8 as silent
+        (${SILENT_SECONDS_SQL})::float8 as silent
       from pg_locks l left join pg_stat_activity a on a.pid = l.pid
       where l.locktype = 'advisory' and l.granted and l.objsubid = 1 and l.pid <> pg_backend_pid()
         and l.database = (select oid from pg_database where datname = current_database())
@@ -300,7 +300,7 @@ export async function lockHolders(run: (text: string, values: unknown[]) => Prom
     key: String(r.key),
     pid: Number(r.pid),
     applicationName: (r.application_name as string | null) || null,
-    silentSeconds: r.silent === null || r.silent === undefined ? null : Math.max(0, Math.round(Number(r.silent) * 10) / 10),
+    silentSeconds: silentSecondsOf(r.silent),
   }));
 }
 

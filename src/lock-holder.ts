@@ -20,6 +20,17 @@ export function lockCheckIntervalMs(): number {
  */
 export const SILENT_INTERVALS = 15;
 
+/**
+ * Seconds since the session `a` (pg_stat_activity) ended its last statement, 0 while one runs: SQL
+ * for the busy error's holders and `idem status`'s workers alike. NULL where the role may not see it.
+ */
+export const SILENT_SECONDS_SQL = "case when a.state = 'active' then 0 else extract(epoch from now() - a.state_change) end";
+
+/** SILENT_SECONDS_SQL's value as LockHolder.silentSeconds holds it: to 0.1 s, never negative. */
+export function silentSecondsOf(value: unknown): number | null {
+  return value === null || value === undefined ? null : Math.max(0, Math.round(Number(value) * 10) / 10);
+}
+
 /** A lock holder's session, as pg_locks and pg_stat_activity show it. */
 export interface LockHolder {
   readonly pid: number;

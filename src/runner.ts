@@ -3,7 +3,7 @@ import { hostname } from 'node:os';
 import { CompiledQuery, sql, type Kysely } from 'kysely';
 import type { Logger } from 'pino';
 import { acquireAdvisoryLock, lockHolders, type HeldLock } from './advisory-lock.ts';
-import { looksDead, type LockHolder } from './lock-holder.ts';
+import { looksDead, SILENT_SECONDS_SQL, silentSecondsOf, type LockHolder } from './lock-holder.ts';
 import { describeConnectError, openDatabase, redactError, type Database } from './database.ts';
 import { BusyError, CancelledError, codeOf, errorFields, FencedError, IdemError, InterruptedError, STOP_SIGNALS, type StopSignal, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
@@ -884,7 +884,7 @@ export class Runner {
     const { rows } = await sql<{ worker: string; silent: number | null; chunks: number; last_minute: number; seconds: number }>`
       with live as (
         select substr(a.application_name, length('idem-lock ') + 1) as worker, min(a.backend_start) as since,
-          min(case when a.state = 'active' then 0 else extract(epoch from now() - a.state_change) end)::float8 as silent
+          min(${sql.raw(SILENT_SECONDS_SQL)})::float8 as silent
         from pg_locks l join pg_stat_activity a on a.pid = l.pid
         where l.locktype = 'advisory' and l.granted and l.objsubid = 1
           and l.database = (select oid from pg_database where datname = current_database())
@@ -898,7 +898,7 @@ export class Runner {
         least(60, greatest(1, extract(epoch from now() - live.since)))::float8 as seconds
       from live order by live.worker`.execute(db);
     return rows.map((r) => {
-      const silentSeconds = r.silent === null ? null : Math.max(0, Math.round(r.silent * 10) / 10);
+      const silentSeconds = silentSecondsOf(r.silent);
       return { worker: r.worker, chunks: r.chunks, rate: Math.round((r.last_minute / r.seconds) * 100) / 100, silentSeconds, silent: looksDead({ silentSeconds, applicationName: `idem-lock ${r.worker}` }) };
     });
   }
