@@ -12,9 +12,8 @@ import tty from 'node:tty';
  * not an error: nobody is there to read it.
  */
 
-/** Points fds 0-2 that are on a hung-up terminal at /dev/null; true when one was. Never throws. */
-export function detachHungUpTerminal(): boolean {
-  let detached = false;
+/** Points fds 0-2 that are on a hung-up terminal at /dev/null. Never throws. */
+export function detachHungUpTerminal(): void {
   for (const fd of [0, 1, 2]) {
     try {
       // A hung-up terminal is still a character device, but no longer answers as a terminal.
@@ -22,12 +21,10 @@ export function detachHungUpTerminal(): boolean {
       fs.closeSync(fd);
       const reopened = fs.openSync('/dev/null', fd === 0 ? 'r' : 'w');
       if (reopened !== fd) fs.closeSync(reopened); // fd was taken meanwhile: leave it closed
-      detached = true;
     } catch {
       // Nothing better to do for this fd.
     }
   }
-  return detached;
 }
 
 const isDevNull = (fd: number): boolean => {

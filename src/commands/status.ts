@@ -80,13 +80,12 @@ export function formatStatus(stored: readonly RunStatusRow[], now: Date = new Da
 }
 
 /**
- * Jobs whose lock a session holds while none of their listed runs is live: a process left behind
- * (stopped, or its host gone behind a proxy) keeping every new run of the job busy. One line each,
- * naming the session and the fix. Pure; exported for tests.
+ * Jobs whose lock a session holds while none of their runs is running (Runner.jobLockHolders picks
+ * them): a process left behind (stopped, or its host gone behind a proxy) keeping every new run of
+ * the job busy. One line each, naming the session and the fix. Pure.
  */
-export function formatOrphanHolders(rows: readonly RunStatusRow[], holders: ReadonlyArray<LockHolder & { readonly job: string }>, c: Colours = colours(false)): string[] {
-  const live = new Set(rows.filter((r) => r.state === 'running').map((r) => r.job));
-  return visibleDeep(holders.filter((h) => !live.has(h.job))).map((h) => c.yellow(`job ${quoteKey(h.job)}: no run of it is live, yet its lock is held by ${describeHolder(h)}; new runs of it exit 75 (busy) until that session ends`));
+export function formatOrphanHolders(holders: ReadonlyArray<LockHolder & { readonly job: string }>, c: Colours = colours(false)): string[] {
+  return visibleDeep(holders).map((h) => c.yellow(`job ${quoteKey(h.job)}: no run of it is live, yet its lock is held by ${describeHolder(h)}; new runs of it exit 75 (busy) until that session ends`));
 }
 
 /** One step of a run, for the detail view. */
@@ -214,7 +213,7 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
         const json = JSON.stringify(rows);
         if (!o.json) await prepareColumns(json);
         // --json keeps its shape (an array of runs); the table tells of a lock held with no live run.
-        const orphans = o.json ? [] : formatOrphanHolders(rows, await runner.jobLockHolders(job !== undefined ? [job] : [...new Set(rows.map((r) => r.job))]), colours(tty));
+        const orphans = o.json ? [] : formatOrphanHolders(await runner.jobLockHolders(job !== undefined ? [job] : [...new Set(rows.map((r) => r.job))]), colours(tty));
         process.stdout.write(o.json ? `${json}\n` : `${[formatStatus(rows, new Date(), colours(tty)), ...orphans].join('\n')}\n`);
         return ExitCode.Ok;
       }),

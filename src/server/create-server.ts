@@ -75,8 +75,11 @@ export interface IdemServer {
   readonly executor: RunExecutor;
   /** Listens, then queues the unfinished runs created over HTTP. Returns the bound address. */
   listen(opts: { readonly host?: string; readonly port?: number }): Promise<string>;
-  /** Stops accepting requests, lets live runs stop at a chunk boundary (interrupted, resumed on next start). Idempotent. */
-  /** `reason`: why it stops (an InterruptedError names the signal the stopped runs are recorded with). */
+  /**
+   * Stops accepting requests, lets live runs stop at a chunk boundary (interrupted, resumed on next
+   * start). Idempotent. `reason`: why it stops (an InterruptedError names the signal the stopped
+   * runs are recorded with; SIGTERM otherwise).
+   */
   close(deadlineMs?: number, reason?: unknown): Promise<void>;
 }
 
