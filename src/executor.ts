@@ -315,7 +315,8 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         }
         if (outcome.kind === 'backoff') {
           // The last unfinished chunk is backing off after another slot's or worker's transient
-          // failure: wait it out, then claim again (whoever claims it first tries it). A second at
+          // failure, or this slot's own retry came a hair before the database's end of its backoff:
+          // wait it out, then claim again (whoever claims it first tries it). A second at
           // most between looks: the worker that spent its last try may skip it meanwhile. When that
           // is a slot here (its wait claim was sent before the slot passed the chunk by), as long
           // as that slot takes.
@@ -513,7 +514,7 @@ async function tryChunk(
       return { kind: 'none' };
     }
     if (chunk.backoffMs) {
-      // A `wait` claim found the chunk still backing off from a transient error.
+      // A `wait` or `retry` claim found the chunk still backing off from a transient error.
       await slot.rollback();
       return { kind: 'backoff', ms: chunk.backoffMs, seq: chunk.seq };
     }

@@ -167,10 +167,14 @@ export class Store {
           order by c.seq limit 1 ${lock})
       returning k.seq, k.key, k.spec${returning}`;
     const notBackingOff = '(c.retry_at is null or c.retry_at <= clock_timestamp() or c.retry_attempt <> $2)';
+    const backoffLeft = `, case when k.retry_attempt = $2 and k.retry_at > clock_timestamp() then ceil(extract(epoch from k.retry_at - clock_timestamp()) * 1000)::int end as "backoffMs"`;
+    // The `retry` claim takes the chunk whose backoff the slot slept even when the database's
+    // clock says a little is left (a timer that fired early): it returns what is left, and the
+    // slot waits that out instead of taking the chunk for done elsewhere and starting the next.
     const bodies: Record<ClaimMode, string> = {
       next: claim(`c.seq <> all($4) and ${notBackingOff}`, 'for update skip locked'),
-      wait: claim('c.seq <> all($4)', 'for update', `, case when k.retry_attempt = $2 and k.retry_at > clock_timestamp() then ceil(extract(epoch from k.retry_at - clock_timestamp()) * 1000)::int end as "backoffMs"`),
-      retry: claim(`c.seq = any($4) and ${notBackingOff}`, 'for update skip locked'),
+      wait: claim('c.seq <> all($4)', 'for update', backoffLeft),
+      retry: claim('c.seq = any($4)', 'for update skip locked', backoffLeft),
     };
     // Named after what they do, not only the mode: a session pooler that does not reset sessions can
     // hand this process a session where another idem version (or another schema, or another worker's

@@ -285,6 +285,27 @@ describe('Runner.run', () => {
     }
   });
 
+  it('a retry whose timer fires before the database sees the backoff over waits for it, and starts no other chunk meanwhile', async () => {
+    // The slot sleeps the backoff the database gave, then claims the chunk again; the database
+    // checks its own `retry_at`. A timer firing a hair early (or a database clock a hair ahead)
+    // made that claim find nothing, the slot took the chunk for done elsewhere and started the
+    // next one. Here the database's backoff ends 150 ms after the one it tells the slot (a trigger moves it
+    // once the statement has computed what it returns).
+    await query(url, `insert into fail_chunks values ('c0001', '40P01', 1000)`);
+    await query(url, `create function public.test_retry_later() returns trigger language plpgsql as $$ begin
+      if pg_trigger_depth() = 1 then update idem.chunks set retry_at = retry_at + interval '150 ms' where run_id = new.run_id and step = new.step and seq = new.seq; end if;
+      return null; end $$`);
+    await query(url, `create trigger test_retry_later after update of retry_at on idem.chunks for each row when (new.retry_at is not null) execute function public.test_retry_later()`);
+    try {
+      const err = await rejectionOf(runner.run(counted, { params: { chunks: 2, label: 'early-timer' }, key: 'early-timer' }));
+      expect(err).toBeInstanceOf(RunFailedError);
+      expect(err.message).toContain('chunk c0001 after 5 tries');
+      expect(await workCounts(url, 'early-timer')).toEqual(new Map());
+    } finally {
+      await query(url, `drop trigger test_retry_later on idem.chunks; drop function public.test_retry_later()`);
+    }
+  });
+
   it('with concurrency 4, chunks run 4 at a time and each commits exactly once', async () => {
     let active = 0;
     let peak = 0;
