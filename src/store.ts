@@ -293,7 +293,7 @@ export class Store {
   }
 
   /**
-   * Persists one planned window and the cursor after it, all or nothing, in one transaction:
+   * Persists one planned window and the cursor after it, all or nothing, in one statement:
    * - the step row is locked (`for update`), so planning is single-writer per step, and the run row
    *   is share-locked with its attempt checked, so a zombie attempt can neither add chunks nor move
    *   the cursor, and a takeover's attempt bump waits for this commit;
@@ -306,6 +306,30 @@ export class Store {
    */
   async planWindow(runId: string, attempt: number, step: string, after: number, chunks: readonly ChunkSpec[], next: Json | null): Promise<PlanResult> {
     const keys = chunks.map((c) => c.key);
+    const payload = JSON.stringify(chunks.map((c, i) => ({ key: c.key, seq: after + 1 + i, spec: c })));
+    // The usual case in one statement, one round trip (six as a transaction of its own: most of
+    // what planning cost the runner's Node CPU, a window every 100 chunks). Its snapshot is taken
+    // before the step row's lock is waited for: a planner that committed meanwhile moved `planned`
+    // (the locked row is re-read at its newest), so `go` is empty, nothing is written, and the
+    // transaction below, with snapshots of its own, tells "moved" from "ours, acknowledgement lost".
+    const { rows: [row] } = await this.#run(sql<StepRow & { current: boolean; dup_key: string | null; dup_seq: number | null; written: boolean }>`
+      with s as (
+        select s.name, s.position, s.status, s.cursor, s.planned_all, s.planned, s.estimated_chunks, r.attempt = ${attempt} as current
+        from ${this.#runs} r join ${this.#steps} s on s.run_id = r.id
+        where r.id = ${runId} and s.name = ${step}
+        for share of r for update of s),
+      go as (select 1 from s where current and planned = ${after}),
+      dup as (select key, seq from ${this.#chunks} where run_id = ${runId} and step = ${step} and key = any(${keys}::text[]) and exists (select 1 from go) order by seq limit 1),
+      ok as (select 1 from go where not exists (select 1 from dup)),
+      ins as (insert into ${this.#chunks} (run_id, step, key, seq, spec)
+        select ${runId}, ${step}, x.key, x.seq, x.spec from jsonb_to_recordset(${payload}::jsonb) as x(key text, seq int, spec jsonb) where exists (select 1 from ok)),
+      upd as (update ${this.#steps} set cursor = ${JSON.stringify(next)}::jsonb, planned_all = ${next === null},
+          planned = ${after + keys.length}, status = 'running', started_at = coalesce(started_at, now())
+        where run_id = ${runId} and name = ${step} and exists (select 1 from ok) returning 1)
+      select s.*, (select key from dup) as dup_key, (select seq from dup) as dup_seq, exists (select 1 from upd) as written from s`);
+    if (!row || !row.current) return { kind: 'fenced' };
+    if (row.written) return { kind: 'planned' };
+    if (row.dup_key !== null) return { kind: 'duplicate', key: row.dup_key, seq: Number(row.dup_seq) };
     return retrying(() =>
       this.#db.transaction().execute(async (trx): Promise<PlanResult> => {
         const { rows: [row] } = await sql<StepRow & { current: boolean }>`
@@ -315,24 +339,11 @@ export class Store {
           for share of r for update of s`.execute(trx);
         if (!row || !row.current) return { kind: 'fenced' };
         const { current: _, ...stepRow } = row;
-        if (row.planned !== after) {
-          const { rows } = await sql<{ key: string }>`select key from ${this.#chunks}
-            where run_id = ${runId} and step = ${step} and seq > ${after} and seq <= ${after + keys.length} order by seq`.execute(trx);
-          const ours = rows.length === keys.length && rows.every((r, i) => r.key === keys[i]) && row.planned === after + keys.length;
-          return ours ? { kind: 'planned' } : { kind: 'moved', step: stepRow };
-        }
-        const { rows: [dup] } = await sql<{ key: string; seq: number }>`select key, seq from ${this.#chunks}
-          where run_id = ${runId} and step = ${step} and key = any(${keys}::text[]) order by seq limit 1`.execute(trx);
-        if (dup) return { kind: 'duplicate', key: dup.key, seq: dup.seq };
-        if (keys.length > 0) {
-          const payload = JSON.stringify(chunks.map((c, i) => ({ key: c.key, seq: after + 1 + i, spec: c })));
-          await sql`insert into ${this.#chunks} (run_id, step, key, seq, spec)
-            select ${runId}, ${step}, x.key, x.seq, x.spec from jsonb_to_recordset(${payload}::jsonb) as x(key text, seq int, spec jsonb)`.execute(trx);
-        }
-        await sql`update ${this.#steps} set cursor = ${JSON.stringify(next)}::jsonb, planned_all = ${next === null},
-            planned = ${after + keys.length}, status = 'running', started_at = coalesce(started_at, now())
-          where run_id = ${runId} and name = ${step}`.execute(trx);
-        return { kind: 'planned' };
+        if (row.planned === after) return { kind: 'moved', step: stepRow }; // back where it was: plan it again
+        const { rows } = await sql<{ key: string }>`select key from ${this.#chunks}
+          where run_id = ${runId} and step = ${step} and seq > ${after} and seq <= ${after + keys.length} order by seq`.execute(trx);
+        const ours = rows.length === keys.length && rows.every((r, i) => r.key === keys[i]) && row.planned === after + keys.length;
+        return ours ? { kind: 'planned' } : { kind: 'moved', step: stepRow };
       }),
     );
   }

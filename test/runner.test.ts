@@ -67,6 +67,41 @@ describe('Runner.run', () => {
     expect(statementsOfRerun[1]).toBe(statementsOfRerun[0]);
   });
 
+  it('planning a window is one statement: no transaction of its own', async () => {
+    // Six round trips a window (BEGIN, lock, duplicate check, insert, cursor, COMMIT) were most of
+    // what planning cost the runner's Node CPU. 40 chunks more in windows of 5 are 8 windows more.
+    const job = defineJob({
+      name: 'plan-statements',
+      params: (raw: unknown) => raw as { n: number },
+      steps: [
+        {
+          name: 'work',
+          chunks: (cursor, ctx) => {
+            const from = typeof cursor === 'number' ? cursor : 0;
+            const to = Math.min(from + ctx.windowSize, (ctx.params as { n: number }).n);
+            return { chunks: Array.from({ length: to - from }, (_, i) => ({ key: `c${from + i}` })), next: to < (ctx.params as { n: number }).n ? to : null };
+          },
+          run: ({ db }: StepContext) => sql`select 1`.execute(db),
+        },
+      ],
+    });
+    const sent: Array<{ planning: number; begins: number }> = [];
+    for (const n of [20, 60]) {
+      const spy = vi.spyOn(pg.Client.prototype, 'query');
+      try {
+        expect(await runner.run(job, { params: { n }, key: `p${n}`, health: false, planWindow: 5 })).toMatchObject({ status: 'succeeded', executed: n });
+        const texts = spy.mock.calls.map((c) => (typeof c[0] === 'string' ? c[0] : ((c[0] as { text?: string } | undefined)?.text ?? '')));
+        sent.push({ planning: texts.filter((t) => t.includes('jsonb_to_recordset')).length, begins: texts.filter((t) => /^\s*begin\s*$/i.test(t)).length });
+      } finally {
+        spy.mockRestore();
+      }
+    }
+    expect(sent[0]!.planning).toBe(4);
+    expect(sent[1]!.planning - sent[0]!.planning).toBe(8);
+    expect(sent[1]!.begins).toBe(sent[0]!.begins);
+    expect(await query(url, `select count(*)::int as n from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'plan-statements' and r.run_key = 'p60' and c.done_at is not null`)).toEqual([{ n: 60 }]);
+  });
+
   it('a chunk costs two messages to the server: its COMMIT carries the next chunk\'s BEGIN and claim', async () => {
     const job = defineJob({
       name: 'messages',
