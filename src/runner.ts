@@ -676,7 +676,15 @@ export class Runner {
       // A fenced commit proves a newer attempt took over; a lost lock only that its session ended
       // (a server restart, a terminated backend, a dead network), and the run is free to resume.
       log.error({ err: errorFields(err) }, err instanceof LockLostError ? "lost the run's advisory lock; stopping" : 'lost the run to another attempt');
-      return err instanceof LockLostError ? err : new LockLostError(err.message, { cause: err });
+      const lost = err instanceof LockLostError ? err : new LockLostError(err.message, { cause: err });
+      // A worker stopped (SIGSTOP, a cut link) while the others finished the run wakes to a lost
+      // lock: "rerun to resume" would send the user after a run that is over.
+      const now = await this.store.getRun(runId).catch(() => null);
+      if (now?.status === 'succeeded') {
+        const base = lost.message.replace(/; another process may take the run over, rerun to resume$/, '');
+        return new LockLostError(`${base}; the run has meanwhile ended succeeded (attempt ${now.attempt}) in the other workers sharing it: nothing to resume; idem status ${job.name} --key ${runKey} shows it`, { cause: err });
+      }
+      return lost;
     }
     if (err instanceof ControlRequest) {
       // The run takes the request's state only when its last worker stops, so that a paused run

@@ -320,6 +320,37 @@ describe('Runner.run', () => {
     }
   });
 
+  it('a run that lost its lock after the run ended elsewhere says how it ended, not "rerun to resume"', async () => {
+    // As a --join worker stopped (SIGSTOP, a cut link) while the others finished the run: when it
+    // wakes, its lock session is gone, and the run it would tell the user to resume is done.
+    let inChunk!: () => void;
+    const entered = new Promise<void>((resolve) => (inChunk = resolve));
+    const job = defineJob({
+      name: 'lost-after-end',
+      steps: [
+        {
+          name: 'work',
+          chunks: () => ({ chunks: [{ key: 'a' }], next: null }),
+          async run(ctx: StepContext) {
+            inChunk();
+            await new Promise((resolve) => ctx.signal.addEventListener('abort', resolve, { once: true }));
+          },
+        },
+      ],
+    });
+    const running = runner.run(job, { key: 'k', health: false });
+    const settled = running.then(() => undefined, (e: unknown) => e);
+    await entered;
+    // What the other workers' last chunk and finish left (the chunk's row lock is this run's here).
+    await query(url, `update idem.runs set status = 'succeeded', finished_at = now() where job = 'lost-after-end'`);
+    await query(url, `select pg_terminate_backend(pid) from pg_stat_activity where application_name like 'idem-lock %' and pid <> pg_backend_pid()`);
+    const err = (await settled) as Error;
+    expect(err).toBeInstanceOf(LockLostError);
+    expect(err.message).toMatch(/^lost the advisory lock for job "lost-after-end": .*; the run has meanwhile ended succeeded \(attempt 1\) in the other workers sharing it: nothing to resume; idem status lost-after-end --key k shows it$/);
+    expect(err.message).not.toContain('rerun to resume');
+    expect(await query(url, `select status from idem.runs where job = 'lost-after-end'`)).toEqual([{ status: 'succeeded' }]);
+  });
+
   it('a retry whose timer fires before the database sees the backoff over waits for it, and starts no other chunk meanwhile', async () => {
     // The slot sleeps the backoff the database gave, then claims the chunk again; the database
     // checks its own `retry_at`. A timer firing a hair early (or a database clock a hair ahead)
