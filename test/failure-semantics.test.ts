@@ -500,7 +500,7 @@ describe('fault points: a crash at every protocol boundary converges on rerun', 
       const before = await runRow(db.url, 'counted', key);
       expect(before?.status ?? 'none').not.toBe('succeeded');
       const rerun = await runCli(args, { url: db.url });
-      expect(rerun.code).toBe(0);
+      expect(rerun.code, `rerun's stderr: ${rerun.stderr}`).toBe(0);
       await expectConverged(key, 8);
     });
   }
