@@ -140,7 +140,7 @@ describe('operator actions are compare-and-set (item 3)', () => {
         (r) => ({ ok: r }),
         (e: Error) => ({ err: e }),
       );
-      await waitFor(async () => (await query(url, `select 1 from pg_stat_activity where wait_event_type = 'Lock' and query like '%requested%'`)).length > 0 || undefined, 'the cancel to wait for the row lock');
+      await waitFor(async () => (await query(url, `select 1 from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock' and query like '%requested%'`)).length > 0 || undefined, 'the cancel to wait for the row lock');
       await finisher.query('commit');
       const outcome = await cancelling;
       expect('err' in outcome && outcome.err.message).toBe('run "cas" of job "tiny" had already succeeded (it changed while the request was made): nothing to cancel');

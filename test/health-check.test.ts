@@ -137,7 +137,7 @@ describe('health checks before each chunk', () => {
     await blocked.connect();
     try {
       const running = runner.run(job, { key: 'l', concurrency: 2, health: { ...FAST, lockWaitMs: 300 } });
-      await waitFor(async () => (await query(url, `select 1 from pg_stat_activity where application_name like 'idem %' and wait_event_type = 'Lock'`)).length > 0, 'chunk k00 to hold the row and wait on the gate');
+      await waitFor(async () => (await query(url, `select 1 from pg_stat_activity where datname = current_database() and application_name like 'idem %' and wait_event_type = 'Lock'`)).length > 0, 'chunk k00 to hold the row and wait on the gate');
       const update = blocked.query('update hot set n = n + 10 where id = 1');
       const pause = await waitFor(async () => (await runRow(url, 'locker', 'l'))?.health_pause, 'the run to pause for the lock wait');
       expect(pause.reason).toMatch(/^pid \d+ waiting \d+ ms > 300 ms for a lock held by idem \(pid \d+\)$/);

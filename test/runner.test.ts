@@ -170,7 +170,7 @@ describe('Runner.run', () => {
       };
       await hold(holders[0]!, 'c');
       await hold(holders[1]!, 'd');
-      const waitingOnLock = () => query(url, `select 1 from pg_stat_activity where wait_event_type = 'Lock' and application_name like 'idem %'`).then((r) => r.length > 0);
+      const waitingOnLock = () => query(url, `select 1 from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock' and application_name like 'idem %'`).then((r) => r.length > 0);
       await waitFor(waitingOnLock, 'the slot waiting for chunk c');
       await holders[0]!.query('rollback');
       // Now it does c, then must wait for d: give a slot that wrongly ended the time to end.
@@ -343,7 +343,9 @@ describe('Runner.run', () => {
     await entered;
     // What the other workers' last chunk and finish left (the chunk's row lock is this run's here).
     await query(url, `update idem.runs set status = 'succeeded', finished_at = now() where job = 'lost-after-end'`);
-    await query(url, `select pg_terminate_backend(pid) from pg_stat_activity where application_name like 'idem-lock %' and pid <> pg_backend_pid()`);
+    // This database's lock sessions only: the server is shared with the test files running beside
+    // this one, and ending their runs' lock sessions failed them (ci130, and a run of this stop).
+    await query(url, `select pg_terminate_backend(pid) from pg_stat_activity where application_name like 'idem-lock %' and datname = current_database() and pid <> pg_backend_pid()`);
     const err = (await settled) as Error;
     expect(err).toBeInstanceOf(LockLostError);
     expect(err.message).toMatch(/^lost the advisory lock for job "lost-after-end": .*; the run has meanwhile ended succeeded \(attempt 1\) in the other workers sharing it: nothing to resume; idem status lost-after-end --key k shows it$/);
@@ -507,7 +509,7 @@ describe('Runner.run', () => {
       // Mid-way through the second chunk, the run loses its lock: ctx.signal aborts.
       await waitFor(async () => (await query(url, `select 1 from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'abortable' and c.done_at is not null`)).length, 'the first chunk done');
       await new Promise((r) => setTimeout(r, 150));
-      await query(url, `select pg_terminate_backend(pid) from pg_stat_activity where application_name like 'idem-lock %:' || $1`, [String(process.pid)]);
+      await query(url, `select pg_terminate_backend(pid) from pg_stat_activity where application_name like 'idem-lock %:' || $1 and datname = current_database()`, [String(process.pid)]);
       const err = await running;
       expect(err).toBeInstanceOf(LockLostError);
       // Every chunk is all or nothing: a chunk marked done has all its rows, and no row of a chunk

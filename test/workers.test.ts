@@ -248,7 +248,7 @@ describe('every worker stopped at once', () => {
       try {
         // Every worker is in, its chunks held at the gate; they all end their chunks at one instant.
         await waitFor(async () => ((await sessions(url, 'idem-lock')) === 3 ? true : undefined), 'three workers on the run');
-        await waitFor(async () => ((await query(url, `select 1 from pg_stat_activity where application_name like 'idem %' and wait_event_type = 'Lock'`)).length === 6 ? true : undefined), 'six chunks at the gate');
+        await waitFor(async () => ((await query(url, `select 1 from pg_stat_activity where datname = current_database() and application_name like 'idem %' and wait_event_type = 'Lock'`)).length === 6 ? true : undefined), 'six chunks at the gate');
         for (const w of workers) w.child.kill('SIGTERM');
         await new Promise((r) => setTimeout(r, 300));
       } finally {
