@@ -225,13 +225,33 @@ export const kit: typeof expectConvergent = expectConvergent;
   },
 ];
 
-/** A fresh `npm init`-like project with the tarball installed and the project's files written. */
+/**
+ * The tarball installed once into a fresh `npm init`-like project: npm installs the same tree
+ * whatever a project's name or module type, so each project below is a copy of this install with
+ * its own package.json (five installs cost the file most of its time, for nothing more tested).
+ */
+let installed: Promise<string> | undefined;
+function installOnce(): Promise<string> {
+  installed ??= (async () => {
+    const dir = path.join(work, 'installed');
+    await fs.mkdir(dir, { mode: 0o755 });
+    await fs.writeFile(path.join(dir, 'package.json'), `${JSON.stringify({ name: 'idem-user-installed', version: '1.0.0', private: true }, null, 2)}\n`);
+    await sh(dir, 'npm', ['install', '--prefer-offline', '--no-audit', '--no-fund', tarball], userEnv());
+    return dir;
+  })();
+  return installed;
+}
+
+/** A fresh project with the tarball installed (a copy of installOnce's) and the project's files written. */
 async function createProject(p: Project): Promise<string> {
   const dir = path.join(work, p.name);
-  await fs.mkdir(dir, { mode: 0o755 });
-  const pkg = { name: `idem-user-${p.name}`, version: '1.0.0', private: true, ...(p.type === 'module' ? { type: 'module' } : {}) };
-  await fs.writeFile(path.join(dir, 'package.json'), `${JSON.stringify(pkg, null, 2)}\n`);
-  await sh(dir, 'npm', ['install', '--prefer-offline', '--no-audit', '--no-fund', tarball], userEnv());
+  // cp -a keeps node_modules/.bin's symlinks (npx idem) and modes as npm made them.
+  await sh(work, 'cp', ['-a', await installOnce(), dir], userEnv());
+  const pkgFile = path.join(dir, 'package.json');
+  const installedPkg = JSON.parse(await fs.readFile(pkgFile, 'utf8')) as { dependencies?: Record<string, string> };
+  expect(Object.keys(installedPkg.dependencies ?? {})).toEqual(['idem']);
+  const pkg = { name: `idem-user-${p.name}`, version: '1.0.0', private: true, ...(p.type === 'module' ? { type: 'module' } : {}), dependencies: installedPkg.dependencies };
+  await fs.writeFile(pkgFile, `${JSON.stringify(pkg, null, 2)}\n`);
   for (const [file, content] of Object.entries(p.files)) {
     await fs.mkdir(path.dirname(path.join(dir, file)), { recursive: true });
     await fs.writeFile(path.join(dir, file), content);
