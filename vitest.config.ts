@@ -1,5 +1,6 @@
 import { fileURLToPath } from 'node:url';
 import { defineConfig } from 'vitest/config';
+import { LongestFirstSequencer } from './test/support/sequencer.ts';
 
 /**
  * IDEM_TEST_SHUFFLE=1 runs the tests of each file in a random order (files keep theirs), so a test
@@ -33,6 +34,8 @@ export default defineConfig({
     maxWorkers: 2,
     // 'stack' (vitest's default, pinned): after-hooks run in reverse order, so a file's own afterAll
     // registered after useTestDatabase() (test/support/database.ts) runs before the database drops.
-    sequence: { shuffle: shuffle ? { files: false, tests: true } : false, seed, hooks: 'stack' },
+    // Files start longest first (test/support/sequencer.ts), so that no long file starts last and
+    // leaves the other worker idle; the tests within a file are shuffled under CI (above).
+    sequence: { sequencer: LongestFirstSequencer, shuffle: shuffle ? { files: false, tests: true } : false, seed, hooks: 'stack' },
   },
 });
