@@ -5,7 +5,7 @@ import { afterAll, beforeAll, describe, expect, inject, it, vi } from 'vitest';
 import { defineJob, Runner, sql, UsageError, type HealthOptions } from '../src/index.ts';
 import { parseHealthFlag, resolveHealth } from '../src/health-check.ts';
 import counted from './fixtures/jobs/counted.ts';
-import { FIXTURE_DIRS, holdGate, killLeftovers, query, runCli, runRow, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { FIXTURE_DIRS, holdGate, killLeftovers, query, runCli, runRow, spawnCli, waitFor, workCounts, lockWaiters } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 const logs: Array<{ msg: string; indicator?: string; [k: string]: unknown }> = [];
@@ -137,7 +137,7 @@ describe('health checks before each chunk', () => {
     await blocked.connect();
     try {
       const running = runner.run(job, { key: 'l', concurrency: 2, health: { ...FAST, lockWaitMs: 300 } });
-      await waitFor(async () => (await query(url, `select 1 from pg_stat_activity where datname = current_database() and application_name like 'idem %' and wait_event_type = 'Lock'`)).length > 0, 'chunk k00 to hold the row and wait on the gate');
+      await waitFor(async () => (await lockWaiters(url, 'idem')) > 0, 'chunk k00 to hold the row and wait on the gate');
       const update = blocked.query('update hot set n = n + 10 where id = 1');
       const pause = await waitFor(async () => (await runRow(url, 'locker', 'l'))?.health_pause, 'the run to pause for the lock wait');
       expect(pause.reason).toMatch(/^pid \d+ waiting \d+ ms > 300 ms for a lock held by idem \(pid \d+\)$/);
@@ -232,9 +232,19 @@ describe('health checks under the least-privilege role the README documents', ()
       expect(warnings[0]).toMatchObject({ level: 40, job: 'counted', runKey: 'blind' });
 
       await query(url, `grant pg_read_all_stats to ${role}`);
+      // A process's probe serves all its runs for probeIntervalMs: let the one the blind run took
+      // (before the grant) go stale, or the next run may start on it (here the gap was ~20 ms).
+      await new Promise((r) => setTimeout(r, FAST.probeIntervalMs! + 50));
       roleLogs.length = 0;
       const seeing = roleRunner!.run(counted, { params: { chunks: 2 }, key: 'seeing', health: { ...FAST, transactionAgeSeconds: 1 } });
-      const pause = await waitFor(async () => (await runRow(url, 'counted', 'seeing'))?.health_pause, 'the run to pause for health');
+      let outcome = 'still running';
+      seeing.then(
+        (o) => (outcome = `ended ${JSON.stringify(o)}`),
+        (err: Error) => (outcome = `threw ${err.message}`),
+      );
+      const pause = await waitFor(async () => (await runRow(url, 'counted', 'seeing'))?.health_pause, 'the run to pause for health').catch((err: Error) => {
+        throw new Error(`${err.message}; the run ${outcome}; its log ${JSON.stringify(roleLogs.map((l) => l.msg))}`);
+      });
       expect(pause.reason).toMatch(new RegExp(`^transaction of pid ${tx.pid} \\(idle in transaction\\) open \\d+ s > 1 s$`));
       await tx.release();
       expect(await seeing).toMatchObject({ status: 'succeeded' });
