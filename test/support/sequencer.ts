@@ -18,8 +18,12 @@ const durations = JSON.parse(readFileSync(new URL('./durations.json', import.met
 export class LongestFirstSequencer extends BaseSequencer {
   override async sort(files: TestSpecification[]): Promise<TestSpecification[]> {
     const root = this.ctx.config.root;
-    const failed = (f: TestSpecification) => this.ctx.cache.getFileTestResults(`${f.project.name}:${path.relative(root, f.moduleId)}`)?.failed === true;
-    const seconds = (f: TestSpecification) => durations[path.relative(root, f.moduleId).split(path.sep).join('/')] ?? Number.POSITIVE_INFINITY;
-    return [...files].sort((a, b) => Number(failed(b)) - Number(failed(a)) || seconds(b) - seconds(a));
+    // Each file's rank once, not at every comparison: failed last time, then its recorded seconds.
+    const ranked = files.map((f) => {
+      const file = path.relative(root, f.moduleId);
+      const failed = this.ctx.cache.getFileTestResults(`${f.project.name}:${file}`)?.failed === true;
+      return { f, failed: Number(failed), seconds: durations[file.split(path.sep).join('/')] ?? Number.POSITIVE_INFINITY };
+    });
+    return ranked.sort((a, b) => b.failed - a.failed || b.seconds - a.seconds).map((r) => r.f);
   }
 }
