@@ -3,7 +3,7 @@ import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { defineJob, exitCodeOf, Runner, RunFailedError, sql } from '../src/index.ts';
 import { CodeChangedError } from '../src/code-fingerprint.ts';
-import { holdGate, killLeftovers, lines, query, REPO, runCli, runRow, waitFor } from './support/cli.ts';
+import { holdGate, killLeftovers, lines, query, REPO, runCli, runRow, waitFor, lockWaiters } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 import { api, startServe } from './support/server.ts';
 
@@ -138,7 +138,7 @@ describe('code changes between attempts', () => {
           ],
         });
       first = a.run(gated('1'), { key: 'j', join: true });
-      await waitFor(async () => (await query(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`))[0].n > 0, 'chunk x to wait at the gate');
+      await waitFor(async () => (await lockWaiters(url)) > 0, 'chunk x to wait at the gate');
       const refused = await b.run(gated('2'), { key: 'j', join: true }).catch((e: unknown) => e);
       expect(refused).toBeInstanceOf(CodeChangedError);
       expect(await runRow(url, 'joined-code', 'j')).toMatchObject({ status: 'running', attempt: 1, code_fingerprint: 'version:1', code_changes: null });

@@ -8,7 +8,7 @@ import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { shellQuote } from '../src/shell-quote.ts';
 import { Runner } from '../src/index.ts';
 import counted, { chunkKey } from './fixtures/jobs/counted.ts';
-import { BIN, chunkRows, endState, expectFaultCrash, expectKilled, FIXTURE_DIRS, holdGate, killLeftovers, lines, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { BIN, chunkRows, endState, expectFaultCrash, expectKilled, FIXTURE_DIRS, holdGate, killLeftovers, lines, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, lockWaiters } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 // idem's schema exists before the first poll of idem.chunks.
@@ -111,7 +111,7 @@ describe('a run stopped with one SIGTERM or SIGINT', () => {
     // it, so exactly one chunk is in flight (concurrency 1) when the signal arrives.
     const held = await holdGate(url, gate);
     try {
-      await waitFor(async () => (await query(url, `select 1 from pg_stat_activity where datname = current_database() and application_name like 'idem %' and wait_event_type = 'Lock'`)).length > 0, 'a chunk blocked at the gate');
+      await waitFor(async () => (await lockWaiters(url, 'idem')) > 0, 'a chunk blocked at the gate');
       doneBefore = await doneKeys(key);
       inFlight = chunkKey(doneBefore.length + 1);
       expect(doneBefore).toEqual(Array.from({ length: doneBefore.length }, (_, i) => chunkKey(i + 1)));

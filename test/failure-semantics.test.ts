@@ -11,7 +11,7 @@ import { defineJob, RunFailedError, Runner, sql } from '../src/index.ts';
 import { sessionName } from '../src/database.ts';
 import { FAULT_POINTS } from '../src/fault-points.ts';
 import { useTestDatabase } from './support/database.ts';
-import { BIN, expectFaultCrash, FIXTURE_DIRS, killLeftovers, logLines, type CliProcess, type CliResult, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, holdGate } from './support/cli.ts';
+import { BIN, expectFaultCrash, FIXTURE_DIRS, killLeftovers, logLines, type CliProcess, type CliResult, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, holdGate, lockWaiters } from './support/cli.ts';
 import counted, { maybeFail } from './fixtures/jobs/counted.ts';
 import { api, startServe } from './support/server.ts';
 
@@ -513,7 +513,7 @@ describe('signals and lost locks', () => {
 
   /** Some idem work session of this database waits on a lock: the chunk sits at its gate. */
   const atGate = () =>
-    waitFor(async () => (await query(db.url, `select 1 from pg_stat_activity where wait_event_type = 'Lock' and application_name like 'idem %' and datname = current_database()`)).length > 0, 'a chunk waiting on the gate');
+    waitFor(async () => (await lockWaiters(db.url, 'idem')) > 0, 'a chunk waiting on the gate');
   /** The chunk's work is done (uncommitted) before it waits at the gate: an abort has something to roll back. */
   const gatedArgs = (key: string, chunks: number) => base(key, ['--param', `chunks=${chunks}`, '--param', `gate=${key}`, '--param', 'gateAfterWork=true']);
   const stopping = (child: ReturnType<typeof spawnCli>) =>
@@ -771,7 +771,7 @@ describe('a chunk that fails for good at --concurrency > 1', () => {
     await failing.query('begin');
     await failing.query(`insert into counted_state (run_key, chunk_key, value) values ($1, 'c0002', -1)`, [key]);
     const running = runner.run(counted, { key, params: { chunks: 10 }, concurrency: 3 }).then(() => null, (e: unknown) => e);
-    const waiting = async () => (await query(db.url, `select 1 from pg_stat_activity where datname = current_database() and application_name like 'idem %' and wait_event_type = 'Lock'`)).length;
+    const waiting = () => lockWaiters(db.url, 'idem');
     try {
       await waitFor(async () => (await waiting()) === 3, 'c0001, c0002 and c0003 to wait on the blockers');
       await failing.query('rollback');

@@ -12,7 +12,7 @@ import counted, { chunkKey } from './fixtures/jobs/counted.ts';
 import ranged from './fixtures/jobs/ranged.ts';
 import sized, { SIZED_DDL, SIZED_NOMINAL } from './fixtures/sized-jobs/sized.ts';
 import { withClient } from './fixtures/tables.ts';
-import { busyMessage, chunkRows, lines, expectFaultCrash, FIXTURE_DIRS, holdGate, killLeftovers, query, runCli, runRow, sessions, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { busyMessage, chunkRows, lines, expectFaultCrash, FIXTURE_DIRS, holdGate, killLeftovers, query, runCli, runRow, sessions, snapshot, spawnCli, waitFor, workCounts, lockWaiters } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 const SIZED_JOBS = fileURLToPath(new URL('./fixtures/sized-jobs', import.meta.url));
@@ -45,7 +45,7 @@ async function doneWork(runKey: string): Promise<string[]> {
 /** Waits until some session of this database waits on a lock: a chunk stuck at a gate or row lock. */
 async function someoneBlocked(): Promise<void> {
   await waitFor(
-    async () => (await query(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`))[0].n > 0,
+    async () => (await lockWaiters(url)) > 0,
     'a chunk to block on a held lock',
   );
 }

@@ -4,7 +4,7 @@ import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { lockKey } from '../src/fingerprint.ts';
 import type { Runner } from '../src/runner.ts';
 import skippy from './fixtures/more-jobs/skippy.ts';
-import { busyMessage, killLeftovers, query, runCli, runRow, spawnCli, waitFor, type CliProcess } from './support/cli.ts';
+import { busyMessage, killLeftovers, query, runCli, runRow, spawnCli, waitFor, type CliProcess, lockWaiters } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 /**
@@ -73,11 +73,6 @@ async function owned(id: string) {
   return row as { runs: number; steps: number; chunks: number };
 }
 
-/** Sessions of this database waiting on a lock (a row lock, a table lock). */
-async function lockWaiters(): Promise<number> {
-  return (await query(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`))[0].n;
-}
-
 describe('prune and a run revived by --retry-skipped', () => {
   it('prune leaves alone a run whose own lock a process holds (a worker entering it), and says it skipped it', async () => {
     const key = 'held-run-lock';
@@ -131,12 +126,12 @@ describe('prune and a run revived by --retry-skipped', () => {
       await holder.query('begin');
       await holder.query(`select 1 from idem.chunks where run_id = $1 and key = 'p029999' for update`, [id]);
       pruning = prune();
-      await waitFor(async () => (await lockWaiters()) >= 1, 'prune to stall on the held marker');
+      await waitFor(async () => (await lockWaiters(url)) >= 1, 'prune to stall on the held marker');
       retrying = retry(key);
       let exited = false;
       void retrying.done.then(() => (exited = true));
       // Fixed: the retry is refused at once. Before: it went on and blocked on prune's rows.
-      await waitFor(async () => exited || (await lockWaiters()) >= 2, 'the retry to exit or block');
+      await waitFor(async () => exited || (await lockWaiters(url)) >= 2, 'the retry to exit or block');
       await holder.query('commit');
     } finally {
       await holder.end();
@@ -164,7 +159,7 @@ describe('prune and a run revived by --retry-skipped', () => {
       await table.query('begin');
       await table.query('lock table fail_chunks in access exclusive mode');
       retrying = retry(key);
-      await waitFor(async () => (await lockWaiters()) >= 1, 'the retried chunk to wait');
+      await waitFor(async () => (await lockWaiters(url)) >= 1, 'the retried chunk to wait');
       expect(await runRow(url, 'skippy', key)).toMatchObject({ status: 'running', attempt: 2 });
       const p = await prune().done;
       expect(p.code, p.stderr).toBe(0);
@@ -192,13 +187,13 @@ describe('prune and a run revived by --retry-skipped', () => {
       await holder.query('begin');
       await holder.query(`select 1 from idem.chunks where run_id = $1 and key = 'p029999' for update`, [id]);
       const pruning = prune();
-      await waitFor(async () => (await lockWaiters()) >= 1 && (await chunkCount(id)) < chunks, 'prune to delete some batches and stall on the held marker');
+      await waitFor(async () => (await lockWaiters(url)) >= 1 && (await chunkCount(id)) < chunks, 'prune to delete some batches and stall on the held marker');
       pruning.child.kill('SIGKILL');
       expect((await pruning.done).code).toBeNull();
       // Its backend would still finish the waiting DELETE once the marker is free: end it, as the
       // server does when it finds the client gone.
       await holder.query(`select pg_terminate_backend(pid) from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`);
-      await waitFor(async () => (await lockWaiters()) === 0, "the killed prune's backend to end");
+      await waitFor(async () => (await lockWaiters(url)) === 0, "the killed prune's backend to end");
       await holder.query('rollback');
     } finally {
       await holder.end();

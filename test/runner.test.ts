@@ -4,7 +4,7 @@ import { BusyError, defineJob, exitCodeOf, fingerprint, LockLostError, ParamsMis
 import { lockKey } from '../src/fingerprint.ts';
 import counted, { chunkKey, maybeFail } from './fixtures/jobs/counted.ts';
 import ranged from './fixtures/jobs/ranged.ts';
-import { ALL_TABLES, chunkRows, holdGate, query, runRow, snapshot, waitFor, workCounts } from './support/cli.ts';
+import { ALL_TABLES, chunkRows, holdGate, query, runRow, snapshot, waitFor, workCounts, lockWaiters } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 const testDb = useTestDatabase({ fixtureTables: true, runner: true });
@@ -170,7 +170,7 @@ describe('Runner.run', () => {
       };
       await hold(holders[0]!, 'c');
       await hold(holders[1]!, 'd');
-      const waitingOnLock = () => query(url, `select 1 from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock' and application_name like 'idem %'`).then((r) => r.length > 0);
+      const waitingOnLock = () => lockWaiters(url, 'idem').then((n) => n > 0);
       await waitFor(waitingOnLock, 'the slot waiting for chunk c');
       await holders[0]!.query('rollback');
       // Now it does c, then must wait for d: give a slot that wrongly ended the time to end.
@@ -532,7 +532,7 @@ describe('Runner.run', () => {
     const gate = await holdGate(url, key);
     const running = rejectionOf(runner.run(counted, { params: { chunks: 3, gate: key }, key }));
     try {
-      await waitFor(async () => (await query(url, `select 1 from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`)).length > 0, 'the chunk to block on the gate');
+      await waitFor(async () => (await lockWaiters(url)) > 0, 'the chunk to block on the gate');
       await query(url, `update idem.runs set attempt = attempt + 1 where run_key = $1`, [key]);
     } finally {
       await gate.release();

@@ -8,7 +8,7 @@ import { CancelledError, InterruptedError, PausedError, PauseWithdrawnError, Run
 import { lockKey } from '../src/fingerprint.ts';
 import { EXECUTION_OUTCOMES, executionOutcome } from '../src/server/run-executor.ts';
 import { chunkKey } from './fixtures/jobs/counted.ts';
-import { ALL_TABLES, BIN, FIXTURE_JOBS, REPO, holdGate, killLeftovers, runCli, runRow, query, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { ALL_TABLES, BIN, FIXTURE_JOBS, REPO, holdGate, killLeftovers, runCli, runRow, query, snapshot, spawnCli, waitFor, workCounts, lockWaiters } from './support/cli.ts';
 import { createTestDatabase, useTestDatabase } from './support/database.ts';
 import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
 
@@ -359,7 +359,7 @@ describe('operator actions', () => {
       expect(created.status).toBe(201);
       id = created.body.id;
       await waitFor(
-        async () => (await query(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`))[0].n > 0,
+        async () => (await lockWaiters(url)) > 0,
         'chunk 1 to wait at the gate',
       );
       expect((await api(server.base, 'POST', `/api/runs/${id}/pause`)).body).toMatchObject({ id, requested: 'pause' });

@@ -1,6 +1,6 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { chunkKey } from './fixtures/jobs/counted.ts';
-import { FIXTURE_DIRS, holdGate, killLeftovers, query, runRow, sessions, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { FIXTURE_DIRS, holdGate, killLeftovers, query, runRow, sessions, spawnCli, waitFor, workCounts, lockWaiters } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 import { api, startServe } from './support/server.ts';
 
@@ -172,8 +172,7 @@ describe('idem serve killed with SIGKILL mid-run', () => {
     const created = await api(srv.base, 'POST', '/api/jobs/counted/runs', { key: 'k-join', body });
     const worker = spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', JSON.stringify(body), '--key', 'k-join', '--join'], { url, timeoutMs: 180_000 });
     // Joined: a chunk of the server and one of the worker both wait at the gate.
-    const blocked = async () =>
-      (await query<{ n: number }>(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and application_name like 'idem %' and wait_event_type = 'Lock'`))[0]!.n;
+    const blocked = () => lockWaiters(url, 'idem');
     await waitFor(async () => (await blocked()) >= 2, 'the server and the worker to each hold a chunk', { timeoutMs: 120_000 });
     await gate.release();
     const joined = await worker.done;

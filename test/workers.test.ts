@@ -1,6 +1,6 @@
 import os from 'node:os';
 import { beforeAll, describe, expect, it } from 'vitest';
-import { busyMessage, FIXTURE_DIRS, holdGate, query, runCli, sessions, spawnCli, waitFor, type CliProcess } from './support/cli.ts';
+import { busyMessage, FIXTURE_DIRS, holdGate, query, runCli, sessions, spawnCli, waitFor, type CliProcess, lockWaiters } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 import { sessionName } from '../src/database.ts';
 
@@ -218,7 +218,7 @@ describe('a pause withdrawn while the workers were stopping for it', () => {
     let workers: CliProcess[] = [];
     try {
       workers = Array.from({ length: 2 }, () => join(key, 20, 0, [], key));
-      const blocked = async () => (await query<{ n: number }>(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`))[0]!.n;
+      const blocked = () => lockWaiters(url);
       await waitFor(async () => (await blocked()) >= 2, 'both workers to have a chunk in flight at the gate', { timeoutMs: 60_000 });
       expect((await runCli([...FIXTURE_DIRS, 'pause', 'counted', '--key', key], { url })).code).toBe(0);
       await waitFor(async () => workers.every((w) => w.stderr().includes('pause requested by an operator')), 'both workers to see the pause', { timeoutMs: 10_000 });
@@ -248,7 +248,7 @@ describe('every worker stopped at once', () => {
       try {
         // Every worker is in, its chunks held at the gate; they all end their chunks at one instant.
         await waitFor(async () => ((await sessions(url, 'idem-lock')) === 3 ? true : undefined), 'three workers on the run');
-        await waitFor(async () => ((await query(url, `select 1 from pg_stat_activity where datname = current_database() and application_name like 'idem %' and wait_event_type = 'Lock'`)).length === 6 ? true : undefined), 'six chunks at the gate');
+        await waitFor(async () => ((await lockWaiters(url, 'idem')) === 6 ? true : undefined), 'six chunks at the gate');
         for (const w of workers) w.child.kill('SIGTERM');
         await new Promise((r) => setTimeout(r, 300));
       } finally {
@@ -272,7 +272,7 @@ describe('every worker stopped at once', () => {
     try {
       const workers = Array.from({ length: 3 }, () => join('budget', 200, 20, [], 'g-budget'));
       try {
-        await waitFor(async () => (await query(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`))[0].n >= 3, 'all three workers at the gate', { timeoutMs: 60_000 });
+        await waitFor(async () => (await lockWaiters(url)) >= 3, 'all three workers at the gate', { timeoutMs: 60_000 });
       } finally {
         await gate.release();
       }

@@ -215,6 +215,20 @@ export async function sessions(url: string, applicationName: string): Promise<nu
   return rows[0]!.n;
 }
 
+/**
+ * How many sessions of the database of `url` wait on a lock (a row lock: a chunk at its gate), or,
+ * with `applicationName`, only those named after it (`idem` counts a worker's work sessions,
+ * `idem host:pid`). Its own database only: test files share the one test server.
+ */
+export async function lockWaiters(url: string, applicationName?: string): Promise<number> {
+  const rows = await query<{ n: number }>(
+    url,
+    `select count(*)::int as n from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock' and ($1::text is null or application_name like $1 || ' %')`,
+    [applicationName ?? null],
+  );
+  return rows[0]!.n;
+}
+
 /** work_log rows per chunk key for one run key (job steps log 'step'). */
 export async function workCounts(url: string, runKey: string, step = 'work'): Promise<Map<string, number>> {
   const rows = await query<{ chunk_key: string; n: number }>(
