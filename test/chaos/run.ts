@@ -7,20 +7,55 @@ import { mkdtemp, chown, rm } from 'node:fs/promises';
 import { execFileSync } from 'node:child_process';
 import os from 'node:os';
 import path from 'node:path';
+import { parseArgs } from 'node:util';
 import pg from 'pg';
 import { startEmbeddedPostgres } from '../../src/embedded-postgres.ts';
 import { chaosFailures, minMultiAttemptEpisodes, runChaos, summaryLine } from './chaos.ts';
 import { runWorkersChaos, workersChaosFailures, workersSummaryLine } from './workers-chaos.ts';
 
-function flag(name: string, fallback: number): number {
-  const i = process.argv.indexOf(`--${name}`);
-  const v = i >= 0 ? Number(process.argv[i + 1]) : fallback;
-  if (!Number.isInteger(v) || v < 0) throw new Error(`--${name} must be a whole number`);
+const USAGE = `usage: npm run chaos [-- --rounds N] [--seed N] [--workers [--minutes N]]
+  --rounds N    rounds to run (default 200)
+  --seed N      replay a run: its first line prints the seed
+  --workers     share every run among 2-6 \`idem run --join\` workers, killed and joining at random
+  --minutes N   with --workers: start no new round after N minutes
+DATABASE_URL: the server to use (a database of its own is made and dropped); else a fresh embedded one.`;
+
+const options = {
+  rounds: { type: 'string' },
+  seed: { type: 'string' },
+  minutes: { type: 'string' },
+  workers: { type: 'boolean' },
+  help: { type: 'boolean', short: 'h' },
+} as const;
+let args: ReturnType<typeof parseArgs<{ options: typeof options; strict: true; allowPositionals: false }>>['values'];
+try {
+  args = parseArgs({
+    options,
+    strict: true,
+    allowPositionals: false,
+  }).values;
+} catch (err) {
+  // An unknown flag (a typo of --rounds) must not start a 200-round run.
+  console.error(`chaos: ${(err as Error).message}; see npm run chaos -- --help`);
+  process.exit(2);
+}
+if (args.help) {
+  console.log(USAGE);
+  process.exit(0);
+}
+
+function flag(name: 'rounds' | 'seed' | 'minutes', fallback: number): number {
+  const raw = args[name];
+  const v = raw === undefined ? fallback : Number(raw);
+  if (!Number.isInteger(v) || v < 0 || (raw !== undefined && raw.trim() === '')) {
+    console.error(`chaos: --${name} must be a whole number (got ${JSON.stringify(raw)})`);
+    process.exit(2);
+  }
   return v;
 }
 
 const rounds = flag('rounds', 200);
-const workers = process.argv.includes('--workers');
+const workers = args.workers === true;
 /** `--minutes N` (workers mode): start no new round after N minutes, so a bounded run still ends with its summary. */
 const minutes = flag('minutes', 0);
 const seed = flag('seed', Math.floor(Math.random() * 2 ** 31));
@@ -50,6 +85,27 @@ const dbUrl = new URL(url);
 dbUrl.pathname = `/${dbName}`;
 console.log(`chaos${workers ? ' --workers' : ''}: seed=${seed} rounds=${rounds} (replay with --seed ${seed} --rounds ${rounds}${workers ? ' --workers' : ''})`);
 let failed = true;
+// Ctrl-C or a kill: drop the database and stop the embedded server instead of leaving them behind.
+// The rounds' own connections then die under them: their errors are the cleanup's, not failures.
+let interrupted = false;
+process.on('uncaughtException', (err) => {
+  if (interrupted) return;
+  console.error(err);
+  process.exit(1);
+});
+const onSignal = (signal: NodeJS.Signals) => {
+  if (interrupted) return;
+  interrupted = true;
+  console.log(`chaos: ${signal}: cleaning up`);
+  void admin
+    .query(`drop database if exists ${dbName} with (force)`)
+    .catch(() => {})
+    .then(() => admin.end().catch(() => {}))
+    .then(() => cleanup().catch((err: unknown) => console.error(`chaos: could not stop the embedded server: ${(err as Error).message}`)))
+    .finally(() => process.exit(130));
+};
+process.once('SIGINT', onSignal);
+process.once('SIGTERM', onSignal);
 try {
   const onLine = process.env.CHAOS_VERBOSE ? console.log : undefined;
   let problems: string[];
