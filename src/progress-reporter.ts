@@ -62,7 +62,17 @@ export function createProgressReporter(opts: { readonly job: string; readonly tt
       opts.log.info({ job: opts.job, runKey: last.runKey, attempt: last.attempt, step: last.step, done: last.done, planned: last.planned, estimated: last.estimated, executedNow: last.executedNow }, formatProgress(opts.job, last));
     }
   };
-  const timer = setInterval(draw, opts.tty ? 250 : (opts.intervalMs ?? 10_000));
+  const intervalMs = opts.tty ? 250 : (opts.intervalMs ?? 10_000);
+  let lastTick = performance.now();
+  const timer = setInterval(() => {
+    // A tick more than a second late: the process was stopped (SIGSTOP, a VM freeze) or its event
+    // loop blocked. Its figures are from before the gap, and a verdict on the run's lock may be due
+    // (the lock check fires in the same turn): this one is skipped, the next, an interval on, draws.
+    const now = performance.now();
+    const late = now - lastTick > intervalMs + 1_000;
+    lastTick = now;
+    if (!late) draw();
+  }, intervalMs);
   timer.unref();
   let stopped = false;
   return {

@@ -228,3 +228,35 @@ describe('ending an attempt is a compare-and-set on the run still running under 
     expect(await runRow(url, 'cas-fail', key)).toMatchObject({ status: 'failed', error: first });
   });
 });
+
+describe('a run stopped (SIGSTOP) past a progress interval, then continued', () => {
+  it('prints no progress line for the time it was stopped: the first tick after it is skipped, the next ones report as before', async () => {
+    const key = 'stopped-progress';
+    const interval = 300;
+    const a = spawnCli([...STALL_DIRS, 'run', 'stall', '--params', JSON.stringify({ chunks: 200, pauseMs: 20 }), '--key', key], {
+      url,
+      env: { IDEM_PROGRESS_INTERVAL_MS: String(interval) },
+      timeoutMs: 60_000,
+    });
+    const progressLines = (text: string) => text.split('\n').filter((l) => /chunks, [\d.]+\/s, ETA/.test(l));
+    try {
+      await waitFor(async () => progressLines(a.stderr()).length >= 2 || undefined, 'two progress lines', { timeoutMs: 20_000 });
+      a.child.kill('SIGSTOP');
+      // Stopped for five intervals: everything it wrote before has reached us by the end of it.
+      await new Promise((r) => setTimeout(r, 5 * interval));
+      const before = a.stderr().length;
+      a.child.kill('SIGCONT');
+      // The tick that was due while it was stopped fires at once when it goes on. Its figures are
+      // from before the stop (no chunk ended meanwhile), and a verdict on its lock may be due: it
+      // must not print. The next tick comes an interval after it.
+      await new Promise((r) => setTimeout(r, interval / 2));
+      expect(progressLines(a.stderr().slice(before))).toEqual([]);
+      await waitFor(async () => progressLines(a.stderr().slice(before)).length >= 1 || undefined, 'a progress line after the stop', { timeoutMs: 10_000 });
+      const r = await a.done;
+      expect(r.code, r.stderr).toBe(0);
+      expect(await workCounts(url, key)).toEqual(ones(200));
+    } finally {
+      a.child.kill('SIGCONT');
+    }
+  });
+});

@@ -7,6 +7,7 @@ import { ExitCode, UsageError } from '../errors.ts';
 import { fingerprint } from '../fingerprint.ts';
 import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
 import { createProgressReporter } from '../progress-reporter.ts';
+import { testHookMs } from '../test-hooks.ts';
 
 interface RunFlags extends HealthFlags {
   key?: string;
@@ -89,8 +90,9 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
             ...(o.pause !== undefined ? { pauseMs: o.pause } : {}),
             ...(o.targetChunkMs !== undefined ? { targetChunkMs: o.targetChunkMs } : {}),
           };
+          const progressMs = testHookMs('IDEM_PROGRESS_INTERVAL_MS');
           for (const slot of slots) {
-            const reporter = o.progress && !o.json && !o.dryRun ? createProgressReporter({ job: job.name, tty: process.stderr.isTTY === true, log }) : undefined;
+            const reporter = o.progress && !o.json && !o.dryRun ? createProgressReporter({ job: job.name, tty: process.stderr.isTTY === true, log, ...(progressMs ? { intervalMs: progressMs } : {}) }) : undefined;
             if (reporter) session.defer(async () => reporter.stop());
             const key = slot ? slotKey(slot) : o.key;
             current = key ?? defaultKey;
