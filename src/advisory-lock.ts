@@ -130,12 +130,23 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
   const checkTimeout = opts.checkTimeoutMs ?? LOCK_CHECK_TIMEOUT_MS;
   const interval = opts.checkIntervalMs ?? lockCheckIntervalMs();
   const idleMs = opts.idleSessionTimeoutMs === 0 ? 0 : Math.max(opts.idleSessionTimeoutMs ?? interval * LOCK_IDLE_INTERVALS, interval * MIN_IDLE_INTERVALS);
+  /** When the session last answered a statement: how long this process had been silent on it. */
+  let lastAnswer = performance.now();
+  const idleEnded = `the server ended its session after ${idleMs / 1000}s without a statement from this process (stopped or frozen that long, or cut off behind a proxy)`;
   /** An error of the session, as the lost lock's reason. */
-  const whyLost = (err: unknown) =>
+  const whyLost = (err: unknown) => {
+    const message = String((err as Error)?.message ?? err);
     // 57P05: the server's idle_session_timeout, which only a silent process meets (see lockSessionSetup).
-    (err as { code?: string }).code === '57P05'
-      ? `the server ended its session after ${idleMs / 1000}s without a statement from this process (stopped or frozen that long, or cut off behind a proxy)`
-      : (err as Error).message;
+    if ((err as { code?: string }).code === '57P05') return idleEnded;
+    // Behind PgBouncer the server's goodbye never reaches us: PgBouncer closes our side with its own
+    // words. After a silence past the idle timeout, that was the server's idle timeout too.
+    if (message.includes('server conn crashed?')) {
+      return idleMs > 0 && performance.now() - lastAnswer >= idleMs
+        ? `${idleEnded}; PgBouncer reported it as "server conn crashed?"`
+        : `the connection pooler's session to the server ended (PgBouncer: "server conn crashed?"): the server ended or restarted the lock's session`;
+    }
+    return message;
+  };
   /** Statements in flight on the session; the periodic check never queues behind one. */
   let busy = 0;
   /** One statement, raced against a deadline: no answer in time is a lost lock, not a wait. */
@@ -146,6 +157,7 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
         loseLock(`its session did not answer within ${ms / 1000}s (network gone?)`);
         return lostController.signal.reason;
       });
+      lastAnswer = performance.now();
       return rows;
     } finally {
       busy--;
@@ -235,6 +247,7 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
         },
         (err) => loseLock(whyLost(err), err),
       );
+    lastAnswer = performance.now();
     timer = setInterval(() => {
       // Never queue a check behind one that has not answered: the deadline of that one decides.
       if (busy > 0 || lostController.signal.aborted) return;

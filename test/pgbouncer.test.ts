@@ -1,6 +1,7 @@
 import pg from 'pg';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { FIXTURE_DIRS, query, runCli, spawnCli } from './support/cli.ts';
+import { fileURLToPath } from 'node:url';
+import { FIXTURE_DIRS, FIXTURE_MIGRATIONS, query, runCli, sessions, spawnCli, waitFor } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 import { pgbouncerBinary, startPgbouncer, type Bouncer } from './support/pgbouncer.ts';
 
@@ -9,6 +10,7 @@ import { pgbouncerBinary, startPgbouncer, type Bouncer } from './support/pgbounc
 const missing = pgbouncerBinary() === null;
 if (missing) console.warn('pgbouncer tests skipped: pgbouncer is not installed (.ci/run installs it: apt-get install -y pgbouncer)');
 
+const STALL_DIRS = ['--jobs-dir', fileURLToPath(new URL('./fixtures/stall-jobs', import.meta.url)), '--migrations-dir', FIXTURE_MIGRATIONS];
 const COUNTED = (chunks: number, pauseMs = 0) => JSON.stringify({ chunks, pauseMs, label: 'x', gate: null });
 const REFUSAL = /^idem: error: postgres:\/\/[^ ]+ goes through a connection pooler \(PgBouncer or similar\) in transaction or statement mode, which does not keep sessions, and idem needs its session \(advisory lock\): set pool_mode = session for idem's database, or point idem at PostgreSQL directly$/;
 
@@ -61,6 +63,25 @@ describe.skipIf(missing)('behind PgBouncer in session mode', () => {
     const counts = await query(database.url, `select chunk_key, count(*)::int as n from work_log where run_key = 'one' and step = 'work' group by chunk_key having count(*) <> 1`);
     expect(counts).toEqual([]);
     expect(await query(database.url, `select count(distinct chunk_key)::int as n from work_log where run_key = 'one' and step = 'work'`)).toEqual([{ n: 30 }]);
+  });
+
+  it('a run stopped past its lock session\'s idle timeout exits 69 saying why, not with PgBouncer\'s "server conn crashed?"', async () => {
+    // The lock's check interval 200 ms: the lock session's idle_session_timeout is 30 of them (6 s).
+    const env = { IDEM_LOCK_CHECK_INTERVAL_MS: '200', IDEM_IDLE_IN_TRANSACTION_TIMEOUT_MS: '1000' };
+    const a = spawnCli([...STALL_DIRS, 'run', 'stall', '--params', JSON.stringify({ chunks: 200, pauseMs: 50 }), '--key', 'stopped'], { url: bouncer.url, env, timeoutMs: 60_000 });
+    try {
+      await waitFor(async () => ((await query<{ n: number }>(database.url, `select count(*)::int as n from work_log where run_key = 'stopped'`))[0]!.n >= 3 ? true : undefined), 'the run committing chunks');
+      a.child.kill('SIGSTOP');
+      // The server ends the silent lock session after 6 s; PgBouncer then closes the client's side.
+      await waitFor(async () => ((await sessions(database.url, 'idem-lock')) === 0 ? true : undefined), 'the server ending the lock session', { timeoutMs: 15_000 });
+      a.child.kill('SIGCONT');
+      const r = await a.done;
+      expect(r.code, r.stderr).toBe(69);
+      expect(r.stderr).toMatch(/lost the advisory lock for job "stall": the server ended its session after 6s without a statement from this process \(stopped or frozen that long, or cut off behind a proxy\); PgBouncer reported it as "server conn crashed\?"/);
+      expect(r.stderr).not.toContain(new URL(database.url).password);
+    } finally {
+      a.child.kill('SIGCONT');
+    }
   });
 
   it('5 invocations at once: one does the run, four exit 75', async () => {
