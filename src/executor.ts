@@ -4,7 +4,7 @@ import type pg from 'pg';
 import type { Logger } from 'pino';
 import { codeOf, errorFields, FencedError, InterruptedError, messageOf } from './errors.ts';
 import type { ChunkPage, ChunkSpec, ChunkSource, Job, Json, RunIdentity, Step, StepContext } from './job.ts';
-import { LONE_SURROGATE, reviveSpec } from './job.ts';
+import { keyLabel, LONE_SURROGATE, reviveSpec } from './job.ts';
 import { faultPoint, faultsArmed as faults } from './fault-points.ts';
 import { CommitUnknownError, openChunkSlot, type ChunkSlot } from './chunk-slot.ts';
 import { backoffDelay, DEFAULT_BACKOFF, isRetryable, retrying, type BackoffOptions } from './retry.ts';
@@ -399,7 +399,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
           if (maxSkips > 0 && !opts.stop.aborted) {
             const skip = await store.skipChunk(run.runId, run.attempt, step.name, chunk.key, failed.message, maxSkips, slot.db).finally(settled);
             if (skip.kind === 'fenced') {
-              failure ??= new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off while skipping chunk ${chunk.key}`);
+              failure ??= new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off while skipping chunk ${keyLabel(chunk.key)}`);
               return;
             }
             if (skip.kind !== 'over') {
@@ -565,7 +565,7 @@ async function tryChunk(
     if (!chunk) throw thrown;
     if (codeOf(err) === FENCED_AT_COMMIT) {
       const attempt = await store.currentAttempt(run.runId).catch(() => -1);
-      return { kind: 'failed', chunk, err: new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off by attempt ${attempt}; its chunk ${chunk.key} rolled back`) };
+      return { kind: 'failed', chunk, err: new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off by attempt ${attempt}; its chunk ${keyLabel(chunk.key)} rolled back`) };
     }
     // A lost connection may have taken the COMMIT's answer with it, not the COMMIT.
     if ((unknown || isRetryable(err)) && (await store.committedByUs(run.runId, run.attempt, step.name, chunk.seq).catch(() => false))) {
@@ -609,7 +609,7 @@ class ChunkContext implements StepContext {
       if (effectNames.has(name)) {
         // Rejected, not thrown: in `Promise.all(users.map(() => ctx.effect(…)))` a throw inside
         // map() would leave the first call's promise unheld, and its rejection unhandled.
-        const where = wholeStep ? `step "${step.name}"` : `chunk ${key}`;
+        const where = wholeStep ? `step "${step.name}"` : `chunk ${keyLabel(key)}`;
         return Promise.reject(
           new TypeError(
             `ctx.effect(): name ${JSON.stringify(name)} was already used in ${where}; an effect's name must be unique within its chunk (it is part of the effect's idempotency key, and a second call would be answered by the first's result): add what tells the calls apart, e.g. \`email:\${user.id}\``,
@@ -629,7 +629,7 @@ async function performEffect<T>(opts: ExecuteOptions, step: string, chunk: strin
   const { run, store } = opts;
   const key = `idem-${createHash('sha256').update([store.schema, run.job, run.runKey, step, chunk, name].join('\0')).digest('hex').slice(0, 40)}`;
   const record = await store.beginEffect(run.runId, run.attempt, step, chunk, name, key);
-  if (!record) throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off; effect "${name}" of chunk ${chunk} was not started`);
+  if (!record) throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was fenced off; effect "${name}" of chunk ${keyLabel(chunk)} was not started`);
   if (record.status === 'done') return record.result as T;
   // A run that lost its lock (or must stop at once) starts no new effect.
   if (opts.abort.aborted) throw opts.abort.reason ?? new FencedError(`attempt ${run.attempt} of job "${run.job}" stopped before effect "${name}"`);
@@ -665,11 +665,6 @@ function notJson(value: unknown): string | null {
  * entries hold at most 2704 bytes, compressed or not: 2000 always fits, with the other columns.
  */
 const MAX_CHUNK_KEY_BYTES = 2000;
-
-/** A chunk key as a message quotes it: as is, or JSON-quoted when it holds a control character or a lone surrogate. */
-function keyLabel(key: string): string {
-  return /[\u0000-\u001f]/.test(key) || LONE_SURROGATE.test(key) ? JSON.stringify(key) : key;
-}
 
 function checkPage(step: string, page: ChunkPage): void {
   if (!page || !Array.isArray(page.chunks) || (page.next === undefined)) {

@@ -2,7 +2,7 @@ import { BusyError, RunFailedError, UsageError } from './errors.ts';
 import { runIsLive } from './operations.ts';
 import { slotOfJobKey } from './schedule.ts';
 import { sleep } from './sleep.ts';
-import { validateParams, type Job, type Json } from './job.ts';
+import { keyLabel, validateParams, type Job, type Json } from './job.ts';
 import type { RunJobOptions, Runner, RunOutcome } from './runner.ts';
 import type { RunRow } from './store.ts';
 import { continueCommand, shellQuote } from './shell-quote.ts';
@@ -100,7 +100,7 @@ export async function finalizeMigration(
 /** The error a failed run recorded, as the one-line refusal finalize ends with (exit 1). */
 export function recordedFailure(run: Pick<RunRow, 'job' | 'run_key' | 'error' | 'params' | 'kind'>): RunFailedError {
   const e = run.error;
-  const where = e ? (e.chunk === null ? ` in step "${e.step}"` : ` in step "${e.step}", chunk ${e.chunk}`) : '';
+  const where = e ? (e.chunk === null ? ` in step "${e.step}"` : ` in step "${e.step}", chunk ${keyLabel(e.chunk)}`) : '';
   const tries = e ? ` after ${e.tries} ${e.tries === 1 ? 'try' : 'tries'}` : '';
   // A command that resumes it as it is: a job's run with its params (see continueCommand).
   const resume = run.kind === 'migration' ? 'idem migrate' : continueCommand(run.job, run.run_key, run.params, `<its params: idem status ${shellQuote(run.job)} --key ${shellQuote(run.run_key)} --json>`);

@@ -373,3 +373,8 @@ async function validateRawParams<P>(job: Job<P>, raw: unknown): Promise<P> {
 function isPlainObject(v: unknown): v is Record<string, unknown> {
   return !!v && typeof v === 'object' && !Array.isArray(v);
 }
+
+/** A chunk key as a message quotes it: as is, or JSON-quoted when it holds a control character or a lone surrogate. */
+export function keyLabel(key: string): string {
+  return /[\u0000-\u001f]/.test(key) || LONE_SURROGATE.test(key) ? JSON.stringify(key) : key;
+}

@@ -12,7 +12,7 @@ import { fingerprint, lockKey } from './fingerprint.ts';
 import { adoptCodeFingerprint, recordCodeFingerprint, refuseChangedCode } from './code-fingerprint.ts';
 import { recordedFailure } from './finalize.ts';
 import { refuseOnStandby, type HealthSetting } from './health-check.ts';
-import { validateParams, type Job, type Json } from './job.ts';
+import { keyLabel, validateParams, type Job, type Json } from './job.ts';
 import { faultPoint } from './fault-points.ts';
 import { silentLogger } from './log.ts';
 import { beingDeletedMessage, doneChunks, finishDeletion, lastChange, pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
@@ -771,7 +771,7 @@ export class Runner {
     // Another worker of this attempt failed the run first (often on this very chunk, which this
     // one claimed after that worker's try rolled back): its record stands, and this one says so.
     if (recorded?.kind === 'failedElsewhere' && recorded.error) return this.#recordEnd(runId, attempt, job, runKey, new FailedElsewhere(recorded.error.message), log, lock);
-    const where = failure.chunk === null ? `step "${failure.step}"` : `step "${failure.step}", chunk ${failure.chunk}`;
+    const where = failure.chunk === null ? `step "${failure.step}"` : `step "${failure.step}", chunk ${keyLabel(failure.chunk)}`;
     if (recorded?.kind === 'ended') {
       // The run is no longer running under this attempt (failRun is a compare-and-set): it ended
       // while this worker was away (stopped, its session ended by the server), in another worker

@@ -6,6 +6,8 @@ import counted, { chunkKey, maybeFail } from './fixtures/jobs/counted.ts';
 import ranged from './fixtures/jobs/ranged.ts';
 import { ALL_TABLES, chunkRows, holdGate, query, runRow, snapshot, waitFor, workCounts, lockWaiters } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
+import { recordedFailure } from '../src/finalize.ts';
+import { formatStatus } from '../src/commands/status.ts';
 
 const testDb = useTestDatabase({ fixtureTables: true, runner: true });
 let url: string;
@@ -863,4 +865,25 @@ describe('Runner.run when the database went away after connect', () => {
     }
     expect(await query(url, `select count(*)::int as n from idem.runs where run_key = 'db-went-away'`)).toEqual([{ n: 0 }]);
   }, 30_000);
+});
+
+describe('a chunk key in messages', () => {
+  it('is quoted as JSON when it holds a control character, in the run failure, its record, status and finalize alike', async () => {
+    const key = 'line1\nline2, chunk x';
+    const job = defineJob({
+      name: 'key-label',
+      steps: [{ name: 'work', chunks: () => ({ chunks: [{ key }], next: null }), run: () => { throw new Error('boom'); } }],
+    });
+    const err = await runner.run(job, { key: 'r' }).then(() => null, (e: unknown) => e as Error);
+    expect(err).toBeInstanceOf(RunFailedError);
+    expect(err!.message).toBe('job "key-label" failed in step "work", chunk "line1\\nline2, chunk x" after 1 try: boom; fix the cause and run the same command again to resume there');
+    const label = 'chunk "line1\\nline2, chunk x"';
+    expect(recordedFailure(await runRow(url, 'key-label', 'r')).message).toContain(`failed in step "work", ${label} after 1 try: boom;`);
+    const [row] = await runner.status('key-label');
+    expect(formatStatus([row!])).toContain(`step "work" ${label} after 1 try: boom`);
+    // A plain key stays as it is.
+    const plain = defineJob({ name: 'key-label-plain', steps: [{ name: 'work', chunks: () => ({ chunks: [{ key: 'k 1' }], next: null }), run: () => { throw new Error('boom'); } }] });
+    const err2 = await runner.run(plain, { key: 'r' }).then(() => null, (e: unknown) => e as Error);
+    expect(err2!.message).toBe('job "key-label-plain" failed in step "work", chunk k 1 after 1 try: boom; fix the cause and run the same command again to resume there');
+  });
 });

@@ -4,6 +4,7 @@ import { openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode, UsageError } from '../errors.ts';
 import type { Runner, RunStatusRow } from '../runner.ts';
 import { describeHolder, type LockHolder } from '../lock-holder.ts';
+import { keyLabel } from '../job.ts';
 import { quoteKey } from '../run-key.ts';
 import { shellQuote } from '../shell-quote.ts';
 import { columns, fitColumns, padColumns, prepareColumns } from '../display-width.ts';
@@ -37,6 +38,18 @@ function chunksOf(r: RunStatusRow): string {
 /** "1 try", "3 tries": a failed and a skipped chunk say it alike. */
 const tries = (n: number) => `${n} ${n === 1 ? 'try' : 'tries'}`;
 
+/**
+ * The row with its chunk keys as messages quote them (keyLabel: JSON-quoted when they hold a
+ * control character), labelled before the output escapes what is left, as a run's error says it.
+ */
+function withKeyLabels(r: RunStatusRow): RunStatusRow {
+  return {
+    ...r,
+    error: r.error?.chunk ? { ...r.error, chunk: keyLabel(r.error.chunk) } : r.error,
+    skipped: r.skipped.map((k) => ({ ...k, key: keyLabel(k.key) })),
+  };
+}
+
 function errorOf(r: RunStatusRow, clip: (s: string) => string = (s) => s): string {
   const e = r.error!;
   return `step "${e.step}"${e.chunk ? ` chunk ${e.chunk}` : ''} after ${tries(e.tries)}: ${clip(e.message)}`;
@@ -60,7 +73,7 @@ const clipFor = (r: RunStatusRow) => (s: string) => {
 export function formatStatus(stored: readonly RunStatusRow[], now: Date = new Date(), c: Colours = colours(false)): string {
   if (stored.length === 0) return 'no runs yet';
   // Keys, errors and names come from the database: their control characters are shown escaped.
-  const rows = visibleDeep(stored);
+  const rows = visibleDeep(stored.map(withKeyLabels));
   const header = ['JOB', 'RUN KEY', 'STATE', 'ATTEMPT', 'CHUNKS', 'UPDATED'];
   const table = rows.map((r) => [r.job, shownKey(r.runKey), r.state, String(r.attempt), chunksOf(r), relativeTime(r.updatedAt, now)]);
   const { line } = textTable([header, ...table]);
@@ -114,7 +127,7 @@ async function stepDetails(db: Runner['db'], schema: string, runId: string): Pro
 
 /** `idem status <job> --key K`: one run in detail. Pure; exported for tests. */
 export function formatRunDetail(stored: RunStatusRow, storedSteps: readonly StepDetail[], now: Date = new Date(), c: Colours = colours(false)): string {
-  const [r, steps] = visibleDeep([stored, storedSteps] as const);
+  const [r, steps] = visibleDeep([withKeyLabels(stored), storedSteps] as const);
   const when = (d: Date | null) => (d ? `${d.toISOString()} (${relativeTime(d, now)})` : '—');
   const fields: Array<[string, string]> = [
     ['job', r.job],
