@@ -64,14 +64,21 @@ export function createProgressReporter(opts: { readonly job: string; readonly tt
   };
   const intervalMs = opts.tty ? 250 : (opts.intervalMs ?? 10_000);
   let lastTick = performance.now();
+  let skipped = false;
   const timer = setInterval(() => {
     // A tick more than a second late: the process was stopped (SIGSTOP, a VM freeze) or its event
     // loop blocked. Its figures are from before the gap, and a verdict on the run's lock may be due
-    // (the lock check fires in the same turn): this one is skipped, the next, an interval on, draws.
+    // (the lock check fires in the same turn): this one is skipped, the next draws. Only one in a
+    // row: a job that keeps the loop blocked (every tick late) still gets every other one drawn.
     const now = performance.now();
     const late = now - lastTick > intervalMs + 1_000;
     lastTick = now;
-    if (!late) draw();
+    if (late && !skipped) {
+      skipped = true;
+      return;
+    }
+    skipped = false;
+    draw();
   }, intervalMs);
   timer.unref();
   let stopped = false;

@@ -2,7 +2,7 @@ import { fileURLToPath } from 'node:url';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { defineJob, Runner, sql } from '../src/index.ts';
 import { chunkKey } from './fixtures/jobs/counted.ts';
-import { FIXTURE_MIGRATIONS, killLeftovers, query, runRow, sessions, spawnCli, waitFor, workCounts, type CliProcess } from './support/cli.ts';
+import { FIXTURE_MIGRATIONS, killLeftovers, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, type CliProcess } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 /**
@@ -258,5 +258,17 @@ describe('a run stopped (SIGSTOP) past a progress interval, then continued', () 
     } finally {
       a.child.kill('SIGCONT');
     }
+  });
+
+  it('a job that keeps the event loop blocked (every tick late) still gets its progress reported: only one late tick in a row is skipped', async () => {
+    const key = 'blocked-progress';
+    const r = await runCli([...STALL_DIRS, 'run', 'stall', '--params', JSON.stringify({ chunks: 5, blockMs: 1500 }), '--key', key], {
+      url,
+      env: { IDEM_PROGRESS_INTERVAL_MS: '300' },
+      timeoutMs: 60_000,
+    });
+    expect(r.code, r.stderr).toBe(0);
+    expect(r.stderr.split('\n').filter((l) => /chunks, [\d.]+\/s, ETA/.test(l)).length).toBeGreaterThanOrEqual(1);
+    expect(await workCounts(url, key)).toEqual(ones(5));
   });
 });
