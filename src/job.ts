@@ -7,6 +7,7 @@ import { UsageError } from './errors.ts';
 import { parseSchedule } from './schedule.ts';
 import { suggestSimilar } from './suggest.ts';
 import { tableNameProblem } from './table-name.ts';
+import { LONE_SURROGATE } from './key-label.ts';
 
 /** A JSON value: what params, cursors and chunk specs are made of (they are stored as jsonb). */
 export type Json = null | boolean | number | string | Json[] | { [key: string]: Json };
@@ -305,8 +306,7 @@ export async function validateParams<P>(job: Job<P>, raw: unknown): Promise<P> {
   return params;
 }
 
-/** A UTF-16 surrogate without its pair: not well-formed Unicode, and jsonb refuses it. */
-export const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/;
+export { LONE_SURROGATE };
 
 /** Deepest nesting of objects and arrays params may have: canonical JSON and jsonb recurse per level. */
 export const MAX_PARAMS_DEPTH = 100;
@@ -372,9 +372,4 @@ async function validateRawParams<P>(job: Job<P>, raw: unknown): Promise<P> {
 
 function isPlainObject(v: unknown): v is Record<string, unknown> {
   return !!v && typeof v === 'object' && !Array.isArray(v);
-}
-
-/** A chunk key as a message quotes it: as is, or JSON-quoted when it holds a control character or a lone surrogate. */
-export function keyLabel(key: string): string {
-  return /[\u0000-\u001f]/.test(key) || LONE_SURROGATE.test(key) ? JSON.stringify(key) : key;
 }

@@ -113,8 +113,9 @@ describe('stored text with control characters on a terminal', () => {
     expect(text.split('\n')).toHaveLength(3);
     expect(text).not.toMatch(/[\u0000-\u0009\u000b-\u001f\u007f-\u009f]/);
     expect(text).toContain('evil\\n\\x1b[2Jfake');
-    expect(text).toContain('error: step "work" chunk c\\r1 after 1 try: boom\\n\\x1b[31mred');
-    expect(text).toContain('skipped: step "work" chunk k\\x1b2 after 1 try: x\\ny');
+    // A chunk key with a control character is JSON-quoted, as every message names it (keyLabel).
+    expect(text).toContain('error: step "work" chunk "c\\r1" after 1 try: boom\\n\\x1b[31mred');
+    expect(text).toContain('skipped: step "work" chunk "k\\u001b2" after 1 try: x\\ny');
   });
 
   it('idem status\'s table shortens a long error to a line, and says how much is left out; the detail view keeps it whole', async () => {

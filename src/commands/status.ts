@@ -4,7 +4,7 @@ import { openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode, UsageError } from '../errors.ts';
 import type { Runner, RunStatusRow } from '../runner.ts';
 import { describeHolder, type LockHolder } from '../lock-holder.ts';
-import { keyLabel } from '../job.ts';
+import { keyLabel } from '../key-label.ts';
 import { quoteKey } from '../run-key.ts';
 import { shellQuote } from '../shell-quote.ts';
 import { columns, fitColumns, padColumns, prepareColumns } from '../display-width.ts';
