@@ -306,7 +306,6 @@ export async function validateParams<P>(job: Job<P>, raw: unknown): Promise<P> {
   return params;
 }
 
-export { LONE_SURROGATE };
 
 /** Deepest nesting of objects and arrays params may have: canonical JSON and jsonb recurse per level. */
 export const MAX_PARAMS_DEPTH = 100;
