@@ -1,7 +1,6 @@
-import { fileURLToPath } from 'node:url';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { chunkKey } from './fixtures/jobs/counted.ts';
-import { FIXTURE_MIGRATIONS, killLeftovers, query, runRow, spawnCli, waitFor, workCounts, type CliProcess } from './support/cli.ts';
+import { STALL_DIRS, killLeftovers, query, runRow, spawnCli, waitFor, workCounts, type CliProcess } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 import { defineJob, exitCodeOf, Runner } from '../src/index.ts';
 
@@ -19,7 +18,6 @@ beforeAll(() => {
 });
 afterAll(killLeftovers);
 
-const STALL_DIRS = ['--jobs-dir', fileURLToPath(new URL('./fixtures/stall-jobs', import.meta.url)), '--migrations-dir', FIXTURE_MIGRATIONS];
 /** The lock's check interval in these tests: the lock session's idle timeout is 30 of them (6 s), "looks dead" 15 (3 s). */
 const CHECK_MS = 200;
 const IDLE_MS = 30 * CHECK_MS;

@@ -1,7 +1,6 @@
 import pg from 'pg';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { fileURLToPath } from 'node:url';
-import { FIXTURE_DIRS, FIXTURE_MIGRATIONS, query, runCli, sessions, spawnCli, waitFor } from './support/cli.ts';
+import { STALL_DIRS, FIXTURE_DIRS, query, runCli, sessions, spawnCli, waitFor } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 import { pgbouncerBinary, startPgbouncer, type Bouncer } from './support/pgbouncer.ts';
 
@@ -10,7 +9,6 @@ import { pgbouncerBinary, startPgbouncer, type Bouncer } from './support/pgbounc
 const missing = pgbouncerBinary() === null;
 if (missing) console.warn('pgbouncer tests skipped: pgbouncer is not installed (.ci/run installs it: apt-get install -y pgbouncer)');
 
-const STALL_DIRS = ['--jobs-dir', fileURLToPath(new URL('./fixtures/stall-jobs', import.meta.url)), '--migrations-dir', FIXTURE_MIGRATIONS];
 const COUNTED = (chunks: number, pauseMs = 0) => JSON.stringify({ chunks, pauseMs, label: 'x', gate: null });
 const REFUSAL = /^idem: error: postgres:\/\/[^ ]+ goes through a connection pooler \(PgBouncer or similar\) in transaction or statement mode, which does not keep sessions, and idem needs its session \(advisory lock\): set pool_mode = session for idem's database, or point idem at PostgreSQL directly$/;
 

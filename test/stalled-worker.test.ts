@@ -1,8 +1,7 @@
-import { fileURLToPath } from 'node:url';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { defineJob, Runner, sql } from '../src/index.ts';
 import { chunkKey } from './fixtures/jobs/counted.ts';
-import { FIXTURE_MIGRATIONS, killLeftovers, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, type CliProcess } from './support/cli.ts';
+import { STALL_DIRS, killLeftovers, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, type CliProcess } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 /**
@@ -20,7 +19,6 @@ beforeAll(() => {
 });
 afterAll(killLeftovers);
 
-const STALL_DIRS = ['--jobs-dir', fileURLToPath(new URL('./fixtures/stall-jobs', import.meta.url)), '--migrations-dir', FIXTURE_MIGRATIONS];
 /** The server ends a stalled worker's chunk session after this (the CLI default is 60 s). */
 const IDLE_MS = 1_000;
 
@@ -230,6 +228,8 @@ describe('ending an attempt is a compare-and-set on the run still running under 
 });
 
 describe('a run stopped (SIGSTOP) past a progress interval, then continued', () => {
+  /** The CLI's progress lines (non-TTY: a JSON log line whose message ends in the rate and ETA). */
+  const progressLines = (text: string) => text.split('\n').filter((l) => /chunks, [\d.]+\/s, ETA/.test(l));
   it('prints no progress line for the time it was stopped: the first tick after it is skipped, the next ones report as before', async () => {
     const key = 'stopped-progress';
     const interval = 300;
@@ -238,7 +238,6 @@ describe('a run stopped (SIGSTOP) past a progress interval, then continued', () 
       env: { IDEM_PROGRESS_INTERVAL_MS: String(interval) },
       timeoutMs: 60_000,
     });
-    const progressLines = (text: string) => text.split('\n').filter((l) => /chunks, [\d.]+\/s, ETA/.test(l));
     try {
       await waitFor(async () => progressLines(a.stderr()).length >= 2 || undefined, 'two progress lines', { timeoutMs: 20_000 });
       a.child.kill('SIGSTOP');
@@ -268,7 +267,7 @@ describe('a run stopped (SIGSTOP) past a progress interval, then continued', () 
       timeoutMs: 60_000,
     });
     expect(r.code, r.stderr).toBe(0);
-    expect(r.stderr.split('\n').filter((l) => /chunks, [\d.]+\/s, ETA/.test(l)).length).toBeGreaterThanOrEqual(1);
+    expect(progressLines(r.stderr).length).toBeGreaterThanOrEqual(1);
     expect(await workCounts(url, key)).toEqual(ones(5));
   });
 });

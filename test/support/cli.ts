@@ -11,6 +11,8 @@ export const FIXTURE_MIGRATIONS = fileURLToPath(new URL('../fixtures/migrations'
 export const BROKEN_JOBS = fileURLToPath(new URL('../fixtures/broken-jobs', import.meta.url));
 /** Global flags pointing the CLI at the test fixtures. */
 export const FIXTURE_DIRS = ['--jobs-dir', FIXTURE_JOBS, '--migrations-dir', FIXTURE_MIGRATIONS];
+/** The `stall` job (test/fixtures/stall-jobs): chunks that sleep or block in JavaScript inside their transaction. */
+export const STALL_DIRS = ['--jobs-dir', fileURLToPath(new URL('../fixtures/stall-jobs', import.meta.url)), '--migrations-dir', FIXTURE_MIGRATIONS];
 
 export interface CliResult {
   /** Exit code, or null when the process died of a signal. */
