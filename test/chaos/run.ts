@@ -85,6 +85,18 @@ const dbUrl = new URL(url);
 dbUrl.pathname = `/${dbName}`;
 console.log(`chaos${workers ? ' --workers' : ''}: seed=${seed} rounds=${rounds} (replay with --seed ${seed} --rounds ${rounds}${workers ? ' --workers' : ''})`);
 let failed = true;
+/** Drops the suite's database, closes the admin connection and stops an embedded server: each step runs even if one before it failed. */
+const teardown = async () => {
+  try {
+    await admin.query(`drop database if exists ${dbName} with (force)`);
+  } finally {
+    try {
+      await admin.end();
+    } finally {
+      await cleanup();
+    }
+  }
+};
 // Ctrl-C or a kill: drop the database and stop the embedded server instead of leaving them behind.
 // The rounds' own connections then die under them: their errors are the cleanup's, not failures.
 let interrupted = false;
@@ -97,11 +109,8 @@ const onSignal = (signal: NodeJS.Signals) => {
   if (interrupted) return;
   interrupted = true;
   console.log(`chaos: ${signal}: cleaning up`);
-  void admin
-    .query(`drop database if exists ${dbName} with (force)`)
-    .catch(() => {})
-    .then(() => admin.end().catch(() => {}))
-    .then(() => cleanup().catch((err: unknown) => console.error(`chaos: could not stop the embedded server: ${(err as Error).message}`)))
+  void teardown()
+    .catch((err: unknown) => console.error(`chaos: cleanup failed: ${(err as Error).message}`))
     .finally(() => process.exit(130));
 };
 process.once('SIGINT', onSignal);
@@ -122,8 +131,6 @@ try {
   }
   failed = problems.length > 0;
 } finally {
-  await admin.query(`drop database if exists ${dbName} with (force)`);
-  await admin.end();
-  await cleanup();
+  await teardown();
 }
 process.exit(failed ? 1 : 0);
