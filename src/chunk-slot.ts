@@ -116,29 +116,102 @@ const chunkDriver: Driver = {
  */
 const TRANSACTION_CONTROL = /^(?:\s+|--[^\n]*(?:\n|$)|\/\*[\s\S]*?\*\/)*(begin|start\s+transaction|commit(?!\s+prepared)|end|abort|rollback(?!(?:\s+(?:work|transaction))?\s+to\b)|prepare\s+transaction)\b/i;
 
-/** The chunk's transaction is gone under the job's feet (a COMMIT or ROLLBACK hidden after a `;`). */
-const endedError = () =>
-  new Error(
-    "ctx.db ended the chunk's transaction (a COMMIT or ROLLBACK among the statements it sent): idem commits each chunk with its marker, so run() must not end it; throw an error to roll the chunk back",
-  );
+/**
+ * The chunk's transaction is gone under the job's feet (a COMMIT or ROLLBACK hidden after a `;`).
+ * `committed`: it was a COMMIT, so the chunk's work so far committed with the marker the claim wrote.
+ */
+export class TransactionEndedError extends Error {
+  readonly committed: boolean;
+  constructor(committed = false) {
+    super(
+      "ctx.db ended the chunk's transaction (a COMMIT or ROLLBACK among the statements it sent): idem commits each chunk with its marker, so run() must not end it; throw an error to roll the chunk back",
+    );
+    this.name = 'TransactionEndedError';
+    this.committed = committed;
+  }
+}
+
+/** Tags that start a transaction: inside the chunk's, a BEGIN only warns; after an end, it opens the job's own. */
+const BEGIN_TAGS = new Set(['BEGIN', 'START TRANSACTION']);
+/** `ROLLBACK TO SAVEPOINT` answers with the tag of a ROLLBACK: the text tells how many were the job's savepoints. */
+const ROLLBACK_TO = /\brollback(?:\s+(?:work|transaction))?\s+to\b/gi;
+
+/**
+ * Checks the command tags of a text sent without parameters (the simple protocol, the only one
+ * that carries several statements): a COMMIT (AND CHAIN too), a ROLLBACK other than to a
+ * savepoint, or a PREPARE TRANSACTION among them ended the chunk's transaction, even when a BEGIN
+ * opened another one after it, which the session's status cannot tell. Returns how the first of
+ * them ended it, 'begin' for a BEGIN inside the chunk's transaction (which only warned), or null.
+ */
+function hiddenControl(text: string, result: pg.QueryResult | pg.QueryResult[]): 'committed' | 'rolled back' | 'begin' | null {
+  const results = Array.isArray(result) ? result : [result];
+  let toSavepoint: number | undefined;
+  let begin = false;
+  for (const r of results) {
+    const tag = r?.command;
+    if (tag === 'COMMIT') return 'committed';
+    if (tag === 'PREPARE TRANSACTION') return 'rolled back';
+    if (tag === 'ROLLBACK') {
+      toSavepoint ??= text.match(ROLLBACK_TO)?.length ?? 0;
+      if (toSavepoint-- <= 0) return 'rolled back';
+    } else if (BEGIN_TAGS.has(tag)) begin = true;
+  }
+  return begin ? 'begin' : null;
+}
+
+const refusedControl = (what: string) =>
+  new Error(`a chunk runs in a transaction of its own that idem commits: ctx.db cannot start, nest or end a transaction (got ${what}); throw an error to roll the chunk back`);
+
+/** The slot's word on its chunk's transaction: `ended` once the job's statements ended it. */
+interface JobTransaction {
+  ended: boolean;
+}
+
+/**
+ * What Kysely's connection of a chunk takes for its pg client: the slot's, with the answer to a
+ * text sent without parameters checked for a transaction end hidden in it (hiddenControl). A
+ * query with parameters is one statement, refused up front when it is one of those.
+ */
+function checkedClient(client: pg.PoolClient, trx: JobTransaction): pg.PoolClient {
+  return {
+    query(text: string, values?: unknown[]) {
+      if (typeof text !== 'string' || (values && values.length > 0)) return client.query(text as never, values);
+      return client.query(text, values).then((result: pg.QueryResult | pg.QueryResult[]) => {
+        const control = hiddenControl(text, result);
+        if (control === 'committed' || control === 'rolled back') {
+          trx.ended = true;
+          throw new TransactionEndedError(control === 'committed');
+        }
+        if (control === 'begin') throw refusedControl('BEGIN');
+        return result;
+      });
+    },
+    release: (discard?: boolean) => client.release(discard),
+  } as unknown as pg.PoolClient;
+}
 
 /**
  * The slot's connection as a chunk's queries use it: a statement that starts or ends a
- * transaction is refused, and a query after which no transaction is open (one hidden after a `;`
- * ended it) fails the chunk at once. Without this, the chunk's work ran again and again: idem's
- * COMMIT found no transaction (PostgreSQL only warns), took the chunk for committed, and claimed it
- * again.
+ * transaction is refused, and a query after which the chunk's transaction is over (one hidden
+ * after a `;` ended it) fails the chunk at once, and every query after it is refused before it
+ * reaches the server, so nothing of the job's runs outside the chunk's transaction, even when the
+ * job catches the error. Without this, the chunk's work ran again and again: idem's COMMIT found
+ * no transaction (PostgreSQL only warns), took the chunk for committed, and claimed it again.
  */
-function guardedConnection(connection: DatabaseConnection, client: pg.PoolClient): DatabaseConnection {
+function guardedConnection(connection: DatabaseConnection, client: pg.PoolClient, trx: JobTransaction): DatabaseConnection {
   const check = (text: string) => {
+    if (trx.ended || transactionStatus(client) === 'I') throw new TransactionEndedError();
     const control = TRANSACTION_CONTROL.exec(text);
-    if (control) throw new Error(`a chunk runs in a transaction of its own that idem commits: ctx.db cannot start, nest or end a transaction (got ${control[1]!.toUpperCase().replace(/\s+/g, ' ')}); throw an error to roll the chunk back`);
+    if (control) throw refusedControl(control[1]!.toUpperCase().replace(/\s+/g, ' '));
   };
   return {
     async executeQuery<R>(query: CompiledQuery) {
       check(query.sql);
       const result = await connection.executeQuery<R>(query);
-      if (transactionStatus(client) === 'I') throw endedError();
+      if (transactionStatus(client) === 'I') {
+        trx.ended = true;
+        throw new TransactionEndedError();
+      }
       return result;
     },
     streamQuery<R>(query: CompiledQuery, chunkSize?: number) {
@@ -197,6 +270,8 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
   let connection: DatabaseConnection | undefined;
   let state: TransactionState = { status: 'over' };
   let trx: Transaction<any> | undefined;
+  /** Whether the job's statements ended the chunk's transaction (reset with each chunk). */
+  const jobTransaction: JobTransaction = { ended: false };
   /** From BEGIN sent until a COMMIT or ROLLBACK was answered: the server may hold a transaction. */
   let inTransaction = false;
   /** The message commitAndBegin() sends, made once per claim text (a slot sends the same one chunk after chunk). */
@@ -219,9 +294,9 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
         });
         done.add(text);
       }
-      const driver = new PostgresDriver({ pool: { connect: async () => c } as unknown as pg.Pool });
+      const driver = new PostgresDriver({ pool: { connect: async () => checkedClient(c, jobTransaction) } as unknown as pg.Pool });
       await driver.init();
-      connection = guardedConnection(await driver.acquireConnection(), c);
+      connection = guardedConnection(await driver.acquireConnection(), c, jobTransaction);
     } catch (err) {
       c.release(true);
       throw err;
@@ -265,6 +340,7 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
     state = { status: 'open' };
     trx = newTransaction(state, connection!);
     inTransaction = true;
+    jobTransaction.ended = false;
   };
 
   /**
@@ -332,8 +408,8 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
       return results[1]!.rows as R[];
     },
     async commitAndBegin<R>(claim: string) {
-      // No transaction to commit: the job's statements ended it (guardedConnection tells how).
-      if (transactionStatus(client!) === 'I') throw endedError();
+      // No transaction of the chunk to commit: the job's statements ended it (guardedConnection tells how).
+      if (jobTransaction.ended || transactionStatus(client!) === 'I') throw new TransactionEndedError();
       let results: pg.QueryResult[];
       try {
         // Three statements in one message. PostgreSQL runs them in order and stops at the first
@@ -361,7 +437,7 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
       return trx;
     },
     async commit() {
-      if (transactionStatus(client!) === 'I') throw endedError();
+      if (jobTransaction.ended || transactionStatus(client!) === 'I') throw new TransactionEndedError();
       let result: pg.QueryResult | pg.QueryResult[];
       try {
         result = await end<pg.QueryResult | pg.QueryResult[]>(`${checks}commit`);
@@ -397,8 +473,9 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
         throw err;
       }
     },
+    /** Whether the chunk's own transaction is open (not one the job opened after ending it). */
     get open() {
-      return inTransaction && !!client && transactionStatus(client) !== 'I';
+      return inTransaction && !!client && !jobTransaction.ended && transactionStatus(client) !== 'I';
     },
     get db() {
       return (bookkeeping ??= new Kysely<any>({ dialect: new PostgresDialect({ pool: ownConnection as unknown as pg.Pool }) }));

@@ -7,7 +7,7 @@ import type { ChunkPage, ChunkSpec, ChunkSource, Job, Json, RunIdentity, Step, S
 import { reviveSpec } from './job.ts';
 import { keyLabel, LONE_SURROGATE } from './key-label.ts';
 import { faultPoint, faultsArmed as faults } from './fault-points.ts';
-import { CommitUnknownError, openChunkSlot, type ChunkSlot } from './chunk-slot.ts';
+import { CommitUnknownError, openChunkSlot, TransactionEndedError, type ChunkSlot } from './chunk-slot.ts';
 import { backoffDelay, DEFAULT_BACKOFF, isRetryable, retrying, type BackoffOptions } from './retry.ts';
 import type { ClaimMode, PendingChunk, RetryCount, StepRow, Store } from './store.ts';
 import { resolveThrottle, Throttle, type ThrottleOptions } from './throttle.ts';
@@ -370,6 +370,14 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
               tries.delete(chunk.seq);
               retrySeq = null;
               disown(chunk.seq);
+              if (err instanceof TransactionEndedError && err.committed) {
+                // Done by this slot: a COMMIT the job hid after a `;` committed the chunk's work so
+                // far with the marker the claim wrote. The rest of its run() never ran.
+                log.warn({ chunk: step.chunks ? chunk.key : null, err: errorFields(err) }, "the job's own COMMIT committed the chunk with what its run() had done by then; nothing after that statement ran");
+                executed++;
+                done++;
+                progress();
+              }
               continue;
             }
             if (counted) ({ tries: n, delayMs: delay } = counted);

@@ -695,7 +695,11 @@ describe('ctx.db is the chunk transaction, and only while the chunk runs', () =>
     // ROLLBACK ended the chunk's transaction, claim and marker with it; idem's COMMIT then found no
     // transaction (PostgreSQL only warns), counted the chunk as committed, and claimed it again:
     // 655 runs of one chunk in 2.5 s, forever, and a rerun looped the same way.
-    const statements = ['rollback', 'commit', '/* done */ END', '  Rollback Work', 'abort', 'begin', 'select 1; rollback'];
+    // Hidden after a `;` and followed by a new transaction (`rollback; begin`, `rollback and chain`),
+    // the session was in a transaction again after the statement, so the end went unseen: the job's
+    // work went on in a transaction of its own, committed by idem's COMMIT without the marker, and
+    // the chunk ran again and again (62 101 times in 120 s, black-box round 8).
+    const statements = ['rollback', 'commit', '/* done */ END', '  Rollback Work', 'abort', 'begin', 'select 1; rollback', 'select 1; rollback; begin', 'select 1; rollback and chain', 'select 1; abort; start transaction'];
     for (const [i, text] of statements.entries()) {
       const name = `ends-trx-${i}`;
       let tries = 0;
@@ -723,6 +727,25 @@ describe('ctx.db is the chunk transaction, and only while the chunk runs', () =>
     expect(tries).toBe(1);
     expect(await doneKeys('ends-trx-commit')).toEqual(['a', 'b', 'c']);
     expect(await logged('ends-trx-commit')).toEqual(['a', 'b', 'c']);
+    // The same when a new transaction follows the COMMIT (`commit; begin`, `commit and chain`), and
+    // when the job catches the error and goes on: nothing after the COMMIT commits, in a transaction
+    // of the job's own or without one. Before, after `commit; begin` the job's next statements ran
+    // in that new transaction, its later error was swallowed, and the run succeeded.
+    for (const [i, [text, caught]] of ([['select 1; commit; begin', false], ['select 1; commit and chain', false], ['select 1; commit', true], ['select 1; commit; begin', true]] as const).entries()) {
+      const name = `ends-trx-commit-${i}`;
+      let runs = 0;
+      const job = jobWith(name, async (db) => {
+        if (++runs > 3) throw new Error(`looped: chunk b ran ${runs} times`);
+        const ended = sql.raw(text).execute(db);
+        if (caught) await ended.catch(() => {});
+        else await ended;
+        await sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values (${name}, 'k', 'work', 'after-commit', 1, 0)`.execute(db);
+      });
+      expect((await runner.run(job, { key: 'k' })).status, text).toBe('succeeded');
+      expect(runs, text).toBe(1);
+      expect(await doneKeys(name), text).toEqual(['a', 'b', 'c']);
+      expect(await logged(name), text).toEqual(['a', 'b', 'c']);
+    }
     // Savepoints stay the job's own (the test above): ROLLBACK TO SAVEPOINT is not an end.
   });
 
