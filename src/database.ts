@@ -85,17 +85,35 @@ export function redactSecrets(text: string, connectionString: string): string {
   return maskAll(text, secretForms(connectionString));
 }
 
-/** The password's forms redactSecrets masks: as written in the URL (percent-encoded), as the server gets it, and PGPASSWORD. */
-function secretForms(connectionString: string): string[] {
+/**
+ * The password's forms redactSecrets masks: as written in the URL (percent-encoded), as the server
+ * gets it, and PGPASSWORD. pg (like libpq) also takes it from the query, `?password=…`, and an SSL
+ * key's passphrase from `?sslpassword=…`: those too, as written and decoded.
+ */
+export function secretForms(connectionString: string): string[] {
   let forms: string[];
   try {
-    const raw = new URL(connectionString).password;
-    forms = [raw, decodeURIComponent(raw)];
+    const url = new URL(connectionString);
+    const raw = url.password;
+    forms = [raw, safeDecode(raw)];
+    for (const key of ['password', 'sslpassword']) {
+      for (const value of url.searchParams.getAll(key)) forms.push(value);
+      for (const [, written] of url.search.matchAll(new RegExp(`[?&]${key}=([^&#]*)`, 'gi'))) forms.push(written!, safeDecode(written!));
+    }
   } catch {
     forms = [/password\s*=\s*'?([^'\s]+)/i.exec(connectionString)?.[1] ?? ''];
   }
   forms.push(process.env.PGPASSWORD ?? '');
-  return forms.filter((password) => password.length >= 3);
+  // Longest first: a form inside another (the decoded password in the written one) leaves no piece of it.
+  return forms.filter((password) => password.length >= 3).sort((a, b) => b.length - a.length);
+}
+
+function safeDecode(text: string): string {
+  try {
+    return decodeURIComponent(text);
+  } catch {
+    return text;
+  }
 }
 
 function maskAll(text: string, forms: readonly string[]): string {

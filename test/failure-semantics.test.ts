@@ -212,6 +212,46 @@ describe('a chunk error that quotes a password given in PGPASSWORD', () => {
   });
 });
 
+describe('a chunk error that quotes a password given as ?password= in the URL', () => {
+  it('is masked too, as written in the URL and as the server gets it', async () => {
+    // pg reads `?password=` as the password (libpq does too); masking looked at the URL's userinfo
+    // only, so a job error quoting DATABASE_URL or the password went whole into idem.runs.error,
+    // stderr and --json (black-box round 8). A password with characters the query encodes.
+    const password = 'q p+w&rd=%x1';
+    const url = new URL(db.url);
+    const role = `qpw_${process.pid}`;
+    await query(db.url, `create role ${role} login superuser password '${password}'`);
+    try {
+      url.username = role;
+      url.password = '';
+      url.searchParams.set('password', password);
+      const connectionString = url.href;
+      expect(connectionString).not.toContain(password);
+      const leaky = defineJob({
+        name: 'leaky-query-password',
+        steps: [{ name: 'work', run: async () => void (await Promise.reject(new Error(`pw=${new URL(connectionString).searchParams.get('password')} url=${connectionString}`))) }],
+      });
+      const own = await Runner.connect({ connectionString });
+      try {
+        const err = await own.run(leaky, { key: 'k' }).catch((e: Error) => e);
+        expect(err).toBeInstanceOf(RunFailedError);
+        expect((err as Error).message).toContain('pw=*** url=');
+        expect((err as Error).message).not.toContain(password);
+        expect((err as Error).message).not.toContain(url.searchParams.toString());
+      } finally {
+        await own.close();
+      }
+      const stored = await query<{ text: string }>(db.url, `select coalesce(r.error::text, '') as text from idem.runs r where r.job = 'leaky-query-password'`);
+      expect(stored).toHaveLength(1);
+      expect(stored[0]!.text).toContain('***');
+      expect(stored[0]!.text).not.toContain(password);
+      expect(stored[0]!.text).not.toContain(url.searchParams.toString());
+    } finally {
+      await query(db.url, `drop role if exists ${role}`);
+    }
+  });
+});
+
 describe("a chunk that throws a string quoting the database's password", () => {
   it('is recorded and thrown with the password masked', async () => {
     // Not an Error: its text cannot be masked in place, as an Error's message is.
