@@ -64,8 +64,9 @@ export function createCliContext(program: Command, state: { exitCode: number }):
     // command run here needs pg (job files import idem, which brings the runner): loaded first,
     // before the runtime's modules, whose evaluation would load it without preloadPg's care.
     await import('./preload-pg.ts').then((m) => m.preloadPg());
-    const { createLogger } = await import('./cli-runtime.ts');
-    const log = createLogger(g.logLevel);
+    const { createLogger, secretForms } = await import('./cli-runtime.ts');
+    // Every line masks the password (job lines too: ctx.log is a child of this logger).
+    const log = createLogger(g.logLevel, { secrets: secretForms(g.databaseUrl ?? '') });
     const session = new Session();
     const finish = async (code: number, graceMs = 10_000) => {
       // Watchdog: a stuck close (a pool waiting on an in-flight transaction) must not keep a cron

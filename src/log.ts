@@ -77,7 +77,8 @@ export function lazyLogger(level: string, make: () => Logger): Logger {
  * The one root logger, on stderr (stdout carries the command's result). JSON lines for machines;
  * pretty lines when stderr is a terminal. Synchronous writes, so nothing is lost on process.exit.
  */
-export function createLogger(level: LogLevel = 'info', opts: { readonly pretty?: boolean } = {}): Logger {
+export function createLogger(level: LogLevel = 'info', opts: { readonly pretty?: boolean; readonly secrets?: readonly string[] } = {}): Logger {
+  const masked = masking(opts.secrets ?? []);
   return lazyLogger(level, () => {
     const pino = loadPino();
     const base = {
@@ -89,10 +90,29 @@ export function createLogger(level: LogLevel = 'info', opts: { readonly pretty?:
       serializers: { err: (e: unknown) => (e instanceof Error ? pino.stdSerializers.err(e) : e) },
     };
     if (opts.pretty ?? process.stderr.isTTY) {
-      return pino(base, terminalDestination());
+      return pino(base, masked(terminalDestination()));
     }
-    return pino(base, pino.destination({ fd: 2, sync: true }));
+    return pino(base, masked(pino.destination({ fd: 2, sync: true })));
   });
+}
+
+/**
+ * A destination that writes every line with the secrets (the database password's forms, as
+ * written in the URL and as sent) replaced by `***`: pino's redaction blanks fields by their name
+ * only, and a job's `ctx.log` line may quote DATABASE_URL in its message or a field of any name.
+ * Masked in the JSON line, so each secret also as JSON escapes it.
+ */
+function masking(secrets: readonly string[]): <D extends { write(line: string): unknown }>(destination: D) => D {
+  const forms = [...new Set(secrets.flatMap((s) => [s, JSON.stringify(s).slice(1, -1)]))].filter((s) => s.length >= 3).sort((a, b) => b.length - a.length);
+  if (forms.length === 0) return (destination) => destination;
+  return (destination) => {
+    const write = destination.write.bind(destination);
+    destination.write = (line: string) => {
+      for (const form of forms) if (line.includes(form)) line = line.split(form).join('***');
+      return write(line);
+    };
+    return destination;
+  };
 }
 
 /** A logger that writes nothing (the runner's and the server's default); pino only if code asks more of it. */

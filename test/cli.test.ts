@@ -184,6 +184,28 @@ describe('idem run', () => {
     }
   });
 
+  it("a job's ctx.log line quoting DATABASE_URL or its password is written with the password masked", async () => {
+    // pino's redaction blanks fields by name (password, connectionString); a job's message or a
+    // field of another name carried the password whole to stderr (black-box round 8). A password
+    // with characters JSON escapes in a log line, and percent-encoded in the URL.
+    const role = `logpw_${process.pid}`;
+    const password = 'lo"g\\pw#1 x';
+    await query(url, `create role ${role} login superuser password '${password.replace(/'/g, "''")}'`);
+    try {
+      const secretUrl = new URL(url);
+      secretUrl.username = role;
+      secretUrl.password = encodeURIComponent(password);
+      const r = await runCli(['--jobs-dir', MORE_JOBS, 'run', 'log-secret', '--key', 'log-secret'], { url: secretUrl.href });
+      expect(r.code, r.stderr).toBe(0);
+      expect(r.stderr).toContain('connecting to postgres://');
+      expect(r.stderr).toContain('***');
+      const out = r.stderr + r.stdout;
+      for (const form of [password, JSON.stringify(password).slice(1, -1), encodeURIComponent(password), secretUrl.password]) expect(out).not.toContain(form);
+    } finally {
+      await query(url, `drop role if exists ${role}`);
+    }
+  });
+
   it('the same key with other params exits 65 and changes nothing', async () => {
     const first = await idem(['run', 'counted', '--params', '{"chunks":2,"label":"a"}', '--key', 'cli-mismatch']);
     expect(first.code, first.stderr).toBe(0);
