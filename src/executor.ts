@@ -102,7 +102,8 @@ export async function executeSteps(opts: ExecuteOptions, steps: Map<string, Step
     const stepLog = opts.log.child({ step: step.name });
     stepLog.info('step started');
     // Deferred constraints in the database: chunks run their deferred checks before COMMIT (ChunkSlot).
-    checksFirst ??= await opts.store.hasDeferrableConstraints();
+    // Asked again at each step until there is one: an earlier step (or a migration) may have made it.
+    if (!checksFirst) checksFirst = await opts.store.hasDeferrableConstraints();
     executed += await executeStep(opts, step, index, row, stepLog, checksFirst);
     await opts.store.finishStep(opts.run.runId, opts.run.attempt, step.name);
     stepLog.info('step done');

@@ -661,6 +661,43 @@ describe('ctx.db is the chunk transaction, and only while the chunk runs', () =>
     }
   });
 
+  it("a deferrable constraint the run's own first step creates is checked before each COMMIT of the next step: two workers try each failing chunk once", async () => {
+    // Whether the database has deferrable constraints was asked once per run, before its first
+    // step: one that step created was missed, a chunk failing it at COMMIT let its row go before its
+    // failure was recorded, and the other worker claimed and ran it again (black-box round 8: 64
+    // tries of 60 chunks).
+    await query(url, 'drop table if exists deferred_made');
+    const tries = new Map<string, number>();
+    const job = defineJob({
+      name: 'deferred-made',
+      steps: [
+        { name: 'ddl', run: async ({ db }) => void (await sql`create table if not exists deferred_made (k int, unique (k) deferrable initially deferred)`.execute(db)) },
+        {
+          name: 'work',
+          maxFailedChunks: 1000,
+          chunks: () => ({ chunks: Array.from({ length: 60 }, (_, i) => ({ key: `c${i}` })), next: null }),
+          async run({ db }, chunk: { key: string }) {
+            tries.set(chunk.key, (tries.get(chunk.key) ?? 0) + 1);
+            // Accepted now, refused at COMMIT: the same key twice.
+            await sql`insert into deferred_made values (1), (1)`.execute(db);
+            await new Promise((resolve) => setTimeout(resolve, 2));
+          },
+        },
+      ],
+    });
+    const second = await Runner.connect({ connectionString: url });
+    try {
+      const outcomes = await Promise.all([runner.run(job, { key: 'k', join: true, concurrency: 6 }), second.run(job, { key: 'k', join: true, concurrency: 6 })]);
+      expect(outcomes.map((o) => o.status).sort()).toEqual(['succeeded', 'succeeded']);
+      expect(tries.size).toBe(60);
+      expect([...tries.entries()].filter(([, n]) => n !== 1)).toEqual([]);
+      expect(await query(url, 'select count(*)::int as n from deferred_made')).toEqual([{ n: 0 }]);
+    } finally {
+      await second.close();
+      await query(url, 'drop table if exists deferred_made');
+    }
+  });
+
   it('a savepoint lets a chunk survive an error it expects: the chunk commits, with its marker', async () => {
     const job = jobWith('savepoint', async (db) => {
       await sql`savepoint maybe`.execute(db);
