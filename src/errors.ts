@@ -242,16 +242,48 @@ function shownValue(err: unknown): string {
     const message = (err as { message?: unknown }).message;
     if (typeof message === 'string' && message !== '') return message;
     try {
-      const json = JSON.stringify(err);
+      // A BigInt as its digits, a cycle as "[Circular]": JSON.stringify throws on both.
+      const seen: object[] = [];
+      const json = JSON.stringify(err, function (this: unknown, _key, value: unknown) {
+        if (typeof value === 'bigint') return value.toString();
+        if (value !== null && typeof value === 'object') {
+          while (seen.length > 0 && seen[seen.length - 1] !== this) seen.pop();
+          if (seen.includes(value)) return '[Circular]';
+          seen.push(value);
+        }
+        return value;
+      });
       if (typeof json === 'string' && json !== '{}') return json;
     } catch {
-      // circular, or a BigInt inside: its string form below
+      // a getter or toJSON that throws: its string form below
     }
   }
   try {
     return String(err);
   } catch {
     return Object.prototype.toString.call(err); // an object without a prototype
+  }
+}
+
+/**
+ * A job's thrown value as idem can handle it: the value itself, unless reading it throws (an Error
+ * whose `message` getter throws, a Proxy whose traps do), then an Error saying what reading it
+ * threw. `use` does what idem does with the value first (masking, classifying); it throws too
+ * when the value cannot be read.
+ */
+export function readableThrown<T>(thrown: unknown, use: (value: unknown) => T): T {
+  try {
+    const used = use(thrown);
+    messageOf(used);
+    return used;
+  } catch (reading) {
+    let why: string;
+    try {
+      why = messageOf(reading);
+    } catch {
+      why = 'unreadable too';
+    }
+    return use(new Error(`run() threw a value that cannot be read (reading it threw: ${why})`));
   }
 }
 

@@ -2,7 +2,7 @@ import { createHash } from 'node:crypto';
 import type { Kysely } from 'kysely';
 import type pg from 'pg';
 import type { Logger } from 'pino';
-import { codeOf, errorFields, FencedError, InterruptedError, messageOf } from './errors.ts';
+import { codeOf, errorFields, FencedError, InterruptedError, messageOf, readableThrown } from './errors.ts';
 import type { ChunkPage, ChunkSpec, ChunkSource, Job, Json, RunIdentity, Step, StepContext } from './job.ts';
 import { reviveSpec } from './job.ts';
 import { keyLabel, LONE_SURROGATE } from './key-label.ts';
@@ -553,11 +553,23 @@ async function tryChunk(
     else await slot.commit();
   } catch (thrown) {
     // With the next claim, an error may be the claim's, after the COMMIT took effect.
-    const unknown = thrown instanceof CommitUnknownError;
+    // (A Proxy the job threw may throw from `instanceof`: it is no CommitUnknownError.)
+    const unknown = (() => {
+      try {
+        return thrown instanceof CommitUnknownError;
+      } catch {
+        return false;
+      }
+    })();
     // A job's error that quotes DATABASE_URL (a report link, a second client's URL) is recorded in
     // idem.chunks and idem.runs, logged and printed: its password is masked once, here.
-    const raw = unknown ? thrown.cause : thrown;
-    const err = opts.redact ? opts.redact(raw) : raw;
+    const raw = unknown ? (thrown as CommitUnknownError).cause : thrown;
+    const err = readableThrown(raw, (value) => {
+      const masked = opts.redact ? opts.redact(value) : value;
+      isRetryable(masked);
+      codeOf(masked);
+      return masked;
+    });
     if (chunk && !unknown && !(err instanceof FencedError) && codeOf(err) !== FENCED_AT_COMMIT && !opts.abort.aborted) {
       // The try is counted on the chunk, and a chunk that failed for good (a permanent error, or
       // its last try) is held back from every claim, inside the chunk's own transaction: its work

@@ -698,6 +698,43 @@ describe('ctx.db is the chunk transaction, and only while the chunk runs', () =>
     }
   });
 
+  it('a thrown value that cannot be stringified or read is still a failure of its chunk, shown by what it holds', async () => {
+    // Black-box round 8: `{ code: 10n, detail }` and a circular object were recorded as
+    // "[object Object]" (JSON.stringify throws on both); an Error whose message getter throws, or a
+    // Proxy that throws from its traps, failed the whole run as step "(runner)" with no chunk,
+    // although maxFailedChunks would have skipped the chunk.
+    const circular: Record<string, unknown> = { detail: 'circular detail' };
+    circular.self = circular;
+    const getter = new Error('x');
+    Object.defineProperty(getter, 'message', { get: () => { throw new Error('getter boom'); } });
+    const proxy = new Proxy({}, { get: () => { throw new Error('proxy trap boom'); }, getPrototypeOf: () => { throw new Error('proxy proto boom'); } });
+    const thrown: Record<string, unknown> = { bigint: { code: 10n, detail: 'bigint detail' }, circular, getter, proxy };
+    const job = defineJob({
+      name: 'odd-throws',
+      steps: [
+        {
+          name: 'work',
+          maxFailedChunks: 10,
+          chunks: () => ({ chunks: [...Object.keys(thrown), 'fine'].map((key) => ({ key })), next: null }),
+          async run(_ctx, chunk: { key: string }) {
+            if (chunk.key !== 'fine') throw thrown[chunk.key];
+          },
+        },
+      ],
+    });
+    const result = await runner.run(job, { key: 'k' });
+    expect(result.status).toBe('succeeded');
+    const stored = await query<{ key: string; error: string | null }>(url, `select c.key, c.error from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'odd-throws' and c.error is not null`);
+    const errors = new Map(stored.map((s) => [s.key, s.error ?? '']));
+    expect([...errors.keys()].sort()).toEqual(['bigint', 'circular', 'getter', 'proxy']);
+    expect(errors.get('bigint')).toContain('bigint detail');
+    expect(errors.get('bigint')).toContain('10');
+    expect(errors.get('circular')).toContain('circular detail');
+    expect(errors.get('getter')).toContain('getter boom');
+    expect(errors.get('proxy')).toMatch(/proxy (trap|proto) boom/);
+    for (const e of errors.values()) expect(e).not.toContain('[object Object]');
+  });
+
   it('a savepoint lets a chunk survive an error it expects: the chunk commits, with its marker', async () => {
     const job = jobWith('savepoint', async (db) => {
       await sql`savepoint maybe`.execute(db);
