@@ -162,9 +162,27 @@ function hiddenControl(text: string, result: pg.QueryResult | pg.QueryResult[]):
 const refusedControl = (what: string) =>
   new Error(`a chunk runs in a transaction of its own that idem commits: ctx.db cannot start, nest or end a transaction (got ${what}); throw an error to roll the chunk back`);
 
-/** The slot's word on its chunk's transaction: `ended` once the job's statements ended it. */
+/**
+ * The slot's word on its chunk's transaction: `ended` once the job's statements ended it;
+ * `sessionChanged` once they changed a setting of the session (a SET without LOCAL, a RESET),
+ * which would outlive the chunk on the slot's connection.
+ */
 interface JobTransaction {
   ended: boolean;
+  sessionChanged: boolean;
+}
+
+/** SETs that end with the transaction: `SET LOCAL …`, `SET TRANSACTION …`. */
+const TRANSACTION_SET = /\bset\s+(?:local|transaction)\b/gi;
+
+/** Whether a text's answer shows a session setting changed: a RESET, or more SETs than the text has transaction-scoped ones. */
+function changesSession(text: string, result: pg.QueryResult | pg.QueryResult[]): boolean {
+  let sets = 0;
+  for (const r of Array.isArray(result) ? result : [result]) {
+    if (r?.command === 'RESET') return true;
+    if (r?.command === 'SET') sets++;
+  }
+  return sets > 0 && sets > (text.match(TRANSACTION_SET)?.length ?? 0);
 }
 
 /**
@@ -183,6 +201,7 @@ function checkedClient(client: pg.PoolClient, trx: JobTransaction): pg.PoolClien
           throw new TransactionEndedError(control === 'committed');
         }
         if (control === 'begin') throw refusedControl('BEGIN');
+        if (changesSession(text, result)) trx.sessionChanged = true;
         return result;
       });
     },
@@ -271,7 +290,7 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
   let state: TransactionState = { status: 'over' };
   let trx: Transaction<any> | undefined;
   /** Whether the job's statements ended the chunk's transaction (reset with each chunk). */
-  const jobTransaction: JobTransaction = { ended: false };
+  const jobTransaction: JobTransaction = { ended: false, sessionChanged: false };
   /** From BEGIN sent until a COMMIT or ROLLBACK was answered: the server may hold a transaction. */
   let inTransaction = false;
   /** The message commitAndBegin() sends, made once per claim text (a slot sends the same one chunk after chunk). */
@@ -341,6 +360,7 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
     trx = newTransaction(state, connection!);
     inTransaction = true;
     jobTransaction.ended = false;
+    jobTransaction.sessionChanged = false;
   };
 
   /**
@@ -398,18 +418,49 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
     }
   };
 
+  const begin = async <R>(claim: string) => {
+    if (inTransaction) throw new Error('a chunk transaction is already open on this slot');
+    const c = (client ??= await connect());
+    opened();
+    // Simple protocol, two statements in one message: pg answers with one result per statement.
+    const results = (await c.query(`begin;\n${claim};\nsavepoint ${SAVEPOINT}`)) as unknown as pg.QueryResult[];
+    return results[1]!.rows as R[];
+  };
+
+  const commit = async () => {
+    if (jobTransaction.ended || transactionStatus(client!) === 'I') throw new TransactionEndedError();
+    let result: pg.QueryResult | pg.QueryResult[];
+    try {
+      result = await end<pg.QueryResult | pg.QueryResult[]>(`${checks}commit`);
+    } catch (err) {
+      await checksFailed();
+      throw err;
+    }
+    const { command } = Array.isArray(result) ? result[result.length - 1]! : result;
+    // PostgreSQL ends COMMIT with a ROLLBACK tag when an earlier statement's error aborted the
+    // transaction (the job caught it): nothing of the chunk committed.
+    if (command === 'ROLLBACK') throw new AbortedTransactionError();
+    // A setting the chunk changed for the session (SET without LOCAL) committed with it: the next
+    // chunk, and idem's own claim, get a fresh session instead (`set default_transaction_read_only
+    // = on` made every later claim fail; a leaked statement_timeout failed an innocent chunk).
+    if (jobTransaction.sessionChanged) letGo(true);
+  };
+
   return {
-    async begin<R>(claim: string) {
-      if (inTransaction) throw new Error('a chunk transaction is already open on this slot');
-      const c = (client ??= await connect());
-      opened();
-      // Simple protocol, two statements in one message: pg answers with one result per statement.
-      const results = (await c.query(`begin;\n${claim};\nsavepoint ${SAVEPOINT}`)) as unknown as pg.QueryResult[];
-      return results[1]!.rows as R[];
-    },
+    begin,
     async commitAndBegin<R>(claim: string) {
       // No transaction of the chunk to commit: the job's statements ended it (guardedConnection tells how).
       if (jobTransaction.ended || transactionStatus(client!) === 'I') throw new TransactionEndedError();
+      // The next claim goes on a fresh session (see commit()), so not in the COMMIT's message.
+      if (jobTransaction.sessionChanged) {
+        await commit();
+        try {
+          return await begin<R>(claim);
+        } catch (err) {
+          await rollback();
+          throw new CommitUnknownError(err);
+        }
+      }
       let results: pg.QueryResult[];
       try {
         // Three statements in one message. PostgreSQL runs them in order and stops at the first
@@ -436,20 +487,7 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
       if (!trx) throw new Error('no chunk transaction was opened on this slot');
       return trx;
     },
-    async commit() {
-      if (jobTransaction.ended || transactionStatus(client!) === 'I') throw new TransactionEndedError();
-      let result: pg.QueryResult | pg.QueryResult[];
-      try {
-        result = await end<pg.QueryResult | pg.QueryResult[]>(`${checks}commit`);
-      } catch (err) {
-        await checksFailed();
-        throw err;
-      }
-      const { command } = Array.isArray(result) ? result[result.length - 1]! : result;
-      // PostgreSQL ends COMMIT with a ROLLBACK tag when an earlier statement's error aborted the
-      // transaction (the job caught it): nothing of the chunk committed.
-      if (command === 'ROLLBACK') throw new AbortedTransactionError();
-    },
+    commit,
     rollback,
     async rollbackWith<R>(statement: string) {
       if (!client) throw new Error('no connection on this slot');

@@ -735,6 +735,38 @@ describe('ctx.db is the chunk transaction, and only while the chunk runs', () =>
     for (const e of errors.values()) expect(e).not.toContain('[object Object]');
   });
 
+  it("a chunk's session-level SET does not outlive its chunk: the next chunk and idem's own claim start on a clean session", async () => {
+    // Black-box round 8: `set default_transaction_read_only = on` in one chunk (SET, not SET LOCAL)
+    // stayed on the slot's connection, and idem's next claim failed ("cannot execute UPDATE in a
+    // read-only transaction"), failing the run as step "(runner)" with nothing recorded; a leaked
+    // statement_timeout failed an innocent later chunk.
+    const job = (name: string, setting: string) =>
+      defineJob({
+        name,
+        steps: [
+          {
+            name: 'work',
+            chunks: () => ({ chunks: ['a', 'b', 'c'].map((key) => ({ key })), next: null }),
+            async run(ctx, chunk: { key: string }) {
+              if (chunk.key === 'a') await sql.raw(setting).execute(ctx.db);
+              else await sql`select pg_sleep(0.15)`.execute(ctx.db);
+              await sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values (${name}, ${ctx.run.runKey}, 'work', ${chunk.key}, ${ctx.run.attempt}, 0)`.execute(ctx.db);
+            },
+          },
+        ],
+      });
+    for (const [i, setting] of ['set default_transaction_read_only = on', "set statement_timeout = '50ms'", "select 1; set session statement_timeout = '50ms'"].entries()) {
+      const name = `session-set-${i}`;
+      const outcome = await runner.run(job(name, setting), { key: 'k' });
+      expect(outcome.status, setting).toBe('succeeded');
+      expect(await doneKeys(name), setting).toEqual(['a', 'b', 'c']);
+      expect(await logged(name), setting).toEqual(['a', 'b', 'c']);
+    }
+    // SET LOCAL ends with its transaction, so it keeps the connection.
+    const local = await runner.run(job('session-set-local', "set local statement_timeout = '50ms'"), { key: 'k' });
+    expect(local.status).toBe('succeeded');
+  });
+
   it('a savepoint lets a chunk survive an error it expects: the chunk commits, with its marker', async () => {
     const job = jobWith('savepoint', async (db) => {
       await sql`savepoint maybe`.execute(db);
