@@ -97,8 +97,9 @@ export interface RunJobOptions {
   readonly wait?: boolean | number;
   /**
    * When the run is live in other processes, join them as one more worker instead of failing busy
-   * (when nothing is live, start it as usual). Only processes on the same run key join; a plain
-   * run never overlaps anyone. Defaults to `false`.
+   * (when nothing is live, start it as usual). Only processes on the same run key join, whether the
+   * run's first process joined or not; a plain run (`join` false) never starts beside another
+   * process. Defaults to `false`.
    */
   readonly join?: boolean;
   /** Report what would run without writing anything. Defaults to `false`. */
