@@ -64,11 +64,14 @@ export function createCliContext(program: Command, state: { exitCode: number }):
     // command run here needs pg (job files import idem, which brings the runner): loaded first,
     // before the runtime's modules, whose evaluation would load it without preloadPg's care.
     await import('./preload-pg.ts').then((m) => m.preloadPg());
-    const { createLogger, secretForms } = await import('./cli-runtime.ts');
+    const { createLogger, secretForms, redactSecrets } = await import('./cli-runtime.ts');
     // Every line masks the password (job lines too: ctx.log is a child of this logger).
     const log = createLogger(g.logLevel, { secrets: secretForms(g.databaseUrl ?? '') });
     const session = new Session();
+    /** Set once idem itself ends the process: any other process.exit() comes from the job's code. */
+    let exiting = false;
     const finish = async (code: number, graceMs = 10_000) => {
+      exiting = true;
       // Watchdog: a stuck close (a pool waiting on an in-flight transaction) must not keep a cron
       // slot busy forever; exiting closes the sockets and Postgres rolls the transactions back.
       setTimeout(() => process.exit(code), graceMs).unref();
@@ -95,7 +98,13 @@ export function createCliContext(program: Command, state: { exitCode: number }):
         ].filter((f) => uses.includes(f.what)),
         log,
       );
-      state.exitCode = await fn(g, log, session, (code) => void finish(code, 2_000));
+      const mask = (text: string) => (g.databaseUrl ? redactSecrets(text, g.databaseUrl) : text);
+      const guard = guardAgainstJobCode(jsonError, mask, () => exiting, (code) => void finish(code, 2_000));
+      try {
+        state.exitCode = await fn(g, log, session, (code) => void finish(code, 2_000));
+      } finally {
+        guard.remove();
+      }
     } catch (thrown) {
       // Whatever the command ends with is printed (and --json'd): a job file that threw while
       // loading, or params its schema refused, with DATABASE_URL in the message, shows it masked.
@@ -121,6 +130,47 @@ export function createCliContext(program: Command, state: { exitCode: number }):
     }
   };
   return { globals, runWithSession };
+}
+
+/**
+ * While a command runs (a job's code with it), job code that ends the process its own way does not
+ * pass for idem's outcome: `process.exit(0)` mid-run exited 0 with the run unfinished, so cron or
+ * CI took it for a success; an uncaught throw (in a timer) or an unhandled promise rejection printed
+ * Node's stack trace. Each now ends with one `idem: error:` line (and --json's error object) and
+ * exit 1: `process.exit()` keeps its own code unless it is 0; a throw or rejection releases the
+ * session first, as a signal during start-up does. The run is left as a crash leaves it.
+ */
+function guardAgainstJobCode(jsonError: ((err: unknown) => unknown) | undefined, mask: (text: string) => string, idemExits: () => boolean, finish: (code: number) => void): { remove(): void } {
+  const report = (what: string) => {
+    const shown = mask(`the job's code ${what} while the command was running; a run in flight is left unfinished (idem status shows it crashed): fix the job and run the same command again to resume`);
+    if (jsonError) process.stdout.write(`${JSON.stringify(jsonError(new Error(shown)))}\n`);
+    process.stderr.write(`idem: error: ${visibleError(shown, false)}\n`);
+  };
+  const onExit = (code: number) => {
+    if (idemExits()) return;
+    report(`ended the process (process.exit(${code}))`);
+    if (!code) process.exitCode = ExitCode.Failed;
+  };
+  const onThrow = (err: unknown, origin: string) => {
+    if (idemExits()) return;
+    const what = origin === 'unhandledRejection' ? 'let a promise reject with no one to catch it' : 'threw outside a chunk\'s run()';
+    let message: string;
+    try {
+      message = messageOf(err);
+    } catch {
+      message = 'a value that cannot be read';
+    }
+    report(`${what} (${message})`);
+    finish(ExitCode.Failed);
+  };
+  process.on('exit', onExit);
+  process.on('uncaughtException', onThrow);
+  return {
+    remove() {
+      process.off('exit', onExit);
+      process.off('uncaughtException', onThrow);
+    },
+  };
 }
 
 /** DATABASE_URL, or the URL of the embedded server under .idem/ (started if needed, released when the session ends). */

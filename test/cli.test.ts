@@ -206,6 +206,29 @@ describe('idem run', () => {
     }
   });
 
+  it("job code that ends the process (process.exit, an uncaught throw, an unhandled rejection) exits 1 with one line saying so; a rerun resumes", async () => {
+    // Black-box round 8: process.exit(0) in a chunk exited 0 with nothing printed and the run left
+    // unfinished, so cron or CI took a broken run for a success; an uncaught throw printed Node's
+    // stack trace, not one line.
+    for (const [how, said] of [['exit', 'process.exit(0)'], ['throw', 'late boom'], ['reject', 'unhandled boom']] as const) {
+      const key = `exiter-${how}`;
+      const r = await runCli(['--jobs-dir', MORE_JOBS, 'run', 'exiter', '--key', key], { url, env: { EXITER_HOW: how } });
+      expect(r.code, r.stderr).toBe(1);
+      const errors = lines(r.stderr).filter((l) => l.startsWith('idem: error:'));
+      expect(errors, r.stderr).toHaveLength(1);
+      expect(errors[0]).toContain(said);
+      expect(errors[0]).toContain('run the same command again to resume');
+      expect(r.stderr, how).not.toMatch(/^\s+at /m);
+      const fixed = await runCli(['--jobs-dir', MORE_JOBS, 'run', 'exiter', '--key', key], { url });
+      expect(fixed.code, fixed.stderr).toBe(0);
+      expect(await query(url, `select chunk_key, count(*)::int as n from work_log where job = 'exiter' and run_key = $1 group by 1 order by 1`, [key])).toEqual([
+        { chunk_key: 'a', n: 1 },
+        { chunk_key: 'b', n: 1 },
+        { chunk_key: 'c', n: 1 },
+      ]);
+    }
+  });
+
   it('the same key with other params exits 65 and changes nothing', async () => {
     const first = await idem(['run', 'counted', '--params', '{"chunks":2,"label":"a"}', '--key', 'cli-mismatch']);
     expect(first.code, first.stderr).toBe(0);
