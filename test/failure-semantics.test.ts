@@ -664,6 +664,57 @@ describe('database health at start-up', () => {
     expect(env.stderr.trim().split('\n')).toEqual([expect.stringMatching(/; fix the user or password in DATABASE_URL$/)]);
   });
 
+  it('no password anywhere: the line says none was given and where to give one, not pg internal SASL message', async () => {
+    const u = new URL(db.url);
+    u.password = '';
+    const noPgpass = { PGPASSWORD: undefined, PGPASSFILE: path.join(tmpdir(), 'idem-no-such-pgpass') };
+    const res = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--key', 'no-pw', '--json'], { url: u.toString(), env: noPgpass });
+    expect(res.code, res.stderr).toBe(2);
+    expect(res.stderr.trim().split('\n')).toEqual([
+      `idem: error: the database at ${u.toString()} asks for a password and none was given (not in DATABASE_URL, PGPASSWORD or ${noPgpass.PGPASSFILE}); put it in DATABASE_URL (postgres://user:password@host:5432/db, percent-encoded), or set PGPASSWORD, or add it to ${noPgpass.PGPASSFILE}`,
+    ]);
+    expect(JSON.parse(res.stdout)).toMatchObject({ status: 'error', exitCode: 2, code: 'idem.databaseUnavailable' });
+  });
+
+  it('a wrong password from PGPASSWORD or .pgpass: the fix names that source, not DATABASE_URL, and the password is not printed', async () => {
+    const u = new URL(db.url);
+    u.password = '';
+    const fromEnv = await runCli([...FIXTURE_DIRS, 'status'], { url: u.toString(), env: { PGPASSWORD: 'wrong-env-secret', PGPASSFILE: path.join(tmpdir(), 'idem-no-such-pgpass') } });
+    expect(fromEnv.code, fromEnv.stderr).toBe(2);
+    expect(fromEnv.stderr.trim().split('\n')).toEqual([expect.stringMatching(/refused the credentials \(password authentication failed for user "[^"]+"\); fix the password in PGPASSWORD \(DATABASE_URL has none\), or the user in DATABASE_URL$/)]);
+    expect(fromEnv.stderr).not.toContain('wrong-env-secret');
+    const dir = await mkdtemp(path.join(tmpdir(), 'idem-pgpass-'));
+    try {
+      const pgpass = path.join(dir, 'pgpass');
+      await writeFile(pgpass, `*:*:*:*:wrong-file-secret\n`, { mode: 0o600 });
+      const fromFile = await runCli([...FIXTURE_DIRS, '--database-url', u.toString(), 'status'], { env: { PGPASSWORD: undefined, PGPASSFILE: pgpass } });
+      expect(fromFile.code, fromFile.stderr).toBe(2);
+      expect(fromFile.stderr.trim().split('\n').filter((l) => !l.startsWith('idem: warning:'))).toEqual([
+        expect.stringMatching(new RegExp(`refused the credentials \\(password authentication failed for user "[^"]+"\\); fix the password in ${pgpass.replace(/[.*+?^${}()|[\]\\]/g, '\\$&')} \\(--database-url has none, PGPASSWORD is not set\\), or the user in --database-url$`)),
+      ]);
+      expect(fromFile.stderr).not.toContain('wrong-file-secret');
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
+    // The password in the URL stays the URL's to fix, PGPASSWORD set or not.
+    const inUrl = new URL(db.url);
+    inUrl.password = 'wrong-url-secret';
+    const fromUrl = await runCli([...FIXTURE_DIRS, 'status'], { url: inUrl.toString(), env: { PGPASSWORD: 'other-secret' } });
+    expect(fromUrl.stderr.trim().split('\n')).toEqual([expect.stringMatching(/; fix the user or password in DATABASE_URL$/)]);
+    expect(fromUrl.stderr).not.toMatch(/wrong-url-secret|other-secret/);
+  });
+
+  it('a URL that does not parse is idem.invalidDatabaseUrl (exit 2) whatever breaks it: a fragment, a port past 65535, an unclosed [', async () => {
+    const u = new URL(db.url);
+    for (const raw of [`postgres://${u.username}:pw-secret@${u.host}/app#frag`, `postgres://${u.username}:pw-secret@127.0.0.1:99999/app`, `postgres://${u.username}:pw-secret@[::1:5542/app`]) {
+      const res = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--key', 'bad-url', '--json'], { url: raw });
+      expect(res.code, raw).toBe(2);
+      expect(res.stderr.trim().split('\n'), raw).toEqual([expect.stringMatching(/^idem: error: DATABASE_URL is not a valid URL; percent-encode/)]);
+      expect(JSON.parse(res.stdout), raw).toMatchObject({ status: 'error', exitCode: 2, code: 'idem.invalidDatabaseUrl' });
+      expect(res.stdout + res.stderr).not.toContain('pw-secret');
+    }
+  });
+
   it('a password with an unencoded /, # or ?: exit 2, one line saying to percent-encode it, the password not printed', async () => {
     const u = new URL(db.url);
     // A password that starts with digits before the / # or ? parses as a valid URL whose host is the
