@@ -31,7 +31,16 @@ if (module.enableCompileCache && !process.env.NODE_COMPILE_CACHE) {
 // A SIGINT, SIGTERM or SIGHUP while idem's own modules load (before a command takes over: see
 // src/cli-session.ts, which removes this) ends it as the exit-code table says, with one line,
 // not killed by the signal: nothing is open yet to close.
+let cli;
+/** A signal that came while dist/cli.js loaded, with --json: handled once it has loaded. */
+let pendingSignal;
 const earlySignal = (sig) => {
+  // --json's error object is written by idem's own code (dist/cli.js): a signal while that loads
+  // waits for it (the import ends, one way or the other, in a moment).
+  if (!cli && process.argv.includes('--json')) {
+    pendingSignal ??= sig;
+    return;
+  }
   // A terminal that hung up (see src/hangup.ts): fds 0-2 on it go to /dev/null first, or Node 20
   // aborts at exit restoring its settings, and the line below is a failed write to nobody.
   if (sig === 'SIGHUP') {
@@ -43,13 +52,15 @@ const earlySignal = (sig) => {
       } catch {}
     }
   }
+  try {
+    globalThis[Symbol.for('idem.signalJson')]?.(sig);
+  } catch {}
   process.stderr.write(`idem: stopped by ${sig}\n`);
   process.exit(sig === 'SIGINT' ? 130 : sig === 'SIGHUP' ? 129 : 143);
 };
 globalThis[Symbol.for('idem.earlySignal')] = earlySignal;
 for (const sig of ['SIGINT', 'SIGTERM', 'SIGHUP']) process.on(sig, earlySignal);
 
-let cli;
 try {
   cli = await import('../dist/cli.js');
 } catch (err) {
@@ -57,4 +68,5 @@ try {
   process.stderr.write('idem: error: dist/cli.js is missing: this is a checkout of the repository, build it first with npm run build\n');
   process.exit(2);
 }
+if (pendingSignal) earlySignal(pendingSignal);
 await cli.main(process.argv);

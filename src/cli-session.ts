@@ -60,13 +60,6 @@ export function createCliContext(program: Command, state: { exitCode: number }):
 
   const runWithSession = async (fn: CommandBody, uses: ReadonlyArray<'jobs' | 'migrations'> = ['jobs', 'migrations'], jsonError?: (err: unknown) => unknown) => {
     const g = globals();
-    // Loaded here, not at the top: `idem --help` and parse errors never need the runtime. Every
-    // command run here needs pg (job files import idem, which brings the runner): loaded first,
-    // before the runtime's modules, whose evaluation would load it without preloadPg's care.
-    await import('./preload-pg.ts').then((m) => m.preloadPg());
-    const { createLogger, secretForms, redactSecrets } = await import('./cli-runtime.ts');
-    // Every line masks the password (job lines too: ctx.log is a child of this logger).
-    const log = createLogger(g.logLevel, { secrets: secretForms(g.databaseUrl ?? '') });
     const session = new Session();
     /** Set once idem itself ends the process: any other process.exit() comes from the job's code. */
     let exiting = false;
@@ -78,17 +71,34 @@ export function createCliContext(program: Command, state: { exitCode: number }):
       await session.close();
       process.exit(code);
     };
+    /** A signal ended the start-up: what the command still throws on its way out is not printed. */
+    let stoppedBy: StopSignal | undefined;
+    let stopping: Promise<void> | undefined;
     // Until a command installs its graceful handlers (installSignals), a SIGINT or SIGTERM ends it
     // as the exit-code table says, after releasing what the session holds (a pool, an embedded
-    // server it started). Node's default ended the process by the signal, with neither.
+    // server it started). Node's default ended the process by the signal, with neither. With
+    // --json, its error object goes to stdout as for any other end that is not a success.
     onStartupSignal = (sig) => {
+      if (stoppedBy) return;
+      stoppedBy = sig;
       if (sig === 'SIGHUP') detachHungUpTerminal();
+      if (jsonError) process.stdout.write(`${JSON.stringify(jsonError(startupInterruption(sig)))}\n`);
       process.stderr.write(`idem: stopped by ${sig}\n`);
-      void finish(exitCodeOfSignal(sig), 2_000);
+      state.exitCode = exitCodeOfSignal(sig);
+      stopping = finish(state.exitCode, 2_000);
     };
+    // Before the runtime loads (pg, kysely, pino: a good part of the start-up): from here a signal
+    // is the session's, with the command's --json error object.
     dropEarlySignals();
     guardStdio();
     for (const sig of STOP_SIGNALS) process.on(sig, startupSignal[sig]);
+    // Loaded here, not at the top: `idem --help` and parse errors never need the runtime. Every
+    // command run here needs pg (job files import idem, which brings the runner): loaded first,
+    // before the runtime's modules, whose evaluation would load it without preloadPg's care.
+    await import('./preload-pg.ts').then((m) => m.preloadPg());
+    const { createLogger, secretForms, redactSecrets } = await import('./cli-runtime.ts');
+    // Every line masks the password (job lines too: ctx.log is a child of this logger).
+    const log = createLogger(g.logLevel, { secrets: secretForms(g.databaseUrl ?? '') });
     try {
       const { checkJobFolders } = await import('./cli-runtime.ts');
       await checkJobFolders(
@@ -106,6 +116,8 @@ export function createCliContext(program: Command, state: { exitCode: number }):
         guard.remove();
       }
     } catch (thrown) {
+      // Stopped by a signal while starting: that was printed, and the process is on its way out.
+      if (stoppedBy) return;
       // Whatever the command ends with is printed (and --json'd): a job file that threw while
       // loading, or params its schema refused, with DATABASE_URL in the message, shows it masked.
       const err = g.databaseUrl ? (await import('./cli-runtime.ts')).redactError(thrown, g.databaseUrl) : thrown;
@@ -122,6 +134,12 @@ export function createCliContext(program: Command, state: { exitCode: number }):
       else process.stderr.write(`idem: error: ${msg}\n`);
       if (!(err instanceof IdemError)) log.debug({ err }, 'unexpected error');
     } finally {
+      // Stopped while starting: finish() releases the session and exits by the signal (a command
+      // that ended meanwhile must not exit first, with its own code).
+      if (stopping) {
+        state.exitCode = exitCodeOfSignal(stoppedBy!);
+        await stopping;
+      }
       // The same watchdog on the normal path: releasing the lock, pool and embedded server must
       // not hang the process.
       // A lost lock often means a dead network: closing the pool would wait on its sockets.
@@ -213,6 +231,11 @@ function dropEarlySignals(): void {
   const early = (globalThis as Record<symbol, unknown>)[Symbol.for('idem.earlySignal')] as ((sig: NodeJS.Signals) => void) | undefined;
   if (!early) return;
   for (const sig of STOP_SIGNALS) process.off(sig, early);
+}
+
+/** The error a signal during a command's start-up ends it with (its --json error object's). */
+export function startupInterruption(sig: StopSignal): InterruptedError {
+  return new InterruptedError(sig, `stopped by ${sig} while starting; run the same command again`);
 }
 
 /** What a signal does before installSignals: set by runWithSession. */

@@ -1,7 +1,7 @@
 import { readFileSync } from 'node:fs';
 import { Command, CommanderError, Option } from 'commander';
 import { positiveInt } from './cli-parsers.ts';
-import { CLI_DEFAULT_SCHEMA, createCliContext } from './cli-session.ts';
+import { CLI_DEFAULT_SCHEMA, createCliContext, startupInterruption } from './cli-session.ts';
 import { registerControlCommands } from './commands/control.ts';
 import { registerCronCommand } from './commands/cron.ts';
 import { registerFinalizeCommand } from './commands/finalize.ts';
@@ -15,7 +15,7 @@ import { registerRunCommand } from './commands/run.ts';
 import { registerServeCommand } from './commands/serve.ts';
 import { registerStatusCommand } from './commands/status.ts';
 import { migrateErrorEntry, runErrorObject } from './describe-outcome.ts';
-import { ExitCode, exitCodeOf, messageOf, UsageError } from './errors.ts';
+import { ExitCode, exitCodeOf, messageOf, UsageError, type StopSignal } from './errors.ts';
 import { LOG_LEVELS } from './log-level.ts';
 import { visibleError } from './text-table.ts';
 
@@ -72,7 +72,7 @@ function oneLine(str: string): string {
 }
 
 /** What a command given --json prints on stdout when its command line is refused, by command. */
-const JSON_REFUSALS: Readonly<Record<string, (job: string | null, flags: ReadonlyMap<string, string>, err: UsageError) => unknown>> = {
+const JSON_REFUSALS: Readonly<Record<string, (job: string | null, flags: ReadonlyMap<string, string>, err: unknown) => unknown>> = {
   // `run --catch-up --json` prints an array (of the slots' outcomes), here the error alone.
   run: (job, flags, err) => (flags.has('--catch-up') ? [runErrorObject(job, null, err)] : runErrorObject(job, flags.get('--key') ?? null, err)),
   finalize: (job, flags, err) => runErrorObject(job, flags.get('--key') ?? null, err),
@@ -81,11 +81,12 @@ const JSON_REFUSALS: Readonly<Record<string, (job: string | null, flags: Readonl
 
 /**
  * `run`, `finalize` and `migrate` with --json print their error object (or array) on stdout for a
- * command line commander refuses too, as for every other refusal. commander stops at the first bad
- * token, so the command, its job operand, --key and --json are read off the arguments here: a
- * program option or a command's option that takes a value skips that value.
+ * command line commander refuses too, as for every other refusal, and for a signal before the
+ * command took over. commander stops at the first bad token, so the command, its job operand,
+ * --key and --json are read off the arguments here: a program option or a command's option that
+ * takes a value skips that value. Undefined: no --json, or a command without an error object.
  */
-function writeJsonRefusal(program: Command, args: readonly string[], err: CommanderError): void {
+function jsonErrorOf(program: Command, args: readonly string[]): ((err: unknown) => unknown) | undefined {
   let command: Command | undefined;
   const operands: string[] = [];
   const values = new Map<string, string>();
@@ -113,13 +114,28 @@ function writeJsonRefusal(program: Command, args: readonly string[], err: Comman
       continue;
     }
     if (command) operands.push(token);
-    else if (!(command = program.commands.find((c) => c.name() === token || c.aliases().includes(token)))) return;
+    else if (!(command = program.commands.find((c) => c.name() === token || c.aliases().includes(token)))) return undefined;
   }
   const write = command && values.has('--json') ? JSON_REFUSALS[command.name()] : undefined;
-  if (!write) return;
-  const refused = new UsageError(err.code.replace(/^commander\./, ''), oneLine(err.message).replace(/^error: /, ''));
-  process.stdout.write(`${JSON.stringify(write(operands[0] ?? null, values, refused))}\n`);
+  return write && ((err) => write(operands[0] ?? null, values, err));
 }
+
+function writeJsonRefusal(program: Command, args: readonly string[], err: CommanderError): void {
+  const json = jsonErrorOf(program, args);
+  if (!json) return;
+  const refused = new UsageError(err.code.replace(/^commander\./, ''), oneLine(err.message).replace(/^error: /, ''));
+  process.stdout.write(`${JSON.stringify(json(refused))}\n`);
+}
+
+/**
+ * bin/idem.js's handler of a signal that comes before a command takes over (idem's modules still
+ * loading, the command line being parsed) calls this first: with --json, the command's error
+ * object goes to stdout, as a signal later in the start-up prints it (see runWithSession).
+ */
+(globalThis as Record<symbol, unknown>)[Symbol.for('idem.signalJson')] = (sig: StopSignal) => {
+  const json = jsonErrorOf(buildProgram({ exitCode: 0 }), process.argv.slice(2));
+  if (json) process.stdout.write(`${JSON.stringify(json(startupInterruption(sig)))}\n`);
+};
 
 /**
  * A warning a library emits (pg's note on sslmode, a deprecation) on one `idem: warning:` line,

@@ -1,9 +1,10 @@
-import { hostname } from 'node:os';
+import { homedir, hostname } from 'node:os';
+import path from 'node:path';
 import { Kysely, PostgresDialect } from 'kysely';
 import pg from 'pg';
 import { isRetryable } from './retry.ts';
 import type { Logger } from 'pino';
-import { codeOf, DatabaseUnavailableError, errorFields, UsageError } from './errors.ts';
+import { codeOf, DatabaseUnavailableError, errorFields, type IdemError, UsageError } from './errors.ts';
 
 /**
  * Replaces the password in a connection string (URL or key=value form) with `***`.
@@ -452,15 +453,43 @@ async function refuseSessionlessPooler(a: pg.PoolClient, b: pg.PoolClient, conne
 /** Alternations of the pooler check once a pooler is seen (see refuseSessionlessPooler). */
 const POOLER_PROBES = 10;
 
-export function describeConnectError(err: unknown, connectionString: string, source?: string): DatabaseUnavailableError {
+/**
+ * Where pg took the password from, as a fix names it: the URL's (userinfo or `?password=`), else
+ * PGPASSWORD, else the password file (PGPASSFILE, default ~/.pgpass), which pg reads when neither
+ * gives one.
+ */
+function passwordSource(connectionString: string): { readonly from: 'url' | 'env' | 'file'; readonly file: string } {
+  const file = process.env.PGPASSFILE || path.join(homedir(), '.pgpass');
+  let inUrl = false;
+  try {
+    const u = new URL(connectionString);
+    inUrl = u.password !== '' || Boolean(u.searchParams.get('password'));
+  } catch {
+    inUrl = true; // unparsable: the URL is what to fix
+  }
+  return { from: inUrl ? 'url' : process.env.PGPASSWORD ? 'env' : 'file', file };
+}
+
+export function describeConnectError(err: unknown, connectionString: string, source?: string): IdemError {
   const code = codeOf(err);
-  // pg could not parse the string (new URL): most often a password with an unencoded / # ? or @.
+  // pg could not parse the string (new URL): most often a password with an unencoded / # ? or @,
+  // else a port past 65535 or an unclosed [ (the same refusal as a URL refused before connecting).
   // Neither the string nor its redaction is repeated: where the URL breaks, the redaction may too.
   if (code === 'ERR_INVALID_URL') {
-    return new DatabaseUnavailableError(invalidUrlMessage(source), { cause: err });
+    return new UsageError('invalidDatabaseUrl', invalidUrlMessage(source), { cause: err });
   }
   const where = redactUrl(connectionString);
   const raw = redactSecrets((err as Error)?.message ?? String(err), connectionString);
+  const urlSource = source ?? 'DATABASE_URL';
+  // pg's SCRAM client, given no password (none in the URL, PGPASSWORD or the password file), says so
+  // in its own terms ("SASL: SCRAM-SERVER-FIRST-MESSAGE: client password must be a string").
+  if (/client password must be a (non-empty )?string/.test(raw)) {
+    const { file } = passwordSource(connectionString);
+    return new DatabaseUnavailableError(
+      `the database at ${where} asks for a password and none was given (not in ${urlSource}, PGPASSWORD or ${file}); put it in ${urlSource} (postgres://user:password@host:5432/db, percent-encoded), or set PGPASSWORD, or add it to ${file}`,
+      { cause: err },
+    );
+  }
   let msg: string;
   switch (code) {
     case 'ECONNREFUSED':
@@ -477,7 +506,14 @@ export function describeConnectError(err: unknown, connectionString: string, sou
       const role = /role "([^"]+)" is not permitted to log in/.exec(raw)?.[1];
       if (role) msg = `the database at ${where} refused the connection (${raw}); ALTER ROLE ${role} LOGIN, or use a role that may log in`;
       else if (/pg_hba\.conf/.test(raw)) msg = `the database at ${where} refused the connection (${raw}); allow it in the server's pg_hba.conf, or connect as a user, to a database or from a host it allows`;
-      else msg = `the database at ${where} refused the credentials (${raw}); fix the user or password in ${source ?? 'DATABASE_URL'}`;
+      else {
+        // The fix names where the password came from: the URL has none when pg took it from
+        // PGPASSWORD or the password file.
+        const pw = passwordSource(connectionString);
+        if (pw.from === 'env') msg = `the database at ${where} refused the credentials (${raw}); fix the password in PGPASSWORD (${urlSource} has none), or the user in ${urlSource}`;
+        else if (pw.from === 'file') msg = `the database at ${where} refused the credentials (${raw}); fix the password in ${pw.file} (${urlSource} has none, PGPASSWORD is not set), or the user in ${urlSource}`;
+        else msg = `the database at ${where} refused the credentials (${raw}); fix the user or password in ${urlSource}`;
+      }
       break;
     }
     case '3D000':

@@ -258,6 +258,18 @@ export async function refuseOnStandby<T>(db: Kysely<any>, fn: () => Promise<T>):
   }
 }
 
+/**
+ * Refuses at once when the database is a standby: an operator's action (pause, resume, cancel,
+ * reset, prune) is one round trip or two, and checking first makes every one of them, whatever
+ * state its run is in (or when there is none), refuse with the same line, before it reads or writes.
+ */
+export async function assertNotStandby(db: Kysely<any>): Promise<void> {
+  const { rows } = await sql<{ inRecovery: boolean; replayDelaySeconds: number | null }>`
+    select pg_is_in_recovery() as "inRecovery",
+      case when pg_is_in_recovery() then extract(epoch from now() - pg_last_xact_replay_timestamp())::float8 end as "replayDelaySeconds"`.execute(db);
+  if (rows[0]?.inRecovery) throw standbyError({ ...rows[0], replicationLagSeconds: null, walReady: null, vacuuming: [], oldestTransaction: null, longestLockWait: null });
+}
+
 export interface HealthGateOptions {
   readonly db: Kysely<any>;
   readonly schema: string;

@@ -11,7 +11,7 @@ import type { ThrottleOptions } from './throttle.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
 import { adoptCodeFingerprint, recordCodeFingerprint, refuseChangedCode } from './code-fingerprint.ts';
 import { recordedFailure } from './finalize.ts';
-import { refuseOnStandby, type HealthSetting } from './health-check.ts';
+import { assertNotStandby, refuseOnStandby, type HealthSetting } from './health-check.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import { keyLabel } from './key-label.ts';
 import { faultPoint } from './fault-points.ts';
@@ -468,27 +468,32 @@ export class Runner {
   }
 
   /** Asks a run to pause (cooperatively, between chunks). Without a key: the job's latest unfinished run. */
-  pause(job: string, key?: string): Promise<ControlResult> {
+  async pause(job: string, key?: string): Promise<ControlResult> {
+    await assertNotStandby(this.db);
     return requestControl(this.#ops(), job, 'pause', key);
   }
 
   /** Lets a paused run continue on its next invocation. */
-  resume(job: string, key?: string): Promise<ControlResult> {
+  async resume(job: string, key?: string): Promise<ControlResult> {
+    await assertNotStandby(this.db);
     return resumeRun(this.#ops(), job, key);
   }
 
   /** Cancels a run (cooperatively); finished chunks are kept, the run never continues. */
-  cancel(job: string, key?: string): Promise<ControlResult> {
+  async cancel(job: string, key?: string): Promise<ControlResult> {
+    await assertNotStandby(this.db);
     return requestControl(this.#ops(), job, 'cancel', key);
   }
 
   /** Forgets a run so its key executes afresh; refused while it runs. */
-  reset(job: string, key: string): Promise<{ chunks: number; effects: number }> {
+  async reset(job: string, key: string): Promise<{ chunks: number; effects: number }> {
+    await assertNotStandby(this.db);
     return resetRun(this.#ops(), job, key);
   }
 
   /** Finishes deleting a run a killed prune left marked `deleting`, so its key runs afresh; busy while a prune or reset deletes it. */
-  finishDeletion(runId: string, what: string): Promise<void> {
+  async finishDeletion(runId: string, what: string): Promise<void> {
+    await assertNotStandby(this.db);
     return finishDeletion(this.#ops(), runId, what);
   }
 
@@ -497,7 +502,8 @@ export class Runner {
    * run. `migrationKeys`: the run keys of the migrations folder's files, so that a migration run
    * an older idem recorded (before runs were marked) is recognised and kept as well.
    */
-  prune(olderThanMs: number, opts: { readonly migrationKeys?: readonly string[] } = {}): Promise<PruneResult> {
+  async prune(olderThanMs: number, opts: { readonly migrationKeys?: readonly string[] } = {}): Promise<PruneResult> {
+    await assertNotStandby(this.db);
     return pruneRuns(this.#ops(), olderThanMs, opts.migrationKeys ?? []);
   }
 

@@ -236,7 +236,14 @@ const SLOT_KEY = /^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$/;
 export function slotOfKey(schedule: Schedule, job: string, key: string, now: Date = new Date(), keyName = '--key'): Date | null {
   if (!SLOT_KEY.test(key)) return null;
   const at = new Date(Date.parse(key));
-  if (!Number.isFinite(at.getTime()) || slotKey(at) !== key) return null;
+  if (!Number.isFinite(at.getTime()) || slotKey(at) !== key) {
+    // The slot format at a time that does not exist (month 13, 30 February, hour 24) is a typo of
+    // a slot as surely as one off the schedule: taken as an ordinary key, it ran with ctx.slot null.
+    throw new UsageError(
+      'invalidKey',
+      `${keyName} ${key} is shaped like a slot of job "${job}", but is not a real time (${notARealTime(key)}); pass a slot of its schedule (the latest due is ${slotKey(latestSlot(schedule, now))}), or a key that is not a UTC time`,
+    );
+  }
   // Not due first: a key beyond what the schedule can compute (croner stops at year 2999) is
   // refused as not due, where asking the schedule about it failed with its own error.
   if (at > now) {
@@ -250,6 +257,24 @@ export function slotOfKey(schedule: Schedule, job: string, key: string, now: Dat
   }
   return at;
 }
+
+const MONTHS = ['January', 'February', 'March', 'April', 'May', 'June', 'July', 'August', 'September', 'October', 'November', 'December'];
+
+/** What makes a key of the slot format (SLOT_KEY) no real UTC time: the first field out of its range. */
+function notARealTime(key: string): string {
+  const [year, month, day, hour, minute, second] = key.match(/\d+/g)!.map(Number) as [number, number, number, number, number, number];
+  const two = (n: number) => String(n).padStart(2, '0');
+  if (month < 1 || month > 12) return `there is no month ${two(month)}`;
+  if (day < 1) return `there is no day ${two(day)}`;
+  const days = month === 2 ? (isLeapYear(year) ? 29 : 28) : new Date(Date.UTC(2001, month, 0)).getUTCDate();
+  if (day > days) return `${MONTHS[month - 1]} ${String(year).padStart(4, '0')} has ${days} days`;
+  if (hour > 23) return `there is no hour ${two(hour)} (00 to 23)`;
+  if (minute > 59) return `there is no minute ${two(minute)} (00 to 59)`;
+  if (second > 59) return `there is no second ${two(second)} (00 to 59)`;
+  return 'not a valid UTC time';
+}
+
+const isLeapYear = (y: number) => (y % 4 === 0 && y % 100 !== 0) || y % 400 === 0;
 
 /**
  * `slotOfKey` for a job: null for a job without a schedule, and (before its schedule is parsed)

@@ -704,6 +704,57 @@ describe('database health at start-up', () => {
     expect(env.stderr.trim().split('\n')).toEqual([expect.stringMatching(/; fix the user or password in DATABASE_URL$/)]);
   });
 
+  it('no password anywhere: the line says none was given and where to give one, not pg internal SASL message', async () => {
+    const u = new URL(db.url);
+    u.password = '';
+    const noPgpass = { PGPASSWORD: undefined, PGPASSFILE: path.join(tmpdir(), 'idem-no-such-pgpass') };
+    const res = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--key', 'no-pw', '--json'], { url: u.toString(), env: noPgpass });
+    expect(res.code, res.stderr).toBe(2);
+    expect(res.stderr.trim().split('\n')).toEqual([
+      `idem: error: the database at ${u.toString()} asks for a password and none was given (not in DATABASE_URL, PGPASSWORD or ${noPgpass.PGPASSFILE}); put it in DATABASE_URL (postgres://user:password@host:5432/db, percent-encoded), or set PGPASSWORD, or add it to ${noPgpass.PGPASSFILE}`,
+    ]);
+    expect(JSON.parse(res.stdout)).toMatchObject({ status: 'error', exitCode: 2, code: 'idem.databaseUnavailable' });
+  });
+
+  it('a wrong password from PGPASSWORD or .pgpass: the fix names that source, not DATABASE_URL, and the password is not printed', async () => {
+    const u = new URL(db.url);
+    u.password = '';
+    const fromEnv = await runCli([...FIXTURE_DIRS, 'status'], { url: u.toString(), env: { PGPASSWORD: 'wrong-env-secret', PGPASSFILE: path.join(tmpdir(), 'idem-no-such-pgpass') } });
+    expect(fromEnv.code, fromEnv.stderr).toBe(2);
+    expect(fromEnv.stderr.trim().split('\n')).toEqual([expect.stringMatching(/refused the credentials \(password authentication failed for user "[^"]+"\); fix the password in PGPASSWORD \(DATABASE_URL has none\), or the user in DATABASE_URL$/)]);
+    expect(fromEnv.stderr).not.toContain('wrong-env-secret');
+    const dir = await mkdtemp(path.join(tmpdir(), 'idem-pgpass-'));
+    try {
+      const pgpass = path.join(dir, 'pgpass');
+      await writeFile(pgpass, `*:*:*:*:wrong-file-secret\n`, { mode: 0o600 });
+      const fromFile = await runCli([...FIXTURE_DIRS, '--database-url', u.toString(), 'status'], { env: { PGPASSWORD: undefined, PGPASSFILE: pgpass } });
+      expect(fromFile.code, fromFile.stderr).toBe(2);
+      expect(fromFile.stderr.trim().split('\n').filter((l) => !l.startsWith('idem: warning:'))).toEqual([
+        expect.stringMatching(new RegExp(`refused the credentials \\(password authentication failed for user "[^"]+"\\); fix the password in ${pgpass.replace(/[.*+?^${}()|[\]\\]/g, '\\$&')} \\(--database-url has none, PGPASSWORD is not set\\), or the user in --database-url$`)),
+      ]);
+      expect(fromFile.stderr).not.toContain('wrong-file-secret');
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
+    // The password in the URL stays the URL's to fix, PGPASSWORD set or not.
+    const inUrl = new URL(db.url);
+    inUrl.password = 'wrong-url-secret';
+    const fromUrl = await runCli([...FIXTURE_DIRS, 'status'], { url: inUrl.toString(), env: { PGPASSWORD: 'other-secret' } });
+    expect(fromUrl.stderr.trim().split('\n')).toEqual([expect.stringMatching(/; fix the user or password in DATABASE_URL$/)]);
+    expect(fromUrl.stderr).not.toMatch(/wrong-url-secret|other-secret/);
+  });
+
+  it('a URL that does not parse is idem.invalidDatabaseUrl (exit 2) whatever breaks it: a fragment, a port past 65535, an unclosed [', async () => {
+    const u = new URL(db.url);
+    for (const raw of [`postgres://${u.username}:pw-secret@${u.host}/app#frag`, `postgres://${u.username}:pw-secret@127.0.0.1:99999/app`, `postgres://${u.username}:pw-secret@[::1:5542/app`]) {
+      const res = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--key', 'bad-url', '--json'], { url: raw });
+      expect(res.code, raw).toBe(2);
+      expect(res.stderr.trim().split('\n'), raw).toEqual([expect.stringMatching(/^idem: error: DATABASE_URL is not a valid URL; percent-encode/)]);
+      expect(JSON.parse(res.stdout), raw).toMatchObject({ status: 'error', exitCode: 2, code: 'idem.invalidDatabaseUrl' });
+      expect(res.stdout + res.stderr).not.toContain('pw-secret');
+    }
+  });
+
   it('a password with an unencoded /, # or ?: exit 2, one line saying to percent-encode it, the password not printed', async () => {
     const u = new URL(db.url);
     // A password that starts with digits before the / # or ? parses as a valid URL whose host is the
@@ -908,6 +959,67 @@ describe('a signal while a command starts', () => {
       child.kill('SIGTERM');
       expect(await exited, stderr).toEqual([143, null]);
       expect(stderr.trim()).toBe('idem: stopped by SIGTERM');
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
+  }, 60_000);
+});
+
+describe('a signal while a command with --json starts', () => {
+  const interrupted = (sig: string, exitCode: number) => ({ status: 'error', exitCode, code: 'idem.interrupted', error: `stopped by ${sig} while starting; run the same command again` });
+
+  it('run, run --catch-up, finalize and migrate print their JSON error object on stdout (exit 143/130), as a signal after the start does', async () => {
+    // A job file (and a migration) that takes its time to load holds each command in its start-up.
+    const dir = await mkdtemp(path.join(tmpdir(), 'idem-slow-json-'));
+    const slow = (name: string) =>
+      `process.stderr.write('slow-load: loading\\n');\nawait new Promise((r) => setTimeout(r, 30_000));\nexport default { name: '${name}', schedule: '0 * * * *', steps: [{ name: 'a', run: async () => {} }] };\n`;
+    try {
+      await writeFile(path.join(dir, 'slow-json.mjs'), slow('slow-json'));
+      await import('node:fs/promises').then((fs) => fs.mkdir(path.join(dir, 'migrations')));
+      await writeFile(path.join(dir, 'migrations', '0001_slow_json.mjs'), slow('0001_slow_json').replace("schedule: '0 * * * *', ", ''));
+      const dirs = ['--jobs-dir', dir, '--migrations-dir', path.join(dir, 'migrations')];
+      const cases: Array<[string[], NodeJS.Signals, number, unknown]> = [
+        [['run', 'slow-json', '--key', 'sj1', '--json'], 'SIGTERM', 143, { job: 'slow-json', runKey: 'sj1', ...interrupted('SIGTERM', 143) }],
+        [['run', 'slow-json', '--key', 'sj2', '--json'], 'SIGINT', 130, { job: 'slow-json', runKey: 'sj2', ...interrupted('SIGINT', 130) }],
+        [['run', 'slow-json', '--catch-up', '2', '--json'], 'SIGTERM', 143, [{ job: 'slow-json', runKey: null, ...interrupted('SIGTERM', 143) }]],
+        [['finalize', 'slow-json', '--key', 'fz', '--json'], 'SIGTERM', 143, { job: 'slow-json', runKey: 'fz', ...interrupted('SIGTERM', 143) }],
+        [['migrate', '--json'], 'SIGTERM', 143, [{ runKey: null, job: null, ...interrupted('SIGTERM', 143) }]],
+      ];
+      for (const [args, sig, code, json] of cases) {
+        const child = spawnCli([...dirs, ...args], { url: db.url, timeoutMs: 40_000 });
+        await waitFor(async () => child.stderr().includes('slow-load: loading'), 'the file to start loading');
+        child.child.kill(sig);
+        const res = await child.done;
+        expect({ args, timedOut: res.timedOut, code: res.code, last: res.stderr.trim().split('\n').at(-1) }).toEqual({ args, timedOut: false, code, last: `idem: stopped by ${sig}` });
+        expect(res.stdout.split('\n').filter(Boolean).map((l) => JSON.parse(l))).toEqual([json]);
+      }
+      expect(await query(db.url, `select count(*)::int as n from idem.runs where job in ('slow-json', '0001_slow_json')`)).toEqual([{ n: 0 }]);
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
+  }, 120_000);
+
+  it('while the CLI itself still loads, run --json prints its error object too', async () => {
+    const dir = await mkdtemp(path.join(tmpdir(), 'idem-slow-cli-json-'));
+    const marker = path.join(dir, 'holding');
+    try {
+      await writeFile(
+        path.join(dir, 'hooks.mjs'),
+        `import { writeFileSync } from 'node:fs';\nexport async function resolve(specifier, context, next) {\n  if (specifier.endsWith('/dist/cli.js')) { writeFileSync(${JSON.stringify(marker)}, ''); await new Promise((r) => setTimeout(r, 3_000)); }\n  return next(specifier, context);\n}\n`,
+      );
+      await writeFile(path.join(dir, 'register.mjs'), `import { register } from 'node:module';\nregister(${JSON.stringify(pathToFileURL(path.join(dir, 'hooks.mjs')).href)});\n`);
+      const child = spawn(process.execPath, ['--import', pathToFileURL(path.join(dir, 'register.mjs')).href, BIN, ...FIXTURE_DIRS, 'run', 'counted', '--key', 'early-json', '--json'], { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, DATABASE_URL: db.url } });
+      let stdout = '';
+      let stderr = '';
+      child.stdout.setEncoding('utf8').on('data', (d: string) => (stdout += d));
+      child.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
+      const exited = new Promise<[number | null, string | null]>((resolve) => child.on('close', (code, signal) => resolve([code, signal])));
+      await waitFor(async () => existsSync(marker), 'the CLI to start loading', { timeoutMs: 15_000 });
+      child.kill('SIGTERM');
+      expect(await exited, stderr).toEqual([143, null]);
+      expect(stderr.trim()).toBe('idem: stopped by SIGTERM');
+      expect(stdout.split('\n').filter(Boolean).map((l) => JSON.parse(l))).toEqual([{ job: 'counted', runKey: 'early-json', ...interrupted('SIGTERM', 143) }]);
+      expect(await query(db.url, `select count(*)::int as n from idem.runs where run_key = 'early-json'`)).toEqual([{ n: 0 }]);
     } finally {
       await rm(dir, { recursive: true, force: true });
     }

@@ -1,3 +1,4 @@
+import { fileURLToPath } from 'node:url';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { defineJob, exitCodeOf, keyRange, Runner, sql, StandbyError, type HealthOptions } from '../src/index.ts';
 import counted from './fixtures/jobs/counted.ts';
@@ -10,6 +11,7 @@ import { clusterDir, removeDir, startPrimary, startStandby, systemPgBin, type Cl
  * archive_mode (a restart setting) and a one-second autovacuum naptime. .ci/run installs the
  * system PostgreSQL that provides pg_basebackup.
  */
+const SCHEDULED_JOBS = fileURLToPath(new URL('./fixtures/scheduled-jobs', import.meta.url));
 const bin = systemPgBin();
 let dir: string;
 let primary: Cluster;
@@ -52,6 +54,64 @@ describe.skipIf(!bin)('health indicators on a cluster of its own (system Postgre
     expect(cli.code).toBe(2);
     expect(lines(cli.stderr)).toEqual([expect.stringMatching(/^idem: error: the database is a standby .* point DATABASE_URL at the primary$/)]);
     expect(await query(primary.url, `select run_key from idem.runs where run_key like 'standby%'`)).toEqual([]);
+  });
+
+  it('pointed at a standby, every command that writes (pause, resume, cancel, reset, prune) refuses with the same line (exit 2), writing nothing; status and list still read', async () => {
+    // On the primary: a failed run, a paused run and an old succeeded run, each something the command acts on there.
+    await query(primary.url, `insert into fail_chunks (chunk_key) values ('c0002')`);
+    try {
+      await expect(runner.run(counted, { params: { chunks: 3 }, key: 'sb-failed' })).rejects.toThrow();
+    } finally {
+      await query(primary.url, 'delete from fail_chunks');
+    }
+    await runner.run(counted, { params: { chunks: 1 }, key: 'sb-paused' });
+    await query(primary.url, `update idem.runs set status = 'paused' where run_key = 'sb-paused'`);
+    await runner.run(counted, { params: { chunks: 1 }, key: 'sb-done' });
+    await query(primary.url, `update idem.runs set finished_at = now() - interval '2 days' where run_key = 'sb-done'`);
+    const rowsOf = () => query(primary.url, `select run_key, status, requested, attempt, updated_at, (select count(*)::int from idem.chunks c where c.run_id = r.id) as chunks from idem.runs r where run_key like 'sb-%' order by run_key`);
+    const before = await rowsOf();
+    // The standby has replayed all of it.
+    await waitFor(async () => (await query(standby.url, `select count(*)::int as n from idem.runs where run_key like 'sb-%'`))[0].n === 3, 'the runs to reach the standby');
+    const standbyLine = /^idem: error: the database is a standby \(in recovery(, \d+ s behind its primary)?\) and cannot take writes; point DATABASE_URL at the primary$/;
+    for (const args of [
+      ['pause', 'counted', '--key', 'sb-failed'],
+      ['pause', 'counted'],
+      ['cancel', 'counted', '--key', 'sb-failed'],
+      ['resume', 'counted', '--key', 'sb-paused'],
+      ['reset', 'counted', '--key', 'sb-failed'],
+      ['prune', '--older-than', '1d'],
+      ['prune', '--older-than', '1d', '--json'],
+    ]) {
+      const r = await runCli([...FIXTURE_DIRS, '--log-level', 'warn', ...args], { url: standby.url });
+      expect({ args, code: r.code, stdout: r.stdout, stderr: lines(r.stderr) }).toEqual({ args, code: 2, stdout: '', stderr: [expect.stringMatching(standbyLine)] });
+    }
+    // The long-running ones refuse at start, rather than fail at every slot or request.
+    for (const args of [
+      ['--jobs-dir', SCHEDULED_JOBS, '--log-level', 'warn', 'cron'],
+      [...FIXTURE_DIRS, '--log-level', 'warn', 'serve', '--port', '0'],
+    ]) {
+      const r = await runCli(args, { url: standby.url, timeoutMs: 20_000, env: { IDEM_API_TOKEN: 'standby-test-token-0123456789abcdef' } });
+      expect({ args, code: r.code, stdout: r.stdout, stderr: lines(r.stderr) }).toEqual({ args, code: 2, stdout: '', stderr: [expect.stringMatching(standbyLine)] });
+    }
+    expect(await rowsOf()).toEqual(before);
+    // The library refuses the same way.
+    const onStandby = await Runner.connect({ connectionString: standby.url });
+    try {
+      for (const op of [() => onStandby.pause('counted', 'sb-failed'), () => onStandby.resume('counted', 'sb-paused'), () => onStandby.cancel('counted'), () => onStandby.reset('counted', 'sb-failed'), () => onStandby.prune(86_400_000)]) {
+        const err = await op().catch((e: unknown) => e);
+        expect(err).toBeInstanceOf(StandbyError);
+        expect(exitCodeOf(err)).toBe(2);
+      }
+    } finally {
+      await onStandby.close();
+    }
+    // Reading needs no primary.
+    const status = await runCli([...FIXTURE_DIRS, '--log-level', 'warn', 'status', 'counted', '--key', 'sb-failed'], { url: standby.url });
+    expect({ code: status.code, stderr: status.stderr }).toEqual({ code: 0, stderr: '' });
+    expect(status.stdout).toContain('sb-failed');
+    const list = await runCli([...FIXTURE_DIRS, '--log-level', 'warn', 'list'], { url: standby.url });
+    expect({ code: list.code, stderr: list.stderr }).toEqual({ code: 0, stderr: '' });
+    expect(list.stdout).toContain('counted');
   });
 
   it('a standby lagging in replay pauses the run until it caught up', async () => {

@@ -175,6 +175,40 @@ describe('a slot key given to idem finalize or to idem serve', () => {
   });
 });
 
+describe('a slot-shaped key that is no real time', () => {
+  it('month 13, 30 February and hour 24 are refused by run, finalize and a POST (exit 2 / 422) naming the problem, writing nothing; never run as ordinary keys with ctx.slot null', async () => {
+    const latest = slotKey(latestSlot(schedule));
+    const refusal = (name: string, key: string, problem: string) =>
+      `${name} ${key} is shaped like a slot of job "hourly-tick", but is not a real time (${problem}); pass a slot of its schedule (the latest due is ${latest}), or a key that is not a UTC time`;
+    const cases: Array<[string, string]> = [
+      ['2026-13-01T00:00:00Z', 'there is no month 13'],
+      ['2026-02-30T05:00:00Z', 'February 2026 has 28 days'],
+      ['2026-12-02T24:00:00Z', 'there is no hour 24 (00 to 23)'],
+    ];
+    for (const [key, problem] of cases) {
+      const run = await runCli(tick('sched_bad', ['--param', 'tag=bad-key', '--key', key, '--json']), { url });
+      expect({ code: run.code, stderr: run.stderr }).toEqual({ code: 2, stderr: `idem: error: ${refusal('--key', key, problem)}\n` });
+      expect(JSON.parse(run.stdout)).toMatchObject({ status: 'error', exitCode: 2, code: 'idem.invalidKey' });
+      const fin = await runCli(['--jobs-dir', SCHEDULED_JOBS, '--schema', 'sched_bad', 'finalize', 'hourly-tick', '--param', 'tag=bad-key', '--key', key], { url });
+      expect({ code: fin.code, stderr: fin.stderr }).toEqual({ code: 2, stderr: `idem: error: ${refusal('--key', key, problem)}\n` });
+    }
+    expect(await query(url, `select to_regnamespace('sched_bad')::text as s`)).toEqual([{ s: null }]);
+    const server = await startServe(url, ['--schema', 'sched_bad_srv'], {}, SCHEDULED_JOBS);
+    try {
+      for (const [key, problem] of cases) {
+        const res = await api(server.base, 'POST', '/api/jobs/hourly-tick/runs', { body: { tag: 'bad-key' }, key });
+        expect(res.status, res.text).toBe(422);
+        expect(res.body).toMatchObject({ type: 'urn:idem:problem:idem.invalidKey', detail: refusal('Idempotency-Key', key, problem) });
+      }
+      expect(await query(url, `select run_key from sched_bad_srv.runs`)).toEqual([]);
+    } finally {
+      server.proc.child.kill('SIGTERM');
+      await server.proc.done;
+    }
+    expect(await ticks('bad-key')).toEqual([]);
+  });
+});
+
 describe('--catch-up when a slot fails', () => {
   it('stops at the first failed slot (exit 1); the next tick retries it and goes on', async () => {
     const slots = slotsSince(schedule, { count: 3 });

@@ -8,6 +8,7 @@ import {
   runCronLoop,
   type Schedule,
   slotKey,
+  slotOfJobKey,
   slotOfKey,
   slotsSince,
 } from '../src/schedule.ts';
@@ -373,5 +374,33 @@ describe('slotOfKey far in the future', () => {
       expect(err.code).toBe('idem.invalidKey');
       expect(err.message).toBe(`--key ${key} is a slot of job "hourly" that is not due yet; the latest due slot is 2026-12-02T08:00:00Z: pass a due slot, or a key that is not a UTC time`);
     }
+  });
+});
+
+describe('slotOfKey of a slot-shaped key that is no real time', () => {
+  it('month 13, 30 February, hour 24, minute or second 60, day 00 are refused (idem.invalidKey) naming the field and the latest due slot, never taken as an ordinary key', () => {
+    const hourly = parseSchedule('0 * * * *');
+    const now = at('2026-12-02T08:30:00Z');
+    const cases: Array<[string, string]> = [
+      ['2026-13-01T00:00:00Z', 'there is no month 13'],
+      ['2026-00-01T00:00:00Z', 'there is no month 00'],
+      ['2026-02-30T05:00:00Z', 'February 2026 has 28 days'],
+      ['2028-02-30T05:00:00Z', 'February 2028 has 29 days'],
+      ['2026-04-31T05:00:00Z', 'April 2026 has 30 days'],
+      ['2026-12-00T05:00:00Z', 'there is no day 00'],
+      ['2026-12-02T24:00:00Z', 'there is no hour 24 (00 to 23)'],
+      ['2026-12-02T04:60:00Z', 'there is no minute 60 (00 to 59)'],
+      ['2026-12-02T04:00:60Z', 'there is no second 60 (00 to 59)'],
+      // Beyond what croner computes too: still named for what it is.
+      ['9999-13-01T00:00:00Z', 'there is no month 13'],
+    ];
+    for (const [key, problem] of cases) {
+      const err = usageError(() => slotOfKey(hourly, 'hourly', key, now));
+      expect(err.code).toBe('idem.invalidKey');
+      expect(err.message).toBe(`--key ${key} is shaped like a slot of job "hourly", but is not a real time (${problem}); pass a slot of its schedule (the latest due is 2026-12-02T08:00:00Z), or a key that is not a UTC time`);
+      expect(() => slotOfJobKey({ name: 'hourly', schedule: '0 * * * *' }, key, 'Idempotency-Key', now)).toThrow(`Idempotency-Key ${key} is shaped like a slot`);
+    }
+    // A job without a schedule takes any key as an ordinary one.
+    expect(slotOfJobKey({ name: 'plain' }, '2026-13-01T00:00:00Z')).toBeNull();
   });
 });

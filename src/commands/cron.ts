@@ -11,11 +11,13 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
     .description('run the schedules in this process (for containers without cron); several on several hosts are safe')
     .action(() =>
       cli.runWithSession(async (g, log, session, force) => {
-        const { loadJobDir, runCronLoop, slotKey } = await import('../cli-runtime.ts');
+        const { assertNotStandby, loadJobDir, runCronLoop, slotKey } = await import('../cli-runtime.ts');
         const loaded = await loadJobDir(g.jobsDir, 'jobs');
         const byName = new Map(loaded.map((l) => [l.job.name, l.job]));
         const entries = await scheduledJobs(g.jobsDir, g.migrationsDir);
         const runner = await openRunner(g, log, session);
+        // On a standby every slot would fail, tick after tick: refused at start instead (exit 2).
+        await assertNotStandby(runner.db);
         const signals = installSignals(log, g.shutdownTimeout, force);
         log.info({ jobs: entries.map((e) => `${e.job} (${e.schedule.expression})`) }, 'idem cron started');
         await runCronLoop({

@@ -26,7 +26,9 @@ export function registerServeCommand(program: Command, cli: CliContext): void {
         const openDatabase = async (poolSize: number, readPoolSize: number, readTimeoutMs: number) => {
           const url = await databaseUrl(g, log, session);
           const runner = await openRunner(g, log, session, poolSize, url);
-          const { openDatabase } = await import('../cli-runtime.ts');
+          const { assertNotStandby, openDatabase } = await import('../cli-runtime.ts');
+          // On a standby every run it starts or resumes would fail: refused at start instead (exit 2).
+          await assertNotStandby(runner.db);
           const reads = await openDatabase(url, { poolSize: readPoolSize, log, queryTimeoutMs: readTimeoutMs });
           session.defer(() => reads.close());
           return { runner, reads: reads.pool };
