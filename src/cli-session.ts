@@ -29,6 +29,10 @@ export interface GlobalOptions {
 /** Resources a command opened, released in reverse order however the command ends. */
 export class Session {
   readonly #cleanups: Array<() => Promise<void>> = [];
+  /** Aborted by a signal during start-up: what is still starting (the embedded server) gives up. */
+  readonly startup = new AbortController();
+  /** An embedded server is being made or started: closing waits for it to give up and be released. */
+  embeddedStarting = false;
   defer(fn: () => Promise<void>): void {
     this.#cleanups.push(fn);
   }
@@ -85,7 +89,10 @@ export function createCliContext(program: Command, state: { exitCode: number }):
       if (jsonError) process.stdout.write(`${JSON.stringify(jsonError(startupInterruption(sig)))}\n`);
       process.stderr.write(`idem: stopped by ${sig}\n`);
       state.exitCode = exitCodeOfSignal(sig);
-      stopping = finish(state.exitCode, 2_000);
+      session.startup.abort(startupInterruption(sig));
+      // Killing initdb or letting a starting server come up and releasing it takes a few seconds;
+      // the watchdog gives that time (pg_ctl's own bound is 60 s), else 2 s.
+      stopping = finish(state.exitCode, session.embeddedStarting ? 65_000 : 2_000);
     };
     // Before the runtime loads (pg, kysely, pino: a good part of the start-up): from here a signal
     // is the session's, with the command's --json error object.
@@ -200,9 +207,13 @@ export async function databaseUrl(g: GlobalOptions, log: Logger, session: Sessio
     return g.databaseUrl;
   }
   const { startEmbeddedPostgres } = await import('./embedded-postgres.ts');
-  const server = await startEmbeddedPostgres({ dataDir: path.resolve('.idem', 'pg'), onLog: (msg) => log.info(msg) });
-  session.defer(() => server.release());
-  return server.url;
+  session.startup.signal.throwIfAborted();
+  // Registered before it is up: a signal meanwhile makes the start give up (initdb killed, its
+  // leftovers and lock removed; a server it started released again) and closing waits for that.
+  session.embeddedStarting = true;
+  const starting = startEmbeddedPostgres({ dataDir: path.resolve('.idem', 'pg'), onLog: (msg) => log.info(msg), signal: session.startup.signal }).finally(() => (session.embeddedStarting = false));
+  session.defer(async () => (await starting.catch(() => undefined))?.release());
+  return (await starting).url;
 }
 
 /** Opens a Runner on DATABASE_URL, or on the embedded server under .idem/ when none is given (or on `url`, from databaseUrl). */

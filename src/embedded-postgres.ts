@@ -22,6 +22,12 @@ export interface EmbeddedOptions {
   readonly dataDir: string;
   /** Called with one-line human messages (never containing the password). Defaults to silence. */
   readonly onLog?: (msg: string) => void;
+  /**
+   * Gives the start up (a signal during start-up): initdb is killed and its leftovers removed, a
+   * wait ends, and a server this call started is released again (stopped when no one else uses
+   * it). Rejects with the signal's reason.
+   */
+  readonly signal?: AbortSignal;
 }
 
 export interface EmbeddedServer {
@@ -60,6 +66,7 @@ const errCode = (err: unknown) => (err as { code?: unknown } | null)?.code;
 
 export async function startEmbeddedPostgres(opts: EmbeddedOptions): Promise<EmbeddedServer> {
   const log = opts.onLog ?? noop;
+  const signal = opts.signal;
   const dataDir = path.resolve(opts.dataDir);
   const stateDir = path.dirname(dataDir);
   const rel = path.relative(process.cwd(), dataDir);
@@ -78,7 +85,7 @@ export async function startEmbeddedPostgres(opts: EmbeddedOptions): Promise<Embe
     if (created !== undefined && t.runAs) await fs.chmod(stateDir, 0o711);
     if (t.runAs) await checkReachable(t.runAs, [t.bins.postgres, stateDir]);
     creds ??= await createCredentials(p);
-    await ensureInitialised(p, creds, t, log);
+    await ensureInitialised(p, creds, t, log, signal);
     await (await fs.open(p.logFile, 'a', 0o600)).close(); // pg_ctl appends to it as the postgres user
     if (t.runAs) await fs.chown(p.logFile, t.runAs.uid, t.runAs.gid);
   })());
@@ -88,6 +95,8 @@ export async function startEmbeddedPostgres(opts: EmbeddedOptions): Promise<Embe
   let lastFailure = '';
   let waitingFor = { pid: 0, since: 0 };
   for (;;) {
+    // Given up: unless this call started the server, which it must connect to and release first.
+    if (!startedHere) signal?.throwIfAborted();
     const pm = creds && (await readPostmaster(dataDir));
     if (creds && pm) {
       failures = 0; // losing a start race to this server was no failure
@@ -97,7 +106,13 @@ export async function startEmbeddedPostgres(opts: EmbeddedOptions): Promise<Embe
       if (!(got instanceof Error)) {
         const where = `127.0.0.1:${pm.port} (data in ${p.shown})`;
         log(startedHere ? `embedded PostgreSQL ${got.version} started on ${where}` : `using embedded PostgreSQL ${got.version} already running on ${where}`);
-        return makeServer(url, startedHere, got.client, p, getTools, log);
+        const server = makeServer(url, startedHere, got.client, p, getTools, log);
+        if (signal?.aborted) {
+          // Given up while it started: the last client out stops it, as at any command's end.
+          await server.release();
+          signal.throwIfAborted();
+        }
+        return server;
       }
       if (Date.now() - waitingFor.since > READY_TIMEOUT_MS) {
         throw new DatabaseUnavailableError(`embedded PostgreSQL (pid ${pm.pid}, port ${pm.port}) did not accept connections within ${READY_TIMEOUT_MS / 1000} s (${got.message}): see ${p.logFile}; if no postgres process is running, delete ${path.join(dataDir, 'postmaster.pid')}`);
@@ -271,9 +286,10 @@ async function writeCredentials(p: Paths, creds: Credentials, how: 'link' | 'ren
  * second initialiser (after breaking a lock it wrongly thought stale) simply loses the rename.
  * The lock only saves concurrent first runs from doing the work ten times.
  */
-async function ensureInitialised(p: Paths, creds: Credentials, t: Tools, log: (msg: string) => void): Promise<void> {
+async function ensureInitialised(p: Paths, creds: Credentials, t: Tools, log: (msg: string) => void, signal?: AbortSignal): Promise<void> {
   const deadline = Date.now() + 120_000;
   while (!(await exists(path.join(p.dataDir, 'PG_VERSION')))) {
+    signal?.throwIfAborted();
     if (!(await tryLock(p.initLock))) {
       if (Date.now() > deadline) throw new DatabaseUnavailableError(`timed out waiting for another idem process to initialise ${p.shown}: if none is running, delete ${p.initLock}`);
       await sleep(200);
@@ -283,12 +299,14 @@ async function ensureInitialised(p: Paths, creds: Credentials, t: Tools, log: (m
     const pwfile = `${tmp}.pw`;
     try {
       if (await exists(path.join(p.dataDir, 'PG_VERSION'))) return;
+      await removeDeadInitialisers(p.dataDir);
       log(`initialising embedded PostgreSQL in ${p.shown} (first run only)`);
       await fs.mkdir(tmp, { mode: 0o700 });
       await fs.writeFile(pwfile, `${creds.password}\n`, { mode: 0o600 });
       if (t.runAs) for (const f of [tmp, pwfile]) await fs.chown(f, t.runAs.uid, t.runAs.gid);
       const r = await run(t.bins.initdb, ['-D', tmp, '-U', USER, `--pwfile=${pwfile}`, '--auth=scram-sha-256', '-E', 'UTF8',
-        '--locale-provider=builtin', '--builtin-locale=C.UTF-8', '--locale=C', '--no-instructions'], t.runAs);
+        '--locale-provider=builtin', '--builtin-locale=C.UTF-8', '--locale=C', '--no-instructions'], t.runAs, signal);
+      signal?.throwIfAborted();
       if (r.code !== 0) throw new DatabaseUnavailableError(`initdb failed for ${p.shown} (exit ${r.code}): ${lastLine(r.output)}`);
       await fs.appendFile(path.join(tmp, 'postgresql.conf'), CONF);
       try {
@@ -306,12 +324,37 @@ async function ensureInitialised(p: Paths, creds: Credentials, t: Tools, log: (m
   }
 }
 
-/** mkdir is atomic: one winner. A lock older than a minute is stale (initdb takes about a second). */
+/**
+ * mkdir is atomic: one winner, who writes its host and pid into it. A lock whose owner is a dead
+ * process of this host is stale at once (a command killed mid-initdb: the next one waited a minute,
+ * silently); one without a readable owner, when it is older than a minute (initdb takes about a
+ * second).
+ */
 async function tryLock(lockDir: string): Promise<boolean> {
-  const made = await fs.mkdir(lockDir).then(() => true, (err: unknown) => { if (errCode(err) === 'EEXIST') return false; throw err; });
-  const age = made ? 0 : Date.now() - ((await fs.stat(lockDir).catch(() => undefined))?.mtimeMs ?? Date.now());
-  if (age > 60_000) await fs.rm(lockDir, { recursive: true, force: true }); // wrongly broken, it costs a second initdb
-  return made;
+  const mkdir = () => fs.mkdir(lockDir).then(() => true, (err: unknown) => { if (errCode(err) === 'EEXIST') return false; throw err; });
+  if (await mkdir()) {
+    await fs.writeFile(path.join(lockDir, 'owner'), `${os.hostname()} ${process.pid}\n`).catch(noop);
+    return true;
+  }
+  const owner = (await fs.readFile(path.join(lockDir, 'owner'), 'utf8').catch(() => '')).trim().split(' ');
+  const dead = owner.length === 2 && owner[0] === os.hostname() && Number(owner[1]) > 0 && !isAlive(Number(owner[1]));
+  const age = Date.now() - ((await fs.stat(lockDir).catch(() => undefined))?.mtimeMs ?? Date.now());
+  if (!dead && age <= 60_000) return false;
+  await fs.rm(lockDir, { recursive: true, force: true }); // wrongly broken, it costs a second initdb
+  return false; // the next look takes it, or sees who did
+}
+
+/**
+ * The temp dirs and password files (`pg.init-<pid>-<hex>`, `….pw`) of initialisers that died
+ * before their cleanup (SIGKILL, a watchdog's exit): 40 MB and the password each. Called with the
+ * init lock held, so no live initialiser of this host is working in them.
+ */
+async function removeDeadInitialisers(dataDir: string): Promise<void> {
+  const prefix = `${path.basename(dataDir)}.init-`;
+  for (const name of await fs.readdir(path.dirname(dataDir)).catch(() => [] as string[])) {
+    const m = name.startsWith(prefix) ? /^(\d+)-[0-9a-f]+(?:\.pw)?$/.exec(name.slice(prefix.length)) : null;
+    if (m && Number(m[1]) !== process.pid && !isAlive(Number(m[1]))) await fs.rm(path.join(path.dirname(dataDir), name), { recursive: true, force: true });
+  }
 }
 
 /** The running postmaster's pid and port, from postmaster.pid; undefined if absent, half-written or stale. */
@@ -343,14 +386,14 @@ function freePort(): Promise<number> {
   });
 }
 
-/** Runs a tool to completion (as `runAs` if given) and returns its exit code and combined output. */
-function run(file: string, args: readonly string[], runAs: RunAs | undefined): Promise<{ code: number; output: string }> {
+/** Runs a tool to completion (as `runAs` if given) and returns its exit code and combined output; `signal` kills it (SIGTERM). */
+function run(file: string, args: readonly string[], runAs: RunAs | undefined, signal?: AbortSignal): Promise<{ code: number; output: string }> {
   return new Promise((resolve, reject) => {
     // cwd '/': our own cwd may not be searchable by the postgres user.
-    const child = spawn(file, args, { cwd: '/', stdio: ['ignore', 'pipe', 'pipe'], ...runAs });
+    const child = spawn(file, args, { cwd: '/', stdio: ['ignore', 'pipe', 'pipe'], ...runAs, ...(signal ? { signal } : {}) });
     let output = '';
     for (const stream of [child.stdout, child.stderr]) stream.on('data', (b: Buffer) => { output += b.toString(); });
-    child.on('error', reject).on('close', (code) => resolve({ code: code ?? 1, output }));
+    child.on('error', (err) => (signal?.aborted ? resolve({ code: 1, output }) : reject(err))).on('close', (code) => resolve({ code: code ?? 1, output }));
   });
 }
 

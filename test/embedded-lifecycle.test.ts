@@ -1,4 +1,5 @@
-import { mkdir, mkdtemp, readFile, rm, writeFile } from 'node:fs/promises';
+import { spawn } from 'node:child_process';
+import { mkdir, mkdtemp, readdir, readFile, rm, writeFile } from 'node:fs/promises';
 import net from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
@@ -133,5 +134,93 @@ describe('the embedded PostgreSQL is stopped when the last idem process exits', 
     expect(next.code, next.stderr).toBe(0);
     expect(lifecycle(next.stderr)).toEqual([expect.stringMatching(/^using embedded PostgreSQL 18\.\d+ already running on /), 'embedded PostgreSQL stopped (last client out)']);
     await expectStopped(pid);
+  });
+});
+
+describe('a signal while the embedded server is being made or started', () => {
+  /** A fresh project of its own: these tests need a data dir that is not initialised yet. */
+  async function freshProject(): Promise<string> {
+    const dir = await mkdtemp(path.join(os.tmpdir(), 'idem-lifecycle-init-'));
+    await chownToPostgres(dir);
+    await mkdir(path.join(dir, 'jobs'));
+    await writeFile(path.join(dir, 'jobs', 'noop.mjs'), `export default { name: 'noop', steps: [{ name: 'only', run: () => {} }] };\n`);
+    return dir;
+  }
+  const leftovers = async (dir: string) => (await readdir(path.join(dir, '.idem')).catch(() => [] as string[])).filter((f) => f.startsWith('pg.init'));
+  const postmasterOf = async (dir: string) => {
+    const pid = Number((await readFile(path.join(dir, '.idem', 'pg', 'postmaster.pid'), 'utf8').catch(() => '')).split('\n')[0]);
+    return pid > 0 && alive(pid) ? pid : undefined;
+  };
+
+  it('SIGINT during initdb: exit 130, nothing left behind, and the next command starts at once (it waited ~60 s for the dead lock)', async () => {
+    // Black-box round 8: the killed command left .idem/pg.init-lock, a 39 MB pg.init-<pid>-… and its
+    // .pw file (the password); the next command printed nothing for 55-61 s, until the lock was a
+    // minute old. A signal to the whole process group, as Ctrl-C sends, kills initdb too.
+    const dir = await freshProject();
+    try {
+      const env = { ...process.env };
+      delete env.DATABASE_URL;
+      delete env.NODE_OPTIONS;
+      const first = spawn(process.execPath, [path.resolve('bin/idem.js'), 'list'], { cwd: dir, detached: true, stdio: ['ignore', 'ignore', 'pipe'], env });
+      let err = '';
+      first.stderr!.setEncoding('utf8').on('data', (s: string) => (err += s));
+      const closed = new Promise<number | null>((resolve) => first.on('close', (code) => resolve(code)));
+      await waitFor(async () => /initialising embedded PostgreSQL/.test(err), 'initdb to start', { timeoutMs: 60_000 });
+      process.kill(-first.pid!, 'SIGINT');
+      expect(await closed, err).toBe(130);
+      const next = await runCli(['list'], { cwd: dir, timeoutMs: 120_000 });
+      expect(next.code, next.stderr).toBe(0);
+      expect(next.ms, next.stderr).toBeLessThan(30_000);
+      expect(await leftovers(dir)).toEqual([]);
+      const pid = await postmasterOf(dir);
+      if (pid !== undefined) await expectStopped(pid);
+    } finally {
+      const pid = await postmasterOf(dir);
+      if (pid !== undefined) process.kill(pid, 'SIGINT');
+      await rm(dir, { recursive: true, force: true });
+    }
+  });
+
+  it('a SIGKILLed initialiser does not hold the next command for a minute either: its lock and leftovers are cleared', async () => {
+    const dir = await freshProject();
+    try {
+      const first = spawnCli(['list'], { cwd: dir, timeoutMs: 120_000 });
+      await waitFor(async () => /initialising embedded PostgreSQL/.test(first.stderr()), 'initdb to start', { timeoutMs: 60_000 });
+      first.child.kill('SIGKILL');
+      await first.done;
+      const next = await runCli(['list'], { cwd: dir, timeoutMs: 120_000 });
+      expect(next.code, next.stderr).toBe(0);
+      expect(next.ms, next.stderr).toBeLessThan(30_000);
+      await waitFor(async () => (await leftovers(dir)).length === 0, 'the dead initialiser leftovers to be gone', { timeoutMs: 20_000 });
+    } finally {
+      const pid = await postmasterOf(dir);
+      if (pid !== undefined) process.kill(pid, 'SIGINT');
+      await rm(dir, { recursive: true, force: true });
+    }
+  });
+
+  it('SIGTERM to idem while it starts the server: exit 143, and the server it started is stopped, not left running', async () => {
+    const dir = await freshProject();
+    try {
+      // Initialised first, so that the next command's start is pg_ctl's alone.
+      const init = await runCli(['list'], { cwd: dir, timeoutMs: 120_000 });
+      expect(init.code, init.stderr).toBe(0);
+      const proc = spawnCli(['status'], { cwd: dir, timeoutMs: 120_000 });
+      let exited = false;
+      void proc.done.then(() => (exited = true));
+      await waitFor(async () => (await postmasterOf(dir)) !== undefined || exited, 'the postmaster to appear', { timeoutMs: 60_000, intervalMs: 10 });
+      expect(exited, proc.stderr()).toBe(false);
+      const pid = await postmasterOf(dir);
+      proc.child.kill('SIGTERM');
+      const r = await proc.done;
+      expect(r.code, r.stderr).toBe(143);
+      expect(r.stderr).toContain('idem: stopped by SIGTERM');
+      if (pid !== undefined) await expectStopped(pid);
+      expect(await postmasterOf(dir)).toBeUndefined();
+    } finally {
+      const pid = await postmasterOf(dir);
+      if (pid !== undefined) process.kill(pid, 'SIGINT');
+      await rm(dir, { recursive: true, force: true });
+    }
   });
 });
