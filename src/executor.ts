@@ -73,7 +73,12 @@ export interface Progress {
   /** Chunks this invocation committed in this step, and since when (for the rate). */
   readonly executedNow: number;
   readonly since: number;
+  /** `done` when this invocation started the step: the step's rate is (done - doneBefore) / time, every worker's chunks counted. */
+  readonly doneBefore?: number;
 }
+
+/** How often (at most) a step's progress is read back from the database, for the other workers' chunks. */
+const PROGRESS_REFRESH_MS = 1_000;
 
 export interface ExecuteResult {
   /** Chunks whose work this invocation committed. */
@@ -136,8 +141,41 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   let skipped = counts.skipped;
   const since = performance.now();
   const planCtx = () => ({ db: opts.db, params: opts.params, log, signal: opts.abort, run, step: step.name, slot: opts.slot, windowSize: planWindow, sizeFactor: throttle.sizeFactor });
-  const progress = () =>
-    opts.onProgress?.({ runKey: run.runKey, attempt: run.attempt, step: step.name, stepIndex: index, steps: opts.job.steps.length, done, planned: nextSeq - 1, estimated, fullyPlanned: plannedAll, executedNow: executed, since });
+  const doneBefore = done;
+  // Other workers of the run commit chunks too: what they did is read back now and then (not on
+  // the chunk path: in the background, at most once a PROGRESS_REFRESH_MS), so that a worker's
+  // progress shows the step's, not its own alone.
+  let seen = { done: 0, planned: 0, plannedAll: false };
+  let refreshedAt = performance.now();
+  let refreshing = false;
+  const refresh = () => {
+    if (refreshing || performance.now() - refreshedAt < PROGRESS_REFRESH_MS) return;
+    refreshing = true;
+    refreshedAt = performance.now();
+    store
+      .stepProgress(run.runId, step.name)
+      .then((p) => void (p && (seen = { done: Math.max(seen.done, p.done), planned: Math.max(seen.planned, p.planned), plannedAll: seen.plannedAll || p.plannedAll })))
+      .catch(() => {})
+      .finally(() => (refreshing = false));
+  };
+  const progress = () => {
+    if (!opts.onProgress) return;
+    refresh();
+    opts.onProgress({
+      runKey: run.runKey,
+      attempt: run.attempt,
+      step: step.name,
+      stepIndex: index,
+      steps: opts.job.steps.length,
+      done: Math.max(done, seen.done),
+      planned: Math.max(nextSeq - 1, seen.planned),
+      estimated,
+      fullyPlanned: plannedAll || seen.plannedAll,
+      executedNow: executed,
+      since,
+      doneBefore,
+    });
+  };
 
   if (estimated === null && source.estimate && !plannedAll) {
     const e = await Promise.resolve(source.estimate(planCtx())).catch(() => null);

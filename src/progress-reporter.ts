@@ -11,8 +11,7 @@ export interface ProgressReporter {
 /** done/total, rate and ETA as one short line. Pure; exported for tests. */
 export function formatProgress(job: string, p: Progress, now = performance.now()): string {
   const total = p.fullyPlanned ? p.planned : Math.max(p.planned, p.estimated ?? 0);
-  const secs = (now - p.since) / 1000;
-  const rate = secs > 0 ? p.executedNow / secs : 0;
+  const rate = stepRate(p, now);
   const left = total - p.done;
   const eta = rate > 0 && total > 0 ? `ETA ${formatSeconds(left / rate)}` : 'ETA ?';
   const of = total > 0 ? `${p.done}/${total}${p.fullyPlanned ? '' : '~'}` : `${p.done}`;
@@ -21,17 +20,23 @@ export function formatProgress(job: string, p: Progress, now = performance.now()
 
 /**
  * The pinned progress bar on a terminal: step, a bar of done/planned (or the estimate, marked ~),
- * the rate of this invocation and the ETA. Pure; exported for tests.
+ * the step's rate since this invocation started it (every worker's chunks) and the ETA. Pure; exported for tests.
  */
 export function formatProgressBar(p: Progress, now = performance.now(), width = 24, c: Colours = colours(false)): string {
   const total = p.fullyPlanned ? p.planned : Math.max(p.planned, p.estimated ?? 0);
-  const secs = (now - p.since) / 1000;
-  const rate = secs > 0 ? p.executedNow / secs : 0;
+  const rate = stepRate(p, now);
   const eta = rate > 0 && total > 0 ? formatSeconds((total - p.done) / rate) : '?';
   const filled = total > 0 ? Math.min(width, Math.round((p.done / total) * width)) : 0;
   const bar = c.green('█'.repeat(filled)) + c.gray('░'.repeat(width - filled));
   const of = total > 0 ? `${p.done}/${total}${p.fullyPlanned ? '' : '~'}` : `${p.done}`;
   return `${c.dim(`step ${p.stepIndex + 1}/${p.steps}`)} ${p.step} ${bar} ${of} chunks · ${rate.toFixed(1)}/s · ETA ${eta}`;
+}
+
+/** Chunks a second since this invocation started the step: every worker's (the step's done since then), at least its own. */
+function stepRate(p: Progress, now: number): number {
+  const secs = (now - p.since) / 1000;
+  const chunks = Math.max(p.executedNow, p.doneBefore === undefined ? 0 : p.done - p.doneBefore);
+  return secs > 0 ? chunks / secs : 0;
 }
 
 function formatSeconds(seconds: number): string {

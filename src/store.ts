@@ -488,6 +488,19 @@ export class Store {
   }
 
   /** How many of a step's chunks are done and skipped (progress at a step's start). */
+  /**
+   * How far a step is, as every worker of the run sees it: chunks done (planned ones not pending:
+   * counted through the pending index, a window's worth, not the step's whole chunk list) and
+   * planned. For progress lines of a shared run.
+   */
+  async stepProgress(runId: string, step: string): Promise<{ done: number; planned: number; plannedAll: boolean } | undefined> {
+    const { rows } = await this.#run(sql<{ done: number; planned: number; planned_all: boolean }>`select s.planned - (select count(*)::int from ${this.#chunks} c
+        where c.run_id = s.run_id and c.step = s.name and c.done_at is null) as done, s.planned, s.planned_all
+      from ${this.#steps} s where s.run_id = ${runId} and s.name = ${step}`);
+    const r = rows[0];
+    return r && { done: r.done, planned: r.planned, plannedAll: r.planned_all };
+  }
+
   async stepCounts(runId: string, step: string): Promise<{ done: number; skipped: number }> {
     const { rows } = await this.#run(sql<{ done: number; skipped: number }>`select count(done_at)::int as done, count(skipped_at)::int as skipped
       from ${this.#chunks} where run_id = ${runId} and step = ${step}`);

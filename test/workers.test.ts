@@ -41,6 +41,28 @@ describe('idem run --join', () => {
     expect(pids).toBeGreaterThanOrEqual(2);
   });
 
+  it("each worker's progress line counts the step's chunks done by every worker, not its own alone", async () => {
+    // Black-box round 8: three workers each logged "19/60 chunks … ETA 22s" while 57 of 60 were
+    // done: `done` was the step's count at the worker's start plus its own commits.
+    const spawnJoin = () =>
+      spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params(90, 30), '--key', 'progress-shared', '--join'], { url, timeoutMs: 120_000, env: { IDEM_PROGRESS_INTERVAL_MS: '300' } });
+    const workers = [spawnJoin(), spawnJoin()];
+    const results = await Promise.all(workers.map((w) => w.done));
+    expect(results.map((r) => r.code)).toEqual([0, 0]);
+    await expectExactlyOnce('progress-shared', 90);
+    const progress = results.flatMap((r) =>
+      r.stderr
+        .split('\n')
+        .filter((l) => l.includes('"executedNow"') && l.includes('"step":"work"'))
+        .map((l) => JSON.parse(l) as { done: number; executedNow: number; pid: number }),
+    );
+    expect(progress.length).toBeGreaterThanOrEqual(2);
+    // Both workers commit chunks all along: a line counting only its own worker's chunks has done
+    // = executedNow; the other worker's show as done beyond it.
+    expect(progress.filter((p) => p.done >= p.executedNow + 5).length, JSON.stringify(progress)).toBeGreaterThanOrEqual(1);
+    for (const p of progress) expect(p.done).toBeLessThanOrEqual(90);
+  });
+
   it('a plain run while workers share the run exits 75 at once; --wait waits and then finds it done', async () => {
     const first = join('plain', 400, 30);
     const second = join('plain', 400, 30);
