@@ -739,7 +739,7 @@ export class Runner {
         log.warn({ signal: err.signal, otherWorkers: others }, `worker stopped; ${were}`);
         return new InterruptedError(
           err.signal,
-          `this worker stopped on ${err.signal} (its in-flight chunks finished); ${were} as it left (the last of them to stop records the run interrupted): idem status ${job.name} --key ${runKey} shows them`,
+          `this worker stopped on ${err.signal} (its in-flight chunks finished, or rolled back on a second signal); ${were} as it left (the last of them to stop records the run interrupted): idem status ${job.name} --key ${runKey} shows them`,
         );
       }
       // An operator's pause or cancel that came too late for this attempt to act on is honoured
