@@ -1,6 +1,8 @@
 import { AbortedTransactionError, DefaultQueryExecutor, Kysely, PostgresDialect, PostgresDriver, Transaction, type CompiledQuery, type ConnectionProvider, type DatabaseConnection, type Driver, type QueryResult } from 'kysely';
 import type pg from 'pg';
+import { sessionSetupOf } from './database.ts';
 import { codeOf } from './errors.ts';
+import { splitStatements } from './sql-statements.ts';
 
 /**
  * One worker slot of a step: a connection of the work pool kept for the slot's whole life, so a
@@ -163,26 +165,31 @@ const refusedControl = (what: string) =>
   new Error(`a chunk runs in a transaction of its own that idem commits: ctx.db cannot start, nest or end a transaction (got ${what}); throw an error to roll the chunk back`);
 
 /**
- * The slot's word on its chunk's transaction: `ended` once the job's statements ended it;
- * `sessionChanged` once they changed a setting of the session (a SET without LOCAL, a RESET),
- * which would outlive the chunk on the slot's connection.
+ * The slot's word on its chunk's transaction: `ended` once the job's statements ended it (and
+ * `committed`, when by a COMMIT); `sessionChanged` once they changed a setting of the session (a
+ * SET without LOCAL, a RESET), which would outlive the chunk on the slot's connection.
  */
 interface JobTransaction {
   ended: boolean;
+  committed: boolean;
   sessionChanged: boolean;
 }
 
-/** SETs that end with the transaction: `SET LOCAL …`, `SET TRANSACTION …`. */
-const TRANSACTION_SET = /\bset\s+(?:local|transaction)\b/gi;
+/** A statement that changes a setting for the session: RESET, or SET but SET LOCAL, SET TRANSACTION and SET CONSTRAINTS (which end with the transaction). */
+const SESSION_SETTING = /^(?:\s+|--[^\n]*(?:\n|$)|\/\*[\s\S]*?\*\/)*(?:reset\b|set\b(?!\s+(?:local|transaction|constraints)\b))/i;
 
-/** Whether a text's answer shows a session setting changed: a RESET, or more SETs than the text has transaction-scoped ones. */
-function changesSession(text: string, result: pg.QueryResult | pg.QueryResult[]): boolean {
-  let sets = 0;
-  for (const r of Array.isArray(result) ? result : [result]) {
-    if (r?.command === 'RESET') return true;
-    if (r?.command === 'SET') sets++;
+/**
+ * Checks a text the job sends, before it is sent: a statement that starts or ends a transaction is
+ * refused (the first one, or, in a text without parameters, which may hold several, any of them:
+ * after a COMMIT or ROLLBACK the statements that follow in the same message would run and commit
+ * outside the chunk's transaction); a statement that changes a session setting is noted.
+ */
+function checkText(text: string, parameterless: boolean, trx: JobTransaction): void {
+  for (const statement of parameterless ? splitStatements(text) : [text]) {
+    const control = TRANSACTION_CONTROL.exec(statement);
+    if (control) throw refusedControl(control[1]!.toUpperCase().replace(/\s+/g, ' '));
+    if (parameterless && SESSION_SETTING.test(statement)) trx.sessionChanged = true;
   }
-  return sets > 0 && sets > (text.match(TRANSACTION_SET)?.length ?? 0);
 }
 
 /**
@@ -195,13 +202,14 @@ function checkedClient(client: pg.PoolClient, trx: JobTransaction): pg.PoolClien
     query(text: string, values?: unknown[]) {
       if (typeof text !== 'string' || (values && values.length > 0)) return client.query(text as never, values);
       return client.query(text, values).then((result: pg.QueryResult | pg.QueryResult[]) => {
+        // A backstop: checkText refuses these before they are sent.
         const control = hiddenControl(text, result);
         if (control === 'committed' || control === 'rolled back') {
           trx.ended = true;
-          throw new TransactionEndedError(control === 'committed');
+          trx.committed = control === 'committed';
+          throw new TransactionEndedError(trx.committed);
         }
         if (control === 'begin') throw refusedControl('BEGIN');
-        if (changesSession(text, result)) trx.sessionChanged = true;
         return result;
       });
     },
@@ -218,14 +226,13 @@ function checkedClient(client: pg.PoolClient, trx: JobTransaction): pg.PoolClien
  * no transaction (PostgreSQL only warns), took the chunk for committed, and claimed it again.
  */
 function guardedConnection(connection: DatabaseConnection, client: pg.PoolClient, trx: JobTransaction): DatabaseConnection {
-  const check = (text: string) => {
-    if (trx.ended || transactionStatus(client) === 'I') throw new TransactionEndedError();
-    const control = TRANSACTION_CONTROL.exec(text);
-    if (control) throw refusedControl(control[1]!.toUpperCase().replace(/\s+/g, ' '));
+  const check = (query: CompiledQuery) => {
+    if (trx.ended || transactionStatus(client) === 'I') throw new TransactionEndedError(trx.committed);
+    checkText(query.sql, query.parameters.length === 0, trx);
   };
   return {
     async executeQuery<R>(query: CompiledQuery) {
-      check(query.sql);
+      check(query);
       const result = await connection.executeQuery<R>(query);
       if (transactionStatus(client) === 'I') {
         trx.ended = true;
@@ -234,7 +241,7 @@ function guardedConnection(connection: DatabaseConnection, client: pg.PoolClient
       return result;
     },
     streamQuery<R>(query: CompiledQuery, chunkSize?: number) {
-      check(query.sql);
+      check(query);
       return connection.streamQuery<R>(query, chunkSize);
     },
   };
@@ -290,7 +297,7 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
   let state: TransactionState = { status: 'over' };
   let trx: Transaction<any> | undefined;
   /** Whether the job's statements ended the chunk's transaction (reset with each chunk). */
-  const jobTransaction: JobTransaction = { ended: false, sessionChanged: false };
+  const jobTransaction: JobTransaction = { ended: false, committed: false, sessionChanged: false };
   /** From BEGIN sent until a COMMIT or ROLLBACK was answered: the server may hold a transaction. */
   let inTransaction = false;
   /** The message commitAndBegin() sends, made once per claim text (a slot sends the same one chunk after chunk). */
@@ -360,6 +367,7 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
     trx = newTransaction(state, connection!);
     inTransaction = true;
     jobTransaction.ended = false;
+    jobTransaction.committed = false;
     jobTransaction.sessionChanged = false;
   };
 
@@ -412,6 +420,8 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
     if (!inTransaction || !client) return;
     try {
       await end('rollback');
+      // The job's statements ended the chunk's transaction themselves (see rollbackWith).
+      if (jobTransaction.ended) letGo(true);
     } catch {
       // The socket is gone (or the server dropped the session): the next chunk takes a fresh one.
       letGo(true);
@@ -427,8 +437,21 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
     return results[1]!.rows as R[];
   };
 
+  /**
+   * A setting the chunk changed for the session (SET without LOCAL) committed with it, and would
+   * reach the next chunk and idem's own claim (`set default_transaction_read_only = on` made every
+   * later claim fail; a leaked statement_timeout failed an innocent chunk): these statements undo
+   * every one of them and set idem's own again, in a transaction of their own (sent in the next
+   * claim's message, a full ROLLBACK of that chunk must not bring the settings back). Undefined
+   * when the session's setup is not known: then the connection is dropped instead.
+   */
+  const resetSession = (c: pg.PoolClient): string | undefined => {
+    const setup = sessionSetupOf.get(c);
+    return setup === undefined ? undefined : `begin;\nreset session authorization;\nreset role;\nreset all;\n${setup};\ncommit`;
+  };
+
   const commit = async () => {
-    if (jobTransaction.ended || transactionStatus(client!) === 'I') throw new TransactionEndedError();
+    if (jobTransaction.ended || transactionStatus(client!) === 'I') throw new TransactionEndedError(jobTransaction.committed);
     let result: pg.QueryResult | pg.QueryResult[];
     try {
       result = await end<pg.QueryResult | pg.QueryResult[]>(`${checks}commit`);
@@ -440,20 +463,22 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
     // PostgreSQL ends COMMIT with a ROLLBACK tag when an earlier statement's error aborted the
     // transaction (the job caught it): nothing of the chunk committed.
     if (command === 'ROLLBACK') throw new AbortedTransactionError();
-    // A setting the chunk changed for the session (SET without LOCAL) committed with it: the next
-    // chunk, and idem's own claim, get a fresh session instead (`set default_transaction_read_only
-    // = on` made every later claim fail; a leaked statement_timeout failed an innocent chunk).
-    if (jobTransaction.sessionChanged) letGo(true);
+    if (jobTransaction.sessionChanged) {
+      const reset = resetSession(client!);
+      if (reset === undefined) letGo(true);
+      else await client!.query(reset).catch(() => letGo(true));
+    }
   };
 
   return {
     begin,
     async commitAndBegin<R>(claim: string) {
       // No transaction of the chunk to commit: the job's statements ended it (guardedConnection tells how).
-      if (jobTransaction.ended || transactionStatus(client!) === 'I') throw new TransactionEndedError();
-      // The next claim goes on a fresh session (see commit()), so not in the COMMIT's message.
-      if (jobTransaction.sessionChanged) {
-        await commit();
+      if (jobTransaction.ended || transactionStatus(client!) === 'I') throw new TransactionEndedError(jobTransaction.committed);
+      // Session settings the chunk changed are reset in the same message, before the next BEGIN.
+      const reset = jobTransaction.sessionChanged ? resetSession(client!) : '';
+      if (reset === undefined) {
+        await commit(); // drops the connection: the next claim goes on a fresh one
         try {
           return await begin<R>(claim);
         } catch (err) {
@@ -466,12 +491,14 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
         // Three statements in one message. PostgreSQL runs them in order and stops at the first
         // error: a failed COMMIT runs no claim; a COMMIT of an aborted transaction answers ROLLBACK
         // and the BEGIN and claim after it still run.
-        results = await end<pg.QueryResult[]>(commitAndBeginText(claim));
+        results = await end<pg.QueryResult[]>(reset ? `${checks}commit;\n${reset};\nbegin;\n${claim};\nsavepoint ${SAVEPOINT}` : commitAndBeginText(claim));
       } catch (err) {
         // The deferred checks failed: a failure of the chunk, whose transaction is still open.
         if (await checksFailed()) throw err;
         // A failed claim left its transaction aborted; a failed COMMIT left none (then ROLLBACK only warns).
         await rollback();
+        // The reset may not have run: the session's settings are not known any more.
+        if (reset) letGo(true);
         throw new CommitUnknownError(err);
       }
       opened();
@@ -481,7 +508,8 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
         await rollback();
         throw new AbortedTransactionError();
       }
-      return results[2]!.rows as R[];
+      // The claim's rows: the last statement but one (the SAVEPOINT is the last).
+      return results[results.length - 2]!.rows as R[];
     },
     get trx() {
       if (!trx) throw new Error('no chunk transaction was opened on this slot');
@@ -497,6 +525,10 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
       } catch (err) {
         await rollback();
         throw err;
+      } finally {
+        // The job's statements ended the chunk's transaction themselves: what they did to the
+        // session (a SET their COMMIT committed) is not known; the next chunk gets a fresh one.
+        if (jobTransaction.ended) letGo(true);
       }
     },
     async abandonWith<R>(statement: string) {

@@ -281,6 +281,12 @@ function idleSessionTimeout(ms: number): string {
   return `select set_config('idle_session_timeout', '${ms}', false) where current_setting('server_version_num')::int >= 140000`;
 }
 
+/**
+ * What each work session of a pool was set up with (onConnect): a chunk slot whose job changed a
+ * session setting resets the session and sends this again, instead of opening another one.
+ */
+export const sessionSetupOf = new WeakMap<object, string>();
+
 /** PostgreSQL keeps the first 63 bytes of an application_name (NAMEDATALEN - 1) and drops the rest. */
 const APPLICATION_NAME_BYTES = 63;
 
@@ -347,7 +353,9 @@ export async function openDatabase(
       });
       // A work session whose process vanished mid-chunk holds the chunk's row locks: the server ends
       // it after idle_in_transaction_session_timeout, so another worker can redo the chunk.
-      await client.query(`${SESSION_SETUP}; set idle_in_transaction_session_timeout = ${idleMs}`).catch(() => {});
+      const setup = `${SESSION_SETUP}; set idle_in_transaction_session_timeout = ${idleMs}`;
+      sessionSetupOf.set(client, setup);
+      await client.query(setup).catch(() => {});
     },
   });
   // Sessions whose sockets are still open. pool.end() resolves once it has asked each idle client
