@@ -65,10 +65,10 @@ export function createCliContext(program: Command, state: { exitCode: number }):
   const runWithSession = async (fn: CommandBody, uses: ReadonlyArray<'jobs' | 'migrations'> = ['jobs', 'migrations'], jsonError?: (err: unknown) => unknown) => {
     const g = globals();
     const session = new Session();
-    /** Set once idem itself ends the process: any other process.exit() comes from the job's code. */
-    let exiting = false;
+    /** The code idem itself ends the process with, once it does: any other process.exit() comes from the job's code. */
+    let exiting: number | undefined;
     const finish = async (code: number, graceMs = 10_000) => {
-      exiting = true;
+      exiting = code;
       // Watchdog: a stuck close (a pool waiting on an in-flight transaction) must not keep a cron
       // slot busy forever; exiting closes the sockets and Postgres rolls the transactions back.
       setTimeout(() => process.exit(code), graceMs).unref();
@@ -165,19 +165,25 @@ export function createCliContext(program: Command, state: { exitCode: number }):
  * exit 1: `process.exit()` keeps its own code unless it is 0; a throw or rejection releases the
  * session first, as a signal during start-up does. The run is left as a crash leaves it.
  */
-function guardAgainstJobCode(jsonError: ((err: unknown) => unknown) | undefined, mask: (text: string) => string, idemExits: () => boolean, finish: (code: number) => void): { remove(): void } {
+function guardAgainstJobCode(jsonError: ((err: unknown) => unknown) | undefined, mask: (text: string) => string, idemExits: () => number | undefined, finish: (code: number) => void): { remove(): void } {
   const report = (what: string) => {
     const shown = mask(`the job's code ${what} while the command was running; a run in flight is left unfinished (idem status shows it crashed): fix the job and run the same command again to resume`);
     if (jsonError) process.stdout.write(`${JSON.stringify(jsonError(new Error(shown)))}\n`);
     process.stderr.write(`idem: error: ${visibleError(shown, false)}\n`);
   };
   const onExit = (code: number) => {
-    if (idemExits()) return;
+    const own = idemExits();
+    if (own !== undefined) {
+      // idem is on its way out (closing after a signal or a failure), and a job's process.exit(0)
+      // came first: the exit code stays idem's.
+      if (code !== own) process.exitCode = own;
+      return;
+    }
     report(`ended the process (process.exit(${code}))`);
     if (!code) process.exitCode = ExitCode.Failed;
   };
   const onThrow = (err: unknown, origin: string) => {
-    if (idemExits()) return;
+    if (idemExits() !== undefined) return;
     const what = origin === 'unhandledRejection' ? 'let a promise reject with no one to catch it' : 'threw outside a chunk\'s run()';
     let message: string;
     try {

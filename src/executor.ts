@@ -147,16 +147,15 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   // progress shows the step's, not its own alone.
   let seen = { done: 0, planned: 0, plannedAll: false };
   let refreshedAt = performance.now();
-  let refreshing = false;
+  let refreshing: Promise<void> | undefined;
   const refresh = () => {
     if (refreshing || performance.now() - refreshedAt < PROGRESS_REFRESH_MS) return;
-    refreshing = true;
     refreshedAt = performance.now();
-    store
+    refreshing = store
       .stepProgress(run.runId, step.name)
       .then((p) => void (p && (seen = { done: Math.max(seen.done, p.done), planned: Math.max(seen.planned, p.planned), plannedAll: seen.plannedAll || p.plannedAll })))
       .catch(() => {})
-      .finally(() => (refreshing = false));
+      .finally(() => (refreshing = undefined));
   };
   const progress = () => {
     if (!opts.onProgress) return;
@@ -486,6 +485,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   // A non-chunked step is one chunk: one slot.
   await Promise.all(Array.from({ length: step.chunks ? opts.concurrency : 1 }, runSlot));
   await planning?.catch(() => {});
+  await refreshing;
   if (failure !== undefined) throw failure;
   throwIfStopped(opts.stop);
   return executed;

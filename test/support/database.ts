@@ -29,8 +29,20 @@ export async function createTestDatabase(): Promise<TestDatabase> {
   let dropped: Promise<void> | undefined;
   return {
     url: url.toString(),
-    // WITH (FORCE) terminates backends a failed test left behind, which would otherwise block the drop.
-    drop: () => (dropped ??= withAdmin(adminUrl, (c) => c.query(`drop database if exists ${name} with (force)`))),
+    // WITH (FORCE) terminates backends a failed test left behind, which would otherwise block the
+    // drop. Sessions a file's afterAll just ended may still be there (pool.end() resolves once it
+    // has asked its clients to end, not once they have): terminated then, such a client emits the
+    // 57P01 on a pool that no longer listens, an uncaught error in the test process (CI, once).
+    // So the drop first waits (at most 3 s) for the database to have no session left.
+    drop: () =>
+      (dropped ??= withAdmin(adminUrl, async (c) => {
+        for (let i = 0; i < 60; i++) {
+          const { rows } = await c.query<{ n: number }>('select count(*)::int as n from pg_stat_activity where datname = $1', [name]);
+          if (rows[0]!.n === 0) break;
+          await new Promise((resolve) => setTimeout(resolve, 50));
+        }
+        await c.query(`drop database if exists ${name} with (force)`);
+      })),
   };
 }
 
