@@ -185,11 +185,17 @@ const SESSION_SETTING = /^(?:\s+|--[^\n]*(?:\n|$)|\/\*[\s\S]*?\*\/)*(?:reset\b|s
  * outside the chunk's transaction); a statement that changes a session setting is noted.
  */
 function checkText(text: string, parameterless: boolean, trx: JobTransaction): void {
-  for (const statement of parameterless ? splitStatements(text) : [text]) {
-    const control = TRANSACTION_CONTROL.exec(statement);
-    if (control) throw refusedControl(control[1]!.toUpperCase().replace(/\s+/g, ' '));
-    if (parameterless && SESSION_SETTING.test(statement)) trx.sessionChanged = true;
+  // With parameters (the chunk path's usual query): one statement, nothing allocated.
+  if (!parameterless) return refuseControl(text);
+  for (const statement of splitStatements(text)) {
+    refuseControl(statement);
+    if (SESSION_SETTING.test(statement)) trx.sessionChanged = true;
   }
+}
+
+function refuseControl(statement: string): void {
+  const control = TRANSACTION_CONTROL.exec(statement);
+  if (control) throw refusedControl(control[1]!.toUpperCase().replace(/\s+/g, ' '));
 }
 
 /**
