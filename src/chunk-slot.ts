@@ -2,7 +2,7 @@ import { AbortedTransactionError, DefaultQueryExecutor, Kysely, PostgresDialect,
 import type pg from 'pg';
 import { sessionSetupOf } from './database.ts';
 import { codeOf } from './errors.ts';
-import { splitStatements } from './sql-statements.ts';
+import { leadingTokens, splitStatements } from './sql-statements.ts';
 
 /**
  * One worker slot of a step: a connection of the work pool kept for the slot's whole life, so a
@@ -116,7 +116,7 @@ const chunkDriver: Driver = {
  * through ctx.db it would end the chunk's transaction, claim and marker with it, behind idem's
  * back: refused before it reaches the server. Savepoints stay the job's to use.
  */
-const TRANSACTION_CONTROL = /^(?:\s+|--[^\n]*(?:\n|$)|\/\*[\s\S]*?\*\/)*(begin|start\s+transaction|commit(?!\s+prepared)|end|abort|rollback(?!(?:\s+(?:work|transaction))?\s+to\b)|prepare\s+transaction)\b/i;
+const TRANSACTION_CONTROL = /^(?:\s+|--[^\n\r]*(?:[\n\r]|$)|\/\*[\s\S]*?\*\/)*(begin|start\s+transaction|commit(?!\s+prepared)|end|abort|rollback(?!(?:\s+(?:work|transaction))?\s+to\b)|prepare\s+transaction)\b/i;
 
 /**
  * The chunk's transaction is gone under the job's feet (a COMMIT or ROLLBACK hidden after a `;`).
@@ -135,14 +135,12 @@ export class TransactionEndedError extends Error {
 
 /** Tags that start a transaction: inside the chunk's, a BEGIN only warns; after an end, it opens the job's own. */
 const BEGIN_TAGS = new Set(['BEGIN', 'START TRANSACTION']);
-/** `ROLLBACK TO SAVEPOINT` answers with the tag of a ROLLBACK: the text tells how many were the job's savepoints. */
-const ROLLBACK_TO = /\brollback(?:\s+(?:work|transaction))?\s+to\b/gi;
-
 /**
  * Checks the command tags of a text sent without parameters (the simple protocol, the only one
  * that carries several statements): a COMMIT (AND CHAIN too), a ROLLBACK other than to a
  * savepoint, or a PREPARE TRANSACTION among them ended the chunk's transaction, even when a BEGIN
- * opened another one after it, which the session's status cannot tell. Returns how the first of
+ * opened another one after it, which the session's status cannot tell (`ROLLBACK TO SAVEPOINT`
+ * answers with a ROLLBACK's tag too: the text's statements tell how many were those). Returns how the first of
  * them ended it, 'begin' for a BEGIN inside the chunk's transaction (which only warned), or null.
  */
 function hiddenControl(text: string, result: pg.QueryResult | pg.QueryResult[]): 'committed' | 'rolled back' | 'begin' | null {
@@ -154,7 +152,10 @@ function hiddenControl(text: string, result: pg.QueryResult | pg.QueryResult[]):
     if (tag === 'COMMIT') return 'committed';
     if (tag === 'PREPARE TRANSACTION') return 'rolled back';
     if (tag === 'ROLLBACK') {
-      toSavepoint ??= text.match(ROLLBACK_TO)?.length ?? 0;
+      toSavepoint ??= splitStatements(text).filter((statement) => {
+        const [first = '', second = '', third = ''] = leadingTokens(statement);
+        return first === 'rollback' && controlOf(first, second, third) === null;
+      }).length;
       if (toSavepoint-- <= 0) return 'rolled back';
     } else if (BEGIN_TAGS.has(tag)) begin = true;
   }
@@ -175,21 +176,44 @@ interface JobTransaction {
   sessionChanged: boolean;
 }
 
-/** A statement that changes a setting for the session: RESET, or SET but SET LOCAL, SET TRANSACTION and SET CONSTRAINTS (which end with the transaction). */
-const SESSION_SETTING = /^(?:\s+|--[^\n]*(?:\n|$)|\/\*[\s\S]*?\*\/)*(?:reset\b|set\b(?!\s+(?:local|transaction|constraints)\b))/i;
-
 /**
  * Checks a text the job sends, before it is sent: a statement that starts or ends a transaction is
  * refused (the first one, or, in a text without parameters, which may hold several, any of them:
  * after a COMMIT or ROLLBACK the statements that follow in the same message would run and commit
- * outside the chunk's transaction); a statement that changes a session setting is noted.
+ * outside the chunk's transaction); a statement that changes a session setting is noted. A text
+ * with a backslash is read both ways, with and without backslash escapes in its strings
+ * (`standard_conforming_strings`), and what either reading finds counts.
  */
 function checkText(text: string, parameterless: boolean, trx: JobTransaction): void {
   // With parameters (the chunk path's usual query): one statement, nothing allocated.
   if (!parameterless) return refuseControl(text);
-  for (const statement of splitStatements(text)) {
-    refuseControl(statement);
-    if (SESSION_SETTING.test(statement)) trx.sessionChanged = true;
+  const readings = text.includes('\\') ? [...splitStatements(text), ...splitStatements(text, true)] : splitStatements(text);
+  for (const statement of readings) {
+    const [first = '', second = '', third = ''] = leadingTokens(statement);
+    const control = controlOf(first, second, third);
+    if (control) throw refusedControl(control);
+    // SET LOCAL, SET TRANSACTION and SET CONSTRAINTS end with the transaction; `set local.x = …` (a
+    // custom setting named local.x) does not.
+    if (first === 'reset' || (first === 'set' && !(['local', 'transaction', 'constraints'].includes(second) && third !== '.'))) trx.sessionChanged = true;
+  }
+}
+
+/** The transaction control a statement starting with these tokens is, if it is one (BEGIN, COMMIT, ROLLBACK but ROLLBACK TO SAVEPOINT, …). */
+function controlOf(first: string, second: string, third: string): string | null {
+  switch (first) {
+    case 'begin':
+    case 'end':
+    case 'abort':
+      return first.toUpperCase();
+    case 'commit':
+      return second === 'prepared' ? null : 'COMMIT';
+    case 'rollback':
+      return second === 'to' || ((second === 'work' || second === 'transaction') && third === 'to') || second === 'prepared' ? null : 'ROLLBACK';
+    case 'start':
+    case 'prepare':
+      return second === 'transaction' ? `${first.toUpperCase()} TRANSACTION` : null;
+    default:
+      return null;
   }
 }
 

@@ -833,9 +833,9 @@ describe('database health at start-up', () => {
   });
 
   it('a schema from before the open-runs index gets it from concurrent first uses, once, its runs kept', async () => {
-    // As an idem before 0013 left it: runs there, the index and its record not.
+    // As an idem before 0013 left it: runs there, the index and its record (and later ones) not.
     await query(db.url, `drop index idem.runs_open_idx`);
-    await query(db.url, `delete from idem.idem_migration where name = '0013_runs_open_idx'`);
+    await query(db.url, `delete from idem.idem_migration where name >= '0013'`);
     const runs = async () => (await query<{ n: number }>(db.url, `select count(*)::int as n from idem.runs`))[0]!.n;
     const before = await runs();
     const runners = await Promise.all(Array.from({ length: 4 }, () => Runner.connect({ connectionString: db.url })));
@@ -944,14 +944,9 @@ describe('a signal while a command starts', () => {
     // Before any command starts (idem's own modules loading: ~0.1-0.5 s of every start) there was
     // no handler at all. A loader hook holds the import of dist/cli.js, and says when it does.
     const dir = await mkdtemp(path.join(tmpdir(), 'idem-slow-cli-'));
-    const marker = path.join(dir, 'holding');
     try {
-      await writeFile(
-        path.join(dir, 'hooks.mjs'),
-        `import { writeFileSync } from 'node:fs';\nexport async function resolve(specifier, context, next) {\n  if (specifier.endsWith('/dist/cli.js')) { writeFileSync(${JSON.stringify(marker)}, ''); await new Promise((r) => setTimeout(r, 20_000)); }\n  return next(specifier, context);\n}\n`,
-      );
-      await writeFile(path.join(dir, 'register.mjs'), `import { register } from 'node:module';\nregister(${JSON.stringify(pathToFileURL(path.join(dir, 'hooks.mjs')).href)});\n`);
-      const child = spawn(process.execPath, ['--import', pathToFileURL(path.join(dir, 'register.mjs')).href, BIN, 'status'], { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, DATABASE_URL: db.url } });
+      const { marker, importArg } = await holdCliLoading(dir, 20_000);
+      const child = spawn(process.execPath, ['--import', importArg, BIN, 'status'], { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, DATABASE_URL: db.url } });
       let stderr = '';
       child.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
       const exited = new Promise<[number | null, string | null]>((resolve) => child.on('close', (code, signal) => resolve([code, signal])));
@@ -1001,14 +996,9 @@ describe('a signal while a command with --json starts', () => {
 
   it('while the CLI itself still loads, run --json prints its error object too', async () => {
     const dir = await mkdtemp(path.join(tmpdir(), 'idem-slow-cli-json-'));
-    const marker = path.join(dir, 'holding');
     try {
-      await writeFile(
-        path.join(dir, 'hooks.mjs'),
-        `import { writeFileSync } from 'node:fs';\nexport async function resolve(specifier, context, next) {\n  if (specifier.endsWith('/dist/cli.js')) { writeFileSync(${JSON.stringify(marker)}, ''); await new Promise((r) => setTimeout(r, 3_000)); }\n  return next(specifier, context);\n}\n`,
-      );
-      await writeFile(path.join(dir, 'register.mjs'), `import { register } from 'node:module';\nregister(${JSON.stringify(pathToFileURL(path.join(dir, 'hooks.mjs')).href)});\n`);
-      const child = spawn(process.execPath, ['--import', pathToFileURL(path.join(dir, 'register.mjs')).href, BIN, ...FIXTURE_DIRS, 'run', 'counted', '--key', 'early-json', '--json'], { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, DATABASE_URL: db.url } });
+      const { marker, importArg } = await holdCliLoading(dir, 3_000);
+      const child = spawn(process.execPath, ['--import', importArg, BIN, ...FIXTURE_DIRS, 'run', 'counted', '--key', 'early-json', '--json'], { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, DATABASE_URL: db.url } });
       let stdout = '';
       let stderr = '';
       child.stdout.setEncoding('utf8').on('data', (d: string) => (stdout += d));
@@ -1177,3 +1167,17 @@ describe('a chunk or step that throws null, undefined or rejects with nothing', 
     });
   }
 });
+
+/**
+ * A loader hook (in `dir`) that holds the import of dist/cli.js for `ms`, so a test can signal the
+ * CLI while it still loads: `marker` appears when the hold starts; pass `importArg` to node's --import.
+ */
+async function holdCliLoading(dir: string, ms: number): Promise<{ marker: string; importArg: string }> {
+  const marker = path.join(dir, 'holding');
+  await writeFile(
+    path.join(dir, 'hooks.mjs'),
+    `import { writeFileSync } from 'node:fs';\nexport async function resolve(specifier, context, next) {\n  if (specifier.endsWith('/dist/cli.js')) { writeFileSync(${JSON.stringify(marker)}, ''); await new Promise((r) => setTimeout(r, ${ms})); }\n  return next(specifier, context);\n}\n`,
+  );
+  await writeFile(path.join(dir, 'register.mjs'), `import { register } from 'node:module';\nregister(${JSON.stringify(pathToFileURL(path.join(dir, 'hooks.mjs')).href)});\n`);
+  return { marker, importArg: pathToFileURL(path.join(dir, 'register.mjs')).href };
+}

@@ -607,8 +607,8 @@ describe('Runner.run', () => {
 });
 
 describe('ctx.db is the chunk transaction, and only while the chunk runs', () => {
-  /** A job of 3 chunks whose second chunk runs `second` after logging its work. */
-  const jobWith = (name: string, second: (db: StepContext['db']) => Promise<void>) =>
+  /** A job of 3 chunks (a, b, c), each of which logs its work, then runs `each`. */
+  const jobEach = (name: string, each: (db: StepContext['db'], key: string) => Promise<void>) =>
     defineJob({
       name,
       steps: [
@@ -617,11 +617,13 @@ describe('ctx.db is the chunk transaction, and only while the chunk runs', () =>
           chunks: () => ({ chunks: ['a', 'b', 'c'].map((key) => ({ key })), next: null }),
           async run(ctx, chunk: { key: string }) {
             await sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values (${name}, ${ctx.run.runKey}, 'work', ${chunk.key}, ${ctx.run.attempt}, 0)`.execute(ctx.db);
-            if (chunk.key === 'b') await second(ctx.db);
+            await each(ctx.db, chunk.key);
           },
         },
       ],
     });
+  /** A job of 3 chunks whose second chunk runs `second` after logging its work. */
+  const jobWith = (name: string, second: (db: StepContext['db']) => Promise<void>) => jobEach(name, (db, key) => (key === 'b' ? second(db) : Promise.resolve()));
   const doneKeys = async (job: string) =>
     (await query(url, `select c.key from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = $1 and c.done_at is not null order by 1`, [job])).map((r) => r.key);
   const logged = async (job: string) => (await query(url, `select chunk_key from work_log where job = $1 order by 1`, [job])).map((r) => r.chunk_key);
@@ -741,20 +743,7 @@ describe('ctx.db is the chunk transaction, and only while the chunk runs', () =>
     // read-only transaction"), failing the run as step "(runner)" with nothing recorded; a leaked
     // statement_timeout failed an innocent later chunk.
     const job = (name: string, setting: string) =>
-      defineJob({
-        name,
-        steps: [
-          {
-            name: 'work',
-            chunks: () => ({ chunks: ['a', 'b', 'c'].map((key) => ({ key })), next: null }),
-            async run(ctx, chunk: { key: string }) {
-              if (chunk.key === 'a') await sql.raw(setting).execute(ctx.db);
-              else await sql`select pg_sleep(0.15)`.execute(ctx.db);
-              await sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values (${name}, ${ctx.run.runKey}, 'work', ${chunk.key}, ${ctx.run.attempt}, 0)`.execute(ctx.db);
-            },
-          },
-        ],
-      });
+      jobEach(name, async (db, key) => void (await (key === 'a' ? sql.raw(setting) : sql`select pg_sleep(0.15)`).execute(db)));
     for (const [i, setting] of ['set default_transaction_read_only = on', "set statement_timeout = '50ms'", "select 1; set session statement_timeout = '50ms'"].entries()) {
       const name = `session-set-${i}`;
       const outcome = await runner.run(job(name, setting), { key: 'k' });
@@ -762,6 +751,15 @@ describe('ctx.db is the chunk transaction, and only while the chunk runs', () =>
       expect(await doneKeys(name), setting).toEqual(['a', 'b', 'c']);
       expect(await logged(name), setting).toEqual(['a', 'b', 'c']);
     }
+    // A custom setting named local.x is a session's setting, not SET LOCAL (black-box round 9).
+    const custom = jobEach('session-set-custom', async (db, key) => {
+      if (key === 'a') await sql.raw(`set local.foo = 'leaked'`).execute(db);
+      else {
+        const { rows } = await sql<{ v: string | null }>`select current_setting('local.foo', true) as v`.execute(db);
+        if (rows[0]!.v) throw new Error(`local.foo leaked into chunk ${key}: ${rows[0]!.v}`);
+      }
+    });
+    expect((await runner.run(custom, { key: 'k' })).status).toBe('succeeded');
     // SET LOCAL ends with its transaction, so it keeps the connection.
     const local = await runner.run(job('session-set-local', "set local statement_timeout = '50ms'"), { key: 'k' });
     expect(local.status).toBe('succeeded');
@@ -847,13 +845,29 @@ describe('ctx.db is the chunk transaction, and only while the chunk runs', () =>
     // begin` the job's next statements ran in a transaction of their own, and its later error was
     // swallowed (black-box round 8).
     const outside = (job: string) => `insert into work_log (job, run_key, step, chunk_key, attempt, pid) values ('${job}', 'k', 'work', 'outside', 1, 0)`;
-    const hidden = ['select 1; commit', 'select 1; commit; begin', 'select 1; commit and chain', `select 1; commit; ${outside('ends-trx-x')}`, `select 1; rollback; ${outside('ends-trx-x')}`];
-    for (const [i, text] of hidden.entries()) {
+    const hidden: Array<string | string[]> = [
+      'select 1; commit',
+      'select 1; commit; begin',
+      'select 1; commit and chain',
+      `select 1; commit; ${outside('ends-trx-x')}`,
+      `select 1; rollback; ${outside('ends-trx-x')}`,
+      // Read as PostgreSQL reads them (black-box round 9): a non-ASCII letter is an identifier's,
+      // so `é$$` opens no dollar quote; a `--` comment ends at a carriage return; `begin atomic`
+      // opens a function body only in a CREATE; with standard_conforming_strings off, `\'` is an
+      // escaped quote (a text with a backslash is read both ways).
+      `select 1 as é$$; commit; ${outside('ends-trx-x')}; select 2 as é$$`,
+      `select 1; -- x\rcommit; ${outside('ends-trx-x')}`,
+      `with begin as (select 1) select * from begin atomic; commit; ${outside('ends-trx-x')}`,
+      ['set local standard_conforming_strings = off', `select '\\''; commit; ${outside('ends-trx-x')}; select ''`],
+      'select 1; /* a /* nested */ comment */ rollback',
+    ];
+    for (const [i, texts] of hidden.entries()) {
+      const text = String(texts);
       const name = `ends-trx-commit-${i}`;
       let runs = 0;
       const job = jobWith(name, async (db) => {
         if (++runs > 3) throw new Error(`looped: chunk b ran ${runs} times`);
-        await sql.raw(text).execute(db);
+        for (const t of typeof texts === 'string' ? [texts] : texts) await sql.raw(t).execute(db);
       });
       const err = await rejectionOf(runner.run(job, { key: 'k' }));
       expect(err.message, text).toMatch(/chunk b after 1 try: .*ctx\.db cannot start, nest or end a transaction \(got (COMMIT|ROLLBACK)\)/);
@@ -866,6 +880,7 @@ describe('ctx.db is the chunk transaction, and only while the chunk runs', () =>
     // inside them is no end, and the chunk commits as usual.
     const quoted = jobWith('ends-trx-quoted', async (db) => {
       await sql.raw(`select 'x; commit'; select 1 as "y; rollback"; do $$ begin perform 1; end $$; select 2 /* ; end */; select $q$ ; abort $q$`).execute(db);
+      await sql.raw(`do $é$ begin perform 1; end $é$; savepoint s; rollback /* undo */ to savepoint s; release savepoint s; select E'\\'; commit'`).execute(db);
     });
     expect((await runner.run(quoted, { key: 'k' })).status).toBe('succeeded');
     expect(await doneKeys('ends-trx-quoted')).toEqual(['a', 'b', 'c']);
