@@ -194,3 +194,34 @@ describe.skipIf(!bin)('health indicators on a cluster of its own (system Postgre
     expect(await query(primary.url, `select count(*)::int as n from vac_target where pad = 'y'`)).toEqual([{ n: 10 }]);
   });
 });
+
+describe.skipIf(!bin)('on the system PostgreSQL (older than the embedded 18)', () => {
+  it("a chunk that switches to a role without rights on idem's schema (set local role) commits once: idem's fence at COMMIT runs as the schema's owner", async () => {
+    // Black-box round 9, PostgreSQL 15: the fence trigger read idem.runs at COMMIT as the chunk's
+    // current role (PostgreSQL 18 runs a deferred trigger as the role that queued it), so `set local
+    // role lowpriv` (the README's own advice: local) failed every chunk with "permission denied for
+    // schema idem", unless that role had been granted idem's tables.
+    const role = `lowpriv_${process.pid}`;
+    await query(primary.url, `drop table if exists role_work; create table role_work (k text primary key); drop role if exists ${role}; create role ${role}; grant insert on role_work to ${role}`);
+    try {
+      const job = defineJob({
+        name: 'role-switch',
+        steps: [
+          {
+            name: 'work',
+            chunks: () => ({ chunks: ['a', 'b', 'c'].map((key) => ({ key })), next: null }),
+            async run({ db }, chunk: { key: string }) {
+              await sql.raw(`set local role ${role}`).execute(db);
+              await sql`insert into role_work values (${chunk.key})`.execute(db);
+            },
+          },
+        ],
+      });
+      expect((await runner.run(job, { key: 'k' })).status).toBe('succeeded');
+      expect(await query(primary.url, 'select k from role_work order by k')).toEqual([{ k: 'a' }, { k: 'b' }, { k: 'c' }]);
+      expect(await query(primary.url, `select count(*)::int as n from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'role-switch' and c.done_at is not null`)).toEqual([{ n: 3 }]);
+    } finally {
+      await query(primary.url, `drop table if exists role_work; drop role if exists ${role}`);
+    }
+  });
+});

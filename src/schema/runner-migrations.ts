@@ -235,6 +235,25 @@ function runnerMigrations(schema: string): Record<string, Migration> {
         await sql`create index runs_open_idx on ${t('runs')} (id, status) where status not in ('succeeded', 'cancelled')`.execute(db);
       },
     },
+    '0014_chunk_fence_definer': {
+      async up(db) {
+        // The fence reads the run's row at COMMIT. Before PostgreSQL 17 a deferred trigger runs as
+        // the role current at COMMIT, so a chunk that switched role (`set local role app_rw`) was
+        // refused ("permission denied for schema idem") unless that role had idem's tables. It runs
+        // as the schema's owner now. Every name in it is qualified, operators too, so a search_path
+        // a caller set cannot put an object of theirs in it; and no SET clause, which would cost
+        // every COMMIT a configuration change.
+        await sql`create or replace function ${t('chunk_fence')}() returns trigger language plpgsql security definer as $fence$
+          begin
+            perform 1 from ${t('runs')} where id operator(pg_catalog.=) new.run_id and attempt operator(pg_catalog.=) new.done_attempt for share;
+            if not found then
+              raise exception 'idem: attempt % of run % was fenced off; chunk % rolled back', new.done_attempt, new.run_id, new.key
+                using errcode = 'IF001';
+            end if;
+            return null;
+          end $fence$`.execute(db);
+      },
+    },
   };
 }
 
