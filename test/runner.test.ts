@@ -680,8 +680,11 @@ describe('ctx.db is the chunk transaction, and only while the chunk runs', () =>
           chunks: () => ({ chunks: Array.from({ length: 60 }, (_, i) => ({ key: `c${i}` })), next: null }),
           async run({ db }, chunk: { key: string }) {
             tries.set(chunk.key, (tries.get(chunk.key) ?? 0) + 1);
-            // Accepted now, refused at COMMIT: the same key twice.
-            await sql`insert into deferred_made values (1), (1)`.execute(db);
+            // Accepted now, refused at COMMIT: the same key twice. A key of the chunk's own: chunks
+            // inserting one key between them wait on each other's uniqueness recheck and may
+            // deadlock (40P01, retried: a second try by design; CI saw one).
+            const k = Number(chunk.key.slice(1));
+            await sql`insert into deferred_made values (${k}), (${k})`.execute(db);
             await new Promise((resolve) => setTimeout(resolve, 2));
           },
         },
