@@ -67,6 +67,8 @@ export function createCliContext(program: Command, state: { exitCode: number }):
     const session = new Session();
     /** The code idem itself ends the process with, once it does: any other process.exit() comes from the job's code. */
     let exiting: number | undefined;
+    /** Set when the job's code threw outside a chunk's run() or left a rejection unhandled (guardAgainstJobCode). */
+    let jobCodeFailed = false;
     const finish = async (code: number, graceMs = 10_000) => {
       exiting = code;
       // Watchdog: a stuck close (a pool waiting on an in-flight transaction) must not keep a cron
@@ -116,15 +118,26 @@ export function createCliContext(program: Command, state: { exitCode: number }):
         log,
       );
       const mask = (text: string) => (g.databaseUrl ? redactSecrets(text, g.databaseUrl) : text);
-      const guard = guardAgainstJobCode(jsonError, mask, () => exiting, (code) => void finish(code, 2_000));
+      const guard = guardAgainstJobCode(jsonError, mask, () => exiting, (code) => {
+        jobCodeFailed = true;
+        void finish(code, 2_000);
+      });
       try {
         state.exitCode = await fn(g, log, session, (code) => void finish(code, 2_000));
+        if (jobCodeFailed) state.exitCode = ExitCode.Failed;
       } finally {
         guard.remove();
       }
     } catch (thrown) {
       // Stopped by a signal while starting: that was printed, and the process is on its way out.
       if (stoppedBy) return;
+      // The job's code threw outside run() or let a promise reject: that was printed (and
+      // --json'd), and closing the runner stopped the run, which the command throws now: not a
+      // second outcome, and the exit code stays 1.
+      if (jobCodeFailed) {
+        state.exitCode = ExitCode.Failed;
+        return;
+      }
       // Whatever the command ends with is printed (and --json'd): a job file that threw while
       // loading, or params its schema refused, with DATABASE_URL in the message, shows it masked.
       const err = g.databaseUrl ? (await import('./cli-runtime.ts')).redactError(thrown, g.databaseUrl) : thrown;
@@ -163,11 +176,13 @@ export function createCliContext(program: Command, state: { exitCode: number }):
  * CI took it for a success; an uncaught throw (in a timer) or an unhandled promise rejection printed
  * Node's stack trace. Each now ends with one `idem: error:` line (and --json's error object) and
  * exit 1: `process.exit()` keeps its own code unless it is 0; a throw or rejection releases the
- * session first, as a signal during start-up does. The run is left as a crash leaves it.
+ * session first, as a signal during start-up does: the runner closes, a chunk in flight gets the
+ * close's grace (2 s) to finish, and the run is left unfinished (interrupted; crashed when a chunk
+ * outlived the grace). After `process.exit()` it is left as a crash leaves it.
  */
 function guardAgainstJobCode(jsonError: ((err: unknown) => unknown) | undefined, mask: (text: string) => string, idemExits: () => number | undefined, finish: (code: number) => void): { remove(): void } {
-  const report = (what: string) => {
-    const shown = mask(`the job's code ${what} while the command was running; a run in flight is left unfinished (idem status shows it crashed): fix the job and run the same command again to resume`);
+  const report = (what: string, run: string) => {
+    const shown = mask(`the job's code ${what} while the command was running; ${run}: fix the job and run the same command again to resume`);
     if (jsonError) process.stdout.write(`${JSON.stringify(jsonError(new Error(shown)))}\n`);
     process.stderr.write(`idem: error: ${visibleError(shown, false)}\n`);
   };
@@ -179,7 +194,7 @@ function guardAgainstJobCode(jsonError: ((err: unknown) => unknown) | undefined,
       if (code !== own) process.exitCode = own;
       return;
     }
-    report(`ended the process (process.exit(${code}))`);
+    report(`ended the process (process.exit(${code}))`, 'a run in flight is left unfinished (idem status shows it crashed)');
     if (!code) process.exitCode = ExitCode.Failed;
   };
   const onThrow = (err: unknown, origin: string) => {
@@ -191,7 +206,8 @@ function guardAgainstJobCode(jsonError: ((err: unknown) => unknown) | undefined,
     } catch {
       message = 'a value that cannot be read';
     }
-    report(`${what} (${message})`);
+    // The runner closes: chunks in flight get the close's grace to finish, no new one starts.
+    report(`${what} (${message})`, 'a run in flight is stopped unfinished');
     finish(ExitCode.Failed);
   };
   process.on('exit', onExit);

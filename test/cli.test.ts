@@ -219,6 +219,36 @@ describe('idem run', () => {
       expect(errors[0]).toContain(said);
       expect(errors[0]).toContain('run the same command again to resume');
       expect(r.stderr, how).not.toMatch(/^\s+at /m);
+      // A job's process.exit() ends the process there and then: the run is left as a crash leaves it.
+      if (how === 'exit') expect(errors[0]).toContain('idem status shows it crashed');
+      const fixed = await runCli(['--jobs-dir', MORE_JOBS, 'run', 'exiter', '--key', key], { url });
+      expect(fixed.code, fixed.stderr).toBe(0);
+      expect(await query(url, `select chunk_key, count(*)::int as n from work_log where job = 'exiter' and run_key = $1 group by 1 order by 1`, [key])).toEqual([
+        { chunk_key: 'a', n: 1 },
+        { chunk_key: 'b', n: 1 },
+        { chunk_key: 'c', n: 1 },
+      ]);
+    }
+  });
+
+  it('an uncaught throw or unhandled rejection while a chunk is still running: exit 1, one error line and one --json object, the run stopped at a chunk boundary', async () => {
+    // Black-box round 10: when the chunk in flight ended within the close's grace, the stop that
+    // closing the runner gave surfaced as a second error ("stopped by Runner.close()"), a second
+    // --json object and exit 143, and the first line claimed a crashed run where it was interrupted.
+    for (const how of ['throw', 'reject'] as const) {
+      const key = `exiter-short-${how}`;
+      const r = await runCli(['--jobs-dir', MORE_JOBS, 'run', 'exiter', '--key', key, '--json'], { url, env: { EXITER_HOW: how, EXITER_WAIT_MS: '200' } });
+      expect(r.code, r.stderr).toBe(1);
+      const errors = lines(r.stderr).filter((l) => l.startsWith('idem: error:'));
+      expect(errors, r.stderr).toHaveLength(1);
+      expect(errors[0]).toContain(how === 'throw' ? 'late boom' : 'unhandled boom');
+      expect(errors[0]).not.toContain('crashed');
+      const objects = lines(r.stdout);
+      expect(objects, r.stdout).toHaveLength(1);
+      expect(JSON.parse(objects[0]!)).toMatchObject({ status: 'error', exitCode: 1 });
+      expect(r.stderr).not.toContain('Runner.close()');
+      // Chunk b finished within the grace: a and b committed, c never started; the run is unfinished.
+      expect(await runRow(url, 'exiter', key)).toMatchObject({ status: 'interrupted' });
       const fixed = await runCli(['--jobs-dir', MORE_JOBS, 'run', 'exiter', '--key', key], { url });
       expect(fixed.code, fixed.stderr).toBe(0);
       expect(await query(url, `select chunk_key, count(*)::int as n from work_log where job = 'exiter' and run_key = $1 group by 1 order by 1`, [key])).toEqual([
