@@ -56,7 +56,8 @@ export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, any, KeyRa
   const column = sql.id(opts.column);
   // In parentheses either way: `lower and a or b` would be `(lower and a) or b`, and cut ranges from
   // rows outside the window (boundaries out of order, rows skipped or covered twice).
-  const extra = opts.where === undefined ? sql`true` : typeof opts.where === 'string' ? sql.raw(`(${opts.where})`) : sql`(${opts.where})`;
+  // The closing parenthesis on a line of its own: a `-- comment` ending `where` must not comment out the statement around it.
+  const extra = opts.where === undefined ? sql`true` : typeof opts.where === 'string' ? sql.raw(`(${opts.where}\n)`) : sql`(${opts.where}\n)`;
 
   // Once per database handle: a source object is usually module-level and outlives runs.
   const checked = new WeakMap<object, Promise<void>>();

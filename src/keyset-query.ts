@@ -1,5 +1,6 @@
 import { sql, type RawBuilder } from 'kysely';
 import type { ChunkSource, ChunkSpec, Json, PlanContext } from './job.ts';
+import { soleStatement } from './sql-statements.ts';
 import { columnInSql, columnNameProblem, tableNameProblem } from './table-name.ts';
 
 export interface KeysetQueryOptions {
@@ -53,9 +54,10 @@ export type KeysetSource = ChunkSource<unknown, any, KeysetChunk> & {
 export function keysetQuery(opts: KeysetQueryOptions): KeysetSource {
   const columns = typeof opts?.key === 'string' ? [opts.key] : Array.isArray(opts?.key) ? [...opts.key] : [];
   const problems: string[] = [];
+  const text = typeof opts?.query === 'string' ? soleStatement(opts.query) : undefined;
   if (!(typeof opts?.query === 'string' ? opts.query.trim() !== '' : opts?.query && typeof (opts.query as RawBuilder<unknown>).compile === 'function')) {
     problems.push('query must be a non-empty SQL string or a sql`` builder');
-  }
+  } else if (text === null) problems.push('query must be one SELECT statement (it is used as a subquery)');
   if (columns.length === 0 || columns.some((c) => typeof c !== 'string' || c === '')) problems.push('key must be a column name or a non-empty array of them');
   else for (const c of columns) problems.push(...[columnNameProblem(c, 'key') ?? []].flat());
   if (new Set(columns).size !== columns.length) problems.push('key names a column twice');
@@ -66,7 +68,8 @@ export function keysetQuery(opts: KeysetQueryOptions): KeysetSource {
   }
   if (problems.length) throw new TypeError(`keysetQuery(): ${problems.join('; ')}`);
 
-  const query = typeof opts.query === 'string' ? sql.raw(opts.query) : opts.query;
+  // On a line of its own: a `-- comment` at its end must not comment out the statement around it.
+  const query = typeof opts.query === 'string' ? sql.raw(`${text}\n`) : sql`${opts.query}\n`;
   const cols = (alias: string) => sql.join(columns.map((c) => sql.ref(`${alias}.${c}`)));
   const asText = (alias: string) => sql.join(columns.map((c) => sql`${sql.ref(`${alias}.${c}`)}::text`));
   const generic = sql.join(columns.map((_, i) => sql.ref(`k${i}`)));

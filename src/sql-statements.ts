@@ -129,3 +129,12 @@ function commentEnd(text: string, i: number): number {
   }
   return i;
 }
+
+/**
+ * A text's one statement, without a `;` (and comments) after it, as SQL copied from a console ends;
+ * null when the text holds more than one statement, or none.
+ */
+export function soleStatement(text: string): string | null {
+  const statements = splitStatements(text).filter((statement) => leadingTokens(statement, 1).length > 0);
+  return statements.length === 1 ? statements[0]! : null;
+}

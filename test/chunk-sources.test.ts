@@ -207,6 +207,23 @@ describe('keysetQuery', () => {
     expect(await runRow(url, 'keyset', 'k')).toMatchObject({ status: 'succeeded' });
   });
 
+  it('a query ending in a -- comment or a semicolon, as SQL copied from a console does, plans like the bare query', async () => {
+    // Black-box round 10 (keyRange's `where`, and the same splice here): the comment swallowed the
+    // rest of idem's statement, the semicolon was a syntax error inside it.
+    await query(url, `create table ks_tail (id integer primary key, open boolean not null, touched integer not null default 0)`);
+    await query(url, `insert into ks_tail (id, open) select g, g % 4 <> 0 from generate_series(1, 230) g`);
+    const queries = [`select id from ks_tail where open -- open ones`, `select id from ks_tail where open;`, `select id from ks_tail where open ; -- open ones\n`];
+    for (const [i, q] of queries.entries()) {
+      const src = keysetQuery({ query: q, key: 'id', size: 50 });
+      const job = defineJob({ name: `ks-tail-${i}`, steps: [{ name: 'touch', chunks: src, run: ({ db }, c: KeysetChunk) => sql`update ks_tail set touched = touched + 1 where open and ${src.where(c)}`.execute(db) }] });
+      expect((await runner.run(job, { key: 'k' })).status, q).toBe('succeeded');
+    }
+    expect(await query(url, `select open, min(touched), max(touched), count(*)::int as n from ks_tail group by open order by open`)).toEqual([
+      { open: false, min: 0, max: 0, n: 57 },
+      { open: true, min: 3, max: 3, n: 173 },
+    ]);
+  });
+
   it('refuses a query whose key is NULL in some row (rows no chunk holds) at first planning, naming the column and the fix', async () => {
     await query(url, `create table ks_nulls (tenant text, id integer, touched integer not null default 0, unique (tenant, id))`);
     await query(url, `insert into ks_nulls (tenant, id) select 'a', g from generate_series(1, 5) g union all select 'b', null union all select 'c', null`);
@@ -231,6 +248,10 @@ describe('keysetQuery', () => {
     expect(() => keysetQuery({ query: '', key: [], size: 0 })).toThrow(
       'keysetQuery(): query must be a non-empty SQL string or a sql`` builder; key must be a column name or a non-empty array of them; size must be an integer >= 1 (got 0)',
     );
+    // It is a subquery of idem's statements: two statements, or a comment alone, cannot be.
+    for (const q of ['select id from t; delete from t', '-- nothing but a comment;']) {
+      expect(() => keysetQuery({ query: q, key: 'id', size: 1 }), q).toThrow('keysetQuery(): query must be one SELECT statement (it is used as a subquery)');
+    }
   });
 });
 

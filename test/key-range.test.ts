@@ -163,6 +163,16 @@ describe('keyRange', () => {
     expect(none).toEqual({ chunks: [], next: null });
   });
 
+  it('a `where` ending in a -- comment is one condition too: the comment does not swallow the query around it', async () => {
+    // Black-box round 10: the condition was spliced in without a line break, so `-- …` commented
+    // out the rest of idem's planning statement ("syntax error at or near \"union\"").
+    const matching = await ids('random_gaps', 'id % 3 = 0 or id % 5 = 0');
+    for (const [size, windowSize] of [[4, 2], [25, 3]] as const) {
+      const pages = await allWindows({ table: 'random_gaps', column: 'id', size, where: 'id % 3 = 0 or id % 5 = 0 -- a trailing comment' }, windowSize);
+      expectExactCover(pages.flatMap((p) => p.chunks), matching, size);
+    }
+  });
+
   it('a sql`` where with OR at its top is one condition: `lower and (a or b)`, not `lower and a or b`', async () => {
     const matching = await ids('random_gaps', 'id % 3 = 0 or id % 5 = 0');
     for (const [size, windowSize] of [[4, 2], [25, 3]] as const) {
