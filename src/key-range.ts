@@ -162,7 +162,7 @@ async function checkKeyColumn(db: PlanDb, table: string, regclass: string, name:
   if (r.type === null) throw new TypeError(`keyRange(): table ${JSON.stringify(table)} has no column ${JSON.stringify(name)}${meant(r.other_columns)}; fix the column name`);
   if (!['smallint', 'integer', 'bigint'].includes(r.type)) {
     throw new TypeError(
-      `keyRange(): column ${JSON.stringify(name)} of ${JSON.stringify(table)} is ${r.type}, but keyRange cuts by integer order (a text key sorts '10' before '9', so rows would be skipped); use an integer column or a custom chunk source`,
+      `keyRange(): column ${JSON.stringify(name)} of ${JSON.stringify(table)} is ${r.type}, but keyRange cuts only smallint, integer and bigint keys (its ranges are integer intervals); for a key of another type use keysetQuery({ query: 'select ${columnInSql(name)} from ${table}', key: '${name}', size }), which cuts any key type exactly`,
     );
   }
   if (!r.unique_indexed) {
@@ -186,7 +186,7 @@ type PlanDb = Parameters<RawBuilder<unknown>['execute']>[0];
 function toSafeInt(v: unknown, what: string): number {
   const n = typeof v === 'number' ? v : Number(v);
   if (!Number.isSafeInteger(n)) {
-    throw new TypeError(`keyRange(): ${what} value ${String(v)} is not a safe integer, within ±(2^53−1); use a custom chunk source for such keys`);
+    throw new TypeError(`keyRange(): ${what} value ${String(v)} is not a safe integer, within ±(2^53−1); use keysetQuery for such keys (its boundaries are exact text, for any key)`);
   }
   return n;
 }

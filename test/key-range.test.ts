@@ -197,7 +197,17 @@ describe('keyRange', () => {
   });
 
   it('refuses keys beyond 2^53 instead of rounding them, naming the way out', async () => {
-    await expect(keyRange({ table: 'huge', column: 'id', size: 1 })(null, ctx(10))).rejects.toThrow(/not a safe integer, within ±\(2\^53−1\); use a custom chunk source/);
+    await expect(keyRange({ table: 'huge', column: 'id', size: 1 })(null, ctx(10))).rejects.toThrow(/not a safe integer, within ±\(2\^53−1\); use keysetQuery for such keys/);
+  });
+
+  it('refuses a key column of another type (numeric, text), naming keysetQuery as the way', async () => {
+    // Black-box round 10: a numeric key was refused with the text-sorting reason.
+    await sql`create table numeric_key (id numeric primary key)`.execute(db);
+    await sql`create table text_key (code text primary key)`.execute(db);
+    await expect(keyRange({ table: 'numeric_key', column: 'id', size: 10 })(null, ctx(10))).rejects.toThrow(
+      `keyRange(): column "id" of "numeric_key" is numeric, but keyRange cuts only smallint, integer and bigint keys (its ranges are integer intervals); for a key of another type use keysetQuery({ query: 'select id from numeric_key', key: 'id', size }), which cuts any key type exactly`,
+    );
+    await expect(keyRange({ table: 'text_key', column: 'code', size: 10 })(null, ctx(10))).rejects.toThrow(/column "code" of "text_key" is text, but keyRange cuts only smallint, integer and bigint keys/);
   });
 
   it('a key at its type\'s maximum (integer, smallint) is reached by the inclusive bound: `id between lo and last`', async () => {
