@@ -16,6 +16,7 @@ import { validateParams, type Job, type Json } from './job.ts';
 import { keyLabel } from './key-label.ts';
 import { faultPoint } from './fault-points.ts';
 import { silentLogger } from './log.ts';
+import { sleep } from './sleep.ts';
 import { beingDeletedMessage, doneChunks, finishDeletion, lastChange, pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
 import { isRetryable, retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
@@ -353,7 +354,13 @@ export class Runner {
     refuseControlled(run);
     // Refusals that must write nothing come before the lock: taking it bumps the attempt.
     if (opts.resumeFailed === false && run.status === 'failed') throw recordedFailure(run);
-    refuseChangedCode(run, job, opts.allowChangedCode ?? false);
+    try {
+      refuseChangedCode(run, job, opts.allowChangedCode ?? false);
+    } catch (err) {
+      if (opts.join || !(await this.#busyWhileLive(job, run, runKey, opts))) throw err;
+      // --wait waited for the live run to end: what it left is looked at afresh.
+      return this.#run(job, opts);
+    }
     // Bookkeeping like the store's: idempotent, so a killed work session is retried, not fatal.
     await retrying(() => adoptCodeFingerprint(this.db, this.schema, run, job));
 
@@ -396,6 +403,27 @@ export class Runner {
     } finally {
       await lock.release();
     }
+  }
+
+  /**
+   * A plain run (not `join`) refused before its lock (code changed since the run started) while the
+   * run is live in other processes: busy first, as the lock would say under the same code (75; a
+   * cron line firing during a deploy is not a failure), or with `wait`, waits for it to end and
+   * returns true. False when the run is not live: the refusal stands.
+   */
+  async #busyWhileLive(job: Job, run: RunRow, runKey: string, opts: RunJobOptions): Promise<boolean> {
+    const live = async () => {
+      const now = await this.store.findRun(job.name, runKey);
+      return now?.id === run.id && runIsLive(now, await this.heldLocks(), this.#ops());
+    };
+    if (!(await live())) return false;
+    if (!opts.wait) throw new BusyError(`job "${job.name}" is running in another process (run ${runKey}, under the code it started with); try again later or pass --wait`);
+    const deadline = opts.wait === true ? Infinity : Date.now() + opts.wait * 1000;
+    do {
+      if (Date.now() >= deadline) throw new BusyError(`job "${job.name}" is still running in another process after waiting ${opts.wait}s (run ${runKey}); try again later`);
+      await sleep(500, opts.signal);
+    } while (await live());
+    return true;
   }
 
   /** The run's own advisory lock, held shared by every worker on it: "is this run live?" */

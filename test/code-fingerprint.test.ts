@@ -121,6 +121,7 @@ describe('code changes between attempts', () => {
     const gate = await holdGate(url, 'code-join');
     let first: Promise<unknown> | undefined;
     let second: Promise<unknown> | undefined;
+    let waiting: Promise<unknown> | undefined;
     try {
       const gated = (version: string) =>
         defineJob({
@@ -142,6 +143,15 @@ describe('code changes between attempts', () => {
       const refused = await b.run(gated('2'), { key: 'j', join: true }).catch((e: unknown) => e);
       expect(refused).toBeInstanceOf(CodeChangedError);
       expect(await runRow(url, 'joined-code', 'j')).toMatchObject({ status: 'running', attempt: 1, code_fingerprint: 'version:1', code_changes: null });
+      // A plain run (cron firing during a deploy) of the live run is busy, as under the same code:
+      // 75, not the code refusal (65), whose --allow-changed-code advice would only lead to 75.
+      // Black-box round 10.
+      const plain = await b.run(gated('2'), { key: 'j' }).catch((e: unknown) => e);
+      expect(exitCodeOf(plain), String(plain)).toBe(75);
+      expect((plain as Error).message).toMatch(/^job "joined-code" is running in another process \(.+\); try again later or pass --wait$/);
+      expect(await runRow(url, 'joined-code', 'j')).toMatchObject({ status: 'running', attempt: 1, code_fingerprint: 'version:1', code_changes: null });
+      // With --wait it waits for the run to end, then finds it done.
+      waiting = b.run(gated('2'), { key: 'j', wait: 60 });
       second = b.run(gated('2'), { key: 'j', join: true, allowChangedCode: true });
       const joinedRow = await waitFor(async () => {
         const row = await runRow(url, 'joined-code', 'j');
@@ -150,11 +160,12 @@ describe('code changes between attempts', () => {
       expect(joinedRow).toMatchObject({ status: 'running', attempt: 1, code_fingerprint: 'version:2', code_changes: [{ from: 'version:1', to: 'version:2', attempt: 1, at: expect.any(String) }] });
     } finally {
       await gate.release();
-      await Promise.allSettled([first, second]);
+      await Promise.allSettled([first, second, waiting]);
       await Promise.all([a.close(), b.close()]);
     }
     expect(await first).toMatchObject({ attempt: 1 });
     expect(await second).toMatchObject({ attempt: 1 });
+    expect(await waiting).toMatchObject({ status: 'already-succeeded', attempt: 1 });
     const row = await runRow(url, 'joined-code', 'j');
     expect(row).toMatchObject({ status: 'succeeded', attempt: 1, code_fingerprint: 'version:2' });
     expect(row.code_changes).toHaveLength(1);
