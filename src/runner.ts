@@ -332,7 +332,7 @@ export class Runner {
     const params = (await validateParams(job, opts.params)) as Json;
     const fp = fingerprint(params);
     const runKey = opts.key ?? fp;
-    if (opts.dryRun) return this.#dryRun(job, runKey, fp);
+    if (opts.dryRun) return this.#dryRun(job, runKey, fp, opts.allowChangedCode ?? false);
 
     // A run a prune marked deleting and did not get to delete whole (killed between its batches)
     // is deleted here first, so that its key runs afresh, as it would have after that prune.
@@ -827,9 +827,11 @@ export class Runner {
     );
   }
 
-  async #dryRun(job: Job, runKey: string, fp: string): Promise<RunOutcome> {
+  async #dryRun(job: Job, runKey: string, fp: string, allowChangedCode: boolean): Promise<RunOutcome> {
     const run = await this.store.findRun(job.name, runKey);
     if (run) checkFingerprint(job.name, runKey, run, fp);
+    // A resume the real command would refuse for its code (a finished run is not resumed).
+    if (run && run.status !== 'succeeded') refuseChangedCode(run, job, allowChangedCode);
     return {
       status: 'dry-run',
       job: job.name,

@@ -63,6 +63,13 @@ describe('code changes between attempts', () => {
     expect(errLines[0]).toMatch(/^idem: error: run k1 of job "code-check" was started under other code \(sha256:[0-9a-f]{12}…, now sha256:[0-9a-f]{12}…\); .*--allow-changed-code/);
     expect(await runRow(url, 'code-check', 'k1')).toEqual(first);
     expect(await query(url, `select chunk_key from work_log where run_key = 'k1' order by chunk_key`)).toEqual([{ chunk_key: 'a' }]);
+    // --dry-run says so too (black-box round 10: it reported the run resumable, exit 0).
+    const dry = await cli('run', 'code-check', '--key', 'k1', '--no-progress', '--dry-run');
+    expect(dry.code, dry.stderr).toBe(65);
+    expect(dry.stderr).toContain('was started under other code');
+    const dryAllowed = await cli('run', 'code-check', '--key', 'k1', '--no-progress', '--dry-run', '--allow-changed-code');
+    expect(dryAllowed.code, dryAllowed.stderr).toBe(0);
+    expect(await runRow(url, 'code-check', 'k1')).toEqual(first);
 
     const allowed = await cli('run', 'code-check', '--key', 'k1', '--no-progress', '--allow-changed-code');
     expect(allowed.code).toBe(0);
