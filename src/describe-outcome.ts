@@ -10,7 +10,10 @@ export function describeOutcome(o: RunOutcome): string {
     return `dry run: job "${o.job}" run key ${visible(o.runKey)} is ${o.plan!.state}; steps: ${steps}; nothing was written`;
   }
   const skipped = s && s.skipped > 0 ? ` (${s.skipped} skipped: see idem status, retry with --retry-skipped)` : '';
-  const counts = s ? `${s.chunks} chunk${s.chunks === 1 ? '' : 's'} in ${s.steps.length} step${s.steps.length === 1 ? '' : 's'}${skipped}` : '';
+  const dropped = s?.dropped?.length
+    ? `; steps no longer in the job: ${s.dropped.map((d) => `${visible(d.name)} (${d.done} of ${d.chunks} chunk${d.chunks === 1 ? '' : 's'} done)`).join(', ')}`
+    : '';
+  const counts = s ? `${s.chunks} chunk${s.chunks === 1 ? '' : 's'} in ${s.steps.length} step${s.steps.length === 1 ? '' : 's'}${skipped}${dropped}` : '';
   if (o.status === 'already-succeeded') {
     const finished = s?.finishedAt ? new Date(s.finishedAt).toISOString() : '?';
     return `job "${o.job}" already done (run key ${visible(o.runKey)}, finished ${finished}): ${counts}; nothing to do`;

@@ -645,7 +645,7 @@ export class Runner {
       ));
       if (lock.lost.aborted) throw lock.lost.reason;
       await faultPoint('before-finish');
-      let summary = await this.store.finishRun(runId, attempt, startedAt);
+      let summary = await this.store.finishRun(runId, attempt, startedAt, job.steps.map((s) => s.name));
       if (!summary) {
         // Finishing is done once: another worker of this attempt may have found nothing left first.
         const now = await this.store.getRun(runId);

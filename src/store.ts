@@ -103,6 +103,12 @@ export interface RunSummary {
   readonly startedAt: string;
   readonly finishedAt: string;
   readonly durationMs: number;
+  /**
+   * Steps the run had that the job no longer has (removed under --allow-changed-code), with the
+   * chunks each had planned and how many of them were done: their other chunks never ran. Absent
+   * when there are none.
+   */
+  readonly dropped?: ReadonlyArray<{ readonly name: string; readonly chunks: number; readonly done: number }>;
 }
 
 /** What Store.failRun did: recorded the failure, or found the attempt failed by another worker, or over otherwise. */
@@ -583,13 +589,16 @@ export class Store {
   }
 
   /** Marks the run succeeded with its summary; fenced, so only the live attempt can. */
-  async finishRun(runId: string, attempt: number, startedAt: Date): Promise<RunSummary | null> {
+  async finishRun(runId: string, attempt: number, startedAt: Date, steps: readonly string[]): Promise<RunSummary | null> {
+    // `steps`: the job's steps now. A step the run has rows of that the job no longer has (removed
+    // under --allow-changed-code) is not counted: it is listed as dropped, with what it left undone.
     const { rows } = await this.#run(sql<{ summary: RunSummary }>`
-      with counts as (
-        select s.name, s.position, count(c.key)::int as chunks, count(c.skipped_at)::int as skipped
+      with all_counts as (
+        select s.name, s.position, count(c.key)::int as chunks, count(c.skipped_at)::int as skipped, count(c.done_at)::int as done,
+          s.name = any(${[...steps]}::text[]) as current
         from ${this.#steps} s left join ${this.#chunks} c on c.run_id = s.run_id and c.step = s.name
         where s.run_id = ${runId} group by s.name, s.position
-      )
+      ), counts as (select * from all_counts where current)
       update ${this.#runs} r set status = 'succeeded', finished_at = now(), updated_at = now(), holder = null, error = null,
         summary = jsonb_build_object(
           'steps', (select coalesce(jsonb_agg(jsonb_build_object('name', name, 'chunks', chunks) order by position), '[]') from counts),
@@ -601,6 +610,8 @@ export class Store {
           'startedAt', ${startedAt.toISOString()}::text,
           'finishedAt', to_char(now() at time zone 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"'),
           'durationMs', (extract(epoch from (now() - ${startedAt.toISOString()}::timestamptz)) * 1000)::bigint)
+          || coalesce((select jsonb_build_object('dropped', jsonb_agg(jsonb_build_object('name', name, 'chunks', chunks, 'done', done) order by position))
+               from all_counts where not current having count(*) > 0), '{}')
       where r.id = ${runId} and r.attempt = ${attempt} and r.status = 'running'
       returning r.summary`);
     return rows[0]?.summary ?? null;

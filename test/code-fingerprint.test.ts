@@ -212,6 +212,37 @@ describe('code changes between attempts', () => {
     }
   });
 
+  it('a step removed under --allow-changed-code: the summary counts the job\'s steps and names the dropped one with what it left undone', async () => {
+    // Black-box round 10: the run said "succeeded: 4 chunks in 4 steps" for a job of 2 steps, and
+    // nothing said that the removed step's chunks never committed.
+    const stepsFile = (names: string[]) => `import { defineJob, sql } from 'idem';
+export default defineJob({
+  name: 'step-drop',
+  steps: ${JSON.stringify(names)}.map((name) => ({
+    name,
+    chunks: () => ({ chunks: [{ key: name + '-1' }, { key: name + '-2' }], next: null }),
+    async run({ db, run }, { key }) {
+      const { rows } = await sql\`select 1 from fail_chunks where chunk_key = \${key}\`.execute(db);
+      if (rows.length > 0) throw new Error('injected failure in chunk ' + key);
+      await sql\`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values ('step-drop', \${run.runKey}, \${name}, \${key}, \${run.attempt}, 0)\`.execute(db);
+    },
+  })),
+});
+`;
+    await writeFile(path.join(dir, 'step-drop.ts'), stepsFile(['one', 'two']));
+    await query(url, `insert into fail_chunks (chunk_key) values ('two-2')`);
+    expect((await cli('run', 'step-drop', '--key', 'sd', '--no-progress')).code).toBe(1);
+    await query(url, `delete from fail_chunks where chunk_key = 'two-2'`);
+    await writeFile(path.join(dir, 'step-drop.ts'), stepsFile(['one', 'three']));
+    const r = await cli('run', 'step-drop', '--key', 'sd', '--no-progress', '--allow-changed-code', '--json');
+    expect(r.code, r.stderr).toBe(0);
+    const out = JSON.parse(r.stdout);
+    expect(out.summary).toMatchObject({ steps: [{ name: 'one', chunks: 2 }, { name: 'three', chunks: 2 }], chunks: 4, dropped: [{ name: 'two', chunks: 2, done: 1 }] });
+    const human = await cli('run', 'step-drop', '--key', 'sd', '--no-progress');
+    expect(human.code, human.stderr).toBe(0);
+    expect(human.stdout + human.stderr).toContain('4 chunks in 2 steps; steps no longer in the job: two (1 of 2 chunks done)');
+  });
+
   it('refuses a version that is neither a string nor a number at load time', () => {
     expect(() => defineJob({ name: 'bad-version', version: {} as never, steps: [{ name: 's', run() {} }] })).toThrow(/version must be a non-empty string/);
   });
