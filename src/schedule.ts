@@ -372,7 +372,23 @@ export const MAX_RETRY_SLOTS = 24;
 
 function retryByDefault(err: unknown): boolean {
   const code = exitCodeOf(err);
-  return code === ExitCode.Failed || code === ExitCode.LockLost;
+  return code === ExitCode.Failed || code === ExitCode.LockLost || err instanceof SlotBehindError;
+}
+
+/**
+ * A slot that found its job held by another run of it (an earlier slot still running, a run by
+ * hand): not run now, and, unlike a slot another scheduler took, not run by anyone else either, so
+ * it is tried again at the job's next tick (then left to --catch-up). `other` names that run.
+ */
+export class SlotBehindError extends Error {
+  readonly busy: Error;
+  readonly other: string;
+  constructor(busy: Error, other: string) {
+    super(busy.message, { cause: busy });
+    this.name = 'SlotBehindError';
+    this.busy = busy;
+    this.other = other;
+  }
 }
 
 function reportToStderr(job: string, slot: Date, err: unknown): void {

@@ -306,4 +306,27 @@ describe('idem cron', () => {
     expect(await ticks('default')).toEqual([{ run_key: slotKey(slot), chunk_key: slot.toISOString() }]);
     expect(await runsOf('sched_d')).toMatchObject([{ run_key: slotKey(slot), status: 'succeeded', attempt: 1 }]);
   });
+
+  it('a slot due while another run of the job holds it is not "taken by another process": it is said to be behind that run, and tried again at the next tick', async () => {
+    // Black-box round 10: an earlier slot run by hand held the job's lock at the tick; both cron
+    // processes logged "slot taken by another process", and nobody ran the slot.
+    const slot = latestSlot(schedule);
+    const earlier = new Date(slot.getTime() - 3_600_000);
+    const held = spawnCli(['--jobs-dir', SCHEDULED_JOBS, '--schema', 'sched_behind', 'run', 'hourly-tick', '--key', slotKey(earlier), '--params', '{"tag":"held","pauseMs":6000}'], { url });
+    await waitFor(async () => {
+      const runs = await query(url, `select status from sched_behind.runs where job = 'hourly-tick' and run_key = $1`, [slotKey(earlier)]).catch(() => []);
+      return runs[0]?.status === 'running';
+    }, 'the earlier slot to run');
+    const cron = spawnCli(['--jobs-dir', SCHEDULED_JOBS, '--schema', 'sched_behind', 'cron'], { url });
+    try {
+      await waitFor(async () => cron.stderr().includes(`"slot":"${slotKey(slot)}"`), 'the scheduler to report the slot');
+      const line = cron.stderr().split('\n').find((l) => l.includes(`"slot":"${slotKey(slot)}"`))!;
+      expect(line).not.toContain('slot taken by another process');
+      expect(JSON.parse(line).msg).toMatch(/^slot not run now: another run of job "hourly-tick" holds the job \(run key 20\d\d-.+\); it is tried again at the job's next tick, then left to --catch-up$/);
+    } finally {
+      cron.child.kill('SIGTERM');
+      await cron.done;
+      expect((await held.done).code).toBe(0);
+    }
+  });
 });

@@ -1,11 +1,12 @@
 import { describe, expect, it } from 'vitest';
-import { RunFailedError, UsageError } from '../src/errors.ts';
+import { BusyError, RunFailedError, UsageError } from '../src/errors.ts';
 import {
   latestSlot,
   parseCatchUp,
   parseSchedule,
   renderCrontab,
   runCronLoop,
+  SlotBehindError,
   type Schedule,
   slotKey,
   slotOfJobKey,
@@ -260,6 +261,23 @@ describe('runCronLoop', () => {
         h.record(`${job}@${slotKey(slot)}`);
         // The 10:00 slot fails once (exit 1), then succeeds when retried.
         if (slotKey(slot) === '2026-11-30T10:00:00Z' && failures++ === 0) throw new RunFailedError('boom');
+      },
+      onError: () => {},
+      signal: h.controller.signal,
+      now: h.now,
+      sleep: h.sleep,
+    });
+    expect(h.calls).toEqual(['hourly@2026-11-30T10:00:00Z', 'hourly@2026-11-30T10:00:00Z', 'hourly@2026-11-30T11:00:00Z', 'hourly@2026-11-30T12:00:00Z']);
+  });
+
+  it('a slot skipped because another run of its job held the job (SlotBehindError) is tried again at the next tick', async () => {
+    const h = harness('2026-11-30T10:20:00Z', '2026-11-30T12:30:00Z');
+    let busy = 0;
+    await runCronLoop({
+      entries: [{ job: 'hourly', schedule: hourly }],
+      runSlot: async (job, slot) => {
+        h.record(`${job}@${slotKey(slot)}`);
+        if (slotKey(slot) === '2026-11-30T10:00:00Z' && busy++ === 0) throw new SlotBehindError(new BusyError('job "hourly" is running in another process'), 'the 09:00 slot');
       },
       onError: () => {},
       signal: h.controller.signal,

@@ -11,7 +11,7 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
     .description('run the schedules in this process (for containers without cron); several on several hosts are safe')
     .action(() =>
       cli.runWithSession(async (g, log, session, force) => {
-        const { assertNotStandby, loadJobDir, runCronLoop, slotKey } = await import('../cli-runtime.ts');
+        const { assertNotStandby, loadJobDir, runCronLoop, slotKey, SlotBehindError } = await import('../cli-runtime.ts');
         const loaded = await loadJobDir(g.jobsDir, 'jobs');
         const byName = new Map(loaded.map((l) => [l.job.name, l.job]));
         const entries = await scheduledJobs(g.jobsDir, g.migrationsDir);
@@ -24,12 +24,23 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
           entries,
           signal: signals.stop,
           runSlot: async (name, slot) => {
-            const out = await runner.run(byName.get(name)!, { key: slotKey(slot), slot, signal: signals.stop, abortSignal: signals.abort });
+            const key = slotKey(slot);
+            const out = await runner.run(byName.get(name)!, { key, slot, signal: signals.stop, abortSignal: signals.abort }).catch(async (err: unknown) => {
+              if (!(err instanceof IdemError && err.exitCode === ExitCode.Busy)) throw err;
+              // Busy: another scheduler runs (or ran) this very slot, or another run of the job
+              // holds the job, and then nobody runs this slot now.
+              const runs = await runner.status(name).catch(() => []);
+              if (runs.some((r) => r.runKey === key && (r.state === 'running' || r.state === 'succeeded'))) throw err;
+              const other = runs.find((r) => r.runKey !== key && r.state === 'running');
+              throw new SlotBehindError(err, other ? `run key ${other.runKey}` : 'another process');
+            });
             log.info({ job: name, slot: slotKey(slot), status: out.status, executed: out.executed }, describeOutcome(out));
           },
           onError: (name, slot, err) => {
             if (signals.stop.aborted) return;
-            if (err instanceof IdemError && err.exitCode === ExitCode.Busy) log.info({ job: name, slot: slotKey(slot) }, `slot taken by another process: ${err.message}`);
+            if (err instanceof SlotBehindError) {
+              log.warn({ job: name, slot: slotKey(slot), busy: err.message }, `slot not run now: another run of job "${name}" holds the job (${err.other}); it is tried again at the job's next tick, then left to --catch-up`);
+            } else if (err instanceof IdemError && err.exitCode === ExitCode.Busy) log.info({ job: name, slot: slotKey(slot) }, `slot taken by another process: ${err.message}`);
             else log.error({ job: name, slot: slotKey(slot), err: errorFields(err) }, 'scheduled run failed; the next tick tries it once more, --catch-up after that');
           },
         });
