@@ -600,6 +600,8 @@ export class Store {
         where s.run_id = ${runId} group by s.name, s.position
       ), counts as (select * from all_counts where current)
       update ${this.#runs} r set status = 'succeeded', finished_at = now(), updated_at = now(), holder = null, error = null,
+        -- A pause or cancel that came while the last chunks ran has nothing left to stop.
+        requested = null,
         summary = jsonb_build_object(
           'steps', (select coalesce(jsonb_agg(jsonb_build_object('name', name, 'chunks', chunks) order by position), '[]') from counts),
           'chunks', (select coalesce(sum(chunks), 0)::int from counts),

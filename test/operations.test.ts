@@ -1,7 +1,7 @@
 import { fileURLToPath } from 'node:url';
 import pg from 'pg';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
-import { defineJob, InterruptedError, Runner, type StepContext } from '../src/index.ts';
+import { defineJob, InterruptedError, Runner, sql, type StepContext } from '../src/index.ts';
 import { CancelledError } from '../src/errors.ts';
 import type { Progress } from '../src/executor.ts';
 import { createProgressReporter, formatProgress } from '../src/progress-reporter.ts';
@@ -420,6 +420,28 @@ describe('cancel and reset', () => {
     expect(fresh.runId).not.toBe(old.id);
     // Every chunk executed again: c0001 twice in all (before the cancel and after the reset).
     expect(await workCounts(url, key)).toEqual(new Map([...ones(8)].map(([k]) => [k, k === 'c0001' ? 2 : 1])));
+  });
+
+  it('a cancel requested while the last chunk is in flight: the run ends one way, with no request left beside its state', async () => {
+    // Black-box round 10: a run shared by workers succeeded with "cancel requested" still on it
+    // (idem status: "succeeded … cancel requested"; the API: requested "cancel").
+    const gate = await holdGate(url, 'g-last');
+    const job = defineJob({
+      name: 'last-chunk-cancel',
+      steps: [{ name: 'only', chunks: () => ({ chunks: [{ key: 'a' }], next: null }), run: async ({ db }: StepContext) => void (await sql`select 1 from gates where name = 'g-last' for share`.execute(db)) }],
+    });
+    const running = runner.run(job, { key: 'lc' }).catch((e: unknown) => e);
+    try {
+      await waitFor(async () => (await lockWaiters(url)) > 0, 'the chunk to wait at the gate');
+      expect((await runner.cancel('last-chunk-cancel', 'lc')).live).toBe(true);
+    } finally {
+      await gate.release();
+    }
+    await running;
+    const row = await runRow(url, 'last-chunk-cancel', 'lc');
+    // Every chunk is done: the request had nothing left to stop.
+    expect(row.status).toBe('succeeded');
+    expect(row.requested).toBeNull();
   });
 
   it('reset of a live run exits 75 (its run lock is held) and changes nothing', async () => {
