@@ -4,6 +4,8 @@ import pino from 'pino';
 import { afterAll, beforeAll, describe, expect, inject, it, vi } from 'vitest';
 import { defineJob, Runner, sql, UsageError, type HealthOptions } from '../src/index.ts';
 import { parseHealthFlag, resolveHealth } from '../src/health-check.ts';
+import { runCard, runLive } from '../src/server/dashboard-html.ts';
+import { RunViews } from '../src/server/run-view.ts';
 import counted from './fixtures/jobs/counted.ts';
 import { FIXTURE_DIRS, holdGate, killLeftovers, query, runCli, runRow, spawnCli, waitFor, workCounts, lockWaiters } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
@@ -53,6 +55,16 @@ describe('health checks before each chunk', () => {
       const [status] = await runner.status('counted');
       expect(status).toMatchObject({ runKey: 'long-tx', state: 'running', healthPause: { reason: expect.stringMatching(/^transaction of pid \d+ \(idle in transaction\) open \d+ s > 1 s$/) } });
       expect(logs.filter((l) => typeof l.msg === 'string' && l.msg.startsWith('paused for health: transaction of pid'))).toHaveLength(1);
+      // The HTTP run view and the dashboard say so too (black-box round 10: they showed the run
+      // running with a rate and an ETA, nothing about the pause).
+      const reads = new pg.Pool({ connectionString: url, max: 1 });
+      try {
+        const view = (await new RunViews(runner.db, reads, runner.schema, runner).byKey('counted', 'long-tx'))!;
+        expect(view).toMatchObject({ state: 'running', healthPause: { reason: expect.stringMatching(/^transaction of pid \d+ \(idle in transaction\) open \d+ s > 1 s$/), since: expect.any(String) } });
+        for (const html of [runCard(view), runLive(view)]) expect(html).toMatch(/paused for health: transaction of pid \d+ \(idle in transaction\) open \d+ s &gt; 1 s/);
+      } finally {
+        await reads.end();
+      }
       await tx.release();
       const out = await running;
       expect(out).toMatchObject({ status: 'succeeded', executed: 5 });

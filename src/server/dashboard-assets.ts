@@ -67,7 +67,7 @@ ${Array.from({ length: 101 }, (_, i) => `.bar .w${i}{width:${i}%}`).join('')}
 .btn-danger{color:var(--bad)}.btn-danger:hover{border-color:var(--bad)}
 .error-line{color:var(--bad);font-size:13px;margin:10px 0 0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap}
 .empty{color:var(--muted);margin:0;padding:14px;border:1px dashed var(--line);border-radius:var(--radius)}
-.muted{color:var(--muted);font-weight:400}.small{font-size:12.5px}
+.muted{color:var(--muted);font-weight:400}.warn{color:var(--warn);font-weight:600}.small{font-size:12.5px}
 .desc{margin:4px 0 8px;color:var(--muted);font-size:13.5px}
 .chips{display:flex;flex-wrap:wrap;gap:6px;margin-bottom:8px}
 .chip{font-size:12px;padding:2px 8px;border-radius:6px;background:var(--idle-soft);color:var(--muted)}

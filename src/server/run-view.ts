@@ -30,6 +30,8 @@ export interface RunView {
   readonly params: Json;
   readonly fingerprint: string;
   readonly requested: 'pause' | 'cancel' | null;
+  /** While a live run waits for the database to be healthy (health checks): why, and since when. */
+  readonly healthPause: { readonly reason: string; readonly since: string } | null;
   readonly createdAt: string;
   readonly startedAt: string | null;
   readonly updatedAt: string;
@@ -126,7 +128,7 @@ export class RunViews {
   #select(where: RawBuilder<unknown>, o: { readonly detail: boolean; readonly locks: boolean; readonly limit?: number }): RawBuilder<any> {
     const s = (n: string) => this.#t(n);
     return sql`
-      select r.id, r.job, r.run_key, r.status, r.attempt, r.holder, r.params, r.fingerprint, r.requested,
+      select r.id, r.job, r.run_key, r.status, r.attempt, r.holder, r.params, r.fingerprint, r.requested, r.health_pause,
         r.created_at, r.started_at, r.updated_at, r.finished_at, r.error, r.summary, r.lock_name, r.lock_pid,
         cs.chunks_done, cs.done_this_attempt, cs.last_done,
         extract(epoch from now() - r.attempt_started_at)::float8 as attempt_seconds,
@@ -344,6 +346,7 @@ function toView(r: any, locked: boolean): RunView {
     params: r.params,
     fingerprint: r.fingerprint,
     requested: r.requested ?? null,
+    healthPause: state === 'running' ? (r.health_pause ?? null) : null,
     createdAt: r.created_at.toISOString(),
     startedAt: iso(r.started_at),
     updatedAt: lastChange(r.updated_at, r.last_done).toISOString(),
