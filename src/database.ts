@@ -3,6 +3,8 @@ import path from 'node:path';
 import { Kysely, PostgresDialect } from 'kysely';
 import pg from 'pg';
 import { isRetryable } from './retry.ts';
+import { sleep } from './sleep.ts';
+import { testHookMs } from './test-hooks.ts';
 import type { Logger } from 'pino';
 import { codeOf, DatabaseUnavailableError, errorFields, type IdemError, UsageError } from './errors.ts';
 
@@ -373,14 +375,24 @@ export async function openDatabase(
   // A session killed during the check (a restart, pg_terminate_backend) says nothing about a
   // pooler: check again on fresh sessions. Reaching the server at all is not retried here: an
   // unreachable database is reported at once.
-  for (let attempt = 1; ; attempt++) {
-    let clients: pg.PoolClient[] = [];
-    try {
-      clients = await Promise.all([pool.connect(), pool.connect()]);
-    } catch (err) {
-      for (const c of clients) c.release();
+  // A server with no connection free (max_connections, the role's CONNECTION LIMIT, reached:
+  // 53300) or still starting (57P03) is waited for a little: sessions leave, a server comes up.
+  const fullUntil = Date.now() + (testHookMs('IDEM_CONNECT_RETRY_MS') ?? CONNECT_RETRY_MS);
+  for (let attempt = 1, full = 0; ; attempt++) {
+    // Settled one by one: when one connects and the other is refused, the one that connected must
+    // go back, or pool.end() below waits for it forever (with one slot free, idem hung at start).
+    const settled = await Promise.allSettled([pool.connect(), pool.connect()]);
+    const clients = settled.flatMap((r) => (r.status === 'fulfilled' ? [r.value] : []));
+    const refused = settled.find((r): r is PromiseRejectedResult => r.status === 'rejected');
+    if (refused) {
+      for (const c of clients) c.release(true);
+      if (['53300', '57P03'].includes(codeOf(refused.reason) ?? '') && Date.now() < fullUntil) {
+        await sleep(Math.min(250 * 2 ** full++, 2_000, Math.max(0, fullUntil - Date.now())));
+        attempt--;
+        continue;
+      }
       await pool.end().catch(() => {});
-      throw describeConnectError(err, connectionString, opts.source);
+      throw describeConnectError(refused.reason, connectionString, opts.source);
     }
     try {
       await refuseSessionlessPooler(clients[0]!, clients[1]!, connectionString);
@@ -407,6 +419,9 @@ export async function openDatabase(
       })()),
   };
 }
+
+/** How long opening waits for a server that has no connection free (53300) or is starting (57P03). */
+const CONNECT_RETRY_MS = 10_000;
 
 /**
  * How long close() waits for the server's goodbye on its sessions before dropping their sockets: a
@@ -526,6 +541,10 @@ export function describeConnectError(err: unknown, connectionString: string, sou
     }
     case '3D000':
       msg = `the database at ${where} does not exist (${raw}); create it or fix the database name in ${source ?? 'DATABASE_URL'}`;
+      break;
+    case '53300':
+      // The URL is right: the server (max_connections) or the role (CONNECTION LIMIT) is full.
+      msg = `the database at ${where} has no connection free for idem (${raw}); idem needs a few at once (its lock session, two to start, one per slot of --concurrency): wait for other sessions to end, or raise max_connections or the role's CONNECTION LIMIT`;
       break;
     default:
       msg = `cannot connect to the database at ${where}: ${raw}; check ${source ?? '--database-url / DATABASE_URL'}`;

@@ -819,6 +819,36 @@ describe('database health at start-up', () => {
     }
   });
 
+  it('a server with one free connection slot, or none, for idem: exit 2 after a bounded retry, one line naming the limit, never a hang', async () => {
+    // Black-box round 10: with exactly one slot free, the start's second connection failed (53300)
+    // and the first one was never released: pool.end() waited on it forever, and so did idem (also
+    // `idem status`). With none free, exit 2 at once with "check DATABASE_URL", the wrong fix.
+    for (const limit of [1, 0]) {
+      const role = `idem_conn_limit_${limit}`;
+      await query(db.url, `drop role if exists ${role}`);
+      await query(db.url, `create role ${role} login password 'limit-secret-xyz' connection limit ${limit}`);
+      try {
+        const as = new URL(db.url);
+        as.username = role;
+        as.password = 'limit-secret-xyz';
+        const started = Date.now();
+        const child = spawnCli([...FIXTURE_DIRS, 'status'], { url: as.toString(), env: { IDEM_CONNECT_RETRY_MS: '1500' } });
+        const killer = setTimeout(() => child.child.kill('SIGKILL'), 20_000);
+        const res = await child.done;
+        clearTimeout(killer);
+        expect(res.code, `limit ${limit}: ${res.stderr}`).toBe(2);
+        // Retried for the window, not refused at once; and over well before the 20 s kill.
+        expect(Date.now() - started).toBeGreaterThanOrEqual(1_500);
+        expect(res.stderr.trim().split('\n')).toEqual([
+          expect.stringMatching(new RegExp(`^idem: error: the database at \\S+ has no connection free for idem \\(too many connections for role "${role}"\\); .*wait for other sessions to end, or raise max_connections or the role's CONNECTION LIMIT$`)),
+        ]);
+        expect(res.stderr).not.toContain('limit-secret-xyz');
+      } finally {
+        await query(db.url, `drop role if exists ${role}`);
+      }
+    }
+  });
+
   it('a runner schema newer than this binary: exit 2 and nothing is changed', async () => {
     await runCli([...FIXTURE_DIRS, 'status'], { url: db.url }); // make sure the schema exists
     await query(db.url, `insert into idem.idem_migration (name, timestamp) values ('9999_from_the_future', now()::text)`);
