@@ -1,5 +1,5 @@
 import pg from 'pg';
-import { BusyError, DatabaseUnavailableError, InterruptedError, LockLostError } from './errors.ts';
+import { BusyError, codeOf, DatabaseUnavailableError, InterruptedError, LockLostError } from './errors.ts';
 import { lockKey } from './fingerprint.ts';
 import { answerWithin, sleep } from './sleep.ts';
 import { lockSessionSetup, sessionName } from './database.ts';
@@ -170,7 +170,8 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
   try {
     await client.connect();
   } catch (err) {
-    throw new DatabaseUnavailableError(`cannot open the lock session: ${(err as Error).message}`, { cause: err });
+    const full = codeOf(err) === '53300' ? "; the database has no connection free for idem: wait for other sessions to end, or raise max_connections or the role's CONNECTION LIMIT" : '';
+    throw new DatabaseUnavailableError(`cannot open the lock session: ${(err as Error).message}${full}`, { cause: err });
   }
   let timer: NodeJS.Timeout | undefined;
   const release = async () => {

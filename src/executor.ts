@@ -277,6 +277,19 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
     pipelined && failure === undefined && !opts.stop.aborted && !opts.abort.aborted && cooling.size === 0 && (health?.ready() ?? true)
       ? { claim: nextClaim, plannedBefore: plannedAll }
       : undefined;
+  /** Slots of this step still going (see leavesForOthers). */
+  let slotsLive = 0;
+  /**
+   * A slot that the database refuses a connection (for itself or for its bookkeeping), past the
+   * retries, because it has none free (max_connections or the role's CONNECTION LIMIT reached:
+   * 53300; a server starting: 57P03): while other slots go on, it ends quietly and they finish the
+   * step with fewer. The last slot does not: its error ends this worker (not the run, Runner).
+   */
+  const leavesForOthers = (err: unknown): boolean => {
+    if (!['53300', '57P03'].includes(codeOf(err) ?? '') || slotsLive <= 1 || failure !== undefined || opts.stop.aborted) return false;
+    log.warn({ err: errorFields(err), slotsLeft: slotsLive - 1 }, `a slot could not get a database connection (${messageOf(err)}); the step goes on with ${slotsLive - 1} ${slotsLive - 1 === 1 ? 'slot' : 'slots'}`);
+    return true;
+  };
   /**
    * One worker slot: its own connection for its whole life, claiming one chunk after another until
    * none is left. First pass: claim the first free chunk, passing by those other transactions hold
@@ -285,6 +298,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
    * its transaction ends. A slot that finds nothing even then is done.
    */
   const runSlot = async (): Promise<void> => {
+    slotsLive++;
     const slot = openChunkSlot(opts.pool, store.claimPrepares, checksFirst);
     /** The chunk this slot started last (see `owned`). */
     let mine: { readonly seq: number; readonly entry: Owned } | undefined;
@@ -343,6 +357,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
             await sleep(backoffDelay(claimErrors, retry), opts.stop);
             continue;
           }
+          if (leavesForOthers(err)) return;
           failure ??= err;
           return;
         }
@@ -472,7 +487,10 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         progress();
         if (throttle.options.pauseMs) await sleep(throttle.options.pauseMs, opts.stop);
       }
+    } catch (err) {
+      if (!leavesForOthers(err)) throw err;
     } finally {
+      slotsLive--;
       // However the slot ended, no slot here waits for it any more.
       if (mine && owned.get(mine.seq) === mine.entry) disown(mine.seq);
       // A claim that came with the last COMMIT and was never started rolls back.

@@ -5,7 +5,7 @@ import type { Logger } from 'pino';
 import { acquireAdvisoryLock, lockHolders, type HeldLock } from './advisory-lock.ts';
 import { looksDead, SILENT_SECONDS_SQL, silentSecondsOf, type LockHolder } from './lock-holder.ts';
 import { describeConnectError, openDatabase, redactError, type Database } from './database.ts';
-import { BusyError, CancelledError, codeOf, errorFields, FencedError, IdemError, InterruptedError, STOP_SIGNALS, type StopSignal, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
+import { BusyError, CancelledError, codeOf, errorFields, FencedError, IdemError, InterruptedError, messageOf, STOP_SIGNALS, type StopSignal, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
@@ -715,7 +715,9 @@ export class Runner {
       const lost = err instanceof LockLostError ? err : new LockLostError(err.message, { cause: err });
       // A worker stopped (SIGSTOP, a cut link) while the others finished the run wakes to a lost
       // lock: "rerun to resume" would send the user after a run that is over.
-      const now = await this.store.getRun(runId).catch(() => null);
+      // Bounded: a lost lock is often a dead network, where a new connection waits out its
+      // connect timeout (10 s) before failing, and then the answer only changes the message.
+      const now = await Promise.race([this.store.getRun(runId).catch(() => null), sleep(LOST_LOOKUP_MS).then(() => null)]);
       if (now?.status === 'succeeded') {
         const base = lost.message.replace(/; another process may take the run over, rerun to resume$/, '');
         return new LockLostError(`${base}; the run has meanwhile ended succeeded (attempt ${now.attempt}) in the other workers sharing it: nothing to resume; idem status ${job.name} --key ${runKey} shows it`, { cause: err });
@@ -791,6 +793,17 @@ export class Runner {
       }
       log.warn({ signal: err.signal }, 'run interrupted; rerun to resume');
       return err;
+    }
+    if (!(err instanceof ChunkFailure) && !(err instanceof IdemError) && isRetryable(err)) {
+      // idem's own statements (not a chunk's work) failed past their retries for a reason of the
+      // database's (no connection free: max_connections or the role's CONNECTION LIMIT; a dropped
+      // connection): this worker stops, the run is not failed. The other workers go on; the last
+      // one to stop records the run interrupted, and a rerun resumes it.
+      const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => null);
+      if (others === null) await this.store.endInterrupted(runId, attempt).catch(() => null);
+      const rest = others ? `the run goes on in its ${others} other ${others === 1 ? 'worker' : 'workers'}` : 'the run is interrupted';
+      log.error({ err: errorFields(err), otherWorkers: others }, `this worker stopped: the database failed its own statements past their retries; ${rest}`);
+      return new LockLostError(`this worker stopped: the database failed idem's own statements past their retries (${messageOf(err)}); ${rest}: run the same command again to resume`, { cause: err });
     }
     const failure = err instanceof ChunkFailure ? err : new ChunkFailure('(runner)', null, 1, err);
     const code = codeOf(failure.cause);
@@ -974,6 +987,9 @@ export class Runner {
     return { keys: new Set(rows.map((r) => r.key)), byPid: new Set(rows.map((r) => `${r.pid}:${r.key}`)) };
   }
 }
+
+/** How long a worker that lost its lock asks how the run ended, for its message. */
+const LOST_LOOKUP_MS = 2_000;
 
 /**
  * Waits for the work unless the lock is lost first. In-flight chunks on a dead network never

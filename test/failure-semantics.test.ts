@@ -11,7 +11,7 @@ import { defineJob, RunFailedError, Runner, sql } from '../src/index.ts';
 import { sessionName } from '../src/database.ts';
 import { FAULT_POINTS } from '../src/fault-points.ts';
 import { useTestDatabase } from './support/database.ts';
-import { BIN, expectFaultCrash, FIXTURE_DIRS, killLeftovers, logLines, type CliProcess, type CliResult, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, holdGate, lockWaiters } from './support/cli.ts';
+import { BIN, expectFaultCrash, FIXTURE_DIRS, killLeftovers, lines, logLines, type CliProcess, type CliResult, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, holdGate, lockWaiters } from './support/cli.ts';
 import counted, { maybeFail } from './fixtures/jobs/counted.ts';
 import { api, startServe } from './support/server.ts';
 
@@ -844,6 +844,80 @@ describe('database health at start-up', () => {
         ]);
         expect(res.stderr).not.toContain('limit-secret-xyz');
       } finally {
+        await query(db.url, `drop role if exists ${role}`);
+      }
+    }
+  });
+
+  it('a slot that cannot get a connection mid-run (the role\'s CONNECTION LIMIT) does not fail the run: the other slots finish it', async () => {
+    // Black-box round 10: a worker whose pool met 53300 after its start failed the whole run, as
+    // step "(runner)", and every other worker sharing it with it.
+    const role = 'idem_conn_limit_mid';
+    await query(db.url, `drop owned by ${role}`).catch(() => {});
+    await query(db.url, `drop role if exists ${role}`);
+    await query(db.url, `create role ${role} login password 'mid-secret-xyz' connection limit 4`);
+    await query(db.url, `grant usage on schema idem to ${role}; grant select, insert, update, delete on all tables in schema idem to ${role};
+      grant select, insert, update, delete on all tables in schema public to ${role}; grant usage on all sequences in schema public to ${role}`);
+    try {
+      const as = new URL(db.url);
+      as.username = role;
+      as.password = 'mid-secret-xyz';
+      const key = 'conn-limit-mid';
+      // The lock session, the pool's two from the start, the planner's: a fourth slot of the pool is refused.
+      const res = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":12}', '--key', key, '--concurrency', '4', '--no-progress'], { url: as.toString() });
+      expect(res.code, res.stderr).toBe(0);
+      expect(res.stderr).not.toContain('mid-secret-xyz');
+      expect(await runRow(db.url, 'counted', key)).toMatchObject({ status: 'succeeded', attempt: 1 });
+      expect([...(await workCounts(db.url, key)).values()].every((n) => n === 1)).toBe(true);
+      expect((await workCounts(db.url, key)).size).toBe(12);
+    } finally {
+      await query(db.url, `drop owned by ${role}`).catch(() => {});
+      await query(db.url, `drop role if exists ${role}`);
+    }
+  });
+
+  it('a worker joining when the database has few connections left for it never fails the shared run: slots that get none leave, or it exits naming the limit', async () => {
+    // Black-box round 10: a third worker starting when the server was nearly full failed the
+    // shared run in "(runner)" (53300), and both healthy workers with it.
+    for (const limit of [3, 2]) {
+      const role = `idem_conn_limit_join_${limit}`;
+      await query(db.url, `drop owned by ${role}`).catch(() => {});
+      await query(db.url, `drop role if exists ${role}`);
+      await query(db.url, `create role ${role} login password 'join-secret-xyz' connection limit ${limit}`);
+      await query(db.url, `grant usage on schema idem to ${role}; grant select, insert, update, delete on all tables in schema idem to ${role};
+        grant select, insert, update, delete on all tables in schema public to ${role}; grant usage on all sequences in schema public to ${role}`);
+      const gate = await holdGate(db.url, `g-conn-join-${limit}`);
+      const key = `conn-limit-join-${limit}`;
+      const args = [...FIXTURE_DIRS, 'run', 'counted', '--params', JSON.stringify({ chunks: 12, gate: `g-conn-join-${limit}` }), '--key', key, '--join', '--no-progress'];
+      try {
+        const healthy = spawnCli(args, { url: db.url });
+        await waitFor(async () => (await lockWaiters(db.url)) > 0, 'the healthy worker to wait at the gate');
+        const as = new URL(db.url);
+        as.username = role;
+        as.password = 'join-secret-xyz';
+        // Limit 3: its lock session and the pool's two from the start fill it, so of its three
+        // slots only those that get one of the pool's work. Limit 2: no lock session at all.
+        const starvedChild = spawnCli([...args, '--concurrency', '3'], { url: as.toString() });
+        await waitFor(async () => starvedChild.stderr().includes('"joined":true') || starvedChild.stderr().includes('idem: error'), 'the second worker to join or stop');
+        await new Promise((resolve) => setTimeout(resolve, 1_500));
+        await gate.release();
+        const [done, starved] = await Promise.all([healthy.done, starvedChild.done]);
+        expect(done.code, done.stderr).toBe(0);
+        expect(starved.stderr).not.toContain('join-secret-xyz');
+        expect(starved.stderr).not.toContain('failed in step "(runner)"');
+        if (limit === 3) expect(starved.code, starved.stderr).toBe(0);
+        else {
+          expect(starved.code, starved.stderr).toBe(2);
+          expect(lines(starved.stderr).filter((l) => l.startsWith('idem: error:'))).toEqual([
+            `idem: error: cannot open the lock session: too many connections for role "${role}"; the database has no connection free for idem: wait for other sessions to end, or raise max_connections or the role's CONNECTION LIMIT`,
+          ]);
+        }
+        expect(await runRow(db.url, 'counted', key)).toMatchObject({ status: 'succeeded', attempt: 1 });
+        expect((await workCounts(db.url, key)).size).toBe(12);
+        expect([...(await workCounts(db.url, key)).values()].every((n) => n === 1)).toBe(true);
+      } finally {
+        await gate.release();
+        await query(db.url, `drop owned by ${role}`).catch(() => {});
         await query(db.url, `drop role if exists ${role}`);
       }
     }
