@@ -381,7 +381,8 @@ export async function openDatabase(
   for (let attempt = 1, full = 0; ; attempt++) {
     // Settled one by one: when one connects and the other is refused, the one that connected must
     // go back, or pool.end() below waits for it forever (with one slot free, idem hung at start).
-    const settled = await Promise.allSettled([pool.connect(), pool.connect()]);
+    // (pool.connect() throws at once on a URL pg cannot parse: a rejection here, like the rest.)
+    const settled = await Promise.allSettled([0, 1].map(async () => pool.connect()));
     const clients = settled.flatMap((r) => (r.status === 'fulfilled' ? [r.value] : []));
     const refused = settled.find((r): r is PromiseRejectedResult => r.status === 'rejected');
     if (refused) {

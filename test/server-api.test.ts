@@ -74,6 +74,16 @@ describe('authentication', () => {
     expect(basic.body.detail).toContain('Authorization: Bearer');
     expect(await snapshot(url, TABLES)).toEqual(before);
   });
+
+  it('"Bearer" with no token after it is a missing token too (401); two words after it are a wrong one (403)', async () => {
+    // Black-box round 10: `Authorization: Bearer` alone got 403 "not the server's API token".
+    for (const authorization of ['Bearer', 'Bearer ', 'bearer   ']) {
+      const r = await api(server.base, 'GET', '/api/jobs', { token: null, headers: { authorization } });
+      expectProblem(r, 401, 'idem.unauthorized');
+      expect(r.headers.get('www-authenticate')).toBe('Bearer realm="idem"');
+    }
+    expectProblem(await api(server.base, 'GET', '/api/jobs', { token: null, headers: { authorization: `Bearer ${TOKEN} extra` } }), 403, 'idem.forbidden');
+  });
 });
 
 describe('starting the server', () => {
@@ -128,9 +138,18 @@ describe('bad requests write nothing', () => {
     expectProblem(await api(server.base, 'POST', '/api/jobs/counted/runs', { key: 'k-malformed', rawBody: '{"chunks": 2,' }), 400, 'idem.malformedJson');
     expectProblem(await api(server.base, 'POST', '/api/jobs/counted/runs', { key: 'k-big', rawBody: JSON.stringify({ label: 'x'.repeat(100_000) }) }), 413, 'idem.bodyTooLarge');
     expectProblem(await api(server.base, 'POST', '/api/jobs/counted/runs', { key: 'k-text', rawBody: 'chunks=2', headers: { 'content-type': 'text/plain' } }), 415, 'idem.unsupportedMediaType');
-    for (const key of ['k'.repeat(201), "1' or '1'='1", 'x;drop table idem.runs;--', 'clé-été', '\u00ff\u00fe']) {
-      const res = await api(server.base, 'POST', '/api/jobs/counted/runs', { body: {}, headers: { 'idempotency-key': Buffer.from(key, 'utf8').toString('latin1') } });
+    // The detail says what is wrong with the key (black-box round 10: "ключ" was "8 characters", its UTF-8 bytes).
+    for (const [key, why] of [
+      ['k'.repeat(201), 'got 201 bytes'],
+      ["1' or '1'='1", `got one with "'"`],
+      ['x;drop table idem.runs;--', 'got one with ";"'],
+      ['clé-été', 'got one with non-ASCII characters'],
+      ['\u00ff\u00fe', 'got one with non-ASCII characters'],
+      ['ключ', 'got one with non-ASCII characters'],
+    ]) {
+      const res = await api(server.base, 'POST', '/api/jobs/counted/runs', { body: {}, headers: { 'idempotency-key': Buffer.from(key!, 'utf8').toString('latin1') } });
       expectProblem(res, 400, 'idem.invalidIdempotencyKey');
+      expect(res.body.detail, key).toContain(why);
     }
     expectProblem(await api(server.base, 'GET', '/api/runs/999999'), 404, 'idem.unknownRun');
     expectProblem(await api(server.base, 'GET', '/api/runs/drop%20table'), 404, 'idem.unknownRun');

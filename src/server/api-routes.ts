@@ -15,6 +15,19 @@ import { streamEvents } from './sse.ts';
 /** What an Idempotency-Key may be: opaque, printable, URL- and log-safe (UUIDs, ULIDs, base64url…). */
 export const IDEMPOTENCY_KEY = /^[A-Za-z0-9._:~+=/-]{1,200}$/;
 
+/**
+ * What is wrong with an Idempotency-Key IDEMPOTENCY_KEY refused. Node hands header values over as
+ * latin1, one character per byte: a UTF-8 key's length is its bytes, so a non-ASCII key is said
+ * to be one, not miscounted.
+ */
+function keyProblem(key: string | string[]): string {
+  if (Array.isArray(key)) return 'got several';
+  if (key.length === 0) return 'got an empty one';
+  if (/[^\x20-\x7e]/.test(key)) return /[\x80-\xff]/.test(key) ? 'got one with non-ASCII characters (only ASCII letters and digits count)' : 'got one with a control character';
+  if (key.length > 200) return `got ${key.length} bytes`;
+  return `got one with ${JSON.stringify(/[^A-Za-z0-9._:~+=/-]/.exec(key)?.[0] ?? '?')}`;
+}
+
 /** The id of the last event of a run's event stream, once the run has ended. */
 const ENDED_EVENT_ID = 'ended';
 
@@ -77,7 +90,7 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
       throw new HttpProblem(
         400,
         'idem.invalidIdempotencyKey',
-        `the Idempotency-Key header must be 1 to 200 characters of letters, digits and . _ : ~ + = / -; got ${Array.isArray(key) ? 'several' : `${key.length} characters`}; send e.g. a UUID`,
+        `the Idempotency-Key header must be 1 to 200 characters of letters, digits and . _ : ~ + = / -; ${keyProblem(key)}; send e.g. a UUID`,
       );
     }
     const job = ctx.jobs.get(request.params.job);

@@ -46,12 +46,12 @@ export function tokenMatcher(expected: string): (presented: string) => boolean {
 }
 
 /**
- * The token of an `Authorization: Bearer <token>` header; null when there is none or the header
- * uses another scheme (Basic, …): that is a missing token (401 naming Bearer), not a wrong one.
- * A Bearer header without a usable token gives '' (a wrong token).
+ * The token of an `Authorization: Bearer <token>` header; null when there is none, the header
+ * uses another scheme (Basic, …) or names Bearer with nothing after it: that is a missing token
+ * (401 naming Bearer), not a wrong one. A Bearer header with more than one word gives '' (a wrong token).
  */
 export function bearerToken(header: string | undefined): string | null {
-  if (!header || !/^Bearer(\s|$)/i.test(header)) return null;
+  if (!header || !/^Bearer\s+\S/i.test(header)) return null;
   const m = /^Bearer[ ]+(\S+)\s*$/i.exec(header);
   return m ? m[1]! : '';
 }
