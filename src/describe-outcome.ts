@@ -11,7 +11,7 @@ export function describeOutcome(o: RunOutcome): string {
   }
   const skipped = s && s.skipped > 0 ? ` (${s.skipped} skipped: see idem status, retry with --retry-skipped)` : '';
   const dropped = s?.dropped?.length
-    ? `; steps no longer in the job: ${s.dropped.map((d) => `${visible(d.name)} (${d.done} of ${d.chunks} chunk${d.chunks === 1 ? '' : 's'} done)`).join(', ')}`
+    ? `; steps no longer in the job: ${s.dropped.map((d) => `${visible(d.name)} (${d.done} of ${d.chunks} planned chunk${d.chunks === 1 ? '' : 's'} done)`).join(', ')}`
     : '';
   const counts = s ? `${s.chunks} chunk${s.chunks === 1 ? '' : 's'} in ${s.steps.length} step${s.steps.length === 1 ? '' : 's'}${skipped}${dropped}` : '';
   if (o.status === 'already-succeeded') {

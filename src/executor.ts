@@ -488,7 +488,9 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         if (throttle.options.pauseMs) await sleep(throttle.options.pauseMs, opts.stop);
       }
     } catch (err) {
-      if (!leavesForOthers(err)) throw err;
+      // Ends the step once the other slots have stopped (they start nothing more): not at once,
+      // with their chunks still in flight while the runner records how the attempt ended.
+      if (!leavesForOthers(err)) failure ??= err;
     } finally {
       slotsLive--;
       // However the slot ended, no slot here waits for it any more.

@@ -333,6 +333,11 @@ export async function createHealthGate(opts: HealthGateOptions): Promise<HealthG
             if (!failing) opts.log.warn({ err: errorFields(err) }, 'health probe failed; continuing without it');
             failing = true;
             clearUntil = p.freshUntil(o.probeIntervalMs);
+            // Chunks run again: the run is no longer paused for health, whatever the last probe said.
+            if (paused !== null) {
+              paused = null;
+              await record(null);
+            }
             return;
           }
           if (m.inRecovery) throw standbyError(m);

@@ -162,7 +162,7 @@ async function checkKeyColumn(db: PlanDb, table: string, regclass: string, name:
   if (r.type === null) throw new TypeError(`keyRange(): table ${JSON.stringify(table)} has no column ${JSON.stringify(name)}${meant(r.other_columns)}; fix the column name`);
   if (!['smallint', 'integer', 'bigint'].includes(r.type)) {
     throw new TypeError(
-      `keyRange(): column ${JSON.stringify(name)} of ${JSON.stringify(table)} is ${r.type}, but keyRange cuts only smallint, integer and bigint keys (its ranges are integer intervals); for a key of another type use keysetQuery({ query: 'select ${columnInSql(name)} from ${table}', key: '${name}', size }), which cuts any key type exactly`,
+      `keyRange(): column ${JSON.stringify(name)} of ${JSON.stringify(table)} is ${r.type}, but keyRange cuts only smallint, integer and bigint keys (its ranges are integer intervals); for a key of another type use keysetQuery({ query: 'select ${columnInSql(name)} from ${tableInSql(table)}', key: '${name}', size }) (with your where in the query), which cuts any key type exactly`,
     );
   }
   if (!r.unique_indexed) {
@@ -182,6 +182,12 @@ async function checkKeyColumn(db: PlanDb, table: string, regclass: string, name:
 }
 
 type PlanDb = Parameters<RawBuilder<unknown>['execute']>[0];
+
+/** A table name as SQL text names it, quoted only where it must be (as columnInSql does a column). */
+function tableInSql(table: string): string {
+  const t = parseTableName(table);
+  return t.schema === null ? columnInSql(t.name) : `${columnInSql(t.schema)}.${columnInSql(t.name)}`;
+}
 
 function toSafeInt(v: unknown, what: string): number {
   const n = typeof v === 'number' ? v : Number(v);

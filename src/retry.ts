@@ -52,6 +52,25 @@ export function isRetryable(err: unknown): boolean {
   return false;
 }
 
+/**
+ * The transient errors that are about the connection itself (the server full or starting, the
+ * session ended, the socket gone), not about a statement: a retry on another connection may
+ * succeed, but nothing about the work was wrong. Not serialization failures, deadlocks or lock
+ * timeouts, which are a statement's.
+ */
+export function isConnectionTrouble(err: unknown): boolean {
+  const codes = new Set(['53300', '57P01', '57P02', '57P03', '57P05', '25P03']);
+  let e: unknown = err;
+  for (let depth = 0; e && typeof e === 'object' && depth < 5; depth++) {
+    const code = (e as { code?: unknown }).code;
+    if (typeof code === 'string' && (codes.has(code) || code.startsWith('08') || RETRYABLE_NODE_CODES.has(code))) return true;
+    const msg = (e as { message?: unknown }).message;
+    if (typeof msg === 'string' && /Connection terminated|connection is closed|Client has encountered a connection error|Query read timeout/i.test(msg)) return true;
+    e = (e as { cause?: unknown }).cause;
+  }
+  return false;
+}
+
 export interface BackoffOptions {
   /** First delay's upper bound in ms. Defaults to `100`. */
   readonly base?: number;

@@ -18,7 +18,7 @@ import { faultPoint } from './fault-points.ts';
 import { silentLogger } from './log.ts';
 import { sleep } from './sleep.ts';
 import { beingDeletedMessage, doneChunks, finishDeletion, lastChange, pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
-import { isRetryable, retrying } from './retry.ts';
+import { isConnectionTrouble, isRetryable, retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
 import { checkRunKey } from './run-key.ts';
@@ -357,9 +357,11 @@ export class Runner {
     try {
       refuseChangedCode(run, job, opts.allowChangedCode ?? false);
     } catch (err) {
-      if (opts.join || !(await this.#busyWhileLive(job, run, runKey, opts))) throw err;
-      // --wait waited for the live run to end: what it left is looked at afresh.
-      return this.#run(job, opts);
+      const waitLeft = opts.join ? false : await this.#busyWhileLive(job, run, runKey, opts);
+      if (waitLeft === false) throw err;
+      // --wait waited for the live run to end: what it left is looked at afresh, within what is
+      // left of the wait.
+      return this.#run(job, { ...opts, wait: waitLeft });
     }
     // Bookkeeping like the store's: idempotent, so a killed work session is retried, not fatal.
     await retrying(() => adoptCodeFingerprint(this.db, this.schema, run, job));
@@ -409,9 +411,10 @@ export class Runner {
    * A plain run (not `join`) refused before its lock (code changed since the run started) while the
    * run is live in other processes: busy first, as the lock would say under the same code (75; a
    * cron line firing during a deploy is not a failure), or with `wait`, waits for it to end and
-   * returns true. False when the run is not live: the refusal stands.
+   * returns what is left of the wait (true: no bound). False when the run is not live: the
+   * refusal stands. A stop (signal, Runner.close()) while waiting ends the wait as an interruption.
    */
-  async #busyWhileLive(job: Job, run: RunRow, runKey: string, opts: RunJobOptions): Promise<boolean> {
+  async #busyWhileLive(job: Job, run: RunRow, runKey: string, opts: RunJobOptions): Promise<number | true | false> {
     const live = async () => {
       const now = await this.store.findRun(job.name, runKey);
       return now?.id === run.id && runIsLive(now, await this.heldLocks(), this.#ops());
@@ -421,9 +424,10 @@ export class Runner {
     const deadline = opts.wait === true ? Infinity : Date.now() + opts.wait * 1000;
     do {
       if (Date.now() >= deadline) throw new BusyError(`job "${job.name}" is still running in another process after waiting ${opts.wait}s (run ${runKey}); try again later`);
-      await sleep(500, opts.signal);
+      await sleep(Math.min(500, deadline - Date.now()), opts.signal);
+      if (opts.signal?.aborted) throw interruption(opts.signal.reason);
     } while (await live());
-    return true;
+    return opts.wait === true ? true : Math.max(0, (deadline - Date.now()) / 1000);
   }
 
   /** The run's own advisory lock, held shared by every worker on it: "is this run live?" */
@@ -717,7 +721,7 @@ export class Runner {
       // lock: "rerun to resume" would send the user after a run that is over.
       // Bounded: a lost lock is often a dead network, where a new connection waits out its
       // connect timeout (10 s) before failing, and then the answer only changes the message.
-      const now = await Promise.race([this.store.getRun(runId).catch(() => null), sleep(LOST_LOOKUP_MS).then(() => null)]);
+      const now = await bounded(this.store.getRun(runId).catch(() => null), LOST_LOOKUP_MS);
       if (now?.status === 'succeeded') {
         const base = lost.message.replace(/; another process may take the run over, rerun to resume$/, '');
         return new LockLostError(`${base}; the run has meanwhile ended succeeded (attempt ${now.attempt}) in the other workers sharing it: nothing to resume; idem status ${job.name} --key ${runKey} shows it`, { cause: err });
@@ -794,16 +798,26 @@ export class Runner {
       log.warn({ signal: err.signal }, 'run interrupted; rerun to resume');
       return err;
     }
-    if (!(err instanceof ChunkFailure) && !(err instanceof IdemError) && isRetryable(err)) {
-      // idem's own statements (not a chunk's work) failed past their retries for a reason of the
-      // database's (no connection free: max_connections or the role's CONNECTION LIMIT; a dropped
-      // connection): this worker stops, the run is not failed. The other workers go on; the last
-      // one to stop records the run interrupted, and a rerun resumes it.
-      const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => null);
+    if (!(err instanceof ChunkFailure) && !(err instanceof IdemError) && isConnectionTrouble(err)) {
+      // idem's own statements (not a chunk's work) lost their connections past their retries (no
+      // connection free: max_connections or the role's CONNECTION LIMIT; sessions ended): this
+      // worker stops, the run is not failed. The other workers go on; the last one to stop
+      // records the run interrupted (or as a pending request says), and a rerun resumes it.
+      // leave(): null outside worker mode (this process alone: record it), undefined when it
+      // could not be asked (write nothing: the released lock leaves the run crashed, not ended
+      // under workers that may still be live).
+      const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => undefined);
       if (others === null) await this.store.endInterrupted(runId, attempt).catch(() => null);
-      const rest = others ? `the run goes on in its ${others} other ${others === 1 ? 'worker' : 'workers'}` : 'the run is interrupted';
-      log.error({ err: errorFields(err), otherWorkers: others }, `this worker stopped: the database failed its own statements past their retries; ${rest}`);
-      return new LockLostError(`this worker stopped: the database failed idem's own statements past their retries (${messageOf(err)}); ${rest}: run the same command again to resume`, { cause: err });
+      const why = `the database failed idem's own statements past their retries (${messageOf(err)})`;
+      if (others) {
+        log.error({ err: errorFields(err), otherWorkers: others }, `this worker stopped: ${why}; the run goes on in its other workers`);
+        return new LockLostError(`this worker stopped: ${why}; the run goes on in its ${others} other ${others === 1 ? 'worker' : 'workers'} (idem status ${job.name} --key ${runKey} shows them; --join adds this one back)`, { cause: err });
+      }
+      const now = await bounded(this.store.getRun(runId).catch(() => null), LOST_LOOKUP_MS);
+      if (now?.attempt === attempt && now.status === 'succeeded') return new SucceededElsewhere(now);
+      const ended = now?.attempt === attempt && ['paused', 'cancelled', 'failed'].includes(now.status) ? `the run had ended ${now.status}` : 'the run is interrupted';
+      log.error({ err: errorFields(err), status: now?.status ?? null }, `this worker stopped: ${why}; ${ended}`);
+      return new LockLostError(`this worker stopped: ${why}; ${ended}${ended === 'the run is interrupted' ? ': run the same command again to resume' : `: idem status ${job.name} --key ${runKey} shows it`}`, { cause: err });
     }
     const failure = err instanceof ChunkFailure ? err : new ChunkFailure('(runner)', null, 1, err);
     const code = codeOf(failure.cause);
@@ -843,8 +857,9 @@ export class Runner {
   async #dryRun(job: Job, runKey: string, fp: string, allowChangedCode: boolean): Promise<RunOutcome> {
     const run = await this.store.findRun(job.name, runKey);
     if (run) checkFingerprint(job.name, runKey, run, fp);
-    // A resume the real command would refuse for its code (a finished run is not resumed).
-    if (run && run.status !== 'succeeded') refuseChangedCode(run, job, allowChangedCode);
+    // A resume the real command would refuse for its code: not a finished, paused or cancelled run
+    // (refused or done for that first), nor a live one (busy first).
+    if (run && !['succeeded', 'paused', 'cancelled'].includes(run.status) && !runIsLive(run, await this.heldLocks(), this.#ops())) refuseChangedCode(run, job, allowChangedCode);
     return {
       status: 'dry-run',
       job: job.name,
@@ -988,8 +1003,18 @@ export class Runner {
   }
 }
 
-/** How long a worker that lost its lock asks how the run ended, for its message. */
+/** How long a worker that lost its lock (or its connections) asks how the run ended, for its message. */
 const LOST_LOOKUP_MS = 2_000;
+
+/** `answer`, or null after `ms`; the timer neither outlives the answer nor keeps the process alive. */
+function bounded<T>(answer: Promise<T | null>, ms: number): Promise<T | null> {
+  let timer: NodeJS.Timeout | undefined;
+  const late = new Promise<null>((resolve) => {
+    timer = setTimeout(() => resolve(null), ms);
+    timer.unref();
+  });
+  return Promise.race([answer, late]).finally(() => clearTimeout(timer));
+}
 
 /**
  * Waits for the work unless the lock is lost first. In-flight chunks on a dead network never

@@ -263,6 +263,8 @@ export class Store {
     return sql<{ attempt: number; started_at: Date }>`
       update ${this.#runs} set attempt = attempt + 1, status = 'running', holder = ${holder}, lock_name = ${lockName},
         lock_pid = pg_backend_pid(), started_at = coalesce(started_at, now()), updated_at = now(), error = null,
+        -- A worker killed while the run waited for health left its pause: not this attempt's.
+        health_pause = null,
         attempt_started_at = clock_timestamp() -- evaluated after any wait for the row lock
       where id = ${runId} and status not in ('paused', 'cancelled', 'deleting') and (status <> 'succeeded' or ${allowSucceeded})
         and exists (select 1 from pg_locks where locktype = 'advisory' and granted and pid = pg_backend_pid() and objsubid = 1

@@ -157,6 +157,16 @@ describe('code changes between attempts', () => {
       expect(exitCodeOf(plain), String(plain)).toBe(75);
       expect((plain as Error).message).toMatch(/^job "joined-code" is running in another process \(.+\); try again later or pass --wait$/);
       expect(await runRow(url, 'joined-code', 'j')).toMatchObject({ status: 'running', attempt: 1, code_fingerprint: 'version:1', code_changes: null });
+      // A wait that runs out is busy, saying how long it waited; a stop while waiting ends it at once.
+      const outwaited = await b.run(gated('2'), { key: 'j', wait: 1 }).catch((e: unknown) => e);
+      expect(exitCodeOf(outwaited)).toBe(75);
+      expect((outwaited as Error).message).toMatch(/^job "joined-code" is still running in another process after waiting 1s/);
+      const stop = new AbortController();
+      setTimeout(() => stop.abort('SIGINT'), 300);
+      const t0 = Date.now();
+      const stopped = await b.run(gated('2'), { key: 'j', wait: 60, signal: stop.signal }).catch((e: unknown) => e);
+      expect(exitCodeOf(stopped), String(stopped)).toBe(130);
+      expect(Date.now() - t0).toBeLessThan(5_000);
       // With --wait it waits for the run to end, then finds it done.
       waiting = b.run(gated('2'), { key: 'j', wait: 60 });
       second = b.run(gated('2'), { key: 'j', join: true, allowChangedCode: true });
@@ -240,7 +250,7 @@ export default defineJob({
     expect(out.summary).toMatchObject({ steps: [{ name: 'one', chunks: 2 }, { name: 'three', chunks: 2 }], chunks: 4, dropped: [{ name: 'two', chunks: 2, done: 1 }] });
     const human = await cli('run', 'step-drop', '--key', 'sd', '--no-progress');
     expect(human.code, human.stderr).toBe(0);
-    expect(human.stdout + human.stderr).toContain('4 chunks in 2 steps; steps no longer in the job: two (1 of 2 chunks done)');
+    expect(human.stdout + human.stderr).toContain('4 chunks in 2 steps; steps no longer in the job: two (1 of 2 planned chunks done)');
   });
 
   it('refuses a version that is neither a string nor a number at load time', () => {

@@ -75,6 +75,16 @@ describe('health checks before each chunk', () => {
     }
   });
 
+  it('a health pause left by a worker that died while paused is not shown as the next attempt\'s', async () => {
+    // Review of black-box round 10's fix: the HTTP view and the dashboard show health_pause, which
+    // only a worker that saw the database healthy again cleared.
+    const first = await runner.run(counted, { params: { chunks: 2 }, key: 'stale-pause' });
+    expect(first.status).toBe('succeeded');
+    await query(url, `update idem.runs set status = 'running', health_pause = '{"reason":"left behind","since":"2026-01-01T00:00:00Z"}' where job = 'counted' and run_key = 'stale-pause'`);
+    await runner.run(counted, { params: { chunks: 2 }, key: 'stale-pause' });
+    expect((await runRow(url, 'counted', 'stale-pause')).health_pause).toBeNull();
+  });
+
   it('the same transaction does not stop a run whose indicator, or whole check, is off', async () => {
     const tx = await openTransaction();
     try {

@@ -205,7 +205,7 @@ describe('keyRange', () => {
     await sql`create table numeric_key (id numeric primary key)`.execute(db);
     await sql`create table text_key (code text primary key)`.execute(db);
     await expect(keyRange({ table: 'numeric_key', column: 'id', size: 10 })(null, ctx(10))).rejects.toThrow(
-      `keyRange(): column "id" of "numeric_key" is numeric, but keyRange cuts only smallint, integer and bigint keys (its ranges are integer intervals); for a key of another type use keysetQuery({ query: 'select id from numeric_key', key: 'id', size }), which cuts any key type exactly`,
+      `keyRange(): column "id" of "numeric_key" is numeric, but keyRange cuts only smallint, integer and bigint keys (its ranges are integer intervals); for a key of another type use keysetQuery({ query: 'select id from numeric_key', key: 'id', size }) (with your where in the query), which cuts any key type exactly`,
     );
     await expect(keyRange({ table: 'text_key', column: 'code', size: 10 })(null, ctx(10))).rejects.toThrow(/column "code" of "text_key" is text, but keyRange cuts only smallint, integer and bigint keys/);
   });

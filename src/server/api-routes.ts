@@ -23,7 +23,7 @@ export const IDEMPOTENCY_KEY = /^[A-Za-z0-9._:~+=/-]{1,200}$/;
 function keyProblem(key: string | string[]): string {
   if (Array.isArray(key)) return 'got several';
   if (key.length === 0) return 'got an empty one';
-  if (/[^\x20-\x7e]/.test(key)) return /[\x80-\xff]/.test(key) ? 'got one with non-ASCII characters (only ASCII letters and digits count)' : 'got one with a control character';
+  if (/[^\x20-\x7e]/.test(key)) return /[\x80-\xff]/.test(key) ? 'got one with non-ASCII characters (a key is ASCII: letters, digits and those marks)' : 'got one with a control character';
   if (key.length > 200) return `got ${key.length} bytes`;
   return `got one with ${JSON.stringify(/[^A-Za-z0-9._:~+=/-]/.exec(key)?.[0] ?? '?')}`;
 }
