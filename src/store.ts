@@ -215,6 +215,12 @@ export class Store {
     throw new Error(`could not claim run (${job}, ${runKey}): the row vanished three times in a row`);
   }
 
+  /** The run with this id, or null when there is none (reset or pruned). */
+  async runById(runId: string): Promise<RunRow | null> {
+    const { rows } = await this.#run(sql<RunRow>`select * from ${this.#runs} where id = ${runId}`);
+    return rows[0] ? normalizeRun(rows[0]) : null;
+  }
+
   async getRun(runId: string): Promise<RunRow> {
     const { rows } = await this.#run(sql<RunRow>`select * from ${this.#runs} where id = ${runId}`);
     if (!rows[0]) throw new Error(`run ${runId} disappeared (was it reset while running?)`);

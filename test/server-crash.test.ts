@@ -1,6 +1,6 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { chunkKey } from './fixtures/jobs/counted.ts';
-import { FIXTURE_DIRS, holdGate, killLeftovers, query, runRow, sessions, spawnCli, waitFor, workCounts, lockWaiters } from './support/cli.ts';
+import { FIXTURE_DIRS, holdGate, killLeftovers, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, lockWaiters } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 import { api, startServe } from './support/server.ts';
 
@@ -85,6 +85,29 @@ describe('idem serve killed with SIGKILL mid-run', () => {
     expect(Date.parse(second.body.startedAt)).toBeGreaterThanOrEqual(Date.parse(first.body.finishedAt));
     srv.proc.child.kill('SIGTERM');
     await srv.proc.done;
+  });
+
+  it('a run reset while it waits its turn in the queue is skipped quietly: no "run error", no error outcome', async () => {
+    // Black-box round 10: the server later logged `run error` ("run … disappeared (was it reset
+    // while running?)") at error level and counted idem_runs_ended_total{outcome="error"}.
+    const srv = await startServe(url, ['--max-runs', '1']);
+    try {
+      const slow = await api(srv.base, 'POST', '/api/jobs/counted/runs', { key: 'k-slot-reset', body: { chunks: 10, pauseMs: 200 } });
+      await waitFor(async () => (await workCounts(url, 'k-slot-reset')).size >= 1, 'the first run to be executing');
+      const queued = await api(srv.base, 'POST', '/api/jobs/ranged/runs', { key: 'k-reset-queued', body: {} });
+      expect(queued.body.state).toBe('pending');
+      const reset = await runCli([...FIXTURE_DIRS, 'reset', 'ranged', '--key', 'k-reset-queued'], { url });
+      expect(reset.code, reset.stderr).toBe(0);
+      expect((await api(srv.base, 'GET', `/api/runs/${slow.body.id}?wait=60`)).body.state).toBe('succeeded');
+      await waitFor(async () => /^idem_runs_queued 0$/m.test((await api(srv.base, 'GET', '/metrics')).text) && /^idem_runs_executing 0$/m.test((await api(srv.base, 'GET', '/metrics')).text), 'the queue to drain');
+      const metrics = (await api(srv.base, 'GET', '/metrics')).text;
+      expect(metrics).not.toMatch(/^idem_runs_ended_total\{job="ranged",outcome="error"\}/m);
+      expect(srv.proc.stderr()).not.toContain('disappeared');
+      expect(await runRow(url, 'ranged', 'k-reset-queued')).toBeUndefined();
+    } finally {
+      srv.proc.child.kill('SIGTERM');
+      await srv.proc.done;
+    }
   });
 
   it('--retention prunes finished runs at start; their Idempotency-Keys start new runs after', async () => {

@@ -138,10 +138,16 @@ export class RunExecutor {
     const { runner, metrics } = this.#o;
     const log = this.#o.log.child({ job: q.job, runId: q.runId });
     const job = instrument(this.#o.jobs.get(q.job)!, metrics);
-    let outcome: ExecutionOutcome = 'succeeded';
+    let outcome: ExecutionOutcome | null = 'succeeded';
     let again = false;
     try {
-      const run = await runner.store.getRun(q.runId);
+      const run = await runner.store.runById(q.runId);
+      if (!run) {
+        // Reset (or pruned) while it waited its turn here: nothing to execute, nothing went wrong.
+        log.info('run was reset or pruned before it started; nothing to execute');
+        outcome = null;
+        return false;
+      }
       const committed = new Map<string, number>();
       const base = {
         params: run.params,
@@ -179,7 +185,7 @@ export class RunExecutor {
       const level = outcome === 'failed' || outcome === 'error' ? 'error' : 'info';
       log[level]({ outcome, err: errorFields(err) }, `run ${outcome}`);
     } finally {
-      metrics.runsEnded.inc({ job: q.job, outcome });
+      if (outcome !== null) metrics.runsEnded.inc({ job: q.job, outcome });
     }
     return again;
   }
