@@ -923,6 +923,54 @@ describe('database health at start-up', () => {
     }
   });
 
+  it('a worker that loses its work connections mid-run and cannot get any back stops with 69; the run is interrupted, not failed, and a rerun finishes it', async () => {
+    // The last-slot side of black-box round 10's fix: idem's own statements failing past their
+    // retries for connection trouble end the worker, never the run.
+    const role = 'idem_conn_limit_lost';
+    await query(db.url, `drop owned by ${role}`).catch(() => {});
+    await query(db.url, `drop role if exists ${role}`);
+    await query(db.url, `create role ${role} login password 'lost-secret-xyz' connection limit 3`);
+    await query(db.url, `grant usage on schema idem to ${role}; grant select, insert, update, delete on all tables in schema idem to ${role};
+      grant select, insert, update, delete on all tables in schema public to ${role}; grant usage on all sequences in schema public to ${role}`);
+    const as = new URL(db.url);
+    as.username = role;
+    as.password = 'lost-secret-xyz';
+    const gate = await holdGate(db.url, 'g-conn-lost');
+    const key = 'conn-limit-lost';
+    const args = [...FIXTURE_DIRS, 'run', 'counted', '--params', JSON.stringify({ chunks: 6, gate: 'g-conn-lost' }), '--key', key, '--no-progress'];
+    const squatters: pg.Client[] = [];
+    try {
+      const worker = spawnCli(args, { url: as.toString() });
+      await waitFor(async () => (await lockWaiters(db.url)) > 0, 'the worker to wait at the gate');
+      // Its work sessions (not its lock session) end, and two sessions of the same role take
+      // their places at once: every reconnect of the worker is refused (53300).
+      await query(db.url, `select pg_terminate_backend(pid) from pg_stat_activity where datname = current_database() and usename = $1 and application_name not like 'idem-lock%'`, [role]);
+      for (let i = 0; i < 2; i++) {
+        const c = new pg.Client({ connectionString: as.toString() });
+        await waitFor(async () => c.connect().then(() => true, () => false), 'a squatter to connect');
+        squatters.push(c);
+      }
+      await gate.release();
+      const r = await worker.done;
+      expect(r.code, r.stderr).toBe(69);
+      expect(lines(r.stderr).filter((l) => l.startsWith('idem: error:'))).toEqual([
+        expect.stringMatching(/^idem: error: this worker stopped: the database failed idem's own statements past their retries \(too many connections for role "idem_conn_limit_lost"\); the run is interrupted: run the same command again to resume$/),
+      ]);
+      expect(await runRow(db.url, 'counted', key)).toMatchObject({ status: 'interrupted', error: null });
+    } finally {
+      await gate.release();
+      for (const c of squatters) await c.end().catch(() => {});
+    }
+    try {
+      const again = await runCli(args, { url: as.toString() });
+      expect(again.code, again.stderr).toBe(0);
+      expect([...(await workCounts(db.url, key)).values()]).toEqual(Array(6).fill(1));
+    } finally {
+      await query(db.url, `drop owned by ${role}`).catch(() => {});
+      await query(db.url, `drop role if exists ${role}`);
+    }
+  });
+
   it('a runner schema newer than this binary: exit 2 and nothing is changed', async () => {
     await runCli([...FIXTURE_DIRS, 'status'], { url: db.url }); // make sure the schema exists
     await query(db.url, `insert into idem.idem_migration (name, timestamp) values ('9999_from_the_future', now()::text)`);
