@@ -819,20 +819,32 @@ describe('database health at start-up', () => {
     }
   });
 
+  /** A login role with a CONNECTION LIMIT and the grants the fixture jobs need: `url` connects as it. */
+  async function limitedRole(role: string, password: string, limit: number): Promise<{ url: string; drop(): Promise<void> }> {
+    const drop = async () => {
+      await query(db.url, `drop owned by ${role}`).catch(() => {});
+      await query(db.url, `drop role if exists ${role}`);
+    };
+    await drop();
+    await query(db.url, `create role ${role} login password '${password}' connection limit ${limit}`);
+    await query(db.url, `grant usage on schema idem to ${role}; grant select, insert, update, delete on all tables in schema idem to ${role};
+      grant select, insert, update, delete on all tables in schema public to ${role}; grant usage on all sequences in schema public to ${role}`);
+    const as = new URL(db.url);
+    as.username = role;
+    as.password = password;
+    return { url: as.toString(), drop };
+  }
+
   it('a server with one free connection slot, or none, for idem: exit 2 after a bounded retry, one line naming the limit, never a hang', async () => {
     // Black-box round 10: with exactly one slot free, the start's second connection failed (53300)
     // and the first one was never released: pool.end() waited on it forever, and so did idem (also
     // `idem status`). With none free, exit 2 at once with "check DATABASE_URL", the wrong fix.
     for (const limit of [1, 0]) {
       const role = `idem_conn_limit_${limit}`;
-      await query(db.url, `drop role if exists ${role}`);
-      await query(db.url, `create role ${role} login password 'limit-secret-xyz' connection limit ${limit}`);
+      const as = await limitedRole(role, 'limit-secret-xyz', limit);
       try {
-        const as = new URL(db.url);
-        as.username = role;
-        as.password = 'limit-secret-xyz';
         const started = Date.now();
-        const child = spawnCli([...FIXTURE_DIRS, 'status'], { url: as.toString(), env: { IDEM_CONNECT_RETRY_MS: '1500' } });
+        const child = spawnCli([...FIXTURE_DIRS, 'status'], { url: as.url, env: { IDEM_CONNECT_RETRY_MS: '1500' } });
         const killer = setTimeout(() => child.child.kill('SIGKILL'), 20_000);
         const res = await child.done;
         clearTimeout(killer);
@@ -844,7 +856,7 @@ describe('database health at start-up', () => {
         ]);
         expect(res.stderr).not.toContain('limit-secret-xyz');
       } finally {
-        await query(db.url, `drop role if exists ${role}`);
+        await as.drop();
       }
     }
   });
@@ -852,27 +864,18 @@ describe('database health at start-up', () => {
   it('a slot that cannot get a connection mid-run (the role\'s CONNECTION LIMIT) does not fail the run: the other slots finish it', async () => {
     // Black-box round 10: a worker whose pool met 53300 after its start failed the whole run, as
     // step "(runner)", and every other worker sharing it with it.
-    const role = 'idem_conn_limit_mid';
-    await query(db.url, `drop owned by ${role}`).catch(() => {});
-    await query(db.url, `drop role if exists ${role}`);
-    await query(db.url, `create role ${role} login password 'mid-secret-xyz' connection limit 4`);
-    await query(db.url, `grant usage on schema idem to ${role}; grant select, insert, update, delete on all tables in schema idem to ${role};
-      grant select, insert, update, delete on all tables in schema public to ${role}; grant usage on all sequences in schema public to ${role}`);
+    const as = await limitedRole('idem_conn_limit_mid', 'mid-secret-xyz', 4);
     try {
-      const as = new URL(db.url);
-      as.username = role;
-      as.password = 'mid-secret-xyz';
       const key = 'conn-limit-mid';
       // The lock session, the pool's two from the start, the planner's: a fourth slot of the pool is refused.
-      const res = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":12}', '--key', key, '--concurrency', '4', '--no-progress'], { url: as.toString() });
+      const res = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":12}', '--key', key, '--concurrency', '4', '--no-progress'], { url: as.url });
       expect(res.code, res.stderr).toBe(0);
       expect(res.stderr).not.toContain('mid-secret-xyz');
       expect(await runRow(db.url, 'counted', key)).toMatchObject({ status: 'succeeded', attempt: 1 });
       expect([...(await workCounts(db.url, key)).values()].every((n) => n === 1)).toBe(true);
       expect((await workCounts(db.url, key)).size).toBe(12);
     } finally {
-      await query(db.url, `drop owned by ${role}`).catch(() => {});
-      await query(db.url, `drop role if exists ${role}`);
+      await as.drop();
     }
   });
 
@@ -881,23 +884,16 @@ describe('database health at start-up', () => {
     // shared run in "(runner)" (53300), and both healthy workers with it.
     for (const limit of [3, 2]) {
       const role = `idem_conn_limit_join_${limit}`;
-      await query(db.url, `drop owned by ${role}`).catch(() => {});
-      await query(db.url, `drop role if exists ${role}`);
-      await query(db.url, `create role ${role} login password 'join-secret-xyz' connection limit ${limit}`);
-      await query(db.url, `grant usage on schema idem to ${role}; grant select, insert, update, delete on all tables in schema idem to ${role};
-        grant select, insert, update, delete on all tables in schema public to ${role}; grant usage on all sequences in schema public to ${role}`);
+      const as = await limitedRole(role, 'join-secret-xyz', limit);
       const gate = await holdGate(db.url, `g-conn-join-${limit}`);
       const key = `conn-limit-join-${limit}`;
       const args = [...FIXTURE_DIRS, 'run', 'counted', '--params', JSON.stringify({ chunks: 12, gate: `g-conn-join-${limit}` }), '--key', key, '--join', '--no-progress'];
       try {
         const healthy = spawnCli(args, { url: db.url });
         await waitFor(async () => (await lockWaiters(db.url)) > 0, 'the healthy worker to wait at the gate');
-        const as = new URL(db.url);
-        as.username = role;
-        as.password = 'join-secret-xyz';
         // Limit 3: its lock session and the pool's two from the start fill it, so of its three
         // slots only those that get one of the pool's work. Limit 2: no lock session at all.
-        const starvedChild = spawnCli([...args, '--concurrency', '3'], { url: as.toString() });
+        const starvedChild = spawnCli([...args, '--concurrency', '3'], { url: as.url });
         await waitFor(async () => starvedChild.stderr().includes('"joined":true') || starvedChild.stderr().includes('idem: error'), 'the second worker to join or stop');
         await new Promise((resolve) => setTimeout(resolve, 1_500));
         await gate.release();
@@ -917,8 +913,7 @@ describe('database health at start-up', () => {
         expect([...(await workCounts(db.url, key)).values()].every((n) => n === 1)).toBe(true);
       } finally {
         await gate.release();
-        await query(db.url, `drop owned by ${role}`).catch(() => {});
-        await query(db.url, `drop role if exists ${role}`);
+        await as.drop();
       }
     }
   });
@@ -927,19 +922,12 @@ describe('database health at start-up', () => {
     // The last-slot side of black-box round 10's fix: idem's own statements failing past their
     // retries for connection trouble end the worker, never the run.
     const role = 'idem_conn_limit_lost';
-    await query(db.url, `drop owned by ${role}`).catch(() => {});
-    await query(db.url, `drop role if exists ${role}`);
-    await query(db.url, `create role ${role} login password 'lost-secret-xyz' connection limit 3`);
-    await query(db.url, `grant usage on schema idem to ${role}; grant select, insert, update, delete on all tables in schema idem to ${role};
-      grant select, insert, update, delete on all tables in schema public to ${role}; grant usage on all sequences in schema public to ${role}`);
-    const as = new URL(db.url);
-    as.username = role;
-    as.password = 'lost-secret-xyz';
+    const as = await limitedRole(role, 'lost-secret-xyz', 3);
     const gate = await holdGate(db.url, 'g-conn-lost');
     const key = 'conn-limit-lost';
     const args = [...FIXTURE_DIRS, 'run', 'counted', '--params', JSON.stringify({ chunks: 6, gate: 'g-conn-lost' }), '--key', key, '--no-progress'];
     try {
-      const worker = spawnCli(args, { url: as.toString() });
+      const worker = spawnCli(args, { url: as.url });
       await waitFor(async () => (await lockWaiters(db.url)) > 0, 'the worker to wait at the gate');
       // The role may keep only the session it has left (the lock's), and its work sessions end:
       // every reconnect of the worker is refused (53300).
@@ -957,12 +945,11 @@ describe('database health at start-up', () => {
       await query(db.url, `alter role ${role} connection limit 3`);
     }
     try {
-      const again = await runCli(args, { url: as.toString() });
+      const again = await runCli(args, { url: as.url });
       expect(again.code, again.stderr).toBe(0);
       expect([...(await workCounts(db.url, key)).values()]).toEqual(Array(6).fill(1));
     } finally {
-      await query(db.url, `drop owned by ${role}`).catch(() => {});
-      await query(db.url, `drop role if exists ${role}`);
+      await as.drop();
     }
   });
 
