@@ -2,7 +2,7 @@ import pg from 'pg';
 import { BusyError, codeOf, DatabaseUnavailableError, InterruptedError, LockLostError } from './errors.ts';
 import { lockKey } from './fingerprint.ts';
 import { answerWithin, sleep } from './sleep.ts';
-import { lockSessionSetup, sessionName } from './database.ts';
+import { lockSessionSetup, NO_CONNECTION_FREE_FIX, sessionName } from './database.ts';
 import { lockCheckIntervalMs, SILENT_SECONDS_SQL, silentSecondsOf, type LockHolder, describeHolder } from './lock-holder.ts';
 
 export interface AdvisoryLockOptions {
@@ -170,7 +170,7 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
   try {
     await client.connect();
   } catch (err) {
-    const full = codeOf(err) === '53300' ? "; the database has no connection free for idem: wait for other sessions to end, or raise max_connections or the role's CONNECTION LIMIT" : '';
+    const full = codeOf(err) === '53300' ? `; the database has no connection free for idem: ${NO_CONNECTION_FREE_FIX}` : '';
     throw new DatabaseUnavailableError(`cannot open the lock session: ${(err as Error).message}${full}`, { cause: err });
   }
   let timer: NodeJS.Timeout | undefined;

@@ -2,7 +2,7 @@ import { homedir, hostname } from 'node:os';
 import path from 'node:path';
 import { Kysely, PostgresDialect } from 'kysely';
 import pg from 'pg';
-import { isRetryable } from './retry.ts';
+import { isRetryable, noConnectionFree } from './retry.ts';
 import { sleep } from './sleep.ts';
 import { testHookMs } from './test-hooks.ts';
 import type { Logger } from 'pino';
@@ -387,7 +387,7 @@ export async function openDatabase(
     const refused = settled.find((r): r is PromiseRejectedResult => r.status === 'rejected');
     if (refused) {
       for (const c of clients) c.release(true);
-      if (['53300', '57P03'].includes(codeOf(refused.reason) ?? '') && Date.now() < fullUntil) {
+      if (noConnectionFree(refused.reason) && Date.now() < fullUntil) {
         await sleep(Math.min(250 * 2 ** full++, 2_000, Math.max(0, fullUntil - Date.now())));
         attempt--;
         continue;
@@ -420,6 +420,9 @@ export async function openDatabase(
       })()),
   };
 }
+
+/** The fix for a server or role with no connection free (53300), wherever idem meets it. */
+export const NO_CONNECTION_FREE_FIX = "wait for other sessions to end, or raise max_connections or the role's CONNECTION LIMIT";
 
 /** How long opening waits for a server that has no connection free (53300) or is starting (57P03). */
 const CONNECT_RETRY_MS = 10_000;
@@ -545,7 +548,7 @@ export function describeConnectError(err: unknown, connectionString: string, sou
       break;
     case '53300':
       // The URL is right: the server (max_connections) or the role (CONNECTION LIMIT) is full.
-      msg = `the database at ${where} has no connection free for idem (${raw}); idem needs a few at once (its lock session, two to start, one per slot of --concurrency): wait for other sessions to end, or raise max_connections or the role's CONNECTION LIMIT`;
+      msg = `the database at ${where} has no connection free for idem (${raw}); idem needs a few at once (its lock session, two to start, one per slot of --concurrency): ${NO_CONNECTION_FREE_FIX}`;
       break;
     default:
       msg = `cannot connect to the database at ${where}: ${raw}; check ${source ?? '--database-url / DATABASE_URL'}`;

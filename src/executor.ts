@@ -8,7 +8,7 @@ import { reviveSpec } from './job.ts';
 import { keyLabel, LONE_SURROGATE } from './key-label.ts';
 import { faultPoint, faultsArmed as faults } from './fault-points.ts';
 import { CommitUnknownError, openChunkSlot, TransactionEndedError, type ChunkSlot } from './chunk-slot.ts';
-import { backoffDelay, DEFAULT_BACKOFF, isRetryable, retrying, type BackoffOptions } from './retry.ts';
+import { backoffDelay, DEFAULT_BACKOFF, isRetryable, noConnectionFree, retrying, type BackoffOptions } from './retry.ts';
 import type { ClaimMode, PendingChunk, RetryCount, StepRow, Store } from './store.ts';
 import { resolveThrottle, Throttle, type ThrottleOptions } from './throttle.ts';
 import { sleep } from './sleep.ts';
@@ -286,7 +286,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
    * step with fewer. The last slot does not: its error ends this worker (not the run, Runner).
    */
   const leavesForOthers = (err: unknown): boolean => {
-    if (!['53300', '57P03'].includes(codeOf(err) ?? '') || slotsLive <= 1 || failure !== undefined || opts.stop.aborted) return false;
+    if (!noConnectionFree(err) || slotsLive <= 1 || failure !== undefined || opts.stop.aborted) return false;
     log.warn({ err: errorFields(err), slotsLeft: slotsLive - 1 }, `a slot could not get a database connection (${messageOf(err)}); the step goes on with ${slotsLive - 1} ${slotsLive - 1 === 1 ? 'slot' : 'slots'}`);
     return true;
   };

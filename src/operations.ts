@@ -101,7 +101,8 @@ async function targetRun(h: OperationsHost, job: string, key: string | undefined
   return { ...run, id: String(run.id) };
 }
 
-async function isLive(h: OperationsHost, run: RunRow): Promise<boolean> {
+/** Whether a run is live now: its row says running and its locks are held (pg_locks read only then). */
+export async function isLive(h: Pick<OperationsHost, 'heldLocks' | 'jobLockName' | 'runLockName'>, run: Pick<RunRow, 'id' | 'status' | 'job' | 'lock_name' | 'lock_pid'>): Promise<boolean> {
   if (run.status !== 'running') return false;
   return runIsLive(run, await h.heldLocks(), h);
 }

@@ -1,3 +1,4 @@
+import { codeOf } from './errors.ts';
 import { sleep } from './sleep.ts';
 
 /**
@@ -35,22 +36,39 @@ const RETRYABLE_NODE_CODES = new Set(['ECONNRESET', 'ECONNREFUSED', 'EPIPE', 'ET
 
 const RETRYABLE_SQLSTATES = new Set<string>(Object.values(SqlState));
 
-/** True when the error is transient: a retry in a fresh transaction may succeed. */
-export function isRetryable(err: unknown): boolean {
+/** What node-postgres says when a connection went away without a code. */
+const CONNECTION_GONE = /Connection terminated|connection is closed|Client has encountered a connection error|Query read timeout/i;
+
+/**
+ * Whether `err`, or a cause of it (five deep), has a code `transient` accepts, or a message saying
+ * its connection went away: the one walk behind isRetryable and isConnectionTrouble.
+ */
+function transientInChain(err: unknown, transient: (code: string) => boolean): boolean {
   let e: unknown = err;
   for (let depth = 0; e && typeof e === 'object' && depth < 5; depth++) {
     const code = (e as { code?: unknown }).code;
-    if (typeof code === 'string') {
-      if (RETRYABLE_SQLSTATES.has(code) || code.startsWith('08') || RETRYABLE_NODE_CODES.has(code)) return true;
-    }
+    if (typeof code === 'string' && (transient(code) || code.startsWith('08') || RETRYABLE_NODE_CODES.has(code))) return true;
     const msg = (e as { message?: unknown }).message;
-    if (typeof msg === 'string' && /Connection terminated|connection is closed|Client has encountered a connection error|Query read timeout/i.test(msg)) {
-      return true;
-    }
+    if (typeof msg === 'string' && CONNECTION_GONE.test(msg)) return true;
     e = (e as { cause?: unknown }).cause;
   }
   return false;
 }
+
+/** True when the error is transient: a retry in a fresh transaction may succeed. */
+export function isRetryable(err: unknown): boolean {
+  return transientInChain(err, (code) => RETRYABLE_SQLSTATES.has(code));
+}
+
+/** The SQLSTATEs of isConnectionTrouble: the server full or starting, the session ended by it. */
+const CONNECTION_SQLSTATES = new Set<string>([
+  SqlState.TooManyConnections,
+  SqlState.AdminShutdown,
+  SqlState.CrashShutdown,
+  SqlState.CannotConnectNow,
+  SqlState.IdleSessionTimeout,
+  SqlState.IdleInTransactionSessionTimeout,
+]);
 
 /**
  * The transient errors that are about the connection itself (the server full or starting, the
@@ -59,16 +77,16 @@ export function isRetryable(err: unknown): boolean {
  * timeouts, which are a statement's.
  */
 export function isConnectionTrouble(err: unknown): boolean {
-  const codes = new Set(['53300', '57P01', '57P02', '57P03', '57P05', '25P03']);
-  let e: unknown = err;
-  for (let depth = 0; e && typeof e === 'object' && depth < 5; depth++) {
-    const code = (e as { code?: unknown }).code;
-    if (typeof code === 'string' && (codes.has(code) || code.startsWith('08') || RETRYABLE_NODE_CODES.has(code))) return true;
-    const msg = (e as { message?: unknown }).message;
-    if (typeof msg === 'string' && /Connection terminated|connection is closed|Client has encountered a connection error|Query read timeout/i.test(msg)) return true;
-    e = (e as { cause?: unknown }).cause;
-  }
-  return false;
+  return transientInChain(err, (code) => CONNECTION_SQLSTATES.has(code));
+}
+
+/**
+ * The server refused a new connection because it has none free (max_connections or the role's
+ * CONNECTION LIMIT reached: 53300) or is still starting (57P03): waiting may help, the URL is right.
+ */
+export function noConnectionFree(err: unknown): boolean {
+  const code = codeOf(err);
+  return code === SqlState.TooManyConnections || code === SqlState.CannotConnectNow;
 }
 
 export interface BackoffOptions {

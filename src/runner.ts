@@ -16,8 +16,8 @@ import { validateParams, type Job, type Json } from './job.ts';
 import { keyLabel } from './key-label.ts';
 import { faultPoint } from './fault-points.ts';
 import { silentLogger } from './log.ts';
-import { sleep } from './sleep.ts';
-import { beingDeletedMessage, doneChunks, finishDeletion, lastChange, pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
+import { answerWithin, sleep } from './sleep.ts';
+import { beingDeletedMessage, doneChunks, finishDeletion, isLive, lastChange, pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
 import { isConnectionTrouble, isRetryable, retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
@@ -417,7 +417,7 @@ export class Runner {
   async #busyWhileLive(job: Job, run: RunRow, runKey: string, opts: RunJobOptions): Promise<number | true | false> {
     const live = async () => {
       const now = await this.store.findRun(job.name, runKey);
-      return now?.id === run.id && runIsLive(now, await this.heldLocks(), this.#ops());
+      return now?.id === run.id && (await isLive(this.#ops(), now));
     };
     if (!(await live())) return false;
     if (!opts.wait) throw new BusyError(`job "${job.name}" is running in another process (run ${runKey}, under the code it started with); try again later or pass --wait`);
@@ -721,7 +721,7 @@ export class Runner {
       // lock: "rerun to resume" would send the user after a run that is over.
       // Bounded: a lost lock is often a dead network, where a new connection waits out its
       // connect timeout (10 s) before failing, and then the answer only changes the message.
-      const now = await bounded(this.store.getRun(runId).catch(() => null), LOST_LOOKUP_MS);
+      const now = await answerWithin(this.store.getRun(runId), LOST_LOOKUP_MS, () => null).catch(() => null);
       if (now?.status === 'succeeded') {
         const base = lost.message.replace(/; another process may take the run over, rerun to resume$/, '');
         return new LockLostError(`${base}; the run has meanwhile ended succeeded (attempt ${now.attempt}) in the other workers sharing it: nothing to resume; idem status ${job.name} --key ${runKey} shows it`, { cause: err });
@@ -813,7 +813,7 @@ export class Runner {
         log.error({ err: errorFields(err), otherWorkers: others }, `this worker stopped: ${why}; the run goes on in its other workers`);
         return new LockLostError(`this worker stopped: ${why}; the run goes on in its ${others} other ${others === 1 ? 'worker' : 'workers'} (idem status ${job.name} --key ${runKey} shows them; --join adds this one back)`, { cause: err });
       }
-      const now = await bounded(this.store.getRun(runId).catch(() => null), LOST_LOOKUP_MS);
+      const now = await answerWithin(this.store.getRun(runId), LOST_LOOKUP_MS, () => null).catch(() => null);
       if (now?.attempt === attempt && now.status === 'succeeded') return new SucceededElsewhere(now);
       const ended = now?.attempt === attempt && ['paused', 'cancelled', 'failed'].includes(now.status) ? `the run had ended ${now.status}` : 'the run is interrupted';
       log.error({ err: errorFields(err), status: now?.status ?? null }, `this worker stopped: ${why}; ${ended}`);
@@ -859,7 +859,7 @@ export class Runner {
     if (run) checkFingerprint(job.name, runKey, run, fp);
     // A resume the real command would refuse for its code: not a finished, paused or cancelled run
     // (refused or done for that first), nor a live one (busy first).
-    if (run && !['succeeded', 'paused', 'cancelled'].includes(run.status) && !runIsLive(run, await this.heldLocks(), this.#ops())) refuseChangedCode(run, job, allowChangedCode);
+    if (run && !['succeeded', 'paused', 'cancelled'].includes(run.status) && !(await isLive(this.#ops(), run))) refuseChangedCode(run, job, allowChangedCode);
     return {
       status: 'dry-run',
       job: job.name,
@@ -1005,16 +1005,6 @@ export class Runner {
 
 /** How long a worker that lost its lock (or its connections) asks how the run ended, for its message. */
 const LOST_LOOKUP_MS = 2_000;
-
-/** `answer`, or null after `ms`; the timer neither outlives the answer nor keeps the process alive. */
-function bounded<T>(answer: Promise<T | null>, ms: number): Promise<T | null> {
-  let timer: NodeJS.Timeout | undefined;
-  const late = new Promise<null>((resolve) => {
-    timer = setTimeout(() => resolve(null), ms);
-    timer.unref();
-  });
-  return Promise.race([answer, late]).finally(() => clearTimeout(timer));
-}
 
 /**
  * Waits for the work unless the lock is lost first. In-flight chunks on a dead network never

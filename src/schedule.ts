@@ -381,12 +381,11 @@ function retryByDefault(err: unknown): boolean {
  * it is tried again at the job's next tick (then left to --catch-up). `other` names that run.
  */
 export class SlotBehindError extends Error {
-  readonly busy: Error;
   readonly other: string;
+  /** `busy`: the refusal the slot's run met (its `cause`). */
   constructor(busy: Error, other: string) {
     super(busy.message, { cause: busy });
     this.name = 'SlotBehindError';
-    this.busy = busy;
     this.other = other;
   }
 }

@@ -222,9 +222,9 @@ export class Store {
   }
 
   async getRun(runId: string): Promise<RunRow> {
-    const { rows } = await this.#run(sql<RunRow>`select * from ${this.#runs} where id = ${runId}`);
-    if (!rows[0]) throw new Error(`run ${runId} disappeared (was it reset while running?)`);
-    return normalizeRun(rows[0]);
+    const run = await this.runById(runId);
+    if (!run) throw new Error(`run ${runId} disappeared (was it reset while running?)`);
+    return run;
   }
 
   /**

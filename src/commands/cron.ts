@@ -34,7 +34,7 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
               const other = runs.find((r) => r.runKey !== key && r.state === 'running');
               throw new SlotBehindError(err, other ? `run key ${other.runKey}` : 'another process');
             });
-            log.info({ job: name, slot: slotKey(slot), status: out.status, executed: out.executed }, describeOutcome(out));
+            log.info({ job: name, slot: key, status: out.status, executed: out.executed }, describeOutcome(out));
           },
           onError: (name, slot, err) => {
             if (signals.stop.aborted) return;

@@ -54,20 +54,21 @@ function facts(pairs: Array<[string, string]>): string {
   return `<dl class="facts">${pairs.map(([k, v]) => `<div><dt>${esc(k)}</dt><dd>${v}</dd></div>`).join('')}</dl>`;
 }
 
-/** A live run waiting for the database to be healthy says why, beside its progress. */
-function healthNote(r: RunView): string {
-  return r.healthPause ? ` <span class="warn" title="since ${esc(r.healthPause.since)}">paused for health: ${esc(r.healthPause.reason)}</span>` : '';
+/** What a live run says beside its progress: an operator's request not acted on yet, and a wait for the database to be healthy. */
+function progressNotes(r: RunView): string {
+  const requested = r.requested && r.state === 'running' ? ` <span class="muted">(${esc(r.requested)} requested)</span>` : '';
+  const health = r.healthPause ? ` <span class="warn" title="since ${esc(r.healthPause.since)}">paused for health: ${esc(r.healthPause.reason)}</span>` : '';
+  return requested + health;
 }
 
 /** One run as a card on the dashboard. */
 export function runCard(r: RunView): string {
   const pct = r.progress.percent;
-  const requested = `${r.requested && r.state === 'running' ? ` <span class="muted">(${esc(r.requested)} requested)</span>` : ''}${healthNote(r)}`;
   return `<article class="card run" data-run-id="${esc(r.id)}" data-state="${esc(r.state)}">
   <header class="card-head"><a class="title" href="/runs/${esc(r.id)}">${esc(r.job)}</a>${stateTag(r.state)}</header>
   <div class="key" title="run key (Idempotency-Key)">${esc(r.key)}</div>
   ${progressBar(pct, `progress of run ${r.id}`)}
-  <div class="progress-line"><span class="pct">${pct === null ? '…' : `${pct}%`}</span><span>${esc(chunkText(r))}</span>${requested}</div>
+  <div class="progress-line"><span class="pct">${pct === null ? '…' : `${pct}%`}</span><span>${esc(chunkText(r))}</span>${progressNotes(r)}</div>
   ${facts([
     ['rate', r.throughput === null ? '—' : `${esc(r.throughput)}/s`],
     ['ETA', duration(r.etaSeconds)],
@@ -227,7 +228,7 @@ export function runLive(r: RunView): string {
 </div>
 <section class="panel">
   ${progressBar(pct, `progress of run ${r.id}`)}
-  <div class="progress-line"><span class="pct">${pct === null ? '…' : `${pct}%`}</span><span>${esc(chunkText(r))}</span>${r.requested && r.state === 'running' ? `<span class="muted">(${esc(r.requested)} requested)</span>` : ''}${healthNote(r)}</div>
+  <div class="progress-line"><span class="pct">${pct === null ? '…' : `${pct}%`}</span><span>${esc(chunkText(r))}</span>${progressNotes(r)}</div>
   ${facts([
     ['rate', r.throughput === null ? '—' : `${esc(r.throughput)}/s`],
     ['ETA', duration(r.etaSeconds)],
