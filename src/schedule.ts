@@ -357,8 +357,12 @@ export interface CronLoopOptions {
   readonly now?: () => Date;
   /** Defaults to a setTimeout the signal cuts short; it keeps the process alive on purpose. */
   readonly sleep?: (ms: number, signal: AbortSignal) => Promise<void>;
-  /** Gets every error runSlot throws, also an interruption after `signal` aborted. Defaults to one line on stderr. */
-  readonly onError?: (job: string, slot: Date, err: unknown) => void;
+  /**
+   * Gets every error runSlot throws, also an interruption after `signal` aborted. `again`: the slot
+   * is kept to be tried once more at the job's next tick (false when this was that retry, or the
+   * error is not one to retry). Defaults to one line on stderr.
+   */
+  readonly onError?: (job: string, slot: Date, err: unknown, again: boolean) => void;
   /**
    * Whether a failed slot is tried again, once, at the job's next tick (before that tick's own slot).
    * Defaults to: failed runs (exit 1) and runs that lost their lock (69); not a busy slot (another
@@ -421,12 +425,13 @@ export async function runCronLoop(opts: CronLoopOptions): Promise<void> {
     } catch (err) {
       // Tried again once: a slot that fails its retry too is left to --catch-up, so a job that
       // fails for good costs at most two runs a tick, not one more for every tick it failed.
-      if (!isRetry && !signal.aborted && retryFailed(err)) {
+      const again = !isRetry && !signal.aborted && retryFailed(err);
+      if (again) {
         retry.push(slot);
         if (retry.length > MAX_RETRY_SLOTS) retry.shift();
       }
       try {
-        onError(job, slot, err);
+        onError(job, slot, err, again);
       } catch {
         // A failing reporter must not end the scheduler either.
       }

@@ -287,6 +287,22 @@ describe('runCronLoop', () => {
     expect(h.calls).toEqual(['hourly@2026-11-30T10:00:00Z', 'hourly@2026-11-30T10:00:00Z', 'hourly@2026-11-30T11:00:00Z', 'hourly@2026-11-30T12:00:00Z']);
   });
 
+  it('onError says whether the slot is tried again at the next tick: yes on its first failure, no when its retry fails too', async () => {
+    const h = harness('2026-11-30T10:20:00Z', '2026-11-30T11:30:00Z');
+    const errors: string[] = [];
+    await runCronLoop({
+      entries: [{ job: 'hourly', schedule: hourly }],
+      runSlot: async (_job, slot) => {
+        if (slotKey(slot) === '2026-11-30T10:00:00Z') throw new RunFailedError('boom');
+      },
+      onError: (job, slot, _err, again) => void errors.push(`${job}@${slotKey(slot)} again=${again}`),
+      signal: h.controller.signal,
+      now: h.now,
+      sleep: h.sleep,
+    });
+    expect(errors).toEqual(['hourly@2026-11-30T10:00:00Z again=true', 'hourly@2026-11-30T10:00:00Z again=false']);
+  });
+
   it('runs the latest due slot at start, then each next slot in order, and stops on abort', async () => {
     const h = harness('2026-11-30T10:20:00Z', '2026-11-30T13:30:00Z');
     await runCronLoop({

@@ -36,12 +36,13 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
             });
             log.info({ job: name, slot: key, status: out.status, executed: out.executed }, describeOutcome(out));
           },
-          onError: (name, slot, err) => {
+          onError: (name, slot, err, again) => {
             if (signals.stop.aborted) return;
+            const then = again ? "it is tried again at the job's next tick, then left to --catch-up" : 'it was tried again once already: left to --catch-up';
             if (err instanceof SlotBehindError) {
-              log.warn({ job: name, slot: slotKey(slot), busy: err.message }, `slot not run now: another run of job "${name}" holds the job (${err.other}); it is tried again at the job's next tick, then left to --catch-up`);
+              log.warn({ job: name, slot: slotKey(slot), busy: err.message }, `slot not run now: another run of job "${name}" holds the job (${err.other}); ${then}`);
             } else if (err instanceof IdemError && err.exitCode === ExitCode.Busy) log.info({ job: name, slot: slotKey(slot) }, `slot taken by another process: ${err.message}`);
-            else log.error({ job: name, slot: slotKey(slot), err: errorFields(err) }, 'scheduled run failed; the next tick tries it once more, --catch-up after that');
+            else log.error({ job: name, slot: slotKey(slot), err: errorFields(err) }, again ? 'scheduled run failed; the next tick tries it once more, --catch-up after that' : 'scheduled run failed; not tried again at the next tick (left to --catch-up)');
           },
         });
         const reason = signals.stop.reason;
