@@ -1,6 +1,6 @@
 import { randomBytes } from 'node:crypto';
 import { Runner } from 'idem';
-import { defaultShape, idemContender, loopContender, queueContender, singleUpdateContender, type QueueContender } from './contenders.ts';
+import { defaultShape, idemContender, precomputedContender, loopContender, queueContender, singleUpdateContender, type QueueContender } from './contenders.ts';
 import { alternate, type Contender, type Sample } from './measure.ts';
 import type { BenchContext } from './report.ts';
 import { CHUNK_ROWS } from './tables.ts';
@@ -13,6 +13,7 @@ export const IDEM = 'idem';
 export const LOOP = 'hand loop';
 export const SINGLE = 'single UPDATE';
 export const BASELINE = 'idem (baseline)';
+export const PRECOMPUTED = 'idem (boundaries precomputed)';
 
 export interface RaceResult {
   readonly samples: ReadonlyMap<string, Sample[]>;
@@ -51,6 +52,7 @@ async function runRace(ctx: BenchContext): Promise<RaceResult> {
       baseline = await openBaseline(ctx.url, process.env.IDEM_BENCH_BASELINE);
       contenders.push(idemContender(ctx, shape, baseline.runner, BASELINE, `race_base_${tag}`, baseline.job));
     }
+    if (only.includes('overhead') && process.env.IDEM_BENCH_PRECOMPUTED) contenders.push(precomputedContender(ctx, shape, runner, PRECOMPUTED, `race_pre_${tag}`));
     if (only.includes('overhead')) contenders.push(loopContender(ctx, shape, LOOP, `race_loop_${tag}`), singleUpdateContender(ctx, shape, SINGLE, `race_single_${tag}`));
     if (only.includes('queue')) contenders.push((queue = await queueContender(ctx, shape, `race_queue_${tag}`)));
     ctx.log(`backfill ${rows.toLocaleString('en-US')} rows in ${CHUNK_ROWS}-row chunks: ${contenders.map((c) => c.name).join(' / ')}, ${rounds} rounds`);

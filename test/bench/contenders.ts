@@ -1,8 +1,8 @@
 import { randomBytes } from 'node:crypto';
 import { Logger, runMigrations, runOnce, type RunnerOptions } from 'graphile-worker';
 import pg from 'pg';
-import { Runner } from 'idem';
-import { benchBackfill, chunkUpdateSql } from './backfill-job.ts';
+import { defineJob, Runner, sql } from 'idem';
+import { benchBackfill, chunkUpdateSql, JOB_TAG } from './backfill-job.ts';
 import type { Contender } from './measure.ts';
 import type { BenchContext } from './report.ts';
 import { CHUNK_ROWS, dropTable, keysetChunks, prepareTable, rowsLeft } from './tables.ts';
@@ -30,6 +30,47 @@ export function idemContender(ctx: BenchContext, shape: Shape, runner: Pick<Runn
       return {
         run: () => runner.run(job, { params: { table, size: shape.size }, key: `${table}-${randomBytes(4).toString('hex')}`, concurrency: 1 }),
         cleanup: () => checkedDrop(ctx, table, name),
+      };
+    },
+  };
+}
+
+const precomputed = new Map<string, ReadonlyArray<{ lo: number; hi: number }>>();
+
+/** The backfill job with its keyset boundaries computed in advance, as the hand loop gets them. */
+const precomputedJob = defineJob<{ table: string }>({
+  name: 'bench-backfill-precomputed',
+  params: (raw) => ({ table: String((raw as { table?: unknown })?.table) }),
+  steps: [
+    {
+      name: 'backfill',
+      chunks: (cursor, ctx) => {
+        const all = precomputed.get(ctx.params.table)!;
+        const from = typeof cursor === 'number' ? cursor : 0;
+        const to = Math.min(all.length, from + ctx.windowSize);
+        return { chunks: all.slice(from, to).map(({ lo, hi }) => ({ key: `[${lo},${hi})`, lo, hi })), next: to < all.length ? to : null };
+      },
+      async run({ db, params }, { lo, hi }: { lo: number; hi: number }) {
+        await sql`update ${sql.table(params.table)} set normalized = lower(payload) where id >= ${lo} and id < ${hi} and normalized is distinct from lower(payload) ${sql.raw(JOB_TAG)}`.execute(db);
+      },
+    },
+  ],
+});
+
+/** idem over boundaries computed before the clock starts: what idem costs beyond keyRange's planning. */
+export function precomputedContender(ctx: BenchContext, shape: Shape, runner: Pick<Runner, 'run'>, name: string, prefix: string): Contender {
+  return {
+    name,
+    async prepare(round) {
+      const table = `${prefix}_${round}`;
+      await prepareTable(ctx.pool, table, shape.rows);
+      precomputed.set(table, await keysetChunks(ctx.pool, table, shape.size));
+      return {
+        run: () => runner.run(precomputedJob, { params: { table }, key: `${table}-${randomBytes(4).toString('hex')}`, concurrency: 1 }),
+        cleanup: async () => {
+          precomputed.delete(table);
+          await checkedDrop(ctx, table, name);
+        },
       };
     },
   };
