@@ -148,6 +148,11 @@ export async function requestControl(h: OperationsHost, job: string, what: 'paus
       const was = run.status === 'succeeded' ? 'had already succeeded' : `is ${run.status}`;
       throw new UsageError('cannotControl', `run "${run.run_key}" of job "${job}" ${was}${tries > 1 ? ' (it changed while the request was made)' : ''}: nothing to ${what}`);
     }
+    // A cancel is final: a pause written over it (which the compare-and-set below would allow)
+    // would make the run resumable again. A cancel over a pending pause is fine: it is the stronger.
+    if (what === 'pause' && run.requested === 'cancel') {
+      throw new UsageError('cannotControl', `run "${run.run_key}" of job "${job}" has a cancel pending (it ends cancelled at its next chunk boundary): nothing to pause`);
+    }
     const live = await isLive(h, run);
     const newStatus = live ? run.status : what === 'pause' ? 'paused' : 'cancelled';
     // Compare-and-set on what was read: a run that finished (or was taken over) in between is not

@@ -321,6 +321,56 @@ describe('a request the live run could not act on is not lost', () => {
   }
 });
 
+describe('a pending cancel is not undone by a pause', () => {
+  it('pause after a cancel of a live run is refused (exit 2) and the run ends cancelled; so for a crashed run with the cancel pending', async () => {
+    const key = 'op-cancel-then-pause';
+    const params = { chunks: 6, gate: 'g-cancel-pause' };
+    const gate = await holdGate(url, params.gate);
+    let child: ReturnType<typeof spawnCli>;
+    try {
+      child = spawnCli(countedArgs(key, params), { url });
+      await someoneBlocked();
+      const cancel = await idem(['cancel', 'counted', '--key', key]);
+      expect(cancel.code, cancel.stderr).toBe(0);
+      const pause = await idem(['pause', 'counted', '--key', key]);
+      expect(pause.code).toBe(2);
+      expect(pause.stderr).toBe(`idem: error: run "${key}" of job "counted" has a cancel pending (it ends cancelled at its next chunk boundary): nothing to pause\n`);
+      expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'running', requested: 'cancel' });
+      await requestSeen(child, 'cancel');
+    } finally {
+      await gate.release();
+    }
+    const out = await child!.done;
+    expect(out.code, child!.stderr()).toBe(1);
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'cancelled', requested: null });
+
+    // The same with the worker killed while the cancel is pending: the row still says running.
+    const key2 = 'op-cancel-kill-pause';
+    const params2 = { chunks: 6, gate: 'g-cancel-kill-pause' };
+    const gate2 = await holdGate(url, params2.gate);
+    try {
+      const c2 = spawnCli(countedArgs(key2, params2), { url });
+      await someoneBlocked();
+      expect((await idem(['cancel', 'counted', '--key', key2])).code).toBe(0);
+      c2.child.kill('SIGKILL');
+      expect((await c2.done).signal).toBe('SIGKILL');
+    } finally {
+      await gate2.release();
+    }
+    await waitFor(async () => (await sessions(url, 'idem-lock')) === 0, 'the killed lock session to end');
+    const done = await doneWork(key2);
+    const pause2 = await idem(['pause', 'counted', '--key', key2]);
+    expect(pause2.code).toBe(2);
+    expect(pause2.stderr).toMatch('has a cancel pending');
+    expect(await runRow(url, 'counted', key2)).toMatchObject({ status: 'running', requested: 'cancel', attempt: 1 });
+    // The next invocation ends it cancelled, before any work.
+    const again = await runCli(countedArgs(key2, params2), { url });
+    expect(again.code, again.stderr).toBe(1);
+    expect(await doneWork(key2)).toEqual(done);
+    expect(await runRow(url, 'counted', key2)).toMatchObject({ status: 'cancelled', requested: null });
+  });
+});
+
 describe('idem list while a run is live', () => {
   it('shows the job running, not pending, when a busy invocation of another key left a newer pending row', async () => {
     const params = { chunks: 4, gate: 'g-list-live' };
