@@ -2,7 +2,7 @@ import path from 'node:path';
 import type { Command } from 'commander';
 import type { Logger } from 'pino';
 import { detachHungUpTerminal, guardStdio } from './hangup.ts';
-import { ExitCode, exitCodeOf, exitCodeOfSignal, IdemError, InterruptedError, messageOf, STOP_SIGNALS, type StopSignal } from './errors.ts';
+import { ExitCode, exitCodeOf, exitCodeOfSignal, IdemError, InterruptedError, messageOf, STOP_SIGNALS, UsageError, type StopSignal } from './errors.ts';
 import type { LogLevel } from './log-level.ts';
 import type { Runner, RunnerOptions } from './runner.ts';
 import { testHookMs } from './test-hooks.ts';
@@ -57,10 +57,16 @@ export interface CliContext {
 }
 
 export function createCliContext(program: Command, state: { exitCode: number }): CliContext {
-  const globals = (): GlobalOptions => ({
-    ...program.opts<GlobalOptions>(),
-    databaseUrlFrom: program.getOptionValueSource('databaseUrl') === 'env' ? 'DATABASE_URL' : '--database-url',
-  });
+  const globals = (): GlobalOptions => {
+    const opts = program.opts<GlobalOptions>();
+    return {
+      ...opts,
+      // Spaces or a line end around it (a .env file, a secret pasted with its newline) are not part of
+      // the URL; pg would read a leading space as a host name and a trailing one into the database name.
+      ...(opts.databaseUrl !== undefined ? { databaseUrl: opts.databaseUrl.trim() } : {}),
+      databaseUrlFrom: program.getOptionValueSource('databaseUrl') === 'env' ? 'DATABASE_URL' : '--database-url',
+    };
+  };
 
   const runWithSession = async (fn: CommandBody, uses: ReadonlyArray<'jobs' | 'migrations'> = ['jobs', 'migrations'], jsonError?: (err: unknown) => unknown) => {
     const g = globals();
@@ -220,8 +226,28 @@ function guardAgainstJobCode(jsonError: ((err: unknown) => unknown) | undefined,
   };
 }
 
+/** The variables that name a server to libpq (and pg, under a URL that leaves them out). */
+const LIBPQ_SERVER_VARIABLES = ['PGHOST', 'PGPORT', 'PGDATABASE'] as const;
+
 /** DATABASE_URL, or the URL of the embedded server under .idem/ (started if needed, released when the session ends). */
 export async function databaseUrl(g: GlobalOptions, log: Logger, session: Session): Promise<string> {
+  const source = g.databaseUrlFrom ?? '--database-url';
+  // Set but empty (a CI secret that is missing): not the embedded server's cue, which a deploy's
+  // idem migrate would otherwise take, migrating a throwaway database and exiting 0.
+  if (g.databaseUrl === '') {
+    throw new UsageError('invalidDatabaseUrl', `${source} is set but empty; set it to postgres://user:password@host:5432/db, or unset it to use the embedded server under .idem/`);
+  }
+  if (g.databaseUrl === undefined) {
+    // libpq's variables name a server, which idem reads only through a URL: without one the
+    // embedded server would be used instead, silently.
+    const named = LIBPQ_SERVER_VARIABLES.filter((v) => process.env[v]);
+    if (named.length > 0) {
+      throw new UsageError(
+        'invalidDatabaseUrl',
+        `${named.join(', ')} ${named.length === 1 ? 'is' : 'are'} set but DATABASE_URL is not, and idem takes its server only from DATABASE_URL or --database-url; set DATABASE_URL=postgres:/// to connect as the PG* variables say, or unset ${named.length === 1 ? 'it' : 'them'} to use the embedded server under .idem/`,
+      );
+    }
+  }
   if (g.databaseUrl) {
     const { redactUrl, refuseUnsupportedUrl } = await import('./cli-runtime.ts');
     refuseUnsupportedUrl(g.databaseUrl, g.databaseUrlFrom ?? '--database-url');

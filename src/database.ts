@@ -55,6 +55,13 @@ export function refuseUnsupportedUrl(connectionString: string, source: string): 
       `${source} is not a postgres:// URL; pass postgres://user:password@host:5432/db (percent-encode special characters in the password; a Unix socket: postgres:///db?host=/var/run/postgresql)`,
     );
   }
+  // Around the URL pg reads a space into the host or the database name; inside it, into the user,
+  // password or database, where its error then blames the credentials.
+  if (/\s/.test(connectionString.trim())) throw new UsageError('invalidDatabaseUrl', `${source} holds a space or other white space; percent-encode it (a space as %20): postgres://user:password@host:5432/db`);
+  const port = /^\s*postgres(?:ql)?:\/\/(?:[^@/?#]*@)?(?:\[[^\]/?#]*\]|[^:/?#]*):(\d+)(?:[/?#]|\s*$)/i.exec(connectionString)?.[1];
+  if (port !== undefined && !(Number(port) >= 1 && Number(port) <= 65535)) {
+    throw new UsageError('invalidDatabaseUrl', `${source} has port ${port}, which is not a port number (1 to 65535); fix the port: postgres://user:password@host:5432/db`);
+  }
 }
 
 const POSTGRES_URL = /^\s*postgres(?:ql)?:\/\//i;
@@ -507,7 +514,8 @@ export function describeConnectError(err: unknown, connectionString: string, sou
   }
   const where = redactUrl(connectionString);
   const raw = redactSecrets((err as Error)?.message ?? String(err), connectionString);
-  const urlSource = source ?? 'DATABASE_URL';
+  // Without a source (the library's Runner.connect), the fix names what the caller passed.
+  const urlSource = source ?? 'the connection string';
   // pg's SCRAM client, given no password (none in the URL, PGPASSWORD or the password file), says so
   // in its own terms ("SASL: SCRAM-SERVER-FIRST-MESSAGE: client password must be a string").
   if (/client password must be a (non-empty )?string/.test(raw)) {
@@ -520,11 +528,11 @@ export function describeConnectError(err: unknown, connectionString: string, sou
   let msg: string;
   switch (code) {
     case 'ECONNREFUSED':
-      msg = `cannot reach the database at ${where}: connection refused; start the server or fix ${source ?? '--database-url / DATABASE_URL'}`;
+      msg = `cannot reach the database at ${where}: connection refused; start the server or fix ${urlSource}`;
       break;
     case 'ENOTFOUND':
     case 'EAI_AGAIN':
-      msg = `cannot reach the database at ${where}: host not found; fix the host in ${source ?? '--database-url / DATABASE_URL'}`;
+      msg = `cannot reach the database at ${where}: host not found; fix the host in ${urlSource}`;
       break;
     case '28P01':
     case '28000': {
@@ -544,14 +552,14 @@ export function describeConnectError(err: unknown, connectionString: string, sou
       break;
     }
     case '3D000':
-      msg = `the database at ${where} does not exist (${raw}); create it or fix the database name in ${source ?? 'DATABASE_URL'}`;
+      msg = `the database at ${where} does not exist (${raw}); create it or fix the database name in ${urlSource}`;
       break;
     case '53300':
       // The URL is right: the server (max_connections) or the role (CONNECTION LIMIT) is full.
       msg = `the database at ${where} has no connection free for idem (${raw}); idem needs a few at once (its lock session, two to start, one per slot of --concurrency): ${NO_CONNECTION_FREE_FIX}`;
       break;
     default:
-      msg = `cannot connect to the database at ${where}: ${raw}; check ${source ?? '--database-url / DATABASE_URL'}`;
+      msg = `cannot connect to the database at ${where}: ${raw}; check ${urlSource}`;
   }
   return new DatabaseUnavailableError(msg, { cause: err });
 }

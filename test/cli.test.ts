@@ -1,4 +1,6 @@
-import { readFile } from 'node:fs/promises';
+import { mkdtemp, readdir, readFile, rm } from 'node:fs/promises';
+import { tmpdir } from 'node:os';
+import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import pg from 'pg';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
@@ -656,6 +658,48 @@ describe('--database-url and DATABASE_URL must be URLs', () => {
     }
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
     expect(await runRow(url, 'counted', 'kv')).toBeUndefined();
+  });
+
+  it('white space: around the URL it is trimmed (a .env line, a pasted secret); inside it exit 2 saying to percent-encode it, the password not printed', async () => {
+    const u = new URL(url);
+    const [lead, trail] = await Promise.all([runCli([...FIXTURE_DIRS, 'status'], { url: ` ${url}` }), runCli([...FIXTURE_DIRS, '--database-url', `${url} \n`, 'status'])]);
+    // pg read a leading space as the host "base", a trailing one into the database name.
+    expect(lead.code, lead.stderr).toBe(0);
+    expect(trail.code, trail.stderr).toBe(0);
+    const spaced = `postgres://${u.username}:sp ace-secret@${u.host}${u.pathname}`;
+    const before = await snapshot(url, ALL_TABLES);
+    const r = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":1}', '--key', 'spaced'], { url: spaced });
+    expectOneLineError(r, 2, 'DATABASE_URL holds a space or other white space; percent-encode it (a space as %20): postgres://user:password@host:5432/db');
+    expect(r.stderr + r.stdout).not.toContain('ace-secret');
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it('a port past 65535 exits 2 naming the port, not the password\'s encoding', async () => {
+    const u = new URL(url);
+    const r = await runCli([...FIXTURE_DIRS, 'status'], { url: `postgres://${u.username}:pw-secret@127.0.0.1:99999${u.pathname}` });
+    expectOneLineError(r, 2, 'DATABASE_URL has port 99999, which is not a port number (1 to 65535); fix the port: postgres://user:password@host:5432/db');
+    expect(r.stderr).not.toContain('pw-secret');
+  });
+
+  it('DATABASE_URL or --database-url set but empty, or PGHOST/PGPORT/PGDATABASE without a URL: exit 2, no embedded server started', async () => {
+    const dir = await mkdtemp(path.join(tmpdir(), 'idem-empty-url-'));
+    try {
+      const [env, flag, libpq] = await Promise.all([
+        runCli([...FIXTURE_DIRS, 'status'], { url: '', cwd: dir }),
+        runCli([...FIXTURE_DIRS, '--database-url', '  ', 'migrate'], { cwd: dir }),
+        runCli([...FIXTURE_DIRS, 'migrate'], { cwd: dir, env: { PGHOST: '127.0.0.1', PGDATABASE: 'app' } }),
+      ]);
+      expectOneLineError(env!, 2, 'DATABASE_URL is set but empty; set it to postgres://user:password@host:5432/db, or unset it to use the embedded server under .idem/');
+      expectOneLineError(flag!, 2, '--database-url is set but empty; set it to postgres://user:password@host:5432/db, or unset it to use the embedded server under .idem/');
+      expectOneLineError(
+        libpq!,
+        2,
+        'PGHOST, PGDATABASE are set but DATABASE_URL is not, and idem takes its server only from DATABASE_URL or --database-url; set DATABASE_URL=postgres:/// to connect as the PG* variables say, or unset them to use the embedded server under .idem/',
+      );
+      expect(await readdir(dir)).toEqual([]);
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
   });
 
   it('a URL of another database (mysql://) exits 2 naming the scheme, never showing the password; nothing is written', async () => {

@@ -1023,7 +1023,7 @@ describe('Runner.run when the database went away after connect', () => {
       await proxy.close(); // the port no longer answers: connection refused
       const err = await rejectionOf(own.run(counted, { key: 'db-went-away', params: { chunks: 1 } }));
       expect([err.constructor.name, exitCodeOf(err)], err.message).toEqual(['DatabaseUnavailableError', 2]);
-      expect(err.message).toBe(`cannot reach the database at ${via.href.replace(`:${via.password}@`, ':***@')}: connection refused; start the server or fix --database-url / DATABASE_URL`);
+      expect(err.message).toBe(`cannot reach the database at ${via.href.replace(`:${via.password}@`, ':***@')}: connection refused; start the server or fix the connection string`);
     } finally {
       await own.close();
     }
