@@ -399,11 +399,13 @@ function reportToStderr(job: string, slot: Date, err: unknown): void {
 }
 
 /**
- * The in-process scheduler of `idem cron`. First runs each job's latest due slot (a no-op if done),
- * then sleeps until the earliest next slot and runs every job due then, in order, one at a time.
- * A job that falls behind (a run longer than its period, a clock jump) runs only its latest due
- * slot, as at start; `--catch-up` is the way to run missed ones. Errors go to `onError` and never
- * stop the loop; a slot that failed is tried again once, at the job's next tick (see `retryFailed`). Resolves once `signal` aborts.
+ * The in-process scheduler of `idem cron`. Each job keeps its own schedule, side by side with the
+ * others: it first runs its latest due slot (a no-op if done), then sleeps until its next slot and
+ * runs it, and so on, so a long run of one job never holds up another job's slots. A job that falls
+ * behind (a run longer than its period, a clock jump) runs only its latest due slot, as at start;
+ * `--catch-up` is the way to run missed ones. Errors go to `onError` and never stop the loop; a slot
+ * that failed is tried again once, at the job's next tick (see `retryFailed`). Resolves once
+ * `signal` aborts and every job's run in flight has returned.
  */
 export async function runCronLoop(opts: CronLoopOptions): Promise<void> {
   const { entries, runSlot, signal } = opts;
@@ -414,64 +416,49 @@ export async function runCronLoop(opts: CronLoopOptions): Promise<void> {
     throw new UsageError('noScheduledJobs', 'no job declares a schedule; add one to a job definition, e.g. schedule: "0 3 * * *"');
   }
   const retryFailed = opts.retryFailed ?? retryByDefault;
-  /** Per job: slots that failed and are tried again at the job's next tick, oldest first. */
-  const failed = new Map<string, Date[]>();
-  const attempt = async (job: string, slot: Date, isRetry = false): Promise<void> => {
-    const retry = failed.get(job) ?? [];
-    const i = retry.findIndex((d) => d.getTime() === slot.getTime());
-    if (i >= 0) retry.splice(i, 1);
-    try {
-      await runSlot(job, slot);
-    } catch (err) {
-      // Tried again once: a slot that fails its retry too is left to --catch-up, so a job that
-      // fails for good costs at most two runs a tick, not one more for every tick it failed.
-      const again = !isRetry && !signal.aborted && retryFailed(err);
-      if (again) {
-        retry.push(slot);
-        if (retry.length > MAX_RETRY_SLOTS) retry.shift();
-      }
+  const jobLoop = async ({ job, schedule }: ScheduledJob): Promise<void> => {
+    /** Slots of this job that failed and are tried again at its next tick, oldest first. */
+    const failed: Date[] = [];
+    const attempt = async (slot: Date, isRetry = false): Promise<void> => {
+      const i = failed.findIndex((d) => d.getTime() === slot.getTime());
+      if (i >= 0) failed.splice(i, 1);
       try {
-        onError(job, slot, err, again);
-      } catch {
-        // A failing reporter must not end the scheduler either.
+        await runSlot(job, slot);
+      } catch (err) {
+        // Tried again once: a slot that fails its retry too is left to --catch-up, so a job that
+        // fails for good costs at most two runs a tick, not one more for every tick it failed.
+        const again = !isRetry && !signal.aborted && retryFailed(err);
+        if (again) {
+          failed.push(slot);
+          if (failed.length > MAX_RETRY_SLOTS) failed.shift();
+        }
+        try {
+          onError(job, slot, err, again);
+        } catch {
+          // A failing reporter must not end the scheduler either.
+        }
       }
-    }
-    failed.set(job, retry);
-  };
-  /** A tick of `job`: first the slots that failed before (each once), then the tick's own. */
-  const tick = async (job: string, slot: Date): Promise<void> => {
-    for (const old of [...(failed.get(job) ?? [])]) {
-      if (signal.aborted || old.getTime() === slot.getTime()) break;
-      await attempt(job, old, true);
-    }
-    if (!signal.aborted) await attempt(job, slot);
-  };
-  // last[i]: the newest slot handed to runSlot for entries[i]; its next slot is the first after it.
-  const last: Date[] = [];
-  const start = now();
-  for (const { job, schedule } of entries) {
-    if (signal.aborted) return;
-    const slot = latestSlot(schedule, start);
-    last.push(slot);
-    await attempt(job, slot);
-  }
-  while (!signal.aborted) {
-    const next = entries.map((e, i) => e.schedule.next(last[i]!));
-    const target = Math.min(...next.map((d) => d.getTime()));
-    // Re-read the clock after every sleep: a clock set back means sleeping again, not running early.
-    for (let t = now().getTime(); t < target && !signal.aborted; t = now().getTime()) {
-      await sleep(Math.min(target - t, CRON_LOOP_MAX_SLEEP_MS), signal);
-    }
-    if (signal.aborted) return;
-    const t = now();
-    for (const [i, { job, schedule }] of entries.entries()) {
-      if (next[i]! > t) continue;
-      // Never behind next[i], whatever latestSlot says: every pass must move a job forward.
-      const latest = latestSlot(schedule, t);
-      const slot = latest > next[i]! ? latest : next[i]!;
-      last[i] = slot;
-      await tick(job, slot);
+    };
+    // last: the newest slot handed to runSlot; the next slot is the first after it.
+    let last = latestSlot(schedule, now());
+    await attempt(last);
+    while (!signal.aborted) {
+      const next = schedule.next(last);
+      // Re-read the clock after every sleep: a clock set back means sleeping again, not running early.
+      for (let t = now().getTime(); t < next.getTime() && !signal.aborted; t = now().getTime()) {
+        await sleep(Math.min(next.getTime() - t, CRON_LOOP_MAX_SLEEP_MS), signal);
+      }
       if (signal.aborted) return;
+      // Never behind `next`, whatever latestSlot says: every pass must move the job forward.
+      const latest = latestSlot(schedule, now());
+      last = latest > next ? latest : next;
+      // A tick: first the slots that failed before (each once), then the tick's own.
+      for (const old of [...failed]) {
+        if (signal.aborted || old.getTime() === last.getTime()) break;
+        await attempt(old, true);
+      }
+      if (!signal.aborted) await attempt(last);
     }
-  }
+  };
+  await Promise.all(entries.map(jobLoop));
 }

@@ -220,13 +220,38 @@ describe('renderCrontab', () => {
 });
 
 describe('runCronLoop', () => {
-  /** A fake clock: sleep advances it; `stopAt` aborts the loop once the clock reaches it. */
+  /**
+   * A fake clock and timer: `sleep` waits for the clock to reach its end; once every loop is waiting
+   * (nothing left to do until a macrotask), the clock jumps to the earliest end and wakes those
+   * sleepers. `stopAt` aborts the loop once the clock reaches it.
+   */
   function harness(startIso: string, stopAtIso: string) {
     let clock = at(startIso).getTime();
     const stopAt = at(stopAtIso).getTime();
     const controller = new AbortController();
     const sleeps: number[] = [];
     const calls: string[] = [];
+    let sleepers: Array<{ until: number; wake: () => void }> = [];
+    let pumping = false;
+    const pump = () => {
+      if (pumping) return;
+      pumping = true;
+      setImmediate(() => {
+        pumping = false;
+        if (sleepers.length === 0) return;
+        clock = Math.max(clock, Math.min(...sleepers.map((x) => x.until)));
+        if (clock >= stopAt) controller.abort();
+        const due = sleepers.filter((x) => controller.signal.aborted || x.until <= clock);
+        sleepers = sleepers.filter((x) => !due.includes(x));
+        for (const x of due) x.wake();
+        if (sleepers.length > 0) pump();
+      });
+    };
+    const wait = (ms: number) =>
+      new Promise<void>((wake) => {
+        sleepers.push({ until: clock + ms, wake });
+        pump();
+      });
     return {
       controller,
       sleeps,
@@ -234,17 +259,21 @@ describe('runCronLoop', () => {
       /** Records a runSlot call; a loop gone wild is stopped instead of spinning forever. */
       record: (call: string) => {
         calls.push(call);
-        if (calls.length > 50) controller.abort();
+        if (calls.length > 80) controller.abort();
       },
       now: () => new Date(clock),
+      /** The clock jumps (a run that blocks the whole process, a clock set back). */
       advance: (ms: number) => {
         clock += ms;
       },
+      /** Time passing for one caller only (a long run) while the others go on. */
+      wait,
+      /** The calls of one job, in order. */
+      of: (job: string) => calls.filter((c) => c.startsWith(`${job}@`)),
       sleep: async (ms: number, signal: AbortSignal) => {
         expect(signal).toBe(controller.signal);
         sleeps.push(ms);
-        clock += ms;
-        if (clock >= stopAt) controller.abort();
+        await wait(ms);
       },
     };
   }
@@ -303,6 +332,35 @@ describe('runCronLoop', () => {
     expect(errors).toEqual(['hourly@2026-11-30T10:00:00Z again=true', 'hourly@2026-11-30T10:00:00Z again=false']);
   });
 
+  it('a long run of one job does not hold up the other jobs\' slots: each job keeps its own schedule', async () => {
+    const h = harness('2026-12-03T12:46:24Z', '2026-12-03T12:52:30Z');
+    const minutely = parseSchedule('* * * * *');
+    await runCronLoop({
+      entries: [{ job: 'long', schedule: minutely }, { job: 'tick', schedule: minutely }],
+      runSlot: async (job, slot) => {
+        h.record(`${job}@${slotKey(slot)} at ${h.now().toISOString().slice(11, 19)}`);
+        // Each run of `long` takes 100 s: two of `tick`'s minutes pass meanwhile.
+        if (job === 'long') await h.wait(100_000);
+      },
+      signal: h.controller.signal,
+      now: h.now,
+      sleep: h.sleep,
+    });
+    // Every minute of tick's runs at its minute while long runs (before, tick waited for each of
+    // long's runs: it ran 12:46 only at 12:48:04, and never 12:47).
+    expect(h.of('tick')).toEqual([
+      'tick@2026-12-03T12:46:00Z at 12:46:24',
+      'tick@2026-12-03T12:47:00Z at 12:47:00',
+      'tick@2026-12-03T12:48:00Z at 12:48:00',
+      'tick@2026-12-03T12:49:00Z at 12:49:00',
+      'tick@2026-12-03T12:50:00Z at 12:50:00',
+      'tick@2026-12-03T12:51:00Z at 12:51:00',
+      'tick@2026-12-03T12:52:00Z at 12:52:00',
+    ]);
+    // long falls behind its own schedule and runs only its latest due slot after each run.
+    expect(h.of('long')).toEqual(['long@2026-12-03T12:46:00Z at 12:46:24', 'long@2026-12-03T12:48:00Z at 12:48:04', 'long@2026-12-03T12:49:00Z at 12:49:44', 'long@2026-12-03T12:51:00Z at 12:51:24']);
+  });
+
   it('runs the latest due slot at start, then each next slot in order, and stops on abort', async () => {
     const h = harness('2026-11-30T10:20:00Z', '2026-11-30T13:30:00Z');
     await runCronLoop({
@@ -337,10 +395,11 @@ describe('runCronLoop', () => {
       now: h.now,
       sleep: h.sleep,
     });
-    // Each failed slot is tried once more, at the next tick, before that tick's own slot.
-    expect(h.calls).toEqual([
+    // Each failed slot is tried once more, at the next tick, before that tick's own slot. The jobs
+    // keep their schedules side by side: the order within each job is what counts.
+    expect(h.of('daily')).toEqual(['daily@2026-11-30T03:00:00Z', 'daily@2026-12-01T03:00:00Z']);
+    expect(h.of('flaky')).toEqual([
       'flaky@2026-11-30T22:00:00Z',
-      'daily@2026-11-30T03:00:00Z',
       'flaky@2026-11-30T22:00:00Z',
       'flaky@2026-11-30T23:00:00Z',
       'flaky@2026-11-30T23:00:00Z',
@@ -351,7 +410,6 @@ describe('runCronLoop', () => {
       'flaky@2026-12-01T02:00:00Z',
       'flaky@2026-12-01T02:00:00Z',
       'flaky@2026-12-01T03:00:00Z',
-      'daily@2026-12-01T03:00:00Z',
     ]);
     expect(errors).toHaveLength(11);
     expect(errors[0]).toBe('flaky@2026-11-30T22:00:00Z: boom 2026-11-30T22:00:00Z');
