@@ -13,6 +13,37 @@ afterAll(killLeftovers);
 
 const CHUNKS = 40;
 
+describe('GET /metrics while PostgreSQL cannot be reached', () => {
+  it("still answers 200 with the server's own metrics; idem_runs is left out and idem_database_up reads 0", async () => {
+    const { startBlackholeProxy } = await import('./support/blackhole-proxy.ts');
+    const direct = new URL(url);
+    const proxy = await startBlackholeProxy(Number(direct.port));
+    const via = new URL(url);
+    via.port = String(proxy.port);
+    const srv = await startServe(via.href);
+    try {
+      const up = await api(srv.base, 'GET', '/metrics');
+      expect(up.status).toBe(200);
+      expect(up.text).toMatch(/^idem_database_up 1$/m);
+      const created = await api(srv.base, 'POST', '/api/jobs/counted/runs', { key: 'k-metrics-down', body: { chunks: 2 } });
+      expect((await api(srv.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body).toMatchObject({ state: 'succeeded' });
+      expect((await api(srv.base, 'GET', '/metrics')).text).toMatch(/^idem_runs\{job="counted",state="succeeded"\} [1-9]\d*$/m);
+      await proxy.close(); // its connections end, and no new one is answered: connection refused
+      const down = await api(srv.base, 'GET', '/metrics');
+      // Before: 503 idem.databaseUnavailable, and every metric gone for the outage.
+      expect(down.status, down.text).toBe(200);
+      expect(down.text).toMatch(/^idem_database_up 0$/m);
+      expect(down.text).toMatch(/^idem_runs_executing 0$/m);
+      expect(down.text).toMatch(/^idem_http_requests_total\{method="GET",route="\/metrics",status="200"\} 2$/m);
+      expect(down.text).toMatch(/^idem_runs_ended_total\{job="counted",outcome="succeeded"\} 1$/m);
+      expect(down.text).not.toMatch(/^idem_runs\{/m);
+    } finally {
+      srv.proc.child.kill('SIGTERM');
+      await srv.proc.done;
+    }
+  }, 60_000);
+});
+
 describe('idem serve killed with SIGKILL mid-run', () => {
   it('resumes the run when it starts again; it ends succeeded with every chunk committed once', async () => {
     const first = await startServe(url);

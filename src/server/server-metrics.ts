@@ -1,5 +1,9 @@
 import { Counter, Gauge, Histogram, Registry, collectDefaultMetrics } from 'prom-client';
+import { answerWithin } from '../sleep.ts';
 import { RUN_STATES } from './run-view.ts';
+
+/** How long a scrape waits for the run counts before it leaves idem_runs out. */
+const RUN_COUNTS_TIMEOUT_MS = 2_000;
 
 /**
  * The server's Prometheus metrics (prom-client). Labels are job, step, state, route and status:
@@ -75,19 +79,36 @@ export class ServerMetrics {
     // reads 0 after. Kept only for the jobs this server loads and the states runs have: bounded.
     const states: ReadonlySet<string> = new Set(RUN_STATES.filter((s) => s !== 'active'));
     const reported = new Map<string, { readonly job: string; readonly state: string }>();
+    // One read of the counts per scrape, shared by idem_runs and idem_database_up. A database that
+    // is down or does not answer leaves idem_runs out of the scrape (and idem_database_up 0): the
+    // server's own metrics are what an outage must still show (runs ending in `error`, requests).
+    let read: Promise<ReadonlyArray<{ job: string; state: string; n: number }> | null> | undefined;
+    const counts = () =>
+      (read ??= answerWithin(runCounts(), RUN_COUNTS_TIMEOUT_MS, () => new Error('no answer'))
+        .catch(() => null)
+        .finally(() => setImmediate(() => (read = undefined))));
     new Gauge({
       name: 'idem_runs',
-      help: 'Runs in the database by job and state (running only where the lock is held; crashed otherwise).',
+      help: 'Runs in the database by job and state (running only where the lock is held; crashed otherwise). Left out of a scrape when the database could not be read (idem_database_up 0).',
       labelNames: ['job', 'state'],
       registers,
       async collect() {
-        const counts = await runCounts();
+        const rows = await counts();
         this.reset();
+        if (rows === null) return;
         for (const pair of reported.values()) this.set(pair, 0);
-        for (const r of counts) {
+        for (const r of rows) {
           this.set({ job: r.job, state: r.state }, r.n);
           if (jobs.has(r.job) && states.has(r.state)) reported.set(`${r.job}\0${r.state}`, { job: r.job, state: r.state });
         }
+      },
+    });
+    new Gauge({
+      name: 'idem_database_up',
+      help: `1 when this scrape read the run counts (idem_runs) from PostgreSQL, 0 when it could not within ${RUN_COUNTS_TIMEOUT_MS / 1000} s.`,
+      registers,
+      async collect() {
+        this.set((await counts()) === null ? 0 : 1);
       },
     });
   }
