@@ -146,6 +146,9 @@ function oneLineWarnings(): void {
   process.removeAllListeners('warning');
   if (process.env.NODE_NO_WARNINGS === '1' || process.execArgv.includes('--no-warnings')) return;
   process.on('warning', (w: Error) => {
+    // pg 8's notice that it will stop reading the password file in pg 9 is advice to idem (which
+    // keeps PGPASSFILE and ~/.pgpass working), not to whoever runs the command.
+    if (w.name === 'DeprecationWarning' && w.message.startsWith('pgpass support is deprecated')) return;
     const text = `${w.name && w.name !== 'Warning' ? `${w.name}: ` : ''}${w.message}`;
     process.stderr.write(`idem: warning: ${visibleError(text.split('\n').map((l) => l.trim()).filter(Boolean).join(' '))}\n`);
   });

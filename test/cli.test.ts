@@ -1,4 +1,4 @@
-import { mkdtemp, readdir, readFile, rm } from 'node:fs/promises';
+import { mkdtemp, readdir, readFile, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -672,6 +672,23 @@ describe('--database-url and DATABASE_URL must be URLs', () => {
     expectOneLineError(r, 2, 'DATABASE_URL holds a space or other white space; percent-encode it (a space as %20): postgres://user:password@host:5432/db');
     expect(r.stderr + r.stdout).not.toContain('ace-secret');
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it("a password from PGPASSFILE works with no warning line: pg's deprecation of it is advice to idem, not to its user", async () => {
+    const u = new URL(url);
+    const dir = await mkdtemp(path.join(tmpdir(), 'idem-pgpass-'));
+    try {
+      const file = path.join(dir, 'pgpass');
+      await writeFile(file, `${u.hostname}:${u.port}:*:${decodeURIComponent(u.username)}:${decodeURIComponent(u.password)}\n`, { mode: 0o600 });
+      const bare = new URL(url);
+      bare.password = '';
+      const r = await runCli([...FIXTURE_DIRS, 'status'], { url: bare.href, env: { PGPASSFILE: file, PGPASSWORD: undefined } });
+      expect(r.code, r.stderr).toBe(0);
+      // Before: "idem: warning: DeprecationWarning: pgpass support is deprecated and will be removed in pg@9.0. …" on every command.
+      expect(r.stderr).toBe('');
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
   });
 
   it('a port past 65535 exits 2 naming the port, not the password\'s encoding', async () => {
