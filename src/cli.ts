@@ -159,6 +159,14 @@ export async function main(argv: string[]): Promise<never> {
   oneLineWarnings();
   const state = { exitCode: 0 };
   const program = buildProgram(state);
+  // `idem help nosuch`: commander prints the whole help as an error, with no line saying why. The
+  // name is parsed as the command it is not, for the same one line as `idem nosuch`.
+  // `idem help help` printed the help as that error too: it is the help of the help, `idem --help`.
+  const [first, second] = argv.slice(2);
+  if (first === 'help' && second === 'help') argv = [...argv.slice(0, 2), '--help'];
+  else if (first === 'help' && second !== undefined && !second.startsWith('-') && !program.commands.some((c) => c.name() === second || c.aliases().includes(second))) {
+    argv = [...argv.slice(0, 2), second];
+  }
   try {
     await program.parseAsync(argv);
   } catch (err) {

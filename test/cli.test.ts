@@ -409,6 +409,15 @@ describe('idem help, status and list', () => {
     });
   });
 
+  it('idem help of an unknown command is one error line (exit 2), as idem <unknown> is; idem help help is the help (exit 0)', async () => {
+    const [unknown, close, helpHelp] = await Promise.all([runCli(['help', 'nosuch']), runCli(['help', 'statu']), runCli(['help', 'help'])]);
+    // Before: the whole help on stderr, with no line saying what was wrong (and help help: the same).
+    expect({ code: unknown.code, stderr: unknown.stderr, stdout: unknown.stdout }).toEqual({ code: 2, stderr: "idem: error: unknown command 'nosuch'; see --help\n", stdout: '' });
+    expect({ code: close.code, stderr: close.stderr }).toEqual({ code: 2, stderr: "idem: error: unknown command 'statu' (Did you mean status?); see --help\n" });
+    expect(helpHelp.code, helpHelp.stderr).toBe(0);
+    expect(helpHelp.stdout).toContain('Usage: idem [options] [command]');
+  });
+
   it('--version and -V print the version of the installed idem and exit 0, as every CLI does', async () => {
     // The first thing asked in a bug report; it was "unknown option '--version'", exit 2.
     const { version } = JSON.parse(await readFile(new URL('../package.json', import.meta.url), 'utf8')) as { version: string };
