@@ -1,3 +1,5 @@
+import { existsSync } from 'node:fs';
+import path from 'node:path';
 import { Cron } from 'croner';
 import { ExitCode, exitCodeOf, messageOf, UsageError } from './errors.ts';
 import { shellQuote } from './shell-quote.ts';
@@ -106,12 +108,17 @@ function normalizeCron(expression: string): string {
 function canonicalZone(zone: unknown, expression: string): string {
   const fix = 'use an IANA zone name such as "Europe/Berlin", or "UTC"';
   if (typeof zone !== 'string' || !ZONE_NAME.test(zone)) throw invalid(expression, `timezone ${JSON.stringify(zone)} is not a zone name; ${fix}`);
+  let resolved: string;
   try {
-    // Canonical spelling ("europe/berlin" → "Europe/Berlin"): a CRON_TZ line is read by tzdata, which is case-sensitive.
-    return new Intl.DateTimeFormat('en-US', { timeZone: zone }).resolvedOptions().timeZone;
+    resolved = new Intl.DateTimeFormat('en-US', { timeZone: zone }).resolvedOptions().timeZone;
   } catch (err) {
     throw invalid(expression, `unknown timezone "${zone}"; ${fix}`, err);
   }
+  // A CRON_TZ line is read by the system's tzdata, which is case-sensitive: a name it has as written
+  // is kept. ICU's canonical spelling otherwise ("europe/berlin" → "Europe/Berlin"), not always:
+  // it resolves Asia/Kathmandu to Asia/Katmandu and Europe/Kyiv to Europe/Kiev, names tzdata keeps
+  // only as backward links.
+  return resolved !== zone && existsSync(path.join(process.env.TZDIR || '/usr/share/zoneinfo', zone)) ? zone : resolved;
 }
 
 /**

@@ -1,3 +1,4 @@
+import { existsSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
 import { BusyError, RunFailedError, UsageError } from '../src/errors.ts';
 import {
@@ -34,6 +35,19 @@ describe('parseSchedule', () => {
     const berlin = parseSchedule({ cron: '30 2 * * *', timezone: 'europe/berlin' });
     expect(berlin.timezone).toBe('Europe/Berlin');
     expect(Object.isFrozen(berlin)).toBe(true);
+  });
+
+  it.skipIf(!existsSync('/usr/share/zoneinfo/Asia/Kathmandu'))('keeps a zone spelled as the system tzdata spells it, not ICU\'s older alias (Asia/Kathmandu, not Asia/Katmandu)', () => {
+    // Node's ICU resolves Asia/Kathmandu to Asia/Katmandu, Europe/Kyiv to Europe/Kiev: names that
+    // exist in tzdata only as backward links, which a CRON_TZ line then depends on.
+    expect(parseSchedule({ cron: '*/2 * * * *', timezone: 'Asia/Kathmandu' }).timezone).toBe('Asia/Kathmandu');
+    expect(parseSchedule({ cron: '0 3 * * *', timezone: 'Europe/Kyiv' }).timezone).toBe('Europe/Kyiv');
+    // A spelling tzdata does not have as written still gets ICU's canonical one.
+    expect(parseSchedule({ cron: '0 3 * * *', timezone: 'europe/kyiv' }).timezone).toMatch(/^Europe\/Ky?iev$|^Europe\/Kyiv$/);
+    // The same slots either way.
+    const a = parseSchedule({ cron: '*/2 * * * *', timezone: 'Asia/Kathmandu' });
+    const b = parseSchedule({ cron: '*/2 * * * *', timezone: 'Asia/Katmandu' });
+    expect(slotKey(latestSlot(a, at('2026-12-03T12:48:30Z')))).toBe(slotKey(latestSlot(b, at('2026-12-03T12:48:30Z'))));
   });
 
   it('expands nicknames and names into a portable 5-field expression', () => {
