@@ -135,9 +135,25 @@ describe('pause and resume', () => {
     await expect(runner.run(counted, { key, params: { chunks: 3 } })).rejects.toThrow(/injected failure in chunk c0002/);
     expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'failed' });
 
+    // The step where it stopped reads the run's state wherever a step is shown: the text view,
+    // --json and the HTTP run view (the last two said "running" for a run nobody executes).
+    const stepsOf = async () => {
+      const text = (await idem(['status', 'counted', '--key', key])).stdout;
+      const json = JSON.parse((await idem(['status', 'counted', '--key', key, '--json'])).stdout) as { steps: Array<{ name: string; status: string }> };
+      const reads = new pg.Pool({ connectionString: url, max: 1 });
+      try {
+        const view = await new RunViews(runner.db, reads, runner.schema, runner).byKey('counted', key);
+        return { text: /^ {2}2\. work +(\S+)/m.exec(text)?.[1], json: json.steps.map((s) => s.status), api: view!.steps.map((s) => s.status) };
+      } finally {
+        await reads.end();
+      }
+    };
+    expect(await stepsOf()).toEqual({ text: 'failed', json: ['done', 'failed', 'pending'], api: ['done', 'failed', 'pending'] });
+
     const paused = await idem(['pause', 'counted', '--key', key]);
     expect(paused.code, paused.stderr).toBe(0);
     expect(paused.stdout).toBe(`pause: run ${key} of job "counted" now paused\n`);
+    expect(await stepsOf()).toEqual({ text: 'paused', json: ['done', 'paused', 'pending'], api: ['done', 'paused', 'pending'] });
     // Nobody executes it: the status is the whole answer, with no request left pending beside it.
     expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'paused', finished_at: null, requested: null });
     expect((await runner.status('counted')).find((s) => s.runKey === key)?.requested).toBeNull();

@@ -7,6 +7,7 @@ import { describeHolder, type LockHolder } from '../lock-holder.ts';
 import { keyLabel } from '../key-label.ts';
 import { quoteKey } from '../run-key.ts';
 import { shellQuote } from '../shell-quote.ts';
+import { shownStepState } from '../step-state.ts';
 import { columns, fitColumns, padColumns, prepareColumns } from '../display-width.ts';
 import { colours, type Colours } from '../terminal.ts';
 import { textTable, visibleDeep } from '../text-table.ts';
@@ -147,9 +148,7 @@ export function formatRunDetail(stored: RunStatusRow, storedSteps: readonly Step
   if (steps.length > 0) {
     out.push('', c.bold('steps'));
     const nameWidth = Math.max(...steps.map((s) => columns(s.name)));
-    // A step's row says running until someone finishes it: in a run nobody is executing (failed,
-    // paused, interrupted, crashed, cancelled) the step where it stopped shows the run's state.
-    const shown = steps.map((s) => (s.status === 'running' && r.state !== 'running' ? r.state : s.status));
+    const shown = steps.map((s) => shownStepState(s.status, r.state));
     const statusWidth = Math.max(7, ...shown.map((x) => x.length));
     steps.forEach((s, i) => {
       const total = s.plannedAll ? `${s.planned}` : `${Math.max(s.planned, s.estimated ?? 0)}~`;
@@ -217,7 +216,7 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
             return { run: found, steps: found ? await stepDetails(view.db, runner.schema, found.runId) : [] };
           });
           if (!run) throw new UsageError('unknownRun', `job "${job}" has no run with key ${quoteKey(o.key)}; see idem status ${job} for its runs`);
-          const json = JSON.stringify({ ...run, steps });
+          const json = JSON.stringify({ ...run, steps: steps.map((st) => ({ ...st, status: shownStepState(st.status, run.state) })) });
           if (!o.json) await prepareColumns(json);
           process.stdout.write(o.json ? `${json}\n` : `${formatRunDetail(run, steps, new Date(), colours(tty))}\n`);
           return ExitCode.Ok;

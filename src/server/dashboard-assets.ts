@@ -43,7 +43,7 @@ h2{font-size:13px;text-transform:uppercase;letter-spacing:.06em;color:var(--mute
 .tag-paused,.tag-interrupted{background:var(--warn-soft);color:var(--warn)}
 .tag-failed,.tag-crashed{background:var(--bad-soft);color:var(--bad)}
 .tag-new{background:var(--accent-soft);color:var(--accent)}
-.tag-partial{background:var(--warn-soft);color:var(--warn)}
+
 @keyframes pulse{50%{opacity:.35}}
 @media (prefers-reduced-motion:reduce){.tag-running::before{animation:none}}
 .bar{height:8px;border-radius:999px;background:var(--idle-soft);overflow:hidden}

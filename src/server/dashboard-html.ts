@@ -211,9 +211,8 @@ export function runLive(r: RunView): string {
     .map((s) => {
       const total = s.plannedAll ? s.planned : Math.max(s.planned, s.estimated ?? 0);
       const pct = s.status === 'done' ? 100 : total > 0 ? Math.min(99, Math.floor((s.done / total) * 100)) : s.status === 'pending' ? 0 : null;
-      // A step of a run nobody executes is not "running": it is partly done.
-      const status = s.status === 'running' && r.state !== 'running' ? 'partial' : s.status;
-      return `<tr><td>${esc(s.name)}</td><td>${stateTag(status)}</td><td class="bar-cell">${progressBar(pct, `step ${s.name}`)}</td><td class="num">${s.done} / ${total}${s.plannedAll ? '' : '+'}</td></tr>`;
+      // A step of a run nobody executes shows where the run stopped (the view says so: step-state.ts).
+      return `<tr><td>${esc(s.name)}</td><td>${stateTag(s.status)}</td><td class="bar-cell">${progressBar(pct, `step ${s.name}`)}</td><td class="num">${s.done} / ${total}${s.plannedAll ? '' : '+'}</td></tr>`;
     })
     .join('');
   const skipped = r.skipped?.length

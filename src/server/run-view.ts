@@ -3,6 +3,7 @@ import type pg from 'pg';
 import type { Json } from '../job.ts';
 import { doneChunks, lastChange, runIsLive, type HeldLocks, type OperationsHost } from '../operations.ts';
 import type { RunErrorInfo, RunStatus, RunSummary } from '../store.ts';
+import { shownStepState } from '../step-state.ts';
 
 /** How liveness is decided: the runner's lock names and the locks held right now. */
 export type LockHost = Pick<OperationsHost, 'jobLockName' | 'runLockName' | 'heldLocks'>;
@@ -10,7 +11,8 @@ export type LockHost = Pick<OperationsHost, 'jobLockName' | 'runLockName' | 'hel
 /** A step of a run as the API shows it. */
 export interface StepView {
   readonly name: string;
-  readonly status: 'pending' | 'running' | 'done';
+  /** 'pending', 'running' or 'done'; where a run nobody executes stopped (failed, paused, crashed…), the run's state (see step-state.ts). */
+  readonly status: string;
   readonly done: number;
   readonly planned: number;
   readonly plannedAll: boolean;
@@ -324,7 +326,7 @@ function toView(r: any, locked: boolean): RunView {
   const state = r.status === 'running' ? (locked ? 'running' : 'crashed') : r.status;
   const steps: StepView[] = (r.step_views as any[]).map((st) => ({
     name: st.name,
-    status: st.status,
+    status: shownStepState(st.status, state),
     done: Number(st.done),
     planned: st.planned,
     plannedAll: st.plannedAll,
