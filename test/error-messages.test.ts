@@ -236,6 +236,23 @@ describe('an unknown job name suggests the closest known ones', () => {
     await query(url, `drop schema ${schema} cascade`);
   });
 
+  it('a --schema that already holds tables of the names idem creates (not idem\'s) is refused, exit 2, and left as it was', async () => {
+    const schema = 'app_owned_tables';
+    await query(url, `drop schema if exists ${schema} cascade`);
+    await query(url, `create schema ${schema}; create table ${schema}.runs (id int primary key, name text); create table ${schema}.steps (x int)`);
+    try {
+      const r = await idem(['--schema', schema, 'run', 'counted', '--params', '{"chunks":1}', '--key', 'k']);
+      expect(refusal(r, 2)).toEqual([
+        `idem: error: schema "${schema}" already has tables named runs, steps, which idem would create there, and no idem bookkeeping (idem_migration): they are not idem's; keep idem's tables in a schema of their own with --schema (the default is idem), or rename those tables`,
+      ]);
+      // Before: "could not create or upgrade the runner schema … relation "runs" already exists", with
+      // Kysely's idem_migration and idem_migration_lock tables left in the schema.
+      expect(await query(url, `select relname from pg_class where relnamespace = $1::regnamespace and relkind = 'r' order by relname`, [schema])).toEqual([{ relname: 'runs' }, { relname: 'steps' }]);
+    } finally {
+      await query(url, `drop schema ${schema} cascade`);
+    }
+  });
+
   it('suggests migrations by their job name, and lists the known names when none is close', async () => {
     const [migration, none] = await Promise.all([idem(['status', 'create-widget']), idem(['status', 'zzzzzzzzzzzzzzzz'])]);
     expect(refusal(migration!, 2)).toEqual([`idem: error: no job named 'create-widget'; did you mean 'create-widgets'?`]);

@@ -1,5 +1,5 @@
 import { Migrator, sql, type Kysely, type Migration, type MigrationProvider } from 'kysely';
-import { codeOf, DatabaseUnavailableError } from '../errors.ts';
+import { codeOf, DatabaseUnavailableError, UsageError } from '../errors.ts';
 
 /** Kysely's bookkeeping tables for the runner's own schema; kept inside that schema. */
 export const MIGRATION_TABLE = 'idem_migration';
@@ -300,6 +300,20 @@ export async function ensureRunnerSchema(db: Kysely<any>, schema: string, access
     }
     if (known.every((n) => applied!.includes(n))) return;
   }
+  if (!applied) {
+    // A schema that already has tables of the names idem creates, not made by idem (it has no
+    // migration table): the first migration would fail on them after Kysely created its own two
+    // tables there, so a refusal that promises nothing was changed would leave those behind.
+    const { rows: taken } = await sql<{ relname: string }>`select c.relname from pg_class c join pg_namespace n on n.oid = c.relnamespace
+      where n.nspname = ${schema} and c.relname = any(${RUNNER_TABLES as unknown as string[]}::text[]) order by c.relname`.execute(db);
+    if (taken.length > 0) {
+      const names = taken.map((r) => r.relname).join(', ');
+      throw new UsageError(
+        'schemaTaken',
+        `schema "${schema}" already has ${taken.length === 1 ? 'a table' : 'tables'} named ${names}, which idem would create there, and no idem bookkeeping (${MIGRATION_TABLE}): they are not idem's; keep idem's tables in a schema of their own with --schema (the default is idem), or rename those tables`,
+      );
+    }
+  }
   const provider: MigrationProvider = { getMigrations: async () => runnerMigrations(schema) };
   const migrator = new Migrator({
     db,
@@ -327,6 +341,9 @@ function missingPrivileges(schema: string, lacking: ReadonlyArray<{ table: strin
   }
   return [...groups].map(([what, tables]) => `no ${what} on ${tables.join(', ')}`).join('; ');
 }
+
+/** The tables idem's runner migrations create, in whatever schema they are given. */
+const RUNNER_TABLES = ['runs', 'steps', 'chunks', 'effects', 'api_requests'] as const;
 
 /** SQLSTATE 42P01: the runner schema's bookkeeping table is not there yet (a fresh database). */
 const UNDEFINED_TABLE = '42P01';
