@@ -37,10 +37,42 @@ describe('GET /metrics while PostgreSQL cannot be reached', () => {
       expect(down.text).toMatch(/^idem_http_requests_total\{method="GET",route="\/metrics",status="200"\} 2$/m);
       expect(down.text).toMatch(/^idem_runs_ended_total\{job="counted",outcome="succeeded"\} 1$/m);
       expect(down.text).not.toMatch(/^idem_runs\{/m);
+      // A request that needs the database answers 503, logged as a warning naming the request
+      // (before: an error line with neither method nor route, for every probe of the outage).
+      expect((await api(srv.base, 'GET', '/readyz')).status).toBe(503);
+      await waitFor(async () => srv.proc.stderr().includes('request answered 503'), 'the 503 to be logged');
+      const logged = srv.proc.stderr().split('\n').filter((l) => l.startsWith('{')).map((l) => JSON.parse(l) as Record<string, unknown>);
+      expect(logged.filter((l) => (l.level as number) >= 50), srv.proc.stderr()).toEqual([]);
+      expect(logged.find((l) => String(l.msg).startsWith('request answered 503'))).toMatchObject({ level: 40, method: 'GET', route: '/readyz', status: 503 });
     } finally {
       srv.proc.child.kill('SIGTERM');
       await srv.proc.done;
     }
+  }, 60_000);
+});
+
+describe("idem serve's log of a run that fails", () => {
+  it('one error line for the failure (the runner\'s, with job, runKey and attempt), not a second one from the server', async () => {
+    const key = 'k-fails-once';
+    await query(url, `insert into fail_chunks values ('c0002', null, null)`);
+    const srv = await startServe(url);
+    try {
+      const created = await api(srv.base, 'POST', '/api/jobs/counted/runs', { key, body: { chunks: 3 } });
+      expect((await api(srv.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body).toMatchObject({ state: 'failed' });
+      await waitFor(async () => srv.proc.stderr().includes('"msg":"run failed"'), 'the failure to be logged');
+    } finally {
+      srv.proc.child.kill('SIGTERM');
+      await srv.proc.done;
+      await query(url, `delete from fail_chunks`);
+    }
+    const errors = srv.proc
+      .stderr()
+      .split('\n')
+      .filter((l) => l.startsWith('{'))
+      .map((l) => JSON.parse(l) as Record<string, unknown>)
+      .filter((l) => (l.level as number) >= 50);
+    // Before: two level-50 "run failed" lines for the one failure, the second without runKey or attempt.
+    expect(errors, srv.proc.stderr()).toEqual([expect.objectContaining({ msg: 'run failed', job: 'counted', runKey: key, attempt: 1 })]);
   }, 60_000);
 });
 

@@ -220,7 +220,11 @@ export function createServer(opts: ServerOptions): IdemServer {
     const problem = toProblem(err);
     // A refusal a client should simply repeat (503, the 409 of a key inside another request's claim) says when.
     if (problem.status === 503 || problem.extra.retryable === true) reply.header('retry-after', '1');
-    if (problem.status >= 500) request.log.error({ err: errorFields(err) }, 'request failed');
+    // A 503 is the database being unreachable, which the readiness probe and every client meet at
+    // once: a warning naming the request, not an error line per request of an outage.
+    const where = { method: request.method, route: request.routeOptions.url ?? 'unmatched', status: problem.status };
+    if (problem.status === 503) request.log.warn({ ...where, err: errorFields(err) }, 'request answered 503: the database cannot be reached');
+    else if (problem.status >= 500) request.log.error({ ...where, err: errorFields(err) }, 'request failed');
     return reply.code(problem.status).type(PROBLEM_TYPE).send(problemBody(problem));
   });
 

@@ -136,7 +136,7 @@ export class RunExecutor {
   /** Executes one run; true when it should be queued again at once (a pause withdrawn while it was being honoured). */
   async #execute(q: Queued): Promise<boolean> {
     const { runner, metrics } = this.#o;
-    const log = this.#o.log.child({ job: q.job, runId: q.runId });
+    let log = this.#o.log.child({ job: q.job, runId: q.runId });
     const job = instrument(this.#o.jobs.get(q.job)!, metrics);
     let outcome: ExecutionOutcome | null = 'succeeded';
     let again = false;
@@ -148,6 +148,7 @@ export class RunExecutor {
         outcome = null;
         return false;
       }
+      log = log.child({ runKey: run.run_key });
       const committed = new Map<string, number>();
       const base = {
         params: run.params,
@@ -182,8 +183,11 @@ export class RunExecutor {
       // The operator resumed the run while it stopped for their pause: it continues here, as a
       // resume of a paused run created over HTTP does.
       again = err instanceof PauseWithdrawnError;
-      const level = outcome === 'failed' || outcome === 'error' ? 'error' : 'info';
-      log[level]({ outcome, err: errorFields(err) }, `run ${outcome}`);
+      // A failed run was logged by the runner already (error, with its step, chunk and attempt);
+      // this line is the server's account of the execution, an error only for an `error` outcome,
+      // which nothing else reports.
+      if (outcome === 'error') log.error({ outcome, err: errorFields(err) }, 'run error');
+      else log.info({ outcome, err: errorFields(err) }, `run ${outcome}`);
     } finally {
       if (outcome !== null) metrics.runsEnded.inc({ job: q.job, outcome });
     }
