@@ -537,6 +537,15 @@ describe('a request that never finishes arriving', () => {
         expect(res.ms).toBeLessThan(5_000);
       }
       expect(await snapshot(url, TABLES)).toEqual(before);
+      // Counted and logged like any answer (before: in neither; the parser's refusals neither).
+      const bad = await rawHttp(served.base, `GET /api/runs HTTP/1.1\r\nhost: x\r\nx-bad: a\u0001b\r\nconnection: close\r\n\r\n`);
+      expect(bad.status).toBe(400);
+      const metrics = (await api(served.base, 'GET', '/metrics')).text;
+      expect(metrics).toMatch(/^idem_http_requests_total\{method="unparsed",route="unmatched",status="408"\} 2$/m);
+      expect(metrics).toMatch(/^idem_http_requests_total\{method="unparsed",route="unmatched",status="400"\} 1$/m);
+      const refused = served.proc.stderr().split('\n').filter((l) => l.includes('refused before routing'));
+      expect(refused.map((l) => (JSON.parse(l) as { status: number }).status).sort()).toEqual([400, 408, 408]);
+      expect(served.proc.stderr()).not.toContain(TOKEN);
       // Only arriving is timed: a keep-alive connection idle for longer, then used, is answered.
       expect((await api(served.base, 'GET', '/api/runs?limit=1')).status).toBe(200);
       await new Promise((r) => setTimeout(r, 2_500));

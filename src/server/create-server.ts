@@ -153,7 +153,14 @@ export function createServer(opts: ServerOptions): IdemServer {
     // Behind a proxy the operator sets X-Forwarded-*; idem does not trust them itself.
     trustProxy: false,
     return503OnClosing: true,
-    clientErrorHandler: clientError,
+    // Counted and logged as every answer is (they never reach a route nor onResponse): a slow or
+    // broken client is otherwise invisible. The parser's error itself is not logged (see clientError).
+    clientErrorHandler: (err: NodeJS.ErrnoException, socket: import('node:net').Socket) => {
+      const status = clientError(err, socket);
+      if (status === null) return;
+      metrics.httpRequests.inc({ method: 'unparsed', route: 'unmatched', status: String(status) });
+      log.warn({ status, code: err.code }, `request refused before routing: ${status === 408 ? 'it did not arrive whole in time' : 'not valid HTTP'} (answered ${status})`);
+    },
     // Twice. Fastify sets it on the server after creating it (0, off, unless given); given to Node
     // at creation too, Node derives the headers' timeout from it (at most 60 s) and keeps it no
     // longer than the request's, which it requires: with the default 60 s headers timeout left
@@ -396,11 +403,11 @@ function forbiddenKey(text: string): string | null {
 /**
  * Requests Node's HTTP parser refuses before any route sees them (a control character in a header,
  * headers over the size limit, a Content-Length the body does not match) get a problem+json answer
- * like every other error, not Fastify's own JSON. Nothing is logged: the parser's error carries the
- * raw request bytes, the Authorization header included.
+ * like every other error, not Fastify's own JSON; returns the status answered (null: none). The
+ * parser's error is not logged: it carries the raw request bytes, the Authorization header included.
  */
-function clientError(err: NodeJS.ErrnoException, socket: import('node:net').Socket): void {
-  if (err.code === 'ECONNRESET' || socket.destroyed) return;
+function clientError(err: NodeJS.ErrnoException, socket: import('node:net').Socket): number | null {
+  if (err.code === 'ECONNRESET' || socket.destroyed) return null;
   const problem =
     err.code === 'ERR_HTTP_REQUEST_TIMEOUT'
       ? new HttpProblem(408, 'idem.requestTimeout', 'the request did not arrive whole within the server\'s request timeout; send it again, all of it')
@@ -408,13 +415,17 @@ function clientError(err: NodeJS.ErrnoException, socket: import('node:net').Sock
         ? new HttpProblem(431, 'idem.headersTooLarge', 'the request headers are larger than the server accepts; send a short Idempotency-Key (at most 200 characters) and no oversized headers')
         : new HttpProblem(400, 'idem.badRequest', 'the request is not valid HTTP (a control character in a header, or a body that does not match its Content-Length); send a well-formed request');
   const body = JSON.stringify(problemBody(problem));
-  if (!socket.writable) return void socket.destroy();
+  if (!socket.writable) {
+    socket.destroy();
+    return null;
+  }
   // Half-close and drain what the client is still sending (the rest of 100 KB of headers): closing
   // a socket with unread input sends a reset, and the client would see ECONNRESET, not the answer.
   socket.on('error', () => {});
   socket.resume();
   socket.end(`HTTP/1.1 ${problem.status} ${problemBody(problem).title}\r\nContent-Length: ${Buffer.byteLength(body)}\r\nContent-Type: ${PROBLEM_TYPE}; charset=utf-8\r\nConnection: close\r\n\r\n${body}`);
   setTimeout(() => socket.destroy(), 2_000).unref();
+  return problem.status;
 }
 
 /** A bind that failed for the operator's --host/--port, as a usage error (exit 2) naming the fix. */
