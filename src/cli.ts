@@ -63,7 +63,24 @@ export function buildProgram(state: { exitCode: number }): Command {
   registerResetCommand(program, cli);
   registerPruneCommand(program, cli);
   registerServeCommand(program, cli);
+  for (const cmd of [program, ...program.commands]) refuseRepeatedOptions(cmd);
   return program;
+}
+
+/**
+ * An option that takes one value, given twice (`--key a --key b`, a wrapper adding its own): refused
+ * instead of commander's last-one-wins, which would run under a key (or URL, schema…) the caller
+ * may not have meant. `--param` is made to repeat.
+ */
+function refuseRepeatedOptions(cmd: Command): void {
+  for (const opt of cmd.options) {
+    if (!(opt.required || opt.optional) || opt.attributeName() === 'param') continue;
+    let seen = false;
+    cmd.on(`option:${opt.name()}`, () => {
+      if (seen) cmd.error(`error: option '${opt.long ?? opt.flags}' was given more than once; give it once`, { code: 'commander.repeatedOption', exitCode: ExitCode.Usage });
+      seen = true;
+    });
+  }
 }
 
 /** A commander message on one line, without its final full stop. */

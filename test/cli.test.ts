@@ -418,6 +418,20 @@ describe('idem help, status and list', () => {
     expect(helpHelp.stdout).toContain('Usage: idem [options] [command]');
   });
 
+  it('an option that takes one value, given twice, is refused (exit 2) instead of the last one winning; --param repeats', async () => {
+    const before = await snapshot(url, ALL_TABLES);
+    const [key, schema, params] = await Promise.all([
+      runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":1}', '--key', 'a', '--key', 'b'], { url }),
+      runCli([...FIXTURE_DIRS, '--schema', 'idem', '--schema', 'other', 'status'], { url }),
+      runCli([...FIXTURE_DIRS, 'run', 'counted', '--param', 'chunks=1', '--param', 'pauseMs=0', '--key', 'repeat-param', '--dry-run'], { url }),
+    ]);
+    // Before: exit 0, "(run key b, attempt 1)".
+    expectOneLineError(key!, 2, "option '--key' was given more than once; give it once; see --help");
+    expectOneLineError(schema!, 2, "option '--schema' was given more than once; give it once; see --help");
+    expect(params!.code, params!.stderr).toBe(0);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
   it('--version and -V print the version of the installed idem and exit 0, as every CLI does', async () => {
     // The first thing asked in a bug report; it was "unknown option '--version'", exit 2.
     const { version } = JSON.parse(await readFile(new URL('../package.json', import.meta.url), 'utf8')) as { version: string };
