@@ -161,7 +161,16 @@ export async function expectConvergent(job: Job, opts: ConvergenceOptions): Prom
   /** A fresh database with the setup jobs run in it; the scenario gets connected runners on it. */
   const inFreshDatabase = async <T>(fn: (connect: () => Promise<Runner>) => Promise<T>): Promise<T> => {
     const name = `idem_kit_${randomBytes(6).toString('hex')}`;
-    await withAdmin(admin, (c) => c.query(`create database ${name}`));
+    await withAdmin(admin, async (c) => {
+      await c.query(`create database ${name}`).catch(async (err: unknown) => {
+        if ((err as { code?: string }).code !== '42501') throw err;
+        const { rows } = await c.query<{ role: string }>('select quote_ident(current_user) as role');
+        throw new Error(
+          `expectConvergent(): role ${rows[0]!.role} may not create databases (${(err as Error).message}), and each scenario runs in a database of its own created on databaseUrl: ALTER ROLE ${rows[0]!.role} CREATEDB, or pass the databaseUrl of a role that may`,
+          { cause: err },
+        );
+      });
+    });
     const url = new URL(admin);
     url.pathname = `/${name}`;
     const runners: Runner[] = [];

@@ -183,3 +183,30 @@ describe('the diff a failing kit shows', () => {
     expect(diffSnapshots(clean, clean)).toBe('');
   });
 });
+
+describe('expectConvergent with a role that may not create databases', () => {
+  it('says the role needs CREATEDB, not only pg\'s "permission denied to create database"', async () => {
+    const pg = (await import('pg')).default;
+    const admin = new pg.Client({ connectionString: databaseUrl() });
+    await admin.connect();
+    const role = 'idem_kit_no_createdb';
+    try {
+      await admin.query(`drop role if exists ${role}`);
+      await admin.query(`create role ${role} login password 'kit-secret-xyz' nocreatedb`);
+      const as = new URL(databaseUrl());
+      as.username = role;
+      as.password = 'kit-secret-xyz';
+      const err = await expectConvergent(createTables, { ...kit, databaseUrl: as.toString(), snapshot: async () => [] }).then(
+        () => null,
+        (e: unknown) => e as Error,
+      );
+      expect(err?.message).toBe(
+        `expectConvergent(): role ${role} may not create databases (permission denied to create database), and each scenario runs in a database of its own created on databaseUrl: ALTER ROLE ${role} CREATEDB, or pass the databaseUrl of a role that may`,
+      );
+      expect(err?.message).not.toContain('kit-secret-xyz');
+    } finally {
+      await admin.query(`drop role if exists ${role}`);
+      await admin.end();
+    }
+  });
+});
