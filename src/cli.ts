@@ -67,14 +67,17 @@ export function buildProgram(state: { exitCode: number }): Command {
   return program;
 }
 
+/** Options whose values accumulate (each occurrence adds one): `--param k=v`, `--health name=value`. */
+const REPEATABLE_OPTIONS: ReadonlySet<string> = new Set(['param', 'health']);
+
 /**
  * An option that takes one value, given twice (`--key a --key b`, a wrapper adding its own): refused
  * instead of commander's last-one-wins, which would run under a key (or URL, schema…) the caller
- * may not have meant. `--param` is made to repeat.
+ * may not have meant. `--param` and `--health` are made to repeat.
  */
 function refuseRepeatedOptions(cmd: Command): void {
   for (const opt of cmd.options) {
-    if (!(opt.required || opt.optional) || opt.attributeName() === 'param') continue;
+    if (!(opt.required || opt.optional) || REPEATABLE_OPTIONS.has(opt.attributeName())) continue;
     let seen = false;
     cmd.on(`option:${opt.name()}`, () => {
       if (seen) cmd.error(`error: option '${opt.long ?? opt.flags}' was given more than once; give it once`, { code: 'commander.repeatedOption', exitCode: ExitCode.Usage });

@@ -55,9 +55,11 @@ export function refuseUnsupportedUrl(connectionString: string, source: string): 
       `${source} is not a postgres:// URL; pass postgres://user:password@host:5432/db (percent-encode special characters in the password; a Unix socket: postgres:///db?host=/var/run/postgresql)`,
     );
   }
-  // Around the URL pg reads a space into the host or the database name; inside it, into the user,
-  // password or database, where its error then blames the credentials.
-  if (/\s/.test(connectionString.trim())) throw new UsageError('invalidDatabaseUrl', `${source} holds a space or other white space; percent-encode it (a space as %20): postgres://user:password@host:5432/db`);
+  // White space in the user, password or host: pg then decodes none of the password's other
+  // %-escapes (`p%40ss x` reaches the server as `p%40ss x`), or takes a piece for the host, and its
+  // error blames the credentials. In the query (`?options=-c search_path=app`) it is read as meant.
+  const authority = /^\s*[A-Za-z][A-Za-z0-9+.-]*:\/\/([^/?#]*)/.exec(connectionString.trim())?.[1] ?? '';
+  if (/\s/.test(authority)) throw new UsageError('invalidDatabaseUrl', `${source} holds white space in its user, password or host; percent-encode it (a space as %20): postgres://user:password@host:5432/db`);
   const port = /^\s*postgres(?:ql)?:\/\/(?:[^@/?#]*@)?(?:\[[^\]/?#]*\]|[^:/?#]*):(\d+)(?:[/?#]|\s*$)/i.exec(connectionString)?.[1];
   if (port !== undefined && !(Number(port) >= 1 && Number(port) <= 65535)) {
     throw new UsageError('invalidDatabaseUrl', `${source} has port ${port}, which is not a port number (1 to 65535); fix the port: postgres://user:password@host:5432/db`);

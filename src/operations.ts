@@ -151,7 +151,7 @@ export async function requestControl(h: OperationsHost, job: string, what: 'paus
     // A cancel is final: a pause written over it (which the compare-and-set below would allow)
     // would make the run resumable again. A cancel over a pending pause is fine: it is the stronger.
     if (what === 'pause' && run.requested === 'cancel') {
-      throw new UsageError('cannotControl', `run "${run.run_key}" of job "${job}" has a cancel pending (it ends cancelled at its next chunk boundary): nothing to pause`);
+      throw new UsageError('cannotControl', `run "${run.run_key}" of job "${job}" has a cancel pending (it ends cancelled at its next chunk boundary, or its next invocation if nobody executes it): nothing to pause`);
     }
     const live = await isLive(h, run);
     const newStatus = live ? run.status : what === 'pause' ? 'paused' : 'cancelled';

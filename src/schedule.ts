@@ -1,3 +1,4 @@
+import { getMaxListeners, setMaxListeners } from 'node:events';
 import { existsSync } from 'node:fs';
 import path from 'node:path';
 import { Cron } from 'croner';
@@ -118,7 +119,9 @@ function canonicalZone(zone: unknown, expression: string): string {
   // is kept. ICU's canonical spelling otherwise ("europe/berlin" → "Europe/Berlin"), not always:
   // it resolves Asia/Kathmandu to Asia/Katmandu and Europe/Kyiv to Europe/Kiev, names tzdata keeps
   // only as backward links.
-  return resolved !== zone && existsSync(path.join(process.env.TZDIR || '/usr/share/zoneinfo', zone)) ? zone : resolved;
+  // Only another name, not another case of the same one: a case-insensitive file system (macOS)
+  // would find `europe/berlin` too.
+  return resolved.toLowerCase() !== zone.toLowerCase() && existsSync(path.join(process.env.TZDIR || '/usr/share/zoneinfo', zone)) ? zone : resolved;
 }
 
 /**
@@ -423,6 +426,9 @@ export async function runCronLoop(opts: CronLoopOptions): Promise<void> {
     throw new UsageError('noScheduledJobs', 'no job declares a schedule; add one to a job definition, e.g. schedule: "0 3 * * *"');
   }
   const retryFailed = opts.retryFailed ?? retryByDefault;
+  if (signal.aborted) return;
+  // Every job's loop sleeps on the signal at once: not a listener leak past Node's default of 10.
+  setMaxListeners(Math.max(getMaxListeners(signal), entries.length + 10), signal);
   const jobLoop = async ({ job, schedule }: ScheduledJob): Promise<void> => {
     /** Slots of this job that failed and are tried again at its next tick, oldest first. */
     const failed: Date[] = [];
@@ -467,5 +473,17 @@ export async function runCronLoop(opts: CronLoopOptions): Promise<void> {
       if (!signal.aborted) await attempt(last);
     }
   };
-  await Promise.all(entries.map(jobLoop));
+  // A job whose loop throws (a schedule with no slot after the last one, a clock that fails) is
+  // reported and stops; the other jobs go on.
+  await Promise.all(
+    entries.map((e) =>
+      jobLoop(e).catch((err: unknown) => {
+        try {
+          onError(e.job, now(), err, false);
+        } catch {
+          // A failing reporter must not end the scheduler either.
+        }
+      }),
+    ),
+  );
 }

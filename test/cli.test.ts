@@ -418,12 +418,12 @@ describe('idem help, status and list', () => {
     expect(helpHelp.stdout).toContain('Usage: idem [options] [command]');
   });
 
-  it('an option that takes one value, given twice, is refused (exit 2) instead of the last one winning; --param repeats', async () => {
+  it('an option that takes one value, given twice, is refused (exit 2) instead of the last one winning; --param and --health repeat', async () => {
     const before = await snapshot(url, ALL_TABLES);
     const [key, schema, params] = await Promise.all([
       runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":1}', '--key', 'a', '--key', 'b'], { url }),
       runCli([...FIXTURE_DIRS, '--schema', 'idem', '--schema', 'other', 'status'], { url }),
-      runCli([...FIXTURE_DIRS, 'run', 'counted', '--param', 'chunks=1', '--param', 'pauseMs=0', '--key', 'repeat-param', '--dry-run'], { url }),
+      runCli([...FIXTURE_DIRS, 'run', 'counted', '--param', 'chunks=1', '--param', 'pauseMs=0', '--key', 'repeat-param', '--dry-run', '--health', 'transactionAgeSeconds=900', '--health', 'lockWaitMs=off'], { url }),
     ]);
     // Before: exit 0, "(run key b, attempt 1)".
     expectOneLineError(key!, 2, "option '--key' was given more than once; give it once; see --help");
@@ -692,9 +692,13 @@ describe('--database-url and DATABASE_URL must be URLs', () => {
     const spaced = `postgres://${u.username}:sp ace-secret@${u.host}${u.pathname}`;
     const before = await snapshot(url, ALL_TABLES);
     const r = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":1}', '--key', 'spaced'], { url: spaced });
-    expectOneLineError(r, 2, 'DATABASE_URL holds a space or other white space; percent-encode it (a space as %20): postgres://user:password@host:5432/db');
+    expectOneLineError(r, 2, 'DATABASE_URL holds white space in its user, password or host; percent-encode it (a space as %20): postgres://user:password@host:5432/db');
     expect(r.stderr + r.stdout).not.toContain('ace-secret');
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+    // In the query it is read as meant (pg takes it as libpq does).
+    const withOptions = new URL(url);
+    const q = await runCli([...FIXTURE_DIRS, 'status'], { url: `${withOptions.href}${withOptions.search ? '&' : '?'}options=-c search_path=public` });
+    expect(q.code, q.stderr).toBe(0);
   });
 
   it("a password from PGPASSFILE works with no warning line: pg's deprecation of it is advice to idem, not to its user", async () => {

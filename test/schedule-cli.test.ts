@@ -10,6 +10,7 @@ import { useTestDatabase } from './support/database.ts';
 import { api, startServe } from './support/server.ts';
 
 const SCHEDULED_JOBS = fileURLToPath(new URL('./fixtures/scheduled-jobs', import.meta.url));
+const SCHEDULED_PAIR = fileURLToPath(new URL('./fixtures/scheduled-pair', import.meta.url));
 const schedule = parseSchedule(TICK_SCHEDULE);
 
 const testDb = useTestDatabase({ fixtureTables: true });
@@ -306,6 +307,31 @@ describe('idem cron', () => {
     expect(await ticks('default')).toEqual([{ run_key: slotKey(slot), chunk_key: slot.toISOString() }]);
     expect(await runsOf('sched_d')).toMatchObject([{ run_key: slotKey(slot), status: 'succeeded', attempt: 1 }]);
   });
+
+  it('runs the jobs side by side, at most --max-runs at once: two 2-second jobs overlap by default and take turns with --max-runs 1', async () => {
+    const slot = slotKey(latestSlot(schedule));
+    const spans = async (maxRuns: string[], schema: string) => {
+      await query(url, `delete from work_log where job like 'pair-%'`);
+      const cron = spawnCli(['--jobs-dir', SCHEDULED_PAIR, '--schema', schema, 'cron', ...maxRuns], { url });
+      try {
+        await waitFor(async () => {
+          const runs = await query(url, `select count(*)::int as n from ${schema}.runs where run_key = $1 and status = 'succeeded'`, [slot]).catch(() => [{ n: 0 }]);
+          return runs[0]!.n === 2;
+        }, 'both jobs\' slots to succeed');
+      } finally {
+        cron.child.kill('SIGTERM');
+        expect((await cron.done).code).toBe(143);
+      }
+      const rows = await query(url, `select job, step, logged_at from work_log where job like 'pair-%' and run_key = $1 order by logged_at`, [slot]);
+      const at = (job: string, step: string) => new Date(rows.find((r) => r.job === job && r.step === step)!.logged_at).getTime();
+      expect(rows).toHaveLength(4);
+      return { overlap: at('pair-a', 'start') < at('pair-b', 'end') && at('pair-b', 'start') < at('pair-a', 'end') };
+    };
+    expect(await spans([], 'sched_pair_4')).toEqual({ overlap: true });
+    expect(await spans(['--max-runs', '1'], 'sched_pair_1')).toEqual({ overlap: false });
+    const bad = await runCli(['--jobs-dir', SCHEDULED_PAIR, 'cron', '--max-runs', '0'], { url });
+    expect(bad.code).toBe(2);
+  }, 60_000);
 
   it('a slot due while another run of the job holds it is not "taken by another process": it is said to be behind that run, and tried again at the next tick', async () => {
     // Black-box round 10: an earlier slot run by hand held the job's lock at the tick; both cron

@@ -375,6 +375,40 @@ describe('runCronLoop', () => {
     expect(h.of('long')).toEqual(['long@2026-12-03T12:46:00Z at 12:46:24', 'long@2026-12-03T12:48:00Z at 12:48:04', 'long@2026-12-03T12:49:00Z at 12:49:44', 'long@2026-12-03T12:51:00Z at 12:51:24']);
   });
 
+  it('side by side: a job whose loop throws is reported and stops, the others go on; 12 jobs add no listener-leak warning; an aborted signal runs nothing', async () => {
+    const h = harness('2026-12-03T12:46:24Z', '2026-12-03T12:49:30Z');
+    const minutely = parseSchedule('* * * * *');
+    const broken: Schedule = { ...minutely, next: () => { throw new Error('no slot after this one'); } };
+    const errors: string[] = [];
+    const warnings: string[] = [];
+    const onWarning = (w: Error) => void warnings.push(w.name);
+    process.on('warning', onWarning);
+    try {
+      await runCronLoop({
+        entries: [{ job: 'broken', schedule: broken }, ...Array.from({ length: 12 }, (_, i) => ({ job: `j${i}`, schedule: minutely }))],
+        runSlot: async (job, slot) => void h.record(`${job}@${slotKey(slot)}`),
+        onError: (job, _slot, err) => void errors.push(`${job}: ${(err as Error).message}`),
+        signal: h.controller.signal,
+        now: h.now,
+        sleep: h.sleep,
+      });
+      await new Promise((r) => setImmediate(r));
+    } finally {
+      process.off('warning', onWarning);
+    }
+    expect(errors).toEqual(['broken: no slot after this one']);
+    expect(h.of('broken').length).toBeLessThanOrEqual(1);
+    expect(h.of('j0')).toEqual(['j0@2026-12-03T12:46:00Z', 'j0@2026-12-03T12:47:00Z', 'j0@2026-12-03T12:48:00Z', 'j0@2026-12-03T12:49:00Z']);
+    expect(h.of('j11')).toHaveLength(4);
+    expect(warnings).not.toContain('MaxListenersExceededWarning');
+
+    const aborted = new AbortController();
+    aborted.abort();
+    const calls: string[] = [];
+    await runCronLoop({ entries: [{ job: 'daily', schedule: daily }], runSlot: async (job) => void calls.push(job), signal: aborted.signal });
+    expect(calls).toEqual([]);
+  });
+
   it('runs the latest due slot at start, then each next slot in order, and stops on abort', async () => {
     const h = harness('2026-11-30T10:20:00Z', '2026-11-30T13:30:00Z');
     await runCronLoop({

@@ -1,4 +1,5 @@
 import type { Command } from 'commander';
+import { positiveInt } from '../cli-parsers.ts';
 import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
 import { describeOutcome } from '../describe-outcome.ts';
 import { errorFields, ExitCode, IdemError, InterruptedError } from '../errors.ts';
@@ -9,13 +10,18 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
   program
     .command('cron')
     .description('run the schedules in this process (for containers without cron); several on several hosts are safe')
-    .action(() =>
+    .option('--max-runs <n>', 'runs of different jobs executed at once by this process (the others wait their turn)', positiveInt(64), 4)
+    .action((o: { maxRuns: number }) =>
       cli.runWithSession(async (g, log, session, force) => {
         const { assertNotStandby, loadJobDir, runCronLoop, slotKey, SlotBehindError } = await import('../cli-runtime.ts');
+        // Each job keeps its own schedule, side by side; at most this many of their runs at once,
+        // on a pool sized for them as idem serve's is (--max-runs × a run's connections + 4).
+        const { default: pLimit } = await import('p-limit');
+        const limit = pLimit(o.maxRuns);
         const loaded = await loadJobDir(g.jobsDir, 'jobs');
         const byName = new Map(loaded.map((l) => [l.job.name, l.job]));
         const entries = await scheduledJobs(g.jobsDir, g.migrationsDir);
-        const runner = await openRunner(g, log, session);
+        const runner = await openRunner(g, log, session, o.maxRuns + 4);
         // On a standby every slot would fail, tick after tick: refused at start instead (exit 2).
         await assertNotStandby(runner.db);
         const signals = installSignals(log, g.shutdownTimeout, force);
@@ -23,7 +29,7 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
         await runCronLoop({
           entries,
           signal: signals.stop,
-          runSlot: async (name, slot) => {
+          runSlot: (name, slot) => limit(async () => {
             const key = slotKey(slot);
             const out = await runner.run(byName.get(name)!, { key, slot, signal: signals.stop, abortSignal: signals.abort }).catch(async (err: unknown) => {
               if (!(err instanceof IdemError && err.exitCode === ExitCode.Busy)) throw err;
@@ -35,7 +41,7 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
               throw new SlotBehindError(err, other ? `run key ${other.runKey}` : 'another process');
             });
             log.info({ job: name, slot: key, status: out.status, executed: out.executed }, describeOutcome(out));
-          },
+          }),
           onError: (name, slot, err, again) => {
             if (signals.stop.aborted) return;
             const then = again ? "it is tried again at the job's next tick, then left to --catch-up" : 'it was tried again once already: left to --catch-up';

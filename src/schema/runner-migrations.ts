@@ -304,8 +304,11 @@ export async function ensureRunnerSchema(db: Kysely<any>, schema: string, access
     // A schema that already has tables of the names idem creates, not made by idem (it has no
     // migration table): the first migration would fail on them after Kysely created its own two
     // tables there, so a refusal that promises nothing was changed would leave those behind.
+    // Unless idem's bookkeeping is there by now: another pod of the deploy created the schema since.
     const { rows: taken } = await sql<{ relname: string }>`select c.relname from pg_class c join pg_namespace n on n.oid = c.relnamespace
-      where n.nspname = ${schema} and c.relname = any(${RUNNER_TABLES as unknown as string[]}::text[]) order by c.relname`.execute(db);
+      where n.nspname = ${schema} and c.relname = any(${RUNNER_TABLES as unknown as string[]}::text[])
+        and not exists (select 1 from pg_class m where m.relnamespace = n.oid and m.relname = ${MIGRATION_TABLE})
+      order by c.relname`.execute(db);
     if (taken.length > 0) {
       const names = taken.map((r) => r.relname).join(', ');
       throw new UsageError(

@@ -159,7 +159,8 @@ export function createServer(opts: ServerOptions): IdemServer {
       const status = clientError(err, socket);
       if (status === null) return;
       metrics.httpRequests.inc({ method: 'unparsed', route: 'unmatched', status: String(status) });
-      log.warn({ status, code: err.code }, `request refused before routing: ${status === 408 ? 'it did not arrive whole in time' : 'not valid HTTP'} (answered ${status})`);
+      const why = status === 408 ? 'it did not arrive whole in time' : status === 431 ? 'its headers are too large' : 'not valid HTTP';
+      log.warn({ status, code: err.code }, `request refused before routing: ${why} (answered ${status})`);
     },
     // Twice. Fastify sets it on the server after creating it (0, off, unless given); given to Node
     // at creation too, Node derives the headers' timeout from it (at most 60 s) and keeps it no
