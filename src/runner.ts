@@ -235,7 +235,10 @@ export class Runner {
   }
 
   /** Connects, checks the server, and creates or upgrades the runner schema. */
-  static async connect(opts: RunnerOptions): Promise<Runner> {
+  static async connect(given: RunnerOptions): Promise<Runner> {
+    // White space around the URL (an env file's line, a secret with its newline) is not part of it,
+    // as for the CLI: pg would read a leading space as the host, a trailing one into the database name.
+    const opts = typeof given?.connectionString === 'string' ? { ...given, connectionString: given.connectionString.trim() } : given;
     const schema = opts.schema ?? DEFAULT_SCHEMA;
     const lockIdle = opts.lockIdleTimeoutMs;
     if (lockIdle !== undefined && !(Number.isInteger(lockIdle) && (lockIdle === 0 || lockIdle >= 20_000))) {

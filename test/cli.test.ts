@@ -689,6 +689,9 @@ describe('--database-url and DATABASE_URL must be URLs', () => {
     // pg read a leading space as the host "base", a trailing one into the database name.
     expect(lead.code, lead.stderr).toBe(0);
     expect(trail.code, trail.stderr).toBe(0);
+    // The library trims it the same way.
+    const lib = await Runner.connect({ connectionString: ` ${url}\n` });
+    await lib.close();
     const spaced = `postgres://${u.username}:sp ace-secret@${u.host}${u.pathname}`;
     const before = await snapshot(url, ALL_TABLES);
     const r = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":1}', '--key', 'spaced'], { url: spaced });

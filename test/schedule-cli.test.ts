@@ -302,6 +302,8 @@ describe('idem cron', () => {
     for (const c of crons) c.child.kill('SIGTERM');
     const results = await Promise.all(crons.map((c) => c.done));
     expect(results.map((r) => r.code)).toEqual([143, 143]);
+    // The busy refusal's advice is for idem run, not for a scheduler's line.
+    for (const r of results) expect(r.stderr).not.toContain('pass --wait');
 
     // cron passes no params: the default tag.
     expect(await ticks('default')).toEqual([{ run_key: slotKey(slot), chunk_key: slot.toISOString() }]);
@@ -348,6 +350,7 @@ describe('idem cron', () => {
       await waitFor(async () => cron.stderr().includes(`"slot":"${slotKey(slot)}"`), 'the scheduler to report the slot');
       const line = cron.stderr().split('\n').find((l) => l.includes(`"slot":"${slotKey(slot)}"`))!;
       expect(line).not.toContain('slot taken by another process');
+      expect(line).not.toContain('pass --wait');
       expect(JSON.parse(line).msg).toMatch(/^slot not run now: another run of job "hourly-tick" holds the job \(run key 20\d\d-.+\); it is tried again at the job's next tick, then left to --catch-up$/);
     } finally {
       cron.child.kill('SIGTERM');
