@@ -350,7 +350,7 @@ describe('a pending cancel is not undone by a pause', () => {
       expect(cancel.code, cancel.stderr).toBe(0);
       const pause = await idem(['pause', 'counted', '--key', key]);
       expect(pause.code).toBe(2);
-      expect(pause.stderr).toBe(`idem: error: run "${key}" of job "counted" has a cancel pending (it ends cancelled at its next chunk boundary): nothing to pause\n`);
+      expect(pause.stderr).toBe(`idem: error: run "${key}" of job "counted" has a cancel pending (it ends cancelled at its next chunk boundary, or its next invocation if nobody executes it): nothing to pause\n`);
       expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'running', requested: 'cancel' });
       await requestSeen(child, 'cancel');
     } finally {
