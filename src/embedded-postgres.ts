@@ -347,13 +347,18 @@ async function tryLock(lockDir: string): Promise<boolean> {
 /**
  * The temp dirs and password files (`pg.init-<pid>-<hex>`, `….pw`) of initialisers that died
  * before their cleanup (SIGKILL, a watchdog's exit): 40 MB and the password each. Called with the
- * init lock held, so no live initialiser of this host is working in them.
+ * init lock held, so no live initialiser of this host is working in them. Their initdb may outlive
+ * them, though (a SIGKILL does not reach the child), still writing files into the dir for a moment:
+ * a removal that meets ENOTEMPTY is retried for a few seconds (fs.rm's own retries), and one that
+ * still fails is left to the next command, not made this command's failure.
  */
 async function removeDeadInitialisers(dataDir: string): Promise<void> {
   const prefix = `${path.basename(dataDir)}.init-`;
   for (const name of await fs.readdir(path.dirname(dataDir)).catch(() => [] as string[])) {
     const m = name.startsWith(prefix) ? /^(\d+)-[0-9a-f]+(?:\.pw)?$/.exec(name.slice(prefix.length)) : null;
-    if (m && Number(m[1]) !== process.pid && !isAlive(Number(m[1]))) await fs.rm(path.join(path.dirname(dataDir), name), { recursive: true, force: true });
+    if (m && Number(m[1]) !== process.pid && !isAlive(Number(m[1]))) {
+      await fs.rm(path.join(path.dirname(dataDir), name), { recursive: true, force: true, maxRetries: 10, retryDelay: 100 }).catch(noop);
+    }
   }
 }
 
