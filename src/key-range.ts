@@ -1,6 +1,6 @@
 import { sql, type RawBuilder } from 'kysely';
 import type { ChunkSource, ChunkSpec, Json } from './job.ts';
-import { columnInSql, columnNameProblem, parseTableName, regclassText, tableNameProblem, tableRef } from './table-name.ts';
+import { columnInSql, columnNameProblem, parseTableName, regclassText, tableInSql, tableNameProblem, tableRef } from './table-name.ts';
 
 export interface KeyRangeOptions {
   /**
@@ -182,12 +182,6 @@ async function checkKeyColumn(db: PlanDb, table: string, regclass: string, name:
 }
 
 type PlanDb = Parameters<RawBuilder<unknown>['execute']>[0];
-
-/** A table name as SQL text names it, quoted only where it must be (as columnInSql does a column). */
-function tableInSql(table: string): string {
-  const t = parseTableName(table);
-  return t.schema === null ? columnInSql(t.name) : `${columnInSql(t.schema)}.${columnInSql(t.name)}`;
-}
 
 function toSafeInt(v: unknown, what: string): number {
   const n = typeof v === 'number' ? v : Number(v);

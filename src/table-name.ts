@@ -46,10 +46,20 @@ export function columnInSql(name: string): string {
   return /^[a-z_][a-z0-9_]*$/.test(name) ? name : quoteIdent(name);
 }
 
+/** The name as SQL text, each part spelled by `part`. */
+function partsInSql(value: string, part: (name: string) => string): string {
+  const t = parseTableName(value);
+  return t.schema === null ? part(t.name) : `${part(t.schema)}.${part(t.name)}`;
+}
+
 /** The name as `to_regclass` and `::regclass` read it: each part quoted (`"Sales"."Orders"`). */
 export function regclassText(value: string): string {
-  const t = parseTableName(value);
-  return t.schema === null ? quoteIdent(t.name) : `${quoteIdent(t.schema)}.${quoteIdent(t.name)}`;
+  return partsInSql(value, quoteIdent);
+}
+
+/** A table as SQL text an error message suggests spells it: each part as columnInSql spells a column. */
+export function tableInSql(value: string): string {
+  return partsInSql(value, columnInSql);
 }
 
 /**
