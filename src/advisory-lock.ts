@@ -1,5 +1,5 @@
 import pg from 'pg';
-import { BusyError, codeOf, DatabaseUnavailableError, InterruptedError, LockLostError } from './errors.ts';
+import { BusyError, codeOf, DatabaseUnavailableError, InterruptedError, LockLostError, RETRY_OR_WAIT } from './errors.ts';
 import { lockKey } from './fingerprint.ts';
 import { answerWithin, sleep } from './sleep.ts';
 import { lockSessionSetup, NO_CONNECTION_FREE_FIX, sessionName } from './database.ts';
@@ -236,7 +236,8 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
         throw new BusyError(
           opts.wait
             ? `${opts.what} is still running in another process after waiting ${opts.wait === true ? '' : `${opts.wait}s`} (${holders}); try again later`
-            : `${opts.what} is running in another process (${holders}); try again later or pass --wait`,
+            : `${opts.what} is running in another process (${holders})`,
+          opts.wait ? undefined : RETRY_OR_WAIT,
         );
       }
       await sleep(POLL_MS + Math.floor(Math.random() * POLL_MS), opts.signal);

@@ -116,10 +116,18 @@ export class BusyError extends IdemError {
     brandErrorClass(this, 'BusyError');
   }
 
-  constructor(message: string) {
-    super('idem.busy', ExitCode.Busy, message);
+  /** What is busy, without the advice to whoever invoked it (a scheduler says what it does instead). */
+  readonly reason: string;
+
+  /** `advice`, when given, ends the message: `<reason>; <advice>`. */
+  constructor(reason: string, advice?: string) {
+    super('idem.busy', ExitCode.Busy, advice === undefined ? reason : `${reason}; ${advice}`);
+    this.reason = reason;
   }
 }
+
+/** A busy refusal's advice to an `idem run` (or a library caller) that did not wait. */
+export const RETRY_OR_WAIT = 'try again later or pass --wait';
 
 /** The run failed in a step or chunk; recorded on the run row, resumable. */
 export class RunFailedError extends IdemError {

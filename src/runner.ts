@@ -5,7 +5,7 @@ import type { Logger } from 'pino';
 import { acquireAdvisoryLock, lockHolders, type HeldLock } from './advisory-lock.ts';
 import { looksDead, SILENT_SECONDS_SQL, silentSecondsOf, type LockHolder } from './lock-holder.ts';
 import { describeConnectError, openDatabase, redactError, type Database } from './database.ts';
-import { BusyError, CancelledError, codeOf, errorFields, FencedError, IdemError, InterruptedError, messageOf, STOP_SIGNALS, type StopSignal, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
+import { BusyError, CancelledError, codeOf, RETRY_OR_WAIT, errorFields, FencedError, IdemError, InterruptedError, messageOf, STOP_SIGNALS, type StopSignal, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
@@ -423,7 +423,7 @@ export class Runner {
       return now?.id === run.id && (await isLive(this.#ops(), now));
     };
     if (!(await live())) return false;
-    if (!opts.wait) throw new BusyError(`job "${job.name}" is running in another process (run ${runKey}, under the code it started with); try again later or pass --wait`);
+    if (!opts.wait) throw new BusyError(`job "${job.name}" is running in another process (run ${runKey}, under the code it started with)`, RETRY_OR_WAIT);
     const deadline = opts.wait === true ? Infinity : Date.now() + opts.wait * 1000;
     do {
       if (Date.now() >= deadline) throw new BusyError(`job "${job.name}" is still running in another process after waiting ${opts.wait}s (run ${runKey}); try again later`);

@@ -2,7 +2,7 @@ import { getMaxListeners, setMaxListeners } from 'node:events';
 import { existsSync } from 'node:fs';
 import path from 'node:path';
 import { Cron } from 'croner';
-import { ExitCode, exitCodeOf, messageOf, UsageError } from './errors.ts';
+import { BusyError, ExitCode, exitCodeOf, messageOf, UsageError } from './errors.ts';
 import { shellQuote } from './shell-quote.ts';
 import { sleep as abortableSleep } from './sleep.ts';
 
@@ -396,9 +396,9 @@ function retryByDefault(err: unknown): boolean {
  */
 export class SlotBehindError extends Error {
   readonly other: string;
-  /** `busy`: the refusal the slot's run met (its `cause`). */
+  /** `busy`: the refusal the slot's run met (its `cause`); its message without the advice to idem run. */
   constructor(busy: Error, other: string) {
-    super(busy.message, { cause: busy });
+    super(busy instanceof BusyError ? busy.reason : busy.message, { cause: busy });
     this.name = 'SlotBehindError';
     this.other = other;
   }

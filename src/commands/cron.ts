@@ -2,7 +2,7 @@ import type { Command } from 'commander';
 import { positiveInt } from '../cli-parsers.ts';
 import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
 import { describeOutcome } from '../describe-outcome.ts';
-import { errorFields, ExitCode, IdemError, InterruptedError } from '../errors.ts';
+import { BusyError, errorFields, ExitCode, IdemError, InterruptedError } from '../errors.ts';
 import { scheduledJobs } from './crontab.ts';
 
 /** `idem cron`: the schedules in this process, for containers without cron. */
@@ -46,8 +46,8 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
             if (signals.stop.aborted) return;
             const then = again ? "it is tried again at the job's next tick, then left to --catch-up" : 'it was tried again once already: left to --catch-up';
             if (err instanceof SlotBehindError) {
-              log.warn({ job: name, slot: slotKey(slot), busy: withoutRunAdvice(err.message) }, `slot not run now: another run of job "${name}" holds the job (${err.other}); ${then}`);
-            } else if (err instanceof IdemError && err.exitCode === ExitCode.Busy) log.info({ job: name, slot: slotKey(slot) }, `slot taken by another process: ${withoutRunAdvice(err.message)}`);
+              log.warn({ job: name, slot: slotKey(slot), busy: err.message }, `slot not run now: another run of job "${name}" holds the job (${err.other}); ${then}`);
+            } else if (err instanceof IdemError && err.exitCode === ExitCode.Busy) log.info({ job: name, slot: slotKey(slot) }, `slot taken by another process: ${err instanceof BusyError ? err.reason : err.message}`);
             else log.error({ job: name, slot: slotKey(slot), err: errorFields(err) }, again ? 'scheduled run failed; the next tick tries it once more, --catch-up after that' : 'scheduled run failed; not tried again at the next tick (left to --catch-up)');
           },
         });
@@ -55,9 +55,4 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
         return reason instanceof InterruptedError ? reason.exitCode : ExitCode.Ok;
       }, ['jobs']),
     );
-}
-
-/** A busy refusal's advice is for `idem run` (retry, or --wait); the scheduler's line says what it does instead. */
-function withoutRunAdvice(message: string): string {
-  return message.replace(/; try again later or pass --wait$/, '');
 }
