@@ -250,7 +250,7 @@ export async function databaseUrl(g: GlobalOptions, log: Logger, session: Sessio
   }
   if (g.databaseUrl) {
     const { redactUrl, refuseUnsupportedUrl } = await import('./cli-runtime.ts');
-    refuseUnsupportedUrl(g.databaseUrl, g.databaseUrlFrom ?? '--database-url');
+    refuseUnsupportedUrl(g.databaseUrl, source);
     log.debug({ database: redactUrl(g.databaseUrl) }, 'using database');
     return g.databaseUrl;
   }

@@ -58,9 +58,9 @@ export function refuseUnsupportedUrl(connectionString: string, source: string): 
   // White space in the user, password or host: pg then decodes none of the password's other
   // %-escapes (`p%40ss x` reaches the server as `p%40ss x`), or takes a piece for the host, and its
   // error blames the credentials. In the query (`?options=-c search_path=app`) it is read as meant.
-  const authority = /^\s*[A-Za-z][A-Za-z0-9+.-]*:\/\/([^/?#]*)/.exec(connectionString.trim())?.[1] ?? '';
+  const authority = splitAuthority(connectionString.trim())?.authority ?? '';
   if (/\s/.test(authority)) throw new UsageError('invalidDatabaseUrl', `${source} holds white space in its user, password or host; percent-encode it (a space as %20): postgres://user:password@host:5432/db`);
-  const port = /^\s*postgres(?:ql)?:\/\/(?:[^@/?#]*@)?(?:\[[^\]/?#]*\]|[^:/?#]*):(\d+)(?:[/?#]|\s*$)/i.exec(connectionString)?.[1];
+  const port = /:(\d+)$/.exec(authority.slice(authority.lastIndexOf('@') + 1))?.[1];
   if (port !== undefined && !(Number(port) >= 1 && Number(port) <= 65535)) {
     throw new UsageError('invalidDatabaseUrl', `${source} has port ${port}, which is not a port number (1 to 65535); fix the port: postgres://user:password@host:5432/db`);
   }
@@ -78,10 +78,14 @@ const POSTGRES_URL = /^\s*postgres(?:ql)?:\/\//i;
  * query value must be written %40 then), is taken for that mistake.
  */
 function misreadUserinfo(url: string): boolean {
-  const m = /^\s*[A-Za-z][A-Za-z0-9+.-]*:\/\/([^/?#]*)(.*)$/s.exec(url);
-  if (!m) return false;
-  const [, , rest = ''] = m;
+  const rest = splitAuthority(url)?.rest ?? '';
   return rest.includes('#') || rest.includes('@');
+}
+
+/** A URL's authority (user, password, host and port, up to the first `/`, `?` or `#`) and what follows it; null without `scheme://`. */
+function splitAuthority(url: string): { authority: string; rest: string } | null {
+  const m = /^\s*[A-Za-z][A-Za-z0-9+.-]*:\/\/([^/?#]*)(.*)$/s.exec(url);
+  return m ? { authority: m[1]!, rest: m[2]! } : null;
 }
 
 /** Where a connection string does not parse, or parses as something else: neither it nor its redaction is repeated. */

@@ -722,9 +722,7 @@ export class Runner {
       const lost = err instanceof LockLostError ? err : new LockLostError(err.message, { cause: err });
       // A worker stopped (SIGSTOP, a cut link) while the others finished the run wakes to a lost
       // lock: "rerun to resume" would send the user after a run that is over.
-      // Bounded: a lost lock is often a dead network, where a new connection waits out its
-      // connect timeout (10 s) before failing, and then the answer only changes the message.
-      const now = await answerWithin(this.store.getRun(runId), LOST_LOOKUP_MS, () => null).catch(() => null);
+      const now = await this.#runAsItEnded(runId);
       if (now?.status === 'succeeded') {
         const base = lost.message.replace(/; another process may take the run over, rerun to resume$/, '');
         return new LockLostError(`${base}; the run has meanwhile ended succeeded (attempt ${now.attempt}) in the other workers sharing it: nothing to resume; idem status ${job.name} --key ${runKey} shows it`, { cause: err });
@@ -816,7 +814,7 @@ export class Runner {
         log.error({ err: errorFields(err), otherWorkers: others }, `this worker stopped: ${why}; the run goes on in its other workers`);
         return new LockLostError(`this worker stopped: ${why}; the run goes on in its ${others} other ${others === 1 ? 'worker' : 'workers'} (idem status ${job.name} --key ${runKey} shows them; --join adds this one back)`, { cause: err });
       }
-      const now = await answerWithin(this.store.getRun(runId), LOST_LOOKUP_MS, () => null).catch(() => null);
+      const now = await this.#runAsItEnded(runId);
       if (now?.attempt === attempt && now.status === 'succeeded') return new SucceededElsewhere(now);
       const ended = now?.attempt === attempt && ['paused', 'cancelled', 'failed'].includes(now.status) ? `the run had ended ${now.status}` : 'the run is interrupted';
       log.error({ err: errorFields(err), status: now?.status ?? null }, `this worker stopped: ${why}; ${ended}`);
@@ -855,6 +853,15 @@ export class Runner {
       `job "${job.name}" failed in ${where} after ${failure.tries} ${failure.tries === 1 ? 'try' : 'tries'}: ${failure.message}; fix the cause and run the same command again to resume there`,
       { cause: failure },
     );
+  }
+
+  /**
+   * The run's row for the message of a worker that lost its lock or its connections (how the run
+   * ended meanwhile), or null. Bounded: that is often a dead network, where a new connection waits
+   * out its connect timeout (10 s) before failing, and the answer only changes the message.
+   */
+  #runAsItEnded(runId: string): Promise<RunRow | null> {
+    return answerWithin(this.store.getRun(runId), LOST_LOOKUP_MS, () => null).catch(() => null);
   }
 
   async #dryRun(job: Job, runKey: string, fp: string, allowChangedCode: boolean): Promise<RunOutcome> {
