@@ -55,6 +55,40 @@ describe('GET /metrics while PostgreSQL cannot be reached', () => {
   }, 60_000);
 });
 
+describe('GET /metrics while the runs table does not answer', () => {
+  it("gives up after 2 s and leaves no query behind on the runs' connections: the read runs on the read pool, bounded by its timeout", async () => {
+    // A backend whose client hung up while it waits on a lock ends at once (PostgreSQL 14+), so a
+    // read given up by its pool's timeout leaves no waiting session behind.
+    const dbName = new URL(url).pathname.slice(1);
+    await query(url, `alter database ${dbName} set client_connection_check_interval = '100ms'`);
+    const srv = await startServe(url, ['--max-runs', '1'], { IDEM_SERVE_READ_TIMEOUT_MS: '1000' });
+    const pg = await import('pg');
+    const holder = new pg.default.Client({ connectionString: url, application_name: 'test-lock' });
+    await holder.connect();
+    try {
+      expect((await api(srv.base, 'GET', '/metrics')).text).toMatch(/^idem_database_up 1$/m);
+      // Every read of idem.runs now waits: what a server that stopped answering looks like.
+      await holder.query('begin');
+      await holder.query('lock table idem.runs in access exclusive mode');
+      for (let i = 0; i < 3; i++) {
+        const scrape = await api(srv.base, 'GET', '/metrics');
+        expect(scrape.status).toBe(200);
+        expect(scrape.text).toMatch(/^idem_database_up 0$/m);
+      }
+      // Before: each scrape left its count waiting on one of the connections the runs execute on
+      // (no query timeout there), 3 of the 5 this server has; they waited as long as the lock did.
+      await waitFor(async () => (await lockWaiters(url, 'idem')) === 0, "the scrapes' reads to be given up", { timeoutMs: 10_000 });
+      await holder.query('commit');
+      expect((await api(srv.base, 'GET', '/metrics')).text).toMatch(/^idem_database_up 1$/m);
+    } finally {
+      await holder.end();
+      srv.proc.child.kill('SIGTERM');
+      await srv.proc.done;
+      await query(url, `alter database ${dbName} reset client_connection_check_interval`);
+    }
+  }, 60_000);
+});
+
 describe("idem serve's log of a run that fails", () => {
   it('one error line for the failure (the runner\'s, with job, runKey and attempt), not a second one from the server', async () => {
     const key = 'k-fails-once';

@@ -1,14 +1,11 @@
 import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify';
-import { sql } from 'kysely';
 import type pg from 'pg';
 import type { Logger } from 'pino';
 import { errorFields, InterruptedError, UsageError } from '../errors.ts';
 import { answerWithin } from '../sleep.ts';
 import { silentLogger } from '../log.ts';
-import { runIsLive } from '../operations.ts';
 import type { Job } from '../job.ts';
 import type { Runner } from '../runner.ts';
-import type { RunStatus } from '../store.ts';
 import { bearerToken, tokenMatcher } from './api-token.ts';
 import { registerApiRoutes } from './api-routes.ts';
 import { registerDashboardRoutes } from './dashboard-routes.ts';
@@ -96,20 +93,8 @@ export function createServer(opts: ServerOptions): IdemServer {
   const views = new RunViews(runner.db, opts.reads, runner.schema, runner);
   // The read pool's connection settings: the same database, a session of its own.
   const replays = new ReplayCache(opts.reads.options as pg.ClientConfig, runner.schema, log);
-  const metrics = new ServerMetrics(async () => {
-    const runs = sql.id(runner.schema, 'runs');
-    // Rows that say running are judged one by one (live or crashed); the rest are counted.
-    const { rows: counted } = await sql<{ job: string; status: string; n: number }>`
-      select job, status, count(*)::int as n from ${runs} where status <> 'running' group by 1, 2`.execute(runner.db);
-    const { rows: running } = await sql<{ id: string; job: string; status: RunStatus; lock_name: string | null; lock_pid: number | null }>`
-      select id::text as id, job, status, lock_name, lock_pid from ${runs} where status = 'running'`.execute(runner.db);
-    const locks = running.length > 0 ? await runner.heldLocks() : { keys: new Set<string>(), byPid: new Set<string>() };
-    const out = new Map<string, { job: string; state: string; n: number }>();
-    const add = (job: string, state: string, n: number) => out.set(`${job}\0${state}`, { job, state, n: (out.get(`${job}\0${state}`)?.n ?? 0) + n });
-    for (const r of counted) add(r.job, r.status, r.n);
-    for (const r of running) add(r.job, runIsLive(r, locks, runner) ? 'running' : 'crashed', 1);
-    return [...out.values()];
-  }, () => ({ runs: replays.size, bytes: replays.bytes }), new Set(jobs.keys()));
+  // On the read pool, as the API's reads: bounded by its query timeout, never queued behind runs.
+  const metrics = new ServerMetrics(() => views.countByState(), () => ({ runs: replays.size, bytes: replays.bytes }), new Set(jobs.keys()));
   const executor = new RunExecutor({
     runner,
     jobs,

@@ -5,8 +5,8 @@ import { doneChunks, lastChange, runIsLive, type HeldLocks, type OperationsHost 
 import type { RunErrorInfo, RunStatus, RunSummary } from '../store.ts';
 import { shownStepState } from '../step-state.ts';
 
-/** How liveness is decided: the runner's lock names and the locks held right now. */
-export type LockHost = Pick<OperationsHost, 'jobLockName' | 'runLockName' | 'heldLocks'>;
+/** How liveness is decided: the runner's lock names (the held locks are read on the read pool). */
+export type LockHost = Pick<OperationsHost, 'jobLockName' | 'runLockName'>;
 
 /** A step of a run as the API shows it. */
 export interface StepView {
@@ -180,9 +180,35 @@ export class RunViews {
     const compiled = this.#select(where, { detail: q.detail ?? false, locks: false, limit: q.limit ?? 50 }).compile(this.#db);
     const { rows } = await this.#reads.query(compiled.sql, [...compiled.parameters]);
     // pg_locks is only consulted when a row says running.
-    const held = rows.some((r) => r.status === 'running') ? await this.#locks.heldLocks() : NO_LOCKS;
+    const held = rows.some((r) => r.status === 'running') ? await this.#heldLocksNow() : NO_LOCKS;
     const views = rows.map((r) => this.#toView(r, held, q.detail ?? false));
     return views;
+  }
+
+  /**
+   * Runs per job and state (`running` only where the lock is held, `crashed` otherwise): what
+   * /metrics reports as idem_runs. Rows that say running are judged one by one; the rest are counted.
+   */
+  async countByState(): Promise<Array<{ job: string; state: string; n: number }>> {
+    const runs = this.#t('runs');
+    const counted = sql`select job, status, count(*)::int as n from ${runs} where status <> 'running' group by 1, 2`.compile(this.#db);
+    const running = sql`select r.id::text as id, r.job, r.status, r.lock_name, r.lock_pid from ${runs} r where r.status = 'running'`.compile(this.#db);
+    const [{ rows: byStatus }, { rows: live }] = await Promise.all([
+      this.#reads.query<{ job: string; status: string; n: number }>(counted.sql, [...counted.parameters]),
+      this.#reads.query(running.sql, [...running.parameters]),
+    ]);
+    const held = live.length > 0 ? await this.#heldLocksNow() : NO_LOCKS;
+    const out = new Map<string, { job: string; state: string; n: number }>();
+    const add = (job: string, state: string, n: number) => out.set(`${job}\0${state}`, { job, state, n: (out.get(`${job}\0${state}`)?.n ?? 0) + n });
+    for (const r of byStatus) add(r.job, r.status, r.n);
+    for (const r of live) add(r.job, runIsLive(r, held, this.#locks) ? 'running' : 'crashed', 1);
+    return [...out.values()];
+  }
+
+  /** The advisory locks held now, read on the read pool (as the held-locks column reads them). */
+  async #heldLocksNow(): Promise<HeldLocks> {
+    const { rows } = await this.#reads.query(`select ${HELD_LOCKS_AGG} as held_locks`);
+    return heldFrom(rows[0]);
   }
 
   /**
@@ -293,10 +319,7 @@ export class RunViews {
    * whose row says running: a finished run's view never touches pg_locks.
    */
   #heldLocksColumn() {
-    return sql`case when r.status = 'running' then (
-        select json_agg(json_build_array(((l.classid::bigint << 32) | l.objid::bigint)::text, l.pid)) from pg_locks l
-        where l.locktype = 'advisory' and l.objsubid = 1 and l.granted
-          and l.database = (select oid from pg_database where datname = current_database())) end as held_locks`;
+    return sql`case when r.status = 'running' then ${sql.raw(HELD_LOCKS_AGG)} end as held_locks`;
   }
 
   #detailColumns() {
@@ -311,6 +334,12 @@ export class RunViews {
         where run_id = r.id and done_at is not null group by 1 order by 1 desc limit 60) m) as chunks_per_minute`;
   }
 }
+
+/** The advisory locks held in this database, as `[key, pid]` pairs (the rows of Runner.heldLocks). */
+const HELD_LOCKS_AGG = `(
+        select json_agg(json_build_array(((l.classid::bigint << 32) | l.objid::bigint)::text, l.pid)) from pg_locks l
+        where l.locktype = 'advisory' and l.objsubid = 1 and l.granted
+          and l.database = (select oid from pg_database where datname = current_database()))`;
 
 /** The held advisory locks a row of a statement with the held-locks column carries. */
 function heldFrom(r: any): HeldLocks {
