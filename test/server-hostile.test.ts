@@ -502,6 +502,39 @@ describe('an Idempotency-Key header sent twice', () => {
   });
 });
 
+describe('a flood of malformed requests', () => {
+  it('is logged as one line per kind and window, the rest summed up in one line; every request is still counted', async () => {
+    // The window is 10 s; the test hook shortens it to 1 s.
+    const served = await startServe(url, [], { IDEM_SERVE_LOG_WINDOW_MS: '1000' }, ANY_JOBS);
+    try {
+      const N = 40;
+      for (let i = 0; i < N; i++) {
+        const bad = await rawHttp(served.base, `GET /api/runs HTTP/1.1\r\nhost: x\r\nx-bad: a\u0001b\r\nconnection: close\r\n\r\n`);
+        expect(bad.status).toBe(400);
+      }
+      const refused = () =>
+        served.proc
+          .stderr()
+          .split('\n')
+          .filter((l) => l.includes('refused before routing'))
+          .map((l) => JSON.parse(l) as { status: number; more?: number; msg: string });
+      await waitFor(async () => refused().some((l) => l.more !== undefined), 'the summary line of the window');
+      // Before: one warning per request (an unauthenticated client could fill the disk with them).
+      const lines = refused();
+      expect(lines.length, served.proc.stderr()).toBeLessThanOrEqual(3);
+      expect(lines[0]).toMatchObject({ status: 400 });
+      expect(lines[0]!.more).toBeUndefined();
+      expect(lines.slice(1).reduce((n, l) => n + (l.more ?? 0), 0)).toBe(N - 1);
+      expect(lines.at(-1)!.msg).toMatch(/more like it in the last 1 s/);
+      const metrics = (await api(served.base, 'GET', '/metrics')).text;
+      expect(metrics).toMatch(new RegExp(`^idem_http_requests_total\\{method="unparsed",route="unmatched",status="400"\\} ${N}$`, 'm'));
+    } finally {
+      served.proc.child.kill('SIGKILL');
+      await served.proc.done;
+    }
+  }, 60_000);
+});
+
 describe('a request that never finishes arriving', () => {
   it('is answered 408 once the request timeout passes, headers or body, instead of holding the connection open', async () => {
     // The timeout is 60 s; the test hook shortens it to 1 s.
@@ -544,7 +577,8 @@ describe('a request that never finishes arriving', () => {
       expect(metrics).toMatch(/^idem_http_requests_total\{method="unparsed",route="unmatched",status="408"\} 2$/m);
       expect(metrics).toMatch(/^idem_http_requests_total\{method="unparsed",route="unmatched",status="400"\} 1$/m);
       const refused = served.proc.stderr().split('\n').filter((l) => l.includes('refused before routing'));
-      expect(refused.map((l) => (JSON.parse(l) as { status: number }).status).sort()).toEqual([400, 408, 408]);
+      // The second 408 falls in the first one's window: summed up when it ends (see the flood test).
+      expect(refused.map((l) => (JSON.parse(l) as { status: number }).status).sort()).toEqual([400, 408]);
       expect(served.proc.stderr()).not.toContain(TOKEN);
       // Only arriving is timed: a keep-alive connection idle for longer, then used, is answered.
       expect((await api(served.base, 'GET', '/api/runs?limit=1')).status).toBe(200);

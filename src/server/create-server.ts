@@ -3,6 +3,7 @@ import type pg from 'pg';
 import type { Logger } from 'pino';
 import { errorFields, InterruptedError, UsageError } from '../errors.ts';
 import { answerWithin } from '../sleep.ts';
+import { SampledWarnings } from './sampled-log.ts';
 import { silentLogger } from '../log.ts';
 import type { Job } from '../job.ts';
 import type { Runner } from '../runner.ts';
@@ -53,6 +54,8 @@ export interface ServerOptions {
   readonly bodyLimit?: number;
   /** Time a request has to arrive whole (headers and body) before it is answered 408, in ms. Defaults to `60000`. */
   readonly requestTimeoutMs?: number;
+  /** Warnings any client can cause (malformed requests, 503s) are logged once per kind and window, in ms. Defaults to `10000`. */
+  readonly logWindowMs?: number;
   /** Root logger. Defaults to a silent one. */
   readonly log?: Logger;
   /** How often a live run looks for pause/cancel, in ms. Defaults to `1000`. */
@@ -79,6 +82,8 @@ export interface IdemServer {
    */
   close(deadlineMs?: number, reason?: unknown): Promise<void>;
 }
+
+const DEFAULT_LOG_WINDOW_MS = 10_000;
 
 /** How long /readyz waits for PostgreSQL's answer before it says not ready. */
 const READY_TIMEOUT_MS = 2_000;
@@ -130,6 +135,8 @@ export function createServer(opts: ServerOptions): IdemServer {
   };
 
   const requestTimeout = opts.requestTimeoutMs ?? DEFAULT_REQUEST_TIMEOUT_MS;
+  // Lines any client can cause, one per kind and window (an unauthenticated flood must not fill the disk).
+  const sampled = new SampledWarnings(log, opts.logWindowMs ?? DEFAULT_LOG_WINDOW_MS);
   const app = Fastify({
     loggerInstance: log as FastifyBaseLogger,
     // Request lines go to debug from onResponse below: a busy API would otherwise flood the log.
@@ -145,7 +152,7 @@ export function createServer(opts: ServerOptions): IdemServer {
       if (status === null) return;
       metrics.httpRequests.inc({ method: 'unparsed', route: 'unmatched', status: String(status) });
       const why = status === 408 ? 'it did not arrive whole in time' : status === 431 ? 'its headers are too large' : 'not valid HTTP';
-      log.warn({ status, code: err.code }, `request refused before routing: ${why} (answered ${status})`);
+      sampled.warn(`unparsed ${status}`, { status, code: err.code }, `request refused before routing: ${why} (answered ${status})`);
     },
     // Twice. Fastify sets it on the server after creating it (0, off, unless given); given to Node
     // at creation too, Node derives the headers' timeout from it (at most 60 s) and keeps it no
@@ -216,7 +223,7 @@ export function createServer(opts: ServerOptions): IdemServer {
     // A 503 is the database being unreachable, which the readiness probe and every client meet at
     // once: a warning naming the request, not an error line per request of an outage.
     const where = { method: request.method, route: request.routeOptions.url ?? 'unmatched', status: problem.status };
-    if (problem.status === 503) request.log.warn({ ...where, err: errorFields(err) }, 'request answered 503: the database cannot be reached');
+    if (problem.status === 503) sampled.warn(`503 ${where.method} ${where.route}`, { ...where, err: errorFields(err) }, 'request answered 503: the database cannot be reached');
     else if (problem.status >= 500) request.log.error({ ...where, err: errorFields(err) }, 'request failed');
     return reply.code(problem.status).type(PROBLEM_TYPE).send(problemBody(problem));
   });
@@ -308,6 +315,7 @@ export function createServer(opts: ServerOptions): IdemServer {
         clearInterval(rescanTimer);
         for (const close of [...ctx.openStreams]) close();
         await Promise.all([app.close(), executor.shutdown(deadlineMs, reason instanceof InterruptedError ? reason.signal : 'SIGTERM'), replays.close()]);
+        sampled.flush();
       })());
     },
   };

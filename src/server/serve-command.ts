@@ -70,6 +70,8 @@ export async function serveCommand(o: ServeFlags, deps: ServeDeps): Promise<numb
   const rescan = testHookMs('IDEM_SERVE_RESCAN_MS');
   // IDEM_SERVE_REQUEST_TIMEOUT_MS: for tests, which cannot wait the default 60 s.
   const requestTimeout = testHookMs('IDEM_SERVE_REQUEST_TIMEOUT_MS');
+  // IDEM_SERVE_LOG_WINDOW_MS: for tests, which cannot wait the default 10 s for a window's summary.
+  const logWindow = testHookMs('IDEM_SERVE_LOG_WINDOW_MS');
   const server = createServer({
     runner,
     reads,
@@ -84,6 +86,7 @@ export async function serveCommand(o: ServeFlags, deps: ServeDeps): Promise<numb
     migrationKeys: retentionMs !== null && deps.migrationsDir !== undefined ? await migrationKeys(deps.migrationsDir) : [],
     ...(rescan !== undefined ? { rescanMs: rescan } : {}),
     ...(requestTimeout !== undefined ? { requestTimeoutMs: requestTimeout } : {}),
+    ...(logWindow !== undefined ? { logWindowMs: logWindow } : {}),
   });
   let address: string;
   try {
