@@ -110,6 +110,8 @@ function jsonErrorOf(program: Command, args: readonly string[]): ((err: unknown)
   let command: Command | undefined;
   const operands: string[] = [];
   const values = new Map<string, string>();
+  /** A flag given twice with two values has no one value: the error object names none (the command line is refused for it). */
+  const set = (flag: string, value: string) => values.set(flag, values.has(flag) && values.get(flag) !== value ? '\0' : value);
   const optionOf = (flag: string) => (command?.options ?? []).concat(program.options).find((opt) => opt.long === flag || opt.short === flag);
   for (let i = 0; i < args.length; i++) {
     const token = args[i]!;
@@ -120,22 +122,23 @@ function jsonErrorOf(program: Command, args: readonly string[]): ((err: unknown)
     if (token.startsWith('-') && token !== '-') {
       const eq = token.indexOf('=');
       if (eq > 0) {
-        values.set(token.slice(0, eq), token.slice(eq + 1));
+        set(token.slice(0, eq), token.slice(eq + 1));
         continue;
       }
       const opt = optionOf(token);
       const next = args[i + 1];
       if (opt && next !== undefined && (opt.required || (opt.optional && !next.startsWith('-')))) {
-        values.set(token, next);
+        set(token, next);
         i++;
       } else {
-        values.set(token, '');
+        set(token, '');
       }
       continue;
     }
     if (command) operands.push(token);
     else if (!(command = program.commands.find((c) => c.name() === token || c.aliases().includes(token)))) return undefined;
   }
+  for (const [flag, value] of values) if (value === '\0') values.delete(flag);
   const write = command && values.has('--json') ? JSON_REFUSALS[command.name()] : undefined;
   return write && ((err) => write(operands[0] ?? null, values, err));
 }

@@ -420,11 +420,15 @@ describe('idem help, status and list', () => {
 
   it('an option that takes one value, given twice, is refused (exit 2) instead of the last one winning; --param and --health repeat', async () => {
     const before = await snapshot(url, ALL_TABLES);
-    const [key, schema, params] = await Promise.all([
+    const [key, schema, params, keyJson] = await Promise.all([
       runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":1}', '--key', 'a', '--key', 'b'], { url }),
       runCli([...FIXTURE_DIRS, '--schema', 'idem', '--schema', 'other', 'status'], { url }),
       runCli([...FIXTURE_DIRS, 'run', 'counted', '--param', 'chunks=1', '--param', 'pauseMs=0', '--key', 'repeat-param', '--dry-run', '--health', 'transactionAgeSeconds=900', '--health', 'lockWaitMs=off'], { url }),
+      runCli([...FIXTURE_DIRS, 'run', 'counted', '--json', '--key=a', '--key', 'b'], { url }),
     ]);
+    // --json: the error object names no run key (before: "b", a run that was never asked for).
+    expect(keyJson!.code, keyJson!.stderr).toBe(2);
+    expect(JSON.parse(keyJson!.stdout)).toMatchObject({ status: 'error', job: 'counted', runKey: null, code: 'idem.repeatedOption' });
     // Before: exit 0, "(run key b, attempt 1)".
     expectOneLineError(key!, 2, "option '--key' was given more than once; give it once; see --help");
     expectOneLineError(schema!, 2, "option '--schema' was given more than once; give it once; see --help");
