@@ -270,13 +270,24 @@ function copyable(v: object): boolean {
 export const SERVER_KEEPALIVES = 'set tcp_keepalives_idle = 30; set tcp_keepalives_interval = 10; set tcp_keepalives_count = 3; set tcp_user_timeout = 60000';
 
 /**
+ * idem's protocol is built for READ COMMITTED: claims skip rows other transactions hold and see
+ * the rows they commit, the fence and the step row are re-read under lock at their latest. Under
+ * a role's or database's `default_transaction_isolation = 'serializable'`, its own claims, markers
+ * and planning raised serialization failures among themselves (the job doing nothing), failing
+ * runs; under repeatable read a claim's FOR UPDATE of a row just committed by another worker does
+ * too. So every idem session pins it, the chunk's own statements included (README, "The
+ * one-transaction rule").
+ */
+const READ_COMMITTED = "set default_transaction_isolation = 'read committed'";
+
+/**
  * What every idem session (lock and work) sets first: the server-side keepalives, and no
  * `idle_session_timeout` (PostgreSQL 14+). A role or database may set one (`ALTER ROLE … SET
  * idle_session_timeout = '1min'`) for clients that forget their sessions; a work session may idle
  * in the pool for as long as a chunk takes elsewhere, and the server ending it cost a retry. The
  * lock session sets its own instead (lockSessionSetup).
  */
-export const SESSION_SETUP = `${SERVER_KEEPALIVES}; ${idleSessionTimeout(0)}`;
+export const SESSION_SETUP = `${SERVER_KEEPALIVES}; ${idleSessionTimeout(0)}; ${READ_COMMITTED}`;
 
 /**
  * The lock session's setup: SESSION_SETUP, then an `idle_session_timeout` of its own (PostgreSQL
@@ -288,7 +299,7 @@ export const SESSION_SETUP = `${SERVER_KEEPALIVES}; ${idleSessionTimeout(0)}`;
  */
 export function lockSessionSetup(ms: number): string {
   // The same bound inside its transactions (the entry gate, leave()): short, and without job code.
-  return `${SERVER_KEEPALIVES}; ${idleSessionTimeout(ms)}; set idle_in_transaction_session_timeout = ${ms}`;
+  return `${SERVER_KEEPALIVES}; ${idleSessionTimeout(ms)}; ${READ_COMMITTED}; set idle_in_transaction_session_timeout = ${ms}`;
 }
 
 function idleSessionTimeout(ms: number): string {

@@ -788,6 +788,42 @@ describe('ctx.db is the chunk transaction, and only while the chunk runs', () =>
     expect(new Set(rows.map((r) => r.backend_pid)).size).toBe(1);
   });
 
+  it("idem's sessions run at READ COMMITTED whatever default_transaction_isolation the database sets", async () => {
+    // Black-box round 12 (B1-1): with `alter database … set default_transaction_isolation =
+    // 'serializable'`, idem's own claims, markers and window planning raised serialization
+    // failures among themselves (the job did nothing): runs failed in step "(runner)", or a chunk
+    // ran out of its retries, in 5 of 24 runs at --concurrency 4–8 and in every 3-worker run.
+    const dbName = new URL(url).pathname.slice(1);
+    await query(url, 'create table if not exists iso_log (chunk text primary key, iso text not null)');
+    await query(url, `alter database ${dbName} set default_transaction_isolation = 'serializable'`);
+    const serializable = await Runner.connect({ connectionString: url });
+    try {
+      const keys = Array.from({ length: 400 }, (_, i) => `k${i}`);
+      const job = defineJob({
+        name: 'iso-default',
+        steps: [
+          {
+            name: 'work',
+            chunks: (cursor: Json | null, ctx) => {
+              const from = (cursor as number | null) ?? 0;
+              const to = Math.min(keys.length, from + ctx.windowSize);
+              return { chunks: keys.slice(from, to).map((key) => ({ key })), next: to < keys.length ? to : null };
+            },
+            async run(ctx, chunk: { key: string }) {
+              await sql`insert into iso_log values (${chunk.key}, current_setting('transaction_isolation'))`.execute(ctx.db);
+            },
+          },
+        ],
+      });
+      const outcome = await serializable.run(job, { key: 'k', concurrency: 8 });
+      expect(outcome.status).toBe('succeeded');
+      expect(await query(url, `select iso, count(*)::int as n from iso_log group by iso`)).toEqual([{ iso: 'read committed', n: keys.length }]);
+    } finally {
+      await serializable.close();
+      await query(url, `alter database ${dbName} reset default_transaction_isolation`);
+    }
+  });
+
   it('a savepoint lets a chunk survive an error it expects: the chunk commits, with its marker', async () => {
     const job = jobWith('savepoint', async (db) => {
       await sql`savepoint maybe`.execute(db);
