@@ -332,15 +332,25 @@ export class Runner {
   async #run(job: Job, opts: RunJobOptions): Promise<RunOutcome> {
     this.#checkConcurrency(opts.concurrency);
     if (opts.key !== undefined) checkRunKey(opts.key, 'key');
-    const params = (await validateParams(job, opts.params)) as Json;
-    const fp = fingerprint(params);
+    let params: Json;
+    let fp: string;
+    try {
+      params = (await validateParams(job, opts.params)) as Json;
+      fp = fingerprint(params);
+    } catch (err) {
+      // Params that are an existing run's stored ones (see storedParamsGiven) are not validated again.
+      const run = opts.key === undefined ? undefined : await this.store.findRun(job.name, opts.key);
+      if (!run || !storedParamsGiven(opts.params, run)) throw err;
+      ({ params, fingerprint: fp } = run);
+    }
     const runKey = opts.key ?? fp;
-    if (opts.dryRun) return this.#dryRun(job, runKey, fp, opts.allowChangedCode ?? false);
+    if (opts.dryRun) return this.#dryRun(job, runKey, fp, opts.allowChangedCode ?? false, opts.params);
 
     // A run a prune marked deleting and did not get to delete whole (killed between its batches)
     // is deleted here first, so that its key runs afresh, as it would have after that prune.
     for (let tries = 1; ; tries++) {
       const { run } = await refuseOnStandby(this.db, () => this.store.claimRun(job.name, runKey, params, fp));
+      if (run.fingerprint !== fp && opts.key !== undefined && storedParamsGiven(opts.params, run)) ({ params, fingerprint: fp } = run);
       if (run.status === 'deleting' && tries <= 3) {
         await finishDeletion(this.#ops(), run.id, `run "${runKey}" of job "${job.name}"`);
         continue;
@@ -864,9 +874,9 @@ export class Runner {
     return answerWithin(this.store.getRun(runId), LOST_LOOKUP_MS, () => null).catch(() => null);
   }
 
-  async #dryRun(job: Job, runKey: string, fp: string, allowChangedCode: boolean): Promise<RunOutcome> {
+  async #dryRun(job: Job, runKey: string, fp: string, allowChangedCode: boolean, given: unknown): Promise<RunOutcome> {
     const run = await this.store.findRun(job.name, runKey);
-    if (run) checkFingerprint(job.name, runKey, run, fp);
+    if (run && !storedParamsGiven(given, run)) checkFingerprint(job.name, runKey, run, fp);
     // A resume the real command would refuse for its code: not a finished, paused or cancelled run
     // (refused or done for that first), nor a live one (busy first).
     if (run && !['succeeded', 'paused', 'cancelled'].includes(run.status) && !(await isLive(this.#ops(), run))) refuseChangedCode(run, job, allowChangedCode);
@@ -1090,6 +1100,21 @@ function refuseControlled(run: RunRow): void {
   }
   if (run.status === 'cancelled') {
     throw new CancelledError(`run ${run.run_key} of job "${run.job}" was cancelled; idem reset ${run.job} --key ${run.run_key} forgets it so it can run afresh`);
+  }
+}
+
+/**
+ * Whether the params given are exactly an existing run's stored ones. A run stores its validator's
+ * output, and that is what `idem status --json`, the API, finalize and a failed run's resume
+ * command pass back: validated again, a validator that transforms (a string to a number, euros to
+ * cents) refuses them or changes them once more. Given as stored, they are that run's params.
+ */
+function storedParamsGiven(given: unknown, run: Pick<RunRow, 'fingerprint'>): boolean {
+  if (given === undefined) return false;
+  try {
+    return fingerprint(given) === run.fingerprint;
+  } catch {
+    return false; // not JSON (a function, a cycle): not the stored params
   }
 }
 

@@ -1,5 +1,5 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { BusyError, exitCodeOf, finalizeRun, InterruptedError, Runner, RunFailedError } from '../src/index.ts';
+import { BusyError, defineJob, exitCodeOf, finalizeRun, InterruptedError, Runner, RunFailedError, sql } from '../src/index.ts';
 import counted, { chunkKey } from './fixtures/jobs/counted.ts';
 import { FIXTURE_DIRS, holdGate, killLeftovers, lines, query, runCli, runRow, snapshot, waitFor, workCounts } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
@@ -76,6 +76,66 @@ describe('finalize', () => {
     const fresh = await finalizeRun(runner, counted, { key: 'never', params: { chunks: 2 } });
     expect(fresh).toMatchObject({ how: 'ran-inline', status: 'succeeded', attempt: 1, executed: 4 });
     expect((await runRow(url, 'counted', 'never')).params).toMatchObject({ chunks: 2 });
+  });
+
+  it("a run whose validator transforms its params: finalize resumes it with them, and so does the command a failed one's error prints", async () => {
+    // Black-box round 12 (B1-3): a run stores its validator's output; finalize validated that
+    // output again, which a transforming validator refuses ("n: expected string", exit 2) or
+    // changes again (×100 once more: "already used with other params", exit 65); and the resume
+    // command printed for a failed run passed that output, refused the same way.
+    await query(url, 'create table if not exists transformed_log (job text, key text, chunk text, primary key (job, key, chunk))');
+    let failing = false;
+    const job = (name: string, params: (raw: unknown) => unknown) =>
+      defineJob({
+        name,
+        params: params as (raw: unknown) => Record<string, unknown>,
+        steps: [
+          {
+            name: 'work',
+            chunks: () => ({ chunks: ['a', 'b', 'c', 'd'].map((key) => ({ key })), next: null }),
+            async run(ctx, chunk: { key: string }) {
+              if (failing && chunk.key === 'c') throw new Error('chunk c fails');
+              await sql`insert into transformed_log values (${name}, ${ctx.run.runKey}, ${chunk.key}) on conflict do nothing`.execute(ctx.db);
+            },
+          },
+        ],
+      });
+    const tenfold = job('tenfold', (raw) => {
+      const n = (raw as { n?: unknown } | undefined)?.n;
+      if (typeof n !== 'string') throw new TypeError('n: expected string');
+      return { n: Number(n) * 10 };
+    });
+    const cents = job('cents', (raw) => {
+      const { n, unit } = raw as { n: number; unit: string };
+      return { n: unit === 'euros' ? n * 100 : n, unit };
+    });
+    const logged = async (name: string, key: string) => (await query<{ chunk: string }>(url, `select chunk from transformed_log where job = $1 and key = $2 order by chunk`, [name, key])).map((r) => r.chunk);
+    for (const [j, params] of [[tenfold, { n: '5' }], [cents, { n: 5, unit: 'euros' }]] as const) {
+      const stop = new AbortController();
+      const first = await runner
+        .run(j, { params, key: 'interrupted', signal: stop.signal, onProgress: (p) => void (p.done === 2 && stop.abort(new InterruptedError('SIGTERM'))) })
+        .catch((e: unknown) => e);
+      expect(first, `${j.name}: ${String(first)}`).toBeInstanceOf(InterruptedError);
+      const out = await finalizeRun(runner, j, { key: 'interrupted' });
+      expect(out, j.name).toMatchObject({ how: 'ran-inline', status: 'succeeded', attempt: 2 });
+      expect(await logged(j.name, 'interrupted')).toEqual(['a', 'b', 'c', 'd']);
+
+      failing = true;
+      const failed = await runner.run(j, { params, key: 'failed' }).catch((e: unknown) => e);
+      failing = false;
+      expect(failed, j.name).toBeInstanceOf(RunFailedError);
+      const stored = (await runRow(url, j.name, 'failed')).params as Record<string, unknown>;
+      // finalize reports the failure with the command that resumes it.
+      const reported = await finalizeRun(runner, j, { key: 'failed' }).catch((e: unknown) => e);
+      expect(reported, j.name).toBeInstanceOf(RunFailedError);
+      const printed = /idem run \S+ --key failed --params '([^']+)'/.exec((reported as Error).message)?.[1];
+      expect(printed && JSON.parse(printed), (reported as Error).message).toEqual(stored);
+      // The command as printed: the params it names are the run's, and it resumes the run.
+      const resumed = await runner.run(j, { params: JSON.parse(printed!), key: 'failed' });
+      expect(resumed, j.name).toMatchObject({ status: 'succeeded', attempt: 2 });
+      expect(await logged(j.name, 'failed')).toEqual(['a', 'b', 'c', 'd']);
+      expect((await runRow(url, j.name, 'failed')).params).toEqual(stored);
+    }
   });
 
   it('a failed run: throws its recorded error (exit 1) and runs nothing, from the API and the CLI', async () => {
