@@ -281,13 +281,24 @@ export const SERVER_KEEPALIVES = 'set tcp_keepalives_idle = 30; set tcp_keepaliv
 const READ_COMMITTED = "set default_transaction_isolation = 'read committed'";
 
 /**
+ * The output formats node-postgres parses, and that keysetQuery's text boundaries are written in:
+ * a role or database that sets others (`DateStyle = 'SQL, DMY'`, `IntervalStyle = iso_8601`,
+ * `extra_float_digits = 0`) made pg read every timestamp as null (runs failed in step "(runner)"),
+ * wrote boundaries such as "10/01/2026" that a session with another DateStyle read back as
+ * October 1 (rows done twice), and rounded float keys ("1" for 1.0000000000000002: rows skipped).
+ * `datestyle = 'ISO'` sets the output format alone: the day/month order of the session's input
+ * is left as the role or database sets it.
+ */
+const OUTPUT_FORMATS = "set datestyle = 'ISO'; set intervalstyle = 'postgres'; set extra_float_digits = 3";
+
+/**
  * What every idem session (lock and work) sets first: the server-side keepalives, and no
  * `idle_session_timeout` (PostgreSQL 14+). A role or database may set one (`ALTER ROLE … SET
  * idle_session_timeout = '1min'`) for clients that forget their sessions; a work session may idle
  * in the pool for as long as a chunk takes elsewhere, and the server ending it cost a retry. The
  * lock session sets its own instead (lockSessionSetup).
  */
-export const SESSION_SETUP = `${SERVER_KEEPALIVES}; ${idleSessionTimeout(0)}; ${READ_COMMITTED}`;
+export const SESSION_SETUP = `${SERVER_KEEPALIVES}; ${idleSessionTimeout(0)}; ${READ_COMMITTED}; ${OUTPUT_FORMATS}`;
 
 /**
  * The lock session's setup: SESSION_SETUP, then an `idle_session_timeout` of its own (PostgreSQL
@@ -299,7 +310,7 @@ export const SESSION_SETUP = `${SERVER_KEEPALIVES}; ${idleSessionTimeout(0)}; ${
  */
 export function lockSessionSetup(ms: number): string {
   // The same bound inside its transactions (the entry gate, leave()): short, and without job code.
-  return `${SERVER_KEEPALIVES}; ${idleSessionTimeout(ms)}; ${READ_COMMITTED}; set idle_in_transaction_session_timeout = ${ms}`;
+  return `${SERVER_KEEPALIVES}; ${idleSessionTimeout(ms)}; ${READ_COMMITTED}; ${OUTPUT_FORMATS}; set idle_in_transaction_session_timeout = ${ms}`;
 }
 
 function idleSessionTimeout(ms: number): string {

@@ -207,6 +207,45 @@ describe('keysetQuery', () => {
     expect(await runRow(url, 'keyset', 'k')).toMatchObject({ status: 'succeeded' });
   });
 
+  it("boundaries do not depend on the session's settings: floats under extra_float_digits = 0, dates across a DateStyle change", async () => {
+    // Black-box round 12 (B1-2): boundaries were the session's ::text of the key. Under
+    // extra_float_digits = 0, 1.0000000000000002 printed as "1" and its row fell between two
+    // chunks (skipped, the run succeeded); a cursor stored as "10/01/2026" under DateStyle
+    // 'SQL, DMY' read back as October 1 under 'ISO, MDY', and 125 of 144 rows were updated 2–3 times.
+    const dbName = new URL(url).pathname.slice(1);
+    await query(url, `create table fk (id float8 primary key, done integer not null default 0)`);
+    await query(url, `insert into fk (id) values (0.5), (1.0000000000000002), (0.1::float8 + 0.2::float8), (1), (2.5)`);
+    await query(url, `create table td (id date primary key, v integer not null default 0)`);
+    await query(url, `insert into td (id) select make_date(2026, m, d) from generate_series(1, 12) m, generate_series(1, 12) d`);
+    const floats = keysetQuery({ query: 'select id from fk', key: 'id', size: 2 });
+    const dates = keysetQuery({ query: 'select id from td', key: 'id', size: 10 });
+    const floatJob = defineJob({ name: 'settings-floats', steps: [{ name: 's', chunks: floats, run: ({ db }, c: KeysetChunk) => sql`update fk set done = done + 1 where ${floats.where(c)}`.execute(db) }] });
+    const dateJob = defineJob({ name: 'settings-dates', steps: [{ name: 's', chunks: dates, run: ({ db }, c: KeysetChunk) => sql`update td set v = v + 1 where ${dates.where(c)}`.execute(db) }] });
+    await query(url, `alter database ${dbName} set extra_float_digits = 0`);
+    await query(url, `alter database ${dbName} set datestyle = 'SQL, DMY'`);
+    const runners: Runner[] = [];
+    try {
+      const dmy = await Runner.connect({ connectionString: url });
+      runners.push(dmy);
+      expect((await dmy.run(floatJob, { key: 'k' })).status).toBe('succeeded');
+      expect(await query(url, `select done, count(*)::int as n from fk group by done`)).toEqual([{ done: 1, n: 5 }]);
+      const stop = new AbortController();
+      const first = await dmy
+        .run(dateJob, { key: 'k', signal: stop.signal, onProgress: (p) => void (p.done >= 3 && stop.abort(new InterruptedError('SIGINT'))) })
+        .catch((e: unknown) => e);
+      expect(first).toBeInstanceOf(InterruptedError);
+      await query(url, `alter database ${dbName} set datestyle = 'ISO, MDY'`);
+      const mdy = await Runner.connect({ connectionString: url });
+      runners.push(mdy);
+      expect((await mdy.run(dateJob, { key: 'k' })).status).toBe('succeeded');
+      expect(await query(url, `select v, count(*)::int as n from td group by v`)).toEqual([{ v: 1, n: 144 }]);
+    } finally {
+      for (const r of runners) await r.close();
+      await query(url, `alter database ${dbName} reset extra_float_digits`);
+      await query(url, `alter database ${dbName} reset datestyle`);
+    }
+  });
+
   it('a query ending in a -- comment or a semicolon, as SQL copied from a console does, plans like the bare query', async () => {
     // Black-box round 10 (keyRange's `where`, and the same splice here): the comment swallowed the
     // rest of idem's statement, the semicolon was a syntax error inside it.
