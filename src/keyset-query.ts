@@ -1,4 +1,5 @@
 import { sql, type RawBuilder } from 'kysely';
+import { createHash } from 'node:crypto';
 import type { ChunkSource, ChunkSpec, Json, PlanContext } from './job.ts';
 import { soleStatement } from './sql-statements.ts';
 import { columnInSql, columnNameProblem, tableNameProblem } from './table-name.ts';
@@ -76,7 +77,7 @@ export function keysetQuery(opts: KeysetQueryOptions): KeysetSource {
   const bOf = sql.join(columns.map((_, i) => sql.ref(`b.k${i}`)));
   const values = (v: readonly string[]) => sql.join(v.map((x) => sql`${x}`));
   const order = (alias: string, dir: 'asc' | 'desc') => sql.join(columns.map((c) => sql`${sql.ref(`${alias}.${c}`)} ${sql.raw(dir)}`));
-  const keyOf = (through: readonly string[]) => JSON.stringify(through);
+  const keyOf = chunkKeyOf;
   /**
    * Rows whose key is NULL are in no chunk (`(k) > (…)` and `(k) <= (…)` are never true for them):
    * they would be skipped while the run succeeds. Checked once, when the step's first window is
@@ -145,4 +146,20 @@ export function keysetQuery(opts: KeysetQueryOptions): KeysetSource {
     return chunk.after === null ? upper : sql`((${row}) > (${values(chunk.after)}) and ${upper})`;
   };
   return Object.assign(plan, { where });
+}
+
+/** Longest chunk key kept as the boundary's JSON itself: the chunk index's limit (executor.ts), so every key that fit before keeps its form. */
+const MAX_PLAIN_KEY_BYTES = 2000;
+
+/**
+ * A chunk's key: its last key as JSON (`["acme","42"]`). Keys too long for the chunk index (a text
+ * key of 2 kB) are keyed by the JSON's first characters and its SHA-256 instead, as stable and as
+ * unique as the boundary itself (the boundary stays whole in the chunk's spec).
+ */
+function chunkKeyOf(through: readonly string[]): string {
+  const json = JSON.stringify(through);
+  if (Buffer.byteLength(json) <= MAX_PLAIN_KEY_BYTES) return json;
+  // By code points, so no surrogate pair is cut in half.
+  const head = Array.from(json).slice(0, 100).join('');
+  return `${head}… sha256:${createHash('sha256').update(json).digest('hex')}`;
 }
