@@ -263,3 +263,39 @@ describe('the dashboard of a job with a params schema', () => {
     await expectNoBrowserComplaints();
   });
 });
+
+describe('hostile text in run keys and errors (black-box round 12)', () => {
+  /** A finished run of `counted`, then given `key`, and failed with `error` by hand (as SQL or another tool could write them). */
+  async function runWith(key: string, error: string): Promise<string> {
+    const created = await api(server.base, 'POST', '/api/jobs/counted/runs', { key: `hostile-${Date.now()}`, body: { chunks: 2 } });
+    expect((await api(server.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body.state).toBe('succeeded');
+    const at = new Date().toISOString();
+    await query(url, `update idem.runs set run_key = $2, status = 'failed', error = $3::jsonb where id = $1`, [created.body.id, key, JSON.stringify({ step: 'work', chunk: 'c0001', tries: 1, message: error, at })]);
+    return String(created.body.id);
+  }
+  const liveState = () => page.locator('.live-state').textContent();
+
+  it('B3-1: a carriage return in a key or an error reaches the page as rendered, after a live update too', async () => {
+    const key = 'cr-key\rafter-cr';
+    const message = 'curl: progress 10%\rprogress 100%';
+    const id = await runWith(key, message);
+    try {
+      await page.goto(`${server.base}/runs/${id}`);
+      await expect.poll(liveState).toBe('live');
+      // The Last error box holds the message, whole, and nothing else; the Steps panel stays its sibling.
+      expect(await page.locator('.panel-error pre').textContent()).toBe(message);
+      expect(await page.locator('.panel-error table.steps').count()).toBe(0);
+      expect(await page.locator('.live > .run-live > .two table.steps').count()).toBe(1);
+      expect(await page.locator('.run-head .key').textContent()).toBe(key);
+      // On the dashboard, the Cancel button's confirm text holds the key, and no run card is inside another.
+      await page.goto(`${server.base}/`);
+      await expect.poll(liveState).toBe('live');
+      expect(await page.locator('article.run article.run').count()).toBe(0);
+      expect(await page.locator(`article.run[data-run-id="${id}"] button[data-action=cancel]`).getAttribute('data-confirm')).toContain(key);
+      expect(await page.locator(`article.run[data-run-id="${id}"] .key`).textContent()).toBe(key);
+    } finally {
+      await query(url, `update idem.runs set status = 'cancelled' where id = $1`, [id]);
+    }
+    await expectNoBrowserComplaints();
+  });
+});

@@ -1,9 +1,13 @@
 import type { Job } from '../job.ts';
 import type { RunView } from './run-view.ts';
 
-/** Escapes text for HTML content and attribute values. */
+/**
+ * Escapes text for HTML content and attribute values. A carriage return becomes `&#13;`: the HTML
+ * parser keeps it as the character (a raw one it would turn into a line feed), and a live fragment
+ * holds none for an EventSource to read as a line end.
+ */
 export function esc(value: unknown): string {
-  return String(value ?? '').replace(/[&<>"']/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' })[c]!);
+  return String(value ?? '').replace(/[&<>"'\r]/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;', '\r': '&#13;' })[c]!);
 }
 
 /** UTC time, with the date when it is not today: absolute, so a live fragment only changes with the run. */

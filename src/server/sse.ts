@@ -18,8 +18,13 @@ export interface SseOptions {
 
 const HEARTBEAT_MS = 15_000;
 
+/**
+ * An EventSource ends a line at CRLF, LF or a lone CR: data split only on LF would let a CR in it
+ * end a `data:` line early and start a bogus field. Each of the three becomes a line of its own
+ * (the client joins them with LF); HTML fragments escape their CRs (`esc`) and arrive unchanged.
+ */
 function frame(e: SseEvent): string {
-  return `event: ${e.event}\n${e.id === undefined ? '' : `id: ${e.id}\n`}${e.data.split('\n').map((l) => `data: ${l}`).join('\n')}\n\n`;
+  return `event: ${e.event}\n${e.id === undefined ? '' : `id: ${e.id}\n`}${e.data.split(/\r\n|\r|\n/).map((l) => `data: ${l}`).join('\n')}\n\n`;
 }
 
 /**
