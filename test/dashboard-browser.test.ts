@@ -298,4 +298,31 @@ describe('hostile text in run keys and errors (black-box round 12)', () => {
     }
     await expectNoBrowserComplaints();
   });
+
+  it('B3-2: a 200-character key, or 60 emoji, does not make the run page or the dashboard wider than a 360 px window', async () => {
+    const overflow = () => page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+    const long = await api(server.base, 'POST', '/api/jobs/counted/runs', { key: `${'k'.repeat(199)}1`, body: { chunks: 2 } });
+    expect(long.status, long.text).toBe(201);
+    expect((await api(server.base, 'GET', `/api/runs/${long.body.id}?wait=30`)).body.state).toBe('succeeded');
+    const emoji = await runWith('🦀'.repeat(60), 'failed');
+    try {
+      await page.setViewportSize({ width: 360, height: 800 });
+      for (const id of [String(long.body.id), emoji]) {
+        await page.goto(`${server.base}/runs/${id}`);
+        await expect.poll(liveState).toBe('live');
+        expect(await overflow(), `run ${id} at 360 px`).toBeLessThanOrEqual(0);
+        // Wrapped, not cut: the whole key is on the page, inside the window.
+        const box = (await page.locator('.run-head .key').boundingBox())!;
+        expect(box.x + box.width, `run ${id}`).toBeLessThanOrEqual(360);
+        expect(box.height, `run ${id}: the key takes several lines`).toBeGreaterThan(30);
+      }
+      await page.screenshot({ path: path.join(SCREENSHOTS, 'run-page-long-key-phone.png'), fullPage: true });
+      await page.goto(`${server.base}/`);
+      await expect.poll(liveState).toBe('live');
+      expect(await overflow(), 'the dashboard at 360 px').toBeLessThanOrEqual(0);
+    } finally {
+      await page.setViewportSize({ width: 1280, height: 900 });
+      await query(url, `update idem.runs set status = 'cancelled' where id = $1`, [emoji]);
+    }
+  });
 });

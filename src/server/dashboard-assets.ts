@@ -84,7 +84,8 @@ textarea{font-family:ui-monospace,Menlo,monospace}
 .form-result{font-size:13px}.form-result.bad{color:var(--bad)}
 .req{color:var(--bad)}
 .run-head{display:flex;justify-content:space-between;align-items:flex-start;gap:16px;flex-wrap:wrap;margin-bottom:14px}
-.run-head .key{margin:4px 0 0}
+.run-title{min-width:0;max-width:100%}
+.run-head .key{margin:4px 0 0;white-space:normal;overflow-wrap:anywhere}
 .run-head .actions{margin:0}
 .two{display:grid;grid-template-columns:repeat(auto-fit,minmax(min(100%,420px),1fr));gap:14px}
 .two .panel{margin-bottom:0}
