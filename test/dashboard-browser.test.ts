@@ -266,11 +266,11 @@ describe('the dashboard of a job with a params schema', () => {
 
 describe('hostile text in run keys and errors (black-box round 12)', () => {
   /** A finished run of `counted`, then given `key`, and failed with `error` by hand (as SQL or another tool could write them). */
-  async function runWith(key: string, error: string): Promise<string> {
+  async function runWith(key: string, error: string, chunk = 'c0001'): Promise<string> {
     const created = await api(server.base, 'POST', '/api/jobs/counted/runs', { key: `hostile-${Date.now()}`, body: { chunks: 2 } });
     expect((await api(server.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body.state).toBe('succeeded');
     const at = new Date().toISOString();
-    await query(url, `update idem.runs set run_key = $2, status = 'failed', error = $3::jsonb where id = $1`, [created.body.id, key, JSON.stringify({ step: 'work', chunk: 'c0001', tries: 1, message: error, at })]);
+    await query(url, `update idem.runs set run_key = $2, status = 'failed', error = $3::jsonb where id = $1`, [created.body.id, key, JSON.stringify({ step: 'work', chunk, tries: 1, message: error, at })]);
     return String(created.body.id);
   }
   const liveState = () => page.locator('.live-state').textContent();
@@ -323,6 +323,63 @@ describe('hostile text in run keys and errors (black-box round 12)', () => {
     } finally {
       await page.setViewportSize({ width: 1280, height: 900 });
       await query(url, `update idem.runs set status = 'cancelled' where id = $1`, [emoji]);
+    }
+  });
+
+  it('B3-3: a right-to-left override in a key, a chunk key or an error stays inside that text', async () => {
+    const RLO = '\u202E';
+    const key = `rtl${RLO}abc-def`;
+    const id = await runWith(key, `boom${RLO} reversed`, `c${RLO}01`);
+    /** Where `text` (inside the element `selector`) is drawn: its first and last character's boxes. */
+    const textBox = (selector: string, text: string) =>
+      page.evaluate(
+        ([sel, t]) => {
+          const root = document.querySelector(sel)!;
+          const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+          for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+            const at = n.textContent!.indexOf(t);
+            if (at === -1) continue;
+            const box = (i: number) => {
+              const r = document.createRange();
+              r.setStart(n!, i);
+              r.setEnd(n!, i + 1);
+              return r.getBoundingClientRect();
+            };
+            return { first: box(at).left, last: box(at + t.length - 1).left };
+          }
+          throw new Error(`no text ${t} in ${sel}`);
+        },
+        [selector, text] as const,
+      );
+    try {
+      // The job card: "last run <key> · <time>", the server's time left to right after the key.
+      await page.goto(`${server.base}/`);
+      const lastRun = 'article.job[data-job="counted"] p.muted.small';
+      expect(await page.locator(`${lastRun} a`).textContent()).toBe(key);
+      const keyBox = (await page.locator(`${lastRun} a`).boundingBox())!;
+      const time = await textBox(`${lastRun} time`, ':');
+      expect(time.first, 'the time comes after the key').toBeGreaterThanOrEqual(keyBox.x + keyBox.width - 1);
+      const clock = await textBox(`${lastRun} time`, (await page.locator(`${lastRun} time`).textContent())!);
+      expect(clock.first, 'the time reads left to right').toBeLessThan(clock.last);
+      // The run card's error line: "✖ work · <chunk>: <message>"; the run page's "… chunk <chunk> after 1 try".
+      const errorLine = `article.run[data-run-id="${id}"] .error-line`;
+      const step = await textBox(errorLine, 'work');
+      expect(step.first).toBeLessThan(step.last);
+      expect((await textBox(errorLine, 'boom')).first, 'the message after the step').toBeGreaterThan(step.last);
+      await query(url, `update idem.runs set params = jsonb_set(params, '{label}', to_jsonb($2::text)) where id = $1`, [id, `x${RLO}y`]);
+      await page.goto(`${server.base}/runs/${id}`);
+      // In the params, such a character is shown as its JSON escape.
+      expect(await page.locator('.panel', { hasText: 'Params' }).locator('pre').textContent()).toContain('"label": "x\\u202ey"');
+      const after = await textBox('.panel-error p', 'after 1 try');
+      expect(after.first, '"after 1 try" reads left to right').toBeLessThan(after.last);
+      const strong = (await page.locator('.panel-error p strong').boundingBox())!;
+      expect(after.first, '"after 1 try" follows the chunk').toBeGreaterThanOrEqual(strong.x + strong.width - 1);
+      // Every element holding such text isolates it.
+      for (const sel of ['.run-head .key', '.panel-error pre']) {
+        expect(await page.locator(sel).evaluate((el) => [el, ...el.querySelectorAll('*')].some((e) => getComputedStyle(e).unicodeBidi === 'isolate')), sel).toBe(true);
+      }
+    } finally {
+      await query(url, `update idem.runs set status = 'cancelled' where id = $1`, [id]);
     }
   });
 });

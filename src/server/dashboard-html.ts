@@ -10,6 +10,14 @@ export function esc(value: unknown): string {
   return String(value ?? '').replace(/[&<>"'\r]/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;', '\r': '&#13;' })[c]!);
 }
 
+/**
+ * Text a user or another tool supplied (run keys, chunk keys, errors), escaped and isolated in a
+ * `<bdi>`: a bidi control in it (U+202E) reorders only itself, never the text around it.
+ */
+export function userText(value: unknown): string {
+  return `<bdi>${esc(value)}</bdi>`;
+}
+
 /** UTC time, with the date when it is not today: absolute, so a live fragment only changes with the run. */
 function when(iso: string | null): string {
   if (!iso) return '—';
@@ -61,7 +69,7 @@ function facts(pairs: Array<[string, string]>): string {
 /** What a live run says beside its progress: an operator's request not acted on yet, and a wait for the database to be healthy. */
 function progressNotes(r: RunView): string {
   const requested = r.requested && r.state === 'running' ? ` <span class="muted">(${esc(r.requested)} requested)</span>` : '';
-  const health = r.healthPause ? ` <span class="warn" title="since ${esc(r.healthPause.since)}">paused for health: ${esc(r.healthPause.reason)}</span>` : '';
+  const health = r.healthPause ? ` <span class="warn" title="since ${esc(r.healthPause.since)}">paused for health: ${userText(r.healthPause.reason)}</span>` : '';
   return requested + health;
 }
 
@@ -70,18 +78,18 @@ export function runCard(r: RunView): string {
   const pct = r.progress.percent;
   return `<article class="card run" data-run-id="${esc(r.id)}" data-state="${esc(r.state)}">
   <header class="card-head"><a class="title" href="/runs/${esc(r.id)}">${esc(r.job)}</a>${stateTag(r.state)}</header>
-  <div class="key" title="run key (Idempotency-Key)">${esc(r.key)}</div>
+  <div class="key" title="run key (Idempotency-Key)">${userText(r.key)}</div>
   ${progressBar(pct, `progress of run ${r.id}`)}
   <div class="progress-line"><span class="pct">${pct === null ? '…' : `${pct}%`}</span><span>${esc(chunkText(r))}</span>${progressNotes(r)}</div>
   ${facts([
     ['rate', r.throughput === null ? '—' : `${esc(r.throughput)}/s`],
     ['ETA', duration(r.etaSeconds)],
     ['attempt', esc(r.attempt)],
-    ['holder', r.holder ? `<span class="mono">${esc(r.holder)}</span>` : '—'],
+    ['holder', r.holder ? `<span class="mono">${userText(r.holder)}</span>` : '—'],
     ['started', when(r.startedAt ?? r.createdAt)],
     ['finished', when(r.finishedAt)],
   ])}
-  ${r.error ? `<p class="error-line" title="${esc(r.error.message)}">✖ ${esc(r.error.step)}${r.error.chunk ? ` · ${esc(r.error.chunk)}` : ''}: ${esc(r.error.message)}</p>` : ''}
+  ${r.error ? `<p class="error-line" title="${esc(r.error.message)}">✖ ${userText(r.error.step)}${r.error.chunk ? ` · ${userText(r.error.chunk)}` : ''}: ${userText(r.error.message)}</p>` : ''}
   ${actions(r)}
 </article>`;
 }
@@ -169,7 +177,7 @@ export function jobsSection(jobs: readonly Job[], schemas: ReadonlyMap<string, u
   <header class="card-head"><span class="title">${esc(j.name)}</span>${tag}</header>
   ${j.description ? `<p class="desc">${esc(j.description)}</p>` : ''}
   <div class="chips">${j.steps.map((s) => `<span class="chip">${esc(s.name)}${s.chunks ? ' ▦' : ''}</span>`).join('')}${sched}</div>
-  ${last ? `<p class="muted small">last run <a href="/runs/${esc(last.id)}">${esc(last.key)}</a> · ${when(last.updatedAt)}</p>` : ''}
+  ${last ? `<p class="muted small">last run <a href="/runs/${esc(last.id)}">${userText(last.key)}</a> · ${when(last.updatedAt)}</p>` : ''}
   <details class="run-details"><summary class="btn btn-primary">Run…</summary>${paramsForm(j, schemas.get(j.name), newKey())}</details>
 </article>`;
   });
@@ -221,12 +229,12 @@ export function runLive(r: RunView): string {
     .join('');
   const skipped = r.skipped?.length
     ? `<table class="table skipped"><thead><tr><th class="c-step">step</th><th class="c-chunk">chunk</th><th class="c-tries num">tries</th><th>error</th></tr></thead><tbody>${r.skipped
-        .map((k) => `<tr><td>${esc(k.step)}</td><td class="mono">${esc(k.key)}</td><td class="num">${k.attempts}</td><td><div class="cell-text">${esc(k.error)}</div></td></tr>`)
+        .map((k) => `<tr><td>${userText(k.step)}</td><td class="mono">${userText(k.key)}</td><td class="num">${k.attempts}</td><td><div class="cell-text">${userText(k.error)}</div></td></tr>`)
         .join('')}</tbody></table>`
     : '<p class="empty">None.</p>';
   const pct = r.progress.percent;
   return `<div class="run-live" data-state="${esc(r.state)}"><div class="run-head" data-run-id="${esc(r.id)}" data-state="${esc(r.state)}">
-  <div class="run-title"><h1>${esc(r.job)} ${stateTag(r.state)}</h1><div class="key">${esc(r.key)}</div></div>
+  <div class="run-title"><h1>${esc(r.job)} ${stateTag(r.state)}</h1><div class="key">${userText(r.key)}</div></div>
   ${actions(r)}
 </div>
 <section class="panel">
@@ -236,14 +244,14 @@ export function runLive(r: RunView): string {
     ['rate', r.throughput === null ? '—' : `${esc(r.throughput)}/s`],
     ['ETA', duration(r.etaSeconds)],
     ['attempt', esc(r.attempt)],
-    ['holder', r.holder ? `<span class="mono">${esc(r.holder)}</span>` : '—'],
+    ['holder', r.holder ? `<span class="mono">${userText(r.holder)}</span>` : '—'],
     ['created', when(r.createdAt)],
     ['started', when(r.startedAt)],
     ['finished', when(r.finishedAt)],
     ['effects', r.effects ? `${r.effects.done} done${r.effects.started ? `, ${r.effects.started} open` : ''}` : '—'],
   ])}
 </section>
-${r.error ? `<section class="panel panel-error"><h2>Last error</h2><p><strong>${esc(r.error.step)}${r.error.chunk ? ` · chunk ${esc(r.error.chunk)}` : ''}</strong> after ${esc(r.error.tries)} ${r.error.tries === 1 ? 'try' : 'tries'}${r.error.code ? ` <span class="mono">(${esc(r.error.code)})</span>` : ''}</p><pre>${esc(r.error.message)}</pre><p class="muted small">${when(r.error.at)}</p></section>` : ''}
+${r.error ? `<section class="panel panel-error"><h2>Last error</h2><p><strong>${userText(r.error.step)}${r.error.chunk ? ` · chunk ${userText(r.error.chunk)}` : ''}</strong> after ${esc(r.error.tries)} ${r.error.tries === 1 ? 'try' : 'tries'}${r.error.code ? ` <span class="mono">(${userText(r.error.code)})</span>` : ''}</p><pre>${userText(r.error.message)}</pre><p class="muted small">${when(r.error.at)}</p></section>` : ''}
 <div class="two">
   <section class="panel"><h2>Steps</h2><table class="table steps"><thead><tr><th>step</th><th>status</th><th class="bar-cell">progress</th><th class="num">chunks</th></tr></thead><tbody>${steps || '<tr><td colspan="4" class="empty">not started</td></tr>'}</tbody></table></section>
   <section class="panel"><h2>Chunks per minute</h2>${throughputChart(r.chunksPerMinute ?? [])}</section>

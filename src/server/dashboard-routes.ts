@@ -68,8 +68,11 @@ export function registerDashboardRoutes(app: FastifyInstance, ctx: ServerContext
   app.get<{ Params: { id: string } }>('/runs/:id', async (request, reply) => {
     const run = await ctx.views.get(request.params.id);
     if (!run) throw unknownRun(request.params.id);
-    const params = `<section class="panel"><h2>Params</h2><pre>${esc(JSON.stringify(run.params, null, 2))}</pre><p class="muted small mono">${esc(run.fingerprint)}</p></section>`;
-    const html = page(`${run.job} ${run.key}`, runLive(run), params, { liveUrl: `/runs/${run.id}/live`, publicRead: ctx.publicRead });
+    // Bidi controls in params are shown as JSON escapes: one inside a string would reorder the rest of its line.
+    const json = JSON.stringify(run.params, null, 2).replace(/[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g, (c) => `\\u${c.charCodeAt(0).toString(16).padStart(4, '0')}`);
+    const params = `<section class="panel"><h2>Params</h2><pre>${esc(json)}</pre><p class="muted small mono">${esc(run.fingerprint)}</p></section>`;
+    // FSI … PDI: a bidi control in the key reorders nothing else of the title.
+    const html = page(`${run.job} \u2068${run.key}\u2069`, runLive(run), params, { liveUrl: `/runs/${run.id}/live`, publicRead: ctx.publicRead });
     return reply.type('text/html; charset=utf-8').header('content-security-policy', csp).header('cache-control', 'no-store').send(html);
   });
 
