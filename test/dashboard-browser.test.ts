@@ -195,7 +195,7 @@ describe('the dashboard of a job with a params schema', () => {
     await job.locator('button[type=submit]').click();
     await expect.poll(() => job.locator('.form-result a').textContent()).toMatch(/^Started run /);
     const id = (await job.locator('.form-result a').getAttribute('href'))!.split('/').at(-1)!;
-    expect((await api(dash.base, 'GET', `/api/runs/${id}`)).body.params).toEqual({ flag: true, color: 'green', coats: 2 });
+    expect((await api(dash.base, 'GET', `/api/runs/${id}`)).body.params).toEqual({ flag: true, color: 'green', coats: 2, layers: ['primer'] });
     // Each optional field set by hand is sent.
     await job.locator('select[name=shade]').selectOption({ label: 'dark' });
     await job.locator('select[name=glossy]').selectOption({ label: 'false' });
@@ -203,7 +203,45 @@ describe('the dashboard of a job with a params schema', () => {
     await job.locator('button[type=submit]').click();
     await expect.poll(async () => (await job.locator('.form-result a').getAttribute('href'))?.split('/').at(-1)).not.toBe(id);
     const second = (await job.locator('.form-result a').getAttribute('href'))!.split('/').at(-1)!;
-    expect((await api(dash.base, 'GET', `/api/runs/${second}`)).body.params).toEqual({ flag: false, color: 'green', coats: 2, shade: 'dark', glossy: false });
+    expect((await api(dash.base, 'GET', `/api/runs/${second}`)).body.params).toEqual({ flag: false, color: 'green', coats: 2, layers: ['primer'], shade: 'dark', glossy: false });
+    await expectNoBrowserComplaints();
+  });
+
+  it('B3-4: array and object fields take JSON, posted parsed; text that is not JSON of that type is refused at the field; a null option reads null', async () => {
+    const job = await paintForm();
+    const result = job.locator('.form-result');
+    const runs = async () => (await query<{ n: number }>(url, `select count(*)::int as n from idem.runs where job = 'paint'`))[0]!.n;
+    // The default array is shown as JSON.
+    expect(JSON.parse(await job.locator('[name=layers]').inputValue())).toEqual(['primer']);
+    // An enum's null is an option with a visible label.
+    expect(await job.locator('select[name=finish] option').allTextContents()).toEqual(['— not set —', 'matte', 'null']);
+    const tagsError = job.locator('[name=tags] ~ .field-error');
+    const before = await runs();
+    for (const [text, expected] of [
+      ['["a",', /^tags: not valid JSON/],
+      ['{"a": 1}', /^tags must be a JSON array, e\.g\. \["a", "b"\]; found an object$/],
+      ['"a"', /^tags must be a JSON array, e\.g\. \["a", "b"\]; found a string$/],
+    ] as const) {
+      await job.locator('[name=tags]').fill(text);
+      await job.locator('button[type=submit]').click();
+      await expect.poll(() => tagsError.textContent()).toMatch(expected);
+      expect(await tagsError.isVisible()).toBe(true);
+      expect(await job.locator('[name=tags]').getAttribute('aria-invalid')).toBe('true');
+    }
+    await job.locator('[name=extra]').fill('[1]');
+    await job.locator('[name=tags]').fill('["a", "b"]');
+    await job.locator('button[type=submit]').click();
+    await expect.poll(() => job.locator('[name=extra] ~ .field-error').textContent()).toBe('extra must be a JSON object, e.g. {"name": "value"}; found an array');
+    expect(await tagsError.isVisible()).toBe(false);
+    expect(await runs(), 'nothing was sent').toBe(before);
+    // Valid: sent parsed, not as strings.
+    await job.locator('[name=extra]').fill('{"k": [1, {"deep": true}]}');
+    await job.locator('select[name=finish]').selectOption({ label: 'null' });
+    await job.locator('button[type=submit]').click();
+    await expect.poll(() => result.locator('a').textContent()).toMatch(/^Started run /);
+    expect(await job.locator('.field-error:visible').count()).toBe(0);
+    const id = (await result.locator('a').getAttribute('href'))!.split('/').at(-1)!;
+    expect((await api(dash.base, 'GET', `/api/runs/${id}`)).body.params).toEqual({ flag: true, color: 'green', coats: 2, layers: ['primer'], tags: ['a', 'b'], extra: { k: [1, { deep: true }] }, finish: null });
     await expectNoBrowserComplaints();
   });
 

@@ -146,8 +146,16 @@ function paramsForm(job: Job, schema: any, key: string): string {
           const values: unknown[] = Array.isArray(p.enum) ? p.enum : [true, false];
           const chosen = hasDefault ? JSON.stringify(p.default) : undefined;
           const unset = hasDefault ? '' : required.has(name) ? '<option value="" disabled selected>— choose —</option>' : '<option value="" selected>— not set —</option>';
-          const options = values.map((v) => `<option value="${esc(JSON.stringify(v))}"${JSON.stringify(v) === chosen ? ' selected' : ''}>${esc(v)}</option>`).join('');
+          // A value that is not a string is labelled as JSON: a null option reads "null", not nothing.
+          const options = values.map((v) => `<option value="${esc(JSON.stringify(v))}"${JSON.stringify(v) === chosen ? ' selected' : ''}>${esc(typeof v === 'string' ? v : JSON.stringify(v))}</option>`).join('');
           return `<div class="field">${label}<select id="${esc(id)}" name="${esc(name)}" data-type="enum"${required.has(name) ? ' required' : ''}>${unset}${options}</select></div>`;
+        }
+        // Arrays and objects are written as JSON and parsed before they are sent (dashboard.js says
+        // at the field when the text is not JSON of that type); a text input would send a string.
+        if (p.type === 'array' || p.type === 'object') {
+          const example = p.type === 'array' ? '["a", "b"]' : '{"name": "value"}';
+          const jsonLabel = label.replace('</label>', ` <span class="muted">JSON ${p.type}</span></label>`);
+          return `<div class="field">${jsonLabel}<textarea id="${esc(id)}" name="${esc(name)}" data-type="${p.type}" rows="2" spellcheck="false" placeholder="${esc(example)}" aria-describedby="${esc(id)}-error"${required.has(name) ? ' required' : ''}>${hasDefault ? esc(JSON.stringify(p.default)) : ''}</textarea><p class="field-error" id="${esc(id)}-error" hidden></p></div>`;
         }
         if (p.type === 'boolean') return `<div class="field field-check"><input type="checkbox" id="${esc(id)}" name="${esc(name)}" data-type="boolean"${p.default === true ? ' checked' : ''}>${label}</div>`;
         const type = p.type === 'integer' || p.type === 'number' ? 'number' : p.format === 'date' ? 'date' : 'text';
