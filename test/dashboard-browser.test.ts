@@ -161,6 +161,33 @@ describe('the dashboard in a real browser', () => {
   });
 });
 
+describe('the Jobs section of the dashboard (black-box round 12, B3-5)', () => {
+  it('shows each job\'s newest run as it changes, without a reload, and leaves an open Run form as it was', async () => {
+    const earlier = await api(server.base, 'POST', '/api/jobs/counted/runs', { key: `jobs-earlier-${Date.now()}`, body: { chunks: 1 } });
+    expect((await api(server.base, 'GET', `/api/runs/${earlier.body.id}?wait=30`)).body.state).toBe('succeeded');
+    await page.goto(`${server.base}/`);
+    await page.evaluate(() => ((window as any).__sameDocument = true));
+    await expect.poll(() => page.locator('.live-state').textContent()).toBe('live');
+    const job = page.locator('article.job[data-job="counted"]');
+    // An operator half way through the Run form.
+    await job.locator('summary').click();
+    await job.locator('textarea').fill('{"chunks": 3, "label": "typed"}');
+    const formKey = await job.locator('input[name=__key]').inputValue();
+    const key = `jobs-live-${Date.now()}`;
+    const created = await api(server.base, 'POST', '/api/jobs/counted/runs', { key, body: { chunks: 30, pauseMs: 100 } });
+    expect(created.status, created.text).toBe(201);
+    await expect.poll(() => job.locator('p.muted.small a').textContent({ timeout: 1_000 }), { timeout: 10_000 }).toBe(key);
+    expect(await job.locator('p.muted.small a').getAttribute('href')).toBe(`/runs/${created.body.id}`);
+    await expect.poll(() => job.locator('.card-head .tag').textContent({ timeout: 1_000 }), { timeout: 10_000 }).toMatch(/^(running|succeeded)$/);
+    await expect.poll(() => job.locator('.card-head .tag').textContent(), { timeout: 30_000 }).toBe('succeeded');
+    expect(await page.evaluate(() => (window as any).__sameDocument)).toBe(true);
+    expect(await job.locator('details.run-details').evaluate((d: HTMLDetailsElement) => d.open)).toBe(true);
+    expect(await job.locator('textarea').inputValue()).toBe('{"chunks": 3, "label": "typed"}');
+    expect(await job.locator('input[name=__key]').inputValue()).toBe(formKey);
+    await expectNoBrowserComplaints();
+  }, 60_000);
+});
+
 describe('the dashboard of a job with a params schema', () => {
   // A server of its own, on the same database and browser: the `paint` job (test/fixtures/dashboard-jobs).
   const DASHBOARD_JOBS = fileURLToPath(new URL('./fixtures/dashboard-jobs', import.meta.url));

@@ -157,6 +157,16 @@ export const DASHBOARD_JS = `'use strict';
     const state = document.querySelector('.live-state');
     const es = new EventSource(region.getAttribute('data-live'));
     es.addEventListener('html', (e) => { region.innerHTML = e.data; if (state) state.textContent = 'live'; });
+    // Each job's status, swapped element by element: the rest of its card (an open Run form) stays.
+    es.addEventListener('jobs', (e) => {
+      const t = document.createElement('template');
+      t.innerHTML = e.data;
+      for (const el of Array.from(t.content.children)) {
+        const attr = el.hasAttribute('data-job-tag') ? 'data-job-tag' : 'data-job-last';
+        const old = document.querySelector('#jobs [' + attr + '="' + CSS.escape(el.getAttribute(attr) || '') + '"]');
+        if (old) old.replaceWith(el);
+      }
+    });
     es.addEventListener('gone', () => { es.close(); if (state) state.textContent = 'this run no longer exists'; });
     es.onerror = () => { if (state) state.textContent = 'reconnecting…'; };
   }

@@ -34,8 +34,8 @@ function duration(seconds: number | null): string {
   return `${Math.floor(seconds / 3600)}h ${Math.floor((seconds % 3600) / 60)}m`;
 }
 
-export function stateTag(state: string): string {
-  return `<span class="tag tag-${esc(state)}" data-state="${esc(state)}">${esc(state)}</span>`;
+export function stateTag(state: string, attrs = ''): string {
+  return `<span class="tag tag-${esc(state)}"${attrs} data-state="${esc(state)}">${esc(state)}</span>`;
 }
 
 export function progressBar(percent: number | null, label: string): string {
@@ -175,17 +175,41 @@ function paramsForm(job: Job, schema: any, key: string): string {
 </form>`;
 }
 
+/**
+ * What a job card says of the job's newest run: its state tag ("new" when it never ran) and the
+ * "last run" line. The live stream sends them again (`jobsLive`), each element found by its
+ * `data-job-tag` / `data-job-last`, so the card's open Run form is left as it is.
+ */
+function jobStatus(name: string, last: RunView | undefined): { readonly tag: string; readonly line: string } {
+  const attr = (a: string) => ` ${a}="${esc(name)}"`;
+  return {
+    tag: last ? stateTag(last.state, attr('data-job-tag')) : `<span class="tag tag-new"${attr('data-job-tag')}>new</span>`,
+    line: last
+      ? `<p class="muted small"${attr('data-job-last')}>last run <a href="/runs/${esc(last.id)}">${userText(last.key)}</a> · ${when(last.updatedAt)}</p>`
+      : `<p class="muted small"${attr('data-job-last')} hidden></p>`,
+  };
+}
+
+/** The live part of the Jobs section: each job's status (see `jobStatus`), in the order given. */
+export function jobsLive(jobs: readonly string[], latest: ReadonlyMap<string, RunView>): string {
+  return jobs
+    .map((name) => {
+      const { tag, line } = jobStatus(name, latest.get(name));
+      return tag + line;
+    })
+    .join('\n');
+}
+
 /** The jobs this server runs, each with its Run form: "New" when it never ran. */
 export function jobsSection(jobs: readonly Job[], schemas: ReadonlyMap<string, unknown>, latest: ReadonlyMap<string, RunView>, newKey: () => string): string {
   const cards = jobs.map((j) => {
-    const last = latest.get(j.name);
-    const tag = last ? `${stateTag(last.state)}` : '<span class="tag tag-new">new</span>';
+    const { tag, line } = jobStatus(j.name, latest.get(j.name));
     const sched = j.schedule === undefined ? '' : `<span class="chip" title="schedule">⏱ ${esc(typeof j.schedule === 'string' ? j.schedule : j.schedule.cron)}</span>`;
     return `<article class="card job" data-job="${esc(j.name)}">
   <header class="card-head"><span class="title">${esc(j.name)}</span>${tag}</header>
   ${j.description ? `<p class="desc">${esc(j.description)}</p>` : ''}
   <div class="chips">${j.steps.map((s) => `<span class="chip">${esc(s.name)}${s.chunks ? ' ▦' : ''}</span>`).join('')}${sched}</div>
-  ${last ? `<p class="muted small">last run <a href="/runs/${esc(last.id)}">${userText(last.key)}</a> · ${when(last.updatedAt)}</p>` : ''}
+  ${line}
   <details class="run-details"><summary class="btn btn-primary">Run…</summary>${paramsForm(j, schemas.get(j.name), newKey())}</details>
 </article>`;
   });

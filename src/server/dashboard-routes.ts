@@ -2,7 +2,7 @@ import { randomUUID } from 'node:crypto';
 import type { FastifyInstance } from 'fastify';
 import { paramsSchema } from './api-routes.ts';
 import { DASHBOARD_CSS, DASHBOARD_JS, FAVICON_SVG } from './dashboard-assets.ts';
-import { esc, homeLive, jobsSection, page, runLive, type HomeRuns, type RunList } from './dashboard-html.ts';
+import { esc, homeLive, jobsLive, jobsSection, page, runLive, type HomeRuns, type RunList } from './dashboard-html.ts';
 import { HttpProblem } from './problem.ts';
 import type { RunStatus } from '../store.ts';
 import type { ServerContext } from './server-context.ts';
@@ -60,7 +60,21 @@ export function registerDashboardRoutes(app: FastifyInstance, ctx: ServerContext
   });
 
   app.get('/live', async (request, reply) => {
-    streamEvents(request, reply, async () => ({ event: 'html', data: homeLive(await homeRuns(ctx)) }), { intervalMs: ctx.sseIntervalMs, open: ctx.openStreams });
+    // The Jobs section is not replaced (an operator may be filling in a Run form there): its
+    // `jobs` event carries each job's status, which the page puts in place of the old one.
+    const names = [...ctx.jobs.keys()].sort();
+    streamEvents(
+      request,
+      reply,
+      async () => {
+        const [runs, latest] = await Promise.all([homeRuns(ctx), ctx.views.latestOfJobs(names)]);
+        return [
+          { event: 'html', data: homeLive(runs) },
+          { event: 'jobs', data: jobsLive(names, latest) },
+        ];
+      },
+      { intervalMs: ctx.sseIntervalMs, open: ctx.openStreams },
+    );
   });
 
   const unknownRun = (id: string) => new HttpProblem(404, 'idem.unknownRun', `no run with id "${id.slice(0, 40)}"; the dashboard at / lists the runs`);
