@@ -161,6 +161,33 @@ describe('the dashboard in a real browser', () => {
   });
 });
 
+describe('the Jobs section of the dashboard (black-box round 12, B3-5)', () => {
+  it('shows each job\'s newest run as it changes, without a reload, and leaves an open Run form as it was', async () => {
+    const earlier = await api(server.base, 'POST', '/api/jobs/counted/runs', { key: `jobs-earlier-${Date.now()}`, body: { chunks: 1 } });
+    expect((await api(server.base, 'GET', `/api/runs/${earlier.body.id}?wait=30`)).body.state).toBe('succeeded');
+    await page.goto(`${server.base}/`);
+    await page.evaluate(() => ((window as any).__sameDocument = true));
+    await expect.poll(() => page.locator('.live-state').textContent()).toBe('live');
+    const job = page.locator('article.job[data-job="counted"]');
+    // An operator half way through the Run form.
+    await job.locator('summary').click();
+    await job.locator('textarea').fill('{"chunks": 3, "label": "typed"}');
+    const formKey = await job.locator('input[name=__key]').inputValue();
+    const key = `jobs-live-${Date.now()}`;
+    const created = await api(server.base, 'POST', '/api/jobs/counted/runs', { key, body: { chunks: 30, pauseMs: 100 } });
+    expect(created.status, created.text).toBe(201);
+    await expect.poll(() => job.locator('p.muted.small a').textContent({ timeout: 1_000 }), { timeout: 10_000 }).toBe(key);
+    expect(await job.locator('p.muted.small a').getAttribute('href')).toBe(`/runs/${created.body.id}`);
+    await expect.poll(() => job.locator('.card-head .tag').textContent({ timeout: 1_000 }), { timeout: 10_000 }).toMatch(/^(running|succeeded)$/);
+    await expect.poll(() => job.locator('.card-head .tag').textContent(), { timeout: 30_000 }).toBe('succeeded');
+    expect(await page.evaluate(() => (window as any).__sameDocument)).toBe(true);
+    expect(await job.locator('details.run-details').evaluate((d: HTMLDetailsElement) => d.open)).toBe(true);
+    expect(await job.locator('textarea').inputValue()).toBe('{"chunks": 3, "label": "typed"}');
+    expect(await job.locator('input[name=__key]').inputValue()).toBe(formKey);
+    await expectNoBrowserComplaints();
+  }, 60_000);
+});
+
 describe('the dashboard of a job with a params schema', () => {
   // A server of its own, on the same database and browser: the `paint` job (test/fixtures/dashboard-jobs).
   const DASHBOARD_JOBS = fileURLToPath(new URL('./fixtures/dashboard-jobs', import.meta.url));
@@ -195,7 +222,7 @@ describe('the dashboard of a job with a params schema', () => {
     await job.locator('button[type=submit]').click();
     await expect.poll(() => job.locator('.form-result a').textContent()).toMatch(/^Started run /);
     const id = (await job.locator('.form-result a').getAttribute('href'))!.split('/').at(-1)!;
-    expect((await api(dash.base, 'GET', `/api/runs/${id}`)).body.params).toEqual({ flag: true, color: 'green', coats: 2 });
+    expect((await api(dash.base, 'GET', `/api/runs/${id}`)).body.params).toEqual({ flag: true, color: 'green', coats: 2, layers: ['primer'] });
     // Each optional field set by hand is sent.
     await job.locator('select[name=shade]').selectOption({ label: 'dark' });
     await job.locator('select[name=glossy]').selectOption({ label: 'false' });
@@ -203,7 +230,45 @@ describe('the dashboard of a job with a params schema', () => {
     await job.locator('button[type=submit]').click();
     await expect.poll(async () => (await job.locator('.form-result a').getAttribute('href'))?.split('/').at(-1)).not.toBe(id);
     const second = (await job.locator('.form-result a').getAttribute('href'))!.split('/').at(-1)!;
-    expect((await api(dash.base, 'GET', `/api/runs/${second}`)).body.params).toEqual({ flag: false, color: 'green', coats: 2, shade: 'dark', glossy: false });
+    expect((await api(dash.base, 'GET', `/api/runs/${second}`)).body.params).toEqual({ flag: false, color: 'green', coats: 2, layers: ['primer'], shade: 'dark', glossy: false });
+    await expectNoBrowserComplaints();
+  });
+
+  it('B3-4: array and object fields take JSON, posted parsed; text that is not JSON of that type is refused at the field; a null option reads null', async () => {
+    const job = await paintForm();
+    const result = job.locator('.form-result');
+    const runs = async () => (await query<{ n: number }>(url, `select count(*)::int as n from idem.runs where job = 'paint'`))[0]!.n;
+    // The default array is shown as JSON.
+    expect(JSON.parse(await job.locator('[name=layers]').inputValue())).toEqual(['primer']);
+    // An enum's null is an option with a visible label.
+    expect(await job.locator('select[name=finish] option').allTextContents()).toEqual(['— not set —', 'matte', 'null']);
+    const tagsError = job.locator('[name=tags] ~ .field-error');
+    const before = await runs();
+    for (const [text, expected] of [
+      ['["a",', /^tags: not valid JSON/],
+      ['{"a": 1}', /^tags must be a JSON array, e\.g\. \["a", "b"\]; found an object$/],
+      ['"a"', /^tags must be a JSON array, e\.g\. \["a", "b"\]; found a string$/],
+    ] as const) {
+      await job.locator('[name=tags]').fill(text);
+      await job.locator('button[type=submit]').click();
+      await expect.poll(() => tagsError.textContent()).toMatch(expected);
+      expect(await tagsError.isVisible()).toBe(true);
+      expect(await job.locator('[name=tags]').getAttribute('aria-invalid')).toBe('true');
+    }
+    await job.locator('[name=extra]').fill('[1]');
+    await job.locator('[name=tags]').fill('["a", "b"]');
+    await job.locator('button[type=submit]').click();
+    await expect.poll(() => job.locator('[name=extra] ~ .field-error').textContent()).toBe('extra must be a JSON object, e.g. {"name": "value"}; found an array');
+    expect(await tagsError.isVisible()).toBe(false);
+    expect(await runs(), 'nothing was sent').toBe(before);
+    // Valid: sent parsed, not as strings.
+    await job.locator('[name=extra]').fill('{"k": [1, {"deep": true}]}');
+    await job.locator('select[name=finish]').selectOption({ label: 'null' });
+    await job.locator('button[type=submit]').click();
+    await expect.poll(() => result.locator('a').textContent()).toMatch(/^Started run /);
+    expect(await job.locator('.field-error:visible').count()).toBe(0);
+    const id = (await result.locator('a').getAttribute('href'))!.split('/').at(-1)!;
+    expect((await api(dash.base, 'GET', `/api/runs/${id}`)).body.params).toEqual({ flag: true, color: 'green', coats: 2, layers: ['primer'], tags: ['a', 'b'], extra: { k: [1, { deep: true }] }, finish: null });
     await expectNoBrowserComplaints();
   });
 
@@ -261,5 +326,125 @@ describe('the dashboard of a job with a params schema', () => {
       await page.setViewportSize({ width: 1280, height: 900 });
     }
     await expectNoBrowserComplaints();
+  });
+});
+
+describe('hostile text in run keys and errors (black-box round 12)', () => {
+  /** A finished run of `counted`, then given `key`, and failed with `error` by hand (as SQL or another tool could write them). */
+  async function runWith(key: string, error: string, chunk = 'c0001'): Promise<string> {
+    const created = await api(server.base, 'POST', '/api/jobs/counted/runs', { key: `hostile-${Date.now()}`, body: { chunks: 2 } });
+    expect((await api(server.base, 'GET', `/api/runs/${created.body.id}?wait=30`)).body.state).toBe('succeeded');
+    const at = new Date().toISOString();
+    await query(url, `update idem.runs set run_key = $2, status = 'failed', error = $3::jsonb where id = $1`, [created.body.id, key, JSON.stringify({ step: 'work', chunk, tries: 1, message: error, at })]);
+    return String(created.body.id);
+  }
+  const liveState = () => page.locator('.live-state').textContent();
+
+  it('B3-1: a carriage return in a key or an error reaches the page as rendered, after a live update too', async () => {
+    const key = 'cr-key\rafter-cr';
+    const message = 'curl: progress 10%\rprogress 100%';
+    const id = await runWith(key, message);
+    try {
+      await page.goto(`${server.base}/runs/${id}`);
+      await expect.poll(liveState).toBe('live');
+      // The Last error box holds the message, whole, and nothing else; the Steps panel stays its sibling.
+      expect(await page.locator('.panel-error pre').textContent()).toBe(message);
+      expect(await page.locator('.panel-error table.steps').count()).toBe(0);
+      expect(await page.locator('.live > .run-live > .two table.steps').count()).toBe(1);
+      expect(await page.locator('.run-head .key').textContent()).toBe(key);
+      // On the dashboard, the Cancel button's confirm text holds the key, and no run card is inside another.
+      await page.goto(`${server.base}/`);
+      await expect.poll(liveState).toBe('live');
+      expect(await page.locator('article.run article.run').count()).toBe(0);
+      expect(await page.locator(`article.run[data-run-id="${id}"] button[data-action=cancel]`).getAttribute('data-confirm')).toContain(key);
+      expect(await page.locator(`article.run[data-run-id="${id}"] .key`).textContent()).toBe(key);
+    } finally {
+      await query(url, `update idem.runs set status = 'cancelled' where id = $1`, [id]);
+    }
+    await expectNoBrowserComplaints();
+  });
+
+  it('B3-2: a 200-character key, or 60 emoji, does not make the run page or the dashboard wider than a 360 px window', async () => {
+    const overflow = () => page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+    const long = await api(server.base, 'POST', '/api/jobs/counted/runs', { key: `${'k'.repeat(199)}1`, body: { chunks: 2 } });
+    expect(long.status, long.text).toBe(201);
+    expect((await api(server.base, 'GET', `/api/runs/${long.body.id}?wait=30`)).body.state).toBe('succeeded');
+    const emoji = await runWith('🦀'.repeat(60), 'failed');
+    try {
+      await page.setViewportSize({ width: 360, height: 800 });
+      for (const id of [String(long.body.id), emoji]) {
+        await page.goto(`${server.base}/runs/${id}`);
+        await expect.poll(liveState).toBe('live');
+        expect(await overflow(), `run ${id} at 360 px`).toBeLessThanOrEqual(0);
+        // Wrapped, not cut: the whole key is on the page, inside the window.
+        const box = (await page.locator('.run-head .key').boundingBox())!;
+        expect(box.x + box.width, `run ${id}`).toBeLessThanOrEqual(360);
+        expect(box.height, `run ${id}: the key takes several lines`).toBeGreaterThan(30);
+      }
+      await page.screenshot({ path: path.join(SCREENSHOTS, 'run-page-long-key-phone.png'), fullPage: true });
+      await page.goto(`${server.base}/`);
+      await expect.poll(liveState).toBe('live');
+      expect(await overflow(), 'the dashboard at 360 px').toBeLessThanOrEqual(0);
+    } finally {
+      await page.setViewportSize({ width: 1280, height: 900 });
+      await query(url, `update idem.runs set status = 'cancelled' where id = $1`, [emoji]);
+    }
+  });
+
+  it('B3-3: a right-to-left override in a key, a chunk key or an error stays inside that text', async () => {
+    const RLO = '\u202E';
+    const key = `rtl${RLO}abc-def`;
+    const id = await runWith(key, `boom${RLO} reversed`, `c${RLO}01`);
+    /** Where `text` (inside the element `selector`) is drawn: its first and last character's boxes. */
+    const textBox = (selector: string, text: string) =>
+      page.evaluate(
+        ([sel, t]) => {
+          const root = document.querySelector(sel)!;
+          const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+          for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+            const at = n.textContent!.indexOf(t);
+            if (at === -1) continue;
+            const box = (i: number) => {
+              const r = document.createRange();
+              r.setStart(n!, i);
+              r.setEnd(n!, i + 1);
+              return r.getBoundingClientRect();
+            };
+            return { first: box(at).left, last: box(at + t.length - 1).left };
+          }
+          throw new Error(`no text ${t} in ${sel}`);
+        },
+        [selector, text] as const,
+      );
+    try {
+      // The job card: "last run <key> · <time>", the server's time left to right after the key.
+      await page.goto(`${server.base}/`);
+      const lastRun = 'article.job[data-job="counted"] p.muted.small';
+      expect(await page.locator(`${lastRun} a`).textContent()).toBe(key);
+      const keyBox = (await page.locator(`${lastRun} a`).boundingBox())!;
+      const time = await textBox(`${lastRun} time`, ':');
+      expect(time.first, 'the time comes after the key').toBeGreaterThanOrEqual(keyBox.x + keyBox.width - 1);
+      const clock = await textBox(`${lastRun} time`, (await page.locator(`${lastRun} time`).textContent())!);
+      expect(clock.first, 'the time reads left to right').toBeLessThan(clock.last);
+      // The run card's error line: "✖ work · <chunk>: <message>"; the run page's "… chunk <chunk> after 1 try".
+      const errorLine = `article.run[data-run-id="${id}"] .error-line`;
+      const step = await textBox(errorLine, 'work');
+      expect(step.first).toBeLessThan(step.last);
+      expect((await textBox(errorLine, 'boom')).first, 'the message after the step').toBeGreaterThan(step.last);
+      await query(url, `update idem.runs set params = jsonb_set(params, '{label}', to_jsonb($2::text)) where id = $1`, [id, `x${RLO}y`]);
+      await page.goto(`${server.base}/runs/${id}`);
+      // In the params, such a character is shown as its JSON escape.
+      expect(await page.locator('.panel', { hasText: 'Params' }).locator('pre').textContent()).toContain('"label": "x\\u202ey"');
+      const after = await textBox('.panel-error p', 'after 1 try');
+      expect(after.first, '"after 1 try" reads left to right').toBeLessThan(after.last);
+      const strong = (await page.locator('.panel-error p strong').boundingBox())!;
+      expect(after.first, '"after 1 try" follows the chunk').toBeGreaterThanOrEqual(strong.x + strong.width - 1);
+      // Every element holding such text isolates it.
+      for (const sel of ['.run-head .key', '.panel-error pre']) {
+        expect(await page.locator(sel).evaluate((el) => [el, ...el.querySelectorAll('*')].some((e) => getComputedStyle(e).unicodeBidi === 'isolate')), sel).toBe(true);
+      }
+    } finally {
+      await query(url, `update idem.runs set status = 'cancelled' where id = $1`, [id]);
+    }
   });
 });

@@ -185,7 +185,7 @@ describe('the dashboard with a long queue of pending runs', () => {
       const page = await html();
       const active = section(page, 'active');
       for (const [key, state] of [['dash-failed-1', 'failed'], ['dash-failed-2', 'failed'], ['dash-crashed-1', 'crashed'], ['dash-paused-1', 'paused'], ['dash-interrupted-1', 'interrupted']]) {
-        expect(active).toMatch(new RegExp(`<article class="card run" data-run-id="\\d+" data-state="${state}">(?:(?!</article>)[\\s\\S])*<div class="key"[^>]*>${key}</div>`));
+        expect(active).toMatch(new RegExp(`<article class="card run" data-run-id="\\d+" data-state="${state}">(?:(?!</article>)[\\s\\S])*<div class="key"[^>]*><bdi>${key}</bdi></div>`));
       }
       expect(active).not.toContain('dash-queued-');
       // Each heading is the list's total, not the number of cards shown.

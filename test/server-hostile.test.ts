@@ -342,6 +342,74 @@ describe('the dashboard live stream of a run that does not exist', () => {
   });
 });
 
+/**
+ * The events of a stream as an EventSource reads them (HTML spec, "Interpreting an event stream"):
+ * lines end at CRLF, a lone LF or a lone CR; `data` lines join with LF; a blank line dispatches.
+ */
+function eventSourceEvents(stream: string): Array<{ event: string; data: string }> {
+  const events: Array<{ event: string; data: string }> = [];
+  let event = '';
+  let data: string[] = [];
+  for (const line of stream.split(/\r\n|\r|\n/)) {
+    if (line === '') {
+      if (data.length) events.push({ event: event || 'message', data: data.join('\n') });
+      event = '';
+      data = [];
+      continue;
+    }
+    if (line.startsWith(':')) continue;
+    const colon = line.indexOf(':');
+    const field = colon === -1 ? line : line.slice(0, colon);
+    const value = colon === -1 ? '' : line.slice(colon + 1).replace(/^ /, '');
+    if (field === 'event') event = value;
+    else if (field === 'data') data.push(value);
+  }
+  return events;
+}
+
+/** The first `html` event of a dashboard stream, read as an EventSource reads it. */
+async function firstHtmlEvent(path: string): Promise<string> {
+  const res = await fetch(`${server.base}${path}`, { headers: { authorization: `Bearer ${TOKEN}` }, signal: AbortSignal.timeout(15_000) });
+  expect(res.status).toBe(200);
+  const reader = res.body!.getReader();
+  const decoder = new TextDecoder();
+  let text = '';
+  try {
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) throw new Error(`the stream ended before an html event: ${JSON.stringify(text)}`);
+      text += decoder.decode(value, { stream: true });
+      // Dispatched only at the blank line that ends the event.
+      const html = eventSourceEvents(text.slice(0, text.lastIndexOf('\n\n') + 2)).find((e) => e.event === 'html');
+      if (html) return html.data;
+    }
+  } finally {
+    await reader.cancel();
+  }
+}
+
+describe('a carriage return in a run key or an error (black-box round 12, B3-1)', () => {
+  it('reaches the live dashboard exactly as the server rendered it: no CR in a frame ends a line of the event', async () => {
+    const run = await api(server.base, 'POST', '/api/jobs/any/runs', { key: 'k-cr', body: {} });
+    expect(run.status, run.text).toBe(201);
+    expect((await api(server.base, 'GET', `/api/runs/${run.body.id}?wait=30`)).body.state).toBe('succeeded');
+    // A failed run (its Cancel button's confirm text holds the key) whose error has progress output in it.
+    const key = 'k-cr\rafter-cr\r\nafter-crlf';
+    const message = 'curl: progress 10%\rprogress 100%';
+    await query(url, `update idem.runs set run_key = $2, status = 'failed', error = $3::jsonb where id = $1`, [run.body.id, key, JSON.stringify({ step: 'only', chunk: 'c\r1', tries: 1, message, at: new Date().toISOString() })]);
+    const runPage = await api(server.base, 'GET', `/runs/${run.body.id}`);
+    const rendered = /<div class="live" data-live="[^"]*">\n([\s\S]*)\n<\/div>\n<section class="panel"><h2>Params/.exec(runPage.text)?.[1];
+    expect(rendered).toContain('progress 100%');
+    expect(rendered).toContain('after-crlf');
+    expect(await firstHtmlEvent(`/runs/${run.body.id}/live`)).toBe(rendered);
+    const home = await api(server.base, 'GET', '/');
+    const homeRendered = /<div class="live" data-live="\/live">\n([\s\S]*)\n<\/div>\n<section class="group" id="jobs"/.exec(home.text)?.[1];
+    expect(homeRendered).toMatch(/data-confirm="Cancel run k-cr[^"]*after-crlf of any\?/);
+    expect(await firstHtmlEvent('/live')).toBe(homeRendered);
+    await query(url, `update idem.runs set status = 'cancelled' where id = $1`, [run.body.id]);
+  });
+});
+
 describe('HEAD on an event stream', () => {
   it('answers the headers at once instead of streaming nothing until the client gives up', async () => {
     const run = await api(server.base, 'POST', '/api/jobs/any/runs', { key: 'k-head', body: {} });

@@ -83,8 +83,11 @@ textarea{font-family:ui-monospace,Menlo,monospace}
 .form-foot{display:flex;align-items:center;gap:10px;flex-wrap:wrap}
 .form-result{font-size:13px}.form-result.bad{color:var(--bad)}
 .req{color:var(--bad)}
+.field-error{color:var(--bad);font-size:12.5px;margin:0}
+[aria-invalid=true]{border-color:var(--bad)}
 .run-head{display:flex;justify-content:space-between;align-items:flex-start;gap:16px;flex-wrap:wrap;margin-bottom:14px}
-.run-head .key{margin:4px 0 0}
+.run-title{min-width:0;max-width:100%}
+.run-head .key{margin:4px 0 0;white-space:normal;overflow-wrap:anywhere}
 .run-head .actions{margin:0}
 .two{display:grid;grid-template-columns:repeat(auto-fit,minmax(min(100%,420px),1fr));gap:14px}
 .two .panel{margin-bottom:0}
@@ -154,6 +157,16 @@ export const DASHBOARD_JS = `'use strict';
     const state = document.querySelector('.live-state');
     const es = new EventSource(region.getAttribute('data-live'));
     es.addEventListener('html', (e) => { region.innerHTML = e.data; if (state) state.textContent = 'live'; });
+    // Each job's status, swapped element by element: the rest of its card (an open Run form) stays.
+    es.addEventListener('jobs', (e) => {
+      const t = document.createElement('template');
+      t.innerHTML = e.data;
+      for (const el of Array.from(t.content.children)) {
+        const attr = el.hasAttribute('data-job-tag') ? 'data-job-tag' : 'data-job-last';
+        const old = document.querySelector('#jobs [' + attr + '="' + CSS.escape(el.getAttribute(attr) || '') + '"]');
+        if (old) old.replaceWith(el);
+      }
+    });
     es.addEventListener('gone', () => { es.close(); if (state) state.textContent = 'this run no longer exists'; });
     es.onerror = () => { if (state) state.textContent = 'reconnecting…'; };
   }
@@ -173,18 +186,41 @@ export const DASHBOARD_JS = `'use strict';
     finally { btn.disabled = false; }
   });
 
+  const EXAMPLES = { array: '["a", "b"]', object: '{"name": "value"}' };
+  const kindOf = (v) => (v === null ? 'null' : Array.isArray(v) ? 'an array' : typeof v === 'object' ? 'an object' : 'a ' + typeof v);
+  /** The value of an array or object field, or the sentence saying why its text is not one. */
+  function jsonField(el, type) {
+    let value;
+    try { value = JSON.parse(el.value); } catch (err) { return { problem: el.name + ': not valid JSON (' + err.message + '); write a JSON ' + type + ', e.g. ' + EXAMPLES[type] }; }
+    if (kindOf(value) !== (type === 'array' ? 'an array' : 'an object')) return { problem: el.name + ' must be a JSON ' + type + ', e.g. ' + EXAMPLES[type] + '; found ' + kindOf(value) };
+    return { value };
+  }
+  function markField(el, problem) {
+    const note = el.parentNode.querySelector('.field-error');
+    if (problem) el.setAttribute('aria-invalid', 'true'); else el.removeAttribute('aria-invalid');
+    if (note) { note.textContent = problem || ''; note.hidden = !problem; }
+  }
+  /** The params the form says, or null when a field is not valid (each such field says why). */
   function formParams(form) {
     const json = form.querySelector('[name=__json]');
     if (json) return JSON.parse(json.value || '{}');
     const params = {};
+    let invalid = null;
     for (const el of form.querySelectorAll('[data-type]')) {
       const t = el.getAttribute('data-type');
-      if (t === 'boolean') params[el.name] = el.checked;
+      if (t === 'array' || t === 'object') {
+        const field = el.value.trim() === '' ? {} : jsonField(el, t);
+        markField(el, field.problem);
+        if (field.problem) invalid = invalid || el;
+        else if ('value' in field) params[el.name] = field.value;
+      }
+      else if (t === 'boolean') params[el.name] = el.checked;
       else if (el.value === '') continue;
       else if (t === 'enum') params[el.name] = JSON.parse(el.value);
       else if (t === 'integer' || t === 'number') params[el.name] = Number(el.value);
       else params[el.name] = el.value;
     }
+    if (invalid) { invalid.focus(); return null; }
     return params;
   }
   const freshKey = () => (crypto.randomUUID ? crypto.randomUUID() : Date.now().toString(36) + '-' + Math.random().toString(36).slice(2));
@@ -207,6 +243,7 @@ export const DASHBOARD_JS = `'use strict';
     const keyInput = form.querySelector('[name=__key]');
     let params;
     try { params = formParams(form); } catch (err) { out.textContent = 'params are not valid JSON: ' + err.message; out.className = 'form-result bad'; return; }
+    if (params === null) { out.textContent = 'not sent: a field above says what to fix'; out.className = 'form-result bad'; return; }
     // The key was fixed when the form was drawn: a double click sends the same key twice, and the
     // server starts one run. It changes only after an answer, for the next intended run.
     const key = keyInput.value;

@@ -1,9 +1,21 @@
 import type { Job } from '../job.ts';
 import type { RunView } from './run-view.ts';
 
-/** Escapes text for HTML content and attribute values. */
+/**
+ * Escapes text for HTML content and attribute values. A carriage return becomes `&#13;`: the HTML
+ * parser keeps it as the character (a raw one it would turn into a line feed), and a live fragment
+ * holds none for an EventSource to read as a line end.
+ */
 export function esc(value: unknown): string {
-  return String(value ?? '').replace(/[&<>"']/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' })[c]!);
+  return String(value ?? '').replace(/[&<>"'\r]/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;', '\r': '&#13;' })[c]!);
+}
+
+/**
+ * Text a user or another tool supplied (run keys, chunk keys, errors), escaped and isolated in a
+ * `<bdi>`: a bidi control in it (U+202E) reorders only itself, never the text around it.
+ */
+export function userText(value: unknown): string {
+  return `<bdi>${esc(value)}</bdi>`;
 }
 
 /** UTC time, with the date when it is not today: absolute, so a live fragment only changes with the run. */
@@ -22,8 +34,8 @@ function duration(seconds: number | null): string {
   return `${Math.floor(seconds / 3600)}h ${Math.floor((seconds % 3600) / 60)}m`;
 }
 
-export function stateTag(state: string): string {
-  return `<span class="tag tag-${esc(state)}" data-state="${esc(state)}">${esc(state)}</span>`;
+export function stateTag(state: string, attrs = ''): string {
+  return `<span class="tag tag-${esc(state)}"${attrs} data-state="${esc(state)}">${esc(state)}</span>`;
 }
 
 export function progressBar(percent: number | null, label: string): string {
@@ -57,7 +69,7 @@ function facts(pairs: Array<[string, string]>): string {
 /** What a live run says beside its progress: an operator's request not acted on yet, and a wait for the database to be healthy. */
 function progressNotes(r: RunView): string {
   const requested = r.requested && r.state === 'running' ? ` <span class="muted">(${esc(r.requested)} requested)</span>` : '';
-  const health = r.healthPause ? ` <span class="warn" title="since ${esc(r.healthPause.since)}">paused for health: ${esc(r.healthPause.reason)}</span>` : '';
+  const health = r.healthPause ? ` <span class="warn" title="since ${esc(r.healthPause.since)}">paused for health: ${userText(r.healthPause.reason)}</span>` : '';
   return requested + health;
 }
 
@@ -66,18 +78,18 @@ export function runCard(r: RunView): string {
   const pct = r.progress.percent;
   return `<article class="card run" data-run-id="${esc(r.id)}" data-state="${esc(r.state)}">
   <header class="card-head"><a class="title" href="/runs/${esc(r.id)}">${esc(r.job)}</a>${stateTag(r.state)}</header>
-  <div class="key" title="run key (Idempotency-Key)">${esc(r.key)}</div>
+  <div class="key" title="run key (Idempotency-Key)">${userText(r.key)}</div>
   ${progressBar(pct, `progress of run ${r.id}`)}
   <div class="progress-line"><span class="pct">${pct === null ? '…' : `${pct}%`}</span><span>${esc(chunkText(r))}</span>${progressNotes(r)}</div>
   ${facts([
     ['rate', r.throughput === null ? '—' : `${esc(r.throughput)}/s`],
     ['ETA', duration(r.etaSeconds)],
     ['attempt', esc(r.attempt)],
-    ['holder', r.holder ? `<span class="mono">${esc(r.holder)}</span>` : '—'],
+    ['holder', r.holder ? `<span class="mono">${userText(r.holder)}</span>` : '—'],
     ['started', when(r.startedAt ?? r.createdAt)],
     ['finished', when(r.finishedAt)],
   ])}
-  ${r.error ? `<p class="error-line" title="${esc(r.error.message)}">✖ ${esc(r.error.step)}${r.error.chunk ? ` · ${esc(r.error.chunk)}` : ''}: ${esc(r.error.message)}</p>` : ''}
+  ${r.error ? `<p class="error-line" title="${esc(r.error.message)}">✖ ${userText(r.error.step)}${r.error.chunk ? ` · ${userText(r.error.chunk)}` : ''}: ${userText(r.error.message)}</p>` : ''}
   ${actions(r)}
 </article>`;
 }
@@ -134,8 +146,16 @@ function paramsForm(job: Job, schema: any, key: string): string {
           const values: unknown[] = Array.isArray(p.enum) ? p.enum : [true, false];
           const chosen = hasDefault ? JSON.stringify(p.default) : undefined;
           const unset = hasDefault ? '' : required.has(name) ? '<option value="" disabled selected>— choose —</option>' : '<option value="" selected>— not set —</option>';
-          const options = values.map((v) => `<option value="${esc(JSON.stringify(v))}"${JSON.stringify(v) === chosen ? ' selected' : ''}>${esc(v)}</option>`).join('');
+          // A value that is not a string is labelled as JSON: a null option reads "null", not nothing.
+          const options = values.map((v) => `<option value="${esc(JSON.stringify(v))}"${JSON.stringify(v) === chosen ? ' selected' : ''}>${esc(typeof v === 'string' ? v : JSON.stringify(v))}</option>`).join('');
           return `<div class="field">${label}<select id="${esc(id)}" name="${esc(name)}" data-type="enum"${required.has(name) ? ' required' : ''}>${unset}${options}</select></div>`;
+        }
+        // Arrays and objects are written as JSON and parsed before they are sent (dashboard.js says
+        // at the field when the text is not JSON of that type); a text input would send a string.
+        if (p.type === 'array' || p.type === 'object') {
+          const example = p.type === 'array' ? '["a", "b"]' : '{"name": "value"}';
+          const jsonLabel = label.replace('</label>', ` <span class="muted">JSON ${p.type}</span></label>`);
+          return `<div class="field">${jsonLabel}<textarea id="${esc(id)}" name="${esc(name)}" data-type="${p.type}" rows="2" spellcheck="false" placeholder="${esc(example)}" aria-describedby="${esc(id)}-error"${required.has(name) ? ' required' : ''}>${hasDefault ? esc(JSON.stringify(p.default)) : ''}</textarea><p class="field-error" id="${esc(id)}-error" hidden></p></div>`;
         }
         if (p.type === 'boolean') return `<div class="field field-check"><input type="checkbox" id="${esc(id)}" name="${esc(name)}" data-type="boolean"${p.default === true ? ' checked' : ''}>${label}</div>`;
         const type = p.type === 'integer' || p.type === 'number' ? 'number' : p.format === 'date' ? 'date' : 'text';
@@ -155,17 +175,41 @@ function paramsForm(job: Job, schema: any, key: string): string {
 </form>`;
 }
 
+/**
+ * What a job card says of the job's newest run: its state tag ("new" when it never ran) and the
+ * "last run" line. The live stream sends them again (`jobsLive`), each element found by its
+ * `data-job-tag` / `data-job-last`, so the card's open Run form is left as it is.
+ */
+function jobStatus(name: string, last: RunView | undefined): { readonly tag: string; readonly line: string } {
+  const attr = (a: string) => ` ${a}="${esc(name)}"`;
+  return {
+    tag: last ? stateTag(last.state, attr('data-job-tag')) : `<span class="tag tag-new"${attr('data-job-tag')}>new</span>`,
+    line: last
+      ? `<p class="muted small"${attr('data-job-last')}>last run <a href="/runs/${esc(last.id)}">${userText(last.key)}</a> · ${when(last.updatedAt)}</p>`
+      : `<p class="muted small"${attr('data-job-last')} hidden></p>`,
+  };
+}
+
+/** The live part of the Jobs section: each job's status (see `jobStatus`), in the order given. */
+export function jobsLive(jobs: readonly string[], latest: ReadonlyMap<string, RunView>): string {
+  return jobs
+    .map((name) => {
+      const { tag, line } = jobStatus(name, latest.get(name));
+      return tag + line;
+    })
+    .join('\n');
+}
+
 /** The jobs this server runs, each with its Run form: "New" when it never ran. */
 export function jobsSection(jobs: readonly Job[], schemas: ReadonlyMap<string, unknown>, latest: ReadonlyMap<string, RunView>, newKey: () => string): string {
   const cards = jobs.map((j) => {
-    const last = latest.get(j.name);
-    const tag = last ? `${stateTag(last.state)}` : '<span class="tag tag-new">new</span>';
+    const { tag, line } = jobStatus(j.name, latest.get(j.name));
     const sched = j.schedule === undefined ? '' : `<span class="chip" title="schedule">⏱ ${esc(typeof j.schedule === 'string' ? j.schedule : j.schedule.cron)}</span>`;
     return `<article class="card job" data-job="${esc(j.name)}">
   <header class="card-head"><span class="title">${esc(j.name)}</span>${tag}</header>
   ${j.description ? `<p class="desc">${esc(j.description)}</p>` : ''}
   <div class="chips">${j.steps.map((s) => `<span class="chip">${esc(s.name)}${s.chunks ? ' ▦' : ''}</span>`).join('')}${sched}</div>
-  ${last ? `<p class="muted small">last run <a href="/runs/${esc(last.id)}">${esc(last.key)}</a> · ${when(last.updatedAt)}</p>` : ''}
+  ${line}
   <details class="run-details"><summary class="btn btn-primary">Run…</summary>${paramsForm(j, schemas.get(j.name), newKey())}</details>
 </article>`;
   });
@@ -217,12 +261,12 @@ export function runLive(r: RunView): string {
     .join('');
   const skipped = r.skipped?.length
     ? `<table class="table skipped"><thead><tr><th class="c-step">step</th><th class="c-chunk">chunk</th><th class="c-tries num">tries</th><th>error</th></tr></thead><tbody>${r.skipped
-        .map((k) => `<tr><td>${esc(k.step)}</td><td class="mono">${esc(k.key)}</td><td class="num">${k.attempts}</td><td><div class="cell-text">${esc(k.error)}</div></td></tr>`)
+        .map((k) => `<tr><td>${userText(k.step)}</td><td class="mono">${userText(k.key)}</td><td class="num">${k.attempts}</td><td><div class="cell-text">${userText(k.error)}</div></td></tr>`)
         .join('')}</tbody></table>`
     : '<p class="empty">None.</p>';
   const pct = r.progress.percent;
   return `<div class="run-live" data-state="${esc(r.state)}"><div class="run-head" data-run-id="${esc(r.id)}" data-state="${esc(r.state)}">
-  <div class="run-title"><h1>${esc(r.job)} ${stateTag(r.state)}</h1><div class="key">${esc(r.key)}</div></div>
+  <div class="run-title"><h1>${esc(r.job)} ${stateTag(r.state)}</h1><div class="key">${userText(r.key)}</div></div>
   ${actions(r)}
 </div>
 <section class="panel">
@@ -232,14 +276,14 @@ export function runLive(r: RunView): string {
     ['rate', r.throughput === null ? '—' : `${esc(r.throughput)}/s`],
     ['ETA', duration(r.etaSeconds)],
     ['attempt', esc(r.attempt)],
-    ['holder', r.holder ? `<span class="mono">${esc(r.holder)}</span>` : '—'],
+    ['holder', r.holder ? `<span class="mono">${userText(r.holder)}</span>` : '—'],
     ['created', when(r.createdAt)],
     ['started', when(r.startedAt)],
     ['finished', when(r.finishedAt)],
     ['effects', r.effects ? `${r.effects.done} done${r.effects.started ? `, ${r.effects.started} open` : ''}` : '—'],
   ])}
 </section>
-${r.error ? `<section class="panel panel-error"><h2>Last error</h2><p><strong>${esc(r.error.step)}${r.error.chunk ? ` · chunk ${esc(r.error.chunk)}` : ''}</strong> after ${esc(r.error.tries)} ${r.error.tries === 1 ? 'try' : 'tries'}${r.error.code ? ` <span class="mono">(${esc(r.error.code)})</span>` : ''}</p><pre>${esc(r.error.message)}</pre><p class="muted small">${when(r.error.at)}</p></section>` : ''}
+${r.error ? `<section class="panel panel-error"><h2>Last error</h2><p><strong>${userText(r.error.step)}${r.error.chunk ? ` · chunk ${userText(r.error.chunk)}` : ''}</strong> after ${esc(r.error.tries)} ${r.error.tries === 1 ? 'try' : 'tries'}${r.error.code ? ` <span class="mono">(${userText(r.error.code)})</span>` : ''}</p><pre>${userText(r.error.message)}</pre><p class="muted small">${when(r.error.at)}</p></section>` : ''}
 <div class="two">
   <section class="panel"><h2>Steps</h2><table class="table steps"><thead><tr><th>step</th><th>status</th><th class="bar-cell">progress</th><th class="num">chunks</th></tr></thead><tbody>${steps || '<tr><td colspan="4" class="empty">not started</td></tr>'}</tbody></table></section>
   <section class="panel"><h2>Chunks per minute</h2>${throughputChart(r.chunksPerMinute ?? [])}</section>

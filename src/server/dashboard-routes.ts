@@ -2,7 +2,7 @@ import { randomUUID } from 'node:crypto';
 import type { FastifyInstance } from 'fastify';
 import { paramsSchema } from './api-routes.ts';
 import { DASHBOARD_CSS, DASHBOARD_JS, FAVICON_SVG } from './dashboard-assets.ts';
-import { esc, homeLive, jobsSection, page, runLive, type HomeRuns, type RunList } from './dashboard-html.ts';
+import { esc, homeLive, jobsLive, jobsSection, page, runLive, type HomeRuns, type RunList } from './dashboard-html.ts';
 import { HttpProblem } from './problem.ts';
 import type { RunStatus } from '../store.ts';
 import type { ServerContext } from './server-context.ts';
@@ -60,7 +60,21 @@ export function registerDashboardRoutes(app: FastifyInstance, ctx: ServerContext
   });
 
   app.get('/live', async (request, reply) => {
-    streamEvents(request, reply, async () => ({ event: 'html', data: homeLive(await homeRuns(ctx)) }), { intervalMs: ctx.sseIntervalMs, open: ctx.openStreams });
+    // The Jobs section is not replaced (an operator may be filling in a Run form there): its
+    // `jobs` event carries each job's status, which the page puts in place of the old one.
+    const names = [...ctx.jobs.keys()].sort();
+    streamEvents(
+      request,
+      reply,
+      async () => {
+        const [runs, latest] = await Promise.all([homeRuns(ctx), ctx.views.latestOfJobs(names)]);
+        return [
+          { event: 'html', data: homeLive(runs) },
+          { event: 'jobs', data: jobsLive(names, latest) },
+        ];
+      },
+      { intervalMs: ctx.sseIntervalMs, open: ctx.openStreams },
+    );
   });
 
   const unknownRun = (id: string) => new HttpProblem(404, 'idem.unknownRun', `no run with id "${id.slice(0, 40)}"; the dashboard at / lists the runs`);
@@ -68,8 +82,11 @@ export function registerDashboardRoutes(app: FastifyInstance, ctx: ServerContext
   app.get<{ Params: { id: string } }>('/runs/:id', async (request, reply) => {
     const run = await ctx.views.get(request.params.id);
     if (!run) throw unknownRun(request.params.id);
-    const params = `<section class="panel"><h2>Params</h2><pre>${esc(JSON.stringify(run.params, null, 2))}</pre><p class="muted small mono">${esc(run.fingerprint)}</p></section>`;
-    const html = page(`${run.job} ${run.key}`, runLive(run), params, { liveUrl: `/runs/${run.id}/live`, publicRead: ctx.publicRead });
+    // Bidi controls in params are shown as JSON escapes: one inside a string would reorder the rest of its line.
+    const json = JSON.stringify(run.params, null, 2).replace(/[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g, (c) => `\\u${c.charCodeAt(0).toString(16).padStart(4, '0')}`);
+    const params = `<section class="panel"><h2>Params</h2><pre>${esc(json)}</pre><p class="muted small mono">${esc(run.fingerprint)}</p></section>`;
+    // FSI … PDI: a bidi control in the key reorders nothing else of the title.
+    const html = page(`${run.job} \u2068${run.key}\u2069`, runLive(run), params, { liveUrl: `/runs/${run.id}/live`, publicRead: ctx.publicRead });
     return reply.type('text/html; charset=utf-8').header('content-security-policy', csp).header('cache-control', 'no-store').send(html);
   });
 

@@ -18,16 +18,28 @@ export interface SseOptions {
 
 const HEARTBEAT_MS = 15_000;
 
+/**
+ * An EventSource ends a line at CRLF, LF or a lone CR: data split only on LF would let a CR in it
+ * end a `data:` line early and start a bogus field. Each of the three becomes a line of its own
+ * (the client joins them with LF); HTML fragments escape their CRs (`esc`) and arrive unchanged.
+ */
 function frame(e: SseEvent): string {
-  return `event: ${e.event}\n${e.id === undefined ? '' : `id: ${e.id}\n`}${e.data.split('\n').map((l) => `data: ${l}`).join('\n')}\n\n`;
+  return `event: ${e.event}\n${e.id === undefined ? '' : `id: ${e.id}\n`}${e.data.split(/\r\n|\r|\n/).map((l) => `data: ${l}`).join('\n')}\n\n`;
 }
 
 /**
  * Streams `text/event-stream`: asks `next()` for the current state every `intervalMs` and sends it
  * only when it changed; `next()` returning `end: true` sends that last event and closes. Polling
  * the database (not an in-process bus) shows work done by any process: CLI workers included.
+ * `next()` may return several events of different names (parts of one page): each is sent when it
+ * differs from the last one of its name.
  */
-export function streamEvents(request: FastifyRequest, reply: FastifyReply, next: () => Promise<SseEvent & { readonly end?: boolean }>, opts: SseOptions): void {
+export function streamEvents(
+  request: FastifyRequest,
+  reply: FastifyReply,
+  next: () => Promise<(SseEvent & { readonly end?: boolean }) | ReadonlyArray<SseEvent & { readonly end?: boolean }>>,
+  opts: SseOptions,
+): void {
   reply.hijack();
   const res = reply.raw;
   res.writeHead(200, {
@@ -42,7 +54,7 @@ export function streamEvents(request: FastifyRequest, reply: FastifyReply, next:
   if (request.method === 'HEAD') return void res.end();
   res.write('retry: 2000\n\n');
   let closed = false;
-  let last = '';
+  const last = new Map<string, string>();
   let timer: NodeJS.Timeout | undefined;
   let lastWrite = Date.now();
   const socket = request.raw.socket;
@@ -59,18 +71,20 @@ export function streamEvents(request: FastifyRequest, reply: FastifyReply, next:
   const tick = async () => {
     if (closed) return;
     try {
-      const e = await next();
+      const got = await next();
       if (closed) return;
-      const text = frame(e);
-      if (text !== last) {
-        res.write(text);
-        last = text;
+      const events = Array.isArray(got) ? got : [got as SseEvent & { readonly end?: boolean }];
+      const frames = events.map(frame);
+      const changed = frames.filter((text, i) => text !== last.get(events[i]!.event));
+      if (changed.length) {
+        res.write(changed.join(''));
+        events.forEach((e, i) => last.set(e.event, frames[i]!));
         lastWrite = Date.now();
       } else if (Date.now() - lastWrite > HEARTBEAT_MS) {
         res.write(': keep-alive\n\n');
         lastWrite = Date.now();
       }
-      if (e.end) return close();
+      if (events.some((e) => e.end)) return close();
     } catch (err) {
       request.log.warn({ err: errorFields(err) }, 'event stream failed; closing it (the client reconnects)');
       return close();
