@@ -7,6 +7,7 @@ import { SampledWarnings } from './sampled-log.ts';
 import { silentLogger } from '../log.ts';
 import type { Job } from '../job.ts';
 import type { Runner } from '../runner.ts';
+import { AllowedHosts, allowedHostProblem, isLoopbackAddress } from './allowed-hosts.ts';
 import { bearerToken, tokenMatcher } from './api-token.ts';
 import { registerApiRoutes } from './api-routes.ts';
 import { registerDashboardRoutes } from './dashboard-routes.ts';
@@ -46,6 +47,12 @@ export interface ServerOptions {
   readonly token: string;
   /** Let GET requests (dashboard, API reads, metrics) through without a token. Defaults to `false`. */
   readonly publicRead?: boolean;
+  /**
+   * Host names the server answers besides loopback names and IP addresses (see AllowedHosts), e.g.
+   * a reverse proxy's `idem.example.com`. The Host check applies on a loopback bind, and on any
+   * bind once this is given. Defaults to none.
+   */
+  readonly allowedHosts?: readonly string[];
   /** Runs executed at once in this process. Defaults to `4`. */
   readonly maxRuns?: number;
   /** Chunks run at once within one run. Defaults to `1`. */
@@ -89,6 +96,9 @@ const DEFAULT_LOG_WINDOW_MS = 10_000;
 const READY_TIMEOUT_MS = 2_000;
 
 const PUBLIC_PATHS = new Set(['/healthz', '/readyz', '/assets/dashboard.css', '/assets/dashboard.js', '/favicon.svg']);
+
+/** Paths answered whatever the Host: probes send the pod's address or name, and learn nothing there. */
+const PROBE_PATHS = new Set(['/healthz', '/readyz']);
 
 /** Builds the HTTP server: Fastify with the API, the dashboard and /metrics over one Runner. */
 export function createServer(opts: ServerOptions): IdemServer {
@@ -134,6 +144,9 @@ export function createServer(opts: ServerOptions): IdemServer {
     publicRead: opts.publicRead ?? false,
   };
 
+  const allowedHosts = new AllowedHosts(opts.allowedHosts ?? []);
+  // Set by listen() from the addresses bound; on until then, so nothing slips through meanwhile.
+  let checkHosts = true;
   const requestTimeout = opts.requestTimeoutMs ?? DEFAULT_REQUEST_TIMEOUT_MS;
   // Lines any client can cause, one per kind and window (an unauthenticated flood must not fill the disk).
   const sampled = new SampledWarnings(log, opts.logWindowMs ?? DEFAULT_LOG_WINDOW_MS);
@@ -178,6 +191,12 @@ export function createServer(opts: ServerOptions): IdemServer {
     },
   });
 
+  // On every answer Node writes for Fastify (routes, refusals before any hook, event streams): no
+  // MIME sniffing of a JSON or text answer into HTML, and no run URL leaked to a linked site.
+  app.server.prependListener('request', (_request: import('node:http').IncomingMessage, response: import('node:http').ServerResponse) => {
+    for (const [name, value] of Object.entries(SECURITY_HEADERS)) response.setHeader(name, value);
+  });
+
   // Params are JSON only: a text/plain body (Fastify parses it by default) is refused with 415.
   app.removeContentTypeParser('text/plain');
   app.removeContentTypeParser('application/json');
@@ -191,6 +210,17 @@ export function createServer(opts: ServerOptions): IdemServer {
   app.addHook('onRequest', async (request) => {
     if (request.headers.host === undefined && request.raw.httpVersion === '1.1') {
       throw new HttpProblem(400, 'idem.missingHost', 'the request has no Host header; HTTP/1.1 requires one, so send Host: <the server\'s host:port> (HTTP clients do by themselves)');
+    }
+    // DNS rebinding: a page whose name now resolves to 127.0.0.1 sends that name as Host. Before
+    // authentication, so a --public-read server shows it nothing. (No Host: HTTP/1.0, no browser.)
+    const host = request.headers.host;
+    if (checkHosts && host !== undefined && !allowedHosts.allows(host) && !PROBE_PATHS.has(request.url.split('?')[0]!)) {
+      sampled.warn('421 host', { status: 421, host: host.slice(0, 100) }, 'request refused: Host not allowed (answered 421); if it is a name of this server (a reverse proxy\'s), pass it as --allowed-host');
+      throw new HttpProblem(
+        421,
+        'idem.hostNotAllowed',
+        `the Host header ${JSON.stringify(host.slice(0, 100))} is not a name of this server (a web page reaching it through DNS rebinding sends its own); use localhost or the server's IP address, or start idem serve with --allowed-host <name> for each name it is reached by`,
+      );
     }
   });
 
@@ -289,6 +319,9 @@ export function createServer(opts: ServerOptions): IdemServer {
       } catch (err) {
         throw listenProblem(err, host, port);
       }
+      // Only loopback needs it by default: a server bound to a network address is reached by name
+      // through proxies and load balancers, and the names are the operator's to list.
+      checkHosts = (opts.allowedHosts ?? []).length > 0 || app.addresses().every((a) => typeof a !== 'string' && isLoopbackAddress(a.address));
       replays.start();
       const resumed = await executor.resumeUnfinished();
       if (resumed > 0) log.info({ runs: resumed }, 'resuming unfinished runs');
@@ -343,6 +376,9 @@ class RouteMethods {
     return this.#routes.filter((r) => r.pattern.test(path)).flatMap((r) => r.methods);
   }
 }
+
+/** Sent with every answer (see the request listener in createServer). */
+const SECURITY_HEADERS = { 'x-content-type-options': 'nosniff', 'referrer-policy': 'no-referrer' } as const;
 
 /** UTF-8 decoding that refuses invalid bytes instead of replacing them with U+FFFD. */
 const UTF8 = new TextDecoder('utf-8', { fatal: true });
@@ -417,7 +453,8 @@ function clientError(err: NodeJS.ErrnoException, socket: import('node:net').Sock
   // a socket with unread input sends a reset, and the client would see ECONNRESET, not the answer.
   socket.on('error', () => {});
   socket.resume();
-  socket.end(`HTTP/1.1 ${problem.status} ${problemBody(problem).title}\r\nContent-Length: ${Buffer.byteLength(body)}\r\nContent-Type: ${PROBLEM_TYPE}; charset=utf-8\r\nConnection: close\r\n\r\n${body}`);
+  const security = Object.entries(SECURITY_HEADERS).map(([name, value]) => `${name}: ${value}\r\n`).join('');
+  socket.end(`HTTP/1.1 ${problem.status} ${problemBody(problem).title}\r\nContent-Length: ${Buffer.byteLength(body)}\r\nContent-Type: ${PROBLEM_TYPE}; charset=utf-8\r\n${security}Connection: close\r\n\r\n${body}`);
   setTimeout(() => socket.destroy(), 2_000).unref();
   return problem.status;
 }
@@ -437,9 +474,13 @@ function listenProblem(err: unknown, host: string, port: number): unknown {
 }
 
 /** Checks the serve flags together and throws once with every problem. */
-export function checkServeFlags(o: { readonly port: number; readonly host: string }): void {
+export function checkServeFlags(o: { readonly port: number; readonly host: string; readonly allowedHost?: readonly string[] }): void {
   const problems: string[] = [];
   if (!Number.isInteger(o.port) || o.port < 0 || o.port > 65535) problems.push(`--port must be 0 to 65535, got ${o.port}`);
   if (!o.host) problems.push('--host must not be empty');
+  for (const name of o.allowedHost ?? []) {
+    const problem = allowedHostProblem(name);
+    if (problem) problems.push(problem);
+  }
   if (problems.length) throw new UsageError('invalidServeFlags', `${problems.join('; ')}; see idem serve --help`);
 }
