@@ -109,6 +109,31 @@ describe('bodies and filters', () => {
     }
   });
 
+  it('a path whose percent-encoding does not decode is counted in idem_http_requests_total and logged like other refusals', async () => {
+    // Black-box round 12, B3-8: these 400s were in no series, while every other 400, 413 and 415 was.
+    const served = await startServe(url, [], {}, ANY_JOBS, 'debug');
+    try {
+      for (const path of ['/api/runs/%ff', '/api/jobs/%E0%A4%A/runs', '/%c3']) {
+        const res = await rawHttp(served.base, `GET ${path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n`);
+        expect(res.status, res.body).toBe(400);
+        expect(JSON.parse(res.body)).toMatchObject({ type: 'urn:idem:problem:idem.badUrl' });
+      }
+      const res = await rawHttp(served.base, `POST /api/runs/%ff/pause HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\ncontent-length: 0\r\n\r\n`);
+      expect(res.status, res.body).toBe(400);
+      // The path cannot be routed, so as every request no route matched: route="unmatched", never the path.
+      const metrics = (await api(served.base, 'GET', '/metrics')).text;
+      expect(metrics).toMatch(/^idem_http_requests_total\{method="GET",route="unmatched",status="400"\} 3$/m);
+      expect(metrics).toMatch(/^idem_http_requests_total\{method="POST",route="unmatched",status="400"\} 1$/m);
+      expect(metrics).not.toMatch(/%ff|%E0/i);
+      // The debug line every answered request gets, with the route as in the metric.
+      const logged = served.proc.stderr().split('\n').filter((l) => l.includes('"msg":"request"')).map((l) => JSON.parse(l) as Record<string, unknown>);
+      expect(logged.filter((l) => l.status === 400 && l.route === 'unmatched').map((l) => l.method)).toEqual(['GET', 'GET', 'GET', 'POST']);
+    } finally {
+      served.proc.child.kill('SIGKILL');
+      await served.proc.done;
+    }
+  });
+
   it('requests the HTTP parser refuses are problem+json too', async () => {
     const nul = await rawHttp(server.base, `POST /api/jobs/any/runs HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer ${TOKEN}\r\nidempotency-key: a\u0000b\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}`);
     expect(nul.status).toBe(400);

@@ -148,6 +148,11 @@ export function createServer(opts: ServerOptions): IdemServer {
   // Set by listen() from the addresses bound; on until then, so nothing slips through meanwhile.
   let checkHosts = true;
   const requestTimeout = opts.requestTimeoutMs ?? DEFAULT_REQUEST_TIMEOUT_MS;
+  /** Counts an answered request and logs its debug line. */
+  const answered = (request: FastifyRequest, route: string, status: number, ms: number) => {
+    metrics.httpRequests.inc({ method: request.method, route, status: String(status) });
+    request.log.debug({ method: request.method, route, status, ms: Math.round(ms) }, 'request');
+  };
   // Lines any client can cause, one per kind and window (an unauthenticated flood must not fill the disk).
   const sampled = new SampledWarnings(log, opts.logWindowMs ?? DEFAULT_LOG_WINDOW_MS);
   const app = Fastify({
@@ -182,12 +187,14 @@ export function createServer(opts: ServerOptions): IdemServer {
     routerOptions: { maxParamLength: 65_536 },
     // A path that cannot be routed at all (a % not followed by UTF-8 in hex) is refused before any
     // hook, authentication included: a problem like every other refusal, not Fastify's own JSON.
-    frameworkErrors: (err, _request, reply) => {
+    // No hook sees it, onResponse neither: it is counted and logged here, as a request no route matched.
+    frameworkErrors: (err, request, reply) => {
       const problem =
         err.code === 'FST_ERR_BAD_URL'
           ? new HttpProblem(400, 'idem.badUrl', 'the request path has a percent-encoding that does not decode; percent-encode the path as UTF-8 (%2F, %C3%A9)')
           : toProblem(err);
       void (reply as FastifyReply).code(problem.status).type(PROBLEM_TYPE).send(problemBody(problem));
+      answered(request as FastifyRequest, 'unmatched', problem.status, (reply as FastifyReply).elapsedTime);
     },
   });
 
@@ -241,9 +248,7 @@ export function createServer(opts: ServerOptions): IdemServer {
 
   app.addHook('onResponse', async (request, reply) => {
     // The route pattern, never the URL: a key or id in a label would grow the series without bound.
-    const route = request.routeOptions.url ?? 'unmatched';
-    metrics.httpRequests.inc({ method: request.method, route, status: String(reply.statusCode) });
-    request.log.debug({ method: request.method, route, status: reply.statusCode, ms: Math.round(reply.elapsedTime) }, 'request');
+    answered(request, request.routeOptions.url ?? 'unmatched', reply.statusCode, reply.elapsedTime);
   });
 
   app.setErrorHandler(async (err, request, reply) => {
