@@ -1,4 +1,5 @@
 import net from 'node:net';
+import { brotliCompressSync, deflateSync, gzipSync } from 'node:zlib';
 import { fileURLToPath } from 'node:url';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { ALL_TABLES, FIXTURE_JOBS, killLeftovers, query, runCli, runRow, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
@@ -454,6 +455,38 @@ describe('request bodies that are not UTF-8 JSON', () => {
       expect(res.status, res.text).toBe(201);
       expect(res.body.params).toEqual({ tag: 'café' });
     }
+  });
+});
+
+describe('a compressed request body', () => {
+  it('is a 415 naming Content-Encoding and the fix (send it uncompressed), with Accept-Encoding: identity, not a 400 "not valid UTF-8"; nothing is written', async () => {
+    // Black-box round 12, B3-10: gzip bytes were decoded as the JSON itself and refused as invalid UTF-8.
+    await settled();
+    const before = await snapshot(url, TABLES);
+    const json = Buffer.from('{"n":1,"tag":"gzip"}');
+    for (const [encoding, body] of [['gzip', gzipSync(json)], ['GZIP', gzipSync(json)], ['br', brotliCompressSync(json)], ['deflate', deflateSync(json)], ['gzip, identity', gzipSync(json)], ['x-custom', json]] as const) {
+      const res = await fetch(`${server.base}/api/jobs/any/runs`, {
+        method: 'POST',
+        headers: { authorization: `Bearer ${TOKEN}`, 'idempotency-key': 'k-gzip', 'content-type': 'application/json', 'content-encoding': encoding },
+        body: new Uint8Array(body),
+      });
+      const text = await res.text();
+      expectProblem({ status: res.status, headers: res.headers, body: JSON.parse(text), text }, 415, 'idem.unsupportedContentEncoding');
+      expect(JSON.parse(text).detail).toBe(`Content-Encoding ${JSON.stringify(encoding)} is not supported; send the body uncompressed (no Content-Encoding, or identity)`);
+      expect(res.headers.get('accept-encoding')).toBe('identity');
+    }
+    // Without the token it is the 401 first, as every other body problem.
+    const anon = await fetch(`${server.base}/api/jobs/any/runs`, { method: 'POST', headers: { 'idempotency-key': 'k-gzip', 'content-type': 'application/json', 'content-encoding': 'gzip' }, body: new Uint8Array(gzipSync(json)) });
+    expect(anon.status).toBe(401);
+    expect(await snapshot(url, TABLES)).toEqual(before);
+    // identity is no encoding at all.
+    const plain = await fetch(`${server.base}/api/jobs/any/runs`, {
+      method: 'POST',
+      headers: { authorization: `Bearer ${TOKEN}`, 'idempotency-key': 'k-identity', 'content-type': 'application/json', 'content-encoding': 'Identity' },
+      body: new Uint8Array(json),
+    });
+    expect(plain.status, await plain.clone().text()).toBe(201);
+    expect((await plain.json()).params).toEqual({ n: 1, tag: 'gzip' });
   });
 });
 

@@ -209,8 +209,10 @@ export function createServer(opts: ServerOptions): IdemServer {
   app.removeContentTypeParser('application/json');
   app.addContentTypeParser('application/json', { parseAs: 'buffer' }, jsonBody(app.getDefaultJsonParser('error', 'error')));
   // No body at all is no params, whatever the Content-Type says; a body of another type is a 415.
-  app.addContentTypeParser('*', { parseAs: 'buffer' }, (_request, body: Buffer, done) => {
+  app.addContentTypeParser('*', { parseAs: 'buffer' }, (request, body: Buffer, done) => {
     if (body.length === 0) return done(null, undefined);
+    const encoding = contentEncodingProblem(request);
+    if (encoding) return done(encoding, undefined);
     done(new HttpProblem(415, 'idem.unsupportedMediaType', 'the request body must be JSON; send Content-Type: application/json'), undefined);
   });
 
@@ -255,6 +257,8 @@ export function createServer(opts: ServerOptions): IdemServer {
     const problem = toProblem(err);
     // A refusal a client should simply repeat (503, the 409 of a key inside another request's claim) says when.
     if (problem.status === 503 || problem.extra.retryable === true) reply.header('retry-after', '1');
+    // RFC 7694: the encodings the server takes in a request.
+    if (problem.code === 'idem.unsupportedContentEncoding') reply.header('accept-encoding', 'identity');
     // A 503 is the database being unreachable, which the readiness probe and every client meet at
     // once: a warning naming the request, not an error line per request of an outage.
     const where = { method: request.method, route: request.routeOptions.url ?? 'unmatched', status: problem.status };
@@ -402,6 +406,8 @@ function jsonBody(parse: JsonParser) {
       return done(new HttpProblem(415, 'idem.unsupportedCharset', `the body's charset is ${JSON.stringify(charset.slice(0, 40))}; send UTF-8 JSON (charset=utf-8 or none)`));
     }
     if (body.length === 0) return done(null, undefined);
+    const encoding = contentEncodingProblem(request);
+    if (encoding) return done(encoding);
     let text: string;
     try {
       text = UTF8.decode(body);
@@ -415,6 +421,17 @@ function jsonBody(parse: JsonParser) {
       done(new HttpProblem(400, 'idem.forbiddenKey', `the body has a ${JSON.stringify(key)} key, which idem refuses (prototype pollution); rename it`));
     });
   };
+}
+
+/**
+ * A body sent compressed (Content-Encoding gzip, br, …): idem does not inflate request bodies (a
+ * small body gains nothing, and inflating would bypass --body-limit), so it is a 415 naming the fix
+ * rather than the compressed bytes refused as JSON that is not UTF-8. Null for none or identity.
+ */
+function contentEncodingProblem(request: FastifyRequest): HttpProblem | null {
+  const encoding = request.headers['content-encoding'];
+  if (encoding === undefined || /^\s*(identity\s*)?$/i.test(encoding)) return null;
+  return new HttpProblem(415, 'idem.unsupportedContentEncoding', `Content-Encoding ${JSON.stringify(encoding.slice(0, 40))} is not supported; send the body uncompressed (no Content-Encoding, or identity)`);
 }
 
 /**
