@@ -67,13 +67,13 @@ export function buildProgram(state: { exitCode: number }): Command {
   return program;
 }
 
-/** Options whose values accumulate (each occurrence adds one): `--param k=v`, `--health name=value`. */
-const REPEATABLE_OPTIONS: ReadonlySet<string> = new Set(['param', 'health']);
+/** Options whose values accumulate (each occurrence adds one): `--param k=v`, `--health name=value`, `serve --allowed-host <name>`. */
+const REPEATABLE_OPTIONS: ReadonlySet<string> = new Set(['param', 'health', 'allowedHost']);
 
 /**
  * An option that takes one value, given twice (`--key a --key b`, a wrapper adding its own): refused
  * instead of commander's last-one-wins, which would run under a key (or URL, schema…) the caller
- * may not have meant. `--param` and `--health` are made to repeat.
+ * may not have meant. `--param`, `--health` and `--allowed-host` are made to repeat.
  */
 function refuseRepeatedOptions(cmd: Command): void {
   for (const opt of cmd.options) {

@@ -514,6 +514,29 @@ describe('idem help, status and list', () => {
     expectOneLineError(ambiguous, 2, 'job "counted" has several runs with a key starting "pfx-" (pfx-a, pfx-b); give more of the key');
   });
 
+  it('status <job> --key takes a key with a bidi override as the table shows it (escaped), or a prefix of that', async () => {
+    // Black-box round 12, B3-6: the table shows U+202E as \u202e, and that text (or its prefix)
+    // as --key gave "has no run with key …", exit 2: only the raw character matched.
+    const key = 'k\u202eevil<script>x</script>';
+    const shown = 'k\\u202eevil<script>x</script>';
+    const long = `long-\u202e-${'x'.repeat(40)}`;
+    for (const k of [key, long]) expect((await idem(['run', 'counted', '--params', '{"chunks":1}', '--key', k])).code).toBe(0);
+    const table = await idem(['status', 'counted', '--limit', '10000']);
+    expect(table.code, table.stderr).toBe(0);
+    expect(table.stdout).not.toContain('\u202e');
+    const keys = lines(table.stdout).map((l) => l.split(/ +/)[1]!);
+    const longShown = `long-\\u202e-${'x'.repeat(15)}...`; // its escaped form cut to 27 columns
+    expect(keys).toEqual(expect.arrayContaining([shown, longShown]));
+    for (const [given, full] of [[shown, shown], [shown.slice(0, 9), shown], ['k\\u20', shown], [key, shown], [longShown, `long-\\u202e-${'x'.repeat(40)}`]] as const) {
+      const r = await idem(['status', 'counted', '--key', given]);
+      expect(r.code, `${given}: ${r.stderr}`).toBe(0);
+      expect(lines(r.stdout)[1]).toBe(`run key   ${full}`);
+      expect(r.stdout).not.toContain('\u202e');
+    }
+    const json = await idem(['status', 'counted', '--key', shown, '--json']);
+    expect(JSON.parse(json.stdout).runKey).toBe(key);
+  });
+
   it('status cuts a long key to 30 terminal columns, never inside an emoji, and that text works as --key', async () => {
     const full = '🙂'.repeat(50);
     const made = await idem(['run', 'counted', '--params', '{"chunks":1,"label":"emoji-key"}', '--key', full]);

@@ -121,6 +121,33 @@ describe('starting the server', () => {
       await fresh.drop();
     }
   });
+
+  it('refuses a token that is not visible ASCII, from a file or IDEM_API_TOKEN: exit 2, one line without the token, nothing created', async () => {
+    // Black-box round 12, B3-7: `ünïcode_tökén_0123456789` was accepted, then no client could send
+    // it (UTF-8 bytes got 403, Latin-1 200; fetch and browsers send nothing above U+00FF).
+    const fresh = await createTestDatabase();
+    const dir = await mkdtemp(path.join(tmpdir(), 'idem-token-'));
+    try {
+      const file = path.join(dir, 'unicode.tok');
+      await writeFile(file, 'ünïcode_tökén_0123456789\n');
+      for (const [args, env, from] of [
+        [['--token-file', file], { IDEM_API_TOKEN: TOKEN }, `token file ${file}`],
+        [[], { IDEM_API_TOKEN: 'ünïcode_tökén_0123456789' }, 'IDEM_API_TOKEN'],
+        [[], { IDEM_API_TOKEN: 'token-with-a-bell\u0007-0123456789' }, 'IDEM_API_TOKEN'],
+      ] as const) {
+        const res = await runCli(['--jobs-dir', FIXTURE_JOBS, 'serve', '--port', '0', ...args], { url: fresh.url, env });
+        expect(res.code, res.stderr).toBe(2);
+        expect(res.stderr.trim().split('\n'), res.stderr).toHaveLength(1);
+        expect(res.stderr).toContain(`the API token from ${from} must be visible ASCII characters only (letters, digits, punctuation: HTTP clients cannot send others in a header); generate one with openssl rand -hex 32`);
+        expect(res.stderr).not.toMatch(/ünïcode|bell/);
+        expect(res.stdout).not.toContain('listening');
+      }
+      expect(await query(fresh.url, `select count(*)::int as n from pg_namespace where nspname = 'idem'`)).toEqual([{ n: 0 }]);
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+      await fresh.drop();
+    }
+  });
 });
 
 describe('bad requests write nothing', () => {

@@ -1,4 +1,5 @@
 import net from 'node:net';
+import { brotliCompressSync, deflateSync, gzipSync } from 'node:zlib';
 import { fileURLToPath } from 'node:url';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { ALL_TABLES, FIXTURE_JOBS, killLeftovers, query, runCli, runRow, snapshot, spawnCli, waitFor, workCounts } from './support/cli.ts';
@@ -102,19 +103,44 @@ describe('bodies and filters', () => {
   it('a path whose percent-encoding does not decode is a problem+json 400, with or without a token', async () => {
     // Fastify answered it with its own JSON ({"code":"FST_ERR_BAD_URL",…}), not a problem.
     for (const [path, token] of [['/api/runs/%ff', false], ['/api/jobs/%E0%A4%A/runs', true]] as const) {
-      const res = await rawHttp(server.base, `GET ${path} HTTP/1.1\r\nhost: x\r\n${token ? `authorization: Bearer ${TOKEN}\r\n` : ''}connection: close\r\n\r\n`);
+      const res = await rawHttp(server.base, `GET ${path} HTTP/1.1\r\nhost: localhost\r\n${token ? `authorization: Bearer ${TOKEN}\r\n` : ''}connection: close\r\n\r\n`);
       expect(res.status, res.body).toBe(400);
       expect(res.headers).toMatch(/content-type: application\/problem\+json/i);
       expect(JSON.parse(res.body)).toMatchObject({ type: 'urn:idem:problem:idem.badUrl', status: 400, detail: expect.stringMatching(/;/) });
     }
   });
 
+  it('a path whose percent-encoding does not decode is counted in idem_http_requests_total and logged like other refusals', async () => {
+    // Black-box round 12, B3-8: these 400s were in no series, while every other 400, 413 and 415 was.
+    const served = await startServe(url, [], {}, ANY_JOBS, 'debug');
+    try {
+      for (const path of ['/api/runs/%ff', '/api/jobs/%E0%A4%A/runs', '/%c3']) {
+        const res = await rawHttp(served.base, `GET ${path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n`);
+        expect(res.status, res.body).toBe(400);
+        expect(JSON.parse(res.body)).toMatchObject({ type: 'urn:idem:problem:idem.badUrl' });
+      }
+      const res = await rawHttp(served.base, `POST /api/runs/%ff/pause HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\ncontent-length: 0\r\n\r\n`);
+      expect(res.status, res.body).toBe(400);
+      // The path cannot be routed, so as every request no route matched: route="unmatched", never the path.
+      const metrics = (await api(served.base, 'GET', '/metrics')).text;
+      expect(metrics).toMatch(/^idem_http_requests_total\{method="GET",route="unmatched",status="400"\} 3$/m);
+      expect(metrics).toMatch(/^idem_http_requests_total\{method="POST",route="unmatched",status="400"\} 1$/m);
+      expect(metrics).not.toMatch(/%ff|%E0/i);
+      // The debug line every answered request gets, with the route as in the metric.
+      const logged = served.proc.stderr().split('\n').filter((l) => l.includes('"msg":"request"')).map((l) => JSON.parse(l) as Record<string, unknown>);
+      expect(logged.filter((l) => l.status === 400 && l.route === 'unmatched').map((l) => l.method)).toEqual(['GET', 'GET', 'GET', 'POST']);
+    } finally {
+      served.proc.child.kill('SIGKILL');
+      await served.proc.done;
+    }
+  });
+
   it('requests the HTTP parser refuses are problem+json too', async () => {
-    const nul = await rawHttp(server.base, `POST /api/jobs/any/runs HTTP/1.1\r\nhost: x\r\nauthorization: Bearer ${TOKEN}\r\nidempotency-key: a\u0000b\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}`);
+    const nul = await rawHttp(server.base, `POST /api/jobs/any/runs HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer ${TOKEN}\r\nidempotency-key: a\u0000b\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}`);
     expect(nul.status).toBe(400);
     expect(nul.headers).toMatch(/content-type: application\/problem\+json/i);
     expect(JSON.parse(nul.body)).toMatchObject({ type: 'urn:idem:problem:idem.badRequest', status: 400, detail: expect.stringMatching(/;/) });
-    const huge = await rawHttp(server.base, `GET /api/runs HTTP/1.1\r\nhost: x\r\nidempotency-key: ${'k'.repeat(100_000)}\r\nconnection: close\r\n\r\n`);
+    const huge = await rawHttp(server.base, `GET /api/runs HTTP/1.1\r\nhost: localhost\r\nidempotency-key: ${'k'.repeat(100_000)}\r\nconnection: close\r\n\r\n`);
     expect(huge.status).toBe(431);
     expect(huge.headers).toMatch(/content-type: application\/problem\+json/i);
     expect(JSON.parse(huge.body)).toMatchObject({ type: 'urn:idem:problem:idem.headersTooLarge', status: 431 });
@@ -500,6 +526,38 @@ describe('request bodies that are not UTF-8 JSON', () => {
   });
 });
 
+describe('a compressed request body', () => {
+  it('is a 415 naming Content-Encoding and the fix (send it uncompressed), with Accept-Encoding: identity, not a 400 "not valid UTF-8"; nothing is written', async () => {
+    // Black-box round 12, B3-10: gzip bytes were decoded as the JSON itself and refused as invalid UTF-8.
+    await settled();
+    const before = await snapshot(url, TABLES);
+    const json = Buffer.from('{"n":1,"tag":"gzip"}');
+    for (const [encoding, body] of [['gzip', gzipSync(json)], ['GZIP', gzipSync(json)], ['br', brotliCompressSync(json)], ['deflate', deflateSync(json)], ['gzip, identity', gzipSync(json)], ['x-custom', json]] as const) {
+      const res = await fetch(`${server.base}/api/jobs/any/runs`, {
+        method: 'POST',
+        headers: { authorization: `Bearer ${TOKEN}`, 'idempotency-key': 'k-gzip', 'content-type': 'application/json', 'content-encoding': encoding },
+        body: new Uint8Array(body),
+      });
+      const text = await res.text();
+      expectProblem({ status: res.status, headers: res.headers, body: JSON.parse(text), text }, 415, 'idem.unsupportedContentEncoding');
+      expect(JSON.parse(text).detail).toBe(`Content-Encoding ${JSON.stringify(encoding)} is not supported; send the body uncompressed (no Content-Encoding, or identity)`);
+      expect(res.headers.get('accept-encoding')).toBe('identity');
+    }
+    // Without the token it is the 401 first, as every other body problem.
+    const anon = await fetch(`${server.base}/api/jobs/any/runs`, { method: 'POST', headers: { 'idempotency-key': 'k-gzip', 'content-type': 'application/json', 'content-encoding': 'gzip' }, body: new Uint8Array(gzipSync(json)) });
+    expect(anon.status).toBe(401);
+    expect(await snapshot(url, TABLES)).toEqual(before);
+    // identity is no encoding at all.
+    const plain = await fetch(`${server.base}/api/jobs/any/runs`, {
+      method: 'POST',
+      headers: { authorization: `Bearer ${TOKEN}`, 'idempotency-key': 'k-identity', 'content-type': 'application/json', 'content-encoding': 'Identity' },
+      body: new Uint8Array(json),
+    });
+    expect(plain.status, await plain.clone().text()).toBe(201);
+    expect((await plain.json()).params).toEqual({ n: 1, tag: 'gzip' });
+  });
+});
+
 describe('bodies with a __proto__ or constructor.prototype key', () => {
   it('are refused with 400 forbiddenKey naming the key (they are valid JSON); nothing is written', async () => {
     await settled();
@@ -560,7 +618,7 @@ describe('an Idempotency-Key header sent twice', () => {
     // Node joins repeated headers it does not know with ", ": "te2, te3" read as one 8-character key.
     const res = await rawHttp(
       server.base,
-      `POST /api/jobs/any/runs HTTP/1.1\r\nhost: x\r\nauthorization: Bearer ${TOKEN}\r\nidempotency-key: te2\r\nidempotency-key: te3\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}`,
+      `POST /api/jobs/any/runs HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer ${TOKEN}\r\nidempotency-key: te2\r\nidempotency-key: te3\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}`,
     );
     expect(res.status, res.body).toBe(400);
     const body = JSON.parse(res.body);
@@ -577,7 +635,7 @@ describe('a flood of malformed requests', () => {
     try {
       const N = 40;
       for (let i = 0; i < N; i++) {
-        const bad = await rawHttp(served.base, `GET /api/runs HTTP/1.1\r\nhost: x\r\nx-bad: a\u0001b\r\nconnection: close\r\n\r\n`);
+        const bad = await rawHttp(served.base, `GET /api/runs HTTP/1.1\r\nhost: localhost\r\nx-bad: a\u0001b\r\nconnection: close\r\n\r\n`);
         expect(bad.status).toBe(400);
       }
       const refused = () =>
@@ -629,8 +687,8 @@ describe('a request that never finishes arriving', () => {
     try {
       const before = await snapshot(url, TABLES);
       const answers = await Promise.all([
-        stalled(`POST /api/jobs/any/runs HTTP/1.1\r\nhost: x\r\nauthorization: Bearer ${TOKEN}\r\nidempotency-key: k-stalled\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{"a":`),
-        stalled(`GET /api/runs HTTP/1.1\r\nhost: x\r\nauthorization: Bearer ${TOKEN}\r\n`),
+        stalled(`POST /api/jobs/any/runs HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer ${TOKEN}\r\nidempotency-key: k-stalled\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{"a":`),
+        stalled(`GET /api/runs HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer ${TOKEN}\r\n`),
       ]);
       for (const res of answers) {
         expect(res.status, res.body).toBe(408);
@@ -639,7 +697,7 @@ describe('a request that never finishes arriving', () => {
       }
       expect(await snapshot(url, TABLES)).toEqual(before);
       // Counted and logged like any answer (before: in neither; the parser's refusals neither).
-      const bad = await rawHttp(served.base, `GET /api/runs HTTP/1.1\r\nhost: x\r\nx-bad: a\u0001b\r\nconnection: close\r\n\r\n`);
+      const bad = await rawHttp(served.base, `GET /api/runs HTTP/1.1\r\nhost: localhost\r\nx-bad: a\u0001b\r\nconnection: close\r\n\r\n`);
       expect(bad.status).toBe(400);
       const metrics = (await api(served.base, 'GET', '/metrics')).text;
       expect(metrics).toMatch(/^idem_http_requests_total\{method="unparsed",route="unmatched",status="408"\} 2$/m);
@@ -657,4 +715,122 @@ describe('a request that never finishes arriving', () => {
       await served.proc.done;
     }
   }, 60_000);
+});
+
+describe('a Host header that is not the server\'s (DNS rebinding)', () => {
+  // Black-box round 12, B3-9: a web page whose name was rebound to 127.0.0.1 read a loopback
+  // --public-read server's runs, params and errors: its requests carry the page's Host.
+  const get = (base: string, path: string, host: string, extra = '') => rawHttp(base, `GET ${path} HTTP/1.1\r\nhost: ${host}\r\n${extra}connection: close\r\n\r\n`);
+
+  it('on a loopback bind, answers any other name 421 hostNotAllowed naming --allowed-host, token or not; loopback names and IP addresses are served', async () => {
+    const served = await startServe(url, ['--public-read'], {}, ANY_JOBS);
+    try {
+      const port = new URL(served.base).port;
+      const created = await api(served.base, 'POST', '/api/jobs/any/runs', { key: 'k-rebind', body: { secret: 'params-of-k-rebind' } });
+      expect(created.status, created.text).toBe(201);
+      for (const host of ['attacker.example', `attacker.example:${port}`, 'localhost.attacker.example', 'LOCALHOST.example', '127.0.0.1.nip.io']) {
+        for (const path of ['/api/runs', `/api/runs/${created.body.id}`, '/', '/live', '/metrics', '/api/jobs']) {
+          const res = await get(served.base, path, host, path === '/api/jobs' ? `authorization: Bearer ${TOKEN}\r\n` : '');
+          expect(res.status, `${host} ${path}: ${res.body}`).toBe(421);
+          expect(res.headers).toMatch(/content-type: application\/problem\+json/i);
+          const body = JSON.parse(res.body);
+          expect(body).toMatchObject({ type: 'urn:idem:problem:idem.hostNotAllowed', status: 421, title: 'Misdirected Request' });
+          expect(body.detail).toMatch(/^the Host header .* is not a name of this server.*; .*--allowed-host/);
+          expect(body.detail).not.toContain('\n');
+          expect(res.body).not.toContain('params-of-k-rebind');
+        }
+      }
+      // A write with the token is refused the same way, and writes nothing.
+      await settled();
+      const before = await snapshot(url, TABLES);
+      const post = await rawHttp(
+        served.base,
+        `POST /api/jobs/any/runs HTTP/1.1\r\nhost: attacker.example\r\nauthorization: Bearer ${TOKEN}\r\nidempotency-key: k-rebind-post\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}`,
+      );
+      expect(post.status, post.body).toBe(421);
+      expect(await snapshot(url, TABLES)).toEqual(before);
+      // Loopback names (any port, any case, *.localhost) and IP addresses cannot be a rebound name.
+      for (const host of ['localhost', `localhost:${port}`, 'LocalHost', 'dash.localhost', `app.dash.localhost:${port}`, `127.0.0.1:${port}`, '127.1.2.3', `[::1]:${port}`, '[::1]', '10.1.2.3:8080']) {
+        const res = await get(served.base, '/api/runs', host);
+        expect(res.status, `${host}: ${res.body}`).toBe(200);
+        expect(res.body).toContain('params-of-k-rebind');
+      }
+      // Probes keep working whatever Host they send (a pod's name, a load balancer's).
+      for (const path of ['/healthz', '/readyz']) expect((await get(served.base, path, 'idem-7f9c.svc.cluster.local')).status).toBe(200);
+      // Logged once per window as a warning naming the host (the fix for a proxy that forwards its own name).
+      const warned = served.proc.stderr().split('\n').filter((l) => l.includes('Host not allowed'));
+      expect(warned.length, served.proc.stderr()).toBeGreaterThanOrEqual(1);
+      expect(JSON.parse(warned[0]!)).toMatchObject({ status: 421, host: 'attacker.example' });
+      expect(served.proc.stderr()).not.toContain(TOKEN);
+      const metrics = (await api(served.base, 'GET', '/metrics')).text;
+      expect(metrics).toMatch(/^idem_http_requests_total\{method="GET",route="\/api\/runs",status="421"\} 5$/m);
+    } finally {
+      served.proc.child.kill('SIGKILL');
+      await served.proc.done;
+    }
+  }, 60_000);
+
+  it('--allowed-host adds names (any port, any case); others are still refused', async () => {
+    const served = await startServe(url, ['--public-read', '--allowed-host', 'idem.example.com', '--allowed-host', 'Ops.Internal'], {}, ANY_JOBS);
+    try {
+      for (const host of ['idem.example.com', 'idem.example.com:443', 'IDEM.example.com', 'ops.internal:8080', 'localhost']) expect((await get(served.base, '/api/runs', host)).status, host).toBe(200);
+      for (const host of ['example.com', 'x.idem.example.com', 'attacker.example']) expect((await get(served.base, '/api/runs', host)).status, host).toBe(421);
+    } finally {
+      served.proc.child.kill('SIGKILL');
+      await served.proc.done;
+    }
+  }, 60_000);
+
+  it('on a bind that is not loopback, any Host is served (a reverse proxy\'s, a pod\'s) unless --allowed-host is given', async () => {
+    const open = await startServe(url, ['--host', '0.0.0.0', '--public-read'], {}, ANY_JOBS);
+    try {
+      expect((await get(open.base, '/api/runs', 'idem.example.com')).status).toBe(200);
+    } finally {
+      open.proc.child.kill('SIGKILL');
+      await open.proc.done;
+    }
+    const strict = await startServe(url, ['--host', '0.0.0.0', '--public-read', '--allowed-host', 'idem.example.com'], {}, ANY_JOBS);
+    try {
+      expect((await get(strict.base, '/api/runs', 'idem.example.com')).status).toBe(200);
+      expect((await get(strict.base, '/api/runs', 'attacker.example')).status).toBe(421);
+      expect((await get(strict.base, '/readyz', 'attacker.example')).status).toBe(200);
+    } finally {
+      strict.proc.child.kill('SIGKILL');
+      await strict.proc.done;
+    }
+  }, 60_000);
+
+  it('an --allowed-host that is not a host name is refused at start: exit 2, one line naming the flag', async () => {
+    for (const bad of ['', 'idem.example.com:443', 'http://idem.example.com', 'a b', '*']) {
+      const res = await runCli(['--jobs-dir', ANY_JOBS, 'serve', '--port', '0', '--allowed-host', bad], { url, env: { IDEM_API_TOKEN: TOKEN } });
+      expect(res.code, res.stderr).toBe(2);
+      expect(res.stderr.trim().split('\n'), res.stderr).toHaveLength(1);
+      expect(res.stderr).toMatch(/--allowed-host .*must be a host name or an IP address, without scheme or port/);
+      expect(res.stdout).not.toContain('listening');
+    }
+  });
+});
+
+describe('headers of every response', () => {
+  it('carry X-Content-Type-Options: nosniff and Referrer-Policy: no-referrer, refusals and streams included', async () => {
+    const created = await api(server.base, 'POST', '/api/jobs/any/runs', { key: 'k-headers', body: {} });
+    expect(created.status, created.text).toBe(201);
+    const answers: Array<[string, Headers]> = [];
+    for (const [path, token] of [['/api/runs', TOKEN], ['/', TOKEN], ['/api/nothing', TOKEN], ['/api/runs', null], ['/healthz', null], ['/assets/dashboard.css', null], ['/metrics', TOKEN]] as const) {
+      answers.push([path, (await api(server.base, 'GET', path, { token })).headers]);
+    }
+    const head = await fetch(`${server.base}/api/runs/${created.body.id}/events`, { method: 'HEAD', headers: { authorization: `Bearer ${TOKEN}` } });
+    answers.push(['HEAD events', head.headers]);
+    for (const [what, headers] of answers) {
+      expect(headers.get('x-content-type-options'), what).toBe('nosniff');
+      expect(headers.get('referrer-policy'), what).toBe('no-referrer');
+    }
+    // Refused before any hook (an undecodable path) or by Node's parser: the same headers.
+    for (const text of [`GET /api/runs/%ff HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n`, `GET /api/runs HTTP/1.1\r\nhost: localhost\r\nx-bad: a\u0001b\r\nconnection: close\r\n\r\n`]) {
+      const res = await rawHttp(server.base, text);
+      expect(res.status).toBe(400);
+      expect(res.headers).toMatch(/^x-content-type-options: nosniff$/im);
+      expect(res.headers).toMatch(/^referrer-policy: no-referrer$/im);
+    }
+  });
 });

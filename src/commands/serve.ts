@@ -11,6 +11,7 @@ export function registerServeCommand(program: Command, cli: CliContext): void {
     .option('--port <port>', 'TCP port (0: any free port)', (v: string) => (v === '0' ? 0 : positiveInt(65535)(v)), 7070)
     .option('--token-file <file>', 'file holding the API bearer token (default: IDEM_API_TOKEN)')
     .option('--public-read', 'let GET requests (dashboard, run reads, metrics) through without the token')
+    .option('--allowed-host <name>', 'a Host name the server answers besides localhost and IP addresses (a reverse proxy\'s); repeatable', (v: string, all: string[] = []) => [...all, v])
     .option('--max-runs <n>', 'runs executed at once by this server', positiveInt(256), 4)
     .option('--concurrency <n>', 'chunks run at once within one run', positiveInt(64), 1)
     .option('--body-limit <bytes>', 'largest request body accepted', positiveInt(16 * 1024 * 1024), 65536)

@@ -10,7 +10,7 @@ import { shellQuote } from '../shell-quote.ts';
 import { shownStepState } from '../step-state.ts';
 import { columns, fitColumns, padColumns, prepareColumns } from '../display-width.ts';
 import { colours, type Colours } from '../terminal.ts';
-import { textTable, visibleDeep } from '../text-table.ts';
+import { textTable, visible, visibleDeep } from '../text-table.ts';
 
 /** "just now", "42 s ago", "3 min ago", "5 h ago", "2 d ago". Pure; exported for tests. */
 export function relativeTime(date: Date, now: Date = new Date()): string {
@@ -176,12 +176,16 @@ function shownKey(key: string): string {
 /**
  * The run whose key starts with `key`, as the table shows a long key (cut, ending in `...`) or as
  * a user shortens one (a params fingerprint is 71 characters): read-only, so a unique prefix is
- * enough, as with git's short hashes. Undefined when none matches; several is a usage error.
+ * enough, as with git's short hashes. The key as it is or as the table shows it, its bidi and
+ * control characters escaped by `visible` (`k\u202eevil`), whole or cut: that is the text a user
+ * copies. Undefined when none matches; several is a usage error.
  */
 function uniqueByPrefix(runs: readonly RunStatusRow[], job: string, key: string): RunStatusRow | undefined {
+  const exact = runs.filter((r) => visible(r.runKey) === key);
+  if (exact.length === 1) return exact[0];
   const prefix = key.replace(/(?:\.\.\.|…)$/, '');
   if (prefix === '') return undefined;
-  const hits = runs.filter((r) => r.runKey.startsWith(prefix));
+  const hits = runs.filter((r) => r.runKey.startsWith(prefix) || visible(r.runKey).startsWith(prefix));
   if (hits.length > 1) {
     const keys = [...new Set(hits.map((r) => r.runKey))].sort();
     const shown = keys.length > 5 ? `${keys.slice(0, 5).join(', ')}, …` : keys.join(', ');

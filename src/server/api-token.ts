@@ -7,7 +7,8 @@ export const MIN_TOKEN_LENGTH = 16;
 
 /**
  * The API token from a file (first line, trimmed: the shape of a Kubernetes or systemd secret) or
- * from `IDEM_API_TOKEN`. The file wins, so a secret mount overrides a stray variable.
+ * from `IDEM_API_TOKEN`. The file wins, so a secret mount overrides a stray variable. At least
+ * MIN_TOKEN_LENGTH visible ASCII characters (what every HTTP client can send as a header).
  */
 export async function loadApiToken(opts: { readonly file?: string; readonly env?: string }): Promise<string> {
   let token = opts.env;
@@ -31,6 +32,11 @@ export async function loadApiToken(opts: { readonly file?: string; readonly env?
   }
   if (token.length < MIN_TOKEN_LENGTH || /\s/.test(token)) {
     throw new UsageError('weakToken', `the API token from ${from} must be at least ${MIN_TOKEN_LENGTH} characters without spaces; generate one with openssl rand -hex 32`);
+  }
+  // Header values are bytes: fetch and browsers cannot send a character above U+00FF, and others
+  // would send UTF-8 where Node reads Latin-1, so such a token would be accepted here and unusable.
+  if (!/^[\x21-\x7e]+$/.test(token)) {
+    throw new UsageError('invalidToken', `the API token from ${from} must be visible ASCII characters only (letters, digits, punctuation: HTTP clients cannot send others in a header); generate one with openssl rand -hex 32`);
   }
   return token;
 }

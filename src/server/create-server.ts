@@ -7,6 +7,7 @@ import { SampledWarnings } from './sampled-log.ts';
 import { silentLogger } from '../log.ts';
 import type { Job } from '../job.ts';
 import type { Runner } from '../runner.ts';
+import { AllowedHosts, allowedHostProblem, isLoopbackAddress } from './allowed-hosts.ts';
 import { bearerToken, tokenMatcher } from './api-token.ts';
 import { registerApiRoutes } from './api-routes.ts';
 import { registerDashboardRoutes } from './dashboard-routes.ts';
@@ -46,6 +47,12 @@ export interface ServerOptions {
   readonly token: string;
   /** Let GET requests (dashboard, API reads, metrics) through without a token. Defaults to `false`. */
   readonly publicRead?: boolean;
+  /**
+   * Host names the server answers besides loopback names and IP addresses (see AllowedHosts), e.g.
+   * a reverse proxy's `idem.example.com`. The Host check applies on a loopback bind, and on any
+   * bind once this is given. Defaults to none.
+   */
+  readonly allowedHosts?: readonly string[];
   /** Runs executed at once in this process. Defaults to `4`. */
   readonly maxRuns?: number;
   /** Chunks run at once within one run. Defaults to `1`. */
@@ -89,6 +96,9 @@ const DEFAULT_LOG_WINDOW_MS = 10_000;
 const READY_TIMEOUT_MS = 2_000;
 
 const PUBLIC_PATHS = new Set(['/healthz', '/readyz', '/assets/dashboard.css', '/assets/dashboard.js', '/favicon.svg']);
+
+/** Paths answered whatever the Host: probes send the pod's address or name, and learn nothing there. */
+const PROBE_PATHS = new Set(['/healthz', '/readyz']);
 
 /** Builds the HTTP server: Fastify with the API, the dashboard and /metrics over one Runner. */
 export function createServer(opts: ServerOptions): IdemServer {
@@ -134,7 +144,15 @@ export function createServer(opts: ServerOptions): IdemServer {
     publicRead: opts.publicRead ?? false,
   };
 
+  const allowedHosts = new AllowedHosts(opts.allowedHosts ?? []);
+  // Set by listen() from the addresses bound; on until then, so nothing slips through meanwhile.
+  let checkHosts = true;
   const requestTimeout = opts.requestTimeoutMs ?? DEFAULT_REQUEST_TIMEOUT_MS;
+  /** Counts an answered request and logs its debug line. */
+  const answered = (request: FastifyRequest, route: string, status: number, ms: number) => {
+    metrics.httpRequests.inc({ method: request.method, route, status: String(status) });
+    request.log.debug({ method: request.method, route, status, ms: Math.round(ms) }, 'request');
+  };
   // Lines any client can cause, one per kind and window (an unauthenticated flood must not fill the disk).
   const sampled = new SampledWarnings(log, opts.logWindowMs ?? DEFAULT_LOG_WINDOW_MS);
   const app = Fastify({
@@ -169,13 +187,21 @@ export function createServer(opts: ServerOptions): IdemServer {
     routerOptions: { maxParamLength: 65_536 },
     // A path that cannot be routed at all (a % not followed by UTF-8 in hex) is refused before any
     // hook, authentication included: a problem like every other refusal, not Fastify's own JSON.
-    frameworkErrors: (err, _request, reply) => {
+    // No hook sees it, onResponse neither: it is counted and logged here, as a request no route matched.
+    frameworkErrors: (err, request, reply) => {
       const problem =
         err.code === 'FST_ERR_BAD_URL'
           ? new HttpProblem(400, 'idem.badUrl', 'the request path has a percent-encoding that does not decode; percent-encode the path as UTF-8 (%2F, %C3%A9)')
           : toProblem(err);
       void (reply as FastifyReply).code(problem.status).type(PROBLEM_TYPE).send(problemBody(problem));
+      answered(request as FastifyRequest, 'unmatched', problem.status, (reply as FastifyReply).elapsedTime);
     },
+  });
+
+  // On every answer Node writes for Fastify (routes, refusals before any hook, event streams): no
+  // MIME sniffing of a JSON or text answer into HTML, and no run URL leaked to a linked site.
+  app.server.prependListener('request', (_request: import('node:http').IncomingMessage, response: import('node:http').ServerResponse) => {
+    for (const [name, value] of Object.entries(SECURITY_HEADERS)) response.setHeader(name, value);
   });
 
   // Params are JSON only: a text/plain body (Fastify parses it by default) is refused with 415.
@@ -183,14 +209,27 @@ export function createServer(opts: ServerOptions): IdemServer {
   app.removeContentTypeParser('application/json');
   app.addContentTypeParser('application/json', { parseAs: 'buffer' }, jsonBody(app.getDefaultJsonParser('error', 'error')));
   // No body at all is no params, whatever the Content-Type says; a body of another type is a 415.
-  app.addContentTypeParser('*', { parseAs: 'buffer' }, (_request, body: Buffer, done) => {
+  app.addContentTypeParser('*', { parseAs: 'buffer' }, (request, body: Buffer, done) => {
     if (body.length === 0) return done(null, undefined);
+    const encoding = contentEncodingProblem(request);
+    if (encoding) return done(encoding, undefined);
     done(new HttpProblem(415, 'idem.unsupportedMediaType', 'the request body must be JSON; send Content-Type: application/json'), undefined);
   });
 
   app.addHook('onRequest', async (request) => {
     if (request.headers.host === undefined && request.raw.httpVersion === '1.1') {
       throw new HttpProblem(400, 'idem.missingHost', 'the request has no Host header; HTTP/1.1 requires one, so send Host: <the server\'s host:port> (HTTP clients do by themselves)');
+    }
+    // DNS rebinding: a page whose name now resolves to 127.0.0.1 sends that name as Host. Before
+    // authentication, so a --public-read server shows it nothing. (No Host: HTTP/1.0, no browser.)
+    const host = request.headers.host;
+    if (checkHosts && host !== undefined && !allowedHosts.allows(host) && !PROBE_PATHS.has(request.url.split('?')[0]!)) {
+      sampled.warn('421 host', { status: 421, host: host.slice(0, 100) }, 'request refused: Host not allowed (answered 421); if it is a name of this server (a reverse proxy\'s), pass it as --allowed-host');
+      throw new HttpProblem(
+        421,
+        'idem.hostNotAllowed',
+        `the Host header ${JSON.stringify(host.slice(0, 100))} is not a name of this server (a web page reaching it through DNS rebinding sends its own); use localhost or the server's IP address, or start idem serve with --allowed-host <name> for each name it is reached by`,
+      );
     }
   });
 
@@ -211,15 +250,15 @@ export function createServer(opts: ServerOptions): IdemServer {
 
   app.addHook('onResponse', async (request, reply) => {
     // The route pattern, never the URL: a key or id in a label would grow the series without bound.
-    const route = request.routeOptions.url ?? 'unmatched';
-    metrics.httpRequests.inc({ method: request.method, route, status: String(reply.statusCode) });
-    request.log.debug({ method: request.method, route, status: reply.statusCode, ms: Math.round(reply.elapsedTime) }, 'request');
+    answered(request, request.routeOptions.url ?? 'unmatched', reply.statusCode, reply.elapsedTime);
   });
 
   app.setErrorHandler(async (err, request, reply) => {
     const problem = toProblem(err);
     // A refusal a client should simply repeat (503, the 409 of a key inside another request's claim) says when.
     if (problem.status === 503 || problem.extra.retryable === true) reply.header('retry-after', '1');
+    // RFC 7694: the encodings the server takes in a request.
+    if (problem.code === 'idem.unsupportedContentEncoding') reply.header('accept-encoding', 'identity');
     // A 503 is the database being unreachable, which the readiness probe and every client meet at
     // once: a warning naming the request, not an error line per request of an outage.
     const where = { method: request.method, route: request.routeOptions.url ?? 'unmatched', status: problem.status };
@@ -289,6 +328,9 @@ export function createServer(opts: ServerOptions): IdemServer {
       } catch (err) {
         throw listenProblem(err, host, port);
       }
+      // Only loopback needs it by default: a server bound to a network address is reached by name
+      // through proxies and load balancers, and the names are the operator's to list.
+      checkHosts = (opts.allowedHosts ?? []).length > 0 || app.addresses().every((a) => typeof a !== 'string' && isLoopbackAddress(a.address));
       replays.start();
       const resumed = await executor.resumeUnfinished();
       if (resumed > 0) log.info({ runs: resumed }, 'resuming unfinished runs');
@@ -344,6 +386,9 @@ class RouteMethods {
   }
 }
 
+/** Sent with every answer (see the request listener in createServer). */
+const SECURITY_HEADERS = { 'x-content-type-options': 'nosniff', 'referrer-policy': 'no-referrer' } as const;
+
 /** UTF-8 decoding that refuses invalid bytes instead of replacing them with U+FFFD. */
 const UTF8 = new TextDecoder('utf-8', { fatal: true });
 
@@ -361,6 +406,8 @@ function jsonBody(parse: JsonParser) {
       return done(new HttpProblem(415, 'idem.unsupportedCharset', `the body's charset is ${JSON.stringify(charset.slice(0, 40))}; send UTF-8 JSON (charset=utf-8 or none)`));
     }
     if (body.length === 0) return done(null, undefined);
+    const encoding = contentEncodingProblem(request);
+    if (encoding) return done(encoding);
     let text: string;
     try {
       text = UTF8.decode(body);
@@ -374,6 +421,17 @@ function jsonBody(parse: JsonParser) {
       done(new HttpProblem(400, 'idem.forbiddenKey', `the body has a ${JSON.stringify(key)} key, which idem refuses (prototype pollution); rename it`));
     });
   };
+}
+
+/**
+ * A body sent compressed (Content-Encoding gzip, br, …): idem does not inflate request bodies (a
+ * small body gains nothing, and inflating would bypass --body-limit), so it is a 415 naming the fix
+ * rather than the compressed bytes refused as JSON that is not UTF-8. Null for none or identity.
+ */
+function contentEncodingProblem(request: FastifyRequest): HttpProblem | null {
+  const encoding = request.headers['content-encoding'];
+  if (encoding === undefined || /^\s*(identity\s*)?$/i.test(encoding)) return null;
+  return new HttpProblem(415, 'idem.unsupportedContentEncoding', `Content-Encoding ${JSON.stringify(encoding.slice(0, 40))} is not supported; send the body uncompressed (no Content-Encoding, or identity)`);
 }
 
 /**
@@ -417,7 +475,8 @@ function clientError(err: NodeJS.ErrnoException, socket: import('node:net').Sock
   // a socket with unread input sends a reset, and the client would see ECONNRESET, not the answer.
   socket.on('error', () => {});
   socket.resume();
-  socket.end(`HTTP/1.1 ${problem.status} ${problemBody(problem).title}\r\nContent-Length: ${Buffer.byteLength(body)}\r\nContent-Type: ${PROBLEM_TYPE}; charset=utf-8\r\nConnection: close\r\n\r\n${body}`);
+  const security = Object.entries(SECURITY_HEADERS).map(([name, value]) => `${name}: ${value}\r\n`).join('');
+  socket.end(`HTTP/1.1 ${problem.status} ${problemBody(problem).title}\r\nContent-Length: ${Buffer.byteLength(body)}\r\nContent-Type: ${PROBLEM_TYPE}; charset=utf-8\r\n${security}Connection: close\r\n\r\n${body}`);
   setTimeout(() => socket.destroy(), 2_000).unref();
   return problem.status;
 }
@@ -437,9 +496,13 @@ function listenProblem(err: unknown, host: string, port: number): unknown {
 }
 
 /** Checks the serve flags together and throws once with every problem. */
-export function checkServeFlags(o: { readonly port: number; readonly host: string }): void {
+export function checkServeFlags(o: { readonly port: number; readonly host: string; readonly allowedHost?: readonly string[] }): void {
   const problems: string[] = [];
   if (!Number.isInteger(o.port) || o.port < 0 || o.port > 65535) problems.push(`--port must be 0 to 65535, got ${o.port}`);
   if (!o.host) problems.push('--host must not be empty');
+  for (const name of o.allowedHost ?? []) {
+    const problem = allowedHostProblem(name);
+    if (problem) problems.push(problem);
+  }
   if (problems.length) throw new UsageError('invalidServeFlags', `${problems.join('; ')}; see idem serve --help`);
 }

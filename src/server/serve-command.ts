@@ -30,6 +30,8 @@ export interface ServeFlags {
   readonly port: number;
   readonly tokenFile?: string;
   readonly publicRead?: boolean;
+  /** --allowed-host, repeated. */
+  readonly allowedHost?: readonly string[];
   readonly maxRuns: number;
   readonly concurrency: number;
   readonly bodyLimit: number;
@@ -78,6 +80,7 @@ export async function serveCommand(o: ServeFlags, deps: ServeDeps): Promise<numb
     jobs,
     token,
     publicRead: o.publicRead ?? false,
+    allowedHosts: o.allowedHost ?? [],
     maxRuns: o.maxRuns,
     concurrency: o.concurrency,
     bodyLimit: o.bodyLimit,

@@ -10,8 +10,8 @@ export interface ServeProcess {
 }
 
 /** Starts `idem serve --port 0` on the fixture jobs (or `jobsDir`) as a real child process and waits for its address. */
-export async function startServe(url: string, args: readonly string[] = [], env: Record<string, string> = {}, jobsDir: string = FIXTURE_JOBS): Promise<ServeProcess> {
-  const proc = spawnCli(['--jobs-dir', jobsDir, '--log-level', 'warn', 'serve', '--port', '0', ...args], {
+export async function startServe(url: string, args: readonly string[] = [], env: Record<string, string> = {}, jobsDir: string = FIXTURE_JOBS, logLevel = 'warn'): Promise<ServeProcess> {
+  const proc = spawnCli(['--jobs-dir', jobsDir, '--log-level', logLevel, 'serve', '--port', '0', ...args], {
     url,
     env: { IDEM_API_TOKEN: TOKEN, ...env },
     timeoutMs: 300_000,
