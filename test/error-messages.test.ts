@@ -572,3 +572,38 @@ export default { name: 'callout', retry: { attempts: 2, base: 10, max: 20 }, ste
 function esc(s: string): string {
   return s.replace(/[.*+?^${}()|[\]\\]/g, '\\$&');
 }
+
+describe('a role or database that sets default_transaction_read_only = on', () => {
+  it('run, finalize and the operators refuse with exit 2 and one line naming the setting (not a bare "read-only transaction", exit 1); nothing written', async () => {
+    // Black-box round 12 (B2-4).
+    const url = testDb.url;
+    const dbName = new URL(url).pathname.slice(1);
+    const done = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":1}', '--key', 'ro-done'], { url });
+    expect(done.code, done.stderr).toBe(0);
+    await query(url, `alter database ${dbName} set default_transaction_read_only = on`);
+    try {
+      const before = await snapshot(url, ALL_TABLES);
+      const results = await Promise.all([
+        runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":1}', '--key', 'ro-new', '--json'], { url }),
+        runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":1}', '--key', 'ro-done'], { url }),
+        runCli([...FIXTURE_DIRS, 'finalize', 'counted', '--key', 'ro-new'], { url }),
+        runCli([...FIXTURE_DIRS, 'pause', 'counted', '--key', 'ro-done'], { url }),
+        runCli([...FIXTURE_DIRS, 'reset', 'counted', '--key', 'ro-done'], { url }),
+      ]);
+      for (const r of results) {
+        expect(r.code, r.stderr).toBe(2);
+        expect(lines(r.stderr), r.stderr).toEqual([expect.stringMatching(/^idem: error: the role or database sets default_transaction_read_only = on, so idem cannot write its bookkeeping \(nothing was written\); reset it/)]);
+      }
+      expect(JSON.parse(results[0]!.stdout)).toMatchObject({ status: 'error', exitCode: 2, code: 'idem.readOnlyDefault' });
+      expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+    } finally {
+      // A session of a read-only database sets it off for itself first, then resets the database's.
+      const { default: pg } = await import('pg');
+      const c = new pg.Client({ connectionString: url });
+      await c.connect();
+      await c.query('set default_transaction_read_only = off');
+      await c.query(`alter database ${dbName} reset default_transaction_read_only`);
+      await c.end();
+    }
+  });
+});
