@@ -37,7 +37,14 @@ const RETRYABLE_NODE_CODES = new Set(['ECONNRESET', 'ECONNREFUSED', 'EPIPE', 'ET
 const RETRYABLE_SQLSTATES = new Set<string>(Object.values(SqlState));
 
 /** What node-postgres says when a connection went away without a code. */
-const CONNECTION_GONE = /Connection terminated|connection is closed|Client has encountered a connection error|Query read timeout/i;
+const CONNECTION_GONE = /Connection terminated|connection is closed|Client has encountered a connection error|Query read timeout|timeout exceeded when trying to connect/i;
+
+/**
+ * No connection to be had, said without a SQLSTATE of its own: pg-pool's timeout (behind a pooler
+ * in session mode whose pool for the database is used up, a new client waits for a server session
+ * in vain), and PgBouncer's refusal past its max_client_conn (08P01).
+ */
+const NO_CONNECTION_FREE = /^timeout exceeded when trying to connect$|no more connections allowed \(max_client_conn\)/;
 
 /**
  * Whether `err`, or a cause of it (five deep), has a code `transient` accepts, or a message saying
@@ -86,7 +93,8 @@ export function isConnectionTrouble(err: unknown): boolean {
  */
 export function noConnectionFree(err: unknown): boolean {
   const code = codeOf(err);
-  return code === SqlState.TooManyConnections || code === SqlState.CannotConnectNow;
+  if (code === SqlState.TooManyConnections || code === SqlState.CannotConnectNow) return true;
+  return err instanceof Error && NO_CONNECTION_FREE.test(err.message);
 }
 
 export interface BackoffOptions {

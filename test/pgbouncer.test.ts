@@ -127,3 +127,30 @@ describe.skipIf(missing)('behind PgBouncer in session mode that does not reset s
     expect(await query(database.url, `select count(*)::int as n from idem.chunks c join idem.runs r on r.id = c.run_id where r.run_key = 'stale' and c.step = 'work' and c.done_at is null`)).toEqual([{ n: 0 }]);
   }, 120_000);
 });
+
+describe.skipIf(missing)('behind PgBouncer in session mode with a pool smaller than the run needs', () => {
+  // Black-box round 12 (B2-1): default_pool_size 5, --concurrency 4: the lock session and four
+  // slots took the five server sessions and the planner waited for a sixth; the run was then
+  // marked failed in step "(runner)" ("timeout exceeded when trying to connect"), and idem
+  // finalize in a deploy refused it. No connection free is never a run's failure (README).
+  const database = useTestDatabase({ fixtureTables: true });
+  let bouncer: Bouncer;
+
+  beforeAll(async () => {
+    // query_wait_timeout: PgBouncer's 120 s by default, for how long a query waits for a server session.
+    bouncer = await startPgbouncer(database.url, 'session', ['default_pool_size = 5', 'max_db_connections = 5', 'query_wait_timeout = 20']);
+  });
+  afterAll(() => bouncer?.stop());
+
+  it('the worker stops with exit 69 and the run is left interrupted, not failed; a smaller --concurrency resumes it, every chunk once', async () => {
+    const migrated = await runCli([...FIXTURE_DIRS, 'migrate'], { url: bouncer.url });
+    expect(migrated.code, migrated.stderr).toBe(0);
+    const starved = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', COUNTED(150), '--key', 'small-pool', '--concurrency', '4'], { url: bouncer.url, timeoutMs: 250_000 });
+    expect(starved.code, starved.stderr).toBe(69);
+    expect(starved.stderr).not.toContain('"msg":"run failed"');
+    expect(await query(database.url, `select status from idem.runs where run_key = 'small-pool'`)).toEqual([{ status: 'interrupted' }]);
+    const resumed = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', COUNTED(150), '--key', 'small-pool', '--concurrency', '2'], { url: bouncer.url, timeoutMs: 120_000 });
+    expect(resumed.code, resumed.stderr).toBe(0);
+    expect(await query(database.url, `select count(*)::int as n, count(distinct chunk_key)::int as keys from work_log where run_key = 'small-pool' and step = 'work'`)).toEqual([{ n: 150, keys: 150 }]);
+  }, 400_000);
+});

@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { backoffDelay, DEFAULT_BACKOFF, isRetryable, SqlState } from '../src/retry.ts';
+import { backoffDelay, DEFAULT_BACKOFF, isConnectionTrouble, isRetryable, noConnectionFree, SqlState } from '../src/retry.ts';
 
 const ceiling = (attempt: number, base = 100, max = 30_000, factor = 2) => Math.min(max, base * factor ** (attempt - 1));
 
@@ -100,5 +100,23 @@ describe('isRetryable', () => {
     ['a numeric code', { code: 40001 }],
   ])('is false for %s', (_, err) => {
     expect(isRetryable(err)).toBe(false);
+  });
+});
+
+describe('no connection free, said by a pool or a pooler without a SQLSTATE of its own', () => {
+  it("pg-pool's timeout and PgBouncer's max_client_conn refusal are connection trouble, never a run's failure", () => {
+    // Black-box round 12 (B2-1, B2-2): behind PgBouncer in session mode with a pool smaller than
+    // a run needs, pg-pool's "timeout exceeded when trying to connect" failed the run in step
+    // "(runner)", and max_client_conn's 08P01 was not seen as "no connection free", so no slot
+    // left for the others. Both errors exactly as pg-pool and pg (for PgBouncer's ErrorResponse) make them.
+    const poolTimeout = new Error('timeout exceeded when trying to connect');
+    const maxClientConn = Object.assign(new Error('no more connections allowed (max_client_conn)'), { code: '08P01', severity: 'FATAL' });
+    for (const err of [poolTimeout, maxClientConn]) {
+      expect(noConnectionFree(err), err.message).toBe(true);
+      expect(isConnectionTrouble(err), err.message).toBe(true);
+      expect(isRetryable(err), err.message).toBe(true);
+    }
+    // Another 08P01 (a protocol violation) is connection trouble, not "no connection free".
+    expect(noConnectionFree(Object.assign(new Error('invalid frontend message type 0'), { code: '08P01' }))).toBe(false);
   });
 });
