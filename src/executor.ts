@@ -382,8 +382,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         if (outcome.kind === 'none') {
           if (mode === 'retry') {
             retrySeq = null; // done or taken meanwhile (by another worker): not ours to retry any more
-          } else if ((await store.currentAttempt(run.runId, slot.db)) !== run.attempt) {
-            // On the slot's own connection: a slot that found nothing needs no second one for it.
+          } else if ((await store.currentAttempt(run.runId)) !== run.attempt) {
             failure ??= new FencedError(`attempt ${run.attempt} of job "${run.job}" was taken over by a newer attempt`);
             return;
           } else if (!plannedAll) {

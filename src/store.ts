@@ -456,8 +456,8 @@ export class Store {
   }
 
   /** The run's current attempt (-1 when the run is gone): why a claim or a commit was refused. */
-  async currentAttempt(runId: string, db: Kysely<any> = this.#db): Promise<number> {
-    const { rows } = await this.#run(sql<{ attempt: number }>`select attempt from ${this.#runs} where id = ${runId}`, db);
+  async currentAttempt(runId: string): Promise<number> {
+    const { rows } = await this.#run(sql<{ attempt: number }>`select attempt from ${this.#runs} where id = ${runId}`);
     return rows[0]?.attempt ?? -1;
   }
 

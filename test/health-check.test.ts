@@ -61,7 +61,7 @@ describe('health checks before each chunk', () => {
       try {
         const view = (await new RunViews(runner.db, reads, runner.schema, runner).byKey('counted', 'long-tx'))!;
         expect(view).toMatchObject({ state: 'running', healthPause: { reason: expect.stringMatching(/^transaction of pid \d+ \(idle in transaction\) open \d+ s > 1 s$/), since: expect.any(String) } });
-        for (const html of [runCard(view), runLive(view)]) expect(html).toMatch(/paused for health: transaction of pid \d+ \(idle in transaction\) open \d+ s &gt; 1 s/);
+        for (const html of [runCard(view), runLive(view)]) expect(html.replace(/<\/?bdi>/g, '')).toMatch(/paused for health: transaction of pid \d+ \(idle in transaction\) open \d+ s &gt; 1 s/);
       } finally {
         await reads.end();
       }

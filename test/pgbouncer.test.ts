@@ -142,15 +142,20 @@ describe.skipIf(missing)('behind PgBouncer in session mode with a pool smaller t
   });
   afterAll(() => bouncer?.stop());
 
-  it('the worker stops with exit 69 and the run is left interrupted, not failed; a smaller --concurrency resumes it, every chunk once', async () => {
+  it('the run is never marked failed: the slot that gets no session leaves (exit 0), or the worker stops (exit 69, interrupted) and a smaller --concurrency resumes it; every chunk once', async () => {
     const migrated = await runCli([...FIXTURE_DIRS, 'migrate'], { url: bouncer.url });
     expect(migrated.code, migrated.stderr).toBe(0);
     const starved = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', COUNTED(150), '--key', 'small-pool', '--concurrency', '4'], { url: bouncer.url, timeoutMs: 250_000 });
-    expect(starved.code, starved.stderr).toBe(69);
+    // Which of the two depends on who waits for the missing session first: a slot (it leaves, the
+    // others finish the step) or the planner (the worker stops).
+    expect([0, 69], starved.stderr).toContain(starved.code);
     expect(starved.stderr).not.toContain('"msg":"run failed"');
-    expect(await query(database.url, `select status from idem.runs where run_key = 'small-pool'`)).toEqual([{ status: 'interrupted' }]);
-    const resumed = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', COUNTED(150), '--key', 'small-pool', '--concurrency', '2'], { url: bouncer.url, timeoutMs: 120_000 });
-    expect(resumed.code, resumed.stderr).toBe(0);
+    const status = (await query<{ status: string }>(database.url, `select status from idem.runs where run_key = 'small-pool'`))[0]?.status;
+    expect(status).toBe(starved.code === 0 ? 'succeeded' : 'interrupted');
+    if (starved.code === 69) {
+      const resumed = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', COUNTED(150), '--key', 'small-pool', '--concurrency', '2'], { url: bouncer.url, timeoutMs: 120_000 });
+      expect(resumed.code, resumed.stderr).toBe(0);
+    }
     expect(await query(database.url, `select count(*)::int as n, count(distinct chunk_key)::int as keys from work_log where run_key = 'small-pool' and step = 'work'`)).toEqual([{ n: 150, keys: 150 }]);
   }, 400_000);
 });
