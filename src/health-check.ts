@@ -251,24 +251,8 @@ export async function refuseOnStandby<T>(db: Kysely<any>, fn: () => Promise<T>):
     return await fn();
   } catch (err) {
     if (codeOf(err) !== '25006') throw err;
-    const { rows } = await sql<{ inRecovery: boolean; replayDelaySeconds: number | null; readOnlyDefault: boolean }>`
-      select pg_is_in_recovery() as "inRecovery", extract(epoch from now() - pg_last_xact_replay_timestamp())::float8 as "replayDelaySeconds",
-        current_setting('default_transaction_read_only')::boolean as "readOnlyDefault"`.execute(db);
-    if (rows[0]?.readOnlyDefault && !rows[0].inRecovery) throw readOnlyDefaultError();
-    if (!rows[0]?.inRecovery) throw err;
-    throw standbyError({ ...rows[0], replicationLagSeconds: null, walReady: null, vacuuming: [], oldestTransaction: null, longestLockWait: null });
+    throw (await readOnlyRefusal(db)) ?? err;
   }
-}
-
-/**
- * A role or database that sets `default_transaction_read_only = on` (a database frozen for a move,
- * a read-only role given to idem by mistake): idem does not override it; it refuses, naming it.
- */
-function readOnlyDefaultError(): UsageError {
-  return new UsageError(
-    'readOnlyDefault',
-    "the role or database sets default_transaction_read_only = on, so idem cannot write its bookkeeping (nothing was written); reset it (ALTER DATABASE … RESET default_transaction_read_only, or ALTER ROLE …) or give idem a role and database it may write",
-  );
 }
 
 /**
@@ -277,12 +261,30 @@ function readOnlyDefaultError(): UsageError {
  * state its run is in (or when there is none), refuse with the same line, before it reads or writes.
  */
 export async function assertNotStandby(db: Kysely<any>): Promise<void> {
+  const refusal = await readOnlyRefusal(db);
+  if (refusal) throw refusal;
+}
+
+/**
+ * Why idem's writes would be refused as read-only, as a one-line error naming the fix: the
+ * database is a standby, or the role or database sets `default_transaction_read_only = on` (a
+ * database frozen for a move, a read-only role given to idem by mistake: idem does not override
+ * it). Null when neither.
+ */
+async function readOnlyRefusal(db: Kysely<any>): Promise<Error | null> {
   const { rows } = await sql<{ inRecovery: boolean; replayDelaySeconds: number | null; readOnlyDefault: boolean }>`
     select pg_is_in_recovery() as "inRecovery",
       case when pg_is_in_recovery() then extract(epoch from now() - pg_last_xact_replay_timestamp())::float8 end as "replayDelaySeconds",
       current_setting('default_transaction_read_only')::boolean as "readOnlyDefault"`.execute(db);
-  if (rows[0]?.inRecovery) throw standbyError({ ...rows[0], replicationLagSeconds: null, walReady: null, vacuuming: [], oldestTransaction: null, longestLockWait: null });
-  if (rows[0]?.readOnlyDefault) throw readOnlyDefaultError();
+  const r = rows[0];
+  if (r?.inRecovery) return standbyError({ ...r, replicationLagSeconds: null, walReady: null, vacuuming: [], oldestTransaction: null, longestLockWait: null });
+  if (r?.readOnlyDefault) {
+    return new UsageError(
+      'readOnlyDefault',
+      "the role or database sets default_transaction_read_only = on, so idem cannot write its bookkeeping (nothing was written); reset it (ALTER DATABASE … RESET default_transaction_read_only, or ALTER ROLE …) or give idem a role and database it may write",
+    );
+  }
+  return null;
 }
 
 export interface HealthGateOptions {
