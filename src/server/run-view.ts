@@ -192,12 +192,13 @@ export class RunViews {
   async countByState(): Promise<Array<{ job: string; state: string; n: number }>> {
     const runs = this.#t('runs');
     const counted = sql`select job, status, count(*)::int as n from ${runs} where status <> 'running' group by 1, 2`.compile(this.#db);
-    const running = sql`select r.id::text as id, r.job, r.status, r.lock_name, r.lock_pid from ${runs} r where r.status = 'running'`.compile(this.#db);
+    // The held locks come with the rows that say running, in the same statement (as the views read them).
+    const running = sql`select r.id::text as id, r.job, r.status, r.lock_name, r.lock_pid, ${this.#heldLocksColumn()} from ${runs} r where r.status = 'running'`.compile(this.#db);
     const [{ rows: byStatus }, { rows: live }] = await Promise.all([
       this.#reads.query<{ job: string; status: string; n: number }>(counted.sql, [...counted.parameters]),
       this.#reads.query(running.sql, [...running.parameters]),
     ]);
-    const held = live.length > 0 ? await this.#heldLocksNow() : NO_LOCKS;
+    const held = live.length > 0 ? heldFrom(live[0]) : NO_LOCKS;
     const out = new Map<string, { job: string; state: string; n: number }>();
     const add = (job: string, state: string, n: number) => out.set(`${job}\0${state}`, { job, state, n: (out.get(`${job}\0${state}`)?.n ?? 0) + n });
     for (const r of byStatus) add(r.job, r.status, r.n);
