@@ -77,7 +77,6 @@ export function keysetQuery(opts: KeysetQueryOptions): KeysetSource {
   const bOf = sql.join(columns.map((_, i) => sql.ref(`b.k${i}`)));
   const values = (v: readonly string[]) => sql.join(v.map((x) => sql`${x}`));
   const order = (alias: string, dir: 'asc' | 'desc') => sql.join(columns.map((c) => sql`${sql.ref(`${alias}.${c}`)} ${sql.raw(dir)}`));
-  const keyOf = chunkKeyOf;
   /**
    * Rows whose key is NULL are in no chunk (`(k) > (…)` and `(k) <= (…)` are never true for them):
    * they would be skipped while the run succeeds. Checked once, when the step's first window is
@@ -119,7 +118,7 @@ export function keysetQuery(opts: KeysetQueryOptions): KeysetSource {
     const chunks: KeysetChunk[] = [];
     let prev = after;
     for (const through of boundaries) {
-      chunks.push({ key: keyOf(through), after: prev, through });
+      chunks.push({ key: chunkKeyOf(through), after: prev, through });
       prev = through;
     }
     if (boundaries.length === windowChunks) return { chunks, next: prev as Json };
@@ -127,7 +126,7 @@ export function keysetQuery(opts: KeysetQueryOptions): KeysetSource {
     const from = prev === null ? sql`true` : sql`(${cols('q')}) > (${values(prev)})`;
     const { rows: last } = await sql<{ k: string[] }>`
       select array[${asText('q')}] as k from (${query}) q where ${from} order by ${order('q', 'desc')} limit 1`.execute(ctx.db);
-    if (last[0]) chunks.push({ key: keyOf(last[0].k), after: prev, through: last[0].k });
+    if (last[0]) chunks.push({ key: chunkKeyOf(last[0].k), after: prev, through: last[0].k });
     return { chunks, next: null };
   };
 

@@ -25,6 +25,7 @@ import { isDeepStrictEqual } from 'node:util';
 import { diffArrays } from 'diff';
 import { sql, type Kysely } from 'kysely';
 import pg from 'pg';
+import { codeOf } from './errors.ts';
 import type { Job, Step } from './job.ts';
 import { silentLogger } from './log.ts';
 import { Runner } from './runner.ts';
@@ -163,7 +164,7 @@ export async function expectConvergent(job: Job, opts: ConvergenceOptions): Prom
     const name = `idem_kit_${randomBytes(6).toString('hex')}`;
     await withAdmin(admin, async (c) => {
       await c.query(`create database ${name}`).catch(async (err: unknown) => {
-        if ((err as { code?: string }).code !== '42501') throw err;
+        if (codeOf(err) !== '42501') throw err;
         const { rows } = await c.query<{ role: string }>('select quote_ident(current_user) as role');
         throw new Error(
           `expectConvergent(): role ${rows[0]!.role} may not create databases (${(err as Error).message}), and each scenario runs in a database of its own created on databaseUrl: ALTER ROLE ${rows[0]!.role} CREATEDB, or pass the databaseUrl of a role that may`,
