@@ -186,13 +186,12 @@ export const DASHBOARD_JS = `'use strict';
     finally { btn.disabled = false; }
   });
 
-  const EXAMPLES = { array: '["a", "b"]', object: '{"name": "value"}' };
   const kindOf = (v) => (v === null ? 'null' : Array.isArray(v) ? 'an array' : typeof v === 'object' ? 'an object' : 'a ' + typeof v);
-  /** The value of an array or object field, or the sentence saying why its text is not one. */
+  /** The value of an array or object field, or the sentence saying why its text is not one (its example: the field's placeholder, from the server). */
   function jsonField(el, type) {
     let value;
-    try { value = JSON.parse(el.value); } catch (err) { return { problem: el.name + ': not valid JSON (' + err.message + '); write a JSON ' + type + ', e.g. ' + EXAMPLES[type] }; }
-    if (kindOf(value) !== (type === 'array' ? 'an array' : 'an object')) return { problem: el.name + ' must be a JSON ' + type + ', e.g. ' + EXAMPLES[type] + '; found ' + kindOf(value) };
+    try { value = JSON.parse(el.value); } catch (err) { return { problem: el.name + ': not valid JSON (' + err.message + '); write a JSON ' + type + ', e.g. ' + el.placeholder }; }
+    if (kindOf(value) !== (type === 'array' ? 'an array' : 'an object')) return { problem: el.name + ' must be a JSON ' + type + ', e.g. ' + el.placeholder + '; found ' + kindOf(value) };
     return { value };
   }
   function markField(el, problem) {
