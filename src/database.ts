@@ -7,6 +7,7 @@ import { sleep } from './sleep.ts';
 import { testHookMs } from './test-hooks.ts';
 import type { Logger } from 'pino';
 import { codeOf, DatabaseUnavailableError, errorFields, type IdemError, UsageError } from './errors.ts';
+import { identInSql } from './table-name.ts';
 
 /**
  * Replaces the password in a connection string (URL or key=value form) with `***`.
@@ -567,7 +568,11 @@ export function describeConnectError(err: unknown, connectionString: string, sou
       // 28000 is also "not permitted to log in" and pg_hba.conf's refusals, where the user and
       // password are right and changing them is the wrong advice.
       const role = /role "([^"]+)" is not permitted to log in/.exec(raw)?.[1];
-      if (role) msg = `the database at ${where} refused the connection (${raw}); ALTER ROLE ${role} LOGIN, or use a role that may log in`;
+      // Under trust (or peer) auth PostgreSQL says the role does not exist; with a password it
+      // does not tell, and "fix the user or password" below stands.
+      const missing = /role "([^"]+)" does not exist/.exec(raw)?.[1];
+      if (missing) msg = `the database at ${where} has no role ${missing} (${raw}); create it (CREATE ROLE ${identInSql(missing)} LOGIN) or fix the user in ${urlSource}`;
+      else if (role) msg = `the database at ${where} refused the connection (${raw}); ALTER ROLE ${identInSql(role)} LOGIN, or use a role that may log in`;
       else if (/pg_hba\.conf/.test(raw)) msg = `the database at ${where} refused the connection (${raw}); allow it in the server's pg_hba.conf, or connect as a user, to a database or from a host it allows`;
       else {
         // The fix names where the password came from: the URL has none when pg took it from

@@ -3,7 +3,7 @@ import type { Logger } from 'pino';
 import { brandErrorClass, codeOf, errorFields, UsageError } from './errors.ts';
 import type { Job, RunIdentity, Step } from './job.ts';
 import { sleep } from './sleep.ts';
-import { lookupText } from './table-name.ts';
+import { identInSql, lookupText } from './table-name.ts';
 
 /**
  * Database-health indicators checked before each chunk starts; while one is over its threshold the
@@ -207,17 +207,26 @@ async function warnIfBlind(db: Kysely<any>, o: Required<HealthOptions>, run: Run
   warnedBlind.set(run, warned);
   if (seen.stats) return;
   const names = blind.length > 1 ? `${blind.slice(0, -1).join(', ')} and ${blind.at(-1)}` : blind[0];
-  const role = /^[a-z_][a-z0-9_$]*$/.test(seen.role) ? seen.role : `"${seen.role.replaceAll('"', '""')}"`;
+  const role = identInSql(seen.role);
   log.warn(
     { indicators: blind, role: seen.role },
     `health checks cannot see other roles' sessions: role ${role} lacks pg_read_all_stats, so ${names} never pause this run; GRANT pg_read_all_stats TO ${role} (or pg_monitor; see README, Database privileges)`,
   );
 }
 
+/**
+ * A measurement above its limit, as a reason shows it: whole units, unless rounding would print
+ * the limit itself or less ("open 3 s > 3 s"); then tenths, rounded up.
+ */
+function over(value: number, limit: number): string {
+  const whole = Math.round(value);
+  return whole > limit ? String(whole) : (Math.ceil(value * 10) / 10).toFixed(1);
+}
+
 /** Why the database is unhealthy for this step, or null. */
 function diagnose(m: Measurement, o: Required<HealthOptions>, tables: ReadonlySet<number>): { indicator: string; reason: string } | null {
   if (o.replicationLagSeconds !== false && m.replicationLagSeconds !== null && m.replicationLagSeconds > o.replicationLagSeconds) {
-    return { indicator: 'replicationLagSeconds', reason: `replication lag ${Math.round(m.replicationLagSeconds)} s > ${o.replicationLagSeconds} s` };
+    return { indicator: 'replicationLagSeconds', reason: `replication lag ${over(m.replicationLagSeconds, o.replicationLagSeconds)} s > ${o.replicationLagSeconds} s` };
   }
   if (o.walArchivePending !== false && m.walReady !== null && m.walReady > o.walArchivePending) {
     return { indicator: 'walArchivePending', reason: `${m.walReady} WAL segments not archived > ${o.walArchivePending}` };
@@ -228,11 +237,11 @@ function diagnose(m: Measurement, o: Required<HealthOptions>, tables: ReadonlySe
   }
   if (o.transactionAgeSeconds !== false && m.oldestTransaction && m.oldestTransaction.seconds > o.transactionAgeSeconds) {
     const t = m.oldestTransaction;
-    return { indicator: 'transactionAgeSeconds', reason: `transaction of pid ${t.pid} (${t.state}) open ${Math.round(t.seconds)} s > ${o.transactionAgeSeconds} s` };
+    return { indicator: 'transactionAgeSeconds', reason: `transaction of pid ${t.pid} (${t.state}) open ${over(t.seconds, o.transactionAgeSeconds)} s > ${o.transactionAgeSeconds} s` };
   }
   if (o.lockWaitMs !== false && m.longestLockWait && m.longestLockWait.ms > o.lockWaitMs) {
     const w = m.longestLockWait;
-    return { indicator: 'lockWaitMs', reason: `pid ${w.pid} waiting ${Math.round(w.ms)} ms > ${o.lockWaitMs} ms for a lock held by idem (pid ${w.blocker})` };
+    return { indicator: 'lockWaitMs', reason: `pid ${w.pid} waiting ${over(w.ms, o.lockWaitMs)} ms > ${o.lockWaitMs} ms for a lock held by idem (pid ${w.blocker})` };
   }
   return null;
 }

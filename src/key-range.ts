@@ -1,6 +1,6 @@
 import { sql, type RawBuilder } from 'kysely';
 import type { ChunkSource, ChunkSpec, Json } from './job.ts';
-import { columnInSql, columnNameProblem, parseTableName, regclassText, tableInSql, tableNameProblem, tableRef } from './table-name.ts';
+import { identInSql, columnNameProblem, parseTableName, regclassText, tableInSql, tableNameProblem, tableRef } from './table-name.ts';
 
 export interface KeyRangeOptions {
   /**
@@ -162,7 +162,7 @@ async function checkKeyColumn(db: PlanDb, table: string, regclass: string, name:
   if (r.type === null) throw new TypeError(`keyRange(): table ${JSON.stringify(table)} has no column ${JSON.stringify(name)}${meant(r.other_columns)}; fix the column name`);
   if (!['smallint', 'integer', 'bigint'].includes(r.type)) {
     throw new TypeError(
-      `keyRange(): column ${JSON.stringify(name)} of ${JSON.stringify(table)} is ${r.type}, but keyRange cuts only smallint, integer and bigint keys (its ranges are integer intervals); for a key of another type use keysetQuery({ query: 'select ${columnInSql(name)} from ${tableInSql(table)}', key: '${name}', size }) (with your where in the query), which cuts any key type exactly`,
+      `keyRange(): column ${JSON.stringify(name)} of ${JSON.stringify(table)} is ${r.type}, but keyRange cuts only smallint, integer and bigint keys (its ranges are integer intervals); for a key of another type use keysetQuery({ query: 'select ${identInSql(name)} from ${tableInSql(table)}', key: '${name}', size }) (with your where in the query), which cuts any key type exactly`,
     );
   }
   if (!r.unique_indexed) {
@@ -176,7 +176,7 @@ async function checkKeyColumn(db: PlanDb, table: string, regclass: string, name:
   const n = nulls[0]?.n ?? 0;
   if (n > 0) {
     throw new TypeError(
-      `keyRange(): column ${JSON.stringify(name)} of ${JSON.stringify(table)} has ${n} ${n === 1 ? 'row' : 'rows'} where it is NULL, which no range holds, so ${n === 1 ? 'it' : 'they'} would be skipped; declare the column NOT NULL, or pass a where that excludes them (where: '${columnInSql(name)} is not null') and handle those rows in another step`,
+      `keyRange(): column ${JSON.stringify(name)} of ${JSON.stringify(table)} has ${n} ${n === 1 ? 'row' : 'rows'} where it is NULL, which no range holds, so ${n === 1 ? 'it' : 'they'} would be skipped; declare the column NOT NULL, or pass a where that excludes them (where: '${identInSql(name)} is not null') and handle those rows in another step`,
     );
   }
 }

@@ -2,7 +2,7 @@ import { sql, type RawBuilder } from 'kysely';
 import { createHash } from 'node:crypto';
 import type { ChunkSource, ChunkSpec, Json, PlanContext } from './job.ts';
 import { soleStatement } from './sql-statements.ts';
-import { columnInSql, columnNameProblem, tableNameProblem } from './table-name.ts';
+import { identInSql, columnNameProblem, tableNameProblem } from './table-name.ts';
 
 export interface KeysetQueryOptions {
   /**
@@ -91,7 +91,7 @@ export function keysetQuery(opts: KeysetQueryOptions): KeysetSource {
     if (rows.length === 0) return;
     const column = columns.find((_, i) => rows[0]![`n${i}`]) ?? columns[0]!;
     throw new TypeError(
-      `keysetQuery(): the query returns rows whose key column ${JSON.stringify(column)} is NULL, which no chunk holds, so they would be skipped; make the key columns NOT NULL, or exclude those rows in the query (where ${columns.map((c) => `${columnInSql(c)} is not null`).join(' and ')}) and handle them in another step`,
+      `keysetQuery(): the query returns rows whose key column ${JSON.stringify(column)} is NULL, which no chunk holds, so they would be skipped; make the key columns NOT NULL, or exclude those rows in the query (where ${columns.map((c) => `${identInSql(c)} is not null`).join(' and ')}) and handle them in another step`,
     );
   };
 

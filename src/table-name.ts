@@ -41,8 +41,8 @@ export function parseTableName(value: string): TableName {
 
 const quoteIdent = (s: string) => `"${s.replace(/"/g, '""')}"`;
 
-/** A column as SQL text an error message suggests spells it: bare when plain lower case, else quoted. */
-export function columnInSql(name: string): string {
+/** An identifier (a column, a role) as SQL text an error message suggests spells it: bare when plain lower case, else quoted. */
+export function identInSql(name: string): string {
   return /^[a-z_][a-z0-9_]*$/.test(name) ? name : quoteIdent(name);
 }
 
@@ -57,9 +57,9 @@ export function regclassText(value: string): string {
   return partsInSql(value, quoteIdent);
 }
 
-/** A table as SQL text an error message suggests spells it: each part as columnInSql spells a column. */
+/** A table as SQL text an error message suggests spells it: each part as identInSql spells a column. */
 export function tableInSql(value: string): string {
-  return partsInSql(value, columnInSql);
+  return partsInSql(value, identInSql);
 }
 
 /**

@@ -48,20 +48,22 @@ describe('health checks before each chunk', () => {
       const row = await waitFor(async () => (await runRow(url, 'counted', 'long-tx'))?.health_pause, 'the run to pause for health').catch((err: Error) => {
         throw new Error(`${err.message}; run ${JSON.stringify(logs.map((l) => l.msg))}`);
       });
-      expect(row.reason).toMatch(new RegExp(`^transaction of pid ${tx.pid} \\(idle in transaction\\) open \\d+ s > 1 s$`));
+      expect(row.reason).toMatch(new RegExp(`^transaction of pid ${tx.pid} \\(idle in transaction\\) open [\\d.]+ s > 1 s$`));
+      // The age it shows is above the limit (it read "open 1 s > 1 s" at 1.2 s: black-box round 12).
+      expect(Number(/open ([\d.]+) s/.exec(row.reason)![1])).toBeGreaterThan(1);
       // Several probes later: still nothing done (the first step waits too), still said once.
       await waitFor(async () => (await runRow(url, 'counted', 'long-tx')).health_pause.reason !== row.reason, 'a later probe');
       expect(await workCounts(url, 'long-tx', 'prepare')).toEqual(new Map());
       const [status] = await runner.status('counted');
-      expect(status).toMatchObject({ runKey: 'long-tx', state: 'running', healthPause: { reason: expect.stringMatching(/^transaction of pid \d+ \(idle in transaction\) open \d+ s > 1 s$/) } });
+      expect(status).toMatchObject({ runKey: 'long-tx', state: 'running', healthPause: { reason: expect.stringMatching(/^transaction of pid \d+ \(idle in transaction\) open [\d.]+ s > 1 s$/) } });
       expect(logs.filter((l) => typeof l.msg === 'string' && l.msg.startsWith('paused for health: transaction of pid'))).toHaveLength(1);
       // The HTTP run view and the dashboard say so too (black-box round 10: they showed the run
       // running with a rate and an ETA, nothing about the pause).
       const reads = new pg.Pool({ connectionString: url, max: 1 });
       try {
         const view = (await new RunViews(runner.db, reads, runner.schema, runner).byKey('counted', 'long-tx'))!;
-        expect(view).toMatchObject({ state: 'running', healthPause: { reason: expect.stringMatching(/^transaction of pid \d+ \(idle in transaction\) open \d+ s > 1 s$/), since: expect.any(String) } });
-        for (const html of [runCard(view), runLive(view)]) expect(html.replace(/<\/?bdi>/g, '')).toMatch(/paused for health: transaction of pid \d+ \(idle in transaction\) open \d+ s &gt; 1 s/);
+        expect(view).toMatchObject({ state: 'running', healthPause: { reason: expect.stringMatching(/^transaction of pid \d+ \(idle in transaction\) open [\d.]+ s > 1 s$/), since: expect.any(String) } });
+        for (const html of [runCard(view), runLive(view)]) expect(html.replace(/<\/?bdi>/g, '')).toMatch(/paused for health: transaction of pid \d+ \(idle in transaction\) open [\d.]+ s &gt; 1 s/);
       } finally {
         await reads.end();
       }
@@ -116,7 +118,7 @@ describe('health checks before each chunk', () => {
       const child = spawnCli([...args, 'run', 'counted', '--key', 'cli-tx', '--param', 'chunks=2', '--no-progress', '--health', 'transactionAgeSeconds=1', '--health', 'probeIntervalMs=100'], { url });
       await waitFor(async () => (await runRow(url, 'counted', 'cli-tx'))?.health_pause, 'the CLI run to pause for health');
       const status = await runCli([...args, 'status', 'counted'], { url });
-      expect(status.stdout).toMatch(/cli-tx +running +.*paused for health: transaction of pid \d+ \(idle in transaction\) open \d+ s > 1 s/);
+      expect(status.stdout).toMatch(/cli-tx +running +.*paused for health: transaction of pid \d+ \(idle in transaction\) open [\d.]+ s > 1 s/);
       await tx.release();
       const done = await child.done;
       expect(done.code).toBe(0);
@@ -162,7 +164,7 @@ describe('health checks before each chunk', () => {
       await waitFor(async () => (await lockWaiters(url, 'idem')) > 0, 'chunk k00 to hold the row and wait on the gate');
       const update = blocked.query('update hot set n = n + 10 where id = 1');
       const pause = await waitFor(async () => (await runRow(url, 'locker', 'l'))?.health_pause, 'the run to pause for the lock wait');
-      expect(pause.reason).toMatch(/^pid \d+ waiting \d+ ms > 300 ms for a lock held by idem \(pid \d+\)$/);
+      expect(pause.reason).toMatch(/^pid \d+ waiting [\d.]+ ms > 300 ms for a lock held by idem \(pid \d+\)$/);
       const doneAtPause = (await workCounts(url, 'l')).size;
       expect(doneAtPause).toBeLessThan(CHUNKS - 1);
       // While the session waits, no new chunk starts (a few probe intervals later, the count is the same).
@@ -267,7 +269,7 @@ describe('health checks under the least-privilege role the README documents', ()
       const pause = await waitFor(async () => (await runRow(url, 'counted', 'seeing'))?.health_pause, 'the run to pause for health').catch((err: Error) => {
         throw new Error(`${err.message}; the run ${outcome}; its log ${JSON.stringify(roleLogs.map((l) => l.msg))}`);
       });
-      expect(pause.reason).toMatch(new RegExp(`^transaction of pid ${tx.pid} \\(idle in transaction\\) open \\d+ s > 1 s$`));
+      expect(pause.reason).toMatch(new RegExp(`^transaction of pid ${tx.pid} \\(idle in transaction\\) open [\\d.]+ s > 1 s$`));
       await tx.release();
       expect(await seeing).toMatchObject({ status: 'succeeded' });
       expect(roleLogs.filter((l) => /pg_read_all_stats/.test(l.msg))).toEqual([]);
