@@ -146,7 +146,9 @@ export function createCliContext(program: Command, state: { exitCode: number }):
       }
       // Whatever the command ends with is printed (and --json'd): a job file that threw while
       // loading, or params its schema refused, with DATABASE_URL in the message, shows it masked.
-      const err = g.databaseUrl ? (await import('./cli-runtime.ts')).redactError(thrown, g.databaseUrl) : thrown;
+      const runtime = await import('./cli-runtime.ts');
+      // The embedded server's role is postgres.
+      const err = runtime.statementTimeoutRefusal(g.databaseUrl ? runtime.redactError(thrown, g.databaseUrl) : thrown, g.databaseUrl ?? 'postgres://postgres@localhost');
       state.exitCode = exitCodeOf(err);
       // --json is for scripts: an outcome other than success is JSON on stdout too (the one-line
       // error still goes to stderr, and the exit code is the same).

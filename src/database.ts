@@ -1,4 +1,4 @@
-import { homedir, hostname } from 'node:os';
+import { homedir, hostname, userInfo } from 'node:os';
 import path from 'node:path';
 import { Kysely, PostgresDialect } from 'kysely';
 import pg from 'pg';
@@ -6,8 +6,52 @@ import { isRetryable, noConnectionFree } from './retry.ts';
 import { sleep } from './sleep.ts';
 import { testHookMs } from './test-hooks.ts';
 import type { Logger } from 'pino';
-import { codeOf, DatabaseUnavailableError, errorFields, type IdemError, UsageError } from './errors.ts';
+import { codeOf, DatabaseUnavailableError, errorFields, type IdemError, messageOf, UsageError } from './errors.ts';
 import { identInSql } from './table-name.ts';
+
+/**
+ * Whether `err` is PostgreSQL's statement_timeout cutting a statement short (57014 alone is also a
+ * cancel request: idem's own on an abort, or pg_cancel_backend).
+ */
+export function isStatementTimeout(err: unknown): boolean {
+  return codeOf(err) === '57014' && /due to statement timeout/.test(messageOf(err));
+}
+
+/** The role a connection string logs in as, as pg picks it: the URL's user, else PGUSER, else the OS user. */
+function roleOf(connectionString: string): string {
+  let user = '';
+  try {
+    user = decodeURIComponent(new URL(connectionString).username);
+  } catch {
+    // Not a URL: pg's defaults below.
+  }
+  if (user) return user;
+  if (process.env.PGUSER) return process.env.PGUSER;
+  try {
+    return userInfo().username;
+  } catch {
+    return 'postgres';
+  }
+}
+
+/** How to give idem more than the role's statement_timeout, naming the role `connectionString` logs in as. */
+export function statementTimeoutFix(connectionString: string): string {
+  return `raise it for the role idem connects as (ALTER ROLE ${identInSql(roleOf(connectionString))} SET statement_timeout = '5min')`;
+}
+
+/**
+ * A statement of idem's own (not a chunk's: a run's failure says that one) cut short by the
+ * statement_timeout of the role or database: a refusal naming the setting (exit 2), not PostgreSQL's
+ * bare "canceling statement due to statement timeout" as if something had failed. Other errors as given.
+ */
+export function statementTimeoutRefusal(err: unknown, connectionString: string): unknown {
+  if (!isStatementTimeout(err)) return err;
+  return new UsageError(
+    'statementTimeout',
+    `the database cancelled a statement of idem's at the statement_timeout set for the role or database (SHOW statement_timeout): it waited on a lock or ran longer; ${statementTimeoutFix(connectionString)} or reset it, then run the same command again`,
+    { cause: err },
+  );
+}
 
 /**
  * Replaces the password in a connection string (URL or key=value form) with `***`.

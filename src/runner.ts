@@ -4,7 +4,7 @@ import { CompiledQuery, sql, type Kysely } from 'kysely';
 import type { Logger } from 'pino';
 import { acquireAdvisoryLock, lockHolders, type HeldLock } from './advisory-lock.ts';
 import { looksDead, SILENT_SECONDS_SQL, silentSecondsOf, type LockHolder } from './lock-holder.ts';
-import { describeConnectError, openDatabase, redactError, type Database } from './database.ts';
+import { describeConnectError, isStatementTimeout, openDatabase, redactError, statementTimeoutFix, type Database } from './database.ts';
 import { BusyError, CancelledError, codeOf, RETRY_OR_WAIT, errorFields, FencedError, IdemError, InterruptedError, messageOf, STOP_SIGNALS, type StopSignal, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
@@ -832,12 +832,16 @@ export class Runner {
     }
     const failure = err instanceof ChunkFailure ? err : new ChunkFailure('(runner)', null, 1, err);
     const code = codeOf(failure.cause);
+    // PostgreSQL's bare "canceling statement due to statement timeout" names neither the setting nor a fix.
+    const message = isStatementTimeout(failure.cause)
+      ? `${failure.message} (the statement_timeout set for the role or database, or by the job, cut it short: give a chunk less to do, or ${statementTimeoutFix(this.#connectionString)} or in the chunk (SET LOCAL statement_timeout))`
+      : failure.message;
     const recorded = await this.store
       .failRun(runId, attempt, {
         step: failure.step,
         chunk: failure.chunk,
         tries: failure.tries,
-        message: failure.message,
+        message,
         ...(code !== undefined ? { code } : {}),
         at: new Date().toISOString(),
       })
@@ -851,16 +855,16 @@ export class Runner {
       // while this worker was away (stopped, its session ended by the server), in another worker
       // sharing it, or a newer attempt took it over. What was recorded stands.
       const { run } = recorded;
-      log.warn({ step: failure.step, chunk: failure.chunk, tries: failure.tries, status: run.status, runAttempt: run.attempt, err: errorFields(failure.cause, failure.message) }, `${where} failed here, but the run had ended meanwhile (${run.status}); not recorded`);
+      log.warn({ step: failure.step, chunk: failure.chunk, tries: failure.tries, status: run.status, runAttempt: run.attempt, err: errorFields(failure.cause, message) }, `${where} failed here, but the run had ended meanwhile (${run.status}); not recorded`);
       if (run.attempt === attempt && run.status === 'succeeded') return new SucceededElsewhere(run);
       if (run.attempt === attempt && (run.status === 'paused' || run.status === 'cancelled')) {
         return this.#recordEnd(runId, attempt, job, runKey, new ControlRequest(run.status === 'paused' ? 'pause' : 'cancel'), log, lock);
       }
-      return this.#recordEnd(runId, attempt, job, runKey, new FencedError(`attempt ${attempt} of job "${job.name}" ended (the run is ${run.status} under attempt ${run.attempt}) before it could record its failure in ${where}: ${failure.message}`), log, lock);
+      return this.#recordEnd(runId, attempt, job, runKey, new FencedError(`attempt ${attempt} of job "${job.name}" ended (the run is ${run.status} under attempt ${run.attempt}) before it could record its failure in ${where}: ${message}`), log, lock);
     }
-    log.error({ step: failure.step, chunk: failure.chunk, tries: failure.tries, err: errorFields(failure.cause, failure.message) }, 'run failed');
+    log.error({ step: failure.step, chunk: failure.chunk, tries: failure.tries, err: errorFields(failure.cause, message) }, 'run failed');
     return new RunFailedError(
-      `job "${job.name}" failed in ${where} after ${failure.tries} ${failure.tries === 1 ? 'try' : 'tries'}: ${failure.message}; fix the cause and run the same command again to resume there`,
+      `job "${job.name}" failed in ${where} after ${failure.tries} ${failure.tries === 1 ? 'try' : 'tries'}: ${message}; fix the cause and run the same command again to resume there`,
       { cause: failure },
     );
   }

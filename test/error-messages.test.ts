@@ -607,3 +607,63 @@ describe('a role or database that sets default_transaction_read_only = on', () =
     }
   });
 });
+
+describe('a statement_timeout (set for the role or database) that cuts a statement short', () => {
+  // Black-box round 12 (B2-7): every command printed PostgreSQL's bare "canceling statement due to
+  // statement timeout" and exited 1, as if the run had failed, naming neither the setting nor a fix.
+  it("idem's own statement, waiting on a lock past it: exit 2 and one line naming the setting and the fix; nothing written", async () => {
+    const url = testDb.url;
+    const dbName = new URL(url).pathname.slice(1);
+    const done = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":1}', '--key', 'st-done'], { url });
+    expect(done.code, done.stderr).toBe(0);
+    const { default: pg } = await import('pg');
+    const holder = new pg.Client({ connectionString: url });
+    await holder.connect();
+    await query(url, `alter database ${dbName} set statement_timeout = '300ms'`);
+    try {
+      const before = await snapshot(url, ALL_TABLES);
+      // idem's tables locked by someone else: each command's first read of them waits, and is cut off.
+      await holder.query('set statement_timeout = 0; begin; lock table idem.runs in access exclusive mode');
+      const results = [];
+      for (const args of [['run', 'counted', '--params', '{"chunks":1}', '--key', 'st-new', '--json'], ['run', 'counted', '--params', '{"chunks":1}', '--key', 'st-done'], ['status'], ['pause', 'counted', '--key', 'st-done']]) {
+        results.push(await runCli([...FIXTURE_DIRS, ...args], { url }));
+      }
+      await holder.query('rollback');
+      for (const r of results) {
+        expect(r.code, r.stderr).toBe(2);
+        expect(lines(r.stderr), r.stderr).toEqual([
+          expect.stringMatching(/^idem: error: the database cancelled a statement of idem's at the statement_timeout set for the role or database \(SHOW statement_timeout\): it waited on a lock or ran longer; raise it for the role idem connects as \(ALTER ROLE postgres SET statement_timeout = '5min'\) or reset it, then run the same command again$/),
+        ]);
+      }
+      expect(JSON.parse(results[0]!.stdout)).toMatchObject({ status: 'error', exitCode: 2, code: 'idem.statementTimeout' });
+      expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+    } finally {
+      await holder.end();
+      await query(url, `alter database ${dbName} reset statement_timeout`);
+    }
+  });
+
+  it("a chunk's statement: the run fails (exit 1) and its error says what to change", async () => {
+    const url = testDb.url;
+    const dbName = new URL(url).pathname.slice(1);
+    const { default: pg } = await import('pg');
+    const holder = new pg.Client({ connectionString: url });
+    await holder.connect();
+    await query(url, `insert into gates values ('st-gate') on conflict do nothing`);
+    await query(url, `alter database ${dbName} set statement_timeout = '300ms'`);
+    try {
+      // The chunk waits for the gate row, which another session holds.
+      await holder.query(`begin; select 1 from gates where name = 'st-gate' for update`);
+      const r = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":1,"gate":"st-gate"}', '--key', 'st-chunk'], { url });
+      await holder.query('rollback');
+      expect(r.code, r.stderr).toBe(1);
+      const want = /^job "counted" failed in step "work", chunk c0001 after 1 try: canceling statement due to statement timeout \(the statement_timeout set for the role or database, or by the job, cut it short: give a chunk less to do, or raise it for the role idem connects as \(ALTER ROLE postgres SET statement_timeout = '5min'\) or in the chunk \(SET LOCAL statement_timeout\)\); fix the cause and run the same command again to resume there$/;
+      expect(lines(r.stderr).filter((l) => l.startsWith('idem: error:'))).toEqual([expect.stringMatching(new RegExp(`^idem: error: ${want.source.slice(1)}`))]);
+      const [run] = await query(url, `select status, error->>'message' as message from idem.runs where job = 'counted' and run_key = 'st-chunk'`);
+      expect(run).toEqual({ status: 'failed', message: expect.stringMatching(/^canceling statement due to statement timeout \(the statement_timeout set for the role or database, or by the job, cut it short: /) });
+    } finally {
+      await holder.end();
+      await query(url, `alter database ${dbName} reset statement_timeout`);
+    }
+  });
+});
