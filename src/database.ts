@@ -346,6 +346,15 @@ const OUTPUT_FORMATS = "set datestyle = 'ISO'; set intervalstyle = 'postgres'; s
 export const SESSION_SETUP = `${SERVER_KEEPALIVES}; ${idleSessionTimeout(0)}; ${READ_COMMITTED}; ${OUTPUT_FORMATS}`;
 
 /**
+ * Sent once on each new session, lock and work: a session lock a killed idem left. A new backend
+ * holds none; a server session a pooler that does not reset sessions (PgBouncer in session mode
+ * with `server_reset_query` empty) hands over does, if a killed process had it: its lock session
+ * with the job's lock, which kept the job busy for every rerun (the holder named as the rerunning
+ * process itself, whose connection now had that session). Such a session belongs to no live client.
+ */
+export const RELEASE_LEFTOVER_LOCKS = 'select pg_advisory_unlock_all()';
+
+/**
  * The lock session's setup: SESSION_SETUP, then an `idle_session_timeout` of its own (PostgreSQL
  * 14+). A live idem sends a statement on its lock session every check interval (2 s), so the
  * server ends it only when the process went silent: stopped (SIGSTOP, a frozen VM) or its host
@@ -355,7 +364,7 @@ export const SESSION_SETUP = `${SERVER_KEEPALIVES}; ${idleSessionTimeout(0)}; ${
  */
 export function lockSessionSetup(ms: number): string {
   // The same bound inside its transactions (the entry gate, leave()): short, and without job code.
-  return `${SERVER_KEEPALIVES}; ${idleSessionTimeout(ms)}; ${READ_COMMITTED}; ${OUTPUT_FORMATS}; set idle_in_transaction_session_timeout = ${ms}`;
+  return `${SERVER_KEEPALIVES}; ${idleSessionTimeout(ms)}; ${READ_COMMITTED}; ${OUTPUT_FORMATS}; set idle_in_transaction_session_timeout = ${ms}; ${RELEASE_LEFTOVER_LOCKS}`;
 }
 
 function idleSessionTimeout(ms: number): string {
@@ -437,7 +446,7 @@ export async function openDatabase(
       // it after idle_in_transaction_session_timeout, so another worker can redo the chunk.
       const setup = `${SESSION_SETUP}; set idle_in_transaction_session_timeout = ${idleMs}`;
       sessionSetupOf.set(client, setup);
-      await client.query(setup).catch(() => {});
+      await client.query(`${setup}; ${RELEASE_LEFTOVER_LOCKS}`).catch(() => {});
     },
   });
   // Sessions whose sockets are still open. pool.end() resolves once it has asked each idle client

@@ -3,6 +3,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { STALL_DIRS, FIXTURE_DIRS, query, runCli, sessions, spawnCli, waitFor } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 import { pgbouncerBinary, startPgbouncer, type Bouncer } from './support/pgbouncer.ts';
+import { lockKey } from '../src/fingerprint.ts';
 
 // Issue 8, item 8: idem never runs behind a pooler that does not keep sessions, and works through
 // one that does. A real PgBouncer of the test's own sits between the CLI and PostgreSQL.
@@ -125,6 +126,34 @@ describe.skipIf(missing)('behind PgBouncer in session mode that does not reset s
     expect({ code: r.code, stderr: r.stderr }).toMatchObject({ code: 0 });
     expect(await query(database.url, `select count(*)::int as n, count(distinct chunk_key)::int as d from work_log where run_key = 'stale' and step = 'work'`)).toEqual([{ n: 30, d: 30 }]);
     expect(await query(database.url, `select count(*)::int as n from idem.chunks c join idem.runs r on r.id = c.run_id where r.run_key = 'stale' and c.step = 'work' and c.done_at is null`)).toEqual([{ n: 0 }]);
+  }, 120_000);
+
+  it("a job's lock that a killed idem left on a pooled server session does not keep the job busy", async () => {
+    // Black-box round 12 (B2-6): PgBouncer gives a killed process's server sessions, its lock
+    // session with the job's advisory lock on it, to the next clients as they are. The rerun was
+    // refused as busy, the holder named as the rerunning process itself (PgBouncer had given one of
+    // its connections that session, and that connection's application_name), until someone ended
+    // that backend by hand. A session a pooler hands over belongs to no live client: idem releases
+    // the advisory locks it finds on each new connection.
+    const migrated = await runCli([...FIXTURE_DIRS, 'migrate'], { url: bouncer.url });
+    expect(migrated.code).toBe(0);
+    // One server session of the pool holds the job's lock, as a killed run's lock session leaves it.
+    const clients = await Promise.all(Array.from({ length: SESSIONS }, async () => {
+      const c = new pg.Client({ connectionString: bouncer.url, application_name: 'killed-idem' });
+      await c.connect();
+      return c;
+    }));
+    const key = lockKey('idem:job:counted');
+    const [first, ...rest] = clients;
+    expect((await first!.query('select pg_try_advisory_lock($1::bigint) as ok', [key])).rows).toEqual([{ ok: true }]);
+    await Promise.all(rest.map((c) => c.query('select pg_backend_pid()')));
+    // Handed back last, it is the first PgBouncer hands out again (its pool is last in, first out).
+    await Promise.all(rest.map((c) => c.end()));
+    await first!.end();
+    expect(await query(database.url, `select count(*)::int as n from pg_locks where locktype = 'advisory' and granted`)).toEqual([{ n: 1 }]);
+    const r = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', COUNTED(20), '--key', 'leftover-lock', '--concurrency', '2'], { url: bouncer.url, timeoutMs: 60_000 });
+    expect(r.code, r.stderr).toBe(0);
+    expect(await query(database.url, `select count(*)::int as n, count(distinct chunk_key)::int as d from work_log where run_key = 'leftover-lock' and step = 'work'`)).toEqual([{ n: 20, d: 20 }]);
   }, 120_000);
 });
 
