@@ -2,7 +2,7 @@ import { homedir, hostname, userInfo } from 'node:os';
 import path from 'node:path';
 import { Kysely, PostgresDialect } from 'kysely';
 import pg from 'pg';
-import { isRetryable, noConnectionFree } from './retry.ts';
+import { isConnectionTrouble, isRetryable, noConnectionFree } from './retry.ts';
 import { sleep } from './sleep.ts';
 import { testHookMs } from './test-hooks.ts';
 import type { Logger } from 'pino';
@@ -446,7 +446,15 @@ export async function openDatabase(
       // it after idle_in_transaction_session_timeout, so another worker can redo the chunk.
       const setup = `${SESSION_SETUP}; set idle_in_transaction_session_timeout = ${idleMs}`;
       sessionSetupOf.set(client, setup);
-      await client.query(`${setup}; ${RELEASE_LEFTOVER_LOCKS}`).catch(() => {});
+      await client.query(`${setup}; ${RELEASE_LEFTOVER_LOCKS}`).catch((err: unknown) => {
+        // Closed as it opened: behind a pooler, a server session that died with a restart of the
+        // server (PgBouncer hands it out until it next checks it). Not handed out: pool.connect()
+        // fails, and opening (below) tries a fresh one.
+        if (isConnectionTrouble(err)) {
+          droppedAtSetup.add(err as object);
+          throw err;
+        }
+      });
     },
   });
   // Sessions whose sockets are still open. pool.end() resolves once it has asked each idle client
@@ -476,7 +484,9 @@ export async function openDatabase(
     const refused = settled.find((r): r is PromiseRejectedResult => r.status === 'rejected');
     if (refused) {
       for (const c of clients) c.release(true);
-      if (noConnectionFree(refused.reason) && Date.now() < fullUntil) {
+      // PgBouncer's refusal for server_login_retry (15 s) after a failed login to the server: a restart.
+      const restarting = droppedAtSetup.has(refused.reason) || /server login has been failing/.test(messageOf(refused.reason));
+      if ((noConnectionFree(refused.reason) || restarting) && Date.now() < fullUntil) {
         await sleep(Math.min(250 * 2 ** full++, 2_000, Math.max(0, fullUntil - Date.now())));
         attempt--;
         continue;
@@ -490,9 +500,12 @@ export async function openDatabase(
       break;
     } catch (err) {
       for (const c of clients) c.release(true);
-      if (attempt < 3 && isRetryable(err)) continue;
+      if (isRetryable(err) && (attempt < 3 || Date.now() < fullUntil)) {
+        await sleep(Math.min(250, Math.max(0, fullUntil - Date.now())));
+        continue;
+      }
       await pool.end().catch(() => {});
-      throw err;
+      throw isConnectionTrouble(err) ? describeConnectError(err, connectionString, opts.source) : err;
     }
   }
   const db = new Kysely<any>({ dialect: new PostgresDialect({ pool }) });
@@ -509,6 +522,9 @@ export async function openDatabase(
       })()),
   };
 }
+
+/** Errors of sessions that were closed while their settings were sent (onConnect). */
+const droppedAtSetup = new WeakSet<object>();
 
 /** The fix for a server or role with no connection free (53300), wherever idem meets it. */
 export const NO_CONNECTION_FREE_FIX = "wait for other sessions to end, or raise max_connections or the role's CONNECTION LIMIT";
@@ -645,7 +661,12 @@ export function describeConnectError(err: unknown, connectionString: string, sou
       msg = `the database at ${where} has no connection free for idem (${raw}); idem needs a few at once (its lock session, two to start, one per slot of --concurrency): ${NO_CONNECTION_FREE_FIX}`;
       break;
     default:
-      msg = `cannot connect to the database at ${where}: ${raw}; check ${urlSource}`;
+      if (/Connection terminated due to connection timeout/.test(raw)) {
+        // pg's connect timeout (10 s): nothing answered, or a pooler accepted and found no server.
+        msg = `cannot reach the database at ${where}: no answer within 10 s (the server, or a pooler in front of it, is down, starting or overloaded, or a firewall drops the packets); check the server, or fix ${urlSource}`;
+      } else if (code === '57P01' || code === '57P02' || code === 'ECONNRESET' || /Connection terminated unexpectedly|server conn crashed|server login has been failing/.test(raw)) {
+        msg = `cannot reach the database at ${where}: the connection was closed as it opened (${raw}); the server, or a pooler in front of it, is restarting or down: run the same command again once it is up`;
+      } else msg = `cannot connect to the database at ${where}: ${raw}; check ${urlSource}`;
   }
   return new DatabaseUnavailableError(msg, { cause: err });
 }

@@ -1,6 +1,10 @@
+import { execFileSync } from 'node:child_process';
+import path from 'node:path';
 import pg from 'pg';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { STALL_DIRS, FIXTURE_DIRS, query, runCli, sessions, spawnCli, waitFor } from './support/cli.ts';
+import { createFixtureTables } from './fixtures/tables.ts';
+import { STALL_DIRS, FIXTURE_DIRS, lines, query, runCli, sessions, spawnCli, waitFor } from './support/cli.ts';
+import { clusterDir, removeDir, startPrimary, systemPgBin, type Cluster } from './support/pg-cluster.ts';
 import { useTestDatabase } from './support/database.ts';
 import { pgbouncerBinary, startPgbouncer, type Bouncer } from './support/pgbouncer.ts';
 import { lockKey } from '../src/fingerprint.ts';
@@ -150,10 +154,13 @@ describe.skipIf(missing)('behind PgBouncer in session mode that does not reset s
     // Handed back last, it is the first PgBouncer hands out again (its pool is last in, first out).
     await Promise.all(rest.map((c) => c.end()));
     await first!.end();
-    expect(await query(database.url, `select count(*)::int as n from pg_locks where locktype = 'advisory' and granted`)).toEqual([{ n: 1 }]);
+    const held = `select count(*)::int as n from pg_locks where locktype = 'advisory' and granted and ((classid::bigint << 32) | objid::bigint) = $1::bigint
+      and database = (select oid from pg_database where datname = current_database())`;
+    expect(await query(database.url, held, [key])).toEqual([{ n: 1 }]);
     const r = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', COUNTED(20), '--key', 'leftover-lock', '--concurrency', '2'], { url: bouncer.url, timeoutMs: 60_000 });
     expect(r.code, r.stderr).toBe(0);
     expect(await query(database.url, `select count(*)::int as n, count(distinct chunk_key)::int as d from work_log where run_key = 'leftover-lock' and step = 'work'`)).toEqual([{ n: 20, d: 20 }]);
+    expect(await query(database.url, held, [key])).toEqual([{ n: 0 }]);
   }, 120_000);
 });
 
@@ -187,4 +194,54 @@ describe.skipIf(missing)('behind PgBouncer in session mode with a pool smaller t
     }
     expect(await query(database.url, `select count(*)::int as n, count(distinct chunk_key)::int as keys from work_log where run_key = 'small-pool' and step = 'work'`)).toEqual([{ n: 150, keys: 150 }]);
   }, 400_000);
+});
+
+describe.skipIf(missing || !systemPgBin())('behind PgBouncer in session mode, the server restarted (a cluster of the test\'s own)', () => {
+  let dir: string;
+  let primary: Cluster;
+  let bouncer: Bouncer;
+  const asPostgres = () => (process.getuid?.() === 0 ? { uid: Number(execFileSync('id', ['-u', 'postgres'], { encoding: 'utf8' })), gid: Number(execFileSync('id', ['-g', 'postgres'], { encoding: 'utf8' })) } : {});
+
+  beforeAll(async () => {
+    dir = await clusterDir('idem-pgb-restart-');
+    primary = await startPrimary(systemPgBin()!, dir);
+    await createFixtureTables(primary.url);
+    // Trust auth on the server; PgBouncer asks its clients for this password.
+    const through = new URL(primary.url);
+    through.password = 'restart-secret';
+    bouncer = await startPgbouncer(through.toString(), 'session');
+  }, 120_000);
+  afterAll(async () => {
+    await bouncer?.stop();
+    await primary?.stop();
+    if (dir) await removeDir(dir);
+  });
+
+  it('commands started right after the restart wait for it or say so in one line (exit 2), not "Connection terminated unexpectedly" (exit 1); the run then resumes', async () => {
+    // Black-box round 12 (B2-5): PgBouncer hands out the server sessions that died with the restart
+    // until it next checks them, then refuses logins for server_login_retry (15 s); idem printed
+    // pg's bare "Connection terminated unexpectedly" and exited 1.
+    const params = JSON.stringify({ chunks: 200, pauseMs: 50, label: 'x', gate: null });
+    const a = spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params, '--key', 'restarted', '--concurrency', '2'], { url: bouncer.url, timeoutMs: 120_000 });
+    await waitFor(async () => ((await query<{ n: number }>(primary.url, `select count(*)::int as n from work_log where run_key = 'restarted'`))[0]!.n >= 5 ? true : undefined), 'the run committing chunks');
+    execFileSync(path.join(systemPgBin()!, 'pg_ctl'), ['-D', primary.dataDir, '-m', 'fast', '-w', 'restart', '-l', path.join(primary.dataDir, 'server.log')], { ...asPostgres(), cwd: dir, stdio: 'ignore' });
+    const stopped = await a.done;
+    expect(stopped.code, stopped.stderr).toBe(69);
+    const results = [];
+    for (const args of [['status'], ['run', 'counted', '--params', params, '--key', 'restarted', '--concurrency', '2']]) {
+      const started = Date.now();
+      const r = await runCli([...FIXTURE_DIRS, ...args], { url: bouncer.url, timeoutMs: 120_000 });
+      results.push({ args: args[0], code: r.code, ms: Date.now() - started, errors: lines(r.stderr).filter((l) => l.startsWith('idem: error:')) });
+    }
+    for (const r of results) {
+      expect(r.code === 0 || r.code === 2, JSON.stringify(r)).toBe(true);
+      if (r.code === 2) {
+        expect(r.errors, JSON.stringify(r)).toEqual([expect.stringMatching(/^idem: error: cannot reach the database at postgres:\/\/postgres:\*\*\*@127\.0\.0\.1:\d+\/postgres: the connection was closed as it opened \(.+\); the server, or a pooler in front of it, is restarting or down: run the same command again once it is up$/)]);
+      }
+      expect(r.ms, JSON.stringify(r)).toBeLessThan(30_000);
+    }
+    // Once PgBouncer logs in again, the run resumes and every chunk is done once.
+    await waitFor(async () => ((await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params, '--key', 'restarted', '--concurrency', '2'], { url: bouncer.url, timeoutMs: 120_000 })).code === 0 ? true : undefined), 'the run resuming', { timeoutMs: 60_000, intervalMs: 1_000 });
+    expect(await query(primary.url, `select count(*)::int as n, count(distinct chunk_key)::int as d from work_log where run_key = 'restarted' and step = 'work'`)).toEqual([{ n: 200, d: 200 }]);
+  }, 240_000);
 });
