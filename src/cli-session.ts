@@ -266,6 +266,30 @@ export async function databaseUrl(g: GlobalOptions, log: Logger, session: Sessio
   return (await starting).url;
 }
 
+/**
+ * The params fingerprint of job's run `key`, read on a connection of its own that writes nothing
+ * (not even idem's schema), or null: no such run, no schema yet, or the database not to be asked.
+ * For params the job's validator refuses: those a run stores (its validator's output) are that
+ * run's, and not validated again (see storedParamsGiven in runner.ts).
+ */
+export async function storedRunFingerprint(url: string, schema: string, job: string, key: string): Promise<string | null> {
+  if (!/^[a-z_][a-z0-9_]{0,62}$/i.test(schema)) return null;
+  const { default: pg } = await import('pg');
+  const client = new pg.Client({ connectionString: url, connectionTimeoutMillis: 10_000 });
+  client.on('error', () => {});
+  try {
+    await client.connect();
+    const { rows } = await client.query<{ there: boolean }>('select to_regclass($1) is not null as there', [`"${schema}".runs`]);
+    if (!rows[0]?.there) return null;
+    const found = await client.query<{ fingerprint: string }>(`select fingerprint from "${schema}".runs where job = $1 and run_key = $2`, [job, key]);
+    return found.rows[0]?.fingerprint ?? null;
+  } catch {
+    return null;
+  } finally {
+    await client.end().catch(() => {});
+  }
+}
+
 /** Opens a Runner on DATABASE_URL, or on the embedded server under .idem/ when none is given (or on `url`, from databaseUrl). */
 export async function openRunner(g: GlobalOptions, log: Logger, session: Session, poolSize = 10, url?: string, beforeSchema?: RunnerOptions['beforeSchema'], readOnly = false): Promise<Runner> {
   // The runner brings kysely and pg: loaded by the commands that talk to the database, when they do.

@@ -172,6 +172,8 @@ export interface RunStatusRow {
   readonly job: string;
   readonly runKey: string;
   readonly runId: string;
+  /** The run's params, as stored: its validator's output (what the job's steps see as `ctx.params`). */
+  readonly params: Json;
   /** `running` only while the backend that took this run's lock still holds it; a dead run's row says `crashed`. */
   readonly state: string;
   readonly attempt: number;
@@ -949,6 +951,7 @@ export class Runner {
         job: r.job,
         runKey: r.run_key,
         runId: String(r.id),
+        params: r.params,
         state,
         attempt: r.attempt,
         // The run row names the worker that started this attempt; once it is gone, name one still there.

@@ -483,11 +483,17 @@ describe('idem help, status and list', () => {
     expect(made.code, made.stderr).toBe(0);
     const r = await idem(['status', 'counted', '--key', 'cli-detail']);
     expect(r.code, r.stderr).toBe(0);
-    expect(lines(r.stdout).slice(0, 4)).toEqual(['job       counted', 'run key   cli-detail', 'state     succeeded, attempt 1', 'chunks    5/5 done']);
+    // The run's params as stored (the validator's output, defaults filled in): the README said
+    // status --json showed them, and it did not (black-box round 13).
+    const stored = { chunks: 3, pauseMs: 0, label: '', gate: null };
+    const json = JSON.parse((await idem(['status', 'counted', '--key', 'cli-detail', '--json'])).stdout) as { runKey: string; params: unknown; steps: Array<{ name: string; done: number; planned: number }> };
+    expect(json.runKey).toBe('cli-detail');
+    expect(json.params).toEqual(stored);
+    const list = JSON.parse((await idem(['status', 'counted', '--json'])).stdout) as Array<{ runKey: string; params: unknown }>;
+    expect(list.find((x) => x.runKey === 'cli-detail')?.params).toEqual(stored);
+    expect(lines(r.stdout).slice(0, 5)).toEqual(['job       counted', 'run key   cli-detail', `params    ${JSON.stringify(json.params)}`, 'state     succeeded, attempt 1', 'chunks    5/5 done']);
     expect(r.stdout).toMatch(/\nsteps\n  1\. \S+ +done +1\/1 chunks\n/);
     expect(r.stdout).toContain('/3 chunks');
-    const json = JSON.parse((await idem(['status', 'counted', '--key', 'cli-detail', '--json'])).stdout) as { runKey: string; steps: Array<{ name: string; done: number; planned: number }> };
-    expect(json.runKey).toBe('cli-detail');
     expect(json.steps.reduce((n, s) => n + s.done, 0)).toBe(5);
     const unknown = await idem(['status', 'counted', '--key', 'no-such-key']);
     expectOneLineError(unknown, 2, 'job "counted" has no run with key "no-such-key"');

@@ -1,3 +1,6 @@
+import { mkdir, mkdtemp, rm, writeFile } from 'node:fs/promises';
+import os from 'node:os';
+import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { BusyError, defineJob, exitCodeOf, finalizeRun, InterruptedError, Runner, RunFailedError, sql } from '../src/index.ts';
 import counted, { chunkKey } from './fixtures/jobs/counted.ts';
@@ -135,6 +138,56 @@ describe('finalize', () => {
       expect(resumed, j.name).toMatchObject({ status: 'succeeded', attempt: 2 });
       expect(await logged(j.name, 'failed')).toEqual(['a', 'b', 'c', 'd']);
       expect((await runRow(url, j.name, 'failed')).params).toEqual(stored);
+    }
+  });
+
+  it('the CLI resumes with the printed command too: params given as the run stores them are not validated again before connecting', async () => {
+    // Black-box round 13: the CLI validated --params before it connected, so the runner's rule for
+    // stored params never applied: the command a failed run's error prints (its stored, validated
+    // params) was refused, "invalid params … euros must be a string", exit 2; --dry-run too.
+    const dir = await mkdtemp(path.join(os.tmpdir(), 'idem-finalize-cli-'));
+    try {
+      await mkdir(path.join(dir, 'jobs'));
+      await writeFile(path.join(dir, 'package.json'), '{"type":"module"}');
+      await writeFile(
+        path.join(dir, 'jobs', 'euro-cents.js'),
+        `export default {
+  name: 'euro-cents',
+  params: (raw) => {
+    if (typeof raw?.euros !== 'string') throw new Error('euros must be a string');
+    return { cents: Math.round(Number(raw.euros) * 100) };
+  },
+  steps: [{
+    name: 'work',
+    chunks: () => ({ chunks: [{ key: 'a' }, { key: 'b' }], next: null }),
+    run: (ctx, chunk) => { if (chunk.key === 'b' && process.env.CENTS_OK !== '1') throw new Error('chunk b fails'); },
+  }],
+};
+`,
+      );
+      const cli = (args: string[], env: Record<string, string> = {}) => runCli(['--jobs-dir', path.join(dir, 'jobs'), '--log-level', 'warn', ...args], { url, env });
+      const failed = await cli(['run', 'euro-cents', '--param', 'euros="1.5"', '--key', 'f1']);
+      expect(failed.code, failed.stderr).toBe(1);
+      const fin = await cli(['finalize', 'euro-cents', '--key', 'f1']);
+      expect(fin.code, fin.stderr).toBe(1);
+      const printed = /idem run euro-cents --key f1 --params '([^']+)'/.exec(fin.stderr)?.[1];
+      expect(printed && JSON.parse(printed), fin.stderr).toEqual({ cents: 150 });
+      const dry = await cli(['run', 'euro-cents', '--key', 'f1', '--params', printed!, '--dry-run', '--json']);
+      expect(dry.code, dry.stderr).toBe(0);
+      expect(JSON.parse(dry.stdout)).toMatchObject({ status: 'dry-run', runKey: 'f1', plan: { state: 'failed' } });
+      const resumed = await cli(['run', 'euro-cents', '--key', 'f1', '--params', printed!, '--json'], { CENTS_OK: '1' });
+      expect(resumed.code, resumed.stderr).toBe(0);
+      expect(JSON.parse(resumed.stdout)).toMatchObject({ status: 'succeeded', runKey: 'f1', attempt: 2 });
+      expect((await runRow(url, 'euro-cents', 'f1')).params).toEqual({ cents: 150 });
+      // Not the stored params of that key (or no such run): validated, and refused, before connecting.
+      for (const key of ['f1', 'nosuch']) {
+        const refused = await cli(['run', 'euro-cents', '--key', key, '--params', '{"cents":151}']);
+        expect(refused.code, refused.stderr).toBe(2);
+        expect(lines(refused.stderr)).toEqual([expect.stringMatching(/^idem: error: invalid params for job "euro-cents": .*euros must be a string/)]);
+      }
+      expect(await query(url, `select count(*)::int as n from idem.runs where job = 'euro-cents'`)).toEqual([{ n: 1 }]);
+    } finally {
+      await rm(dir, { recursive: true, force: true });
     }
   });
 

@@ -1,6 +1,6 @@
 import type { Command } from 'commander';
 import { checkRunKey, collectParam, nonNegativeNumber, parseParams, positiveInt, positiveNumber, waitSeconds } from '../cli-parsers.ts';
-import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
+import { databaseUrl, installSignals, openRunner, storedRunFingerprint, type CliContext } from '../cli-session.ts';
 import { describeOutcome, runErrorObject } from '../describe-outcome.ts';
 import type { RunOutcome } from '../runner.ts';
 import { ExitCode, UsageError } from '../errors.ts';
@@ -62,7 +62,18 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
           const { findJob, validateParams, latestSlot, parseCatchUp, parseSchedule, slotKey, slotOfKey, slotsSince, POOL_HEADROOM } = await import('../cli-runtime.ts');
           const job = await findJob(g.jobsDir, name, { migrationsDir: g.migrationsDir });
           // Bad params are refused before any connection: nothing, not even idem's schema, is created.
-          const valid = await validateParams(job, params);
+          // Unless they are exactly what the run with this --key stores (its validator's output, as
+          // the resume command a failed run's error prints gives them): that run's, not validated again.
+          let valid: unknown;
+          let url: string | undefined;
+          try {
+            valid = await validateParams(job, params);
+          } catch (err) {
+            if (o.key === undefined || params === undefined) throw err;
+            url = await databaseUrl(g, log, session);
+            if ((await storedRunFingerprint(url, g.schema, job.name, o.key)) !== fingerprintOrNull(params)) throw err;
+            valid = params;
+          }
           // Without --key the run key is the validated params' fingerprint, as the runner derives it:
           // --json's error object names it (null only when the params never validated).
           const defaultKey = fingerprint(valid);
@@ -83,7 +94,7 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
             process.stdout.write(o.json ? '[]\n' : `no slot of job "${job.name}" falls within --catch-up ${o.catchUp}\n`);
             return ExitCode.Ok;
           }
-          const runner = await openRunner(g, log, session, o.concurrency + POOL_HEADROOM);
+          const runner = await openRunner(g, log, session, o.concurrency + POOL_HEADROOM, url);
           const signals = installSignals(log, g.shutdownTimeout, force);
           const throttle = {
             ...(o.maxRate !== undefined ? { maxRate: o.maxRate } : {}),
@@ -127,4 +138,13 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
         o.json ? jsonError : undefined,
       );
     });
+}
+
+/** The params' fingerprint, or null when they have none (not JSON). */
+function fingerprintOrNull(params: unknown): string | null {
+  try {
+    return fingerprint(params);
+  } catch {
+    return null;
+  }
 }

@@ -126,6 +126,13 @@ async function stepDetails(db: Runner['db'], schema: string, runId: string): Pro
   return rows.map((r) => ({ name: r.name, status: r.status, done: r.done, planned: r.planned, plannedAll: r.planned_all, estimated: r.estimated_chunks, skipped: r.skipped }));
 }
 
+/** A run's params in the detail view: JSON, cut at TABLE_ERROR_CHARS characters (`--json` shows them whole). */
+function paramsText(params: unknown): string {
+  const chars = [...(JSON.stringify(params) ?? 'null')];
+  if (chars.length <= TABLE_ERROR_CHARS) return chars.join('');
+  return `${chars.slice(0, TABLE_ERROR_CHARS).join('')}… (${(chars.length - TABLE_ERROR_CHARS).toLocaleString('en-US').replace(/,/g, ' ')} more characters: --json shows all)`;
+}
+
 /** `idem status <job> --key K`: one run in detail. Pure; exported for tests. */
 export function formatRunDetail(stored: RunStatusRow, storedSteps: readonly StepDetail[], now: Date = new Date(), c: Colours = colours(false)): string {
   const [r, steps] = visibleDeep([withKeyLabels(stored), storedSteps] as const);
@@ -133,6 +140,8 @@ export function formatRunDetail(stored: RunStatusRow, storedSteps: readonly Step
   const fields: Array<[string, string]> = [
     ['job', r.job],
     ['run key', r.runKey],
+    // From the stored params, escaped as text once (visibleDeep's escapes would be escaped again by JSON).
+    ['params', visible(paramsText(stored.params))],
     ['state', `${stateColour(r.state, c)(r.state)}, attempt ${r.attempt}${r.requested ? c.yellow(` (${r.requested} requested)`) : ''}`],
     ['chunks', `${chunksOf(r)} done${r.throughput !== null ? `, ${r.throughput}/s` : ''}${r.etaSeconds !== null ? `, ETA ${r.etaSeconds}s` : ''}`],
     ...(r.holder ? ([['held by', r.holder]] as Array<[string, string]>) : []),
