@@ -219,6 +219,7 @@ export class Runner {
   /** Runs in flight (run, migrate), settled or not: close() waits for them. */
   readonly #inFlight = new Set<Promise<void>>();
   readonly #connectionString: string;
+  #schemaExists = true;
   /** Where the connection string came from, as a connection error's fix names it. */
   readonly #connectionSource: string | undefined;
   readonly #log: Logger;
@@ -258,16 +259,26 @@ export class Runner {
     });
     try {
       await opts.beforeSchema?.(database.db, schema);
-      await retrying(() => ensureRunnerSchema(database.db, schema, opts.readOnly ? 'read' : 'write'));
+      const present = await retrying(() => ensureRunnerSchema(database.db, schema, opts.readOnly ? 'read' : 'write'));
+      const runner = new Runner(database, opts, schema, log);
+      runner.#schemaExists = present;
+      return runner;
     } catch (err) {
       await database.close();
       throw err;
     }
-    return new Runner(database, opts, schema, log);
   }
 
   get db() {
     return this.#database.db;
+  }
+
+  /**
+   * False for a read-only runner (`readOnly`) on a schema without idem's bookkeeping, which it left
+   * as it was: it has no runs (status() lists none).
+   */
+  get schemaExists(): boolean {
+    return this.#schemaExists;
   }
 
   /**
@@ -918,6 +929,7 @@ export class Runner {
   }
 
   async #status(db: Kysely<any>, job: string | undefined, limit: number): Promise<RunStatusRow[]> {
+    if (!this.#schemaExists) return [];
     const s = this.schema;
     const { rows } = await sql<any>`
       select r.*,
@@ -1013,7 +1025,7 @@ export class Runner {
     if (jobs.length === 0) return [];
     const byKey = new Map(jobs.map((j) => [lockKey(this.jobLockName(j)), j]));
     const holders = await lockHolders(async (text, values) => (await db.executeQuery<Record<string, unknown>>(CompiledQuery.raw(text, values))).rows, [...byKey.keys()]);
-    if (holders.length === 0) return [];
+    if (holders.length === 0 || !this.#schemaExists) return holders.map(({ key, ...h }) => ({ ...h, job: byKey.get(key)! }));
     // Read after the holders: a run that started in between is seen running, not taken for none.
     const { rows } = await sql<{ job: string }>`select distinct job from ${sql.id(this.schema, 'runs')} where job = any(${jobs}) and status = 'running'`.execute(db);
     const running = new Set(rows.map((r) => r.job));

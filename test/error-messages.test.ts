@@ -229,11 +229,26 @@ describe('an unknown job name suggests the closest known ones', () => {
     ]);
     for (const r of results) expect(refusal(r, 2)).toEqual([`idem: error: no job named 'countd'; did you mean 'counted'?`]);
     expect(await query(url, `select to_regnamespace($1)::text as s`, [schema])).toEqual([{ s: null }]);
-    // A known name still works there (and, acting on the database, creates the schema).
-    const known = await idem(['--schema', schema, 'status', 'counted']);
-    expect(known.code, known.stderr).toBe(0);
-    expect(known.stdout).toBe('no runs yet\n');
-    await query(url, `drop schema ${schema} cascade`);
+    // A known name still works there, and so does a read of all jobs; reading creates nothing
+    // (black-box round 13: `status --schema <typo>` created a whole idem schema, and under a
+    // read-only role asked for GRANT CREATE ON DATABASE).
+    const reads = await Promise.all([
+      idem(['--schema', schema, 'status', 'counted']),
+      idem(['--schema', schema, 'status']),
+      idem(['--schema', schema, 'status', '--json']),
+      idem(['--schema', schema, 'status', 'counted', '--key', 'k']),
+      idem(['--schema', schema, 'list', '--json']),
+    ]);
+    for (const r of reads.slice(0, 2)) {
+      expect(r.code, r.stderr).toBe(0);
+      expect(r.stdout).toBe(`no runs yet (schema "${schema}" holds no idem runs: idem creates it at the first run or migrate; check --schema)\n`);
+    }
+    expect(reads[2]!.code, reads[2]!.stderr).toBe(0);
+    expect(JSON.parse(reads[2]!.stdout)).toEqual([]);
+    expect(refusal(reads[3]!, 2)).toEqual([`idem: error: job "counted" has no run with key "k"; see idem status counted for its runs`]);
+    expect(reads[4]!.code, reads[4]!.stderr).toBe(0);
+    expect(JSON.parse(reads[4]!.stdout)).toContainEqual(expect.objectContaining({ kind: 'job', name: 'counted', state: 'never run' }));
+    expect(await query(url, `select to_regnamespace($1)::text as s`, [schema])).toEqual([{ s: null }]);
   });
 
   it('a --schema that already holds tables of the names idem creates (not idem\'s) is refused, exit 2, and left as it was', async () => {

@@ -1,9 +1,11 @@
 import { randomBytes } from 'node:crypto';
-import { readFile } from 'node:fs/promises';
+import { mkdtemp, readFile, rm } from 'node:fs/promises';
+import os from 'node:os';
+import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { inject } from 'vitest';
 import { createFixtureTables } from './fixtures/tables.ts';
-import { FIXTURE_DIRS, killLeftovers, lines, query, runCli, workCounts, type CliResult } from './support/cli.ts';
+import { FIXTURE_DIRS, FIXTURE_JOBS, killLeftovers, lines, query, runCli, workCounts, type CliResult } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 
 // A production role often may not CREATE in the database. idem then says what to grant, and a role
@@ -66,7 +68,7 @@ describe('a role without CREATE on the database', { shuffle: false }, () => {
     const r = await asRole(['run', 'counted', '--params', '{"chunks":2}', '--key', 'weak']);
     expect(oneLine(r, 2)).toBe(
       `idem: error: role ${role} may not create the runner schema "idem" (permission denied for database ${dbName}): GRANT CREATE ON DATABASE ${dbName} TO ${role}, ` +
-        `or let the database owner run idem once (it creates the schema) and then GRANT USAGE ON SCHEMA idem TO ${role}; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA idem TO ${role} (see README, Database privileges)`,
+        `or let the database owner run idem migrate once (it creates the schema) and then GRANT USAGE ON SCHEMA idem TO ${role}; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA idem TO ${role} (see README, Database privileges)`,
     );
     expect(r.stderr).not.toContain('migration unknown');
     expect(await schemaExists()).toBe(false);
@@ -74,7 +76,11 @@ describe('a role without CREATE on the database', { shuffle: false }, () => {
   });
 
   it('once the owner created the schema, is refused until granted, naming the grants', async () => {
-    const owner = await runCli([...FIXTURE_DIRS, 'status'], { url: ownerUrl });
+    // As the README says: the owner runs idem migrate once (with no migrations of its own here).
+    // (idem status did it too until reading stopped creating anything.)
+    const none = await mkdtemp(path.join(os.tmpdir(), 'idem-no-migrations-'));
+    const owner = await runCli(['--jobs-dir', FIXTURE_JOBS, '--migrations-dir', none, 'migrate'], { url: ownerUrl });
+    await rm(none, { recursive: true, force: true });
     expect(owner.code, owner.stderr).toBe(0);
     expect(await schemaExists()).toBe(true);
 

@@ -239,7 +239,9 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
         if (!o.json) await prepareColumns(json);
         // --json keeps its shape (an array of runs); the table tells of a lock held with no live run.
         const orphans = o.json ? [] : formatOrphanHolders(await runner.jobLockHolders(job !== undefined ? [job] : [...new Set(rows.map((r) => r.job))]), colours(tty));
-        process.stdout.write(o.json ? `${json}\n` : `${[formatStatus(rows, new Date(), colours(tty)), ...orphans].join('\n')}\n`);
+        // A schema without idem's bookkeeping (a mistyped --schema, or nothing ever run): said so.
+        const table = rows.length === 0 && !runner.schemaExists ? `no runs yet (schema "${runner.schema}" holds no idem runs: idem creates it at the first run or migrate; check --schema)` : formatStatus(rows, new Date(), colours(tty));
+        process.stdout.write(o.json ? `${json}\n` : `${[table, ...orphans].join('\n')}\n`);
         return ExitCode.Ok;
       }),
     );

@@ -265,9 +265,10 @@ export function knownMigrationNames(schema = 'idem'): string[] {
 /**
  * Brings the runner's schema to the latest version. The fast path is one query: when every known
  * migration is recorded, nothing else runs (so a no-op rerun stays O(1)). Kysely's Migrator takes
- * a lock of its own, so every pod of a deploy may call this at once.
+ * a lock of its own, so every pod of a deploy may call this at once. With `read` access, a schema
+ * that has no idem bookkeeping is left as it is: false (there is nothing to read).
  */
-export async function ensureRunnerSchema(db: Kysely<any>, schema: string, access: 'read' | 'write' = 'write'): Promise<void> {
+export async function ensureRunnerSchema(db: Kysely<any>, schema: string, access: 'read' | 'write' = 'write'): Promise<boolean> {
   const known = knownMigrationNames(schema);
   let applied: string[] | null = null;
   const privileges = access === 'read' ? ['SELECT'] : ['SELECT', 'INSERT', 'UPDATE', 'DELETE'];
@@ -298,8 +299,11 @@ export async function ensureRunnerSchema(db: Kysely<any>, schema: string, access
         `runner schema "${schema}" has migration ${unknown.sort().at(-1)} that this idem does not know: the schema is newer than this binary; upgrade idem`,
       );
     }
-    if (known.every((n) => applied!.includes(n))) return;
+    if (known.every((n) => applied!.includes(n))) return true;
   }
+  // Reading (status, list) a schema that has no idem bookkeeping: nothing to read, and nothing is
+  // created (a mistyped --schema made a whole idem schema, or asked a read-only role for CREATE).
+  if (!applied && access === 'read') return false;
   if (!applied) {
     // A schema that already has tables of the names idem creates, not made by idem (it has no
     // migration table): the first migration would fail on them after Kysely created its own two
@@ -333,6 +337,7 @@ export async function ensureRunnerSchema(db: Kysely<any>, schema: string, access
     const failed = results?.find((r) => r.status === 'Error')?.migrationName;
     throw new DatabaseUnavailableError(`could not create or upgrade the runner schema "${schema}"${failed ? ` (migration ${failed})` : ''}: ${message}`, { cause: error });
   }
+  return true;
 }
 
 /** "no INSERT, UPDATE or DELETE on idem.chunks, idem.runs; no DELETE on idem.steps": tables grouped by what they lack. */
@@ -364,7 +369,7 @@ async function privilegeRefusal(db: Kysely<any>, schema: string, what: 'create' 
   const grants = `GRANT USAGE ON SCHEMA ${schema} TO ${role}; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA ${schema} TO ${role}`;
   const message =
     what === 'create'
-      ? `role ${role} may not create the runner schema "${schema}" (${reason}): GRANT CREATE ON DATABASE ${database} TO ${role}, or let the database owner run idem once (it creates the schema) and then ${grants} (see README, Database privileges)`
+      ? `role ${role} may not create the runner schema "${schema}" (${reason}): GRANT CREATE ON DATABASE ${database} TO ${role}, or let the database owner run idem migrate once (it creates the schema) and then ${grants} (see README, Database privileges)`
       : what === 'upgrade'
         ? `role ${role} may not upgrade the runner schema "${schema}" to this idem's version (${reason}): let the schema's owner run idem once (it upgrades the schema), then ${grants} (see README, Database privileges)`
         : `role ${role} may not use the runner schema "${schema}" (${reason}): as the schema's owner, ${grants} (see README, Database privileges)`;
