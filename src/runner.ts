@@ -9,7 +9,7 @@ import { BusyError, CancelledError, codeOf, RETRY_OR_WAIT, errorFields, FencedEr
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
-import { adoptCodeFingerprint, recordCodeFingerprint, refuseChangedCode } from './code-fingerprint.ts';
+import { adoptCodeFingerprint, codeFingerprint, recordCodeFingerprint, refuseChangedCode } from './code-fingerprint.ts';
 import { recordedFailure } from './finalize.ts';
 import { assertNotStandby, refuseOnStandby, type HealthSetting } from './health-check.ts';
 import { validateParams, type Job, type Json } from './job.ts';
@@ -675,11 +675,15 @@ export class Runner {
       ));
       if (lock.lost.aborted) throw lock.lost.reason;
       await faultPoint('before-finish');
-      let summary = await this.store.finishRun(runId, attempt, startedAt, job.steps.map((s) => s.name));
+      const code = codeFingerprint(job);
+      let summary = await this.store.finishRun(runId, attempt, startedAt, job.steps.map((s) => s.name), code);
       if (!summary) {
         // Finishing is done once: another worker of this attempt may have found nothing left first.
         const now = await this.store.getRun(runId);
         if (now.status === 'failed' && now.attempt === attempt) throw new FailedElsewhere(now.error?.message ?? 'unknown error');
+        if (now.status === 'running' && now.attempt === attempt && code !== null && now.code_fingerprint && now.code_fingerprint !== code) {
+          throw new CodeMovedOn(now.code_fingerprint);
+        }
         if (now.status !== 'succeeded' || now.attempt !== attempt || !now.summary) throw new FencedError(`attempt ${attempt} of job "${job.name}" was taken over before it could finish`);
         summary = now.summary;
       }
@@ -734,9 +738,29 @@ export class Runner {
    * when that run had succeeded, returns SucceededElsewhere instead of an error.
    */
   async #recordEnd(runId: string, attempt: number, job: Job, runKey: string, err: unknown, log: Logger, lock: HeldLock): Promise<unknown> {
+    if (err instanceof CodeMovedOn) {
+      // This worker's steps are done; the run's (under its code now) may not be. It leaves as a
+      // worker stopping does: the last to leave records the run interrupted, to resume under that code.
+      const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => null);
+      if (others === null) await this.store.endInterrupted(runId, attempt).catch(() => null);
+      const now = await this.#runAsItEnded(runId);
+      if (now?.attempt === attempt && now.status === 'succeeded') return new SucceededElsewhere(now);
+      const rest =
+        others !== null && others > 0
+          ? `the run goes on in its ${others} other ${others === 1 ? 'worker' : 'workers'} (idem status ${job.name} --key ${runKey} shows them)`
+          : `no other worker is left: the run is interrupted; resume it with the job's code as it is now (the run's), or pass --allow-changed-code`;
+      log.warn({ code: err.to, otherWorkers: others }, `this worker stopped: ${err.message}; ${rest}`);
+      return new LockLostError(`this worker stopped after its steps: ${err.message} (a worker joined with --allow-changed-code), so the steps of that code end the run, not this worker's; ${rest}`);
+    }
     if (err instanceof FailedElsewhere) {
       log.error({ err: errorFields(err) }, 'the run failed in another worker; stopping');
       return new RunFailedError(`job "${job.name}" failed in another process sharing the run: ${err.message}; fix the cause and run the same command again to resume there`, { cause: err });
+    }
+    if (err instanceof FencedError) {
+      // The fence also refuses a chunk of a run that ended under this attempt while it was in
+      // flight: failed in another worker sharing it, which is how this worker ends too.
+      const now = await this.#runAsItEnded(runId);
+      if (now?.attempt === attempt && now.status === 'failed') return this.#recordEnd(runId, attempt, job, runKey, new FailedElsewhere(now.error?.message ?? 'unknown error'), log, lock);
     }
     if (err instanceof FencedError || err instanceof LockLostError) {
       // A fenced commit proves a newer attempt took over; a lost lock only that its session ended
@@ -1067,6 +1091,18 @@ function untilLost<T>(lost: AbortSignal, work: Promise<T>): Promise<T> {
 
 /** Why a worker stops when another worker on its run failed the run. */
 class FailedElsewhere extends Error {}
+
+/**
+ * Not a failure: this worker did its steps, but the run's code is no longer its own (a worker joined
+ * under other code, allowed, and its steps are the run's now): the workers under that code end it.
+ */
+class CodeMovedOn extends Error {
+  readonly to: string;
+  constructor(to: string) {
+    super(`the run's code changed to ${to.startsWith('sha256:') ? `${to.slice(0, 19)}…` : to} since this worker joined`);
+    this.to = to;
+  }
+}
 
 /** Not an error: a worker's failure found its run already succeeded (by another worker of the attempt). */
 class SucceededElsewhere {

@@ -597,7 +597,10 @@ export class Store {
   }
 
   /** Marks the run succeeded with its summary; fenced, so only the live attempt can. */
-  async finishRun(runId: string, attempt: number, startedAt: Date, steps: readonly string[]): Promise<RunSummary | null> {
+  async finishRun(runId: string, attempt: number, startedAt: Date, steps: readonly string[], code: string | null = null): Promise<RunSummary | null> {
+    // `code`: the finishing worker's code fingerprint. A worker whose code is no longer the run's
+    // (another joined under other code, allowed) finished only its own steps, not necessarily the
+    // run's: it may not end the run (null), the workers under the run's code do.
     // `steps`: the job's steps now. A step the run has rows of that the job no longer has (removed
     // under --allow-changed-code) is not counted: it is listed as dropped, with what it left undone.
     const { rows } = await this.#run(sql<{ summary: RunSummary }>`
@@ -623,6 +626,7 @@ export class Store {
           || coalesce((select jsonb_build_object('dropped', jsonb_agg(jsonb_build_object('name', name, 'chunks', chunks, 'done', done) order by position))
                from all_counts where not current having count(*) > 0), '{}')
       where r.id = ${runId} and r.attempt = ${attempt} and r.status = 'running'
+        and (${code}::text is null or r.code_fingerprint is null or r.code_fingerprint = ${code}::text)
       returning r.summary`);
     return rows[0]?.summary ?? null;
   }

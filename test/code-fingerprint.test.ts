@@ -193,6 +193,92 @@ describe('code changes between attempts', () => {
     ]);
   });
 
+  describe('workers under the earlier code, once a worker joined under other code (allowed)', () => {
+    // Black-box round 13 (high): a worker under the run's first code, done with its own steps,
+    // marked the run succeeded while the joiner's added step had not run (finalize then said 0 and
+    // the step never ran); with a step dropped by the joiner, the earlier worker kept committing
+    // that step's chunks after the run had succeeded.
+    const logged = async (job: string) => (await query<{ chunk_key: string; n: number }>(url, `select chunk_key, count(*)::int as n from work_log where job = $1 group by 1 order by 1`, [job])).map((r) => `${r.chunk_key}:${r.n}`);
+    const log = (job: string, key: string) => sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid) values (${job}, 'k', 'x', ${key}, 0, 0)`;
+    /** A single step that writes one row; `ms` sleeps first. */
+    const single = (job: string, name: string, ms = 0) => ({
+      name,
+      async run({ db }: any) {
+        if (ms) await sql`select pg_sleep(${ms / 1000})`.execute(db);
+        await log(job, name).execute(db);
+      },
+    });
+    /** Chunks x, y, z; x waits at the gate. */
+    const chunked = (job: string, gate: string) => ({
+      name: 'b',
+      chunks: () => ({ chunks: [{ key: 'x' }, { key: 'y' }, { key: 'z' }], next: null }),
+      async run({ db }: any, { key }: { key: string }) {
+        if (key === 'x') await sql`select 1 from gates where name = ${gate} for share`.execute(db);
+        await log(job, key).execute(db);
+      },
+    });
+
+    it('a step the joiner added runs before the run succeeds; the earlier worker leaves (69), and the run is not ended by it', async () => {
+      const job = 'moved-on-add';
+      const [a, b] = await Promise.all([Runner.connect({ connectionString: url }), Runner.connect({ connectionString: url })]);
+      const gate = await holdGate(url, job);
+      let first: Promise<unknown> | undefined;
+      let second: Promise<unknown> | undefined;
+      try {
+        const v1 = defineJob({ name: job, version: '1', steps: [single(job, 'a'), chunked(job, job)] });
+        const v2 = defineJob({ name: job, version: '2', steps: [chunked(job, job), single(job, 'new', 1_500), single(job, 'a')] });
+        first = a.run(v1, { key: 'k', join: true }).catch((e: unknown) => e);
+        await waitFor(async () => (await lockWaiters(url)) > 0, 'chunk x to wait at the gate');
+        second = b.run(v2, { key: 'k', join: true, allowChangedCode: true }).catch((e: unknown) => e);
+        await waitFor(async () => ((await runRow(url, job, 'k')).code_changes ? true : undefined), 'the joiner to record its code');
+        await waitFor(async () => ((await logged(job)).includes('z:1') ? true : undefined), 'the joiner to do y and z');
+        await gate.release();
+        const left = await first;
+        expect(exitCodeOf(left), String(left)).toBe(69);
+        expect((left as Error).message).toMatch(/^this worker stopped after its steps: the run's code changed to version:2 since this worker joined \(a worker joined with --allow-changed-code\), so the steps of that code end the run, not this worker's; the run goes on in its 1 other worker/);
+        expect(await second).toMatchObject({ status: 'succeeded', attempt: 1 });
+      } finally {
+        await gate.release();
+        await Promise.allSettled([first, second]);
+        await Promise.all([a.close(), b.close()]);
+      }
+      const row = await runRow(url, job, 'k');
+      expect(row).toMatchObject({ status: 'succeeded', code_fingerprint: 'version:2' });
+      expect([...row.summary.steps].sort((x: { name: string }, y: { name: string }) => x.name.localeCompare(y.name))).toEqual([{ name: 'a', chunks: 1 }, { name: 'b', chunks: 3 }, { name: 'new', chunks: 1 }]);
+      expect(row.summary.dropped).toBeUndefined();
+      expect(await logged(job)).toEqual(['a:1', 'new:1', 'x:1', 'y:1', 'z:1']);
+    });
+
+    it('a step the joiner dropped: the earlier worker cannot commit its chunk once the run has succeeded', async () => {
+      const job = 'moved-on-drop';
+      const [a, b] = await Promise.all([Runner.connect({ connectionString: url }), Runner.connect({ connectionString: url })]);
+      const gate = await holdGate(url, job);
+      let first: Promise<unknown> | undefined;
+      try {
+        const v1 = defineJob({ name: job, version: '1', steps: [single(job, 'a'), chunked(job, job)] });
+        const v2 = defineJob({ name: job, version: '2', steps: [single(job, 'a')] });
+        first = a.run(v1, { key: 'k', join: true }).catch((e: unknown) => e);
+        await waitFor(async () => (await lockWaiters(url)) > 0, 'chunk x to wait at the gate');
+        // The joiner's only step is done: it ends the run while x is in flight in the first worker.
+        expect(await b.run(v2, { key: 'k', join: true, allowChangedCode: true })).toMatchObject({ status: 'succeeded', attempt: 1 });
+        const finished = (await runRow(url, job, 'k')).finished_at;
+        await gate.release();
+        const left = await first;
+        expect(exitCodeOf(left), String(left)).toBe(69);
+        expect((left as Error).message).toMatch(/the run has meanwhile ended succeeded/);
+        // Nothing of the dropped step committed after the run succeeded.
+        const after = await query(url, `select count(*)::int as n from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = $1 and c.done_at > $2`, [job, finished]);
+        expect(after).toEqual([{ n: 0 }]);
+        expect(await logged(job)).not.toContain('x:1');
+      } finally {
+        await gate.release();
+        await Promise.allSettled([first]);
+        await Promise.all([a.close(), b.close()]);
+      }
+      expect(await runRow(url, job, 'k')).toMatchObject({ status: 'succeeded' });
+    });
+  });
+
   it('a run started over HTTP records its code too: a resume under an edited file is refused, from the CLI as from the server', async () => {
     const serverDir = await mkdtemp(path.join(REPO, '.idem', 'code-http-'));
     try {

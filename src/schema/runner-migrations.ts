@@ -254,6 +254,25 @@ function runnerMigrations(schema: string): Record<string, Migration> {
           end $fence$`.execute(db);
       },
     },
+    '0015_chunk_fence_running': {
+      async up(db) {
+        // The fence also refuses a chunk of a run that is no longer running under its attempt: one
+        // that ended (succeeded, failed) while a worker sharing the attempt still had a chunk in
+        // flight. Black-box round 13: a worker under the run's earlier code (another had joined
+        // with --allow-changed-code and dropped a step) kept committing that step's chunks for
+        // seconds after the run had succeeded. Same lookup, so a COMMIT costs nothing more.
+        await sql`create or replace function ${t('chunk_fence')}() returns trigger language plpgsql security definer as $fence$
+          begin
+            perform 1 from ${t('runs')} where id operator(pg_catalog.=) new.run_id and attempt operator(pg_catalog.=) new.done_attempt
+              and status operator(pg_catalog.=) 'running' for share;
+            if not found then
+              raise exception 'idem: attempt % of run % was fenced off (taken over, or the run ended); chunk % rolled back', new.done_attempt, new.run_id, new.key
+                using errcode = 'IF001';
+            end if;
+            return null;
+          end $fence$`.execute(db);
+      },
+    },
   };
 }
 
