@@ -6,7 +6,8 @@ import { pathToFileURL } from 'node:url';
 import { recordJobFile } from './code-fingerprint.ts';
 import { codeOf, messageOf, UsageError } from './errors.ts';
 import { assertJob, type Job } from './job.ts';
-import { explainLoadError, formatLoadFailure } from './load-error.ts';
+import { jobFilesLoading } from './job-file-loading.ts';
+import { displayPath, explainLoadError, formatLoadFailure } from './load-error.ts';
 import { MAX_RUN_KEY_CHARS } from './run-key.ts';
 import { quoteChoices, suggestSimilar } from './suggest.ts';
 
@@ -122,6 +123,7 @@ export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Prom
 /** Imports one job file and checks its job (not what only a migration must be: see checkMigration). */
 async function loadJobFile(file: string, what: 'jobs' | 'migrations'): Promise<LoadedJob> {
   let mod: Record<string, unknown>;
+  jobFilesLoading.set(file, (code, stack) => exitWhileLoading(what, file, code, stack));
   try {
     mod = await importJobFile(file);
   } catch (err) {
@@ -129,12 +131,25 @@ async function loadJobFile(file: string, what: 'jobs' | 'migrations'): Promise<L
     // Explaining must never hide the error it explains.
     const failure = await explainLoadError(file, err).catch(() => ({ cause: messageOf(err), fix: 'fix the file' }));
     throw new UsageError('jobLoadFailed', formatLoadFailure(what, file, failure), { cause: err });
+  } finally {
+    jobFilesLoading.delete(file);
   }
   const origin = path.relative(process.cwd(), file);
   const exported = jobExport(mod, isCommonJsFile(file));
   const job = assertJob(exported === undefined ? noJobExported(mod, origin) : exported, origin);
   await recordJobFile(job, file);
   return { file, id: fileStem(path.basename(file)), job };
+}
+
+/**
+ * A job file that ends the process while it loads (`if (!process.env.X) process.exit(0)`): every
+ * command loads the folder, so `idem list` ended there too, with no run to speak of. One line,
+ * `file:line:column` of the call when the stack shows it (synchronous: the process is exiting).
+ */
+function exitWhileLoading(what: 'jobs' | 'migrations', file: string, code: number, stack: string): string {
+  const url = pathToFileURL(file).href;
+  const at = [url, file].map((f) => new RegExp(`${f.replace(/[.*+?^${}()|[\]\\]/g, '\\$&')}:(\\d+):(\\d+)`).exec(stack)).find(Boolean);
+  return `cannot load ${what} file ${displayPath(file)}${at ? `:${at[1]}:${at[2]}` : ''}: it called process.exit(${code}) while loading; a job file may not end the process: throw an Error instead, or check the condition in a step`;
 }
 
 /**

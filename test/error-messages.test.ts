@@ -192,6 +192,25 @@ describe('a job file that cannot load: file:line:column, the cause, the source l
     expect({ code: ok.code, stderr: ok.stderr }).toEqual({ code: 0, stderr: '' });
     expect(JSON.parse(ok.stdout)).toEqual(expect.arrayContaining([expect.objectContaining({ kind: 'job', name: 'esm-js' })]));
   });
+
+  it('a job file that calls process.exit() while loading is a bad job file: exit 2, one line naming it, no word of a run', async () => {
+    // Black-box round 13: exit 1 and "a run in flight is left unfinished", where no run existed.
+    const dir = await jobFolder('exits', {
+      'pe.ts': `if (!process.env.IDEM_TEST_NOT_SET) process.exit(0);\nexport default { name: 'pe', steps: [{ name: 'a', run: () => 1 }] };\n`,
+    });
+    const before = await snapshot(url, ALL_TABLES);
+    for (const args of [['run', 'pe'], ['list'], ['run', 'pe', '--json']]) {
+      const r = await runCli(['--jobs-dir', dir, ...args], { url });
+      expect(r.code, r.stderr).toBe(2);
+      expect(lines(r.stderr)).toEqual([
+        expect.stringMatching(
+          new RegExp(`^idem: error: cannot load jobs file ${esc(path.join(dir, 'pe.ts'))}:1:\\d+: it called process\\.exit\\(0\\) while loading; a job file may not end the process: throw an Error instead, or check the condition in a step$`),
+        ),
+      ]);
+      if (args.includes('--json')) expect(JSON.parse(r.stdout)).toMatchObject({ status: 'error', exitCode: 2, code: 'idem.jobLoadFailed' });
+    }
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
 });
 
 describe('a folder given with --jobs-dir or --migrations-dir must exist', () => {
