@@ -5,6 +5,7 @@ import { detachHungUpTerminal, guardStdio } from './hangup.ts';
 import { ExitCode, exitCodeOf, exitCodeOfSignal, IdemError, InterruptedError, messageOf, STOP_SIGNALS, UsageError, type StopSignal } from './errors.ts';
 import type { LogLevel } from './log-level.ts';
 import type { Runner, RunnerOptions } from './runner.ts';
+import { jobFileExit } from './job-file-loading.ts';
 import { testHookMs } from './test-hooks.ts';
 import { visibleError } from './text-table.ts';
 
@@ -186,7 +187,8 @@ export function createCliContext(program: Command, state: { exitCode: number }):
  * exit 1: `process.exit()` keeps its own code unless it is 0; a throw or rejection releases the
  * session first, as a signal during start-up does: the runner closes, a chunk in flight gets the
  * close's grace (2 s) to finish, and the run is left unfinished (interrupted; crashed when a chunk
- * outlived the grace). After `process.exit()` it is left as a crash leaves it.
+ * outlived the grace). After `process.exit()` it is left as a crash leaves it. A `process.exit()` from a
+ * job file's top level, while it loads, is a bad job file instead: exit 2, the file named.
  */
 function guardAgainstJobCode(jsonError: ((err: unknown) => unknown) | undefined, mask: (text: string) => string, idemExits: () => number | undefined, finish: (code: number) => void): { remove(): void } {
   const report = (what: string, run: string) => {
@@ -200,6 +202,15 @@ function guardAgainstJobCode(jsonError: ((err: unknown) => unknown) | undefined,
       // idem is on its way out (closing after a signal or a failure), and a job's process.exit(0)
       // came first: the exit code stays idem's.
       if (code !== own) process.exitCode = own;
+      return;
+    }
+    // A job file's top level, while it loads: a bad job file (exit 2), no run begun.
+    const loading = jobFileExit(code, new Error().stack ?? '');
+    if (loading !== undefined) {
+      const shown = mask(loading);
+      if (jsonError) process.stdout.write(`${JSON.stringify(jsonError(new UsageError('jobLoadFailed', shown)))}\n`);
+      process.stderr.write(`idem: error: ${visibleError(shown, false)}\n`);
+      process.exitCode = ExitCode.Usage;
       return;
     }
     report(`ended the process (process.exit(${code}))`, 'a run in flight is left unfinished (idem status shows it crashed)');

@@ -172,6 +172,11 @@ function oneLineWarnings(): void {
     // pg 8's notice that it will stop reading the password file in pg 9 is advice to idem (which
     // keeps PGPASSFILE and ~/.pgpass working), not to whoever runs the command.
     if (w.name === 'DeprecationWarning' && w.message.startsWith('pgpass support is deprecated')) return;
+    // Node's notes on the module type of a file it loads, which only a job file (or what it
+    // imports) can prompt: a .js ES module in a package without "type" loads with a warning
+    // ("Reparsing as ES module") at every command, and one in a CommonJS package fails with a
+    // warning before the error, whose explanation (loader.ts) gives the fix for that file.
+    if ((w as Error & { code?: string }).code === 'MODULE_TYPELESS_PACKAGE_JSON' || w.message.startsWith('To load an ES module, set "type": "module"')) return;
     const text = `${w.name && w.name !== 'Warning' ? `${w.name}: ` : ''}${w.message}`;
     process.stderr.write(`idem: warning: ${visibleError(text.split('\n').map((l) => l.trim()).filter(Boolean).join(' '))}\n`);
   });

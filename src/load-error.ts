@@ -4,8 +4,14 @@ import { fileURLToPath } from 'node:url';
 import { inspect } from 'node:util';
 import { codeOf, IdemError } from './errors.ts';
 
-/** idem's own sources: a frame here is never the line the user has to fix. */
-const OWN_SOURCES = path.dirname(fileURLToPath(import.meta.url)) + path.sep;
+/**
+ * idem's own sources: a frame here is never the line the user has to fix. Built, this module is
+ * one of dist/chunks/, and the CLI's frames are in dist/ itself.
+ */
+const OWN_SOURCES = ((dir) => (path.basename(dir) === 'chunks' ? path.dirname(dir) : dir))(path.dirname(fileURLToPath(import.meta.url))) + path.sep;
+
+/** ES-module TypeScript compiled by idem (compile-typescript.ts): a frame here is esbuild's runtime, which has no source line. */
+const COMPILED_COPIES = `${path.sep}.idem${path.sep}cache${path.sep}`;
 
 /** Where a job file failed: 1-based line and column, as editors count them, and that line's text. */
 export interface SourceLocation {
@@ -39,6 +45,12 @@ export async function explainLoadError(file: string, err: unknown): Promise<Load
   }
   const code = codeOf(err);
   if (code === 'ERR_MODULE_NOT_FOUND') return missingImport(err.message);
+  const esbuild = await esbuildError(file, err);
+  // A CommonJS TypeScript file is compiled to CommonJS (tsx), which has no top-level await.
+  if (esbuild && /^Top-level await is currently not supported with the "cjs" output format/.test(esbuild.text)) {
+    const commonJs = await notAModulePackage(file, 'top-level await needs an ES module,');
+    if (commonJs) return { ...commonJs, ...spread(esbuild.location) };
+  }
   // CommonJS (a project without "type": "module"): require() throws MODULE_NOT_FOUND, with the
   // importing file first in its require stack.
   if (code === 'MODULE_NOT_FOUND') {
@@ -52,9 +64,20 @@ export async function explainLoadError(file: string, err: unknown): Promise<Load
     const commonJs = await notAModulePackage(file);
     if (commonJs) return commonJs;
   }
-  if (err.name === 'SyntaxError' || err.name === 'TransformError') {
-    const syntax = await findSyntaxError(transformErrorFile(err.message) ?? file);
+  if (err.name === 'SyntaxError' || err.name === 'TransformError' || esbuild) {
+    const syntax = await findSyntaxError(esbuild?.location?.file ?? file);
     if (syntax) return syntax;
+  }
+  // Not a syntax error, but what bundling found (an import of a name the file does not export):
+  // esbuild's own words, where it found it.
+  if (esbuild) {
+    const fix = /^No matching export in /.test(esbuild.text) ? 'export it from there, or fix the import' : 'fix the file';
+    return { cause: esbuild.text, fix, ...spread(esbuild.location) };
+  }
+  // esbuild's stand-in for require() in an ES module it compiled (an ES module has no require).
+  const dynamicRequire = /^Dynamic require of "(.+)" is not supported$/.exec(firstLine(err.message));
+  if (dynamicRequire) {
+    return { cause: `require(${JSON.stringify(dynamicRequire[1])}) is not available in an ES module`, fix: 'use import instead, or make the file CommonJS (rename it to .cts)', ...spread(await thrownAt(err.stack)) };
   }
   const linked = await linkErrorLocation(err.stack);
   if (linked) return { cause: firstLine(err.message), fix: 'fix the file', location: linked };
@@ -108,10 +131,31 @@ async function at(file: string, line: number, column: number): Promise<SourceLoc
   return text === undefined ? undefined : { file, line, column, lineText: text };
 }
 
-/** tsx reports "Transform failed with 1 error:\n/path/file.ts:3:22: ERROR: …": the file may be a helper. */
-function transformErrorFile(message: string): string | undefined {
-  const m = /^(\/.+?|[A-Za-z]:\\.+?):\d+:\d+: ERROR: /m.exec(message);
-  return m?.[1];
+/**
+ * The first error of an esbuild failure, its text and where. tsx's TransformError keeps it only in
+ * its message ("Transform failed with 1 error:\n/path/file.ts:3:22: ERROR: …", the column 0-based),
+ * as compile-typescript.ts words its own; esbuild's own failure has `errors`. The file may be a
+ * helper the job imports. Undefined for any other error.
+ */
+async function esbuildError(file: string, err: Error): Promise<{ text: string; location?: SourceLocation } | undefined> {
+  type Message = { text: string; location: { file: string; line: number; column: number } | null };
+  const own = (err as { errors?: Message[] }).errors?.[0];
+  let where: { file: string; line: number; column: number } | undefined;
+  let text: string;
+  if (own && typeof own.text === 'string') {
+    text = own.text;
+    if (own.location) where = { ...own.location, file: path.resolve(path.dirname(file), own.location.file) };
+  } else {
+    if (err.name !== 'TransformError') return undefined;
+    const m = /^(\/.+?|[A-Za-z]:\\.+?):(\d+):(\d+): ERROR: (.*)$/m.exec(err.message);
+    if (!m) return undefined;
+    text = m[4]!;
+    where = { file: m[1]!, line: Number(m[2]), column: Number(m[3]) };
+  }
+  if (!where) return { text };
+  // tsx names a .cts or .mts file .ts to esbuild: the job file itself.
+  const named = where.file.replace(/\.[cm]?[jt]s$/, '') === file.replace(/\.[cm]?[jt]s$/, '') ? file : where.file;
+  return { text, ...spread(await at(named, where.line, where.column + 1)) };
 }
 
 /**
@@ -199,9 +243,14 @@ function packageName(specifier: string): string {
 /**
  * A .ts or .js file with `export` in a package that is not `"type": "module"` is compiled as
  * CommonJS, and Node fails with "Cannot require() ES Module … in a cycle": say what is really wrong.
+ * `what` is the cause's start (`top-level await needs an ES module,`: tsx compiles a CommonJS
+ * TypeScript file's import and export, but not its top-level await). The fix renames a .js file to
+ * .mjs, TypeScript to .mts.
  */
-async function notAModulePackage(file: string): Promise<LoadFailure | undefined> {
+async function notAModulePackage(file: string, what = 'it is an ES module'): Promise<LoadFailure | undefined> {
   if (/\.m[jt]s$/.test(file)) return undefined;
+  const esm = /\.[cm]?ts$/.test(file) ? '.mts' : '.mjs';
+  if (/\.c[jt]s$/.test(file)) return { cause: `${what} but a ${path.extname(file)} file is CommonJS`, fix: `rename it to ${esm}` };
   for (let dir = path.dirname(file); ; dir = path.dirname(dir)) {
     const pkgFile = path.join(dir, 'package.json');
     const text = await readFile(pkgFile, 'utf8').catch(() => undefined);
@@ -213,10 +262,12 @@ async function notAModulePackage(file: string): Promise<LoadFailure | undefined>
         return undefined;
       }
       if (type === 'module') return undefined;
-      return { cause: `it is an ES module but ${displayPath(pkgFile)} does not declare "type": "module"`, fix: 'add "type": "module" there, or rename the file to .mts' };
+      // npm 11's `npm init -y` writes "type": "commonjs".
+      if (type !== undefined) return { cause: `${what} but ${displayPath(pkgFile)} declares "type": ${JSON.stringify(type)}`, fix: `set "type": "module" there, or rename the file to ${esm}` };
+      return { cause: `${what} but ${displayPath(pkgFile)} does not declare "type": "module"`, fix: `add "type": "module" there, or rename the file to ${esm}` };
     }
     if (path.dirname(dir) === dir) {
-      return { cause: 'it is an ES module but no package.json above it declares "type": "module"', fix: 'add a package.json with "type": "module" to the project, or rename the file to .mts' };
+      return { cause: `${what} but no package.json above it declares "type": "module"`, fix: `add a package.json with "type": "module" to the project, or rename the file to ${esm}` };
     }
   }
 }
@@ -235,7 +286,7 @@ async function thrownAt(stack: string | undefined): Promise<SourceLocation | und
     const m = /\(?((?:file:\/\/)?\/[^():]+|[A-Za-z]:\\[^():]+):(\d+):(\d+)\)?\s*$/.exec(frame);
     if (!m) continue;
     const file = m[1]!.startsWith('file:') ? fileURLToPath(m[1]!) : m[1]!;
-    if (file.includes(`${path.sep}node_modules${path.sep}`) || file.startsWith(OWN_SOURCES)) continue;
+    if (file.includes(`${path.sep}node_modules${path.sep}`) || file.startsWith(OWN_SOURCES) || file.includes(COMPILED_COPIES)) continue;
     const loc = await at(file, Number(m[2]), Number(m[3]));
     if (loc) return loc;
   }

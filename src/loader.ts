@@ -6,7 +6,8 @@ import { pathToFileURL } from 'node:url';
 import { recordJobFile } from './code-fingerprint.ts';
 import { codeOf, messageOf, UsageError } from './errors.ts';
 import { assertJob, type Job } from './job.ts';
-import { explainLoadError, formatLoadFailure } from './load-error.ts';
+import { jobFilesLoading } from './job-file-loading.ts';
+import { displayPath, explainLoadError, formatLoadFailure } from './load-error.ts';
 import { MAX_RUN_KEY_CHARS } from './run-key.ts';
 import { quoteChoices, suggestSimilar } from './suggest.ts';
 
@@ -122,6 +123,7 @@ export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Prom
 /** Imports one job file and checks its job (not what only a migration must be: see checkMigration). */
 async function loadJobFile(file: string, what: 'jobs' | 'migrations'): Promise<LoadedJob> {
   let mod: Record<string, unknown>;
+  jobFilesLoading.set(file, (code, stack) => exitWhileLoading(what, file, code, stack));
   try {
     mod = await importJobFile(file);
   } catch (err) {
@@ -129,10 +131,25 @@ async function loadJobFile(file: string, what: 'jobs' | 'migrations'): Promise<L
     // Explaining must never hide the error it explains.
     const failure = await explainLoadError(file, err).catch(() => ({ cause: messageOf(err), fix: 'fix the file' }));
     throw new UsageError('jobLoadFailed', formatLoadFailure(what, file, failure), { cause: err });
+  } finally {
+    jobFilesLoading.delete(file);
   }
-  const job = assertJob(jobExport(mod), path.relative(process.cwd(), file));
+  const origin = path.relative(process.cwd(), file);
+  const exported = jobExport(mod, isCommonJsFile(file));
+  const job = assertJob(exported === undefined ? noJobExported(mod, origin) : exported, origin);
   await recordJobFile(job, file);
   return { file, id: fileStem(path.basename(file)), job };
+}
+
+/**
+ * A job file that ends the process while it loads (`if (!process.env.X) process.exit(0)`): every
+ * command loads the folder, so `idem list` ended there too, with no run to speak of. One line,
+ * `file:line:column` of the call when the stack shows it (synchronous: the process is exiting).
+ */
+function exitWhileLoading(what: 'jobs' | 'migrations', file: string, code: number, stack: string): string {
+  const url = pathToFileURL(file).href;
+  const at = [url, file].map((f) => new RegExp(`${f.replace(/[.*+?^${}()|[\]\\]/g, '\\$&')}:(\\d+):(\\d+)`).exec(stack)).find(Boolean);
+  return `cannot load ${what} file ${displayPath(file)}${at ? `:${at[1]}:${at[2]}` : ''}: it called process.exit(${code}) while loading; a job file may not end the process: throw an Error instead, or check the condition in a step`;
 }
 
 /**
@@ -222,14 +239,33 @@ function checkMigration(job: Job, id: string, origin: string): void {
  * The job a module exports: `export default` or `export const job` in ESM. A CommonJS module
  * (a .cjs file, or TypeScript compiled for a CommonJS project) arrives as `{ default: module.exports }`,
  * where `export default` became `exports.default` and `module.exports = job` is the job itself.
+ * Undefined when there is none: a CommonJS module's exports with neither name nor steps are not
+ * a job (a forgotten `module.exports = job`, or helpers only), while an ES module's default export
+ * of such an object is refused for what it lacks.
  */
-function jobExport(mod: Record<string, unknown>): unknown {
+function jobExport(mod: Record<string, unknown>, commonJs: boolean): unknown {
   const top = mod.default ?? mod.job;
   if (top && typeof top === 'object' && !('steps' in top)) {
     const inner = (top as Record<string, unknown>).default ?? (top as Record<string, unknown>).job;
     if (inner !== undefined) return inner;
+    if (commonJs && mod.default === top && !('name' in top)) return undefined;
   }
   return top;
+}
+
+/**
+ * A file that exports no job: it says so, and what it does export. Files named `_…` are the
+ * helpers idem skips (README, How job files load), so exports of other names hint at one.
+ */
+function noJobExported(mod: Record<string, unknown>, origin: string): never {
+  const names = new Set(Object.keys(mod).filter((k) => k !== 'default' && k !== 'module.exports'));
+  const exportsObject = mod.default;
+  if (exportsObject && typeof exportsObject === 'object') for (const k of Object.keys(exportsObject)) names.add(k);
+  const found = names.size === 0 ? 'it exports nothing' : `it exports only ${[...names].join(', ')}`;
+  throw new UsageError(
+    'invalidJob',
+    `${origin} does not export a job definition: expected an object with name and steps (export default …, or module.exports = … in CommonJS); ${found}; export the job, or if the file is a helper, start its name with _ (idem skips those)`,
+  );
 }
 
 /**

@@ -147,6 +147,70 @@ describe('a job file that cannot load: file:line:column, the cause, the source l
     expect(r.code, r.stderr).toBe(0);
     expect(JSON.parse(r.stdout)).toEqual(expect.arrayContaining([expect.objectContaining({ kind: 'job', name: 'ok' })]));
   });
+
+  it('an esbuild error is reported with its own text and its place in the user\'s file, not "Transform failed with 1 error:"', async () => {
+    // Black-box round 13: the first line of esbuild's message ("Transform failed with 1 error:")
+    // was all that was said, and a require() in an ES module was placed in idem's compiled copy.
+    const job = `export default { name: 'tla', steps: [{ name: 'a', run: () => 1 }] };\n`;
+    for (const [name, pkg, said] of [
+      ['tla-commonjs', { name: 'app', type: 'commonjs' }, 'declares "type": "commonjs"; set'],
+      ['tla-typeless', { name: 'app' }, 'does not declare "type": "module"; add'],
+    ] as const) {
+      const dir = await jobFolder(name, { 'tla.ts': `await Promise.resolve(1);\n${job}` }, pkg);
+      const out = refusal(await runCli(['--jobs-dir', dir, 'run', 'tla'], { url }), 2);
+      expect(out[0]).toBe(
+        `idem: error: cannot load jobs file ${path.join(dir, 'tla.ts')}:1:1: top-level await needs an ES module, but ${path.join(dir, '..', 'package.json')} ${said} "type": "module" there, or rename the file to .mts`,
+      );
+      expect(out[1]).toBe('    1 | await Promise.resolve(1);');
+    }
+
+    const dir = await jobFolder('no-such-export', {
+      'imp.ts': `import { cfg, nope } from './_cfg.ts';\nexport default { name: 'imp', steps: [{ name: 'a', run: () => [cfg, nope] }] };\n`,
+      '_cfg.ts': `export const cfg = 1;\n`,
+    });
+    const imp = refusal(await runCli(['--jobs-dir', dir, 'list'], { url }), 2);
+    expect(imp[0]).toBe(`idem: error: cannot load jobs file ${path.join(dir, 'imp.ts')}:1:15: No matching export in "_cfg.ts" for import "nope"; export it from there, or fix the import`);
+    expect(imp.slice(1)).toEqual([`    1 | import { cfg, nope } from './_cfg.ts';`, '      |               ^']);
+
+    const req = await jobFolder('require-in-esm', { 'req.ts': `const idem = require('idem');\nexport default { name: 'req', steps: [{ name: 'a', run: () => idem }] };\n` });
+    const r = refusal(await runCli(['--jobs-dir', req, 'list'], { url }), 2);
+    expect(r[0]).toBe(`idem: error: cannot load jobs file ${path.join(req, 'req.ts')}:1:14: require("idem") is not available in an ES module; use import instead, or make the file CommonJS (rename it to .cts)`);
+  });
+
+  it('an ES-module .js job in a "type": "commonjs" project: one line, and the fix for a .js file (.mjs); without a type it loads, with no Node warning', async () => {
+    // Black-box round 13: npm 11's `npm init -y` writes "type": "commonjs". Node's own warning
+    // came first, and the fix named .mts and a type the package.json did declare.
+    const job = `export default { name: 'esm-js', steps: [{ name: 'a', run: () => 1 }] };\n`;
+    const dir = await jobFolder('esm-js-commonjs', { 'esm.js': job }, { name: 'app', type: 'commonjs' });
+    expect(lines((await runCli(['--jobs-dir', dir, 'run', 'esm-js'], { url })).stderr)).toEqual([
+      `idem: error: cannot load jobs file ${path.join(dir, 'esm.js')}: it is an ES module but ${path.join(dir, '..', 'package.json')} declares "type": "commonjs"; set "type": "module" there, or rename the file to .mjs`,
+    ]);
+    // Node reads it as an ES module (20.19 and later), and its "Reparsing as ES module" warning,
+    // advice on the project's package.json, is not repeated at every command.
+    const typeless = await jobFolder('esm-js-typeless', { 'esm.js': job }, { name: 'app' });
+    const ok = await runCli(['--jobs-dir', typeless, 'list', '--json'], { url });
+    expect({ code: ok.code, stderr: ok.stderr }).toEqual({ code: 0, stderr: '' });
+    expect(JSON.parse(ok.stdout)).toEqual(expect.arrayContaining([expect.objectContaining({ kind: 'job', name: 'esm-js' })]));
+  });
+
+  it('a job file that calls process.exit() while loading is a bad job file: exit 2, one line naming it, no word of a run', async () => {
+    // Black-box round 13: exit 1 and "a run in flight is left unfinished", where no run existed.
+    const dir = await jobFolder('exits', {
+      'pe.ts': `if (!process.env.IDEM_TEST_NOT_SET) process.exit(0);\nexport default { name: 'pe', steps: [{ name: 'a', run: () => 1 }] };\n`,
+    });
+    const before = await snapshot(url, ALL_TABLES);
+    for (const args of [['run', 'pe'], ['list'], ['run', 'pe', '--json']]) {
+      const r = await runCli(['--jobs-dir', dir, ...args], { url });
+      expect(r.code, r.stderr).toBe(2);
+      expect(lines(r.stderr)).toEqual([
+        expect.stringMatching(
+          new RegExp(`^idem: error: cannot load jobs file ${esc(path.join(dir, 'pe.ts'))}:1:\\d+: it called process\\.exit\\(0\\) while loading; a job file may not end the process: throw an Error instead, or check the condition in a step$`),
+        ),
+      ]);
+      if (args.includes('--json')) expect(JSON.parse(r.stdout)).toMatchObject({ status: 'error', exitCode: 2, code: 'idem.jobLoadFailed' });
+    }
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
 });
 
 describe('a folder given with --jobs-dir or --migrations-dir must exist', () => {

@@ -50,6 +50,32 @@ describe('loading job folders', () => {
     expect((err as Error).message).toMatch(/bad\.ts: invalid job definition: name must match .*; steps must be a non-empty array/);
   });
 
+  it('a file that exports no job says so, CommonJS as ES module; one exporting only other names is told of the _ prefix of helper files', async () => {
+    // Black-box round 13: a CommonJS file without module.exports was "name must match …; steps
+    // must be a non-empty array", its helper exports "unknown key".
+    const cases = [
+      ['nothing.cjs', `const job = { name: 'x', steps: [{ name: 's', run() {} }] };\n`, 'nothing'],
+      ['helpers.cjs', `exports.foo = 1;\nexports.bar = 2;\n`, 'foo, bar'],
+      ['helpers.mjs', `export const foo = 1;\n`, 'foo'],
+      ['nothing.mjs', `const job = 1;\n`, 'nothing'],
+      // require()d through tsx (as under the CLI, where Node's import() of a .cjs file is { default: {} } too).
+      ['nothing.cts', `const job = 1;\n`, 'nothing'],
+      ['helpers.cts', `export const foo = 1;\n`, 'foo'],
+    ] as const;
+    for (const [file, text, exported] of cases) {
+      const d = await folder(`no-export-${file.replace('.', '-')}`, { [file]: text });
+      const err = await loadJobDir(d, 'jobs').catch((e: unknown) => e);
+      expect(err).toBeInstanceOf(UsageError);
+      const hint = exported === 'nothing' ? 'it exports nothing; export the job' : `it exports only ${exported}; export the job`;
+      expect((err as Error).message).toBe(
+        `${path.relative(process.cwd(), path.join(d, file))} does not export a job definition: expected an object with name and steps (export default …, or module.exports = … in CommonJS); ${hint}, or if the file is a helper, start its name with _ (idem skips those)`,
+      );
+    }
+    // A CommonJS job with a mistake in it is still told what is wrong with it.
+    const d = await folder('cjs-half', { 'half.cjs': `module.exports = { name: 'half' };\n` });
+    await expect(loadJobDir(d, 'jobs')).rejects.toThrow(/half\.cjs: invalid job definition: steps must be a non-empty array/);
+  });
+
   it('an invalid defineJob() at load time points at the line in the job file, not inside idem', async () => {
     const d = await folder('bad-define', {
       'bad-define.ts': `import { defineJob } from ${JSON.stringify(INDEX)};\nexport default defineJob({ name: 'has space', steps: [] });\n`,
