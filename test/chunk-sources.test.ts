@@ -312,6 +312,22 @@ describe('keysetQuery', () => {
   });
 });
 
+describe('chunk sources refuse an option key they do not know, naming the closest known key', () => {
+  it('keyRange, keyList and keysetQuery: a typo is refused when the source is made, a known key still taken', () => {
+    // Black-box round 13, beside the job's nested keys: keyRange({ ..., wehre }) would cut every row, keyList({ ..., headers: false }) skip the first key.
+    expect(() => keyRange({ table: 't', column: 'id', size: 10, wehre: 'x > 0' } as never)).toThrow('keyRange(): unknown key "wehre" (did you mean "where"?)');
+    expect(() => keyList({ keys: [1], size: 1, headers: false } as never)).toThrow('keyList(): unknown key "headers" (did you mean "header"?)');
+    expect(() => keysetQuery({ query: 'select 1 as id', key: 'id', size: 1, table: ['t'] } as never)).toThrow('keysetQuery(): unknown key "table" (did you mean "tables"?)');
+    // Reported with the other problems, all at once; a stray key with no near one lists the known keys.
+    expect(() => keyRange({ table: 't', column: 'id', size: 0, bogus: 1 } as never)).toThrow(
+      'keyRange(): unknown key "bogus" (known: table, column, size, where); size must be an integer >= 1 (got 0)',
+    );
+    expect(() => keyRange({ table: 't', column: 'id', size: 1, where: 'x > 0' })).not.toThrow();
+    expect(() => keyList({ file: 'f.csv', format: 'csv', column: 'id', header: true, size: 1 })).not.toThrow();
+    expect(() => keysetQuery({ query: 'select 1 as id', key: 'id', size: 1, tables: ['t'] })).not.toThrow();
+  });
+});
+
 describe('keyRange: a table or column name is spelled as it is in the database', () => {
   beforeAll(async () => {
     // Created quoted: the names keep their case, and only that spelling names them.
