@@ -157,11 +157,21 @@ class LineReader {
   }
 
   static async open(file: string, offset: number): Promise<LineReader> {
+    const refuse = (why: string, cause?: unknown) =>
+      new TypeError(`keyList(): cannot read ${file}: ${why}; fix the path (relative paths resolve against ${process.cwd()})`, { cause });
+    let handle: Awaited<ReturnType<typeof open>>;
     try {
-      return new LineReader(await open(file, 'r'), offset);
+      handle = await open(file, 'r');
     } catch (err) {
-      throw new TypeError(`keyList(): cannot read ${file}: ${(err as Error).message}; fix the path (relative paths resolve against ${process.cwd()})`, { cause: err });
+      throw refuse((err as Error).message, err);
     }
+    // A directory opens fine on Linux; only its first read fails, with a bare "EISDIR: illegal
+    // operation on a directory, read" that names neither keyList nor the path.
+    if ((await handle.stat().catch(() => null))?.isDirectory()) {
+      await handle.close();
+      throw refuse('it is a directory, not a file of keys');
+    }
+    return new LineReader(handle, offset);
   }
 
   /** The next line without its line break (\n or \r\n), or null at the end of the file. */

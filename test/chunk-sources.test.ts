@@ -103,6 +103,14 @@ describe('keyList', () => {
     expect(() => keyList({ size: 2 })).toThrow('keyList(): pass exactly one of keys or file');
   });
 
+  it('a file that is a directory: one line naming keyList, the path and the fix, from planning and from the estimate', async () => {
+    // Black-box round 13: a bare "EISDIR: illegal operation on a directory, read", naming neither keyList nor the path.
+    const src = keyList({ file: dir, size: 2 });
+    const expected = `keyList(): cannot read ${dir}: it is a directory, not a file of keys; fix the path (relative paths resolve against ${process.cwd()})`;
+    await expect(src(null, planCtx(1))).rejects.toThrow(expected);
+    await expect(Promise.resolve(src.estimate!(planCtx(1)))).rejects.toThrow(expected);
+  });
+
   it('a file larger than the process may hold is streamed through in a heap too small to load it whole', async () => {
     const file = path.join(dir, 'big.txt');
     // 1.6 M keys of 40 characters: 66 MB, more than twice the child's 32 MB heap.
