@@ -84,7 +84,7 @@ export interface PlanContext<P = unknown, DB = any> extends BaseContext<P> {
   readonly windowSize: number;
   /**
    * Adaptive sizing (`--target-chunk-ms`): multiply your nominal chunk size by this. `1` unless the
-   * runner is steering chunk durations toward a target; keyRange honours it.
+   * runner is steering chunk durations toward a target; keyRange, keyList and keysetQuery honour it.
    */
   readonly sizeFactor: number;
 }

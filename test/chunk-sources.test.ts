@@ -309,6 +309,17 @@ describe('keysetQuery', () => {
     ]);
   });
 
+  it('keyList and keysetQuery, like keyRange, scale their chunk size by ctx.sizeFactor (--target-chunk-ms)', async () => {
+    const ctx = (sizeFactor: number) => ({ ...planCtx(2), sizeFactor, db: runner.db }) as PlanContext;
+    const list = keyList({ keys: Array.from({ length: 100 }, (_, i) => i), size: 10 });
+    expect((await list(null, ctx(2))).chunks.map((c) => c.keys.length)).toEqual([20, 20]);
+    expect((await list(null, ctx(0.5))).chunks.map((c) => c.keys.length)).toEqual([5, 5]);
+    const rows = keysetQuery({ query: `select tenant, id from orders`, key: ['tenant', 'id'], size: 10 });
+    const count = async (c: KeysetChunk) => (await query(url, `select count(*)::int as n from orders where (tenant, id) > ($1, $2) and (tenant, id) <= ($3, $4)`, [...(c.after ?? ['', '-1']), ...c.through]))[0].n;
+    expect(await Promise.all((await rows(null, ctx(2))).chunks.map(count))).toEqual([20, 20]);
+    expect(await Promise.all((await rows(null, ctx(0.5))).chunks.map(count))).toEqual([5, 5]);
+  });
+
   it('refuses bad options at definition time', () => {
     expect(() => keysetQuery({ query: '', key: [], size: 0 })).toThrow(
       'keysetQuery(): query must be a non-empty SQL string or a sql`` builder; key must be a column name or a non-empty array of them; size must be an integer >= 1 (got 0)',
