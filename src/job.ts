@@ -4,8 +4,8 @@ import { backoffProblems, type BackoffOptions } from './retry.ts';
 import { throttleProblems, type ThrottleOptions } from './throttle.ts';
 import { resolveHealth, type HealthSetting } from './health-check.ts';
 import { UsageError } from './errors.ts';
-import { parseSchedule } from './schedule.ts';
-import { suggestSimilar } from './suggest.ts';
+import { parseSchedule, type ScheduleSpec } from './schedule.ts';
+import { unknownKeys } from './suggest.ts';
 import { tableNameProblem } from './table-name.ts';
 import { LONE_SURROGATE } from './key-label.ts';
 
@@ -84,7 +84,7 @@ export interface PlanContext<P = unknown, DB = any> extends BaseContext<P> {
   readonly windowSize: number;
   /**
    * Adaptive sizing (`--target-chunk-ms`): multiply your nominal chunk size by this. `1` unless the
-   * runner is steering chunk durations toward a target; keyRange honours it.
+   * runner is steering chunk durations toward a target; keyRange, keyList and keysetQuery honour it.
    */
   readonly sizeFactor: number;
 }
@@ -226,6 +226,7 @@ export function assertJob(value: unknown, origin: string): Job {
     } catch (err) {
       problems.push((err as Error).message);
     }
+    problems.push(...unknownNestedKeys(def.schedule, SCHEDULE_KEYS, 'schedule: '));
   }
   if (def.version !== undefined && !((typeof def.version === 'string' && def.version !== '' && def.version.length <= 200) || Number.isFinite(def.version))) {
     problems.push(`version must be a non-empty string (at most 200 characters) or a number (got ${JSON.stringify(def.version)})`);
@@ -243,8 +244,8 @@ export function assertJob(value: unknown, origin: string): Job {
   if (def.params !== undefined && typeof def.params !== 'function' && !isStandardSchema(def.params)) {
     problems.push('params must be a Standard Schema (zod, valibot, arktype…) or a function (raw) => params');
   }
-  if (def.throttle !== undefined) for (const m of throttleProblems(def.throttle)) problems.push(`throttle: ${m}`);
-  if (def.retry !== undefined) for (const m of backoffProblems(def.retry)) problems.push(`retry: ${m}`);
+  if (def.throttle !== undefined) for (const m of [...unknownNestedKeys(def.throttle, THROTTLE_KEYS, ''), ...throttleProblems(def.throttle)]) problems.push(`throttle: ${m}`);
+  if (def.retry !== undefined) for (const m of [...unknownNestedKeys(def.retry, BACKOFF_KEYS, ''), ...backoffProblems(def.retry)]) problems.push(`retry: ${m}`);
   if (!Array.isArray(def.steps) || def.steps.length === 0) {
     problems.push('steps must be a non-empty array');
   } else {
@@ -258,8 +259,8 @@ export function assertJob(value: unknown, origin: string): Job {
       if (s && s.maxFailedChunks !== undefined && !(Number.isInteger(s.maxFailedChunks) && s.maxFailedChunks >= 0)) {
         problems.push(`steps[${i}].maxFailedChunks must be an integer >= 0`);
       }
-      if (s?.throttle !== undefined) for (const m of throttleProblems(s.throttle)) problems.push(`steps[${i}].throttle: ${m}`);
-      if (s?.retry !== undefined) for (const m of backoffProblems(s.retry)) problems.push(`steps[${i}].retry: ${m}`);
+      if (s?.throttle !== undefined) for (const m of [...unknownNestedKeys(s.throttle, THROTTLE_KEYS, ''), ...throttleProblems(s.throttle)]) problems.push(`steps[${i}].throttle: ${m}`);
+      if (s?.retry !== undefined) for (const m of [...unknownNestedKeys(s.retry, BACKOFF_KEYS, ''), ...backoffProblems(s.retry)]) problems.push(`steps[${i}].retry: ${m}`);
       if (s) checkHealth(s.health, `steps[${i}]: `);
       if (s && s.tables !== undefined) {
         if (!(Array.isArray(s.tables) && s.tables.every((t) => typeof t === 'string' && t !== ''))) problems.push(`steps[${i}].tables must be an array of table names`);
@@ -281,14 +282,14 @@ const JOB_KEYS: ReadonlyArray<keyof JobDefinition> = ['name', 'description', 've
 /** Every key a step may have. */
 const STEP_KEYS: ReadonlyArray<keyof SingleStep | keyof ChunkedStep> = ['name', 'run', 'chunks', 'retry', 'maxFailedChunks', 'throttle', 'health', 'tables'];
 
-/** `unknown key "schedual" (did you mean "schedule"?)` for each own key of `value` not in `known`. */
-function unknownKeys(value: object, known: readonly string[], where: string): string[] {
-  return Object.keys(value)
-    .filter((k) => !known.includes(k))
-    .map((k) => {
-      const similar = suggestSimilar(k, known);
-      return `${where}unknown key ${JSON.stringify(k)} (${similar.length > 0 ? `did you mean ${similar.map((n) => JSON.stringify(n)).join(' or ')}?` : `known: ${known.join(', ')}`})`;
-    });
+/** Every key of an object schedule, of retry and of throttle (the nested option objects; health names its own). */
+const SCHEDULE_KEYS: ReadonlyArray<keyof ScheduleSpec> = ['cron', 'timezone'];
+const BACKOFF_KEYS: ReadonlyArray<keyof BackoffOptions> = ['base', 'max', 'factor', 'attempts'];
+const THROTTLE_KEYS: ReadonlyArray<keyof ThrottleOptions> = ['maxRate', 'pauseMs', 'targetChunkMs'];
+
+/** unknownKeys of a nested option object, when it is one (a wrong type is reported by its own check). */
+function unknownNestedKeys(value: unknown, known: readonly string[], where: string): string[] {
+  return value && typeof value === 'object' && !Array.isArray(value) ? unknownKeys(value, known, where) : [];
 }
 
 function isStandardSchema(v: unknown): v is StandardSchemaV1 {

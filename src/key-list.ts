@@ -1,6 +1,7 @@
 import { open, stat } from 'node:fs/promises';
 import path from 'node:path';
 import type { ChunkSource, ChunkSpec, Json } from './job.ts';
+import { unknownKeys } from './suggest.ts';
 
 export interface KeyListOptions<P = any> {
   /** The keys, or a function of the run's params returning them (`(p) => p.ids`). One of `keys` or `file`. */
@@ -27,6 +28,9 @@ export interface KeyListChunk extends ChunkSpec {
   readonly keys: Json[];
 }
 
+/** Every option keyList takes; any other is refused (a typo such as `headers` would do nothing). */
+const KEY_LIST_KEYS: ReadonlyArray<keyof KeyListOptions> = ['keys', 'file', 'format', 'column', 'header', 'size'];
+
 /** How many bytes one read takes from the file. */
 const BLOCK = 64 * 1024;
 
@@ -46,7 +50,7 @@ type ParamsOfList<P> = unknown extends P ? unknown : P;
  * keyList({ keys: (p) => p.userIds, size: 100 })
  */
 export function keyList<P = any>(opts: KeyListOptions<P>): ChunkSource<ParamsOfList<P>, any, KeyListChunk> {
-  const problems: string[] = [];
+  const problems = opts && typeof opts === 'object' ? unknownKeys(opts, KEY_LIST_KEYS, '') : [];
   if ((opts?.keys === undefined) === (opts?.file === undefined)) problems.push('pass exactly one of keys or file');
   if (opts?.keys !== undefined && !Array.isArray(opts.keys) && typeof opts.keys !== 'function') problems.push('keys must be an array or a function of the params');
   if (opts?.file !== undefined && !(typeof opts.file === 'function' || (typeof opts.file === 'string' && opts.file !== ''))) problems.push('file must be a path or a function of the params');
@@ -153,11 +157,21 @@ class LineReader {
   }
 
   static async open(file: string, offset: number): Promise<LineReader> {
+    const refuse = (why: string, cause?: unknown) =>
+      new TypeError(`keyList(): cannot read ${file}: ${why}; fix the path (relative paths resolve against ${process.cwd()})`, { cause });
+    let handle: Awaited<ReturnType<typeof open>>;
     try {
-      return new LineReader(await open(file, 'r'), offset);
+      handle = await open(file, 'r');
     } catch (err) {
-      throw new TypeError(`keyList(): cannot read ${file}: ${(err as Error).message}; fix the path (relative paths resolve against ${process.cwd()})`, { cause: err });
+      throw refuse((err as Error).message, err);
     }
+    // A directory opens fine on Linux; only its first read fails, with a bare "EISDIR: illegal
+    // operation on a directory, read" that names neither keyList nor the path.
+    if ((await handle.stat().catch(() => null))?.isDirectory()) {
+      await handle.close();
+      throw refuse('it is a directory, not a file of keys');
+    }
+    return new LineReader(handle, offset);
   }
 
   /** The next line without its line break (\n or \r\n), or null at the end of the file. */

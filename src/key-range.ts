@@ -1,5 +1,6 @@
 import { sql, type RawBuilder } from 'kysely';
 import type { ChunkSource, ChunkSpec, Json } from './job.ts';
+import { unknownKeys } from './suggest.ts';
 import { identInSql, columnNameProblem, parseTableName, regclassText, tableInSql, tableNameProblem, tableRef } from './table-name.ts';
 
 export interface KeyRangeOptions {
@@ -39,6 +40,9 @@ export interface KeyRangeChunk extends ChunkSpec {
   readonly last: number;
 }
 
+/** Every option keyRange takes; any other is refused (a typo such as `wehre` would cut every row). */
+const KEY_RANGE_KEYS: ReadonlyArray<keyof KeyRangeOptions> = ['table', 'column', 'size', 'where'];
+
 /**
  * Keyset chunks over an indexed integer column. Boundaries are computed lazily, one window at a
  * time, by the server (`row_number()` over an index range scan limited to the window): the key list
@@ -47,7 +51,8 @@ export interface KeyRangeChunk extends ChunkSpec {
  * keyRange({ table: 'reservations', column: 'id', size: 1000, where: 'reserved_by_normalized is null' })
  */
 export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, any, KeyRangeChunk> {
-  const problems = [tableNameProblem(opts?.table, 'table'), columnNameProblem(opts?.column, 'column')].filter((p) => p !== null);
+  const problems = [...(opts && typeof opts === 'object' ? unknownKeys(opts, KEY_RANGE_KEYS, '') : [])];
+  problems.push(...[tableNameProblem(opts?.table, 'table'), columnNameProblem(opts?.column, 'column')].filter((p) => p !== null));
   if (!Number.isInteger(opts?.size) || opts.size < 1) problems.push(`size must be an integer >= 1 (got ${opts?.size})`);
   if (problems.length) throw new TypeError(`keyRange(): ${problems.join('; ')}`);
   // One spelling for the queries and for every catalog lookup (src/table-name.ts).

@@ -2,6 +2,7 @@ import { sql, type RawBuilder } from 'kysely';
 import { createHash } from 'node:crypto';
 import type { ChunkSource, ChunkSpec, Json, PlanContext } from './job.ts';
 import { soleStatement } from './sql-statements.ts';
+import { unknownKeys } from './suggest.ts';
 import { identInSql, columnNameProblem, tableNameProblem } from './table-name.ts';
 
 export interface KeysetQueryOptions {
@@ -43,6 +44,9 @@ export type KeysetSource = ChunkSource<unknown, any, KeysetChunk> & {
   where(chunk: KeysetChunk, alias?: string): RawBuilder<unknown>;
 };
 
+/** Every option keysetQuery takes; any other is refused (a typo such as `table` would do nothing). */
+const KEYSET_QUERY_KEYS: ReadonlyArray<keyof KeysetQueryOptions> = ['query', 'key', 'size', 'tables'];
+
 /**
  * Keyset chunks over the rows of a query, for composite (or non-integer) keys: each boundary is one
  * index probe (`where (k1, k2) > (…) order by k1, k2 offset size - 1 limit 1`) done by the server
@@ -54,7 +58,7 @@ export type KeysetSource = ChunkSource<unknown, any, KeysetChunk> & {
  */
 export function keysetQuery(opts: KeysetQueryOptions): KeysetSource {
   const columns = typeof opts?.key === 'string' ? [opts.key] : Array.isArray(opts?.key) ? [...opts.key] : [];
-  const problems: string[] = [];
+  const problems = opts && typeof opts === 'object' ? unknownKeys(opts, KEYSET_QUERY_KEYS, '') : [];
   const text = typeof opts?.query === 'string' ? soleStatement(opts.query) : undefined;
   if (!(typeof opts?.query === 'string' ? opts.query.trim() !== '' : opts?.query && typeof (opts.query as RawBuilder<unknown>).compile === 'function')) {
     problems.push('query must be a non-empty SQL string or a sql`` builder');

@@ -28,6 +28,20 @@ export function suggestSimilar(word: string, candidates: Iterable<string>, max =
   return similar.sort().slice(0, max);
 }
 
+/**
+ * `unknown key "schedual" (did you mean "schedule"?)` for each own key of `value` not in `known`,
+ * led by `where`: what a job definition, its nested option objects and the chunk sources' options
+ * say of a key they do not know (a typo would otherwise do nothing, silently).
+ */
+export function unknownKeys(value: object, known: readonly string[], where: string): string[] {
+  return Object.keys(value)
+    .filter((k) => !known.includes(k))
+    .map((k) => {
+      const similar = suggestSimilar(k, known);
+      return `${where}unknown key ${JSON.stringify(k)} (${similar.length > 0 ? `did you mean ${similar.map((n) => JSON.stringify(n)).join(' or ')}?` : `known: ${known.join(', ')}`})`;
+    });
+}
+
 /** `'a'`, `'a' or 'b'`, `'a', 'b' or 'c'`. */
 export function quoteChoices(names: readonly string[]): string {
   const q = names.map((n) => `'${n}'`);

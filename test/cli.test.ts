@@ -409,6 +409,14 @@ describe('idem help, status and list', () => {
     });
   });
 
+  it("run --help names every source --target-chunk-ms sizes, as the README does", async () => {
+    // Black-box round 13: it said keyRange only, while keyList and keysetQuery honour it too.
+    const r = await runCli(['run', '--help']);
+    expect(r.code, r.stderr).toBe(0);
+    const line = r.stdout.slice(r.stdout.indexOf('--target-chunk-ms'), r.stdout.indexOf('--no-progress')).replace(/\s+/g, ' ');
+    expect(line).toBe('--target-chunk-ms <ms> grow or shrink keyRange, keyList and keysetQuery chunks toward this duration ');
+  });
+
   it('idem help of an unknown command is one error line (exit 2), as idem <unknown> is; idem help help is the help (exit 0)', async () => {
     const [unknown, close, helpHelp] = await Promise.all([runCli(['help', 'nosuch']), runCli(['help', 'statu']), runCli(['help', 'help'])]);
     // Before: the whole help on stderr, with no line saying what was wrong (and help help: the same).

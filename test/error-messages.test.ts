@@ -527,6 +527,29 @@ describe('a job definition that loads but is wrong is refused (exit 2), naming t
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
   });
 
+  it('unknown keys inside schedule, retry and throttle, of the job and of a step: each named with where it is and the closest known key', async () => {
+    // Black-box round 13: these loaded, and did nothing: the job ran at 03:00 UTC, made 5 tries, ran unthrottled.
+    const dir = await jobFolder('unknown-nested-keys', {
+      'nested.js': `export default { name: 'nested', schedule: { cron: '0 3 * * *', timezon: 'Europe/Berlin' }, retry: { attempt: 1 }, throttle: { maxrate: 5 },
+        steps: [{ name: 'a', throttle: { pausems: 5 }, retry: { bsae: 10, max: 100 }, run() {} }] };\n`,
+    });
+    const goodDir = await jobFolder('known-nested-keys', {
+      'good.js': `export default { name: 'good', schedule: { cron: '0 3 * * *', timezone: 'Europe/Berlin' }, retry: { base: 1, max: 2, factor: 2, attempts: 3 }, throttle: { maxRate: 5, pauseMs: 1, targetChunkMs: 100 },
+        steps: [{ name: 'a', throttle: { pauseMs: 5 }, retry: { attempts: 1 }, health: { lockWaitMs: 100 }, run() {} }] };\n`,
+    });
+    const before = await snapshot(url, ALL_TABLES);
+    const [nested, crontab] = await Promise.all([runCli(['--jobs-dir', dir, 'run', 'nested'], { url }), runCli(['--jobs-dir', dir, 'crontab', '--command', 'npx idem'])]);
+    const expected = [
+      `idem: error: ${path.relative(REPO, path.join(dir, 'nested.js'))}: invalid job definition: schedule: unknown key "timezon" (did you mean "timezone"?); throttle: unknown key "maxrate" (did you mean "maxRate"?); retry: unknown key "attempt" (did you mean "attempts"?); steps[0].throttle: unknown key "pausems" (did you mean "pauseMs"?); steps[0].retry: unknown key "bsae" (did you mean "base"?)`,
+    ];
+    expect(refusal(nested, 2)).toEqual(expected);
+    expect(refusal(crontab, 2)).toEqual(expected);
+    // Every key these objects take is still taken.
+    const good = await runCli(['--jobs-dir', goodDir, 'run', 'good', '--dry-run'], { url });
+    expect(good.code, good.stderr).toBe(0);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
   it('a job and a migration of the same name are refused by every command that reads both folders, naming both files', async () => {
     const root = path.join(tmp, 'shared-name');
     await mkdir(path.join(root, 'jobs'), { recursive: true });

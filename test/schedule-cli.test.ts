@@ -289,6 +289,14 @@ describe('idem crontab and --catch-up refusals', () => {
 });
 
 describe('idem cron', () => {
+  it('with no scheduled job: refused (exit 2) in one line before anything starts, without connecting', async () => {
+    // Black-box round 13: it logged "idem cron started", then the error.
+    const r = await runCli(['--jobs-dir', FIXTURE_JOBS, '--schema', 'sched_none', 'cron'], { url });
+    expect({ code: r.code, stdout: r.stdout }, r.stderr).toEqual({ code: 2, stdout: '' });
+    expect(r.stderr.split('\n').filter((l) => l !== '')).toEqual([`idem: error: no job in ${FIXTURE_JOBS}/ declares a schedule; add schedule: '0 3 * * *' to one`]);
+    expect(await query(url, `select to_regnamespace('sched_none')::text as s`)).toEqual([{ s: null }]);
+  });
+
   it('runs the latest due slot at start, once however many schedulers run, and exits 143 on SIGTERM', async () => {
     const slot = latestSlot(schedule);
     const args = ['--jobs-dir', SCHEDULED_JOBS, '--schema', 'sched_d', 'cron'];

@@ -3,7 +3,7 @@ import { positiveInt } from '../cli-parsers.ts';
 import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
 import { describeOutcome } from '../describe-outcome.ts';
 import { BusyError, errorFields, ExitCode, IdemError, InterruptedError } from '../errors.ts';
-import { scheduledJobs } from './crontab.ts';
+import { noScheduledJobs, scheduledJobs } from './crontab.ts';
 
 /** `idem cron`: the schedules in this process, for containers without cron. */
 export function registerCronCommand(program: Command, cli: CliContext): void {
@@ -21,6 +21,8 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
         const loaded = await loadJobDir(g.jobsDir, 'jobs');
         const byName = new Map(loaded.map((l) => [l.job.name, l.job]));
         const entries = await scheduledJobs(g.jobsDir, g.migrationsDir);
+        // Refused before connecting and before "idem cron started": with nothing to schedule nothing starts.
+        if (entries.length === 0) throw noScheduledJobs(g.jobsDir);
         const runner = await openRunner(g, log, session, o.maxRuns + 4);
         // On a standby every slot would fail, tick after tick: refused at start instead (exit 2).
         await assertNotStandby(runner.db);

@@ -17,6 +17,11 @@ export async function scheduledJobs(dir: string, migrationsDir: string): Promise
     .sort((a, b) => (a.job < b.job ? -1 : 1));
 }
 
+/** What crontab and cron say when no job in the folder declares a schedule (exit 2). */
+export function noScheduledJobs(dir: string): UsageError {
+  return new UsageError('noScheduledJobs', `no job in ${dir}/ declares a schedule; add schedule: '0 3 * * *' to one`);
+}
+
 /** `idem crontab`: crontab lines for every scheduled job. */
 export function registerCrontabCommand(program: Command, cli: CliContext): void {
   program
@@ -28,7 +33,7 @@ export function registerCrontabCommand(program: Command, cli: CliContext): void 
     .action((o: { command: string; logFile?: string; catchUp?: string }) =>
       cli.runWithSession(async (g) => {
         const entries = await scheduledJobs(g.jobsDir, g.migrationsDir);
-        if (entries.length === 0) throw new UsageError('noScheduledJobs', `no job in ${g.jobsDir}/ declares a schedule; add schedule: '0 3 * * *' to one`);
+        if (entries.length === 0) throw noScheduledJobs(g.jobsDir);
         // Every global flag that changes which lock, tables or files a run uses goes on the line,
         // quoted: a cron run under another schema would take another lock than a manual run.
         // The database URL is not (it holds the password): cron's environment sets DATABASE_URL.

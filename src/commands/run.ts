@@ -42,7 +42,7 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
     .option('--retry-skipped', "retry chunks skipped under a step's maxFailedChunks policy (also in a succeeded run)")
     .option('--max-rate <chunks/s>', 'start at most this many chunks per second', positiveNumber)
     .option('--pause <ms>', 'pause this long after each chunk (per worker)', nonNegativeNumber)
-    .option('--target-chunk-ms <ms>', 'grow or shrink keyRange chunks toward this duration', positiveNumber)
+    .option('--target-chunk-ms <ms>', 'grow or shrink keyRange, keyList and keysetQuery chunks toward this duration', positiveNumber)
     .option('--no-progress', 'no live progress line on a terminal')
     .option('--catch-up <N|duration>', 'scheduled jobs: run the missed slots oldest first, the last N or those within a duration (e.g. 3, 12h, 2d)')
     .option('--json', 'print the outcome as JSON on stdout')
