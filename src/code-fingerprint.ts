@@ -96,14 +96,26 @@ export async function adoptCodeFingerprint(db: Kysely<any>, schema: string, run:
  * (taking it bumps the attempt), so a refused resume leaves the run exactly as it was.
  */
 export function refuseChangedCode(run: RunCodeRow, job: Job, allowChanged: boolean): void {
-  const now = codeFingerprint(job);
-  const before = run.code_fingerprint ?? null;
-  if (allowChanged || now === null || before === null || before === now || run.attempt === 0) return;
+  const change = changedCode(run, job);
+  if (allowChanged || change === null) return;
   throw new CodeChangedError(
-    `run ${run.run_key} of job "${run.job}" was started under other code (${short(before)}, now ${short(now)}); resume it with the code it started with, or pass --allow-changed-code if the change is safe for the chunks already done`,
+    `run ${run.run_key} of job "${run.job}" was started under other code (${short(change.from)}, now ${short(change.to)}); resume it with the code it started with, or pass --allow-changed-code if the change is safe for the chunks already done`,
   );
 }
 
-function short(fp: string): string {
+/**
+ * The code change a resume of `run` under `job` would be refused for (refuseChangedCode without
+ * the flag): the fingerprint the run's last attempt ran under and the job's now; null when none.
+ * Whether the run has ended, or is live, is for the caller to judge.
+ */
+export function changedCode(run: Pick<RunCodeRow, 'attempt' | 'code_fingerprint'>, job: Job): { readonly from: string; readonly to: string } | null {
+  const now = codeFingerprint(job);
+  const before = run.code_fingerprint ?? null;
+  if (now === null || before === null || before === now || run.attempt === 0) return null;
+  return { from: before, to: now };
+}
+
+/** A fingerprint as messages show it: a file's hash cut to 12 hex digits, a version whole. */
+export function short(fp: string): string {
   return fp.startsWith('sha256:') ? `${fp.slice(0, 19)}…` : fp;
 }

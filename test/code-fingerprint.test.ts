@@ -3,7 +3,7 @@ import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { defineJob, exitCodeOf, Runner, RunFailedError, sql } from '../src/index.ts';
 import { CodeChangedError } from '../src/code-fingerprint.ts';
-import { holdGate, killLeftovers, lines, query, REPO, runCli, runRow, waitFor, lockWaiters } from './support/cli.ts';
+import { holdGate, killLeftovers, lines, query, REPO, runCli, runRow, sessions, waitFor, lockWaiters } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 import { api, startServe } from './support/server.ts';
 
@@ -304,6 +304,84 @@ describe('code changes between attempts', () => {
       expect(refused.stderr).toContain('was started under other code');
       expect(await runRow(url, 'code-check', 'k-http')).toMatchObject({ status: 'failed', attempt: 1, code_fingerprint: first.code_fingerprint });
     } finally {
+      await rm(serverDir, { recursive: true, force: true });
+    }
+  });
+
+  it('a run started over HTTP, stopped mid-run and resumed by a server on edited code: its view says why, resume answers 409, and {"allowChangedCode":true} resumes it', async () => {
+    // Black-box round 13: every start, every 30 s sweep and every POST …/resume logged the refusal
+    // with advice serve has no flag for; resume answered 200 and nothing ran; the run showed
+    // `crashed` with no error. Only `idem run --allow-changed-code` got it out.
+    const serverDir = await mkdtemp(path.join(REPO, '.idem', 'code-serve-'));
+    const gate = await holdGate(url, 'code-serve');
+    try {
+      const gated = JOB_FILE.replace("name: 'code-check'", "name: 'code-serve'").replace(
+        'async run({ db, run }, { key }) {',
+        "async run({ db, run }, { key }) {\n      if (key === 'b') await sql`select 1 from gates where name = 'code-serve' for share`.execute(db);",
+      );
+      await writeFile(path.join(serverDir, 'code-serve.ts'), gated);
+      const first = await startServe(url, [], {}, serverDir);
+      const created = await api(first.base, 'POST', '/api/jobs/code-serve/runs', { key: 'dep-2', body: {} });
+      expect(created.status).toBe(201);
+      await waitFor(async () => (await lockWaiters(url)) > 0, 'chunk b to wait at the gate');
+      first.proc.child.kill('SIGKILL');
+      await first.proc.done;
+      await gate.release();
+      await waitFor(async () => (await sessions(url, 'idem')) + (await sessions(url, 'idem-lock')) === 0, "the killed server's sessions to end");
+      const before = await runRow(url, 'code-serve', 'dep-2');
+      expect(before).toMatchObject({ status: 'running', attempt: 1, code_changes: null });
+
+      await appendFile(path.join(serverDir, 'code-serve.ts'), '// a change deployed mid-run\n');
+      const srv = await startServe(url, [], { IDEM_SERVE_RESCAN_MS: '200' }, serverDir);
+      try {
+        const id = created.body.id as string;
+        // Several sweeps pass: the refusal is logged once, with advice that fits the server.
+        await new Promise((r) => setTimeout(r, 1_500));
+        const refusals = lines(srv.proc.stderr()).filter((l) => l.includes('code changed') || l.includes('started under other code'));
+        expect(refusals, srv.proc.stderr()).toHaveLength(1);
+        expect(JSON.parse(refusals[0]!)).toMatchObject({ level: 40, runId: id, runKey: 'dep-2' });
+        expect(refusals[0]).toContain(`POST /api/runs/${id}/resume`);
+        expect(refusals[0]).toContain('{\\"allowChangedCode\\":true}');
+        expect(refusals[0]).toContain('idem run code-serve --key dep-2 --allow-changed-code');
+
+        // The run's view says why it does not resume, and how to go on.
+        const view = await api(srv.base, 'GET', `/api/runs/${id}`);
+        expect(view.body).toMatchObject({ state: 'crashed', codeChanged: { from: before.code_fingerprint, to: expect.stringMatching(/^sha256:[0-9a-f]{64}$/) } });
+        expect(view.body.codeChanged.to).not.toBe(before.code_fingerprint);
+        expect(view.body.codeChanged.detail).toContain('{"allowChangedCode":true}');
+        const page = await api(srv.base, 'GET', `/runs/${id}`);
+        expect(page.text).toContain('Code changed since the run started');
+        expect(page.text).toContain('data-body="{&quot;allowChangedCode&quot;:true}"');
+
+        // A resume without the body is refused, naming the change and the body to send.
+        const refused = await api(srv.base, 'POST', `/api/runs/${id}/resume`);
+        expect(refused.status, refused.text).toBe(409);
+        expect(refused.headers.get('content-type')).toMatch(/^application\/problem\+json/);
+        expect(refused.body).toMatchObject({ type: 'urn:idem:problem:idem.codeChanged', codeChanged: { from: before.code_fingerprint } });
+        expect(refused.body.detail).toMatch(/^run "dep-2" of job "code-serve" was started under other code \(sha256:[0-9a-f]{12}…, now sha256:[0-9a-f]{12}…\); .*\{"allowChangedCode":true\}/);
+        expect((await api(srv.base, 'POST', `/api/runs/${id}/resume`, { body: { allowChangedCode: false } })).status).toBe(409);
+        // The body is checked strictly.
+        for (const body of [{ allowChangedCode: 'yes' }, { allowChangedCode: true, force: true }, [true], 'true']) {
+          const bad = await api(srv.base, 'POST', `/api/runs/${id}/resume`, { body });
+          expect(bad.status, JSON.stringify(body)).toBe(400);
+          expect(bad.body.type).toBe('urn:idem:problem:idem.invalidBody');
+        }
+        expect(await runRow(url, 'code-serve', 'dep-2')).toEqual(before);
+
+        // Allowed: it resumes with the new code, recorded on the run as --allow-changed-code is.
+        const allowed = await api(srv.base, 'POST', `/api/runs/${id}/resume`, { body: { allowChangedCode: true } });
+        expect(allowed.status, allowed.text).toBe(200);
+        const done = await api(srv.base, 'GET', `/api/runs/${id}?wait=30`);
+        expect(done.body).toMatchObject({ state: 'succeeded', attempt: 2, codeChanged: null });
+        const after = await runRow(url, 'code-serve', 'dep-2');
+        expect(after.code_changes).toEqual([{ from: before.code_fingerprint, to: view.body.codeChanged.to, attempt: 2, at: expect.any(String) }]);
+        expect(lines(srv.proc.stderr()).filter((l) => l.startsWith('{') && JSON.parse(l).level >= 50), srv.proc.stderr()).toEqual([]);
+      } finally {
+        srv.proc.child.kill('SIGTERM');
+        await srv.proc.done;
+      }
+    } finally {
+      await gate.release();
       await rm(serverDir, { recursive: true, force: true });
     }
   });

@@ -448,3 +448,43 @@ describe('hostile text in run keys and errors (black-box round 12)', () => {
     }
   });
 });
+
+describe("a run whose job's code changed since it stopped (black-box round 13)", () => {
+  it('its page says so; Resume asks first, then resumes it with the new code', async () => {
+    const created = await api(server.base, 'POST', '/api/jobs/counted/runs', { key: 'deploy-mid-run', body: { chunks: 8, pauseMs: 200 } });
+    const id = created.body.id as string;
+    // Started (runs of one job take turns in the server): a paused run that never started has no code to compare.
+    await expect.poll(async () => (await api(server.base, 'GET', `/api/runs/${id}`)).body.attempt, { timeout: 30_000 }).toBe(1);
+    await api(server.base, 'POST', `/api/runs/${id}/pause`);
+    await expect.poll(async () => (await api(server.base, 'GET', `/api/runs/${id}`)).body.state, { timeout: 20_000 }).toBe('paused');
+    // As if a deploy changed the job after this attempt: the run's code is not the server's.
+    const old = `sha256:${'0'.repeat(64)}`;
+    await query(url, `update idem.runs set code_fingerprint = $1 where id = $2`, [old, id]);
+    const view = (await api(server.base, 'GET', `/api/runs/${id}`)).body;
+    expect(view.codeChanged).toMatchObject({ from: old });
+    // Before: POST …/resume answered 200 and the run never continued; now a plain one is refused.
+    expect((await api(server.base, 'POST', `/api/runs/${id}/resume`)).status).toBe(409);
+
+    await page.goto(`${server.base}/runs/${id}`);
+    if ((await page.locator('.token-state').textContent()) !== 'token set') {
+      await page.locator('.token summary').click();
+      await page.locator('#token').fill(TOKEN);
+      await page.locator('.token-form button').click();
+    }
+    expect(await page.locator('.panel-error').textContent()).toContain('Code changed since the run started');
+    expect(await page.locator('.panel-error').textContent()).toContain('{"allowChangedCode":true}');
+    let asked = '';
+    page.once('dialog', (d) => {
+      asked = d.message();
+      void d.dismiss();
+    });
+    await page.locator('button[data-action=resume]').click();
+    await expect.poll(() => asked).toContain('Resume it with the new code?');
+    expect((await api(server.base, 'GET', `/api/runs/${id}`)).body.state).toBe('paused');
+    page.once('dialog', (d) => void d.accept());
+    await page.locator('button[data-action=resume]').click();
+    await expect.poll(async () => (await api(server.base, 'GET', `/api/runs/${id}`)).body.state, { timeout: 30_000 }).toBe('succeeded');
+    const [row] = await query(url, `select code_changes from idem.runs where id = $1`, [id]);
+    expect(row.code_changes).toEqual([{ from: old, to: view.codeChanged.to, attempt: 2, at: expect.any(String) }]);
+  }, 60_000);
+});

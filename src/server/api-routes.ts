@@ -58,6 +58,21 @@ function continueRunCommand(run: RunView): string {
   return continueCommand(run.job, run.key, run.params, `<the params GET /api/runs/${run.id} shows>`);
 }
 
+/**
+ * The body of POST /api/runs/:id/resume: none, `{}`, or `{"allowChangedCode": true|false}`.
+ * Anything else is refused, so a misspelt field is not silently a plain resume.
+ */
+function resumeBody(body: unknown): { allowChangedCode: boolean } {
+  if (body === undefined) return { allowChangedCode: false };
+  const expected = 'send no body, {}, or {"allowChangedCode":true} to resume with code changed since the run started';
+  if (typeof body !== 'object' || body === null || Array.isArray(body)) throw new HttpProblem(400, 'idem.invalidBody', `the body must be a JSON object; ${expected}`);
+  const unknown = Object.keys(body).filter((k) => k !== 'allowChangedCode');
+  if (unknown.length > 0) throw new HttpProblem(400, 'idem.invalidBody', `the body has an unknown field "${printable(unknown[0]!)}"; ${expected}`);
+  const allow = (body as { allowChangedCode?: unknown }).allowChangedCode;
+  if (allow !== undefined && typeof allow !== 'boolean') throw new HttpProblem(400, 'idem.invalidBody', `allowChangedCode must be true or false, got ${printable(JSON.stringify(allow) ?? String(allow)).slice(0, 100)}; ${expected}`);
+  return { allowChangedCode: allow === true };
+}
+
 /** Sets the status and headers of an answer that is one run; returns the reply. */
 function sendRun(reply: FastifyReply, status: number, runId: string, replayed: boolean | null): FastifyReply {
   reply.code(status).header('location', `/api/runs/${runId}`);
@@ -205,8 +220,17 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
 
   for (const action of ['pause', 'resume', 'cancel'] as const) {
     // The CLI's operator actions (compare-and-set on the run row); their refusals map to 404/409.
-    app.post<{ Params: { id: string } }>(`/api/runs/:id/${action}`, async (request) => {
+    app.post<{ Params: { id: string }; Body: unknown }>(`/api/runs/:id/${action}`, async (request) => {
+      const allowChangedCode = action === 'resume' ? resumeBody(request.body).allowChangedCode : false;
       const before = await getRun(request.params.id);
+      // A run its job's code changed under resumes with the new code only when the operator says
+      // so, as `idem run --allow-changed-code` does (recorded on the run); otherwise the refusal is
+      // the answer, not a 200 for a resume that would never run.
+      const refuseChangedCode = () => {
+        if (before.codeChanged && !allowChangedCode) {
+          throw new HttpProblem(409, 'idem.codeChanged', before.codeChanged.detail, { codeChanged: { from: before.codeChanged.from, to: before.codeChanged.to } });
+        }
+      };
       // A run that stopped without an operator (failed, interrupted, crashed) continues where
       // `idem run` would continue it: in the server for a run created over HTTP, from its first
       // unfinished chunk, as a new attempt. A run idem run started is its caller's to continue.
@@ -218,17 +242,19 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
         if (!ctx.jobs.has(before.job)) {
           throw new HttpProblem(409, 'idem.cannotControl', `${run}, and this server does not load that job: start the server with the --jobs-dir that holds it, or continue it with idem run`);
         }
+        refuseChangedCode();
         if (before.state === 'failed') await reopenFailedRun(ctx.runner, before.id, before.attempt);
-        ctx.executor.enqueue({ runId: before.id, job: before.job, key: before.key });
+        ctx.executor.enqueue({ runId: before.id, job: before.job, key: before.key, allowChangedCode });
         return getRun(before.id);
       }
+      if (action === 'resume' && before.viaApi && ctx.jobs.has(before.job)) refuseChangedCode();
       const result = await ctx.runner[action](before.job, before.key);
       // A run created over HTTP is this server's to execute: resuming it means continuing it now.
       // Other runs continue on their next invocation, as with idem resume.
       if (action === 'resume' && !result.live && before.viaApi && ctx.jobs.has(before.job)) {
         // Paused after it failed, it is failed again: continued as a resumed failed run is.
         if (result.status === 'failed') await reopenFailedRun(ctx.runner, before.id, before.attempt);
-        ctx.executor.enqueue({ runId: before.id, job: before.job, key: before.key });
+        ctx.executor.enqueue({ runId: before.id, job: before.job, key: before.key, allowChangedCode });
       }
       return getRun(before.id);
     });

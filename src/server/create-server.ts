@@ -105,7 +105,7 @@ export function createServer(opts: ServerOptions): IdemServer {
   const log = opts.log ?? silentLogger();
   const jobs = new Map(opts.jobs.map((j) => [j.name, j]));
   const runner = opts.runner;
-  const views = new RunViews(runner.db, opts.reads, runner.schema, runner);
+  const views = new RunViews(runner.db, opts.reads, runner.schema, runner, jobs);
   // The read pool's connection settings: the same database, a session of its own.
   const replays = new ReplayCache(opts.reads.options as pg.ClientConfig, runner.schema, log);
   // On the read pool, as the API's reads: bounded by its query timeout, never queued behind runs.

@@ -178,7 +178,8 @@ export const DASHBOARD_JS = `'use strict';
     if (confirmText && !window.confirm(confirmText)) return;
     btn.disabled = true;
     try {
-      const r = await call('POST', '/api/runs/' + encodeURIComponent(btn.getAttribute('data-run')) + '/' + btn.getAttribute('data-action'));
+      const body = btn.getAttribute('data-body');
+      const r = await call('POST', '/api/runs/' + encodeURIComponent(btn.getAttribute('data-run')) + '/' + btn.getAttribute('data-action'), body ? { body, headers: { 'content-type': 'application/json' } } : undefined);
       if (needToken(r)) return;
       if (r.status >= 400) toast(problemText(r), true);
       else toast(btn.getAttribute('data-action') + ': run ' + r.body.key + ' is ' + r.body.state + (r.body.requested ? ' (' + r.body.requested + ' requested)' : ''));

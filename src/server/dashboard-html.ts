@@ -55,7 +55,13 @@ export function actions(r: RunView): string {
   if (['running', 'pending', 'failed', 'interrupted', 'crashed'].includes(r.state) && r.requested !== 'pause') b.push(`<button type="button" class="btn" data-action="pause" data-run="${esc(r.id)}">Pause</button>`);
   // A run created over HTTP that stopped on its own continues in the server (POST …/resume).
   const continuable = r.viaApi && ['failed', 'interrupted', 'crashed'].includes(r.state);
-  if (r.state === 'paused' || r.requested === 'pause' || continuable) b.push(`<button type="button" class="btn" data-action="resume" data-run="${esc(r.id)}">Resume</button>`);
+  // Its job's code changed since it stopped: Resume asks first, then resumes with the new code
+  // (a refusal, 409, would otherwise be all the button ever gets).
+  const withNewCode =
+    r.codeChanged && r.viaApi
+      ? ` data-body="${esc(JSON.stringify({ allowChangedCode: true }))}" data-confirm="${esc(`The code of job ${r.job} changed since run ${r.key} started. Resume it with the new code? Only if the change is safe for the chunks already done.`)}"`
+      : '';
+  if (r.state === 'paused' || r.requested === 'pause' || continuable) b.push(`<button type="button" class="btn" data-action="resume" data-run="${esc(r.id)}"${withNewCode}>Resume</button>`);
   if (!['succeeded', 'cancelled', 'deleting'].includes(r.state) && r.requested !== 'cancel') {
     b.push(`<button type="button" class="btn btn-danger" data-action="cancel" data-run="${esc(r.id)}" data-confirm="Cancel run ${esc(r.key)} of ${esc(r.job)}? Finished chunks are kept; the run never continues.">Cancel</button>`);
   }
@@ -90,6 +96,7 @@ export function runCard(r: RunView): string {
     ['finished', when(r.finishedAt)],
   ])}
   ${r.error ? `<p class="error-line" title="${esc(r.error.message)}">✖ ${userText(r.error.step)}${r.error.chunk ? ` · ${userText(r.error.chunk)}` : ''}: ${userText(r.error.message)}</p>` : ''}
+  ${r.codeChanged ? `<p class="error-line" title="${esc(r.codeChanged.detail)}">⚠ code changed since the run started: ${userText(r.codeChanged.detail)}</p>` : ''}
   ${actions(r)}
 </article>`;
 }
@@ -284,6 +291,7 @@ export function runLive(r: RunView): string {
   ])}
 </section>
 ${r.error ? `<section class="panel panel-error"><h2>Last error</h2><p><strong>${userText(r.error.step)}${r.error.chunk ? ` · chunk ${userText(r.error.chunk)}` : ''}</strong> after ${esc(r.error.tries)} ${r.error.tries === 1 ? 'try' : 'tries'}${r.error.code ? ` <span class="mono">(${userText(r.error.code)})</span>` : ''}</p><pre>${userText(r.error.message)}</pre><p class="muted small">${when(r.error.at)}</p></section>` : ''}
+${r.codeChanged ? `<section class="panel panel-error"><h2>Code changed since the run started</h2><p>It does not resume on its own: its job's code is <span class="mono">${esc(r.codeChanged.to)}</span>, its last attempt ran <span class="mono">${esc(r.codeChanged.from)}</span>.</p><pre>${userText(r.codeChanged.detail)}</pre></section>` : ''}
 <div class="two">
   <section class="panel"><h2>Steps</h2><table class="table steps"><thead><tr><th>step</th><th>status</th><th class="bar-cell">progress</th><th class="num">chunks</th></tr></thead><tbody>${steps || '<tr><td colspan="4" class="empty">not started</td></tr>'}</tbody></table></section>
   <section class="panel"><h2>Chunks per minute</h2>${throughputChart(r.chunksPerMinute ?? [])}</section>

@@ -1,12 +1,13 @@
-import { derivedJob } from '../code-fingerprint.ts';
+import { changedCode, CodeChangedError, derivedJob } from '../code-fingerprint.ts';
 import { sql } from 'kysely';
 import type { Logger } from 'pino';
 import { runIsLive } from '../operations.ts';
 import { slotOfJobKey } from '../schedule.ts';
 import { BusyError, CancelledError, errorFields, InterruptedError, PausedError, PauseWithdrawnError, RunFailedError, type StopSignal } from '../errors.ts';
-import type { Job, Step } from '../job.ts';
+import type { Job, Json, Step } from '../job.ts';
 import type { Runner } from '../runner.ts';
-import type { RunStatus } from '../store.ts';
+import type { RunRow, RunStatus } from '../store.ts';
+import { codeChangeDetail } from './run-view.ts';
 import type { ServerMetrics } from './server-metrics.ts';
 
 export interface RunExecutorOptions {
@@ -28,6 +29,8 @@ interface Queued {
   readonly runId: string;
   readonly job: string;
   readonly key: string;
+  /** Resume even though the job's code changed since the run's last attempt (an operator's POST …/resume with {"allowChangedCode":true}); recorded on the run. */
+  readonly allowChangedCode?: boolean;
 }
 
 /** How an execution in this server ended: the `outcome` label of idem_runs_ended_total. */
@@ -66,6 +69,8 @@ export class RunExecutor {
   readonly #busyJobs = new Set<string>();
   readonly #stop = new AbortController();
   readonly #abort = new AbortController();
+  /** Runs whose code change was logged (`id from to`): said once, not at every rescan. */
+  readonly #codeWarned = new Set<string>();
 
   constructor(opts: RunExecutorOptions) {
     this.#o = opts;
@@ -73,7 +78,13 @@ export class RunExecutor {
 
   /** Queues a run for execution unless it is queued or executing here already. */
   enqueue(run: Queued): void {
-    if (this.#stop.signal.aborted || this.#running.has(run.runId) || this.#queue.some((q) => q.runId === run.runId)) return;
+    if (this.#stop.signal.aborted || this.#running.has(run.runId)) return;
+    const queued = this.#queue.findIndex((q) => q.runId === run.runId);
+    if (queued >= 0) {
+      // An operator's allowing a code change holds for the run already waiting its turn.
+      if (run.allowChangedCode) this.#queue[queued] = run;
+      return;
+    }
     this.#queue.push(run);
     this.#pump();
   }
@@ -91,8 +102,18 @@ export class RunExecutor {
   async resumeUnfinished(): Promise<number> {
     const { runner } = this.#o;
     const s = runner.schema;
-    const { rows } = await sql<{ id: string; job: string; run_key: string; status: RunStatus; lock_name: string | null; lock_pid: number | null }>`
-      select r.id::text as id, r.job, r.run_key, r.status, r.lock_name, r.lock_pid from ${sql.id(s, 'runs')} r join ${sql.id(s, 'api_requests')} a on a.run_id = r.id
+    const { rows } = await sql<{
+      id: string;
+      job: string;
+      run_key: string;
+      status: RunStatus;
+      lock_name: string | null;
+      lock_pid: number | null;
+      attempt: number;
+      code_fingerprint: string | null;
+      params: Json;
+    }>`
+      select r.id::text as id, r.job, r.run_key, r.status, r.lock_name, r.lock_pid, r.attempt, r.code_fingerprint, r.params from ${sql.id(s, 'runs')} r join ${sql.id(s, 'api_requests')} a on a.run_id = r.id
       where r.status in ('pending', 'running', 'interrupted')
         and (r.status <> 'pending' or r.created_at < now() - make_interval(secs => ${PENDING_GRACE_S}))
       order by r.id`.execute(runner.db);
@@ -103,14 +124,30 @@ export class RunExecutor {
     for (const r of rows) {
       if (runIsLive(r, held, runner)) continue;
       if (this.#running.has(r.id) || this.#queue.some((q) => q.runId === r.id)) continue;
-      if (!this.#o.jobs.has(r.job)) {
+      const job = this.#o.jobs.get(r.job);
+      if (!job) {
         this.#o.log.warn({ job: r.job, runId: r.id }, 'unfinished run of a job this server does not know; start the server with its --jobs-dir to resume it');
+        continue;
+      }
+      // Its resume would be refused until an operator allows the change (its view says so): said
+      // once, then left alone.
+      const change = changedCode(r, job);
+      if (change) {
+        this.#warnCodeChanged({ id: r.id, job: r.job, key: r.run_key, params: r.params }, change);
         continue;
       }
       this.enqueue({ runId: r.id, job: r.job, key: r.run_key });
       n++;
     }
     return n;
+  }
+
+  /** Logs, once per run and change, that the run's code changed and how an operator goes on. */
+  #warnCodeChanged(run: { id: string; job: string; key: string; params: Json }, change: { from: string; to: string }): void {
+    const seen = `${run.id} ${change.from} ${change.to}`;
+    if (this.#codeWarned.has(seen)) return;
+    this.#codeWarned.add(seen);
+    this.#o.log.warn({ job: run.job, runId: run.id, runKey: run.key, codeChanged: change }, codeChangeDetail({ ...run, viaApi: true }, change));
   }
 
   #pump(): void {
@@ -140,8 +177,9 @@ export class RunExecutor {
     const job = instrument(this.#o.jobs.get(q.job)!, metrics);
     let outcome: ExecutionOutcome | null = 'succeeded';
     let again = false;
+    let run: RunRow | null = null;
     try {
-      const run = await runner.store.runById(q.runId);
+      run = await runner.store.runById(q.runId);
       if (!run) {
         // Reset (or pruned) while it waited its turn here: nothing to execute, nothing went wrong.
         log.info('run was reset or pruned before it started; nothing to execute');
@@ -156,6 +194,7 @@ export class RunExecutor {
         slot: slotOf(this.#o.jobs.get(q.job)!, run.run_key),
         concurrency: this.#o.concurrency,
         controlPollMs: this.#o.controlPollMs,
+        allowChangedCode: q.allowChangedCode ?? false,
         signal: this.#stop.signal,
         abortSignal: this.#abort.signal,
         onProgress: (p: { step: string; executedNow: number }) => {
@@ -186,7 +225,11 @@ export class RunExecutor {
       // A failed run was logged by the runner already (error, with its step, chunk and attempt);
       // this line is the server's account of the execution, an error only for an `error` outcome,
       // which nothing else reports.
-      if (outcome === 'error') log.error({ outcome, err: errorFields(err) }, 'run error');
+      // A resume refused for a code change (the job changed after the run was queued) waits for
+      // an operator, as the rescan leaves it: a warning saying how to go on, once.
+      const change = err instanceof CodeChangedError && run ? changedCode(run, this.#o.jobs.get(q.job)!) : null;
+      if (change && run) this.#warnCodeChanged({ id: q.runId, job: q.job, key: run.run_key, params: run.params }, change);
+      else if (outcome === 'error') log.error({ outcome, err: errorFields(err) }, 'run error');
       else log.info({ outcome, err: errorFields(err) }, `run ${outcome}`);
     } finally {
       if (outcome !== null) metrics.runsEnded.inc({ job: q.job, outcome });

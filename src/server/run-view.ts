@@ -1,6 +1,9 @@
 import { sql, type Kysely, type RawBuilder } from 'kysely';
 import type pg from 'pg';
-import type { Json } from '../job.ts';
+import { changedCode, short } from '../code-fingerprint.ts';
+import type { Job, Json } from '../job.ts';
+import { continueCommand } from '../shell-quote.ts';
+import { printable } from './claim-request.ts';
 import { doneChunks, lastChange, runIsLive, type HeldLocks, type OperationsHost } from '../operations.ts';
 import type { RunErrorInfo, RunStatus, RunSummary } from '../store.ts';
 import { shownStepState } from '../step-state.ts';
@@ -47,10 +50,38 @@ export interface RunView {
   readonly summary: RunSummary | null;
   /** True when the run was created through the HTTP API (so the server executes and resumes it). */
   readonly viaApi: boolean;
+  /**
+   * Why a run that stopped does not continue: its job's code (file hash or declared version) is
+   * not the code its last attempt ran under, and a resume is refused until an operator allows the
+   * change. `detail` says how to go on. Null otherwise (and for a job this server does not load).
+   */
+  readonly codeChanged: CodeChangeView | null;
   readonly skipped?: ReadonlyArray<{ readonly step: string; readonly key: string; readonly error: string | null; readonly attempts: number }>;
   readonly effects?: { readonly started: number; readonly done: number };
   /** Chunks committed per minute (UTC minute start, count), oldest first, the last 60 minutes with work. */
   readonly chunksPerMinute?: ReadonlyArray<readonly [string, number]>;
+}
+
+/** A code change that holds a run back (RunView.codeChanged). */
+export interface CodeChangeView {
+  /** The fingerprint the run's last attempt ran under: `sha256:…` of its job file, or `version:…`. */
+  readonly from: string;
+  /** The job's fingerprint in this server now. */
+  readonly to: string;
+  readonly detail: string;
+}
+
+/** States whose run a resume continues, so a changed code holds it back (not live, not ended for good). */
+const HELD_BY_CODE: ReadonlySet<string> = new Set(['pending', 'crashed', 'interrupted', 'failed', 'paused']);
+
+/**
+ * The sentence of a run its job's code changed under: the change, and how to resume it with the
+ * new code (over HTTP for a run this server executes, and with idem run) or else what to deploy.
+ */
+export function codeChangeDetail(run: Pick<RunView, 'id' | 'job' | 'key' | 'params' | 'viaApi'>, change: { readonly from: string; readonly to: string }): string {
+  const cli = `${continueCommand(run.job, run.key, run.params, `<the params GET /api/runs/${run.id} shows>`)} --allow-changed-code`;
+  const how = run.viaApi ? `POST /api/runs/${run.id}/resume with the body {"allowChangedCode":true} (or ${cli})` : cli;
+  return `run "${printable(run.key)}" of job "${printable(run.job)}" was started under other code (${short(change.from)}, now ${short(change.to)}); if the change is safe for the chunks already done, resume it with ${how}; else deploy the code it started with`;
 }
 
 /** States a run can be filtered by. `active` is every state a run can still leave. */
@@ -99,9 +130,14 @@ export class RunViews {
   readonly #byKey: { readonly name: string; readonly text: string };
   readonly #byKeys: { readonly name: string; readonly text: string };
   readonly #byId: { readonly name: string; readonly text: string };
+  readonly #jobs: ReadonlyMap<string, Job>;
 
-  /** `db` only compiles statements; every read runs on `reads`. */
-  constructor(db: Kysely<any>, reads: pg.Pool, schema: string, locks: LockHost) {
+  /**
+   * `db` only compiles statements; every read runs on `reads`. `jobs`: the jobs this server runs,
+   * whose code a stopped run's is compared with (RunView.codeChanged).
+   */
+  constructor(db: Kysely<any>, reads: pg.Pool, schema: string, locks: LockHost, jobs: ReadonlyMap<string, Job> = new Map()) {
+    this.#jobs = jobs;
     this.#db = db;
     this.#reads = reads;
     this.#schema = schema;
@@ -131,7 +167,7 @@ export class RunViews {
     const s = (n: string) => this.#t(n);
     return sql`
       select r.id, r.job, r.run_key, r.status, r.attempt, r.holder, r.params, r.fingerprint, r.requested, r.health_pause,
-        r.created_at, r.started_at, r.updated_at, r.finished_at, r.error, r.summary, r.lock_name, r.lock_pid,
+        r.created_at, r.started_at, r.updated_at, r.finished_at, r.error, r.summary, r.lock_name, r.lock_pid, r.code_fingerprint,
         cs.chunks_done, cs.done_this_attempt, cs.last_done,
         extract(epoch from now() - r.attempt_started_at)::float8 as attempt_seconds,
         coalesce((select json_agg(json_build_object(
@@ -304,7 +340,10 @@ export class RunViews {
   }
 
   #toView(r: any, held: HeldLocks, detail: boolean): RunView {
-    const view = toView(r, runIsLive(r, held, this.#locks));
+    let view = toView(r, runIsLive(r, held, this.#locks));
+    const job = this.#jobs.get(view.job);
+    const change = job && HELD_BY_CODE.has(view.state) ? changedCode(r, job) : null;
+    if (change) view = { ...view, codeChanged: { ...change, detail: codeChangeDetail(view, change) } };
     if (!detail) return view;
     const minutes = (r.chunks_per_minute ?? []) as Array<[string, number]>;
     return {
@@ -390,5 +429,6 @@ function toView(r: any, locked: boolean): RunView {
     error: r.error ?? null,
     summary: r.summary ?? null,
     viaApi: r.via_api,
+    codeChanged: null,
   };
 }
