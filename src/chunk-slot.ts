@@ -63,6 +63,14 @@ export interface ChunkSlot {
    * effects and the planner share. Refuses while a chunk transaction is open.
    */
   readonly db: Kysely<any>;
+  /**
+   * ctx.signal of the chunk on the slot's connection: `abort` (the run's), which also aborts when
+   * that connection is lost (the server ended its session: idle in transaction past the timeout,
+   * a terminated backend, a restart), since the chunk's transaction is gone with it and can never
+   * commit. A chunk that waits on the signal alone (a fetch, a queue) learns of it. Made once per
+   * connection, not per chunk.
+   */
+  readonly signal: AbortSignal;
   /** Hands the connection back to the pool. */
   release(): void;
 }
@@ -319,9 +327,12 @@ class ChunkQueryExecutor extends DefaultQueryExecutor {
  * that fails them is rolled back to its savepoint with its row lock held, like a chunk whose work
  * threw.
  */
-export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksFirst = false): ChunkSlot {
+export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksFirst = false, abort: AbortSignal = new AbortController().signal): ChunkSlot {
   const checks = checksFirst ? 'set constraints all immediate;\n' : '';
   let client: pg.PoolClient | undefined;
+  /** The current connection's signal (see ChunkSlot.signal), and how to stop listening to it. */
+  let signal = abort;
+  let unwatch = () => {};
   /** Kysely's connection over `client`, for the job's queries (result shape, errors, as everywhere). */
   let connection: DatabaseConnection | undefined;
   let state: TransactionState = { status: 'over' };
@@ -357,11 +368,22 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
       c.release(true);
       throw err;
     }
+    const lost = new AbortController();
+    const onLost = (err?: unknown) => lost.abort(err instanceof Error ? err : new Error('Connection terminated unexpectedly'));
+    c.on('error', onLost);
+    c.on('end', onLost);
+    unwatch = () => {
+      c.off('error', onLost);
+      c.off('end', onLost);
+    };
+    signal = AbortSignal.any([abort, lost.signal]);
     return c;
   };
 
   /** Hands the connection back to the pool, or drops it (`discard`) so that it is never handed out again. */
   const letGo = (discard: boolean) => {
+    unwatch();
+    unwatch = () => {};
     client?.release(discard);
     client = undefined;
     connection = undefined;
@@ -579,6 +601,9 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
     },
     get db() {
       return (bookkeeping ??= new Kysely<any>({ dialect: new PostgresDialect({ pool: ownConnection as unknown as pg.Pool }) }));
+    },
+    get signal() {
+      return signal;
     },
     release() {
       state.status = 'over';

@@ -299,7 +299,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
    */
   const runSlot = async (): Promise<void> => {
     slotsLive++;
-    const slot = openChunkSlot(opts.pool, store.claimPrepares, checksFirst);
+    const slot = openChunkSlot(opts.pool, store.claimPrepares, checksFirst, opts.abort);
     /** The chunk this slot started last (see `owned`). */
     let mine: { readonly seq: number; readonly entry: Owned } | undefined;
     try {
@@ -593,7 +593,7 @@ async function tryChunk(
     }
     const claimed = chunk;
     if (faults) await faultPoint('after-claim');
-    const ctx = new ChunkContext(opts, step, slot.trx, claimed.key, !step.chunks, stepLog);
+    const ctx = new ChunkContext(opts, step, slot.trx, slot.signal, claimed.key, !step.chunks, stepLog);
     // The job's work, in the same transaction.
     if (step.chunks) await step.run(ctx, reviveSpec(claimed.spec));
     else await (step.run as (c: StepContext) => unknown)(ctx);
@@ -677,10 +677,10 @@ class ChunkContext implements StepContext {
   readonly slot: Date | null;
   readonly log: Logger;
   readonly effect: StepContext['effect'];
-  constructor(opts: ExecuteOptions, step: Step, db: StepContext['db'], key: string, wholeStep: boolean, stepLog: Logger) {
+  constructor(opts: ExecuteOptions, step: Step, db: StepContext['db'], signal: AbortSignal, key: string, wholeStep: boolean, stepLog: Logger) {
     this.db = db;
     this.params = opts.params;
-    this.signal = opts.abort;
+    this.signal = signal;
     this.run = opts.run;
     this.step = step.name;
     this.slot = opts.slot;

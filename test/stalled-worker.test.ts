@@ -59,6 +59,43 @@ describe('a chunk session ended by idle_in_transaction_session_timeout (25P03)',
   });
 });
 
+describe("a chunk waiting on ctx.signal (no statement) past the idle-in-transaction timeout", () => {
+  it('its ctx.signal aborts when the server ends its session, so the chunk ends and is tried again; the run succeeds', async () => {
+    // Black-box round 13: a chunk that awaited ctx.signal (a fetch, a queue) while its transaction
+    // sat idle was ended by the server (25P03), and nothing told the job: the worker hung forever,
+    // holding the job's lock, after the other workers had finished the run.
+    const key = 'signal-hang';
+    let hung = 0;
+    let reason: unknown;
+    const job = defineJob({
+      name: 'signal-hang',
+      retry: { base: 10, max: 50 },
+      steps: [
+        {
+          name: 'work',
+          chunks: () => ({ chunks: [1, 2, 3].map((i) => ({ key: chunkKey(i) })), next: null }),
+          async run(ctx, chunk: { key: string }) {
+            if (chunk.key === chunkKey(2) && hung++ === 0) {
+              await new Promise((_, reject) => ctx.signal.addEventListener('abort', () => reject((reason = ctx.signal.reason)), { once: true }));
+            }
+            await sql`insert into work_log (job, run_key, step, chunk_key, attempt, pid)
+              values (${ctx.run.job}, ${ctx.run.runKey}, ${ctx.step}, ${chunk.key}, ${ctx.run.attempt}, ${process.pid})`.execute(ctx.db);
+          },
+        },
+      ],
+    });
+    let timer: NodeJS.Timeout | undefined;
+    const outcome = await Promise.race([
+      runner.run(job, { key }),
+      new Promise((_, reject) => (timer = setTimeout(() => reject(new Error('the run hung: the chunk never learned its session had ended')), 15_000))),
+    ]).finally(() => clearTimeout(timer));
+    expect(outcome).toMatchObject({ status: 'succeeded', attempt: 1, executed: 3 });
+    expect(hung).toBe(2);
+    expect(String((reason as Error)?.message)).toMatch(/idle-in-transaction timeout|Connection terminated/);
+    expect(await workCounts(url, key)).toEqual(ones(3));
+  }, 30_000);
+});
+
 describe('a --join worker stopped (SIGSTOP) past the idle-in-transaction timeout, then continued', () => {
   const params = (chunks: number, pauseMs: number) => JSON.stringify({ chunks, pauseMs });
   const join = (key: string, chunks: number, pauseMs: number) =>
