@@ -323,7 +323,28 @@ export function renderCrontab(entries: ReadonlyArray<ScheduledJob>, opts: Cronta
     if (/[\r\n]/.test(value)) throw new UsageError('invalidCrontab', `crontab ${name} must be one line, got ${JSON.stringify(value)}`);
   }
   if (opts.cwd === '' || opts.command.trim() === '') throw new UsageError('invalidCrontab', 'renderCrontab needs a cwd and a command such as "npx idem"');
-  if (opts.catchUp !== undefined) parseCatchUp(opts.catchUp);
+  if (opts.catchUp !== undefined) {
+    // Each line runs `idem run <job> --catch-up N`: one that covers more slots than a catch-up may
+    // would fail at every tick, so it is refused here (a duration: the slots its window holds now).
+    const window = parseCatchUp(opts.catchUp);
+    const tooMany = ({ job, schedule }: ScheduledJob, cause?: unknown) =>
+      new UsageError(
+        'catchUpTooLarge',
+        `--catch-up ${opts.catchUp} covers more than ${MAX_CATCH_UP_SLOTS} slots of job "${job}" (schedule "${schedule.expression}"), so its crontab line would fail at every tick; catch up at most ${MAX_CATCH_UP_SLOTS} slots at a time (a smaller count or a shorter duration)`,
+        cause === undefined ? undefined : { cause },
+      );
+    for (const entry of entries) {
+      if ('count' in window) {
+        if (window.count > MAX_CATCH_UP_SLOTS) throw tooMany(entry);
+        continue;
+      }
+      try {
+        slotsSince(entry.schedule, window);
+      } catch (err) {
+        throw err instanceof UsageError && err.code === 'idem.catchUpTooLarge' ? tooMany(entry, err) : err;
+      }
+    }
+  }
   const log = opts.logFile ?? DEFAULT_CRONTAB_LOG_FILE;
   const lines = [
     '# idem scheduled jobs. Each line runs `idem run <job>`, whose run key is the slot time in UTC',

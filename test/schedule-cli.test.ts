@@ -279,6 +279,24 @@ describe('idem crontab and --catch-up refusals', () => {
     }
   });
 
+  it('crontab --catch-up past 1000 slots of a job (a count, or a duration on a minutely job) exits 2 with one line naming the job and the limit', async () => {
+    // Black-box round 13 (B): the lines were printed (exit 0), and each then failed at every tick.
+    for (const [dir, value, job, expression] of [
+      [SCHEDULED_JOBS, '2000', 'hourly-tick', '0 * * * *'],
+      [SCHEDULED_MINUTELY, '2d', 'minute-tick', '* * * * *'],
+    ] as const) {
+      const r = await runCli(['--jobs-dir', dir, 'crontab', '--catch-up', value]);
+      expect({ code: r.code, stdout: r.stdout, stderr: r.stderr }).toEqual({
+        code: 2,
+        stdout: '',
+        stderr: `idem: error: --catch-up ${value} covers more than 1000 slots of job "${job}" (schedule "${expression}"), so its crontab line would fail at every tick; catch up at most 1000 slots at a time (a smaller count or a shorter duration)\n`,
+      });
+    }
+    const fine = await runCli(['--jobs-dir', SCHEDULED_MINUTELY, 'crontab', '--catch-up', '12h']);
+    expect(fine.code, fine.stderr).toBe(0);
+    expect(fine.stdout).toContain('run minute-tick --catch-up 12h >>');
+  });
+
   it('--catch-up with --key, or on a job without a schedule, exits 2 and creates nothing', async () => {
     const withKey = await runCli(tick('sched_c', ['--catch-up', '3', '--key', 'k']), { url });
     expect(withKey.code).toBe(2);

@@ -231,6 +231,20 @@ describe('renderCrontab', () => {
     expect(usageError(() => renderCrontab(entries, { cwd: '/srv', command: 'npx idem\nrm -rf /' })).code).toBe('idem.invalidCrontab');
     expect(usageError(() => renderCrontab(entries, { cwd: '/srv', command: 'npx idem', catchUp: 'soon' })).code).toBe('idem.invalidCatchUp');
   });
+
+  it('refuses a --catch-up that covers more than 1000 slots of a job, naming the job and the limit, instead of lines that fail at every tick', () => {
+    // Black-box round 13 (B): crontab --catch-up 2000, or 2d on a minutely job, printed the lines
+    // (exit 0), and each line then failed every time with "covers more than 1000 slots".
+    const minutely = [...entries, { job: 'every-minute', schedule: parseSchedule('* * * * *') }];
+    const byCount = usageError(() => renderCrontab(entries, { cwd: '/srv', command: 'npx idem', catchUp: '2000' }));
+    expect(byCount.code).toBe('idem.catchUpTooLarge');
+    expect(byCount.message).toBe('--catch-up 2000 covers more than 1000 slots of job "nightly-report" (schedule "0 3 * * *"), so its crontab line would fail at every tick; catch up at most 1000 slots at a time (a smaller count or a shorter duration)');
+    const byDuration = usageError(() => renderCrontab(minutely, { cwd: '/srv', command: 'npx idem', catchUp: '2d' }));
+    expect(byDuration.message).toBe('--catch-up 2d covers more than 1000 slots of job "every-minute" (schedule "* * * * *"), so its crontab line would fail at every tick; catch up at most 1000 slots at a time (a smaller count or a shorter duration)');
+    // At the limit, and a duration that covers fewer slots, are fine.
+    expect(renderCrontab(minutely, { cwd: '/srv', command: 'npx idem', catchUp: '1000' })).toContain('run every-minute --catch-up 1000 >>');
+    expect(renderCrontab(minutely, { cwd: '/srv', command: 'npx idem', catchUp: '16h' })).toContain('run every-minute --catch-up 16h >>');
+  });
 });
 
 describe('runCronLoop', () => {
