@@ -505,8 +505,10 @@ export async function runCronLoop(opts: CronLoopOptions): Promise<void> {
         const again = unreachable || (!isRetry && !signal.aborted && retryFailed(err));
         let retryInMs: number | undefined;
         if (unreachable) {
-          retryInMs = Math.min(CRON_UNREACHABLE_RETRY_MS * 2 ** unreachableTries++, CRON_UNREACHABLE_RETRY_MAX_MS);
-          retryAt = now().getTime() + retryInMs;
+          // The job's next tick tries it too, if that comes first.
+          const t = now();
+          retryInMs = Math.min(CRON_UNREACHABLE_RETRY_MS * 2 ** unreachableTries++, CRON_UNREACHABLE_RETRY_MAX_MS, schedule.next(t).getTime() - t.getTime());
+          retryAt = t.getTime() + retryInMs;
         } else unreachableTries = 0;
         if (again) {
           kept.push({ slot, unreachable });

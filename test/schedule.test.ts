@@ -391,6 +391,9 @@ describe('runCronLoop', () => {
     // Each failure says when it is tried again: a backoff doubling from 1 s, cut at the next tick.
     expect(errors[0]).toBe('2026-11-30T10:01:00Z at 10:01:00 again=true retryInMs=1000');
     expect(errors.every((e) => e.includes('again=true retryInMs='))).toBe(true);
+    expect(errors.slice(0, 7)).toEqual(
+      ['10:01:00 again=true retryInMs=1000', '10:01:01 again=true retryInMs=2000', '10:01:03 again=true retryInMs=4000', '10:01:07 again=true retryInMs=8000', '10:01:15 again=true retryInMs=16000', '10:01:31 again=true retryInMs=29000', '10:02:00 again=true retryInMs=30000'].map((e) => `2026-11-30T10:01:00Z at ${e}`),
+    );
     // While the database is down, one try of the oldest slot per wake, not of every kept slot.
     expect(h.of('minutely').length).toBeLessThan(30);
 

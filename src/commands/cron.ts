@@ -47,7 +47,7 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
             // The database could not be reached (down, restarting, failing over, full): the run did
             // not start, and the slot is tried again until it does.
             if (retryInMs !== undefined) {
-              log.warn({ job: name, slot: slotKey(slot), err: errorFields(err) }, `scheduled run could not start: the database could not be reached; it is tried again in ${Math.round(retryInMs / 1000)} s, then until it starts`);
+              log.warn({ job: name, slot: slotKey(slot), err: errorFields(err) }, `scheduled run could not start: the database could not be reached; it is tried again in ${Math.max(1, Math.round(retryInMs / 1000))} s, then until it starts`);
               return;
             }
             const then = again ? "it is tried again at the job's next tick, then left to --catch-up" : 'it was tried again once already: left to --catch-up';
