@@ -3,6 +3,7 @@ import { existsSync } from 'node:fs';
 import path from 'node:path';
 import { Cron } from 'croner';
 import { BusyError, ExitCode, exitCodeOf, messageOf, UsageError } from './errors.ts';
+import { isConnectionTrouble } from './retry.ts';
 import { shellQuote } from './shell-quote.ts';
 import { sleep as abortableSleep } from './sleep.ts';
 
@@ -322,7 +323,28 @@ export function renderCrontab(entries: ReadonlyArray<ScheduledJob>, opts: Cronta
     if (/[\r\n]/.test(value)) throw new UsageError('invalidCrontab', `crontab ${name} must be one line, got ${JSON.stringify(value)}`);
   }
   if (opts.cwd === '' || opts.command.trim() === '') throw new UsageError('invalidCrontab', 'renderCrontab needs a cwd and a command such as "npx idem"');
-  if (opts.catchUp !== undefined) parseCatchUp(opts.catchUp);
+  if (opts.catchUp !== undefined) {
+    // Each line runs `idem run <job> --catch-up N`: one that covers more slots than a catch-up may
+    // would fail at every tick, so it is refused here (a duration: the slots its window holds now).
+    const window = parseCatchUp(opts.catchUp);
+    const tooMany = ({ job, schedule }: ScheduledJob, cause?: unknown) =>
+      new UsageError(
+        'catchUpTooLarge',
+        `--catch-up ${opts.catchUp} covers more than ${MAX_CATCH_UP_SLOTS} slots of job "${job}" (schedule "${schedule.expression}"), so its crontab line would fail at every tick; catch up at most ${MAX_CATCH_UP_SLOTS} slots at a time (a smaller count or a shorter duration)`,
+        cause === undefined ? undefined : { cause },
+      );
+    for (const entry of entries) {
+      if ('count' in window) {
+        if (window.count > MAX_CATCH_UP_SLOTS) throw tooMany(entry);
+        continue;
+      }
+      try {
+        slotsSince(entry.schedule, window);
+      } catch (err) {
+        throw err instanceof UsageError && err.code === 'idem.catchUpTooLarge' ? tooMany(entry, err) : err;
+      }
+    }
+  }
   const log = opts.logFile ?? DEFAULT_CRONTAB_LOG_FILE;
   const lines = [
     '# idem scheduled jobs. Each line runs `idem run <job>`, whose run key is the slot time in UTC',
@@ -369,24 +391,48 @@ export interface CronLoopOptions {
   readonly sleep?: (ms: number, signal: AbortSignal) => Promise<void>;
   /**
    * Gets every error runSlot throws, also an interruption after `signal` aborted. `again`: the slot
-   * is kept to be tried once more at the job's next tick (false when this was that retry, or the
-   * error is not one to retry). Defaults to one line on stderr.
+   * is kept to be tried again (false when this was its one retry, or the error is not one to
+   * retry). `retryInMs`: set when the slot's run could not reach the database (see
+   * `waitsForDatabase`): it is tried again in that many ms, then until it starts. Defaults to one
+   * line on stderr.
    */
-  readonly onError?: (job: string, slot: Date, err: unknown, again: boolean) => void;
+  readonly onError?: (job: string, slot: Date, err: unknown, again: boolean, retryInMs?: number) => void;
   /**
    * Whether a failed slot is tried again, once, at the job's next tick (before that tick's own slot).
    * Defaults to: failed runs (exit 1) and runs that lost their lock (69); not a busy slot (another
    * process has it), bad input, or a paused or cancelled run.
    */
   readonly retryFailed?: (err: unknown) => boolean;
+  /**
+   * Whether a slot's run could not start because the database could not be reached: it is tried
+   * again after a short backoff (`CRON_UNREACHABLE_RETRY_MS`, doubling up to
+   * `CRON_UNREACHABLE_RETRY_MAX_MS`, never past the job's next tick) and at every tick, until it
+   * starts or is no longer among the `MAX_RETRY_SLOTS` kept. Defaults to `couldNotReachDatabase`.
+   */
+  readonly waitsForDatabase?: (err: unknown) => boolean;
 }
 
 /** Most failed slots per job kept for retry by the cron loop; older ones are left to --catch-up. */
 export const MAX_RETRY_SLOTS = 24;
+/** First wait before a slot whose run could not reach the database is tried again; it doubles. */
+export const CRON_UNREACHABLE_RETRY_MS = 1_000;
+/** Longest wait between tries of a slot whose run could not reach the database. */
+export const CRON_UNREACHABLE_RETRY_MAX_MS = 30_000;
 
 function retryByDefault(err: unknown): boolean {
   const code = exitCodeOf(err);
   return code === ExitCode.Failed || code === ExitCode.LockLost || err instanceof SlotBehindError;
+}
+
+/**
+ * The run could not start because the database could not be reached (refused, unreachable, no
+ * answer, starting or shutting down, no connection free, the session ended as it opened): exit 2
+ * like bad input, but nothing about the job or its flags is wrong, and the slot's run can start
+ * once the database is back. Not a genuine refusal: wrong credentials, a missing privilege or
+ * database, a pooler without sessions, an unknown host.
+ */
+export function couldNotReachDatabase(err: unknown): boolean {
+  return exitCodeOf(err) === ExitCode.Usage && isConnectionTrouble(err);
 }
 
 /**
@@ -414,7 +460,8 @@ function reportToStderr(job: string, slot: Date, err: unknown): void {
  * runs it, and so on, so a long run of one job never holds up another job's slots. A job that falls
  * behind (a run longer than its period, a clock jump) runs only its latest due slot, as at start;
  * `--catch-up` is the way to run missed ones. Errors go to `onError` and never stop the loop; a slot
- * that failed is tried again once, at the job's next tick (see `retryFailed`). Resolves once
+ * that failed is tried again once, at the job's next tick (see `retryFailed`), and a slot whose run
+ * could not reach the database is tried again until it starts (see `waitsForDatabase`). Resolves once
  * `signal` aborts and every job's run in flight has returned.
  */
 export async function runCronLoop(opts: CronLoopOptions): Promise<void> {
@@ -426,30 +473,64 @@ export async function runCronLoop(opts: CronLoopOptions): Promise<void> {
     throw new UsageError('noScheduledJobs', 'no job declares a schedule; add one to a job definition, e.g. schedule: "0 3 * * *"');
   }
   const retryFailed = opts.retryFailed ?? retryByDefault;
+  const waitsForDatabase = opts.waitsForDatabase ?? couldNotReachDatabase;
   if (signal.aborted) return;
   // Every job's loop sleeps on the signal at once: not a listener leak past Node's default of 10.
   setMaxListeners(Math.max(getMaxListeners(signal), entries.length + 10), signal);
   const jobLoop = async ({ job, schedule }: ScheduledJob): Promise<void> => {
-    /** Slots of this job that failed and are tried again at its next tick, oldest first. */
-    const failed: Date[] = [];
-    const attempt = async (slot: Date, isRetry = false): Promise<void> => {
-      const i = failed.findIndex((d) => d.getTime() === slot.getTime());
-      if (i >= 0) failed.splice(i, 1);
+    /**
+     * Slots of this job kept to be tried again, oldest first: those whose run failed, once, at its
+     * next tick; those whose run could not reach the database (`unreachable`), after a short backoff
+     * and at every tick, until they start.
+     */
+    const kept: Array<{ slot: Date; unreachable: boolean }> = [];
+    // Tries in a row that could not reach the database (the backoff doubles), and when the
+    // unreachable slots are tried next.
+    let unreachableTries = 0;
+    let retryAt = Infinity;
+    /** Runs one slot; false when its run could not reach the database. `isRetry`: a failed slot's one retry. */
+    const attempt = async (slot: Date, isRetry = false): Promise<boolean> => {
+      const i = kept.findIndex((k) => k.slot.getTime() === slot.getTime());
+      if (i >= 0) kept.splice(i, 1);
       try {
         await runSlot(job, slot);
+        unreachableTries = 0;
+        return true;
       } catch (err) {
-        // Tried again once: a slot that fails its retry too is left to --catch-up, so a job that
-        // fails for good costs at most two runs a tick, not one more for every tick it failed.
-        const again = !isRetry && !signal.aborted && retryFailed(err);
+        // A run that could not reach the database did not start: nothing is wrong with the slot,
+        // and it is kept until it starts. A run that failed is tried again once: a slot that fails
+        // its retry too is left to --catch-up, so a job that fails for good costs at most two runs
+        // a tick, not one more for every tick it failed.
+        const unreachable = !signal.aborted && waitsForDatabase(err);
+        const again = unreachable || (!isRetry && !signal.aborted && retryFailed(err));
+        let retryInMs: number | undefined;
+        if (unreachable) {
+          // The job's next tick tries it too, if that comes first.
+          const t = now();
+          retryInMs = Math.min(CRON_UNREACHABLE_RETRY_MS * 2 ** unreachableTries++, CRON_UNREACHABLE_RETRY_MAX_MS, schedule.next(t).getTime() - t.getTime());
+          retryAt = t.getTime() + retryInMs;
+        } else unreachableTries = 0;
         if (again) {
-          failed.push(slot);
-          if (failed.length > MAX_RETRY_SLOTS) failed.shift();
+          kept.push({ slot, unreachable });
+          kept.sort((a, b) => a.slot.getTime() - b.slot.getTime());
+          if (kept.length > MAX_RETRY_SLOTS) kept.shift();
         }
         try {
-          onError(job, slot, err, again);
+          onError(job, slot, err, again, retryInMs);
         } catch {
           // A failing reporter must not end the scheduler either.
         }
+        return !unreachable;
+      }
+    };
+    /**
+     * Tries the kept slots that `which` picks, oldest first, each before `before`; while the
+     * database still cannot be reached, one try does for all (the others wait with it).
+     */
+    const retryKept = async (which: (k: { unreachable: boolean }) => boolean, before: Date): Promise<void> => {
+      for (const k of [...kept]) {
+        if (signal.aborted || k.slot.getTime() >= before.getTime()) break;
+        if (which(k) && !(await attempt(k.slot, !k.unreachable))) break;
       }
     };
     // last: the newest slot handed to runSlot; the next slot is the first after it.
@@ -459,17 +540,20 @@ export async function runCronLoop(opts: CronLoopOptions): Promise<void> {
       const next = schedule.next(last);
       // Re-read the clock after every sleep: a clock set back means sleeping again, not running early.
       for (let t = now().getTime(); t < next.getTime() && !signal.aborted; t = now().getTime()) {
-        await sleep(Math.min(next.getTime() - t, CRON_LOOP_MAX_SLEEP_MS), signal);
+        // Between ticks, only the slots whose run could not reach the database, on their backoff.
+        const waiting = kept.some((k) => k.unreachable);
+        if (waiting && t >= retryAt) {
+          await retryKept((k) => k.unreachable, next);
+          continue;
+        }
+        await sleep(Math.min(next.getTime() - t, CRON_LOOP_MAX_SLEEP_MS, waiting ? retryAt - t : Infinity), signal);
       }
       if (signal.aborted) return;
       // Never behind `next`, whatever latestSlot says: every pass must move the job forward.
       const latest = latestSlot(schedule, now());
       last = latest > next ? latest : next;
-      // A tick: first the slots that failed before (each once), then the tick's own.
-      for (const old of [...failed]) {
-        if (signal.aborted || old.getTime() === last.getTime()) break;
-        await attempt(old, true);
-      }
+      // A tick: first the kept slots (a failed one once), then the tick's own.
+      await retryKept(() => true, last);
       if (!signal.aborted) await attempt(last);
     }
   };

@@ -1,3 +1,4 @@
+import { execFileSync } from 'node:child_process';
 import { promises as fs } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
@@ -5,12 +6,14 @@ import { fileURLToPath } from 'node:url';
 import { afterAll, afterEach, beforeAll, beforeEach, describe, expect, it } from 'vitest';
 import { latestSlot, parseSchedule, slotKey, slotsSince } from '../src/schedule.ts';
 import { TICK_SCHEDULE } from './fixtures/scheduled-jobs/hourly-tick.ts';
-import { busyMessage, FIXTURE_JOBS, killLeftovers, query, REPO, runCli, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { busyMessage, FIXTURE_JOBS, killLeftovers, lines, query, REPO, runCli, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
+import { clusterDir, removeDir, startPrimary, systemPgBin, type Cluster } from './support/pg-cluster.ts';
 import { api, startServe } from './support/server.ts';
 
 const SCHEDULED_JOBS = fileURLToPath(new URL('./fixtures/scheduled-jobs', import.meta.url));
 const SCHEDULED_PAIR = fileURLToPath(new URL('./fixtures/scheduled-pair', import.meta.url));
+const SCHEDULED_MINUTELY = fileURLToPath(new URL('./fixtures/scheduled-minutely', import.meta.url));
 const schedule = parseSchedule(TICK_SCHEDULE);
 
 const testDb = useTestDatabase({ fixtureTables: true });
@@ -276,6 +279,24 @@ describe('idem crontab and --catch-up refusals', () => {
     }
   });
 
+  it('crontab --catch-up past 1000 slots of a job (a count, or a duration on a minutely job) exits 2 with one line naming the job and the limit', async () => {
+    // Black-box round 13 (B): the lines were printed (exit 0), and each then failed at every tick.
+    for (const [dir, value, job, expression] of [
+      [SCHEDULED_JOBS, '2000', 'hourly-tick', '0 * * * *'],
+      [SCHEDULED_MINUTELY, '2d', 'minute-tick', '* * * * *'],
+    ] as const) {
+      const r = await runCli(['--jobs-dir', dir, 'crontab', '--catch-up', value]);
+      expect({ code: r.code, stdout: r.stdout, stderr: r.stderr }).toEqual({
+        code: 2,
+        stdout: '',
+        stderr: `idem: error: --catch-up ${value} covers more than 1000 slots of job "${job}" (schedule "${expression}"), so its crontab line would fail at every tick; catch up at most 1000 slots at a time (a smaller count or a shorter duration)\n`,
+      });
+    }
+    const fine = await runCli(['--jobs-dir', SCHEDULED_MINUTELY, 'crontab', '--catch-up', '12h']);
+    expect(fine.code, fine.stderr).toBe(0);
+    expect(fine.stdout).toContain('run minute-tick --catch-up 12h >>');
+  });
+
   it('--catch-up with --key, or on a job without a schedule, exits 2 and creates nothing', async () => {
     const withKey = await runCli(tick('sched_c', ['--catch-up', '3', '--key', 'k']), { url });
     expect(withKey.code).toBe(2);
@@ -366,4 +387,50 @@ describe('idem cron', () => {
       expect((await held.done).code).toBe(0);
     }
   });
+});
+
+describe.skipIf(!systemPgBin())('idem cron while the database restarts over a slot boundary (a cluster of the test\'s own)', () => {
+  let dir: string;
+  let primary: Cluster;
+  const asPostgres = () => (process.getuid?.() === 0 ? { uid: Number(execFileSync('id', ['-u', 'postgres'], { encoding: 'utf8' })), gid: Number(execFileSync('id', ['-g', 'postgres'], { encoding: 'utf8' })) } : {});
+  const pgCtl = (args: string[]) => execFileSync(path.join(systemPgBin()!, 'pg_ctl'), ['-D', primary.dataDir, ...args], { ...asPostgres(), cwd: dir, stdio: 'ignore' });
+
+  beforeAll(async () => {
+    dir = await clusterDir('idem-cron-restart-');
+    primary = await startPrimary(systemPgBin()!, dir);
+  }, 120_000);
+  afterAll(async () => {
+    await killLeftovers();
+    await primary?.stop();
+    if (dir) await removeDir(dir);
+  });
+
+  it('a slot whose run could not reach the database is tried again until it starts, and its line says so', async () => {
+    // Black-box round 13: PostgreSQL stopped at :50 and started at :10 of the next minute; both
+    // idem cron processes logged "scheduled run failed; not tried again at the next tick (left to
+    // --catch-up)" (idem.databaseUnavailable, exit 2), and that minute's slot never ran.
+    const minutely = parseSchedule('* * * * *');
+    const statusOf = async (key: string) => (await query(primary.url, `select status from idem.runs where job = 'minute-tick' and run_key = $1`, [key]).catch(() => []))[0]?.status;
+    const cron = spawnCli(['--jobs-dir', SCHEDULED_MINUTELY, 'cron'], { url: primary.url, timeoutMs: 180_000 });
+    try {
+      await waitFor(async () => cron.stderr().includes('"status":"succeeded"'), 'the first slot to run');
+      // Not too close to the boundary: the stop must come before the next slot.
+      if (minutely.next(new Date()).getTime() - Date.now() < 5_000) await new Promise((r) => setTimeout(r, minutely.next(new Date()).getTime() - Date.now() + 2_000));
+      const slot = slotKey(minutely.next(new Date()));
+      pgCtl(['-m', 'fast', '-w', 'stop']);
+      try {
+        const failure = await waitFor(async () => lines(cron.stderr()).find((l) => l.includes(`"slot":"${slot}"`)), 'the slot to fail', { timeoutMs: 70_000, intervalMs: 200 });
+        expect(JSON.parse(failure)).toMatchObject({ err: { code: 'idem.databaseUnavailable' } });
+        expect(JSON.parse(failure).msg).toMatch(/^scheduled run could not start: the database could not be reached; it is tried again in 1 s, then until it starts/);
+        await new Promise((r) => setTimeout(r, 2_000));
+      } finally {
+        pgCtl(['-l', path.join(primary.dataDir, 'server.log'), '-w', 'start']);
+      }
+      await waitFor(async () => (await statusOf(slot)) === 'succeeded', 'the slot to run once the database is back', { timeoutMs: 45_000, intervalMs: 250 });
+      expect(await query(primary.url, `select attempt from idem.runs where job = 'minute-tick' and run_key = $1`, [slot])).toEqual([{ attempt: 1 }]);
+    } finally {
+      cron.child.kill('SIGTERM');
+      await cron.done;
+    }
+  }, 180_000);
 });

@@ -1,6 +1,6 @@
 import { existsSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
-import { BusyError, RunFailedError, UsageError } from '../src/errors.ts';
+import { BusyError, DatabaseUnavailableError, RunFailedError, UsageError } from '../src/errors.ts';
 import {
   latestSlot,
   parseCatchUp,
@@ -231,6 +231,20 @@ describe('renderCrontab', () => {
     expect(usageError(() => renderCrontab(entries, { cwd: '/srv', command: 'npx idem\nrm -rf /' })).code).toBe('idem.invalidCrontab');
     expect(usageError(() => renderCrontab(entries, { cwd: '/srv', command: 'npx idem', catchUp: 'soon' })).code).toBe('idem.invalidCatchUp');
   });
+
+  it('refuses a --catch-up that covers more than 1000 slots of a job, naming the job and the limit, instead of lines that fail at every tick', () => {
+    // Black-box round 13 (B): crontab --catch-up 2000, or 2d on a minutely job, printed the lines
+    // (exit 0), and each line then failed every time with "covers more than 1000 slots".
+    const minutely = [...entries, { job: 'every-minute', schedule: parseSchedule('* * * * *') }];
+    const byCount = usageError(() => renderCrontab(entries, { cwd: '/srv', command: 'npx idem', catchUp: '2000' }));
+    expect(byCount.code).toBe('idem.catchUpTooLarge');
+    expect(byCount.message).toBe('--catch-up 2000 covers more than 1000 slots of job "nightly-report" (schedule "0 3 * * *"), so its crontab line would fail at every tick; catch up at most 1000 slots at a time (a smaller count or a shorter duration)');
+    const byDuration = usageError(() => renderCrontab(minutely, { cwd: '/srv', command: 'npx idem', catchUp: '2d' }));
+    expect(byDuration.message).toBe('--catch-up 2d covers more than 1000 slots of job "every-minute" (schedule "* * * * *"), so its crontab line would fail at every tick; catch up at most 1000 slots at a time (a smaller count or a shorter duration)');
+    // At the limit, and a duration that covers fewer slots, are fine.
+    expect(renderCrontab(minutely, { cwd: '/srv', command: 'npx idem', catchUp: '1000' })).toContain('run every-minute --catch-up 1000 >>');
+    expect(renderCrontab(minutely, { cwd: '/srv', command: 'npx idem', catchUp: '16h' })).toContain('run every-minute --catch-up 16h >>');
+  });
 });
 
 describe('runCronLoop', () => {
@@ -344,6 +358,81 @@ describe('runCronLoop', () => {
       sleep: h.sleep,
     });
     expect(errors).toEqual(['hourly@2026-11-30T10:00:00Z again=true', 'hourly@2026-11-30T10:00:00Z again=false']);
+  });
+
+  it('a slot whose run could not reach the database is tried again after a short backoff, and at every tick, until it starts; a genuine usage error is not', async () => {
+    // Black-box round 13: the database restarted over a slot boundary; the slot's run met
+    // "connection refused" (exit 2, like bad input), was never tried again, and the slot was lost.
+    const unreachable = () => new DatabaseUnavailableError('cannot reach the database at postgres://db/app: connection refused; start the server or fix DATABASE_URL', { cause: Object.assign(new Error('connect ECONNREFUSED 127.0.0.1:5432'), { code: 'ECONNREFUSED' }) });
+    const minutely = parseSchedule('* * * * *');
+    // The database is down from 10:00:55 to 10:03:10: the 10:01, 10:02 and 10:03 slots cannot start.
+    const h = harness('2026-11-30T10:00:50Z', '2026-11-30T10:04:30Z');
+    const down = (t: Date) => t >= at('2026-11-30T10:00:55Z') && t < at('2026-11-30T10:03:10Z');
+    const errors: string[] = [];
+    const ran: string[] = [];
+    await runCronLoop({
+      entries: [{ job: 'minutely', schedule: minutely }],
+      runSlot: async (job, slot) => {
+        h.record(`${job}@${slotKey(slot)}`);
+        if (down(h.now())) throw unreachable();
+        ran.push(`${slotKey(slot)} at ${h.now().toISOString().slice(11, 19)}`);
+      },
+      onError: (_job, slot, _err, again, retryInMs) => void errors.push(`${slotKey(slot)} at ${h.now().toISOString().slice(11, 19)} again=${again} retryInMs=${retryInMs}`),
+      signal: h.controller.signal,
+      now: h.now,
+      sleep: h.sleep,
+    });
+    // Every slot runs, once, oldest first, within the backoff's bound (30 s) of the database's
+    // return, not a tick later.
+    expect(ran.map((r) => r.slice(0, 20))).toEqual(['2026-11-30T10:00:00Z', '2026-11-30T10:01:00Z', '2026-11-30T10:02:00Z', '2026-11-30T10:03:00Z', '2026-11-30T10:04:00Z']);
+    expect(ran[0]).toBe('2026-11-30T10:00:00Z at 10:00:50');
+    for (const r of ran.slice(1, 4)) expect(r).toMatch(/ at 10:03:[1-3]\d$/);
+    expect(ran[4]).toBe('2026-11-30T10:04:00Z at 10:04:00');
+    // Each failure says when it is tried again: a backoff doubling from 1 s, cut at the next tick.
+    expect(errors[0]).toBe('2026-11-30T10:01:00Z at 10:01:00 again=true retryInMs=1000');
+    expect(errors.every((e) => e.includes('again=true retryInMs='))).toBe(true);
+    expect(errors.slice(0, 7)).toEqual(
+      ['10:01:00 again=true retryInMs=1000', '10:01:01 again=true retryInMs=2000', '10:01:03 again=true retryInMs=4000', '10:01:07 again=true retryInMs=8000', '10:01:15 again=true retryInMs=16000', '10:01:31 again=true retryInMs=29000', '10:02:00 again=true retryInMs=30000'].map((e) => `2026-11-30T10:01:00Z at ${e}`),
+    );
+    // While the database is down, one try of the oldest slot per wake, not of every kept slot.
+    expect(h.of('minutely').length).toBeLessThan(30);
+
+    // A usage error that is no trouble reaching the database (a missing privilege) is not retried.
+    const h2 = harness('2026-11-30T10:20:00Z', '2026-11-30T12:30:00Z');
+    const refusals: string[] = [];
+    await runCronLoop({
+      entries: [{ job: 'hourly', schedule: hourly }],
+      runSlot: async (job, slot) => {
+        h2.record(`${job}@${slotKey(slot)}`);
+        if (slotKey(slot) === '2026-11-30T10:00:00Z') throw new DatabaseUnavailableError('role app may not use the runner schema "idem" (permission denied for table runs): …', { cause: Object.assign(new Error('permission denied for table runs'), { code: '42501' }) });
+      },
+      onError: (_job, slot, _err, again, retryInMs) => void refusals.push(`${slotKey(slot)} again=${again} retryInMs=${retryInMs}`),
+      signal: h2.controller.signal,
+      now: h2.now,
+      sleep: h2.sleep,
+    });
+    expect(h2.calls).toEqual(['hourly@2026-11-30T10:00:00Z', 'hourly@2026-11-30T11:00:00Z', 'hourly@2026-11-30T12:00:00Z']);
+    expect(refusals).toEqual(['2026-11-30T10:00:00Z again=false retryInMs=undefined']);
+  });
+
+  it('an hourly slot that could not reach the database runs once the database is back, minutes later, not at the next tick', async () => {
+    const unreachable = () => new DatabaseUnavailableError('cannot reach the database at postgres://db/app: no answer within 10 s (…)', { cause: new Error('Connection terminated due to connection timeout') });
+    const h = harness('2026-11-30T10:59:50Z', '2026-11-30T11:30:00Z');
+    await runCronLoop({
+      entries: [{ job: 'hourly', schedule: hourly }],
+      runSlot: async (job, slot) => {
+        if (h.now() >= at('2026-11-30T11:00:00Z') && h.now() < at('2026-11-30T11:04:00Z')) throw unreachable();
+        h.record(`${job}@${slotKey(slot)} at ${h.now().toISOString().slice(11, 19)}`);
+      },
+      onError: () => {},
+      signal: h.controller.signal,
+      now: h.now,
+      sleep: h.sleep,
+    });
+    expect(h.calls).toHaveLength(2);
+    expect(h.calls[0]).toBe('hourly@2026-11-30T10:00:00Z at 10:59:50');
+    // Within the backoff's bound (30 s) of the database's return.
+    expect(h.calls[1]).toMatch(/^hourly@2026-11-30T11:00:00Z at 11:04:[0-2]\d$/);
   });
 
   it('a long run of one job does not hold up the other jobs\' slots: each job keeps its own schedule', async () => {

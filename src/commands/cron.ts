@@ -44,8 +44,14 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
             });
             log.info({ job: name, slot: key, status: out.status, executed: out.executed }, describeOutcome(out));
           }),
-          onError: (name, slot, err, again) => {
+          onError: (name, slot, err, again, retryInMs) => {
             if (signals.stop.aborted) return;
+            // The database could not be reached (down, restarting, failing over, full): the run did
+            // not start, and the slot is tried again until it does.
+            if (retryInMs !== undefined) {
+              log.warn({ job: name, slot: slotKey(slot), err: errorFields(err) }, `scheduled run could not start: the database could not be reached; it is tried again in ${Math.max(1, Math.round(retryInMs / 1000))} s, then until it starts`);
+              return;
+            }
             const then = again ? "it is tried again at the job's next tick, then left to --catch-up" : 'it was tried again once already: left to --catch-up';
             if (err instanceof SlotBehindError) {
               log.warn({ job: name, slot: slotKey(slot), busy: err.message }, `slot not run now: another run of job "${name}" holds the job (${err.other}); ${then}`);
