@@ -311,6 +311,17 @@ export async function openRunner(g: GlobalOptions, log: Logger, session: Session
   return runner;
 }
 
+/**
+ * An operator command (pause, resume, cancel, reset, prune) stopped by a signal cancels its
+ * statements: one waiting on a lock went on server-side after the process had exited 130, and took
+ * effect when the lock was released. Cancelled, it has no effect at all.
+ */
+export async function cancelStatementsOnStop(session: Session): Promise<void> {
+  const { cancelStatements } = await import('./cli-runtime.ts');
+  if (session.startup.signal.aborted) cancelStatements();
+  else session.startup.signal.addEventListener('abort', () => cancelStatements(), { once: true });
+}
+
 /** Removes bin/idem.js's handlers of a signal while idem loads: from here the session's own handle it. */
 function dropEarlySignals(): void {
   const early = (globalThis as Record<symbol, unknown>)[Symbol.for('idem.earlySignal')] as ((sig: NodeJS.Signals) => void) | undefined;

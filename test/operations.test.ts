@@ -442,6 +442,41 @@ describe('resume without --key while a run is live', () => {
   });
 });
 
+describe('an operator command stopped by a signal', () => {
+  // Black-box round 13: `idem pause` interrupted (Ctrl-C, exit 130) while its update waited on a
+  // lock kept running server-side: the run became paused once the lock was released.
+  for (const what of ['pause', 'resume', 'cancel', 'reset'] as const) {
+    it(`${what} stopped by SIGINT while its statement waits on a lock has no effect, then or later`, async () => {
+      const key = `op-sig-${what}`;
+      await query(url, `insert into fail_chunks values ('c0002', null, null)`);
+      await expect(runner.run(counted, { key, params: { chunks: 3 } })).rejects.toThrow(/injected failure in chunk c0002/);
+      await query(url, 'delete from fail_chunks');
+      if (what === 'resume') expect((await idem(['pause', 'counted', '--key', key])).code).toBe(0);
+      const before = await runRow(url, 'counted', key);
+      const holder = new pg.Client({ connectionString: url });
+      await holder.connect();
+      try {
+        await holder.query('begin');
+        await holder.query('lock table idem.runs in share mode');
+        const child = spawnCli([...FIXTURE_DIRS, what, 'counted', '--key', key], { url });
+        await waitFor(async () => (await lockWaiters(url, 'idem')) + (await lockWaiters(url, 'idem-lock')) > 0, `the ${what} to wait on the lock`);
+        child.child.kill('SIGINT');
+        const r = await child.done;
+        expect(r.code, r.stderr).toBe(130);
+        expect(r.stderr).toMatch('idem: stopped by SIGINT');
+        // Its statement was cancelled with the command: nothing waits on the lock any more.
+        expect((await lockWaiters(url, 'idem')) + (await lockWaiters(url, 'idem-lock'))).toBe(0);
+      } finally {
+        await holder.query('commit');
+        await holder.end();
+      }
+      await sleep(300);
+      expect(await runRow(url, 'counted', key)).toEqual(before);
+      await runner.cancel('counted', key);
+    });
+  }
+});
+
 describe('cancel and reset', () => {
   it('cancelling a live run ends it with exit 1; reruns are refused until idem reset, after which it runs afresh', async () => {
     const key = 'op-cancel';
