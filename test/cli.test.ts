@@ -275,7 +275,7 @@ describe('idem run', () => {
     expect(failed.code, failed.stderr).toBe(1);
     const errors = lines(failed.stderr).filter((l) => l.startsWith('idem: error:'));
     expect(errors).toEqual([
-      'idem: error: job "counted" failed in step "work", chunk c0002 after 1 try: injected failure in chunk c0002; fix the cause and run the same command again to resume there',
+      'idem: error: job "counted" failed in step "work", chunk c0002 after 1 try: injected failure in chunk c0002; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)',
     ]);
     expect(await runRow(url, 'counted', 'cli-fail')).toMatchObject({ status: 'failed', attempt: 1 });
     // Its detail view says the step failed (the step's row still says running: nobody finished it).
