@@ -337,6 +337,23 @@ describe('a request the live run could not act on is not lost', () => {
   }
 });
 
+describe('resume of a crashed run with a pause pending', () => {
+  it('withdraws the pause and says that no process works the run (black-box round 13: "the live run goes on")', async () => {
+    const key = 'op-crashed-resume';
+    const params = { chunks: 3 };
+    expectFaultCrash(await runCli(countedArgs(key, params), { url, env: { IDEM_FAULT: 'after-commit:crash:1' } }), 'after-commit');
+    await waitFor(async () => (await sessions(url, 'idem-lock')) === 0, 'the crashed lock session to end');
+    // As a worker killed after an operator asked it to pause leaves its run (the row still says running).
+    await query(url, `update idem.runs set requested = 'pause' where job = 'counted' and run_key = $1`, [key]);
+    const resumed = await idem(['resume', 'counted', '--key', key]);
+    expect([resumed.code, resumed.stdout], resumed.stderr).toEqual([0, `resume: run ${key} of job "counted" pause withdrawn: no process works the run (it crashed); its next invocation continues it\n`]);
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'running', requested: null, attempt: 1 });
+    const again = await runCli(countedArgs(key, params), { url });
+    expect(again.code, again.stderr).toBe(0);
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'succeeded', attempt: 2 });
+  });
+});
+
 describe('a pending cancel is not undone by a pause', () => {
   it('pause after a cancel of a live run is refused (exit 2) and the run ends cancelled; so for a crashed run with the cancel pending', async () => {
     const key = 'op-cancel-then-pause';

@@ -18,7 +18,9 @@ function registerControl(program: Command, cli: CliContext, name: 'pause' | 'res
         const runner = await openRunner(g, log, session, undefined, undefined, (db, schema) => assertKnownJob(db, schema, job, g));
         const r = await runner[name](job, o.key);
         const how = !r.live
-          ? `now ${r.status}`
+          ? name === 'resume' && r.status === 'running'
+            ? 'pause withdrawn: no process works the run (it crashed); its next invocation continues it'
+            : `now ${r.status}`
           : name === 'resume'
             ? 'pause withdrawn: the live run goes on (had it already stopped for the pause, it is interrupted and continues on its next invocation)'
             : 'requested: the live run stops at its next chunk boundary';
