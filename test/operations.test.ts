@@ -462,12 +462,17 @@ describe('resume without --key while a run is live', () => {
 describe('an operator command stopped by a signal', () => {
   // Black-box round 13: `idem pause` interrupted (Ctrl-C, exit 130) while its update waited on a
   // lock kept running server-side: the run became paused once the lock was released.
-  for (const what of ['pause', 'resume', 'cancel', 'reset'] as const) {
+  for (const what of ['pause', 'resume', 'cancel', 'reset', 'prune'] as const) {
     it(`${what} stopped by SIGINT while its statement waits on a lock has no effect, then or later`, async () => {
       const key = `op-sig-${what}`;
-      await query(url, `insert into fail_chunks values ('c0002', null, null)`);
-      await expect(runner.run(counted, { key, params: { chunks: 3 } })).rejects.toThrow(/injected failure in chunk c0002/);
-      await query(url, 'delete from fail_chunks');
+      if (what === 'prune') {
+        await runner.run(counted, { key, params: { chunks: 1 } });
+        await query(url, `update idem.runs set finished_at = now() - interval '2 days' where job = 'counted' and run_key = $1`, [key]);
+      } else {
+        await query(url, `insert into fail_chunks values ('c0002', null, null)`);
+        await expect(runner.run(counted, { key, params: { chunks: 3 } })).rejects.toThrow(/injected failure in chunk c0002/);
+        await query(url, 'delete from fail_chunks');
+      }
       if (what === 'resume') expect((await idem(['pause', 'counted', '--key', key])).code).toBe(0);
       const before = await runRow(url, 'counted', key);
       const holder = new pg.Client({ connectionString: url });
@@ -475,7 +480,7 @@ describe('an operator command stopped by a signal', () => {
       try {
         await holder.query('begin');
         await holder.query('lock table idem.runs in share mode');
-        const child = spawnCli([...FIXTURE_DIRS, what, 'counted', '--key', key], { url });
+        const child = spawnCli([...FIXTURE_DIRS, ...(what === 'prune' ? ['prune', '--older-than', '1d'] : [what, 'counted', '--key', key])], { url });
         await waitFor(async () => (await lockWaiters(url, 'idem')) + (await lockWaiters(url, 'idem-lock')) > 0, `the ${what} to wait on the lock`);
         child.child.kill('SIGINT');
         const r = await child.done;
@@ -489,7 +494,8 @@ describe('an operator command stopped by a signal', () => {
       }
       await sleep(300);
       expect(await runRow(url, 'counted', key)).toEqual(before);
-      await runner.cancel('counted', key);
+      if (what === 'prune') await query(url, `update idem.runs set finished_at = now() where job = 'counted' and run_key = $1`, [key]);
+      else await runner.cancel('counted', key);
     });
   }
 });
