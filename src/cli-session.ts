@@ -190,7 +190,7 @@ export function createCliContext(program: Command, state: { exitCode: number }):
  */
 function guardAgainstJobCode(jsonError: ((err: unknown) => unknown) | undefined, mask: (text: string) => string, idemExits: () => number | undefined, finish: (code: number) => void): { remove(): void } {
   const report = (what: string, run: string) => {
-    const shown = mask(`the job's code ${what} while the command was running; ${run}: fix the job and run the same command again to resume (with --allow-changed-code, as the fix changes the code of the job)`);
+    const shown = mask(`the job's code ${what} while the command was running; ${run}: fix the job and run the same command again to resume (with --allow-changed-code if the fix changes the code of the job)`);
     if (jsonError) process.stdout.write(`${JSON.stringify(jsonError(new Error(shown)))}\n`);
     process.stderr.write(`idem: error: ${visibleError(shown, false)}\n`);
   };

@@ -231,6 +231,8 @@ describe('idem run', () => {
       expect(errors, r.stderr).toHaveLength(1);
       expect(errors[0]).toContain(said);
       expect(errors[0]).toContain('run the same command again to resume');
+      // A fix of the job changes its code, which the resume then needs the flag for (black-box round 13).
+      expect(errors[0]).toContain('(with --allow-changed-code if the fix changes the code of the job)');
       expect(r.stderr, how).not.toMatch(/^\s+at /m);
       // A job's process.exit() ends the process there and then: the run is left as a crash leaves it.
       if (how === 'exit') expect(errors[0]).toContain('idem status shows it crashed');
