@@ -2,7 +2,7 @@ import pg from 'pg';
 import { BusyError, codeOf, DatabaseUnavailableError, InterruptedError, LockLostError, RETRY_OR_WAIT } from './errors.ts';
 import { lockKey } from './fingerprint.ts';
 import { answerWithin, sleep } from './sleep.ts';
-import { lockSessionSetup, NO_CONNECTION_FREE_FIX, sessionName } from './database.ts';
+import { lockSessionSetup, NO_CONNECTION_FREE_FIX, sessionName, trackSession } from './database.ts';
 import { lockCheckIntervalMs, SILENT_SECONDS_SQL, silentSecondsOf, type LockHolder, describeHolder } from './lock-holder.ts';
 
 export interface AdvisoryLockOptions {
@@ -120,6 +120,7 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
   // to every role), so `idem status` can name the live workers of a run without a table of its own.
   const appName = sessionName('idem-lock', opts.holder);
   const client = new pg.Client({ connectionString: opts.connectionString, keepAlive: true, keepAliveInitialDelayMillis: 5_000, application_name: appName });
+  trackSession(client);
   const lostController = new AbortController();
   const loseLock = (why: string, cause?: unknown) => {
     if (lostController.signal.aborted) return;

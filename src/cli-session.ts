@@ -192,7 +192,7 @@ export function createCliContext(program: Command, state: { exitCode: number }):
  */
 function guardAgainstJobCode(jsonError: ((err: unknown) => unknown) | undefined, mask: (text: string) => string, idemExits: () => number | undefined, finish: (code: number) => void): { remove(): void } {
   const report = (what: string, run: string) => {
-    const shown = mask(`the job's code ${what} while the command was running; ${run}: fix the job and run the same command again to resume`);
+    const shown = mask(`the job's code ${what} while the command was running; ${run}: fix the job and run the same command again to resume (with --allow-changed-code if the fix changes the code of the job)`);
     if (jsonError) process.stdout.write(`${JSON.stringify(jsonError(new Error(shown)))}\n`);
     process.stderr.write(`idem: error: ${visibleError(shown, false)}\n`);
   };
@@ -320,6 +320,17 @@ export async function openRunner(g: GlobalOptions, log: Logger, session: Session
   });
   session.defer(() => runner.close());
   return runner;
+}
+
+/**
+ * An operator command (pause, resume, cancel, reset, prune) stopped by a signal cancels its
+ * statements: one waiting on a lock went on server-side after the process had exited 130, and took
+ * effect when the lock was released. Cancelled, it has no effect at all.
+ */
+export async function cancelStatementsOnStop(session: Session): Promise<void> {
+  const { cancelStatements } = await import('./cli-runtime.ts');
+  if (session.startup.signal.aborted) cancelStatements();
+  else session.startup.signal.addEventListener('abort', () => cancelStatements(), { once: true });
 }
 
 /** Removes bin/idem.js's handlers of a signal while idem loads: from here the session's own handle it. */

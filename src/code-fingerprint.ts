@@ -53,6 +53,9 @@ interface RunCodeRow {
   readonly run_key: string;
   readonly attempt: number;
   readonly code_fingerprint?: string | null;
+  /** Set for a runner that reads it: the run's status, and the code changes allowed on it. */
+  readonly status?: string;
+  readonly code_changes?: ReadonlyArray<{ readonly from: string; readonly to: string; readonly attempt: number }> | null;
 }
 
 /**
@@ -98,9 +101,22 @@ export async function adoptCodeFingerprint(db: Kysely<any>, schema: string, run:
 export function refuseChangedCode(run: RunCodeRow, job: Job, allowChanged: boolean): void {
   const change = changedCode(run, job);
   if (allowChanged || change === null) return;
-  throw new CodeChangedError(
-    `run ${run.run_key} of job "${run.job}" was started under other code (${short(change.from)}, now ${short(change.to)}); resume it with the code it started with, or pass --allow-changed-code if the change is safe for the chunks already done`,
-  );
+  const { from: before, to: now } = change;
+  const what = `run ${run.run_key} of job "${run.job}"`;
+  const safe = 'if the change is safe for the chunks already done';
+  // A failed run is resumed after a fix, which is often in the job's code: that way first.
+  if (run.status === 'failed') {
+    throw new CodeChangedError(`${what} failed under other code (${short(before)}, now ${short(now)}); to resume it with this code (a fix of that failure), pass --allow-changed-code ${safe}; else resume it with the code it failed under`);
+  }
+  // Its code was changed (allowed) since it started: "started under other code" would name the
+  // change's hash as the one it started with, to a process that may well have that one.
+  const last = run.code_changes?.at(-1);
+  if (last && last.to === before) {
+    throw new CodeChangedError(
+      `${what} changed its code at attempt ${last.attempt} (from ${short(last.from)} to ${short(before)}, allowed), and this process has ${short(now)}; pass --allow-changed-code to work it with this code ${safe}, or work it with ${short(before)}`,
+    );
+  }
+  throw new CodeChangedError(`${what} was started under other code (${short(before)}, now ${short(now)}); resume it with the code it started with, or pass --allow-changed-code ${safe}`);
 }
 
 /**

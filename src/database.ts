@@ -393,6 +393,41 @@ export function sessionName(kind: 'idem' | 'idem-lock', holder = `${hostname()}:
   return chars.join('');
 }
 
+/** Every session of idem's own in this process (work pools' and lock sessions'), while it is open. */
+const idemSessions = new Set<pg.Client>();
+
+/** Counts `client` among idem's sessions (cancelStatements reaches it) until it ends. */
+export function trackSession(client: pg.Client): void {
+  idemSessions.add(client);
+  client.once('end', () => idemSessions.delete(client));
+}
+
+let cancelling: NodeJS.Timeout | undefined;
+
+/**
+ * Cancels the statement each of idem's sessions is running, and each one they start from then on,
+ * until the process exits: an operator command stopped by a signal must not take effect later.
+ * Its statement (`idem pause`'s update, waiting on a lock) otherwise went on server-side after the
+ * process was gone, and landed when the lock was released; cancelled, its transaction rolls back.
+ * Sent as PostgreSQL's cancel request (a connection of its own, as psql's Ctrl-C), which a pooler
+ * passes on to the server session.
+ */
+export function cancelStatements(): void {
+  const sent = new WeakSet<object>();
+  const sweep = () => {
+    for (const client of idemSessions) {
+      const active = (client as unknown as { activeQuery?: object | null }).activeQuery;
+      if (!active || sent.has(active)) continue;
+      sent.add(active);
+      const canceller = new pg.Client({ host: client.host, port: client.port });
+      (canceller as unknown as { connection: { on(event: 'error', fn: () => void): void } }).connection.on('error', () => {});
+      (canceller as unknown as { cancel(client: pg.Client, query: object): void }).cancel(client, active);
+    }
+  };
+  sweep();
+  cancelling ??= setInterval(sweep, 50).unref();
+}
+
 /** Default of `idleInTransactionTimeoutMs`: a vanished process's open chunk transaction is ended after this. */
 export const DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT_MS = 60_000;
 
@@ -462,6 +497,7 @@ export async function openDatabase(
   // sessions next (the embedded server's last-one-out check) no longer sees ours.
   const open = new Set<pg.Client>();
   pool.on('connect', (client) => {
+    trackSession(client);
     open.add(client);
     client.once('end', () => open.delete(client));
   });

@@ -105,7 +105,7 @@ export function recordedFailure(run: Pick<RunRow, 'job' | 'run_key' | 'error' | 
   const tries = e ? ` after ${e.tries} ${e.tries === 1 ? 'try' : 'tries'}` : '';
   // A command that resumes it as it is: a job's run with its params (see continueCommand).
   const resume = run.kind === 'migration' ? 'idem migrate' : continueCommand(run.job, run.run_key, run.params, `<its params: idem status ${shellQuote(run.job)} --key ${shellQuote(run.run_key)} --json>`);
-  return new RunFailedError(`run ${run.run_key} of job "${run.job}" failed${where}${tries}: ${e?.message ?? 'no error recorded'}; fix the cause, resume it (${resume}), then finalize again`);
+  return new RunFailedError(`run ${run.run_key} of job "${run.job}" failed${where}${tries}: ${e?.message ?? 'no error recorded'}; fix the cause, resume it (${resume}; with --allow-changed-code if the fix changes the code of the job), then finalize again`);
 }
 
 /** Whether the backend that took the run's lock (its job's, or migrate's) still holds it. */

@@ -156,7 +156,7 @@ class HealthProbe {
     // long transaction that pins the horizon.
     const { rows } = await sql<Measurement>`
       select pg_is_in_recovery() as "inRecovery",
-        case when pg_is_in_recovery() then extract(epoch from now() - pg_last_xact_replay_timestamp())::float8 end as "replayDelaySeconds",
+        ${REPLAY_DELAY} as "replayDelaySeconds",
         (select extract(epoch from max(replay_lag))::float8 from pg_stat_replication) as "replicationLagSeconds",
         ${wal} as "walReady",
         coalesce((select json_agg(json_build_object('oid', p.relid::int8, 'name', p.relid::regclass::text))
@@ -246,6 +246,14 @@ function diagnose(m: Measurement, o: Required<HealthOptions>, tables: ReadonlySe
   return null;
 }
 
+/**
+ * How far a standby's replay is behind, in seconds: the age of the last transaction it replayed,
+ * but only while it has received WAL it has not replayed yet. A standby that replayed all it
+ * received is caught up (null: nothing said), however long ago its idle primary last committed.
+ */
+const REPLAY_DELAY = sql`case when pg_is_in_recovery() and pg_last_wal_receive_lsn() is distinct from pg_last_wal_replay_lsn()
+  then extract(epoch from now() - pg_last_xact_replay_timestamp())::float8 end`;
+
 function standbyError(m: Measurement): StandbyError {
   const behind = m.replayDelaySeconds === null ? '' : `, ${Math.round(m.replayDelaySeconds)} s behind its primary`;
   return new StandbyError(`the database is a standby (in recovery${behind}) and cannot take writes; point DATABASE_URL at the primary`);
@@ -283,7 +291,7 @@ export async function assertNotStandby(db: Kysely<any>): Promise<void> {
 async function readOnlyRefusal(db: Kysely<any>): Promise<Error | null> {
   const { rows } = await sql<{ inRecovery: boolean; replayDelaySeconds: number | null; readOnlyDefault: boolean }>`
     select pg_is_in_recovery() as "inRecovery",
-      case when pg_is_in_recovery() then extract(epoch from now() - pg_last_xact_replay_timestamp())::float8 end as "replayDelaySeconds",
+      ${REPLAY_DELAY} as "replayDelaySeconds",
       current_setting('default_transaction_read_only')::boolean as "readOnlyDefault"`.execute(db);
   const r = rows[0];
   if (r?.inRecovery) return standbyError({ ...r, replicationLagSeconds: null, walReady: null, vacuuming: [], oldestTransaction: null, longestLockWait: null });

@@ -185,7 +185,8 @@ export async function resumeRun(h: OperationsHost, job: string, key?: string): P
       set status = case when status <> 'paused' then status when error is not null then 'failed' else 'interrupted' end, requested = null, updated_at = now()
       where id = ${run.id} and status = ${run.status} and attempt = ${run.attempt} and requested is not distinct from ${run.requested}
       returning status`.execute(h.db);
-    if (rows[0]) return { job, runKey: run.run_key, status: rows[0].status, live: run.status === 'running' };
+    // A run with a pause pending whose worker died (crashed) is no live run: nobody goes on with it now.
+    if (rows[0]) return { job, runKey: run.run_key, status: rows[0].status, live: run.status === 'running' && (await isLive(h, run)) };
     if (tries >= CAS_TRIES) throw new BusyError(`run "${run.run_key}" of job "${job}" kept changing while the resume was requested; try again`);
     run = await targetRun(h, job, run.run_key, ['paused'], 'resume', true);
   }

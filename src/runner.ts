@@ -357,7 +357,7 @@ export class Runner {
       ({ params, fingerprint: fp } = run);
     }
     const runKey = opts.key ?? fp;
-    if (opts.dryRun) return this.#dryRun(job, runKey, fp, opts.allowChangedCode ?? false, opts.params);
+    if (opts.dryRun) return this.#dryRun(job, runKey, fp, opts.allowChangedCode ?? false, opts.params, opts.join ?? false);
 
     // A run a prune marked deleting and did not get to delete whole (killed between its batches)
     // is deleted here first, so that its key runs afresh, as it would have after that prune.
@@ -754,7 +754,7 @@ export class Runner {
     }
     if (err instanceof FailedElsewhere) {
       log.error({ err: errorFields(err) }, 'the run failed in another worker; stopping');
-      return new RunFailedError(`job "${job.name}" failed in another process sharing the run: ${err.message}; fix the cause and run the same command again to resume there`, { cause: err });
+      return new RunFailedError(`job "${job.name}" failed in another process sharing the run: ${err.message}; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)`, { cause: err });
     }
     if (err instanceof FencedError) {
       // The fence also refuses a chunk of a run that ended under this attempt while it was in
@@ -901,7 +901,7 @@ export class Runner {
     }
     log.error({ step: failure.step, chunk: failure.chunk, tries: failure.tries, err: errorFields(failure.cause, message) }, 'run failed');
     return new RunFailedError(
-      `job "${job.name}" failed in ${where} after ${failure.tries} ${failure.tries === 1 ? 'try' : 'tries'}: ${message}; fix the cause and run the same command again to resume there`,
+      `job "${job.name}" failed in ${where} after ${failure.tries} ${failure.tries === 1 ? 'try' : 'tries'}: ${message}; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)`,
       { cause: failure },
     );
   }
@@ -915,12 +915,13 @@ export class Runner {
     return answerWithin(this.store.getRun(runId), LOST_LOOKUP_MS, () => null).catch(() => null);
   }
 
-  async #dryRun(job: Job, runKey: string, fp: string, allowChangedCode: boolean, given: unknown): Promise<RunOutcome> {
+  async #dryRun(job: Job, runKey: string, fp: string, allowChangedCode: boolean, given: unknown, join: boolean): Promise<RunOutcome> {
     const run = await this.store.findRun(job.name, runKey);
     if (run && !storedParamsGiven(given, run)) checkFingerprint(job.name, runKey, run, fp);
     // A resume the real command would refuse for its code: not a finished, paused or cancelled run
-    // (refused or done for that first), nor a live one (busy first).
-    if (run && !['succeeded', 'paused', 'cancelled'].includes(run.status) && !(await isLive(this.#ops(), run))) refuseChangedCode(run, job, allowChangedCode);
+    // (refused or done for that first), nor a live one unless joining it (a plain run is busy
+    // first; --join refuses to join it under other code).
+    if (run && !['succeeded', 'paused', 'cancelled'].includes(run.status) && (join || !(await isLive(this.#ops(), run)))) refuseChangedCode(run, job, allowChangedCode);
     return {
       status: 'dry-run',
       job: job.name,

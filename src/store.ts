@@ -29,6 +29,8 @@ export interface RunRow {
   lock_name: string | null;
   lock_pid: number | null;
   code_fingerprint?: string | null;
+  /** Code changes allowed (--allow-changed-code) on the run, oldest first. */
+  code_changes?: Array<{ from: string; to: string; attempt: number; at: string }> | null;
   /** `migration`: recorded by idem migrate; prune keeps it. */
   kind?: 'job' | 'migration';
 }

@@ -298,7 +298,7 @@ describe('keysetQuery', () => {
     };
     const err = await runner.run(touch('ks-nulls', 'select tenant, id from ks_nulls'), { key: 'k' }).catch((e: unknown) => e);
     expect((err as Error).message).toBe(
-      'job "ks-nulls" failed in step "touch" after 1 try: keysetQuery(): the query returns rows whose key column "id" is NULL, which no chunk holds, so they would be skipped; make the key columns NOT NULL, or exclude those rows in the query (where tenant is not null and id is not null) and handle them in another step; fix the cause and run the same command again to resume there',
+      'job "ks-nulls" failed in step "touch" after 1 try: keysetQuery(): the query returns rows whose key column "id" is NULL, which no chunk holds, so they would be skipped; make the key columns NOT NULL, or exclude those rows in the query (where tenant is not null and id is not null) and handle them in another step; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)',
     );
     expect(await query(url, `select count(*)::int as n from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'ks-nulls'`)).toEqual([{ n: 0 }]);
     const ok = await runner.run(touch('ks-not-null', 'select tenant, id from ks_nulls where tenant is not null and id is not null'), { key: 'k' });
@@ -499,7 +499,7 @@ describe('a job-definition mistake in planning is the step\'s, with what to fix'
     const job = defineJob({ name: 'bigint-spec', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'a', id: 1n }]), run: () => {} }] });
     const { message, recorded } = await failed(job);
     expect(message).toBe(
-      'job "bigint-spec" failed in step "plan" after 1 try: chunk a: chunk specs must be JSON: a BigInt (at id) cannot be stored; convert it to a string or number; fix the cause and run the same command again to resume there',
+      'job "bigint-spec" failed in step "plan" after 1 try: chunk a: chunk specs must be JSON: a BigInt (at id) cannot be stored; convert it to a string or number; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)',
     );
     expect(recorded).toMatchObject({ step: 'plan', chunk: null });
   });
@@ -508,13 +508,13 @@ describe('a job-definition mistake in planning is the step\'s, with what to fix'
     const spec = defineJob({ name: 'nul-spec', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'a', name: 'x\u0000y' }]), run: () => {} }] });
     const s = await failed(spec);
     expect(s.message).toBe(
-      'job "nul-spec" failed in step "plan" after 1 try: chunk a: chunk specs cannot hold the character U+0000 (at name), which PostgreSQL cannot store in text or jsonb; remove or replace it; fix the cause and run the same command again to resume there',
+      'job "nul-spec" failed in step "plan" after 1 try: chunk a: chunk specs cannot hold the character U+0000 (at name), which PostgreSQL cannot store in text or jsonb; remove or replace it; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)',
     );
     expect(s.recorded).toMatchObject({ step: 'plan', chunk: null });
     const key = defineJob({ name: 'nul-key', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'a\u0000b' }]), run: () => {} }] });
     const k = await failed(key);
     expect(k.message).toBe(
-      'job "nul-key" failed in step "plan" after 1 try: chunk "a\\u0000b": chunk specs cannot hold the character U+0000 (at key), which PostgreSQL cannot store in text or jsonb; remove or replace it; fix the cause and run the same command again to resume there',
+      'job "nul-key" failed in step "plan" after 1 try: chunk "a\\u0000b": chunk specs cannot hold the character U+0000 (at key), which PostgreSQL cannot store in text or jsonb; remove or replace it; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)',
     );
     expect(k.recorded).toMatchObject({ step: 'plan', chunk: null });
   });
@@ -523,7 +523,7 @@ describe('a job-definition mistake in planning is the step\'s, with what to fix'
     const job = defineJob({ name: 'surrogate-spec', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'a', name: 'x\ud800' }]), run: () => {} }] });
     const { message, recorded } = await failed(job);
     expect(message).toBe(
-      'job "surrogate-spec" failed in step "plan" after 1 try: chunk a: chunk specs cannot hold a lone surrogate (at name), which is not well-formed Unicode and PostgreSQL cannot store as JSON; remove or replace it; fix the cause and run the same command again to resume there',
+      'job "surrogate-spec" failed in step "plan" after 1 try: chunk a: chunk specs cannot hold a lone surrogate (at name), which is not well-formed Unicode and PostgreSQL cannot store as JSON; remove or replace it; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)',
     );
     expect(recorded).toMatchObject({ step: 'plan', chunk: null });
     const key = await failed(defineJob({ name: 'surrogate-key', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'a\ud800b' }]), run: () => {} }] }));
@@ -533,14 +533,14 @@ describe('a job-definition mistake in planning is the step\'s, with what to fix'
   it('NaN or Infinity in a chunk spec fails in its step instead of being stored as null', async () => {
     const { message } = await failed(defineJob({ name: 'nan-spec', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'a', lo: NaN }, { key: 'b', hi: Infinity }]), run: () => {} }] }));
     expect(message).toBe(
-      'job "nan-spec" failed in step "plan" after 1 try: chunk a: chunk specs must be JSON: NaN (at lo) has no JSON form and would be stored as null; use a number or a string; fix the cause and run the same command again to resume there',
+      'job "nan-spec" failed in step "plan" after 1 try: chunk a: chunk specs must be JSON: NaN (at lo) has no JSON form and would be stored as null; use a number or a string; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)',
     );
   });
 
   it('a chunk key longer than 2000 bytes of UTF-8 fails in its step, naming the chunk (clipped) and the limit', async () => {
     const { message, recorded } = await failed(defineJob({ name: 'long-key', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'x'.repeat(3_000_000) }]), run: () => {} }] }));
     expect(message).toBe(
-      `job "long-key" failed in step "plan" after 1 try: chunk ${'x'.repeat(40)}… (3000000 bytes): a chunk key is at most 2000 bytes of UTF-8 (the chunk index holds no longer one); key the chunk by something shorter, e.g. its range or a hash of its content; fix the cause and run the same command again to resume there`,
+      `job "long-key" failed in step "plan" after 1 try: chunk ${'x'.repeat(40)}… (3000000 bytes): a chunk key is at most 2000 bytes of UTF-8 (the chunk index holds no longer one); key the chunk by something shorter, e.g. its range or a hash of its content; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)`,
     );
     expect(recorded).toMatchObject({ step: 'plan', chunk: null });
     // 2000 bytes exactly (500 four-byte characters) is stored.

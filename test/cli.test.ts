@@ -231,6 +231,8 @@ describe('idem run', () => {
       expect(errors, r.stderr).toHaveLength(1);
       expect(errors[0]).toContain(said);
       expect(errors[0]).toContain('run the same command again to resume');
+      // A fix of the job changes its code, which the resume then needs the flag for (black-box round 13).
+      expect(errors[0]).toContain('(with --allow-changed-code if the fix changes the code of the job)');
       expect(r.stderr, how).not.toMatch(/^\s+at /m);
       // A job's process.exit() ends the process there and then: the run is left as a crash leaves it.
       if (how === 'exit') expect(errors[0]).toContain('idem status shows it crashed');
@@ -275,7 +277,7 @@ describe('idem run', () => {
     expect(failed.code, failed.stderr).toBe(1);
     const errors = lines(failed.stderr).filter((l) => l.startsWith('idem: error:'));
     expect(errors).toEqual([
-      'idem: error: job "counted" failed in step "work", chunk c0002 after 1 try: injected failure in chunk c0002; fix the cause and run the same command again to resume there',
+      'idem: error: job "counted" failed in step "work", chunk c0002 after 1 try: injected failure in chunk c0002; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)',
     ]);
     expect(await runRow(url, 'counted', 'cli-fail')).toMatchObject({ status: 'failed', attempt: 1 });
     // Its detail view says the step failed (the step's row still says running: nobody finished it).

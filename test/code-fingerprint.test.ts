@@ -49,6 +49,12 @@ describe('code changes between attempts', () => {
     await query(url, `insert into fail_chunks (chunk_key) values ('b')`);
     const failed = await cli('run', 'code-check', '--key', 'k1', '--no-progress');
     expect(failed.code, failed.stderr).toBe(1);
+    // Black-box round 13: the fix is often in the job's code, which the resume then needs
+    // --allow-changed-code for; the failure says so (the CLI's and finalize's), not only "fix the cause".
+    expect(failed.stderr).toContain("fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)");
+    const fin = await cli('finalize', 'code-check', '--key', 'k1');
+    expect(fin.code, fin.stderr).toBe(1);
+    expect(fin.stderr).toMatch(/fix the cause, resume it \(idem run code-check --key k1; with --allow-changed-code if the fix changes the code of the job\), then finalize again$/m);
     const first = await runRow(url, 'code-check', 'k1');
     expect(first).toMatchObject({ status: 'failed', attempt: 1, code_changes: null });
     expect(first.code_fingerprint).toMatch(/^sha256:[0-9a-f]{64}$/);
@@ -60,13 +66,16 @@ describe('code changes between attempts', () => {
     expect(refused.code).toBe(65);
     const errLines = lines(refused.stderr).filter((l) => !l.startsWith('{'));
     expect(errLines).toHaveLength(1);
-    expect(errLines[0]).toMatch(/^idem: error: run k1 of job "code-check" was started under other code \(sha256:[0-9a-f]{12}…, now sha256:[0-9a-f]{12}…\); .*--allow-changed-code/);
+    // A failed run: the way to resume it with the fixed code comes first.
+    expect(errLines[0]).toMatch(
+      /^idem: error: run k1 of job "code-check" failed under other code \(sha256:[0-9a-f]{12}…, now sha256:[0-9a-f]{12}…\); to resume it with this code \(a fix of that failure\), pass --allow-changed-code if the change is safe for the chunks already done; else resume it with the code it failed under$/,
+    );
     expect(await runRow(url, 'code-check', 'k1')).toEqual(first);
     expect(await query(url, `select chunk_key from work_log where run_key = 'k1' order by chunk_key`)).toEqual([{ chunk_key: 'a' }]);
     // --dry-run says so too (black-box round 10: it reported the run resumable, exit 0).
     const dry = await cli('run', 'code-check', '--key', 'k1', '--no-progress', '--dry-run');
     expect(dry.code, dry.stderr).toBe(65);
-    expect(dry.stderr).toContain('was started under other code');
+    expect(dry.stderr).toContain('failed under other code');
     const dryAllowed = await cli('run', 'code-check', '--key', 'k1', '--no-progress', '--dry-run', '--allow-changed-code');
     expect(dryAllowed.code, dryAllowed.stderr).toBe(0);
     expect(await runRow(url, 'code-check', 'k1')).toEqual(first);
@@ -150,6 +159,12 @@ describe('code changes between attempts', () => {
       const refused = await b.run(gated('2'), { key: 'j', join: true }).catch((e: unknown) => e);
       expect(refused).toBeInstanceOf(CodeChangedError);
       expect(await runRow(url, 'joined-code', 'j')).toMatchObject({ status: 'running', attempt: 1, code_fingerprint: 'version:1', code_changes: null });
+      // --dry-run --join refuses it as the real --join does (black-box round 13: "is running", exit 0);
+      // a plain dry run still reports the live run, as the plain run is busy (75) rather than refused.
+      const dryJoin = await b.run(gated('2'), { key: 'j', join: true, dryRun: true }).catch((e: unknown) => e);
+      expect(dryJoin).toBeInstanceOf(CodeChangedError);
+      expect((dryJoin as Error).message).toBe((refused as Error).message);
+      expect(await b.run(gated('2'), { key: 'j', dryRun: true })).toMatchObject({ status: 'dry-run', plan: { state: 'running' } });
       // A plain run (cron firing during a deploy) of the live run is busy, as under the same code:
       // 75, not the code refusal (65), whose --allow-changed-code advice would only lead to 75.
       // Black-box round 10.
@@ -175,6 +190,13 @@ describe('code changes between attempts', () => {
         return row.code_changes ? row : undefined;
       }, 'the joiner to record the change');
       expect(joinedRow).toMatchObject({ status: 'running', attempt: 1, code_fingerprint: 'version:2', code_changes: [{ from: 'version:1', to: 'version:2', attempt: 1, at: expect.any(String) }] });
+      // A joiner with the code the run started under: its code changed since (black-box round 13:
+      // "was started under other code (version:2, now version:1)", the hashes the wrong way round).
+      const original = await b.run(gated('1'), { key: 'j', join: true }).catch((e: unknown) => e);
+      expect(original).toBeInstanceOf(CodeChangedError);
+      expect((original as Error).message).toBe(
+        'run j of job "joined-code" changed its code at attempt 1 (from version:1 to version:2, allowed), and this process has version:1; pass --allow-changed-code to work it with this code if the change is safe for the chunks already done, or work it with version:2',
+      );
     } finally {
       await gate.release();
       await Promise.allSettled([first, second, waiting]);
@@ -301,7 +323,7 @@ describe('code changes between attempts', () => {
       await appendFile(path.join(serverDir, 'code-check.ts'), '// a change deployed mid-backfill\n');
       const refused = await runCli(['--jobs-dir', serverDir, '--log-level', 'warn', 'run', 'code-check', '--key', 'k-http', '--no-progress'], { url });
       expect(refused.code, refused.stderr).toBe(65);
-      expect(refused.stderr).toContain('was started under other code');
+      expect(refused.stderr).toContain('failed under other code');
       expect(await runRow(url, 'code-check', 'k-http')).toMatchObject({ status: 'failed', attempt: 1, code_fingerprint: first.code_fingerprint });
     } finally {
       await rm(serverDir, { recursive: true, force: true });

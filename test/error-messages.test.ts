@@ -379,7 +379,7 @@ describe('a job that throws a non-Error value', () => {
     expect(r.stdout).toBe('');
     const errors = lines(r.stderr).filter((l) => l.startsWith('idem: error:'));
     expect(errors).toEqual([
-      'idem: error: job "throws-string" failed in step "only" after 1 try: a string from the job; fix the cause and run the same command again to resume there',
+      'idem: error: job "throws-string" failed in step "only" after 1 try: a string from the job; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)',
     ]);
     const status = await runCli(['--jobs-dir', dir, 'status', 'throws-string', '--json'], { url });
     expect(JSON.parse(status.stdout)).toEqual([
@@ -406,7 +406,7 @@ describe('a job that throws null, undefined or rejects with nothing', () => {
       const r = await runCli(['--jobs-dir', dir, 'run', `throws-${id}`, '--key', 'k'], { url });
       expect(r.code, r.stderr).toBe(1);
       expect(lines(r.stderr).filter((l) => l.startsWith('idem: error:'))).toEqual([
-        `idem: error: job "throws-${id}" failed in step "work", chunk c2 after 1 try: ${shown}; fix the cause and run the same command again to resume there`,
+        `idem: error: job "throws-${id}" failed in step "work", chunk c2 after 1 try: ${shown}; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)`,
       ]);
       const [run] = await query<{ error: unknown }>(url, `select error from idem.runs where job = $1`, [`throws-${id}`]);
       expect(run!.error).toMatchObject({ step: 'work', chunk: 'c2', tries: 1, message: shown });
@@ -439,7 +439,7 @@ describe('the final error line is one line, with control characters escaped', ()
     const shown = String.raw`bad \x1b[2J\x1b[31mred\ttab\rCR`;
     const r = await runCli(['--jobs-dir', dir, 'run', 'control-chars', '--key', 'k'], { url });
     expect(r.code, r.stderr).toBe(1);
-    expect(errorLines(r)).toEqual([`idem: error: job "control-chars" failed in step "only" after 1 try: ${shown}; fix the cause and run the same command again to resume there`]);
+    expect(errorLines(r)).toEqual([`idem: error: job "control-chars" failed in step "only" after 1 try: ${shown}; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)`]);
     const f = await runCli(['--jobs-dir', dir, 'finalize', 'control-chars', '--key', 'k'], { url });
     expect(f.code, f.stderr).toBe(1);
     const [line] = errorLines(f);
@@ -468,10 +468,10 @@ describe('the final error line is one line, with control characters escaped', ()
     });
     const m = await runCli(['--jobs-dir', dir, 'run', 'obj-message', '--key', 'k'], { url });
     expect(m.code, m.stderr).toBe(1);
-    expect(errorLines(m)).toEqual(['idem: error: job "obj-message" failed in step "only" after 1 try: x from an object; fix the cause and run the same command again to resume there']);
+    expect(errorLines(m)).toEqual(['idem: error: job "obj-message" failed in step "only" after 1 try: x from an object; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)']);
     const j = await runCli(['--jobs-dir', dir, 'run', 'obj-json', '--key', 'k'], { url });
     expect(j.code, j.stderr).toBe(1);
-    expect(errorLines(j)).toEqual(['idem: error: job "obj-json" failed in step "only" after 1 try: {"status":500,"reason":"nope"}; fix the cause and run the same command again to resume there']);
+    expect(errorLines(j)).toEqual(['idem: error: job "obj-json" failed in step "only" after 1 try: {"status":500,"reason":"nope"}; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)']);
   });
 });
 
@@ -500,7 +500,7 @@ describe('a failed chunk\'s message with newlines is recorded whole', () => {
       const escaped = message.replace(/\n/g, '\\n');
       const r = await runCli(['--jobs-dir', dir, 'run', name, '--key', 'k', '--json'], { url });
       expect(r.code, r.stderr).toBe(1);
-      const whole = `job "${name}" failed in step "only" after 1 try: ${message}; fix the cause and run the same command again to resume there`;
+      const whole = `job "${name}" failed in step "only" after 1 try: ${message}; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)`;
       expect(JSON.parse(r.stdout)).toMatchObject({ status: 'error', exitCode: 1, error: whole });
       expect(lines(r.stderr).filter((l) => l.startsWith('idem: error:'))).toEqual([`idem: error: ${whole.replace(/\n/g, '\\n')}`]);
       const [row] = await query<{ message: string }>(url, `select error->>'message' as message from idem.runs where job = $1 and run_key = 'k'`, [name]);
@@ -615,7 +615,7 @@ describe('a chunk source mistake is its step\'s', () => {
     const r = await runCli(['--jobs-dir', dir, 'run', 'bigint-cli', '--key', 'k'], { url });
     expect(r.code, r.stderr).toBe(1);
     expect(lines(r.stderr).filter((l) => l.startsWith('idem: error:'))).toEqual([
-      'idem: error: job "bigint-cli" failed in step "plan" after 1 try: chunk k1: chunk specs must be JSON: a BigInt (at id) cannot be stored; convert it to a string or number; fix the cause and run the same command again to resume there',
+      'idem: error: job "bigint-cli" failed in step "plan" after 1 try: chunk k1: chunk specs must be JSON: a BigInt (at id) cannot be stored; convert it to a string or number; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)',
     ]);
   });
 });
@@ -759,7 +759,7 @@ describe('a statement_timeout (set for the role or database) that cuts a stateme
       const r = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":1,"gate":"st-gate"}', '--key', 'st-chunk'], { url });
       await holder.query('rollback');
       expect(r.code, r.stderr).toBe(1);
-      const want = /^job "counted" failed in step "work", chunk c0001 after 1 try: canceling statement due to statement timeout \(the statement_timeout set for the role or database, or by the job, cut it short: give a chunk less to do, or raise it for the role idem connects as \(ALTER ROLE postgres SET statement_timeout = '5min'\) or in the chunk \(SET LOCAL statement_timeout\)\); fix the cause and run the same command again to resume there$/;
+      const want = /^job "counted" failed in step "work", chunk c0001 after 1 try: canceling statement due to statement timeout \(the statement_timeout set for the role or database, or by the job, cut it short: give a chunk less to do, or raise it for the role idem connects as \(ALTER ROLE postgres SET statement_timeout = '5min'\) or in the chunk \(SET LOCAL statement_timeout\)\); fix the cause and run the same command again to resume there \(with --allow-changed-code if the fix changes the code of the job\)$/;
       expect(lines(r.stderr).filter((l) => l.startsWith('idem: error:'))).toEqual([expect.stringMatching(new RegExp(`^idem: error: ${want.source.slice(1)}`))]);
       const [run] = await query(url, `select status, error->>'message' as message from idem.runs where job = 'counted' and run_key = 'st-chunk'`);
       expect(run).toEqual({ status: 'failed', message: expect.stringMatching(/^canceling statement due to statement timeout \(the statement_timeout set for the role or database, or by the job, cut it short: /) });

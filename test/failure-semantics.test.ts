@@ -1287,7 +1287,7 @@ describe('a chunk or step that throws null, undefined or rejects with nothing', 
       const job = thrower(`throws-${id}`, how, 0);
       const err = await runner.run(job, { key: 'k' }).catch((e: unknown) => e);
       expect(err).toBeInstanceOf(RunFailedError);
-      expect((err as RunFailedError).message).toBe(`job "throws-${id}" failed in step "work", chunk c2 after 1 try: ${shown}; fix the cause and run the same command again to resume there`);
+      expect((err as RunFailedError).message).toBe(`job "throws-${id}" failed in step "work", chunk c2 after 1 try: ${shown}; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)`);
       expect((await runRow(db.url, `throws-${id}`, 'k')).error).toMatchObject({ step: 'work', chunk: 'c2', tries: 1, message: shown });
     });
 

@@ -204,7 +204,7 @@ describe('finalize', () => {
     expect((err as Error).message).toBe(
       // The command given resumes the run: with its params (without them idem run computes other
       // params and refuses the key, exit 65) as validated, shell-quoted; no `idem migrate` for a job.
-      `run failed of job "counted" failed in step "work", chunk c0002 after 1 try: injected failure in chunk c0002; fix the cause, resume it (idem run counted --key failed --params '{"gate":null,"label":"","chunks":3,"pauseMs":0}'), then finalize again`,
+      `run failed of job "counted" failed in step "work", chunk c0002 after 1 try: injected failure in chunk c0002; fix the cause, resume it (idem run counted --key failed --params '{"gate":null,"label":"","chunks":3,"pauseMs":0}'; with --allow-changed-code if the fix changes the code of the job), then finalize again`,
     );
     expect(await snapshot(url, TABLES)).toEqual(before);
 

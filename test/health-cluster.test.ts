@@ -56,6 +56,17 @@ describe.skipIf(!bin)('health indicators on a cluster of its own (system Postgre
     expect(await query(primary.url, `select run_key from idem.runs where run_key like 'standby%'`)).toEqual([]);
   });
 
+  it('a standby that has replayed all it received is not said to be behind, however long its primary idles', async () => {
+    // Black-box round 13: "9 s behind its primary", growing, for a caught-up standby of an idle
+    // primary: the delay was now() - pg_last_xact_replay_timestamp(), the age of the last commit.
+    await query(primary.url, 'select 1');
+    await waitFor(async () => (await query(standby.url, 'select pg_last_wal_receive_lsn() = pg_last_wal_replay_lsn() as caught'))[0].caught, 'the standby to catch up');
+    await new Promise((r) => setTimeout(r, 2_500));
+    const cli = await runCli([...FIXTURE_DIRS, '--log-level', 'warn', 'pause', 'counted', '--key', 'standby-idle'], { url: standby.url });
+    expect(cli.code).toBe(2);
+    expect(lines(cli.stderr)).toEqual(['idem: error: the database is a standby (in recovery) and cannot take writes; point DATABASE_URL at the primary']);
+  });
+
   it('pointed at a standby, every command that writes (pause, resume, cancel, reset, prune) refuses with the same line (exit 2), writing nothing; status and list still read', async () => {
     // On the primary: a failed run, a paused run and an old succeeded run, each something the command acts on there.
     await query(primary.url, `insert into fail_chunks (chunk_key) values ('c0002')`);

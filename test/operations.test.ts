@@ -337,6 +337,23 @@ describe('a request the live run could not act on is not lost', () => {
   }
 });
 
+describe('resume of a crashed run with a pause pending', () => {
+  it('withdraws the pause and says that no process works the run (black-box round 13: "the live run goes on")', async () => {
+    const key = 'op-crashed-resume';
+    const params = { chunks: 3 };
+    expectFaultCrash(await runCli(countedArgs(key, params), { url, env: { IDEM_FAULT: 'after-commit:crash:1' } }), 'after-commit');
+    await waitFor(async () => (await sessions(url, 'idem-lock')) === 0, 'the crashed lock session to end');
+    // As a worker killed after an operator asked it to pause leaves its run (the row still says running).
+    await query(url, `update idem.runs set requested = 'pause' where job = 'counted' and run_key = $1`, [key]);
+    const resumed = await idem(['resume', 'counted', '--key', key]);
+    expect([resumed.code, resumed.stdout], resumed.stderr).toEqual([0, `resume: run ${key} of job "counted" pause withdrawn: no process works the run (it crashed); its next invocation continues it\n`]);
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'running', requested: null, attempt: 1 });
+    const again = await runCli(countedArgs(key, params), { url });
+    expect(again.code, again.stderr).toBe(0);
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'succeeded', attempt: 2 });
+  });
+});
+
 describe('a pending cancel is not undone by a pause', () => {
   it('pause after a cancel of a live run is refused (exit 2) and the run ends cancelled; so for a crashed run with the cancel pending', async () => {
     const key = 'op-cancel-then-pause';
@@ -440,6 +457,47 @@ describe('resume without --key while a run is live', () => {
     expect(await runRow(url, 'counted', 'op-old-paused')).toMatchObject({ status: 'paused' });
     for (const key of ['op-old-paused', 'op-live-resume', 'op-busy-resume']) await idem(['cancel', 'counted', '--key', key]);
   });
+});
+
+describe('an operator command stopped by a signal', () => {
+  // Black-box round 13: `idem pause` interrupted (Ctrl-C, exit 130) while its update waited on a
+  // lock kept running server-side: the run became paused once the lock was released.
+  for (const what of ['pause', 'resume', 'cancel', 'reset', 'prune'] as const) {
+    it(`${what} stopped by SIGINT while its statement waits on a lock has no effect, then or later`, async () => {
+      const key = `op-sig-${what}`;
+      if (what === 'prune') {
+        await runner.run(counted, { key, params: { chunks: 1 } });
+        await query(url, `update idem.runs set finished_at = now() - interval '2 days' where job = 'counted' and run_key = $1`, [key]);
+      } else {
+        await query(url, `insert into fail_chunks values ('c0002', null, null)`);
+        await expect(runner.run(counted, { key, params: { chunks: 3 } })).rejects.toThrow(/injected failure in chunk c0002/);
+        await query(url, 'delete from fail_chunks');
+      }
+      if (what === 'resume') expect((await idem(['pause', 'counted', '--key', key])).code).toBe(0);
+      const before = await runRow(url, 'counted', key);
+      const holder = new pg.Client({ connectionString: url });
+      await holder.connect();
+      try {
+        await holder.query('begin');
+        await holder.query('lock table idem.runs in share mode');
+        const child = spawnCli([...FIXTURE_DIRS, ...(what === 'prune' ? ['prune', '--older-than', '1d'] : [what, 'counted', '--key', key])], { url });
+        await waitFor(async () => (await lockWaiters(url, 'idem')) + (await lockWaiters(url, 'idem-lock')) > 0, `the ${what} to wait on the lock`);
+        child.child.kill('SIGINT');
+        const r = await child.done;
+        expect(r.code, r.stderr).toBe(130);
+        expect(r.stderr).toMatch('idem: stopped by SIGINT');
+        // Its statement was cancelled with the command: nothing waits on the lock any more.
+        expect((await lockWaiters(url, 'idem')) + (await lockWaiters(url, 'idem-lock'))).toBe(0);
+      } finally {
+        await holder.query('commit');
+        await holder.end();
+      }
+      await sleep(300);
+      expect(await runRow(url, 'counted', key)).toEqual(before);
+      if (what === 'prune') await query(url, `update idem.runs set finished_at = now() where job = 'counted' and run_key = $1`, [key]);
+      else await runner.cancel('counted', key);
+    });
+  }
 });
 
 describe('cancel and reset', () => {

@@ -1076,7 +1076,7 @@ describe('a chunk key in messages', () => {
     });
     const err = await runner.run(job, { key: 'r' }).then(() => null, (e: unknown) => e as Error);
     expect(err).toBeInstanceOf(RunFailedError);
-    expect(err!.message).toBe('job "key-label" failed in step "work", chunk "line1\\nline2, chunk x" after 1 try: boom; fix the cause and run the same command again to resume there');
+    expect(err!.message).toBe('job "key-label" failed in step "work", chunk "line1\\nline2, chunk x" after 1 try: boom; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)');
     const label = 'chunk "line1\\nline2, chunk x"';
     expect(recordedFailure(await runRow(url, 'key-label', 'r')).message).toContain(`failed in step "work", ${label} after 1 try: boom;`);
     const [row] = await runner.status('key-label');
@@ -1084,6 +1084,6 @@ describe('a chunk key in messages', () => {
     // A plain key stays as it is.
     const plain = defineJob({ name: 'key-label-plain', steps: [{ name: 'work', chunks: () => ({ chunks: [{ key: 'k 1' }], next: null }), run: () => { throw new Error('boom'); } }] });
     const err2 = await runner.run(plain, { key: 'r' }).then(() => null, (e: unknown) => e as Error);
-    expect(err2!.message).toBe('job "key-label-plain" failed in step "work", chunk k 1 after 1 try: boom; fix the cause and run the same command again to resume there');
+    expect(err2!.message).toBe('job "key-label-plain" failed in step "work", chunk k 1 after 1 try: boom; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)');
   });
 });

@@ -1,5 +1,5 @@
 import type { Command } from 'commander';
-import { openRunner, type CliContext } from '../cli-session.ts';
+import { cancelStatementsOnStop, openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode } from '../errors.ts';
 import { visible } from '../text-table.ts';
 
@@ -14,10 +14,13 @@ function registerControl(program: Command, cli: CliContext, name: 'pause' | 'res
       cli.runWithSession(async (g, log, session) => {
         // The name is checked before idem's schema is created: a refused name writes nothing.
         const { assertKnownJob } = await import('../cli-runtime.ts');
+        await cancelStatementsOnStop(session);
         const runner = await openRunner(g, log, session, undefined, undefined, (db, schema) => assertKnownJob(db, schema, job, g));
         const r = await runner[name](job, o.key);
         const how = !r.live
-          ? `now ${r.status}`
+          ? name === 'resume' && r.status === 'running'
+            ? 'pause withdrawn: no process works the run (it crashed); its next invocation continues it'
+            : `now ${r.status}`
           : name === 'resume'
             ? 'pause withdrawn: the live run goes on (had it already stopped for the pause, it is interrupted and continues on its next invocation)'
             : 'requested: the live run stops at its next chunk boundary';

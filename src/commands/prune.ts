@@ -1,5 +1,5 @@
 import type { Command } from 'commander';
-import { openRunner, type CliContext } from '../cli-session.ts';
+import { cancelStatementsOnStop, openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode } from '../errors.ts';
 
 /** `idem prune --older-than D`: delete old finished runs in batches. */
@@ -14,6 +14,7 @@ export function registerPruneCommand(program: Command, cli: CliContext): void {
         const { migrationKeys, parseDuration } = await import('../cli-runtime.ts');
         const ms = parseDuration(o.olderThan, '--older-than');
         const keys = await migrationKeys(g.migrationsDir);
+        await cancelStatementsOnStop(session);
         const runner = await openRunner(g, log, session);
         const r = await runner.prune(ms, { migrationKeys: keys });
         const held = r.skipped > 0 ? `; left ${r.skipped} ${r.skipped === 1 ? 'run' : 'runs'} alone that another process holds (reviving, running or resetting it)` : '';

@@ -1,5 +1,5 @@
 import type { Command } from 'commander';
-import { openRunner, type CliContext } from '../cli-session.ts';
+import { cancelStatementsOnStop, openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode } from '../errors.ts';
 import { visible } from '../text-table.ts';
 
@@ -14,6 +14,7 @@ export function registerResetCommand(program: Command, cli: CliContext): void {
       cli.runWithSession(async (g, log, session) => {
         // The name is checked before idem's schema is created: a refused name writes nothing.
         const { assertKnownJob } = await import('../cli-runtime.ts');
+        await cancelStatementsOnStop(session);
         const runner = await openRunner(g, log, session, undefined, undefined, (db, schema) => assertKnownJob(db, schema, job, g));
         const r = await runner.reset(job, o.key);
         process.stdout.write(`reset: forgot run ${visible(o.key)} of job "${visible(job)}" (${r.chunks} chunk markers, ${r.effects} effects)\n`);
