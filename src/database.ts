@@ -21,7 +21,9 @@ export function isStatementTimeout(err: unknown): boolean {
 function roleOf(connectionString: string): string {
   let user = '';
   try {
-    user = decodeURIComponent(new URL(connectionString).username);
+    const url = new URL(connectionString);
+    // pg reads ?user= too, after the URL's user.
+    user = decodeURIComponent(url.username) || (url.searchParams.get('user') ?? '');
   } catch {
     // Not a URL: pg's defaults below.
   }

@@ -741,12 +741,16 @@ export class Runner {
     if (err instanceof CodeMovedOn) {
       // This worker's steps are done; the run's (under its code now) may not be. It leaves as a
       // worker stopping does: the last to leave records the run interrupted, to resume under that code.
-      const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => null);
+      // A leave() that failed (its session lost) writes nothing: the workers under the run's code
+      // are on it, and ending the attempt here would fence off their commits.
+      const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => undefined);
       if (others === null) await this.store.endInterrupted(runId, attempt).catch(() => null);
       const now = await this.#runAsItEnded(runId);
       if (now?.attempt === attempt && now.status === 'succeeded') return new SucceededElsewhere(now);
       const rest =
-        others !== null && others > 0
+        others === undefined
+          ? `this worker lost its session as it left; the run goes on in the workers under its code (idem status ${job.name} --key ${runKey} shows them)`
+          : others !== null && others > 0
           ? `the run goes on in its ${others} other ${others === 1 ? 'worker' : 'workers'} (idem status ${job.name} --key ${runKey} shows them)`
           : `no other worker is left: the run is interrupted; resume it with the job's code as it is now (the run's), or pass --allow-changed-code`;
       log.warn({ code: err.to, otherWorkers: others }, `this worker stopped: ${err.message}; ${rest}`);

@@ -432,7 +432,9 @@ function retryByDefault(err: unknown): boolean {
  * database, a pooler without sessions, an unknown host.
  */
 export function couldNotReachDatabase(err: unknown): boolean {
-  return exitCodeOf(err) === ExitCode.Usage && isConnectionTrouble(err);
+  // PgBouncer says "no such database", and on older versions refuses credentials, as 08P01, which
+  // is connection trouble by its class: configuration, not an outage, and never tried again.
+  return exitCodeOf(err) === ExitCode.Usage && isConnectionTrouble(err) && !/no such database|no such user|password authentication failed|SASL authentication failed|auth failed/i.test(messageOf(err));
 }
 
 /**

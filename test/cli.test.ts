@@ -487,6 +487,22 @@ describe('idem help, status and list', () => {
     for (const column of ['RUN KEY', 'STATE', 'ATTEMPT', 'CHUNKS', 'UPDATED']) expect(row[head.indexOf(column)]).not.toBe(' ');
   });
 
+  it("status shows a run's params with DATABASE_URL's password masked, as every log line does", async () => {
+    // Review of the change that added params to status: a job's param that quotes the database's
+    // password (a second connection string) was printed whole by idem status.
+    const password = decodeURIComponent(new URL(url).password);
+    expect(password.length).toBeGreaterThan(3);
+    const made = await idem(['run', 'counted', '--params', JSON.stringify({ chunks: 1, label: `copy-from:${password}` }), '--key', 'cli-secret-param']);
+    expect(made.code, made.stderr).toBe(0);
+    for (const args of [['status', 'counted', '--key', 'cli-secret-param'], ['status', 'counted', '--key', 'cli-secret-param', '--json'], ['status', '--json'], ['status']]) {
+      const r = await idem(args);
+      expect(r.code, r.stderr).toBe(0);
+      expect(r.stdout, args.join(' ')).not.toContain(password);
+    }
+    const detail = await idem(['status', 'counted', '--key', 'cli-secret-param']);
+    expect(detail.stdout).toContain('copy-from:***');
+  });
+
   it('status <job> --key K shows one run in detail: state, chunks, steps; an unknown key is a usage error', async () => {
     // The run it shows.
     const made = await idem(['run', 'counted', '--params', '{"chunks":3}', '--key', 'cli-detail']);

@@ -1,7 +1,9 @@
 import { existsSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
 import { BusyError, DatabaseUnavailableError, RunFailedError, UsageError } from '../src/errors.ts';
+import { describeConnectError } from '../src/database.ts';
 import {
+  couldNotReachDatabase,
   latestSlot,
   parseCatchUp,
   parseSchedule,
@@ -631,5 +633,23 @@ describe('slotOfKey of a slot-shaped key that is no real time', () => {
     }
     // A job without a schedule takes any key as an ordinary one.
     expect(slotOfJobKey({ name: 'plain' }, '2026-13-01T00:00:00Z')).toBeNull();
+  });
+});
+
+describe('couldNotReachDatabase: which refusals idem cron tries again', () => {
+  // Review of the cron retry: PgBouncer reports a database name it does not know (and, in older
+  // versions, refused credentials) as 08P01, connection trouble by its class: cron tried such a slot
+  // again forever, though the README says configuration errors are not retried.
+  const url = 'postgres://app:pw@127.0.0.1:6432/app';
+  const pg = (code: string, message: string) => Object.assign(new Error(message), { code });
+  it('an outage: refused, reset, a server starting or shutting down', () => {
+    for (const err of [pg('ECONNREFUSED', 'connect ECONNREFUSED 127.0.0.1:6432'), pg('57P03', 'the database system is starting up'), pg('57P01', 'terminating connection due to administrator command'), new Error('Connection terminated unexpectedly')]) {
+      expect(couldNotReachDatabase(describeConnectError(err, url)), err.message).toBe(true);
+    }
+  });
+  it('configuration a pooler reports as 08P01, credentials, a missing database: not tried again', () => {
+    for (const err of [pg('08P01', 'no such database: ap'), pg('08P01', 'password authentication failed'), pg('28P01', 'password authentication failed for user "app"'), pg('3D000', 'database "ap" does not exist')]) {
+      expect(couldNotReachDatabase(describeConnectError(err, url)), err.message).toBe(false);
+    }
   });
 });

@@ -218,6 +218,9 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
         // A job name is checked before idem's schema is created: a refused name writes nothing.
         const { assertKnownJob } = job !== undefined ? await import('../cli-runtime.ts') : { assertKnownJob: undefined };
         const runner = await openRunner(g, log, session, undefined, undefined, assertKnownJob && ((db, schema) => assertKnownJob(db, schema, job!, g)), true);
+        // A run's params (and error) may quote DATABASE_URL's password: masked as in every log line.
+        const { redactSecrets } = await import('../cli-runtime.ts');
+        const masked = (text: string) => (g.databaseUrl ? redactSecrets(text, g.databaseUrl) : text);
         const tty = process.stdout.isTTY === true && !process.env.NO_COLOR;
         if (o.key !== undefined) {
           // status() lists newest first; a run key is unique per job, so search that job's runs.
@@ -231,7 +234,7 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
           if (!run) throw new UsageError('unknownRun', `job "${job}" has no run with key ${quoteKey(o.key)}; see idem status ${job} for its runs`);
           const json = JSON.stringify({ ...run, steps: steps.map((st) => ({ ...st, status: shownStepState(st.status, run.state) })) });
           if (!o.json) await prepareColumns(json);
-          process.stdout.write(o.json ? `${json}\n` : `${formatRunDetail(run, steps, new Date(), colours(tty))}\n`);
+          process.stdout.write(masked(o.json ? `${json}\n` : `${formatRunDetail(run, steps, new Date(), colours(tty))}\n`));
           return ExitCode.Ok;
         }
         const rows = await runner.status(job, o.limit);
@@ -241,7 +244,7 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
         const orphans = o.json ? [] : formatOrphanHolders(await runner.jobLockHolders(job !== undefined ? [job] : [...new Set(rows.map((r) => r.job))]), colours(tty));
         // A schema without idem's bookkeeping (a mistyped --schema, or nothing ever run): said so.
         const table = rows.length === 0 && !runner.schemaExists ? `no runs yet (schema "${runner.schema}" holds no idem runs: idem creates it at the first run or migrate; check --schema)` : formatStatus(rows, new Date(), colours(tty));
-        process.stdout.write(o.json ? `${json}\n` : `${[table, ...orphans].join('\n')}\n`);
+        process.stdout.write(masked(o.json ? `${json}\n` : `${[table, ...orphans].join('\n')}\n`));
         return ExitCode.Ok;
       }),
     );
