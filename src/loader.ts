@@ -290,16 +290,25 @@ export async function findJob(dir: string, name: string, opts: { readonly migrat
   if (all.length === 0 && !existsSync(path.resolve(dir))) {
     // Only the default folder can be missing here (an explicit --jobs-dir is checked up front):
     // idem was started outside the project's root, or before idem init.
-    throw new UsageError('unknownJob', `no job named '${name}': there is no ${dir}/ folder in ${process.cwd()}; run idem in your project's root, pass --jobs-dir, or create one with idem init`);
+    throw new UsageError('unknownJob', `no job named ${quotedName(name)}: there is no ${dir}/ folder in ${process.cwd()}; run idem in your project's root, pass --jobs-dir, or create one with idem init`);
   }
   throw unknownJobError(name, all.map((j) => j.job.name), [dir]);
+}
+
+/**
+ * A job name as a refusal quotes it: whole, or its first 40 characters (code points) when it is
+ * longer than any job name can be (NAME: 100), as a long run key is cut (quoteKey).
+ */
+function quotedName(name: string): string {
+  const chars = [...name];
+  return chars.length <= 100 ? `'${name}'` : `'${chars.slice(0, 40).join('')}…' (${chars.length} characters; a job name has at most 100)`;
 }
 
 /** `no job named 'x'; did you mean 'y'?`, or the known names when none is close. */
 export function unknownJobError(name: string, known: Iterable<string>, dirs: readonly string[]): UsageError {
   const names = [...new Set(known)].sort();
   const similar = suggestSimilar(name, names);
-  if (similar.length > 0) return new UsageError('unknownJob', `no job named '${name}'; did you mean ${quoteChoices(similar)}?`);
+  if (similar.length > 0) return new UsageError('unknownJob', `no job named ${quotedName(name)}; did you mean ${quoteChoices(similar)}?`);
   const where = dirs.map((d) => `${d}/`).join(' or ');
-  return new UsageError('unknownJob', `no job named '${name}' in ${where} (known: ${names.join(', ') || 'none'}); check the name or --jobs-dir`);
+  return new UsageError('unknownJob', `no job named ${quotedName(name)} in ${where} (known: ${names.join(', ') || 'none'}); check the name or --jobs-dir`);
 }

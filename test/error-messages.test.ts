@@ -281,6 +281,17 @@ describe('an unknown job name suggests the closest known ones', () => {
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
   });
 
+  it('a job name far longer than any job name can be is quoted cut, as a long run key is', async () => {
+    // Black-box round 13: a 5,000-character unknown name was echoed whole in the one-line error.
+    const name = 'x'.repeat(5_000);
+    for (const args of [['run', name], ['status', name], ['pause', name]]) {
+      const r = await idem(args);
+      const [line] = refusal(r, 2);
+      expect(line, args[0]).toMatch(new RegExp(`^idem: error: no job named '${'x'.repeat(40)}…' \\(5000 characters; a job name has at most 100\\) in \\S+ .*\\(known: [^)]*\\); check the name or --jobs-dir$`));
+      expect(line!.length, args[0]).toBeLessThan(400);
+    }
+  });
+
   it('on a database without idem\'s schema: status, pause, resume, cancel and reset refuse the name and create no schema', async () => {
     const schema = 'unknown_name_fresh';
     await query(url, `drop schema if exists ${schema} cascade`);
