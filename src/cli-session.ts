@@ -191,9 +191,10 @@ export function createCliContext(program: Command, state: { exitCode: number }):
  * job file's top level, while it loads, is a bad job file instead: exit 2, the file named.
  */
 function guardAgainstJobCode(jsonError: ((err: unknown) => unknown) | undefined, mask: (text: string) => string, idemExits: () => number | undefined, finish: (code: number) => void): { remove(): void } {
-  const report = (what: string, run: string) => {
+  const report = (what: string, run: string, exitCode: number = ExitCode.Failed) => {
     const shown = mask(`the job's code ${what} while the command was running; ${run}: fix the job and run the same command again to resume (with --allow-changed-code if the fix changes the code of the job)`);
-    if (jsonError) process.stdout.write(`${JSON.stringify(jsonError(new Error(shown)))}\n`);
+    // --json's object carries the code the process ends with (a job's process.exit(3) keeps its 3).
+    if (jsonError) process.stdout.write(`${JSON.stringify(jsonError(new IdemError('idem.jobCodeEnded', exitCode as ExitCode, shown)))}\n`);
     process.stderr.write(`idem: error: ${visibleError(shown, false)}\n`);
   };
   const onExit = (code: number) => {
@@ -213,7 +214,7 @@ function guardAgainstJobCode(jsonError: ((err: unknown) => unknown) | undefined,
       process.exitCode = ExitCode.Usage;
       return;
     }
-    report(`ended the process (process.exit(${code}))`, 'a run in flight is left unfinished (idem status shows it crashed)');
+    report(`ended the process (process.exit(${code}))`, 'a run in flight is left unfinished (idem status shows it crashed)', code || ExitCode.Failed);
     if (!code) process.exitCode = ExitCode.Failed;
   };
   const onThrow = (err: unknown, origin: string) => {

@@ -240,6 +240,20 @@ describe('idem run', () => {
     }
   });
 
+  it("--json's error object for job code that ended the process carries the exit code the process ends with", async () => {
+    // Black-box round 13: a chunk's process.exit(3) ended the process with 3 while --json said
+    // "exitCode":1, "code":null.
+    for (const [how, exitCode] of [['exit3', 3], ['exit', 1]] as const) {
+      const key = `exiter-json-${how}`;
+      const r = await runCli(['--jobs-dir', MORE_JOBS, 'run', 'exiter', '--key', key, '--json'], { url, env: { EXITER_HOW: how } });
+      expect(r.code, r.stderr).toBe(exitCode);
+      const objects = lines(r.stdout);
+      expect(objects, r.stdout).toHaveLength(1);
+      expect(JSON.parse(objects[0]!)).toMatchObject({ status: 'error', exitCode, code: 'idem.jobCodeEnded' });
+      await expectFixedRerunCommitsEachOnce(key);
+    }
+  });
+
   it('an uncaught throw or unhandled rejection while a chunk is still running: exit 1, one error line and one --json object, the run stopped at a chunk boundary', async () => {
     // Black-box round 10: when the chunk in flight ended within the close's grace, the stop that
     // closing the runner gave surfaced as a second error ("stopped by Runner.close()"), a second
