@@ -131,7 +131,7 @@ describe('a role without CREATE on the database', { shuffle: false }, () => {
       expect(oneLine(r, 2)).toMatch(
         new RegExp(
           `^${escape(`idem: error: role ${role} may not upgrade the runner schema "idem" to this idem's version `)}${reason}${escape(
-            `: let the schema's owner run idem once (it upgrades the schema), then GRANT USAGE ON SCHEMA idem TO ${role}; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA idem TO ${role} (see README, Database privileges)`,
+            `: let the schema's owner run idem migrate once (it upgrades the schema), then GRANT USAGE ON SCHEMA idem TO ${role}; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA idem TO ${role} (see README, Database privileges)`,
           )}$`,
         ),
       );
@@ -195,5 +195,18 @@ describe('a read-only role (USAGE on the schema, SELECT on its tables)', () => {
     expect(oneLine(run, 2)).toMatch(new RegExp(`^idem: error: role ${reader} may not use the runner schema "idem" \\(no INSERT, UPDATE or DELETE on idem\\.\\w+(, idem\\.\\w+)*\\): `));
     expect(run.stderr).toContain('idem.runs');
     expect(await query(db.url, `select run_key from idem.runs`)).toEqual([{ run_key: 'seen' }]);
+  });
+
+  it('on a schema older than this idem, is told the owner must upgrade it, and the read grants it needs then (not write grants)', async () => {
+    // Black-box round 13: status as a monitoring role on an older schema advised GRANT SELECT,
+    // INSERT, UPDATE, DELETE to it.
+    const [last] = await query(db.url, `delete from idem.idem_migration where name = (select max(name) from idem.idem_migration) returning *`);
+    try {
+      const r = await runCli([...FIXTURE_DIRS, 'status', 'counted'], { url: readerUrl });
+      const line = oneLine(r, 2);
+      expect(line).toMatch(new RegExp(`^idem: error: role ${reader} may not upgrade the runner schema "idem" to this idem's version \\(.+\\): let the schema's owner run idem migrate once \\(it upgrades the schema\\), then GRANT USAGE ON SCHEMA idem TO ${reader}; GRANT SELECT ON ALL TABLES IN SCHEMA idem TO ${reader} \\(see README, Database privileges\\)$`));
+    } finally {
+      await query(db.url, `insert into idem.idem_migration (name, timestamp) values ($1, $2)`, [last.name, last.timestamp]);
+    }
   });
 });

@@ -305,10 +305,10 @@ export async function ensureRunnerSchema(db: Kysely<any>, schema: string, access
       from ${sql.id(schema, MIGRATION_TABLE)} m`.execute(db);
     applied = rows.map((r) => r.name);
     const lacking = rows[0]?.lacking;
-    if (lacking?.length) throw await privilegeRefusal(db, schema, 'use', missingPrivileges(schema, lacking));
+    if (lacking?.length) throw await privilegeRefusal(db, schema, 'use', missingPrivileges(schema, lacking), undefined, access);
   } catch (err) {
     const code = codeOf(err);
-    if (code === INSUFFICIENT_PRIVILEGE) throw await privilegeRefusal(db, schema, 'use', (err as Error).message, err);
+    if (code === INSUFFICIENT_PRIVILEGE) throw await privilegeRefusal(db, schema, 'use', (err as Error).message, err, access);
     if (code !== UNDEFINED_TABLE) throw err; // undefined_table: a fresh database
   }
   if (applied) {
@@ -351,7 +351,7 @@ export async function ensureRunnerSchema(db: Kysely<any>, schema: string, access
   const { error, results } = await migrator.migrateToLatest();
   if (error) {
     const message = String((error as Error).message ?? error);
-    if (codeOf(error) === INSUFFICIENT_PRIVILEGE) throw await privilegeRefusal(db, schema, applied ? 'upgrade' : 'create', message, error);
+    if (codeOf(error) === INSUFFICIENT_PRIVILEGE) throw await privilegeRefusal(db, schema, applied ? 'upgrade' : 'create', message, error, access);
     // Kysely fails before any migration (creating the schema or its bookkeeping tables) without naming one.
     const failed = results?.find((r) => r.status === 'Error')?.migrationName;
     throw new DatabaseUnavailableError(`could not create or upgrade the runner schema "${schema}"${failed ? ` (migration ${failed})` : ''}: ${message}`, { cause: error });
@@ -382,15 +382,16 @@ const INSUFFICIENT_PRIVILEGE = '42501';
  * schema itself (CREATE on the database), or the grants that let it use a schema its owner
  * created. README, "Database privileges", documents the same statements.
  */
-async function privilegeRefusal(db: Kysely<any>, schema: string, what: 'create' | 'upgrade' | 'use', reason: string, cause?: unknown): Promise<DatabaseUnavailableError> {
+async function privilegeRefusal(db: Kysely<any>, schema: string, what: 'create' | 'upgrade' | 'use', reason: string, cause?: unknown, access: 'read' | 'write' = 'write'): Promise<DatabaseUnavailableError> {
   const { rows } = await sql<{ role: string; database: string }>`select quote_ident(current_user) as role, quote_ident(current_database()) as database`.execute(db);
   const { role, database } = rows[0]!;
-  const grants = `GRANT USAGE ON SCHEMA ${schema} TO ${role}; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA ${schema} TO ${role}`;
+  // A reading command (status, list) needs to read, and is told only that.
+  const grants = `GRANT USAGE ON SCHEMA ${schema} TO ${role}; GRANT ${access === 'read' ? 'SELECT' : 'SELECT, INSERT, UPDATE, DELETE'} ON ALL TABLES IN SCHEMA ${schema} TO ${role}`;
   const message =
     what === 'create'
       ? `role ${role} may not create the runner schema "${schema}" (${reason}): GRANT CREATE ON DATABASE ${database} TO ${role}, or let the database owner run idem migrate once (it creates the schema) and then ${grants} (see README, Database privileges)`
       : what === 'upgrade'
-        ? `role ${role} may not upgrade the runner schema "${schema}" to this idem's version (${reason}): let the schema's owner run idem once (it upgrades the schema), then ${grants} (see README, Database privileges)`
+        ? `role ${role} may not upgrade the runner schema "${schema}" to this idem's version (${reason}): let the schema's owner run idem migrate once (it upgrades the schema), then ${grants} (see README, Database privileges)`
         : `role ${role} may not use the runner schema "${schema}" (${reason}): as the schema's owner, ${grants} (see README, Database privileges)`;
   return new DatabaseUnavailableError(message, cause === undefined ? undefined : { cause });
 }
