@@ -132,6 +132,14 @@ async function at(file: string, line: number, column: number): Promise<SourceLoc
 }
 
 /**
+ * esbuild's 0-based column, which counts UTF-8 bytes, as the 1-based column an editor shows (and
+ * the caret's padding counts): UTF-16 units of the line before it. 'Größe' put it 2 past the error.
+ */
+function editorColumn(lineText: string, byteColumn: number): number {
+  return Buffer.from(lineText, 'utf8').subarray(0, byteColumn).toString('utf8').length + 1;
+}
+
+/**
  * The first error of an esbuild failure, its text and where. tsx's TransformError keeps it only in
  * its message ("Transform failed with 1 error:\n/path/file.ts:3:22: ERROR: …", the column 0-based),
  * as compile-typescript.ts words its own; esbuild's own failure has `errors`. The file may be a
@@ -155,7 +163,8 @@ async function esbuildError(file: string, err: Error): Promise<{ text: string; l
   if (!where) return { text };
   // tsx names a .cts or .mts file .ts to esbuild: the job file itself.
   const named = where.file.replace(/\.[cm]?[jt]s$/, '') === file.replace(/\.[cm]?[jt]s$/, '') ? file : where.file;
-  return { text, ...spread(await at(named, where.line, where.column + 1)) };
+  const located = await at(named, where.line, where.column + 1);
+  return { text, ...spread(located && { ...located, column: editorColumn(located.lineText, where.column) }) };
 }
 
 /**
@@ -179,7 +188,7 @@ async function findSyntaxError(file: string): Promise<LoadFailure | undefined> {
     return {
       cause: `syntax error: ${first.text}`,
       fix: 'fix the file',
-      ...(loc ? { location: { file, line: loc.line, column: loc.column + 1, lineText: loc.lineText } } : {}),
+      ...(loc ? { location: { file, line: loc.line, column: editorColumn(loc.lineText, loc.column), lineText: loc.lineText } } : {}),
     };
   }
 }

@@ -66,6 +66,18 @@ describe('a job file that cannot load: file:line:column, the cause, the source l
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
   });
 
+  it('a syntax error after non-ASCII characters: the column counts characters as an editor does, not UTF-8 bytes', async () => {
+    // Black-box round 13: 'Größe' put the column 2 past the error (and two emoji 6 past it), the caret under the wrong letters.
+    for (const [file, prefix] of [['umlaut.ts', "const s = 'Größe'; "], ['emoji.cjs', "const s = '🙂🙂'; "]] as const) {
+      const source = `${prefix}module.exports = { name: 'd' steps: [] };\n`;
+      const dir = await jobFolder(`syntax-utf8-${file}`, { [file]: source }, file.endsWith('.cjs') ? null : { type: 'module' });
+      const out = refusal(await runCli(['--jobs-dir', dir, 'run', 'd'], { url }), 2);
+      const column = source.indexOf('steps') + 1;
+      expect(out[0], file).toMatch(new RegExp(`^idem: error: cannot load jobs file ${path.join(dir, file).replace(/[.*+?^${}()|[\]\\]/g, '\\$&')}:1:${column}: syntax error: `));
+      expect(out[2], file).toBe(`      | ${' '.repeat(column - 1)}^`);
+    }
+  });
+
   it('a syntax error in a .js file (which Node, not tsx, compiles) is located the same way', async () => {
     const dir = await jobFolder('syntax-js', { 'broken.js': BROKEN_SOURCE });
     const out = refusal(await runCli(['--jobs-dir', dir, 'run', 'broken'], { url }), 2);
