@@ -328,6 +328,18 @@ export const SERVER_KEEPALIVES = 'set tcp_keepalives_idle = 30; set tcp_keepaliv
 const READ_COMMITTED = "set default_transaction_isolation = 'read committed'";
 
 /**
+ * A statement of idem's that waits (on a lock, a long query) goes on on the server after its
+ * process is gone (SIGKILL, a deadline's exit), and may take its lock after all: PostgreSQL 14+
+ * checks a session's client every `client_connection_check_interval` while a statement runs and
+ * ends it when the client has gone. A DO block that swallows its error: on a platform without the
+ * kernel events it needs, setting it fails, and in the setup's one implicit transaction that would
+ * undo the settings before it.
+ */
+const CLIENT_CHECK = `do $idem$ begin if current_setting('server_version_num')::int >= 140000 then
+  perform set_config('client_connection_check_interval', '5000', false); end if;
+  exception when others then null; end $idem$`;
+
+/**
  * The output formats node-postgres parses, and that keysetQuery's text boundaries are written in:
  * a role or database that sets others (`DateStyle = 'SQL, DMY'`, `IntervalStyle = iso_8601`,
  * `extra_float_digits = 0`) made pg read every timestamp as null (runs failed in step "(runner)"),
@@ -345,7 +357,7 @@ const OUTPUT_FORMATS = "set datestyle = 'ISO'; set intervalstyle = 'postgres'; s
  * in the pool for as long as a chunk takes elsewhere, and the server ending it cost a retry. The
  * lock session sets its own instead (lockSessionSetup).
  */
-export const SESSION_SETUP = `${SERVER_KEEPALIVES}; ${idleSessionTimeout(0)}; ${READ_COMMITTED}; ${OUTPUT_FORMATS}`;
+export const SESSION_SETUP = `${SERVER_KEEPALIVES}; ${idleSessionTimeout(0)}; ${READ_COMMITTED}; ${OUTPUT_FORMATS}; ${CLIENT_CHECK}`;
 
 /**
  * Sent once on each new session, lock and work: a session lock a killed idem left. A new backend
@@ -366,7 +378,7 @@ export const RELEASE_LEFTOVER_LOCKS = 'select pg_advisory_unlock_all()';
  */
 export function lockSessionSetup(ms: number): string {
   // The same bound inside its transactions (the entry gate, leave()): short, and without job code.
-  return `${SERVER_KEEPALIVES}; ${idleSessionTimeout(ms)}; ${READ_COMMITTED}; ${OUTPUT_FORMATS}; set idle_in_transaction_session_timeout = ${ms}; ${RELEASE_LEFTOVER_LOCKS}`;
+  return `${SERVER_KEEPALIVES}; ${idleSessionTimeout(ms)}; ${READ_COMMITTED}; ${OUTPUT_FORMATS}; ${CLIENT_CHECK}; set idle_in_transaction_session_timeout = ${ms}; ${RELEASE_LEFTOVER_LOCKS}`;
 }
 
 function idleSessionTimeout(ms: number): string {

@@ -53,6 +53,28 @@ async function settled(): Promise<void> {
 }
 
 describe('a run killed with SIGKILL', () => {
+  it("its statement waiting on a lock does not outlive it on the server (client_connection_check_interval)", async () => {
+    // Black-box round 13: after a run was killed (or had to exit past its shutdown deadline), its
+    // backend stayed active on the server, still waiting on the lock its statement wanted; it took
+    // the lock when that was released, for a process that no longer existed.
+    const key = 'killed-waiting';
+    const gate = 'killed-waiting-gate';
+    await query(url, 'insert into gates (name) values ($1) on conflict do nothing', [gate]);
+    const held = await holdGate(url, gate);
+    try {
+      const proc = run(key, { ...PARAMS, chunks: 3, gate });
+      await waitFor(async () => (await lockWaiters(url, 'idem')) > 0, 'a chunk blocked at the gate');
+      proc.child.kill('SIGKILL');
+      expectKilled(await proc.done);
+      // The server checks the vanished client every 5 s while the statement waits.
+      const gone = Date.now();
+      await waitFor(async () => ((await lockWaiters(url, 'idem')) === 0 ? true : undefined), "the killed run's waiting backend to end", { timeoutMs: 15_000 });
+      expect(Date.now() - gone).toBeLessThan(15_000);
+    } finally {
+      await held.release();
+    }
+  });
+
   it('keeps exactly the chunks it committed, and a rerun resumes to the end state of a clean run', async () => {
     const proc = run('crash');
     await waitFor(async () => (await doneKeys('crash')).length >= 5, 'five chunks to be done', { timeoutMs: 60_000 });
