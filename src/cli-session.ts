@@ -191,11 +191,14 @@ export function createCliContext(program: Command, state: { exitCode: number }):
  * job file's top level, while it loads, is a bad job file instead: exit 2, the file named.
  */
 function guardAgainstJobCode(jsonError: ((err: unknown) => unknown) | undefined, mask: (text: string) => string, idemExits: () => number | undefined, finish: (code: number) => void): { remove(): void } {
+  /** The one `idem: error:` line, and with --json the error object (its exit code the process's). */
+  const say = (err: IdemError) => {
+    if (jsonError) process.stdout.write(`${JSON.stringify(jsonError(err))}\n`);
+    process.stderr.write(`idem: error: ${visibleError(err.message, false)}\n`);
+  };
   const report = (what: string, run: string, exitCode: number = ExitCode.Failed) => {
-    const shown = mask(`the job's code ${what} while the command was running; ${run}: fix the job and run the same command again to resume (with --allow-changed-code if the fix changes the code of the job)`);
-    // --json's object carries the code the process ends with (a job's process.exit(3) keeps its 3).
-    if (jsonError) process.stdout.write(`${JSON.stringify(jsonError(new IdemError('idem.jobCodeEnded', exitCode as ExitCode, shown)))}\n`);
-    process.stderr.write(`idem: error: ${visibleError(shown, false)}\n`);
+    // A job's process.exit(3) keeps its 3.
+    say(new IdemError('idem.jobCodeEnded', exitCode as ExitCode, mask(`the job's code ${what} while the command was running; ${run}: fix the job and run the same command again to resume (with --allow-changed-code if the fix changes the code of the job)`)));
   };
   const onExit = (code: number) => {
     const own = idemExits();
@@ -208,9 +211,7 @@ function guardAgainstJobCode(jsonError: ((err: unknown) => unknown) | undefined,
     // A job file's top level, while it loads: a bad job file (exit 2), no run begun.
     const loading = jobFileExit(code, new Error().stack ?? '');
     if (loading !== undefined) {
-      const shown = mask(loading);
-      if (jsonError) process.stdout.write(`${JSON.stringify(jsonError(new UsageError('jobLoadFailed', shown)))}\n`);
-      process.stderr.write(`idem: error: ${visibleError(shown, false)}\n`);
+      say(new UsageError('jobLoadFailed', mask(loading)));
       process.exitCode = ExitCode.Usage;
       return;
     }

@@ -647,8 +647,8 @@ async function tryChunk(
       // A newer attempt took the run over, or the run ended under this one (another worker
       // sharing it finished or failed it) while this chunk was in flight.
       const now = await store.getRun(run.runId).catch(() => null);
-      const why = now && now.attempt === run.attempt ? `the run had ended ${now.status} meanwhile` : `fenced off by attempt ${now?.attempt ?? -1}`;
-      return { kind: 'failed', chunk, err: new FencedError(`attempt ${run.attempt} of job "${run.job}" was ${why.startsWith('the run') ? `stopped: ${why}` : why}; its chunk ${keyLabel(chunk.key)} rolled back`) };
+      const why = now && now.attempt === run.attempt ? `stopped: the run had ended ${now.status} meanwhile` : `fenced off by attempt ${now?.attempt ?? -1}`;
+      return { kind: 'failed', chunk, err: new FencedError(`attempt ${run.attempt} of job "${run.job}" was ${why}; its chunk ${keyLabel(chunk.key)} rolled back`) };
     }
     // A lost connection may have taken the COMMIT's answer with it, not the COMMIT.
     if ((unknown || isRetryable(err)) && (await store.committedByUs(run.runId, run.attempt, step.name, chunk.seq).catch(() => false))) {

@@ -9,7 +9,7 @@ import { BusyError, CancelledError, codeOf, RETRY_OR_WAIT, errorFields, FencedEr
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
-import { adoptCodeFingerprint, codeFingerprint, recordCodeFingerprint, refuseChangedCode } from './code-fingerprint.ts';
+import { adoptCodeFingerprint, codeFingerprint, recordCodeFingerprint, refuseChangedCode, short } from './code-fingerprint.ts';
 import { recordedFailure } from './finalize.ts';
 import { assertNotStandby, refuseOnStandby, type HealthSetting } from './health-check.ts';
 import { validateParams, type Job, type Json } from './job.ts';
@@ -758,7 +758,7 @@ export class Runner {
     }
     if (err instanceof FailedElsewhere) {
       log.error({ err: errorFields(err) }, 'the run failed in another worker; stopping');
-      return new RunFailedError(`job "${job.name}" failed in another process sharing the run: ${err.message}; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)`, { cause: err });
+      return new RunFailedError(`job "${job.name}" failed in another process sharing the run: ${err.message}; ${RESUME_AFTER_FIX}`, { cause: err });
     }
     if (err instanceof FencedError) {
       // The fence also refuses a chunk of a run that ended under this attempt while it was in
@@ -905,7 +905,7 @@ export class Runner {
     }
     log.error({ step: failure.step, chunk: failure.chunk, tries: failure.tries, err: errorFields(failure.cause, message) }, 'run failed');
     return new RunFailedError(
-      `job "${job.name}" failed in ${where} after ${failure.tries} ${failure.tries === 1 ? 'try' : 'tries'}: ${message}; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)`,
+      `job "${job.name}" failed in ${where} after ${failure.tries} ${failure.tries === 1 ? 'try' : 'tries'}: ${message}; ${RESUME_AFTER_FIX}`,
       { cause: failure },
     );
   }
@@ -1094,6 +1094,9 @@ function untilLost<T>(lost: AbortSignal, work: Promise<T>): Promise<T> {
   });
 }
 
+/** How a failed run's message ends: its fix is often in the job's code, which the resume then needs the flag for. */
+const RESUME_AFTER_FIX = 'fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)';
+
 /** Why a worker stops when another worker on its run failed the run. */
 class FailedElsewhere extends Error {}
 
@@ -1104,7 +1107,7 @@ class FailedElsewhere extends Error {}
 class CodeMovedOn extends Error {
   readonly to: string;
   constructor(to: string) {
-    super(`the run's code changed to ${to.startsWith('sha256:') ? `${to.slice(0, 19)}…` : to} since this worker joined`);
+    super(`the run's code changed to ${short(to)} since this worker joined`);
     this.to = to;
   }
 }
