@@ -58,5 +58,5 @@ export async function assertKnownJob(db: Kysely<any>, schema: string, name: stri
   const names = [...jobs, ...migrations].map((l) => l.job.name);
   if (names.includes(name)) return;
   const ran = hasRuns ? (await sql<{ job: string }>`select distinct job from ${runs}`.execute(db)).rows : [];
-  throw unknownJobError(name, [...names, ...ran.map((r) => r.job)], [dirs.jobsDir, dirs.migrationsDir]);
+  throw unknownJobError(name, names, [dirs.jobsDir, dirs.migrationsDir], ran.map((r) => r.job));
 }

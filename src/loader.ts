@@ -304,11 +304,19 @@ function quotedName(name: string): string {
   return chars.length <= 100 ? `'${name}'` : `'${chars.slice(0, 40).join('')}…' (${chars.length} characters; a job name has at most 100)`;
 }
 
-/** `no job named 'x'; did you mean 'y'?`, or the known names when none is close. */
-export function unknownJobError(name: string, known: Iterable<string>, dirs: readonly string[]): UsageError {
+/**
+ * `no job named 'x'; did you mean 'y'?`, or the known names when none is close: the jobs and
+ * migrations of the folders, then (apart) jobs known only by their runs in the database. Each
+ * list shows ten names at most, so the refusal stays one line on a database of many jobs.
+ */
+export function unknownJobError(name: string, known: Iterable<string>, dirs: readonly string[], ranOnly: Iterable<string> = []): UsageError {
   const names = [...new Set(known)].sort();
-  const similar = suggestSimilar(name, names);
+  const others = [...new Set(ranOnly)].filter((n) => !names.includes(n)).sort();
+  const similar = suggestSimilar(name, [...names, ...others].sort());
   if (similar.length > 0) return new UsageError('unknownJob', `no job named ${quotedName(name)}; did you mean ${quoteChoices(similar)}?`);
   const where = dirs.map((d) => `${d}/`).join(' or ');
-  return new UsageError('unknownJob', `no job named ${quotedName(name)} in ${where} (known: ${names.join(', ') || 'none'}); check the name or --jobs-dir`);
+  const some = (list: string[]): string => (list.length > 10 ? `${list.slice(0, 10).join(', ')} and ${list.length - 10} more` : list.join(', '));
+  const cut = names.length > 10 || others.length > 10 ? '; idem list and idem status show all' : '';
+  const listed = `known: ${some(names) || 'none'}${others.length > 0 ? `; with runs only: ${some(others)}` : ''}${cut}`;
+  return new UsageError('unknownJob', `no job named ${quotedName(name)} in ${where} (${listed}); check the name or --jobs-dir`);
 }

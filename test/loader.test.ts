@@ -3,7 +3,7 @@ import os from 'node:os';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { UsageError } from '../src/index.ts';
-import { findJob, loadJobDir } from '../src/loader.ts';
+import { findJob, loadJobDir, unknownJobError } from '../src/loader.ts';
 
 // Job files outside the package import it by path: the self-reference ('idem') resolves only inside it.
 const INDEX = path.resolve('src/index.ts');
@@ -97,6 +97,22 @@ describe('loading job folders', () => {
     await expect(findJob(d, 'nope')).rejects.toThrow(/no job named 'nope' in .* \(known: known-one\)/);
     await expect(findJob(d, 'known-on')).rejects.toThrow("no job named 'known-on'; did you mean 'known-one'?");
     expect(await loadJobDir(path.join(dir, 'does-not-exist'), 'jobs')).toEqual([]);
+  });
+
+  it('lists at most ten known names of each kind, and keeps jobs known only by their runs apart', () => {
+    // CI failure of stop 32: a shared test database held runs of many jobs, and `status <typo>`
+    // listed every one of them in its "one-line" error (459 characters and growing).
+    const files = Array.from({ length: 14 }, (_, i) => `file-job-${String(i).padStart(2, '0')}`);
+    const ran = Array.from({ length: 30 }, (_, i) => `ran-only-${String(i).padStart(2, '0')}`);
+    const e = unknownJobError('zzzzzzzzzzzz', files, ['jobs', 'migrations'], [...ran, ...files.slice(0, 3)]);
+    expect(e.message).toBe(
+      `no job named 'zzzzzzzzzzzz' in jobs/ or migrations/ (known: ${files.slice(0, 10).join(', ')} and 4 more; `
+      + `with runs only: ${ran.slice(0, 10).join(', ')} and 20 more; idem list and idem status show all); check the name or --jobs-dir`,
+    );
+    expect(unknownJobError('zzzzzzzzzzzz', ['a-job'], ['jobs'], ['gone', 'a-job']).message)
+      .toBe(`no job named 'zzzzzzzzzzzz' in jobs/ (known: a-job; with runs only: gone); check the name or --jobs-dir`);
+    // A close name is suggested from both kinds.
+    expect(unknownJobError('ran-only-2', files, ['jobs'], ran).message).toBe(`no job named 'ran-only-2'; did you mean 'ran-only-02', 'ran-only-12' or 'ran-only-20'?`);
   });
 
   it('loads ES-module TypeScript compiled once into the package\'s .idem/cache, and names file, line and column of a syntax error', async () => {
