@@ -129,6 +129,9 @@ export async function benchNodeCpu(ctx: BenchContext): Promise<BenchResult> {
       },
       [IDEM_SQL]: async (n) => {
         await floor.query('update idem.chunks set done_at = null, done_attempt = null, done_by = null where run_id = $1', [floorRun!.id]);
+        // The fence accepts a chunk of a running run only (runner migration 0015): the floor's run
+        // is running again, as a live run's is, while its chunks are committed.
+        await floor.query(`update idem.runs set status = 'running', finished_at = null where id = $1`, [floorRun!.id]);
         // As idem sends it: the first chunk's claim with BEGIN, every later one with the COMMIT before it.
         return cpuMs(async () => {
           await floor.query(`begin;\n${claim}`);
