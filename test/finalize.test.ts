@@ -1,4 +1,6 @@
+import { existsSync } from 'node:fs';
 import { mkdir, mkdtemp, rm, writeFile } from 'node:fs/promises';
+import net from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -187,6 +189,41 @@ describe('finalize', () => {
       }
       expect(await query(url, `select count(*)::int as n from idem.runs where job = 'euro-cents'`)).toEqual([{ n: 1 }]);
     } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
+  });
+
+  it('refused params with --key: no embedded server is made to look for a stored run, and a silent server is not waited on for 10 s', async () => {
+    // Review of stop 32 (finding 4): the look-up above started (and first initialised) the
+    // embedded server under .idem/ when no DATABASE_URL was set, and waited pg's 10 s connect
+    // timeout on a server that does not answer, before the params error it then printed anyway.
+    const dir = await mkdtemp(path.join(os.tmpdir(), 'idem-params-lookup-'));
+    const silent = net.createServer(() => {}); // accepts, never answers
+    await new Promise<void>((resolve) => silent.listen(0, '127.0.0.1', resolve));
+    try {
+      await mkdir(path.join(dir, 'jobs'));
+      await writeFile(path.join(dir, 'package.json'), '{"type":"module"}');
+      await writeFile(
+        path.join(dir, 'jobs', 'strict.js'),
+        `export default {
+  name: 'strict',
+  params: (raw) => { if (typeof raw?.n !== 'number') throw new Error('n must be a number'); return raw; },
+  steps: [{ name: 's', run() {} }],
+};
+`,
+      );
+      const refusedLine = [expect.stringMatching(/^idem: error: invalid params for job "strict": .*n must be a number/)];
+      const embedded = await runCli(['--log-level', 'warn', 'run', 'strict', '--key', 'k', '--params', '{"n":"x"}'], { cwd: dir });
+      expect(embedded.code, embedded.stderr).toBe(2);
+      expect(lines(embedded.stderr)).toEqual(refusedLine);
+      expect(existsSync(path.join(dir, '.idem')), 'an embedded server was made for the look-up').toBe(false);
+      const port = (silent.address() as net.AddressInfo).port;
+      const waited = await runCli(['--log-level', 'warn', 'run', 'strict', '--key', 'k', '--params', '{"n":"x"}'], { cwd: dir, url: `postgres://u:p@127.0.0.1:${port}/db` });
+      expect(waited.code, waited.stderr).toBe(2);
+      expect(lines(waited.stderr)).toEqual(refusedLine);
+      expect(waited.ms, 'waited out the connect timeout').toBeLessThan(8_000);
+    } finally {
+      silent.close();
       await rm(dir, { recursive: true, force: true });
     }
   });

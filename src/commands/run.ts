@@ -1,3 +1,5 @@
+import { existsSync } from 'node:fs';
+import path from 'node:path';
 import type { Command } from 'commander';
 import { checkRunKey, collectParam, nonNegativeNumber, parseParams, positiveInt, positiveNumber, waitSeconds } from '../cli-parsers.ts';
 import { databaseUrl, installSignals, openRunner, storedRunFingerprint, type CliContext } from '../cli-session.ts';
@@ -70,8 +72,12 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
             valid = await validateParams(job, params);
           } catch (err) {
             if (o.key === undefined || params === undefined) throw err;
-            url = await databaseUrl(g, log, session);
-            if ((await storedRunFingerprint(url, g.schema, job.name, o.key)) !== fingerprintOrNull(params)) throw err;
+            // Asked only where such a run can be: an embedded server is not made (or started) for it
+            // when there is none under .idem/ yet, and any trouble reaching the database leaves the
+            // params error as the answer.
+            if (g.databaseUrl === undefined && !existsSync(path.resolve('.idem', 'pg'))) throw err;
+            url = await databaseUrl(g, log, session).catch(() => undefined);
+            if (url === undefined || (await storedRunFingerprint(url, g.schema, job.name, o.key)) !== fingerprintOrNull(params)) throw err;
             valid = params;
           }
           // Without --key the run key is the validated params' fingerprint, as the runner derives it:
