@@ -515,6 +515,49 @@ describe("a library's warning is one line too", () => {
   });
 });
 
+describe('SSL settings in the URL that pg does not read as meant (B2-15)', () => {
+  // pg takes any sslmode it does not know (`bogus`, libpq's `allow`) for full verification, and any
+  // ssl value but true, 1, 0 and no-verify (`maybe`, even `false`) for "use TLS": the server
+  // without TLS then answered "The server does not support SSL connections". Refused before
+  // connecting instead, naming the parameter and the values pg reads; the password never printed.
+  const withQuery = (query: string) => {
+    const u = new URL(url);
+    u.search = query;
+    return u.toString();
+  };
+  const password = () => decodeURIComponent(new URL(url).password);
+
+  it('sslmode=bogus, sslmode=allow, ssl=maybe, ssl=false: exit 2, one line, nothing written, for status and run', async () => {
+    const before = await snapshot(url, ALL_TABLES);
+    const cases = [
+      ['sslmode=bogus', 'DATABASE_URL has sslmode=bogus, which pg does not know; use sslmode=disable, prefer, require, verify-ca, verify-full or no-verify (or leave it out)'],
+      ['sslmode=allow', 'DATABASE_URL has sslmode=allow, which pg does not know; use sslmode=disable, prefer, require, verify-ca, verify-full or no-verify (or leave it out)'],
+      ['ssl=maybe', 'DATABASE_URL has ssl=maybe, which pg does not know; use ssl=true, 1, 0 or no-verify, or sslmode= (disable, prefer, require, verify-ca, verify-full or no-verify)'],
+      ['ssl=false', 'DATABASE_URL has ssl=false, which pg does not know; use ssl=true, 1, 0 or no-verify, or sslmode= (disable, prefer, require, verify-ca, verify-full or no-verify)'],
+    ] as const;
+    for (const [query, message] of cases) {
+      for (const args of [['status'], ['run', 'counted', '--key', 'ssl-bad']]) {
+        const r = await runCli([...FIXTURE_DIRS, ...args], { url: withQuery(query) });
+        expect(refusal(r, 2), query).toEqual([`idem: error: ${message}`]);
+        expect(r.stderr).not.toContain(password());
+      }
+    }
+    const flag = await runCli([...FIXTURE_DIRS, '--database-url', withQuery('sslmode=bogus'), 'status']);
+    expect(refusal(flag, 2)).toEqual(['idem: error: --database-url has sslmode=bogus, which pg does not know; use sslmode=disable, prefer, require, verify-ca, verify-full or no-verify (or leave it out)']);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it('sslmode=verify-full (or ssl=true) against a server without TLS: says the server does not accept it and the fix', async () => {
+    for (const query of ['sslmode=verify-full', 'ssl=true']) {
+      const r = await runCli([...FIXTURE_DIRS, 'status'], { url: withQuery(query) });
+      const out = refusal(r, 2);
+      expect(out, query).toHaveLength(1);
+      expect(out[0]).toMatch(/^idem: error: the database at postgres:\/\/.*:\*\*\*@.* does not accept SSL \(TLS\) connections, and DATABASE_URL asks for one; enable ssl on the server, or set sslmode=disable in DATABASE_URL$/);
+      expect(r.stderr).not.toContain(password());
+    }
+  });
+});
+
 describe('a failed chunk\'s message with newlines is recorded whole', () => {
   const pretty = JSON.stringify([{ id: 1, problem: 'bad' }], null, 2);
   const cases = [
