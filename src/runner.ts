@@ -22,11 +22,38 @@ import { isConnectionTrouble, isRetryable, retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
 import { checkRunKey } from './run-key.ts';
+import { unknownKeys } from './suggest.ts';
 
 /** Default size of the work pool (RunnerOptions.poolSize). */
 export const DEFAULT_POOL_SIZE = 10;
 /** Connections a run needs beside one per concurrent chunk: the planner's prefetch, and effects and control polls. */
 export const POOL_HEADROOM = 2;
+
+/** Every key of RunnerOptions; any other is refused (a typo such as `poolsize` would otherwise do nothing). */
+const RUNNER_OPTION_KEYS: ReadonlyArray<keyof RunnerOptions> = ['connectionString', 'schema', 'log', 'poolSize', 'idleInTransactionTimeoutMs', 'lockIdleTimeoutMs', 'beforeSchema', 'readOnly', 'connectionSource'];
+
+/** What other libraries and habits call the connection string. */
+const CONNECTION_STRING_ALIASES: Readonly<Record<string, string>> = Object.fromEntries(
+  ['databaseUrl', 'databaseURL', 'database_url', 'DATABASE_URL', 'dbUrl', 'url', 'URL', 'uri', 'connection', 'connectionUrl', 'connectionURL', 'connectionUri', 'connString', 'dsn'].map((k) => [k, 'connectionString']),
+);
+
+const URL_FORM = 'a postgres://user:password@host:5432/db URL';
+
+/**
+ * Runner.connect's options, checked before anything connects: an unknown key named with the one
+ * meant (`databaseUrl` → `connectionString`), a missing or non-string connection string.
+ */
+function refuseBadOptions(given: unknown): void {
+  if (given === null || typeof given !== 'object') {
+    throw new UsageError('invalidOptions', `Runner.connect(options): options must be an object with connectionString: ${URL_FORM}`);
+  }
+  const problems = unknownKeys(given, RUNNER_OPTION_KEYS, '', CONNECTION_STRING_ALIASES);
+  const cs = (given as { connectionString?: unknown }).connectionString;
+  const aliased = Object.keys(given).some((k) => Object.hasOwn(CONNECTION_STRING_ALIASES, k));
+  if (cs === undefined && !aliased) problems.push(`connectionString is required: ${URL_FORM}`);
+  else if (cs !== undefined && typeof cs !== 'string') problems.push(`connectionString must be a string (got ${cs === null ? 'null' : `a${typeof cs === 'object' ? 'n' : ''} ${typeof cs}`}): ${URL_FORM}`);
+  if (problems.length > 0) throw new UsageError('invalidOptions', `Runner.connect(): invalid options: ${problems.join('; ')}`);
+}
 
 /** Default name of the schema holding idem's own tables. */
 export const DEFAULT_SCHEMA = 'idem';
@@ -239,6 +266,7 @@ export class Runner {
 
   /** Connects, checks the server, and creates or upgrades the runner schema. */
   static async connect(given: RunnerOptions): Promise<Runner> {
+    refuseBadOptions(given);
     // White space around the URL (an env file's line, a secret with its newline) is not part of it,
     // as for the CLI: pg would read a leading space as the host, a trailing one into the database name.
     const opts = typeof given?.connectionString === 'string' ? { ...given, connectionString: given.connectionString.trim() } : given;
