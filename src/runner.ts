@@ -55,6 +55,29 @@ function refuseBadOptions(given: unknown): void {
   if (problems.length > 0) throw new UsageError('invalidOptions', `Runner.connect(): invalid options: ${problems.join('; ')}`);
 }
 
+/** PostgreSQL keeps the first 63 bytes of an identifier (NAMEDATALEN - 1) and drops the rest, silently. */
+const MAX_IDENTIFIER_BYTES = 63;
+
+/**
+ * A schema name idem may keep its tables under: a plain identifier (it is quoted as given), not a
+ * system schema (`pg_*`, where PostgreSQL refuses or a superuser would write into its catalogs;
+ * `information_schema`), at most 63 bytes (PostgreSQL would cut a longer one, so two long names could
+ * meet in one schema). Refused before connecting: nothing is created.
+ */
+function refuseSchemaName(schema: string): void {
+  if (!/^[a-z_][a-z0-9_]*$/i.test(schema)) {
+    throw new UsageError('invalidSchema', `schema name ${JSON.stringify(schema)} is not a plain identifier; use letters, digits and _`);
+  }
+  if (schema.length > MAX_IDENTIFIER_BYTES) {
+    throw new UsageError(
+      'invalidSchema',
+      `schema name "${schema.slice(0, 40)}…" is ${schema.length} bytes long, and PostgreSQL keeps the first ${MAX_IDENTIFIER_BYTES} of a name (two long names could meet in one schema); use a name of at most ${MAX_IDENTIFIER_BYTES} bytes`,
+    );
+  }
+  const system = schema.startsWith('pg_') ? 'the pg_ prefix is reserved' : schema === 'information_schema' ? "the SQL standard's catalog views" : null;
+  if (system) throw new UsageError('invalidSchema', `schema name "${schema}" is a PostgreSQL system schema (${system}), where idem must not create its tables; use a schema of its own (the default is ${DEFAULT_SCHEMA})`);
+}
+
 /** Default name of the schema holding idem's own tables. */
 export const DEFAULT_SCHEMA = 'idem';
 
@@ -275,9 +298,7 @@ export class Runner {
     if (lockIdle !== undefined && !(Number.isInteger(lockIdle) && (lockIdle === 0 || lockIdle >= 20_000))) {
       throw new TypeError(`lockIdleTimeoutMs must be 0 (off) or an integer of at least 20000 ms, ten of the lock's 2 s checks (got ${lockIdle})`);
     }
-    if (!/^[a-z_][a-z0-9_]{0,62}$/i.test(schema)) {
-      throw new UsageError('invalidSchema', `schema name ${JSON.stringify(schema)} is not a plain identifier; use letters, digits and _`);
-    }
+    refuseSchemaName(schema);
     const log = opts.log ?? silentLogger();
     const database = await openDatabase(opts.connectionString, {
       poolSize: opts.poolSize ?? DEFAULT_POOL_SIZE,

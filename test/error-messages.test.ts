@@ -357,6 +357,30 @@ describe('an unknown job name suggests the closest known ones', () => {
     }
   });
 
+  it('a --schema that is a system schema or longer than 63 bytes is refused by run, status and migrate, exit 2, one line, nothing created (B3-9)', async () => {
+    // Before: run --schema information_schema (a superuser) created idem's tables in the SQL
+    // standard's catalog views' schema; pg_catalog failed on PostgreSQL's "permission denied"; a
+    // 70-character name was "not a plain identifier" though it is one (PostgreSQL would cut it to
+    // 63 bytes, so two long names could meet in one schema).
+    const long = `idem_${'x'.repeat(65)}`;
+    const cases = [
+      ['pg_catalog', 'schema name "pg_catalog" is a PostgreSQL system schema (the pg_ prefix is reserved), where idem must not create its tables; use a schema of its own (the default is idem)'],
+      ['pg_toast', 'schema name "pg_toast" is a PostgreSQL system schema (the pg_ prefix is reserved), where idem must not create its tables; use a schema of its own (the default is idem)'],
+      ['information_schema', 'schema name "information_schema" is a PostgreSQL system schema (the SQL standard\'s catalog views), where idem must not create its tables; use a schema of its own (the default is idem)'],
+      [long, `schema name "${long.slice(0, 40)}…" is 70 bytes long, and PostgreSQL keeps the first 63 of a name (two long names could meet in one schema); use a name of at most 63 bytes`],
+    ] as const;
+    const tables = () => query(url, `select count(*)::int as n from pg_class where relnamespace in ('pg_catalog'::regnamespace, 'information_schema'::regnamespace, 'pg_toast'::regnamespace) and relname in ('runs', 'steps', 'chunks', 'idem_migration')`);
+    const before = await tables();
+    for (const [schema, message] of cases) {
+      for (const args of [['run', 'counted', '--params', '{"chunks":1}', '--key', 'k'], ['status'], ['migrate']]) {
+        const r = await idem(['--schema', schema, ...args]);
+        expect(refusal(r, 2), `${schema} ${args[0]}`).toEqual([`idem: error: ${message}`]);
+      }
+    }
+    expect(await tables()).toEqual(before);
+    expect(await query(url, `select count(*)::int as n from pg_namespace where nspname like 'idem_xxx%'`)).toEqual([{ n: 0 }]);
+  });
+
   it('suggests migrations by their job name, and lists the known names when none is close', async () => {
     const [migration, none] = await Promise.all([idem(['status', 'create-widget']), idem(['status', 'zzzzzzzzzzzzzzzz'])]);
     expect(refusal(migration!, 2)).toEqual([`idem: error: no job named 'create-widget'; did you mean 'create-widgets'?`]);
