@@ -111,6 +111,36 @@ export function refuseUnsupportedUrl(connectionString: string, source: string): 
   if (port !== undefined && !(Number(port) >= 1 && Number(port) <= 65535)) {
     throw new UsageError('invalidDatabaseUrl', `${source} has port ${port}, which is not a port number (1 to 65535); fix the port: postgres://user:password@host:5432/db`);
   }
+  refuseUnknownSslSetting(connectionString, source);
+}
+
+/** The `sslmode` values pg reads (pg-connection-string); any other it takes for full verification, silently. */
+const SSL_MODES = ['disable', 'prefer', 'require', 'verify-ca', 'verify-full', 'no-verify'];
+/** The `ssl` values pg reads; any other (`maybe`, even `false`) it takes for "use TLS". */
+const SSL_VALUES = ['true', '1', '0', 'no-verify'];
+
+/**
+ * An `sslmode` or `ssl` in the URL's query that pg does not know: refused (exit 2) naming the
+ * parameter and the values it reads, instead of pg asking a server without TLS for it (libpq's
+ * `sslmode=allow`, a typo) and failing with "The server does not support SSL connections".
+ */
+function refuseUnknownSslSetting(connectionString: string, source: string): void {
+  let query: URLSearchParams;
+  try {
+    query = new URL(connectionString.trim()).searchParams;
+  } catch {
+    return; // pg's own parse fails too: describeConnectError's invalidDatabaseUrl
+  }
+  const modes = SSL_MODES.join(', ').replace(/, (?=[^,]*$)/, ' or ');
+  const said = (key: string, value: string) => redactSecrets(`${key}=${value.length > 40 ? `${value.slice(0, 40)}…` : value}`, connectionString);
+  for (const value of query.getAll('sslmode')) {
+    if (!SSL_MODES.includes(value)) throw new UsageError('invalidDatabaseUrl', `${source} has ${said('sslmode', value)}, which pg does not know; use sslmode=${modes} (or leave it out)`);
+  }
+  for (const value of query.getAll('ssl')) {
+    if (!SSL_VALUES.includes(value)) {
+      throw new UsageError('invalidDatabaseUrl', `${source} has ${said('ssl', value)}, which pg does not know; use ssl=${SSL_VALUES.join(', ').replace(/, (?=[^,]*$)/, ' or ')}, or sslmode= (${modes})`);
+    }
+  }
 }
 
 const POSTGRES_URL = /^\s*postgres(?:ql)?:\/\//i;
@@ -716,6 +746,12 @@ export function describeConnectError(err: unknown, connectionString: string, sou
         msg = `cannot reach the database at ${where}: no answer within 10 s (the server, or a pooler in front of it, is down, starting or overloaded, or a firewall drops the packets); check the server, or fix ${urlSource}`;
       } else if (code === '57P01' || code === '57P02' || code === 'ECONNRESET' || /Connection terminated unexpectedly|server conn crashed|server login has been failing/.test(raw)) {
         msg = `cannot reach the database at ${where}: the connection was closed as it opened (${raw}); the server, or a pooler in front of it, is restarting or down: run the same command again once it is up`;
+      } else if (/The server does not support SSL connections/.test(raw)) {
+        // sslmode (but disable) or ssl=true|1|no-verify in the URL, or PGSSLMODE: pg asks for TLS and does not fall back.
+        const byEnv = !/[?&]ssl(mode)?=/i.test(connectionString) && process.env.PGSSLMODE;
+        msg = byEnv
+          ? `the database at ${where} does not accept SSL (TLS) connections, and PGSSLMODE=${process.env.PGSSLMODE} asks for one; enable ssl on the server, or unset PGSSLMODE`
+          : `the database at ${where} does not accept SSL (TLS) connections, and ${urlSource} asks for one; enable ssl on the server, or set sslmode=disable in ${urlSource}`;
       } else msg = `cannot connect to the database at ${where}: ${raw}; check ${urlSource}`;
   }
   return new DatabaseUnavailableError(msg, { cause: err });

@@ -22,11 +22,61 @@ import { isConnectionTrouble, isRetryable, retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
 import { checkRunKey } from './run-key.ts';
+import { unknownKeys } from './suggest.ts';
 
 /** Default size of the work pool (RunnerOptions.poolSize). */
 export const DEFAULT_POOL_SIZE = 10;
 /** Connections a run needs beside one per concurrent chunk: the planner's prefetch, and effects and control polls. */
 export const POOL_HEADROOM = 2;
+
+/** Every key of RunnerOptions; any other is refused (a typo such as `poolsize` would otherwise do nothing). */
+const RUNNER_OPTION_KEYS: ReadonlyArray<keyof RunnerOptions> = ['connectionString', 'schema', 'log', 'poolSize', 'idleInTransactionTimeoutMs', 'lockIdleTimeoutMs', 'beforeSchema', 'readOnly', 'connectionSource'];
+
+/** What other libraries and habits call the connection string. */
+const CONNECTION_STRING_ALIASES: Readonly<Record<string, string>> = Object.fromEntries(
+  ['databaseUrl', 'databaseURL', 'database_url', 'DATABASE_URL', 'dbUrl', 'url', 'URL', 'uri', 'connection', 'connectionUrl', 'connectionURL', 'connectionUri', 'connString', 'dsn'].map((k) => [k, 'connectionString']),
+);
+
+const URL_FORM = 'a postgres://user:password@host:5432/db URL';
+
+/**
+ * Runner.connect's options, checked before anything connects: an unknown key named with the one
+ * meant (`databaseUrl` → `connectionString`), a missing or non-string connection string.
+ */
+function refuseBadOptions(given: unknown): void {
+  if (given === null || typeof given !== 'object') {
+    throw new UsageError('invalidOptions', `Runner.connect(options): options must be an object with connectionString: ${URL_FORM}`);
+  }
+  const problems = unknownKeys(given, RUNNER_OPTION_KEYS, '', CONNECTION_STRING_ALIASES);
+  const cs = (given as { connectionString?: unknown }).connectionString;
+  const aliased = Object.keys(given).some((k) => Object.hasOwn(CONNECTION_STRING_ALIASES, k));
+  if (cs === undefined && !aliased) problems.push(`connectionString is required: ${URL_FORM}`);
+  else if (cs !== undefined && typeof cs !== 'string') problems.push(`connectionString must be a string (got ${cs === null ? 'null' : `a${typeof cs === 'object' ? 'n' : ''} ${typeof cs}`}): ${URL_FORM}`);
+  if (problems.length > 0) throw new UsageError('invalidOptions', `Runner.connect(): invalid options: ${problems.join('; ')}`);
+}
+
+/** PostgreSQL keeps the first 63 bytes of an identifier (NAMEDATALEN - 1) and drops the rest, silently. */
+const MAX_IDENTIFIER_BYTES = 63;
+
+/**
+ * A schema name idem may keep its tables under: a plain identifier (it is quoted as given), not a
+ * system schema (`pg_*`, where PostgreSQL refuses or a superuser would write into its catalogs;
+ * `information_schema`), at most 63 bytes (PostgreSQL would cut a longer one, so two long names could
+ * meet in one schema). Refused before connecting: nothing is created.
+ */
+function refuseSchemaName(schema: string): void {
+  if (!/^[a-z_][a-z0-9_]*$/i.test(schema)) {
+    throw new UsageError('invalidSchema', `schema name ${JSON.stringify(schema)} is not a plain identifier; use letters, digits and _`);
+  }
+  if (schema.length > MAX_IDENTIFIER_BYTES) {
+    throw new UsageError(
+      'invalidSchema',
+      `schema name "${schema.slice(0, 40)}…" is ${schema.length} bytes long, and PostgreSQL keeps the first ${MAX_IDENTIFIER_BYTES} of a name (two long names could meet in one schema); use a name of at most ${MAX_IDENTIFIER_BYTES} bytes`,
+    );
+  }
+  const system = schema.startsWith('pg_') ? 'the pg_ prefix is reserved' : schema === 'information_schema' ? "the SQL standard's catalog views" : null;
+  if (system) throw new UsageError('invalidSchema', `schema name "${schema}" is a PostgreSQL system schema (${system}), where idem must not create its tables; use a schema of its own (the default is ${DEFAULT_SCHEMA})`);
+}
 
 /** Default name of the schema holding idem's own tables. */
 export const DEFAULT_SCHEMA = 'idem';
@@ -239,6 +289,7 @@ export class Runner {
 
   /** Connects, checks the server, and creates or upgrades the runner schema. */
   static async connect(given: RunnerOptions): Promise<Runner> {
+    refuseBadOptions(given);
     // White space around the URL (an env file's line, a secret with its newline) is not part of it,
     // as for the CLI: pg would read a leading space as the host, a trailing one into the database name.
     const opts = typeof given?.connectionString === 'string' ? { ...given, connectionString: given.connectionString.trim() } : given;
@@ -247,9 +298,7 @@ export class Runner {
     if (lockIdle !== undefined && !(Number.isInteger(lockIdle) && (lockIdle === 0 || lockIdle >= 20_000))) {
       throw new TypeError(`lockIdleTimeoutMs must be 0 (off) or an integer of at least 20000 ms, ten of the lock's 2 s checks (got ${lockIdle})`);
     }
-    if (!/^[a-z_][a-z0-9_]{0,62}$/i.test(schema)) {
-      throw new UsageError('invalidSchema', `schema name ${JSON.stringify(schema)} is not a plain identifier; use letters, digits and _`);
-    }
+    refuseSchemaName(schema);
     const log = opts.log ?? silentLogger();
     const database = await openDatabase(opts.connectionString, {
       poolSize: opts.poolSize ?? DEFAULT_POOL_SIZE,

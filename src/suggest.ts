@@ -31,13 +31,16 @@ export function suggestSimilar(word: string, candidates: Iterable<string>, max =
 /**
  * `unknown key "schedual" (did you mean "schedule"?)` for each own key of `value` not in `known`,
  * led by `where`: what a job definition, its nested option objects and the chunk sources' options
- * say of a key they do not know (a typo would otherwise do nothing, silently).
+ * say of a key they do not know (a typo would otherwise do nothing, silently). `aliases` names the
+ * known key meant by a name that is not similar to it (`url` for `connectionString`).
  */
-export function unknownKeys(value: object, known: readonly string[], where: string): string[] {
+export function unknownKeys(value: object, known: readonly string[], where: string, aliases: Readonly<Record<string, string>> = {}): string[] {
   return Object.keys(value)
     .filter((k) => !known.includes(k))
     .map((k) => {
-      const similar = suggestSimilar(k, known);
+      // Another library's name for an option (`databaseUrl` for `connectionString`) is nothing like
+      // ours letter by letter: `aliases` maps it.
+      const similar = Object.hasOwn(aliases, k) ? [aliases[k]!] : suggestSimilar(k, known);
       return `${where}unknown key ${JSON.stringify(k)} (${similar.length > 0 ? `did you mean ${similar.map((n) => JSON.stringify(n)).join(' or ')}?` : `known: ${known.join(', ')}`})`;
     });
 }

@@ -25,10 +25,12 @@ import { isDeepStrictEqual } from 'node:util';
 import { diffArrays } from 'diff';
 import { sql, type Kysely } from 'kysely';
 import pg from 'pg';
-import { codeOf } from './errors.ts';
-import type { Job, Step } from './job.ts';
+import { describeConnectError, redactError, refuseUnsupportedUrl } from './database.ts';
+import { codeOf, IdemError, messageOf, UsageError } from './errors.ts';
+import { assertJob, validateParams, type Job, type Step } from './job.ts';
 import { silentLogger } from './log.ts';
 import { Runner } from './runner.ts';
+import { unknownKeys } from './suggest.ts';
 
 export interface ConvergenceOptions {
   /** The job's params. Defaults to `{}`. */
@@ -131,9 +133,56 @@ function lineDiff(a: string[], b: string[]): DiffOp[] {
   return diffArrays(a, b).flatMap((part) => part.value.map((line): DiffOp => ({ kind: part.added ? '+' : part.removed ? '-' : ' ', line })));
 }
 
-async function withAdmin<T>(url: string, fn: (c: pg.Client) => Promise<T>): Promise<T> {
+/** Every key of ConvergenceOptions; any other is refused (a typo such as `databaseURL` would otherwise do nothing). */
+const OPTION_KEYS: ReadonlyArray<keyof ConvergenceOptions> = ['params', 'snapshot', 'setup', 'concurrency', 'maxCrashPoints', 'databaseUrl'];
+
+/** What the caller gave as a job: validated as the loader validates a job file's export, or refused naming what it is. */
+function givenJob(value: unknown, where: string): Job {
+  if (value === null || typeof value !== 'object') {
+    throw new UsageError('invalidJob', `expectConvergent(job, options): ${where} is ${value === null ? 'null' : typeof value === 'undefined' ? 'undefined' : `a ${typeof value}`}, not a job; pass a job made with defineJob() (a job file's default export)`);
+  }
+  return assertJob(value, 'expectConvergent()');
+}
+
+/**
+ * The options' problems, all together as defineJob reports a definition's, before anything
+ * connects: a mistyped key, a missing snapshot, counts that are not counts, setup entries that are
+ * not jobs.
+ */
+function checkOptions(opts: unknown): { setup: Array<{ job: Job; params: unknown }> } {
+  if (opts === null || typeof opts !== 'object') {
+    throw new UsageError('invalidOptions', 'expectConvergent(job, options): options must be an object with at least snapshot: (db) => the end state to compare');
+  }
+  const o = opts as Partial<Record<keyof ConvergenceOptions, unknown>>;
+  const problems = unknownKeys(o, OPTION_KEYS, '');
+  if (typeof o.snapshot !== 'function') problems.push('snapshot must be a function (db) => the end state to compare');
+  if (o.concurrency !== undefined && !(Number.isInteger(o.concurrency) && (o.concurrency as number) >= 1)) problems.push(`concurrency must be an integer of at least 1 (got ${shown(o.concurrency)})`);
+  if (o.maxCrashPoints !== undefined && !(Number.isInteger(o.maxCrashPoints) && (o.maxCrashPoints as number) >= 0)) problems.push(`maxCrashPoints must be an integer >= 0 (got ${shown(o.maxCrashPoints)})`);
+  if (o.databaseUrl !== undefined && typeof o.databaseUrl !== 'string') problems.push(`databaseUrl must be a postgres:// URL string (got ${typeof o.databaseUrl})`);
+  if (o.setup !== undefined && !Array.isArray(o.setup)) problems.push('setup must be an array of jobs or { job, params }');
+  if (problems.length > 0) throw new UsageError('invalidOptions', `expectConvergent(job, options): invalid options: ${problems.join('; ')}`);
+  const setup = ((o.setup ?? []) as unknown[]).map((s, i) => {
+    const entry = s !== null && typeof s === 'object' && !('steps' in s) && 'job' in s ? (s as { job: unknown; params?: unknown }) : { job: s, params: {} };
+    return { job: givenJob(entry.job, `setup[${i}]`), params: entry.params ?? {} };
+  });
+  return { setup };
+}
+
+function shown(value: unknown): string {
+  return typeof value === 'string' ? JSON.stringify(value) : String(value);
+}
+
+/**
+ * Opens a session on the server the scenario databases are created on; not reaching it (refused,
+ * a wrong password, no such database) is said as Runner.connect says it, naming `source`.
+ */
+async function withAdmin<T>(url: string, source: string, fn: (c: pg.Client) => Promise<T>): Promise<T> {
   const client = new pg.Client({ connectionString: url });
-  await client.connect();
+  client.on('error', () => {});
+  await client.connect().catch(async (err: unknown) => {
+    await client.end().catch(() => {});
+    throw describeConnectError(err, url, source);
+  });
   try {
     return await fn(client);
   } finally {
@@ -146,10 +195,23 @@ async function withAdmin<T>(url: string, fn: (c: pg.Client) => Promise<T>): Prom
  * `snapshot`. Throws an Error naming the first scenario that differs, with a diff. See the module
  * comment for an example.
  */
-export async function expectConvergent(job: Job, opts: ConvergenceOptions): Promise<ConvergenceReport> {
+export async function expectConvergent(given: Job, opts: ConvergenceOptions): Promise<ConvergenceReport> {
+  // Bad input is refused before anything connects or is created, in the words the CLI and
+  // Runner.connect use (one line, the fix, an IdemError with its exit code), not as the TypeError
+  // or pg error it would meet later.
+  const job = givenJob(given, 'job');
+  const { setup } = checkOptions(opts);
   const params = opts.params ?? {};
+  await validateParams(job, params);
+  for (const [i, s] of setup.entries()) {
+    await validateParams(s.job, s.params).catch((err: unknown) => {
+      throw err instanceof IdemError ? new UsageError('invalidParams', `expectConvergent(): setup[${i}]: ${err.message}`, { cause: err }) : err;
+    });
+  }
   const log = silentLogger();
-  let adminUrl = opts.databaseUrl ?? process.env.DATABASE_URL;
+  const source = opts.databaseUrl !== undefined ? 'databaseUrl' : 'DATABASE_URL';
+  let adminUrl = (opts.databaseUrl ?? process.env.DATABASE_URL)?.trim();
+  if (adminUrl) refuseUnsupportedUrl(adminUrl, source);
   let release: (() => Promise<void>) | undefined;
   if (!adminUrl) {
     const { startEmbeddedPostgres } = await import('./embedded-postgres.ts');
@@ -162,7 +224,7 @@ export async function expectConvergent(job: Job, opts: ConvergenceOptions): Prom
   /** A fresh database with the setup jobs run in it; the scenario gets connected runners on it. */
   const inFreshDatabase = async <T>(fn: (connect: () => Promise<Runner>) => Promise<T>): Promise<T> => {
     const name = `idem_kit_${randomBytes(6).toString('hex')}`;
-    await withAdmin(admin, async (c) => {
+    await withAdmin(admin, source, async (c) => {
       await c.query(`create database ${name}`).catch(async (err: unknown) => {
         if (codeOf(err) !== '42501') throw err;
         const { rows } = await c.query<{ role: string }>('select quote_ident(current_user) as role');
@@ -182,14 +244,11 @@ export async function expectConvergent(job: Job, opts: ConvergenceOptions): Prom
     };
     try {
       const first = await connect();
-      for (const s of opts.setup ?? []) {
-        const [setupJob, setupParams] = 'steps' in s ? [s, {}] : [s.job, s.params ?? {}];
-        await first.run(setupJob, { key: 'setup', params: setupParams });
-      }
+      for (const s of setup) await first.run(s.job, { key: 'setup', params: s.params });
       return await fn(connect);
     } finally {
       await Promise.all(runners.map((r) => r.close().catch(() => {})));
-      await withAdmin(admin, (c) => c.query(`drop database if exists ${name} with (force)`)).catch(() => {});
+      await withAdmin(admin, source, (c) => c.query(`drop database if exists ${name} with (force)`)).catch(() => {});
     }
   };
 
@@ -200,7 +259,18 @@ export async function expectConvergent(job: Job, opts: ConvergenceOptions): Prom
     const got = await inFreshDatabase(async (connect) => {
       const runner = await connect();
       await body(runner, connect);
-      return opts.snapshot(runner.db);
+      try {
+        return await opts.snapshot(runner.db);
+      } catch (thrown) {
+        const err = redactError(thrown, admin);
+        // The user's query (a table it names that the job never creates, a typo): which scenario, and
+        // that the snapshot is what to fix, not a bare pg error that reads as idem's own.
+        throw new UsageError(
+          'invalidSnapshot',
+          `expectConvergent(): snapshot(db) threw in scenario "${scenario}": ${messageOf(err)}; fix the snapshot, which reads each scenario's fresh database after setup and the job ran`,
+          { cause: err },
+        );
+      }
     });
     if (scenario === 'a clean run') {
       clean = got;

@@ -357,6 +357,30 @@ describe('an unknown job name suggests the closest known ones', () => {
     }
   });
 
+  it('a --schema that is a system schema or longer than 63 bytes is refused by run, status and migrate, exit 2, one line, nothing created (B3-9)', async () => {
+    // Before: run --schema information_schema (a superuser) created idem's tables in the SQL
+    // standard's catalog views' schema; pg_catalog failed on PostgreSQL's "permission denied"; a
+    // 70-character name was "not a plain identifier" though it is one (PostgreSQL would cut it to
+    // 63 bytes, so two long names could meet in one schema).
+    const long = `idem_${'x'.repeat(65)}`;
+    const cases = [
+      ['pg_catalog', 'schema name "pg_catalog" is a PostgreSQL system schema (the pg_ prefix is reserved), where idem must not create its tables; use a schema of its own (the default is idem)'],
+      ['pg_toast', 'schema name "pg_toast" is a PostgreSQL system schema (the pg_ prefix is reserved), where idem must not create its tables; use a schema of its own (the default is idem)'],
+      ['information_schema', 'schema name "information_schema" is a PostgreSQL system schema (the SQL standard\'s catalog views), where idem must not create its tables; use a schema of its own (the default is idem)'],
+      [long, `schema name "${long.slice(0, 40)}…" is 70 bytes long, and PostgreSQL keeps the first 63 of a name (two long names could meet in one schema); use a name of at most 63 bytes`],
+    ] as const;
+    const tables = () => query(url, `select count(*)::int as n from pg_class where relnamespace in ('pg_catalog'::regnamespace, 'information_schema'::regnamespace, 'pg_toast'::regnamespace) and relname in ('runs', 'steps', 'chunks', 'idem_migration')`);
+    const before = await tables();
+    for (const [schema, message] of cases) {
+      for (const args of [['run', 'counted', '--params', '{"chunks":1}', '--key', 'k'], ['status'], ['migrate']]) {
+        const r = await idem(['--schema', schema, ...args]);
+        expect(refusal(r, 2), `${schema} ${args[0]}`).toEqual([`idem: error: ${message}`]);
+      }
+    }
+    expect(await tables()).toEqual(before);
+    expect(await query(url, `select count(*)::int as n from pg_namespace where nspname like 'idem_xxx%'`)).toEqual([{ n: 0 }]);
+  });
+
   it('suggests migrations by their job name, and lists the known names when none is close', async () => {
     const [migration, none] = await Promise.all([idem(['status', 'create-widget']), idem(['status', 'zzzzzzzzzzzzzzzz'])]);
     expect(refusal(migration!, 2)).toEqual([`idem: error: no job named 'create-widget'; did you mean 'create-widgets'?`]);
@@ -512,6 +536,49 @@ describe("a library's warning is one line too", () => {
     // Before: Node's "(node:123) Warning: SECURITY WARNING: …" and eight more lines.
     expect(out).toEqual([expect.stringMatching(/^idem: warning: SECURITY WARNING: The SSL modes .* use 'sslmode=verify-full'.*uselibpqcompat=true&sslmode=require/), expect.stringMatching(/^idem: error: cannot reach the database/)]);
     expect(r.stderr).not.toContain('secret');
+  });
+});
+
+describe('SSL settings in the URL that pg does not read as meant (B2-15)', () => {
+  // pg takes any sslmode it does not know (`bogus`, libpq's `allow`) for full verification, and any
+  // ssl value but true, 1, 0 and no-verify (`maybe`, even `false`) for "use TLS": the server
+  // without TLS then answered "The server does not support SSL connections". Refused before
+  // connecting instead, naming the parameter and the values pg reads; the password never printed.
+  const withQuery = (query: string) => {
+    const u = new URL(url);
+    u.search = query;
+    return u.toString();
+  };
+  const password = () => decodeURIComponent(new URL(url).password);
+
+  it('sslmode=bogus, sslmode=allow, ssl=maybe, ssl=false: exit 2, one line, nothing written, for status and run', async () => {
+    const before = await snapshot(url, ALL_TABLES);
+    const cases = [
+      ['sslmode=bogus', 'DATABASE_URL has sslmode=bogus, which pg does not know; use sslmode=disable, prefer, require, verify-ca, verify-full or no-verify (or leave it out)'],
+      ['sslmode=allow', 'DATABASE_URL has sslmode=allow, which pg does not know; use sslmode=disable, prefer, require, verify-ca, verify-full or no-verify (or leave it out)'],
+      ['ssl=maybe', 'DATABASE_URL has ssl=maybe, which pg does not know; use ssl=true, 1, 0 or no-verify, or sslmode= (disable, prefer, require, verify-ca, verify-full or no-verify)'],
+      ['ssl=false', 'DATABASE_URL has ssl=false, which pg does not know; use ssl=true, 1, 0 or no-verify, or sslmode= (disable, prefer, require, verify-ca, verify-full or no-verify)'],
+    ] as const;
+    for (const [query, message] of cases) {
+      for (const args of [['status'], ['run', 'counted', '--key', 'ssl-bad']]) {
+        const r = await runCli([...FIXTURE_DIRS, ...args], { url: withQuery(query) });
+        expect(refusal(r, 2), query).toEqual([`idem: error: ${message}`]);
+        expect(r.stderr).not.toContain(password());
+      }
+    }
+    const flag = await runCli([...FIXTURE_DIRS, '--database-url', withQuery('sslmode=bogus'), 'status']);
+    expect(refusal(flag, 2)).toEqual(['idem: error: --database-url has sslmode=bogus, which pg does not know; use sslmode=disable, prefer, require, verify-ca, verify-full or no-verify (or leave it out)']);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it('sslmode=verify-full (or ssl=true) against a server without TLS: says the server does not accept it and the fix', async () => {
+    for (const query of ['sslmode=verify-full', 'ssl=true']) {
+      const r = await runCli([...FIXTURE_DIRS, 'status'], { url: withQuery(query) });
+      const out = refusal(r, 2);
+      expect(out, query).toHaveLength(1);
+      expect(out[0]).toMatch(/^idem: error: the database at postgres:\/\/.*:\*\*\*@.* does not accept SSL \(TLS\) connections, and DATABASE_URL asks for one; enable ssl on the server, or set sslmode=disable in DATABASE_URL$/);
+      expect(r.stderr).not.toContain(password());
+    }
   });
 });
 

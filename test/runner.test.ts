@@ -1087,3 +1087,29 @@ describe('a chunk key in messages', () => {
     expect(err2!.message).toBe('job "key-label-plain" failed in step "work", chunk k 1 after 1 try: boom; fix the cause and run the same command again to resume there (with --allow-changed-code if the fix changes the code of the job)');
   });
 });
+
+describe('Runner.connect given a wrongly named option (B2-15)', () => {
+  // `databaseUrl`, `url`, `connection`: the option is `connectionString`. It used to be read as a
+  // missing connection string ("the connection string is not a postgres:// URL"), not naming the
+  // option to use; a mistyped `poolsize` was ignored. Refused before connecting, as a job
+  // definition's unknown keys are.
+  const unreachable = 'postgres://u:pw@127.0.0.1:1/x';
+
+  it('names the right option, before connecting', async () => {
+    for (const key of ['databaseUrl', 'url', 'connection', 'databaseURL', 'connectionUrl', 'uri']) {
+      const err = await rejectionOf(Runner.connect({ [key]: url } as any));
+      expect(err, key).toBeInstanceOf(UsageError);
+      expect((err as UsageError).code).toBe('idem.invalidOptions');
+      expect(err.message, key).toBe(`Runner.connect(): invalid options: unknown key "${key}" (did you mean "connectionString"?)`);
+    }
+    const typo = await rejectionOf(Runner.connect({ connectionString: unreachable, poolsize: 3 } as any));
+    expect(typo.message).toBe('Runner.connect(): invalid options: unknown key "poolsize" (did you mean "poolSize"?)');
+    const none = await rejectionOf(Runner.connect({} as any));
+    expect(none.message).toBe('Runner.connect(): invalid options: connectionString is required: a postgres://user:password@host:5432/db URL');
+    const notString = await rejectionOf(Runner.connect({ connectionString: new URL(url) } as any));
+    expect(notString.message).toBe('Runner.connect(): invalid options: connectionString must be a string (got an object): a postgres://user:password@host:5432/db URL');
+    const noOptions = await rejectionOf(Runner.connect(undefined as any));
+    expect(noOptions.message).toBe('Runner.connect(options): options must be an object with connectionString: a postgres://user:password@host:5432/db URL');
+    expect(exitCodeOf(noOptions)).toBe(2);
+  });
+});

@@ -210,3 +210,94 @@ describe('expectConvergent with a role that may not create databases', () => {
     }
   });
 });
+
+describe('expectConvergent given bad input (black-box round 13, B2-13)', () => {
+  // As the CLI and Runner.connect say it: one line naming the problem and the fix, an idem error
+  // with its code and exit code, never a raw pg error or TypeError; bad input creates no database.
+  const tiny: Job = defineJob({ name: 'kit-tiny', params: (raw: unknown) => raw as { n: number }, steps: [{ name: 'noop', async run() {} }] });
+  const fails = (p: Promise<unknown>) =>
+    p.then(
+      () => null,
+      (e: unknown) => e as Error & { code?: string; exitCode?: number },
+    );
+  const kitDatabases = async () => {
+    const pg = (await import('pg')).default;
+    const admin = new pg.Client({ connectionString: databaseUrl() });
+    await admin.connect();
+    try {
+      return (await admin.query<{ n: number }>(`select count(*)::int as n from pg_database where datname like 'idem_kit_%'`)).rows[0]!.n;
+    } finally {
+      await admin.end();
+    }
+  };
+
+  it('a job that is not one, and options with a mistyped or missing key', async () => {
+    const notJob = await fails(expectConvergent(undefined as any, { databaseUrl: databaseUrl(), snapshot: async () => [] }));
+    expect(notJob?.message).toBe('expectConvergent(job, options): job is undefined, not a job; pass a job made with defineJob() (a job file\'s default export)');
+    expect(notJob?.code).toBe('idem.invalidJob');
+    expect(notJob?.exitCode).toBe(2);
+    const badDef = await fails(expectConvergent({ name: 'x', steps: [] } as any, { databaseUrl: databaseUrl(), snapshot: async () => [] }));
+    expect(badDef?.message).toBe('expectConvergent(): invalid job definition: steps must be a non-empty array');
+    const typo = await fails(expectConvergent(tiny, { databaseURL: databaseUrl(), snapshot: async () => [], concurrency: 0 } as any));
+    expect(typo?.message).toBe(
+      'expectConvergent(job, options): invalid options: unknown key "databaseURL" (did you mean "databaseUrl"?); concurrency must be an integer of at least 1 (got 0)',
+    );
+    expect(typo?.code).toBe('idem.invalidOptions');
+    expect(typo?.exitCode).toBe(2);
+    const noSnapshot = await fails(expectConvergent(tiny, { databaseUrl: databaseUrl() } as any));
+    expect(noSnapshot?.message).toBe('expectConvergent(job, options): invalid options: snapshot must be a function (db) => the end state to compare');
+    const noOptions = await fails(expectConvergent(tiny, undefined as any));
+    expect(noOptions?.message).toBe('expectConvergent(job, options): options must be an object with at least snapshot: (db) => the end state to compare');
+  });
+
+  it("params the job's validator refuses: its message, before any database is created", async () => {
+    const strict: Job = defineJob({
+      name: 'kit-strict',
+      params: (raw: unknown) => {
+        if (typeof (raw as { n?: unknown })?.n !== 'number') throw new Error('n must be a number');
+        return raw as { n: number };
+      },
+      steps: [{ name: 'noop', async run() {} }],
+    });
+    const before = await kitDatabases();
+    const err = await fails(expectConvergent(strict, { params: { n: 'x' }, databaseUrl: databaseUrl(), snapshot: async () => [] }));
+    expect(err?.code).toBe('idem.invalidParams');
+    expect(err?.exitCode).toBe(2);
+    expect(err?.message).toMatch(/^invalid params for job "kit-strict": n must be a number/);
+    expect(await kitDatabases()).toBe(before);
+    // Checked before any server is reached: this one is not, and the params are what is said.
+    const unreached = await fails(expectConvergent(strict, { params: { n: 'x' }, databaseUrl: 'postgres://app:pw@127.0.0.1:1/app', snapshot: async () => [] }));
+    expect(unreached?.code).toBe('idem.invalidParams');
+    // A setup job's params, too.
+    const setup = await fails(expectConvergent(tiny, { params: { n: 1 }, setup: [{ job: strict, params: {} }], databaseUrl: 'postgres://app:pw@127.0.0.1:1/app', snapshot: async () => [] }));
+    expect(setup?.message).toMatch(/^expectConvergent\(\): setup\[0\]: invalid params for job "kit-strict": n must be a number/);
+  });
+
+  it('a databaseUrl of another kind, one that does not parse, or a server not reachable: the connection error naming databaseUrl, no password', async () => {
+    const mysql = await fails(expectConvergent(tiny, { databaseUrl: 'mysql://app:kit-pw-123@db/app', snapshot: async () => [] }));
+    expect(mysql?.message).toBe('databaseUrl is a mysql: URL, and idem works with PostgreSQL only; pass postgres://user:password@host:5432/db (or postgresql://)');
+    expect(mysql?.code).toBe('idem.invalidDatabaseUrl');
+    const unparsable = await fails(expectConvergent(tiny, { databaseUrl: 'postgres://app:kit#pw-123@127.0.0.1:1/app', snapshot: async () => [] }));
+    expect(unparsable?.code).toBe('idem.invalidDatabaseUrl');
+    expect(unparsable?.message).toMatch(/^databaseUrl is not a valid URL; percent-encode/);
+    const refused = await fails(expectConvergent(tiny, { databaseUrl: 'postgres://app:kit-pw-123@127.0.0.1:1/app', snapshot: async () => [] }));
+    expect(refused?.message).toBe('cannot reach the database at postgres://app:***@127.0.0.1:1/app: connection refused; start the server or fix databaseUrl');
+    expect(refused?.code).toBe('idem.databaseUnavailable');
+    expect(refused?.exitCode).toBe(2);
+    const wrongPassword = new URL(databaseUrl());
+    wrongPassword.password = 'kit-wrong-pw-123';
+    const denied = await fails(expectConvergent(tiny, { databaseUrl: wrongPassword.toString(), snapshot: async () => [] }));
+    expect(denied?.code).toBe('idem.databaseUnavailable');
+    expect(denied?.message).toMatch(/refused the credentials .*; fix the user or password in databaseUrl$/);
+    for (const e of [mysql, unparsable, refused, denied]) expect(`${e?.message} ${e?.stack}`).not.toContain('pw-123');
+  });
+
+  it('a snapshot that reads a table that does not exist: which scenario, and the fix', async () => {
+    const err = await fails(expectConvergent(tiny, { params: { n: 1 }, databaseUrl: databaseUrl(), snapshot: (db) => rows(db, 'select * from kit_no_such_table') }));
+    expect(err?.message).toBe(
+      'expectConvergent(): snapshot(db) threw in scenario "a clean run": relation "kit_no_such_table" does not exist; fix the snapshot, which reads each scenario\'s fresh database after setup and the job ran',
+    );
+    expect(err?.code).toBe('idem.invalidSnapshot');
+    expect(err?.exitCode).toBe(2);
+  });
+});
