@@ -121,7 +121,7 @@ describe('a --join worker stopped (SIGSTOP) past the idle-in-transaction timeout
   const sessionsEnded = (a: CliProcess) =>
     waitFor(
       async () => {
-        const rows = await query<{ n: number }>(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and application_name like 'idem %:' || $1 and state = 'idle in transaction'`, [String(a.pid)]);
+        const rows = await query<{ n: number }>(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and application_name like 'idem %:' || $1 and (state = 'idle in transaction' or $2 = '1')`, [String(a.pid)]);
         return rows[0]!.n === 0 ? true : undefined;
       },
       "the stopped worker's chunk sessions ended by the server",
@@ -181,6 +181,40 @@ describe('a --join worker stopped (SIGSTOP) past the idle-in-transaction timeout
     } finally {
       a.child.kill('SIGCONT');
     }
+  });
+});
+
+describe('a --join worker whose chunk waits on ctx.signal alone, its work session ended, stopped by two SIGTERMs', () => {
+  /** The worker's work sessions idle in a chunk's transaction (its chunk waiting on ctx.signal). */
+  const waiting = async (w: CliProcess) =>
+    (await query<{ pid: number }>(url, `select pid from pg_stat_activity where datname = current_database() and application_name like 'idem %:' || $1 and state = 'idle in transaction'`, [String(w.pid)])).map((r) => r.pid);
+
+  it.each([
+    ['as the first SIGTERM comes', 0],
+    ['a second before the first SIGTERM (the chunk tried again, waiting again)', 1_000],
+  ])('%s: exit 143, the run interrupted (not failed), no step "(runner)"', async (_, beforeSignalMs) => {
+    // Black-box round 13 (B1-1's tail): such a worker was reported to exit 0 naming step "(runner)".
+    // What happened here: a chunk whose connection was lost as the first signal came failed the
+    // run (exit 1, "failed in step work"), where a first signal leaves it interrupted.
+    const key = `two-sigterms-${beforeSignalMs}`;
+    const w = spawnCli([...STALL_DIRS, 'run', 'stall', '--params', JSON.stringify({ chunks: 3, pauseMs: 0 }), '--key', key, '--join'], { url, env: { STALL_WAIT_SIGNAL: '1' }, timeoutMs: 60_000 });
+    const backends = await waitFor(async () => ((await waiting(w)).length > 0 ? waiting(w) : undefined), 'the chunk waiting on ctx.signal in its transaction');
+    for (const pid of backends) await query(url, 'select pg_terminate_backend($1)', [pid]);
+    await new Promise((r) => setTimeout(r, beforeSignalMs));
+    w.child.kill('SIGTERM');
+    await new Promise((r) => setTimeout(r, 300));
+    w.child.kill('SIGTERM');
+    const r = await w.done;
+    expect(r.timedOut, r.stderr).toBe(false);
+    expect(r.code, r.stderr).toBe(143);
+    expect(r.stderr).not.toContain('(runner)');
+    expect(r.stderr.trim().split('\n').at(-1)).toMatch(/^idem: .*interrupted by SIGTERM/);
+    expect(await runRow(url, 'stall', key)).toMatchObject({ status: 'interrupted', error: null });
+    expect(await workCounts(url, key)).toEqual(new Map());
+    // A rerun resumes it (without the wait on ctx.signal) and does every chunk.
+    const rerun = await runCli([...STALL_DIRS, 'run', 'stall', '--params', JSON.stringify({ chunks: 3, pauseMs: 0 }), '--key', key], { url });
+    expect(rerun.code, rerun.stderr).toBe(0);
+    expect(await workCounts(url, key)).toEqual(ones(3));
   });
 });
 
