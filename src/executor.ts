@@ -400,8 +400,18 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         const { chunk } = outcome;
         if (outcome.kind === 'failed') {
           const err = outcome.err;
-          if (err instanceof FencedError || opts.abort.aborted) {
+          if (err instanceof FencedError) {
             failure ??= err;
+            disown(chunk.seq);
+            return;
+          }
+          if (opts.abort.aborted) {
+            // The chunk ended because the run stopped at once (a second signal, the shutdown
+            // deadline, a lost lock): whatever it threw then (the job's own error, a connection
+            // the stop cut) is that stop's doing, and the run ends by the stop's reason. Until
+            // 2026-12-03 it ended by the chunk's error: a failure in step "(runner)" (exit 1), or
+            // exit 0 when the other workers had finished the run meanwhile, after a second SIGTERM.
+            failure ??= opts.abort.reason ?? err;
             disown(chunk.seq);
             return;
           }
@@ -499,7 +509,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
     } catch (err) {
       // Ends the step once the other slots have stopped (they start nothing more): not at once,
       // with their chunks still in flight while the runner records how the attempt ended.
-      if (!leavesForOthers(err)) failure ??= err;
+      if (!leavesForOthers(err)) failure ??= opts.abort.aborted ? (opts.abort.reason ?? err) : err;
     } finally {
       slotsLive--;
       // However the slot ended, no slot here waits for it any more.

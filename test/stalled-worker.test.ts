@@ -121,7 +121,7 @@ describe('a --join worker stopped (SIGSTOP) past the idle-in-transaction timeout
   const sessionsEnded = (a: CliProcess) =>
     waitFor(
       async () => {
-        const rows = await query<{ n: number }>(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and application_name like 'idem %:' || $1 and (state = 'idle in transaction' or $2 = '1')`, [String(a.pid)]);
+        const rows = await query<{ n: number }>(url, `select count(*)::int as n from pg_stat_activity where datname = current_database() and application_name like 'idem %:' || $1 and state = 'idle in transaction'`, [String(a.pid)]);
         return rows[0]!.n === 0 ? true : undefined;
       },
       "the stopped worker's chunk sessions ended by the server",
@@ -149,6 +149,36 @@ describe('a --join worker stopped (SIGSTOP) past the idle-in-transaction timeout
       const after = await runRow(url, 'stall', key);
       expect(after).toMatchObject({ status: 'succeeded', attempt: 1, error: null, summary: before.summary });
       expect(after.finished_at).toEqual(before.finished_at);
+      expect(await workCounts(url, key)).toEqual(ones(chunks));
+    } finally {
+      a.child.kill('SIGCONT');
+    }
+  });
+
+  it('continued, then two SIGTERMs at once, the run finished meanwhile by the other worker: exit 143 (interrupted), not 0', async () => {
+    // Black-box round 13 (B1-1's tail): the second signal aborted the chunk, whose own error (its
+    // connection gone) ended the run in place of the signal: exit 0, as if no signal had come.
+    const key = 'stopped-two-sigterms';
+    const chunks = 150;
+    const a = join(key, chunks, 60);
+    const b = join(key, chunks, 60);
+    try {
+      await bothWorking(key, a, b);
+      a.child.kill('SIGSTOP');
+      const rb = await b.done;
+      expect(rb.code, rb.stderr).toBe(0);
+      await sessionsEnded(a);
+      const before = await runRow(url, 'stall', key);
+      a.child.kill('SIGCONT');
+      a.child.kill('SIGTERM');
+      await new Promise((r) => setTimeout(r, 5));
+      a.child.kill('SIGTERM');
+      const ra = await a.done;
+      expect(ra.timedOut).toBe(false);
+      expect(ra.stderr).toContain('second signal; aborting in-flight chunks');
+      expect(ra.code, ra.stderr).toBe(143);
+      expect(ra.stderr.trim().split('\n').at(-1)).toMatch(/^idem: .*interrupted by SIGTERM; the run had already ended succeeded/);
+      expect(await runRow(url, 'stall', key)).toEqual(before);
       expect(await workCounts(url, key)).toEqual(ones(chunks));
     } finally {
       a.child.kill('SIGCONT');
@@ -215,6 +245,21 @@ describe('a --join worker whose chunk waits on ctx.signal alone, its work sessio
     const rerun = await runCli([...STALL_DIRS, 'run', 'stall', '--params', JSON.stringify({ chunks: 3, pauseMs: 0 }), '--key', key], { url });
     expect(rerun.code, rerun.stderr).toBe(0);
     expect(await workCounts(url, key)).toEqual(ones(3));
+  });
+
+  it('its chunk throwing an error of its own once ctx.signal aborts: the second SIGTERM interrupts the run (exit 143), not a failure in step "(runner)"', async () => {
+    const key = 'two-sigterms-own-error';
+    const w = spawnCli([...STALL_DIRS, 'run', 'stall', '--params', JSON.stringify({ chunks: 3, pauseMs: 0 }), '--key', key, '--join'], { url, env: { STALL_WAIT_SIGNAL: 'own' }, timeoutMs: 60_000 });
+    await waitFor(async () => ((await waiting(w)).length > 0 ? true : undefined), 'the chunk waiting on ctx.signal in its transaction');
+    w.child.kill('SIGTERM');
+    await new Promise((r) => setTimeout(r, 300));
+    w.child.kill('SIGTERM');
+    const r = await w.done;
+    expect(r.timedOut, r.stderr).toBe(false);
+    expect(r.code, r.stderr).toBe(143);
+    expect(r.stderr).not.toContain('(runner)');
+    expect(r.stderr.trim().split('\n').at(-1)).toMatch(/^idem: .*interrupted by SIGTERM/);
+    expect(await runRow(url, 'stall', key)).toMatchObject({ status: 'interrupted', error: null });
   });
 });
 
