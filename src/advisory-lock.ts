@@ -13,7 +13,7 @@ export interface AdvisoryLockOptions {
   readonly what: string;
   /** `false`: fail with BusyError at once. `true`: wait without bound. A number: wait that many seconds. Defaults to `false`. */
   readonly wait?: boolean | number;
-  /** Who holds the lock, shown in `application_name` as `idem-lock <holder>`. Defaults to `host:pid`. */
+  /** Who holds the lock, shown in `application_name` as `idem-lock <holder>`. Defaults to this process's (WORKER, `host:pid`). */
   readonly holder?: string;
   /** Aborting stops a wait (the caller is being interrupted). */
   readonly signal?: AbortSignal;

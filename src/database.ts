@@ -1,10 +1,11 @@
-import { homedir, hostname, userInfo } from 'node:os';
+import { homedir, userInfo } from 'node:os';
 import path from 'node:path';
 import { Kysely, PostgresDialect } from 'kysely';
 import pg from 'pg';
 import { isConnectionTrouble, isRetryable, noConnectionFree } from './retry.ts';
 import { sleep } from './sleep.ts';
 import { testHookMs } from './test-hooks.ts';
+import { WORKER } from './worker-identity.ts';
 import type { Logger } from 'pino';
 import { codeOf, DatabaseUnavailableError, errorFields, type IdemError, messageOf, UsageError } from './errors.ts';
 import { identInSql } from './table-name.ts';
@@ -428,10 +429,10 @@ const APPLICATION_NAME_BYTES = 63;
 /**
  * The application_name of one of idem's sessions: `idem host:pid` for the work pool's, `idem-lock
  * host:pid` for the lock's, so pg_stat_activity tells an operator which worker a backend belongs
- * to. Cut to what PostgreSQL keeps, at a character boundary (the server would cut a long host name
- * anyway, and could cut it inside a character).
+ * to (WORKER: worker-identity.ts, which keeps it whole). Cut to what PostgreSQL keeps, at a
+ * character boundary (the server would cut a long name anyway, and could cut it inside a character).
  */
-export function sessionName(kind: 'idem' | 'idem-lock', holder = `${hostname()}:${process.pid}`): string {
+export function sessionName(kind: 'idem' | 'idem-lock', holder = WORKER): string {
   const chars = [...`${kind} ${holder}`];
   while (Buffer.byteLength(chars.join('')) > APPLICATION_NAME_BYTES) chars.pop();
   return chars.join('');

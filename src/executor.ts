@@ -400,14 +400,24 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
         const { chunk } = outcome;
         if (outcome.kind === 'failed') {
           const err = outcome.err;
-          if (err instanceof FencedError || opts.abort.aborted) {
+          if (err instanceof FencedError) {
             failure ??= err;
+            disown(chunk.seq);
+            return;
+          }
+          if (opts.abort.aborted) {
+            // The chunk ended because the run stopped at once (a second signal, the shutdown
+            // deadline, a lost lock): whatever it threw then (the job's own error, a connection
+            // the stop cut) is that stop's doing, and the run ends by the stop's reason. Until
+            // 2026-12-03 it ended by the chunk's error: a failure in step "(runner)" (exit 1), or
+            // exit 0 when the other workers had finished the run meanwhile, after a second SIGTERM.
+            failure ??= opts.abort.reason ?? err;
             disown(chunk.seq);
             return;
           }
           let n = (tries.get(chunk.seq) ?? 0) + 1;
           let delay: number | undefined;
-          const transient = isRetryable(err) && !opts.stop.aborted;
+          const transient = isRetryable(err);
           {
             // Counted on the chunk, so the budget and the backoff are the run's, not each worker's:
             // the other workers pass the chunk by until its backoff is over (or, once it failed for
@@ -445,6 +455,15 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
             cooling.delete(chunk.seq);
             retrySeq = chunk.seq;
             continue;
+          }
+          if (isRetryable(err) && n < retry.attempts) {
+            // Stopping (a first signal) as a chunk in flight met a transient error (its connection
+            // lost): no new try starts here, and the chunk did not fail for good. The worker stops
+            // as the signal says, the run interrupted, not failed; the rerun or another worker
+            // tries the chunk again. Until 2026-12-03 such a chunk failed the run (exit 1).
+            tries.delete(chunk.seq);
+            disown(chunk.seq);
+            return;
           }
           tries.delete(chunk.seq);
           // Failed for good. The other slots here pass it by from now on, even should the hold on
@@ -490,7 +509,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
     } catch (err) {
       // Ends the step once the other slots have stopped (they start nothing more): not at once,
       // with their chunks still in flight while the runner records how the attempt ended.
-      if (!leavesForOthers(err)) failure ??= err;
+      if (!leavesForOthers(err)) failure ??= opts.abort.aborted ? (opts.abort.reason ?? err) : err;
     } finally {
       slotsLive--;
       // However the slot ended, no slot here waits for it any more.
@@ -635,7 +654,7 @@ async function tryChunk(
       // lock is let go. No other slot or worker can start a try in between, that the budget does
       // not see, or of a chunk that is being skipped or failing the run. When the transaction is
       // over already (its COMMIT failed, or answered ROLLBACK), in the same message as a ROLLBACK.
-      const final = !isRetryable(err) || opts.stop.aborted;
+      const final = !isRetryable(err);
       const count = (inClaim: boolean) => store.retrySql(run.runId, run.attempt, step.name, chunk!.seq, messageOf(err), retryDelays(), { inClaim, final });
       const counted = await (slot.open ? slot.abandonWith<RetryCount>(count(true)) : slot.rollbackWith<RetryCount>(count(false)))
         .then((rows) => rows[0] ?? null, () => undefined);

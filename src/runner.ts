@@ -1,5 +1,4 @@
 import { setMaxListeners } from 'node:events';
-import { hostname } from 'node:os';
 import { CompiledQuery, sql, type Kysely } from 'kysely';
 import type { Logger } from 'pino';
 import { acquireAdvisoryLock, lockHolders, type HeldLock } from './advisory-lock.ts';
@@ -23,6 +22,7 @@ import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
 import { checkRunKey } from './run-key.ts';
 import { unknownKeys } from './suggest.ts';
+import { WORKER } from './worker-identity.ts';
 
 /** Default size of the work pool (RunnerOptions.poolSize). */
 export const DEFAULT_POOL_SIZE = 10;
@@ -202,7 +202,7 @@ export interface RunOutcome {
 
 /** One process working a run. */
 export interface RunWorker {
-  /** `host:pid` of the process. */
+  /** The process's name, `host:pid` (worker-identity.ts). */
   readonly worker: string;
   /** Chunks it committed in the run's current attempt. */
   readonly chunks: number;
@@ -458,7 +458,7 @@ export class Runner {
         worker: {
           runName: this.runLockName(run.id),
           join: opts.join ?? false,
-          first: this.store.beginAttemptSql(run.id, `${hostname()}:${process.pid}`, lockName, lockKey(lockName), allowSucceeded),
+          first: this.store.beginAttemptSql(run.id, WORKER, lockName, lockKey(lockName), allowSucceeded),
           joiner: this.store.joinAttemptSql(run.id),
           runHeld: beingDeletedMessage(`run "${runKey}" of job "${job.name}"`),
         },
@@ -565,7 +565,7 @@ export class Runner {
           record(alreadyDone(run));
           continue;
         }
-        const begin = () => this.store.beginAttempt(run.id, `${hostname()}:${process.pid}`, lock);
+        const begin = () => this.store.beginAttempt(run.id, WORKER, lock);
         record(await this.#runLocked(m.job, run.id, {}, lock, opts, begin));
       }
     } finally {

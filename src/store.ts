@@ -1,9 +1,9 @@
 import { sql, type Kysely, type QueryResult, type RawBuilder } from 'kysely';
 import { createHash } from 'node:crypto';
-import { hostname } from 'node:os';
 import pg from 'pg';
 import { boundedMessage } from './errors.ts';
 import { retrying } from './retry.ts';
+import { WORKER } from './worker-identity.ts';
 import type { ChunkSpec, Json } from './job.ts';
 import type { CompiledSql, HeldLock } from './advisory-lock.ts';
 
@@ -71,9 +71,6 @@ export interface RetryCount {
  * worker die first, another tries the chunk once more after this, and fails it for good at once.
  */
 const EXHAUSTED_HOLD = "interval '10 seconds'";
-
-/** This process as a worker: `host:pid`, on its chunk markers and its lock session's name. */
-export const WORKER = `${hostname()}:${process.pid}`;
 
 /** Where an attempt (or a worker's share of it) starts. */
 export interface AttemptStart {

@@ -155,6 +155,36 @@ describe('a --join worker stopped (SIGSTOP) past the idle-in-transaction timeout
     }
   });
 
+  it('continued, then two SIGTERMs at once, the run finished meanwhile by the other worker: exit 143 (interrupted), not 0', async () => {
+    // Black-box round 13 (B1-1's tail): the second signal aborted the chunk, whose own error (its
+    // connection gone) ended the run in place of the signal: exit 0, as if no signal had come.
+    const key = 'stopped-two-sigterms';
+    const chunks = 150;
+    const a = join(key, chunks, 60);
+    const b = join(key, chunks, 60);
+    try {
+      await bothWorking(key, a, b);
+      a.child.kill('SIGSTOP');
+      const rb = await b.done;
+      expect(rb.code, rb.stderr).toBe(0);
+      await sessionsEnded(a);
+      const before = await runRow(url, 'stall', key);
+      a.child.kill('SIGCONT');
+      a.child.kill('SIGTERM');
+      await new Promise((r) => setTimeout(r, 5));
+      a.child.kill('SIGTERM');
+      const ra = await a.done;
+      expect(ra.timedOut).toBe(false);
+      expect(ra.stderr).toContain('second signal; aborting in-flight chunks');
+      expect(ra.code, ra.stderr).toBe(143);
+      expect(ra.stderr.trim().split('\n').at(-1)).toMatch(/^idem: .*interrupted by SIGTERM; the run had already ended succeeded/);
+      expect(await runRow(url, 'stall', key)).toEqual(before);
+      expect(await workCounts(url, key)).toEqual(ones(chunks));
+    } finally {
+      a.child.kill('SIGCONT');
+    }
+  });
+
   it('the run still going in another worker: neither fails it; the stalled worker goes on; both exit 0', async () => {
     const key = 'stopped-while-running';
     const chunks = 400;
@@ -181,6 +211,55 @@ describe('a --join worker stopped (SIGSTOP) past the idle-in-transaction timeout
     } finally {
       a.child.kill('SIGCONT');
     }
+  });
+});
+
+describe('a --join worker whose chunk waits on ctx.signal alone, its work session ended, stopped by two SIGTERMs', () => {
+  /** The worker's work sessions idle in a chunk's transaction (its chunk waiting on ctx.signal). */
+  const waiting = async (w: CliProcess) =>
+    (await query<{ pid: number }>(url, `select pid from pg_stat_activity where datname = current_database() and application_name like 'idem %:' || $1 and state = 'idle in transaction'`, [String(w.pid)])).map((r) => r.pid);
+
+  it.each([
+    ['as the first SIGTERM comes', 0],
+    ['a second before the first SIGTERM (the chunk tried again, waiting again)', 1_000],
+  ])('%s: exit 143, the run interrupted (not failed), no step "(runner)"', async (_, beforeSignalMs) => {
+    // Black-box round 13 (B1-1's tail): such a worker was reported to exit 0 naming step "(runner)".
+    // What happened here: a chunk whose connection was lost as the first signal came failed the
+    // run (exit 1, "failed in step work"), where a first signal leaves it interrupted.
+    const key = `two-sigterms-${beforeSignalMs}`;
+    const w = spawnCli([...STALL_DIRS, 'run', 'stall', '--params', JSON.stringify({ chunks: 3, pauseMs: 0 }), '--key', key, '--join'], { url, env: { STALL_WAIT_SIGNAL: '1' }, timeoutMs: 60_000 });
+    const backends = await waitFor(async () => ((await waiting(w)).length > 0 ? waiting(w) : undefined), 'the chunk waiting on ctx.signal in its transaction');
+    for (const pid of backends) await query(url, 'select pg_terminate_backend($1)', [pid]);
+    await new Promise((r) => setTimeout(r, beforeSignalMs));
+    w.child.kill('SIGTERM');
+    await new Promise((r) => setTimeout(r, 300));
+    w.child.kill('SIGTERM');
+    const r = await w.done;
+    expect(r.timedOut, r.stderr).toBe(false);
+    expect(r.code, r.stderr).toBe(143);
+    expect(r.stderr).not.toContain('(runner)');
+    expect(r.stderr.trim().split('\n').at(-1)).toMatch(/^idem: .*interrupted by SIGTERM/);
+    expect(await runRow(url, 'stall', key)).toMatchObject({ status: 'interrupted', error: null });
+    expect(await workCounts(url, key)).toEqual(new Map());
+    // A rerun resumes it (without the wait on ctx.signal) and does every chunk.
+    const rerun = await runCli([...STALL_DIRS, 'run', 'stall', '--params', JSON.stringify({ chunks: 3, pauseMs: 0 }), '--key', key], { url });
+    expect(rerun.code, rerun.stderr).toBe(0);
+    expect(await workCounts(url, key)).toEqual(ones(3));
+  });
+
+  it('its chunk throwing an error of its own once ctx.signal aborts: the second SIGTERM interrupts the run (exit 143), not a failure in step "(runner)"', async () => {
+    const key = 'two-sigterms-own-error';
+    const w = spawnCli([...STALL_DIRS, 'run', 'stall', '--params', JSON.stringify({ chunks: 3, pauseMs: 0 }), '--key', key, '--join'], { url, env: { STALL_WAIT_SIGNAL: 'own' }, timeoutMs: 60_000 });
+    await waitFor(async () => ((await waiting(w)).length > 0 ? true : undefined), 'the chunk waiting on ctx.signal in its transaction');
+    w.child.kill('SIGTERM');
+    await new Promise((r) => setTimeout(r, 300));
+    w.child.kill('SIGTERM');
+    const r = await w.done;
+    expect(r.timedOut, r.stderr).toBe(false);
+    expect(r.code, r.stderr).toBe(143);
+    expect(r.stderr).not.toContain('(runner)');
+    expect(r.stderr.trim().split('\n').at(-1)).toMatch(/^idem: .*interrupted by SIGTERM/);
+    expect(await runRow(url, 'stall', key)).toMatchObject({ status: 'interrupted', error: null });
   });
 });
 

@@ -1,8 +1,10 @@
+import { spawnSync } from 'node:child_process';
 import os from 'node:os';
 import { beforeAll, describe, expect, it } from 'vitest';
 import { busyMessage, FIXTURE_DIRS, holdGate, query, runCli, sessions, spawnCli, waitFor, type CliProcess, lockWaiters } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 import { sessionName } from '../src/database.ts';
+import { INIT_PID_NAMESPACE, WORKER, workerName } from '../src/worker-identity.ts';
 
 // Issue 9: many worker processes share one run (`idem run --join`).
 
@@ -187,6 +189,69 @@ describe('idem status of a shared run', () => {
     expect(long).toBe(`idem-lock ${'ä'.repeat(26)}`);
     expect(Buffer.byteLength(long)).toBe(62);
     expect(Buffer.byteLength(sessionName('idem', `${'h'.repeat(80)}:1`))).toBe(63);
+  });
+});
+
+// Black-box round 13: containers that share the host's name (`docker run --network host`, pods
+// with hostNetwork) are each pid 1 in their own PID namespace. Each must still be a worker of its own.
+const unshare = ['unshare', '--pid', '--fork', '--mount-proc', '--kill-child'];
+const unshareUnavailable = (() => {
+  const r = spawnSync(unshare[0]!, [...unshare.slice(1), 'true'], { encoding: 'utf8' });
+  return r.status === 0 ? null : `${unshare.join(' ')} failed (it needs root or user namespaces): ${(r.stderr || r.error?.message || '').trim()}`;
+})();
+if (unshareUnavailable) console.warn(`PID-namespace workers test skipped: ${unshareUnavailable}`);
+
+describe('a worker\'s name', () => {
+  it('is host:pid in the initial PID namespace, or where /proc cannot tell; host:pid/<random> in any other', () => {
+    expect(workerName('h', 42, INIT_PID_NAMESPACE)).toBe('h:42');
+    expect(workerName('h', 42, null)).toBe('h:42');
+    expect(workerName('h', 1, 'pid:[4026532180]', () => '0a1b2c3d')).toBe('h:1/0a1b2c3d');
+    // Random per process: a restarted container's namespace may get the same inode again.
+    const [a, b] = [workerName('h', 1, 'pid:[4026532180]'), workerName('h', 1, 'pid:[4026532180]')];
+    expect(a).toMatch(/^h:1\/[0-9a-f]{8}$/);
+    expect(b).not.toBe(a);
+    // This process (the test runner) is in the initial namespace here.
+    expect(WORKER).toBe(`${os.hostname()}:${process.pid}`);
+  });
+
+  it('keeps its pid and suffix whole in the 63 bytes of application_name: a long host name is cut instead, at a character boundary', () => {
+    const name = workerName('ä'.repeat(40), 12345, 'pid:[4026532180]', () => '0a1b2c3d');
+    expect(name).toBe(`${'ä'.repeat(19)}:12345/0a1b2c3d`);
+    // The session's name is the whole worker name: status matches it against the chunks' done_by.
+    expect(sessionName('idem-lock', name)).toBe(`idem-lock ${name}`);
+    expect(Buffer.byteLength(sessionName('idem-lock', name))).toBe(63);
+    expect(workerName('h'.repeat(80), 1, INIT_PID_NAMESPACE)).toBe(`${'h'.repeat(51)}:1`);
+    expect(sessionName('idem-lock', workerName('h'.repeat(80), 1, INIT_PID_NAMESPACE))).toHaveLength(63);
+  });
+});
+
+describe.skipIf(unshareUnavailable !== null)('workers in PID namespaces of their own', () => {
+  it('two workers, both pid 1 on the same host, are two workers in idem status, each with its own chunks and lock session', async () => {
+    const inNamespace = () =>
+      spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params(400, 30), '--key', 'pid-namespaces', '--join'], { url, timeoutMs: 120_000, prefix: unshare });
+    const workers = [inNamespace(), inNamespace()];
+    try {
+      await waitFor(async () => ((await sessions(url, 'idem-lock')) === 2 && (await doneCount('pid-namespaces')) >= 4 ? true : undefined), 'both workers under way', { timeoutMs: 60_000 });
+      // Both really are pid 1 (the fixture logs process.pid with every chunk).
+      expect(await query(url, `select distinct pid from work_log where run_key = 'pid-namespaces'`)).toEqual([{ pid: 1 }]);
+      type Status = { state: string; workers: Array<{ worker: string; chunks: number }> };
+      const run = await waitFor(async () => {
+        const r = await runCli([...FIXTURE_DIRS, 'status', 'counted', '--key', 'pid-namespaces', '--json'], { url });
+        const v = JSON.parse(r.stdout) as Status;
+        return v.state !== 'running' || (v.workers.length === 2 && v.workers.every((w) => w.chunks > 0)) ? v : undefined;
+      }, 'status to show both workers with chunks', { timeoutMs: 30_000 });
+      expect(run.state).toBe('running');
+      const names = run.workers.map((w) => w.worker);
+      expect(new Set(names).size, JSON.stringify(run)).toBe(2);
+      for (const n of names) expect(n).toMatch(new RegExp(`^${os.hostname()}:1/[0-9a-f]{8}$`));
+      const locks = await query<{ name: string }>(url, `select application_name as name from pg_stat_activity where datname = current_database() and application_name like 'idem-lock %' order by 1`);
+      expect(locks.map((l) => l.name)).toEqual(names.map((n) => `idem-lock ${n}`).sort());
+      const results = await Promise.all(workers.map((w) => w.done));
+      expect(results.map((r) => r.code)).toEqual([0, 0]);
+      await expectExactlyOnce('pid-namespaces', 400);
+    } finally {
+      for (const w of workers) w.child.kill('SIGKILL');
+    }
   });
 });
 

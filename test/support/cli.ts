@@ -47,6 +47,8 @@ export interface SpawnOptions {
   readonly cwd?: string;
   /** Killed with SIGKILL after this long. Defaults to 60 s. */
   readonly timeoutMs?: number;
+  /** A command that runs node in its turn (`unshare … --`), before `node bin/idem.js`. */
+  readonly prefix?: readonly string[];
 }
 
 /** Every child spawned by this module and not yet exited, so afterAll can kill what a failed test left. */
@@ -61,7 +63,8 @@ export function spawnCli(args: readonly string[], opts: SpawnOptions = {}): CliP
   if (opts.url !== undefined) env.DATABASE_URL = opts.url;
   for (const [k, v] of Object.entries(env)) if (v === undefined) delete env[k];
   const started = performance.now();
-  const child = spawn(process.execPath, [BIN, ...args], { cwd: opts.cwd ?? REPO, env, stdio: ['ignore', 'pipe', 'pipe'] });
+  const [command, ...rest] = [...(opts.prefix ?? []), process.execPath, BIN, ...args];
+  const child = spawn(command!, rest, { cwd: opts.cwd ?? REPO, env, stdio: ['ignore', 'pipe', 'pipe'] });
   live.add(child);
   let out = '';
   let err = '';
