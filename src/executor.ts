@@ -75,6 +75,11 @@ export interface Progress {
   readonly since: number;
   /** `done` when this invocation started the step: the step's rate is (done - doneBefore) / time, every worker's chunks counted. */
   readonly doneBefore?: number;
+  /**
+   * Every slot of this process waits for a chunk another transaction holds (another worker's, or
+   * a cut-off one's until the server ends its session): the rate says nothing about when that ends.
+   */
+  readonly waitingOnOthers?: boolean;
 }
 
 /** How often (at most) a step's progress is read back from the database, for the other workers' chunks. */
@@ -157,6 +162,10 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
       .catch(() => {})
       .finally(() => (refreshing = undefined));
   };
+  /** Slots of this step still going (see leavesForOthers). */
+  let slotsLive = 0;
+  /** Slots whose last-pass claim is waiting for a chunk another transaction holds (see Progress.waitingOnOthers). */
+  let slotsWaiting = 0;
   const progress = () => {
     if (!opts.onProgress) return;
     refresh();
@@ -173,6 +182,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
       executedNow: executed,
       since,
       doneBefore,
+      waitingOnOthers: slotsWaiting > 0 && slotsWaiting === slotsLive,
     });
   };
 
@@ -277,8 +287,6 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
     pipelined && failure === undefined && !opts.stop.aborted && !opts.abort.aborted && cooling.size === 0 && (health?.ready() ?? true)
       ? { claim: nextClaim, plannedBefore: plannedAll }
       : undefined;
-  /** Slots of this step still going (see leavesForOthers). */
-  let slotsLive = 0;
   /**
    * A slot that the database refuses a connection (for itself or for its bookkeeping), past the
    * retries, because it has none free (max_connections or the role's CONNECTION LIMIT reached:
@@ -313,7 +321,17 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
       /** Whether the health gate and the throttle came before this iteration's claim. */
       let gated = false;
       // Made once per slot, not per chunk: tryChunk asks them about the chunk it claimed.
+      /** This slot's wait claim is counted in slotsWaiting. */
+      let waiting = false;
+      const setWaiting = (now: boolean) => {
+        if (now === waiting) return;
+        waiting = now;
+        slotsWaiting += now ? 1 : -1;
+        progress();
+      };
       const mayStart = (chunk: PendingChunk): boolean | 'later' | 'busy' => {
+        // The wait is over: this slot has a chunk.
+        setWaiting(false);
         if (owned.has(chunk.seq)) return 'busy';
         const may = !gated && throttle.options.maxRate ? 'later' : onClaimed(chunk);
         if (may === true) mine = { seq: chunk.seq, entry: own(chunk.seq) };
@@ -349,9 +367,12 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
           // claim sent with a COMMIT passes them by, and finding none there would end the slot.
           // Under --max-rate every start has its reservation: a claim made without one (it was
           // expected to find nothing) lets its chunk go, and the slot claims again after reserving.
+          setWaiting(mode === 'wait');
           outcome = await tryChunk(opts, step, slot, claim, log, mayStart, nextWithCommit, retryDelays);
+          setWaiting(false);
           claimErrors = 0;
         } catch (err) {
+          setWaiting(false);
           // The claim itself failed (before any work): a dropped connection is tried again.
           if (isRetryable(err) && ++claimErrors < retry.attempts && !opts.abort.aborted) {
             await sleep(backoffDelay(claimErrors, retry), opts.stop);

@@ -190,6 +190,12 @@ const NEED_READ_ALL_STATS = ['replicationLagSeconds', 'autovacuum', 'transaction
 const warnedBlind = new WeakMap<RunIdentity, Set<string>>();
 
 /**
+ * Runs whose probe is failing and was said so: the warning is once per run (its steps' gates share
+ * this), not once per step, until a probe succeeds again.
+ */
+const probeFailing = new WeakSet<RunIdentity>();
+
+/**
  * Logs once per run which of the step's indicators this role cannot see, and the grant that fixes
  * it. A check that fails says nothing: the probe's own failure is logged when it happens.
  */
@@ -344,7 +350,6 @@ export async function createHealthGate(opts: HealthGateOptions): Promise<HealthG
   }
   const runs = sql.id(opts.schema, 'runs');
   let paused: string | null = null;
-  let failing = false;
   const record = (pause: { reason: string; since: string } | null) =>
     sql`update ${runs} set health_pause = ${pause === null ? null : JSON.stringify(pause)}::jsonb where id = ${opts.run.runId} and attempt = ${opts.run.attempt}`
       .execute(opts.db)
@@ -361,11 +366,11 @@ export async function createHealthGate(opts: HealthGateOptions): Promise<HealthG
           let m: Measurement;
           try {
             m = await p.measure(o.probeIntervalMs);
-            failing = false;
+            probeFailing.delete(opts.run);
           } catch (err) {
-            // Monitoring that fails must not stop the work: log once, carry on as healthy.
-            if (!failing) opts.log.warn({ err: errorFields(err) }, 'health probe failed; continuing without it');
-            failing = true;
+            // Monitoring that fails must not stop the work: log once for the run, carry on as healthy.
+            if (!probeFailing.has(opts.run)) opts.log.warn({ err: errorFields(err) }, 'health probe failed; continuing without it');
+            probeFailing.add(opts.run);
             clearUntil = p.freshUntil(o.probeIntervalMs);
             // Chunks run again: the run is no longer paused for health, whatever the last probe said.
             if (paused !== null) {

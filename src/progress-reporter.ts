@@ -8,12 +8,19 @@ export interface ProgressReporter {
   stop(): void;
 }
 
+/**
+ * What stands in for the ETA while the chunks left are held by another worker: a rate-based ETA
+ * would count down to 0 and stay there while the workers wait out, say, a cut-off worker's chunk
+ * (its row lock lasts until the server ends that session, up to ~60 s).
+ */
+const WAITING_ON_OTHERS = 'waiting on a chunk held by another worker';
+
 /** done/total, rate and ETA as one short line. Pure; exported for tests. */
 export function formatProgress(job: string, p: Progress, now = performance.now()): string {
   const total = p.fullyPlanned ? p.planned : Math.max(p.planned, p.estimated ?? 0);
   const rate = stepRate(p, now);
   const left = total - p.done;
-  const eta = rate > 0 && total > 0 ? `ETA ${formatSeconds(left / rate)}` : 'ETA ?';
+  const eta = p.waitingOnOthers ? WAITING_ON_OTHERS : rate > 0 && total > 0 ? `ETA ${formatSeconds(left / rate)}` : 'ETA ?';
   const of = total > 0 ? `${p.done}/${total}${p.fullyPlanned ? '' : '~'}` : `${p.done}`;
   return `${job} step ${p.stepIndex + 1}/${p.steps} ${p.step}: ${of} chunks, ${rate.toFixed(1)}/s, ${eta}`;
 }
@@ -25,11 +32,11 @@ export function formatProgress(job: string, p: Progress, now = performance.now()
 export function formatProgressBar(p: Progress, now = performance.now(), width = 24, c: Colours = colours(false)): string {
   const total = p.fullyPlanned ? p.planned : Math.max(p.planned, p.estimated ?? 0);
   const rate = stepRate(p, now);
-  const eta = rate > 0 && total > 0 ? formatSeconds((total - p.done) / rate) : '?';
+  const eta = p.waitingOnOthers ? WAITING_ON_OTHERS : `ETA ${rate > 0 && total > 0 ? formatSeconds((total - p.done) / rate) : '?'}`;
   const filled = total > 0 ? Math.min(width, Math.round((p.done / total) * width)) : 0;
   const bar = c.green('█'.repeat(filled)) + c.gray('░'.repeat(width - filled));
   const of = total > 0 ? `${p.done}/${total}${p.fullyPlanned ? '' : '~'}` : `${p.done}`;
-  return `${c.dim(`step ${p.stepIndex + 1}/${p.steps}`)} ${p.step} ${bar} ${of} chunks · ${rate.toFixed(1)}/s · ETA ${eta}`;
+  return `${c.dim(`step ${p.stepIndex + 1}/${p.steps}`)} ${p.step} ${bar} ${of} chunks · ${rate.toFixed(1)}/s · ${eta}`;
 }
 
 /** Chunks a second since this invocation started the step: every worker's (the step's done since then), at least its own. */
@@ -64,7 +71,7 @@ export function createProgressReporter(opts: { readonly job: string; readonly tt
       drawn = true;
     } else {
       // The fields every other line of the run carries (the run's child logger binds them).
-      opts.log.info({ job: opts.job, runKey: last.runKey, attempt: last.attempt, step: last.step, done: last.done, planned: last.planned, estimated: last.estimated, executedNow: last.executedNow }, formatProgress(opts.job, last));
+      opts.log.info({ job: opts.job, runKey: last.runKey, attempt: last.attempt, step: last.step, done: last.done, planned: last.planned, estimated: last.estimated, executedNow: last.executedNow, ...(last.waitingOnOthers ? { waitingOnOthers: true } : {}) }, formatProgress(opts.job, last));
     }
   };
   const intervalMs = opts.tty ? 250 : (opts.intervalMs ?? 10_000);

@@ -814,6 +814,12 @@ export class Runner {
       // flight: failed in another worker sharing it, which is how this worker ends too.
       const now = await this.#runAsItEnded(runId);
       if (now?.attempt === attempt && now.status === 'failed') return this.#recordEnd(runId, attempt, job, runKey, new FailedElsewhere(now.error?.message ?? 'unknown error'), log, lock);
+      // Succeeded in another worker: the run is done, and the chunk refused was work it no longer
+      // has (a step a worker under the run's newer code dropped). Nothing to rerun: not 69.
+      if (now?.attempt === attempt && now.status === 'succeeded') {
+        log.info({ err: errorFields(err) }, "this worker's in-flight chunk was not committed: the run had ended succeeded meanwhile in another worker sharing it, so the run is done and that chunk's work is no longer the run's");
+        return new SucceededElsewhere(now);
+      }
     }
     if (err instanceof FencedError || err instanceof LockLostError) {
       // A fenced commit proves a newer attempt took over; a lost lock only that its session ended

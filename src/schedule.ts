@@ -407,7 +407,8 @@ export interface CronLoopOptions {
    * Whether a slot's run could not start because the database could not be reached: it is tried
    * again after a short backoff (`CRON_UNREACHABLE_RETRY_MS`, doubling up to
    * `CRON_UNREACHABLE_RETRY_MAX_MS`, never past the job's next tick) and at every tick, until it
-   * starts or is no longer among the `MAX_RETRY_SLOTS` kept. Defaults to `couldNotReachDatabase`.
+   * starts or is no longer among the `MAX_RETRY_SLOTS` kept. Defaults to `couldNotStartYet`: also a
+   * database that answers as a standby, during a failover.
    */
   readonly waitsForDatabase?: (err: unknown) => boolean;
 }
@@ -435,6 +436,17 @@ export function couldNotReachDatabase(err: unknown): boolean {
   // PgBouncer says "no such database", and on older versions refuses credentials, as 08P01, which
   // is connection trouble by its class: configuration, not an outage, and never tried again.
   return exitCodeOf(err) === ExitCode.Usage && isConnectionTrouble(err) && !/no such database|no such user|password authentication failed|SASL authentication failed|auth failed/i.test(messageOf(err));
+}
+
+/**
+ * The run could not start for now: the database could not be reached (`couldNotReachDatabase`), or
+ * it answered as a standby in recovery (`StandbyError`): during a failover DATABASE_URL can point
+ * at the old primary being demoted, or at the new one still being promoted, and the slot's run can
+ * start once the server is a primary again. `idem cron` tries such a slot again until it starts.
+ */
+export function couldNotStartYet(err: unknown): boolean {
+  // By its code: health-check.ts (StandbyError's module) would bring kysely into every job file's load.
+  return couldNotReachDatabase(err) || (err instanceof UsageError && err.code === 'idem.standby');
 }
 
 /**
@@ -475,7 +487,7 @@ export async function runCronLoop(opts: CronLoopOptions): Promise<void> {
     throw new UsageError('noScheduledJobs', 'no job declares a schedule; add one to a job definition, e.g. schedule: "0 3 * * *"');
   }
   const retryFailed = opts.retryFailed ?? retryByDefault;
-  const waitsForDatabase = opts.waitsForDatabase ?? couldNotReachDatabase;
+  const waitsForDatabase = opts.waitsForDatabase ?? couldNotStartYet;
   if (signal.aborted) return;
   // Every job's loop sleeps on the signal at once: not a listener leak past Node's default of 10.
   setMaxListeners(Math.max(getMaxListeners(signal), entries.length + 10), signal);

@@ -243,6 +243,24 @@ describe('health checks under the least-privilege role the README documents', ()
     await query(inject('adminUrl'), `drop role if exists ${role}`);
   });
 
+  it('a probe that fails for want of pg_stat_activity is said once for the run, not once per step', async () => {
+    // Black-box round 13 (B3-9 rest): with SELECT on pg_stat_activity taken from the role, the probe
+    // failed at every step, and "health probe failed; continuing without it" was logged per step.
+    await query(url, `revoke select on pg_catalog.pg_stat_activity from public`);
+    try {
+      roleLogs.length = 0;
+      const out = await roleRunner!.run(counted, { params: { chunks: 2 }, key: 'no-activity', health: FAST });
+      expect(out).toMatchObject({ status: 'succeeded' });
+      const failures = roleLogs.filter((l) => l.msg === 'health probe failed; continuing without it');
+      expect(failures, JSON.stringify(roleLogs.map((l) => l.msg))).toHaveLength(1);
+      expect(failures[0]).toMatchObject({ level: 40, job: 'counted', runKey: 'no-activity', err: { message: expect.stringMatching(/permission denied for view pg_stat_activity/) } });
+    } finally {
+      await query(url, `grant select on pg_catalog.pg_stat_activity to public`);
+      // The next test counts the warnings of its own run.
+      roleLogs.length = 0;
+    }
+  });
+
   it('without pg_read_all_stats warns once naming the blind indicators and the grant; with it, the same transaction pauses the run', async () => {
     const tx = await openTransaction();
     try {

@@ -981,6 +981,49 @@ describe('formatProgress', () => {
     expect(logged[0]).toMatchObject({ job: 'counted', runKey: 'progress-fields', attempt: 1, step: expect.any(String), msg: expect.stringMatching(/^counted step /) });
   });
 
+  it('while the chunks left are held by another worker (one cut off: its lock lasts until the server ends it), says so instead of an ETA', () => {
+    // Black-box round 13 (B1-5): the ETA, computed from the rate, counted down to 0 and stayed
+    // there (or went odd) while the workers waited up to ~60 s for a cut-off worker's chunk.
+    expect(formatProgress('counted', p({ done: 99, waitingOnOthers: true }), 10_000)).toBe('counted step 2/3 work: 99/100 chunks, 2.0/s, waiting on a chunk held by another worker');
+    expect(formatProgress('counted', p({ done: 99, waitingOnOthers: false }), 10_000)).toBe('counted step 2/3 work: 99/100 chunks, 2.0/s, ETA 1s');
+  });
+
+  it('a worker whose slots all wait for a chunk another worker holds reports so, not an ETA, until the wait ends', async () => {
+    const job = defineJob({
+      name: 'held-eta',
+      steps: [
+        {
+          name: 'work',
+          chunks: () => ({ chunks: [{ key: 'x' }, { key: 'y' }, { key: 'z' }], next: null }),
+          async run({ db }: StepContext, { key }: { key: string }) {
+            if (key === 'x') await sql`select 1 from gates where name = 'held-eta' for share`.execute(db);
+          },
+        },
+      ],
+    });
+    const other = await Runner.connect({ connectionString: url });
+    const gate = await holdGate(url, 'held-eta');
+    const seen: Progress[] = [];
+    let first: Promise<unknown> | undefined;
+    let second: Promise<unknown> | undefined;
+    try {
+      first = runner.run(job, { key: 'k', join: true });
+      await waitFor(async () => (await lockWaiters(url)) > 0, 'chunk x to wait at the gate');
+      second = other.run(job, { key: 'k', join: true, onProgress: (p) => void seen.push(p) });
+      const waiting = await waitFor(async () => seen.find((p) => p.waitingOnOthers), 'the joiner to wait on chunk x');
+      expect(formatProgress('held-eta', waiting, waiting.since + 10_000)).toMatch(/, waiting on a chunk held by another worker$/);
+      await gate.release();
+      expect(await second).toMatchObject({ status: 'succeeded' });
+      expect(await first).toMatchObject({ status: 'succeeded' });
+      // The wait over, it is said no more.
+      expect(seen.at(-1)?.waitingOnOthers).toBe(false);
+    } finally {
+      await gate.release();
+      await Promise.allSettled([first, second]);
+      await other.close();
+    }
+  });
+
   it('never shows 60 seconds in a minute', () => {
     // 239 left at 2/s: 119.5 s, which rounds up to 2m00s.
     expect(formatProgress('counted', p({ done: 0, planned: 239, executedNow: 2 }), 1_000)).toBe('counted step 2/3 work: 0/239 chunks, 2.0/s, ETA 2m00s');

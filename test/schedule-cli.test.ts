@@ -8,7 +8,7 @@ import { latestSlot, parseSchedule, slotKey, slotsSince } from '../src/schedule.
 import { TICK_SCHEDULE } from './fixtures/scheduled-jobs/hourly-tick.ts';
 import { busyMessage, FIXTURE_JOBS, killLeftovers, lines, query, REPO, runCli, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
-import { clusterDir, removeDir, startPrimary, systemPgBin, type Cluster } from './support/pg-cluster.ts';
+import { clusterDir, removeDir, startPrimary, startStandby, systemPgBin, type Cluster } from './support/pg-cluster.ts';
 import { api, startServe } from './support/server.ts';
 
 const SCHEDULED_JOBS = fileURLToPath(new URL('./fixtures/scheduled-jobs', import.meta.url));
@@ -428,6 +428,60 @@ describe.skipIf(!systemPgBin())('idem cron while the database restarts over a sl
       }
       await waitFor(async () => (await statusOf(slot)) === 'succeeded', 'the slot to run once the database is back', { timeoutMs: 45_000, intervalMs: 250 });
       expect(await query(primary.url, `select attempt from idem.runs where job = 'minute-tick' and run_key = $1`, [slot])).toEqual([{ attempt: 1 }]);
+    } finally {
+      cron.child.kill('SIGTERM');
+      await cron.done;
+    }
+  }, 180_000);
+});
+
+describe.skipIf(!systemPgBin())('idem cron during a failover: DATABASE_URL answers as a standby, then is promoted (clusters of the test\'s own)', () => {
+  let dir: string;
+  let primary: Cluster;
+  let standby: Cluster;
+  const asPostgres = () => (process.getuid?.() === 0 ? { uid: Number(execFileSync('id', ['-u', 'postgres'], { encoding: 'utf8' })), gid: Number(execFileSync('id', ['-g', 'postgres'], { encoding: 'utf8' })) } : {});
+  const pgCtl = (dataDir: string, args: string[]) => execFileSync(path.join(systemPgBin()!, 'pg_ctl'), ['-D', dataDir, ...args], { ...asPostgres(), cwd: dir, stdio: 'ignore' });
+
+  beforeAll(async () => {
+    dir = await clusterDir('idem-cron-failover-');
+    primary = await startPrimary(systemPgBin()!, dir);
+    standby = await startStandby(systemPgBin()!, dir, primary);
+  }, 120_000);
+  afterAll(async () => {
+    await killLeftovers();
+    await primary?.stop();
+    await standby?.stop();
+    if (dir) await removeDir(dir);
+  });
+
+  it('a slot whose run met a standby is tried again, said once, and runs once the standby is promoted', async () => {
+    // Black-box round 13 (B3): during a failover the server answered as a standby in recovery; the
+    // slot's run was refused (exit 2, idem.standby) and the slot was dropped for good.
+    const minutely = parseSchedule('* * * * *');
+    const statusOf = async (key: string) => (await query(primary.url, `select status from idem.runs where job = 'minute-tick' and run_key = $1`, [key]).catch(() => []))[0]?.status;
+    const cron = spawnCli(['--jobs-dir', SCHEDULED_MINUTELY, 'cron'], { url: primary.url, timeoutMs: 180_000 });
+    try {
+      await waitFor(async () => cron.stderr().includes('"status":"succeeded"'), 'the first slot to run');
+      // The switch to the standby must be done before the next slot.
+      if (minutely.next(new Date()).getTime() - Date.now() < 15_000) await new Promise((r) => setTimeout(r, minutely.next(new Date()).getTime() - Date.now() + 2_000));
+      const slot = slotKey(minutely.next(new Date()));
+      // The failover: the primary goes, and its address answers as a standby (no upstream, still in recovery).
+      pgCtl(primary.dataDir, ['-m', 'fast', '-w', 'stop']);
+      pgCtl(standby.dataDir, ['-m', 'fast', '-w', 'stop']);
+      // pg_basebackup copied the primary's socket lock file, of the port the standby now takes.
+      await fs.rm(path.join(standby.dataDir, `.s.PGSQL.${primary.port}.lock`), { force: true });
+      await fs.appendFile(path.join(standby.dataDir, 'postgresql.conf'), `\nport = ${primary.port}\nprimary_conninfo = ''\n`);
+      pgCtl(standby.dataDir, ['-l', path.join(standby.dataDir, 'server.log'), '-w', 'start']);
+      const refusal = await waitFor(async () => lines(cron.stderr()).find((l) => l.includes(`"slot":"${slot}"`)), 'the slot to meet the standby', { timeoutMs: 70_000, intervalMs: 200 });
+      expect(JSON.parse(refusal)).toMatchObject({ level: 40, err: { code: 'idem.standby' } });
+      expect(JSON.parse(refusal).msg).toMatch(/^scheduled run could not start: the database is a standby \(in recovery\), as during a failover; it is tried again in 1 s, then until it is a primary again$/);
+      // Several tries (1 s, 2 s, 4 s), then the promotion.
+      await new Promise((r) => setTimeout(r, 8_000));
+      pgCtl(standby.dataDir, ['-w', 'promote']);
+      await waitFor(async () => (await statusOf(slot)) === 'succeeded', 'the slot to run once the standby is promoted', { timeoutMs: 45_000, intervalMs: 250 });
+      expect(await query(primary.url, `select attempt from idem.runs where job = 'minute-tick' and run_key = $1`, [slot])).toEqual([{ attempt: 1 }]);
+      // Said once, not at every try.
+      expect(lines(cron.stderr()).filter((l) => l.includes(`"slot":"${slot}"`) && l.includes('standby'))).toHaveLength(1);
     } finally {
       cron.child.kill('SIGTERM');
       await cron.done;

@@ -2,8 +2,10 @@ import { existsSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
 import { BusyError, DatabaseUnavailableError, RunFailedError, UsageError } from '../src/errors.ts';
 import { describeConnectError } from '../src/database.ts';
+import { StandbyError } from '../src/health-check.ts';
 import {
   couldNotReachDatabase,
+  couldNotStartYet,
   latestSlot,
   parseCatchUp,
   parseSchedule,
@@ -415,6 +417,31 @@ describe('runCronLoop', () => {
     });
     expect(h2.calls).toEqual(['hourly@2026-11-30T10:00:00Z', 'hourly@2026-11-30T11:00:00Z', 'hourly@2026-11-30T12:00:00Z']);
     expect(refusals).toEqual(['2026-11-30T10:00:00Z again=false retryInMs=undefined']);
+  });
+
+  it('a slot whose run met a standby (a failover under way) is tried again with the same backoff until the server is primary again', async () => {
+    // Black-box round 13 (B3): during a failover DATABASE_URL answered, but as a standby in
+    // recovery (the old primary being demoted, the new one still being promoted); the slot's run was
+    // refused (exit 2, idem.standby), never tried again, and the slot was lost.
+    const standby = () => new StandbyError('the database is a standby (in recovery) and cannot take writes; point DATABASE_URL at the primary');
+    const h = harness('2026-11-30T10:59:50Z', '2026-11-30T11:30:00Z');
+    const errors: string[] = [];
+    await runCronLoop({
+      entries: [{ job: 'hourly', schedule: hourly }],
+      runSlot: async (job, slot) => {
+        if (h.now() >= at('2026-11-30T11:00:00Z') && h.now() < at('2026-11-30T11:00:20Z')) throw standby();
+        h.record(`${job}@${slotKey(slot)} at ${h.now().toISOString().slice(11, 19)}`);
+      },
+      onError: (_job, slot, _err, again, retryInMs) => void errors.push(`${slotKey(slot)} at ${h.now().toISOString().slice(11, 19)} again=${again} retryInMs=${retryInMs}`),
+      signal: h.controller.signal,
+      now: h.now,
+      sleep: h.sleep,
+    });
+    expect(errors.map((e) => e.slice(21))).toEqual(['at 11:00:00 again=true retryInMs=1000', 'at 11:00:01 again=true retryInMs=2000', 'at 11:00:03 again=true retryInMs=4000', 'at 11:00:07 again=true retryInMs=8000', 'at 11:00:15 again=true retryInMs=16000']);
+    expect(h.calls).toEqual(['hourly@2026-11-30T10:00:00Z at 10:59:50', 'hourly@2026-11-30T11:00:00Z at 11:00:31']);
+    expect(couldNotStartYet(standby())).toBe(true);
+    // A database that sets default_transaction_read_only is configuration, not a failover.
+    expect(couldNotStartYet(new UsageError('readOnlyDefault', 'the role or database sets default_transaction_read_only = on, …'))).toBe(false);
   });
 
   it('an hourly slot that could not reach the database runs once the database is back, minutes later, not at the next tick', async () => {

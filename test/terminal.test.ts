@@ -38,6 +38,9 @@ describe('the progress bar', () => {
   it('marks an estimate with ~ and an unknown ETA with ?', () => {
     expect(formatProgressBar({ ...p, fullyPlanned: false, estimated: 400, executedNow: 0 }, 10_000, 8)).toBe('step 2/3 work █░░░░░░░ 25/400~ chunks · 0.0/s · ETA ?');
   });
+  it('says it waits on a chunk held by another worker instead of an ETA counting down to 0', () => {
+    expect(formatProgressBar({ ...p, done: 99, waitingOnOthers: true }, 10_000, 10)).toBe('step 2/3 work ██████████ 99/100 chunks · 2.0/s · waiting on a chunk held by another worker');
+  });
   it('is cut to the terminal width without counting colour codes', () => {
     expect(truncate('\x1b[32mabcdef\x1b[39m', 3)).toBe('\x1b[32mabc\x1b[39m');
   });

@@ -28,6 +28,8 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
         await assertNotStandby(runner.db);
         const signals = installSignals(log, g.shutdownTimeout, force);
         log.info({ jobs: entries.map((e) => `${e.job} (${e.schedule.expression})`) }, 'idem cron started');
+        // Slots (job@key) whose run met a standby, said once: a failover can take minutes of tries.
+        const onStandby = new Set<string>();
         await runCronLoop({
           entries,
           signal: signals.stop,
@@ -42,12 +44,23 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
               const other = runs.find((r) => r.runKey !== key && r.state === 'running');
               throw new SlotBehindError(err, other ? `run key ${other.runKey}` : 'another process');
             });
+            onStandby.delete(`${name}@${key}`);
             log.info({ job: name, slot: key, status: out.status, executed: out.executed }, describeOutcome(out));
           }),
           onError: (name, slot, err, again, retryInMs) => {
             if (signals.stop.aborted) return;
             // The database could not be reached (down, restarting, failing over, full): the run did
             // not start, and the slot is tried again until it does.
+            const standby = `${name}@${slotKey(slot)}`;
+            if (retryInMs !== undefined && err instanceof IdemError && err.code === 'idem.standby') {
+              // The server answers, but as a standby (a failover under way): tried again like an
+              // unreachable database, said once for the slot.
+              if (onStandby.has(standby)) return;
+              onStandby.add(standby);
+              log.warn({ job: name, slot: slotKey(slot), err: errorFields(err) }, `scheduled run could not start: the database is a standby (in recovery), as during a failover; it is tried again in ${Math.max(1, Math.round(retryInMs / 1000))} s, then until it is a primary again`);
+              return;
+            }
+            onStandby.delete(standby);
             if (retryInMs !== undefined) {
               log.warn({ job: name, slot: slotKey(slot), err: errorFields(err) }, `scheduled run could not start: the database could not be reached; it is tried again in ${Math.max(1, Math.round(retryInMs / 1000))} s, then until it starts`);
               return;
