@@ -517,6 +517,37 @@ describe('idem help, status and list', () => {
     expect(detail.stdout).toContain('copy-from:***');
   });
 
+  it("a run key holding DATABASE_URL's password is printed masked everywhere, as log lines mask it", async () => {
+    // Black-box round 13 (B2-12): log lines masked such a key, while the run summary, status,
+    // --json and the error lines printed it whole.
+    const password = decodeURIComponent(new URL(url).password);
+    expect(password.length).toBeGreaterThan(3);
+    const key = `${password}-x`;
+    const made = await idem(['run', 'counted', '--params', '{"chunks":1}', '--key', key]);
+    expect(made.code, made.stderr).toBe(0);
+    expect(made.stdout).toContain('(run key ***-x, attempt 1)');
+    const outputs = [made];
+    for (const args of [
+      ['run', 'counted', '--params', '{"chunks":1}', '--key', key, '--json'],
+      ['status'],
+      ['status', '--json'],
+      ['status', 'counted', '--key', key],
+      ['status', 'counted', '--key', key, '--json'],
+      ['status', 'counted', '--key', `${password}-nope`],
+      ['status', 'counted', '--key', `${password}-nope`, '--json'],
+      ['pause', 'counted', '--key', key],
+      ['pause', 'counted', '--key', key, '--json'],
+      ['resume', 'counted', '--key', key, '--json'],
+      ['reset', 'counted', '--key', key],
+    ]) {
+      const r = await idem(args);
+      expect(r.code, `${args.join(' ')}: ${r.stderr}`).not.toBe(null);
+      outputs.push(r);
+    }
+    expect(JSON.parse(outputs[1]!.stdout)).toMatchObject({ status: 'already-succeeded', runKey: '***-x' });
+    for (const r of outputs) expect(r.stdout + r.stderr).not.toContain(password);
+  });
+
   it('status <job> --key K shows one run in detail: state, chunks, steps; an unknown key is a usage error', async () => {
     // The run it shows.
     const made = await idem(['run', 'counted', '--params', '{"chunks":3}', '--key', 'cli-detail']);
