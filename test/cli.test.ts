@@ -728,6 +728,25 @@ describe('run keys: what --key may contain, and what text output shows of stored
     });
   });
 
+  it('keys that differ by an invisible character (zero-width, soft hyphen, no-break space) are told apart: run, status and errors show it as \\uHHHH', async () => {
+    // Black-box round 13 (B2-11): "inv-a\u200bb" printed as "inv-ab", and "inv-a\u00a0b" as "inv-a b".
+    const key = 'inv-a\u200bb';
+    const run = await idem(['run', 'counted', '--params', '{"chunks":1}', '--key', key]);
+    expect(run.code, run.stderr).toBe(0);
+    expect(run.stdout).toContain('(run key inv-a\\u200bb, attempt 1)');
+    const table = await idem(['status', 'counted']);
+    expect(table.stdout).toContain('inv-a\\u200bb');
+    // What status shows works as --key, as for a bidi control.
+    const detail = await idem(['status', 'counted', '--key', 'inv-a\\u200bb']);
+    expect(detail.code, detail.stderr).toBe(0);
+    expect(lines(detail.stdout)[1]).toBe('run key   inv-a\\u200bb');
+    const unknown = await idem(['status', 'counted', '--key', 'inv-a\u00a0b']);
+    expectOneLineError(unknown, 2, 'job "counted" has no run with key "inv-a\\u00a0b"');
+    // Text output and error lines; stderr's JSON log lines keep the value exact, as --json does.
+    for (const r of [run, table, detail]) expect(r.stdout).not.toMatch(/[\u200b\u00a0]/);
+    expect(unknown.stderr).not.toMatch(/[\u200b\u00a0]/);
+  });
+
   it('status shows control characters of a stored key (an older idem, SQL) escaped, never raw, in the table and the detail view', async () => {
     // Neither the CLI nor the library stores such a key any more; an older idem's library did. Here
     // the row is made as it left it: a run, its key rewritten in SQL.
