@@ -75,6 +75,11 @@ export interface Progress {
   readonly since: number;
   /** `done` when this invocation started the step: the step's rate is (done - doneBefore) / time, every worker's chunks counted. */
   readonly doneBefore?: number;
+  /**
+   * True on the step's last report, once its chunks are all done, just before its `step done` log
+   * line: a progress bar is taken down then, not drawn again below that line.
+   */
+  readonly stepDone?: boolean;
 }
 
 /** How often (at most) a step's progress is read back from the database, for the other workers' chunks. */
@@ -157,9 +162,9 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
       .catch(() => {})
       .finally(() => (refreshing = undefined));
   };
-  const progress = () => {
+  const progress = (stepDone = false) => {
     if (!opts.onProgress) return;
-    refresh();
+    if (!stepDone) refresh();
     opts.onProgress({
       runKey: run.runKey,
       attempt: run.attempt,
@@ -173,6 +178,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
       executedNow: executed,
       since,
       doneBefore,
+      ...(stepDone ? { stepDone } : {}),
     });
   };
 
@@ -508,6 +514,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   await refreshing;
   if (failure !== undefined) throw failure;
   throwIfStopped(opts.stop);
+  progress(true);
   return executed;
 }
 
