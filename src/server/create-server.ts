@@ -102,7 +102,8 @@ const DEFAULT_LOG_WINDOW_MS = 10_000;
 /** How long /readyz waits for PostgreSQL's answer before it says not ready. */
 const READY_TIMEOUT_MS = 2_000;
 
-const PUBLIC_PATHS = new Set(['/healthz', '/readyz', '/assets/dashboard.css', '/assets/dashboard.js', '/favicon.svg']);
+const STATIC_PATHS = new Set(['/assets/dashboard.css', '/assets/dashboard.js', '/favicon.svg']);
+const PUBLIC_PATHS = new Set(['/healthz', '/readyz', ...STATIC_PATHS]);
 
 /** Paths answered whatever the Host: probes send the pod's address or name, and learn nothing there. */
 const PROBE_PATHS = new Set(['/healthz', '/readyz']);
@@ -259,7 +260,9 @@ export function createServer(opts: ServerOptions): IdemServer {
 
   // Every answer a route or refusal sends (JSON, HTML, metrics) without the secrets; the event
   // streams mask their own frames. Before the length is set, which Fastify does after this hook.
-  app.addHook('onSend', async (_request, _reply, payload) => (typeof payload === 'string' ? mask(payload) : payload));
+  // Not the dashboard's static files: idem's own code, which a password that is also a word
+  // (`postgres`) would break.
+  app.addHook('onSend', async (request, _reply, payload) => (typeof payload === 'string' && !STATIC_PATHS.has(request.url.split('?')[0]!) ? mask(payload) : payload));
 
   app.addHook('onResponse', async (request, reply) => {
     // The route pattern, never the URL: a key or id in a label would grow the series without bound.
