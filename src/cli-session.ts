@@ -112,9 +112,11 @@ export function createCliContext(program: Command, state: { exitCode: number }):
     // command run here needs pg (job files import idem, which brings the runner): loaded first,
     // before the runtime's modules, whose evaluation would load it without preloadPg's care.
     await import('./preload-pg.ts').then((m) => m.preloadPg());
-    const { createLogger, secretForms, redactSecrets } = await import('./cli-runtime.ts');
-    // Every line masks the password (job lines too: ctx.log is a child of this logger).
+    const { createLogger, maskStdio, secretForms, redactSecrets } = await import('./cli-runtime.ts');
+    // Every line masks the password (job lines too: ctx.log is a child of this logger), and so does
+    // everything else the command prints (a run key or param may hold it).
     const log = createLogger(g.logLevel, { secrets: secretForms(g.databaseUrl ?? '') });
+    maskStdio(secretForms(g.databaseUrl ?? ''));
     try {
       const { checkJobFolders } = await import('./cli-runtime.ts');
       await checkJobFolders(

@@ -80,6 +80,11 @@ export interface Progress {
    * a cut-off one's until the server ends its session): the rate says nothing about when that ends.
    */
   readonly waitingOnOthers?: boolean;
+  /**
+   * True on the step's last report, once its chunks are all done, just before its `step done` log
+   * line: a progress bar is taken down then, not drawn again below that line.
+   */
+  readonly stepDone?: boolean;
 }
 
 /** How often (at most) a step's progress is read back from the database, for the other workers' chunks. */
@@ -166,9 +171,9 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   let slotsLive = 0;
   /** Slots whose last-pass claim is waiting for a chunk another transaction holds (see Progress.waitingOnOthers). */
   let slotsWaiting = 0;
-  const progress = () => {
+  const progress = (stepDone = false) => {
     if (!opts.onProgress) return;
-    refresh();
+    if (!stepDone) refresh();
     opts.onProgress({
       runKey: run.runKey,
       attempt: run.attempt,
@@ -183,6 +188,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
       since,
       doneBefore,
       waitingOnOthers: slotsWaiting > 0 && slotsWaiting === slotsLive,
+      ...(stepDone ? { stepDone } : {}),
     });
   };
 
@@ -548,6 +554,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   await refreshing;
   if (failure !== undefined) throw failure;
   throwIfStopped(opts.stop);
+  progress(true);
   return executed;
 }
 

@@ -103,16 +103,40 @@ export function createLogger(level: LogLevel = 'info', opts: { readonly pretty?:
  * Masked in the JSON line, so each secret also as JSON escapes it.
  */
 function masking(secrets: readonly string[]): <D extends { write(line: string): unknown }>(destination: D) => D {
-  const forms = [...new Set(secrets.flatMap((s) => [s, JSON.stringify(s).slice(1, -1)]))].filter((s) => s.length >= 3).sort((a, b) => b.length - a.length);
-  if (forms.length === 0) return (destination) => destination;
+  const mask = secretMask(secrets);
+  if (mask === undefined) return (destination) => destination;
   return (destination) => {
     const write = destination.write.bind(destination);
-    destination.write = (line: string) => {
-      for (const form of forms) if (line.includes(form)) line = line.split(form).join('***');
-      return write(line);
-    };
+    destination.write = (line: string) => write(mask(line));
     return destination;
   };
+}
+
+/**
+ * The text with every secret (as is, and as JSON escapes it) replaced by `***`, as log lines are
+ * masked; undefined with no secret to mask.
+ */
+export function secretMask(secrets: readonly string[]): ((text: string) => string) | undefined {
+  const forms = [...new Set(secrets.flatMap((s) => [s, JSON.stringify(s).slice(1, -1)]))].filter((s) => s.length >= 3).sort((a, b) => b.length - a.length);
+  if (forms.length === 0) return undefined;
+  return (text) => {
+    for (const form of forms) if (text.includes(form)) text = text.split(form).join('***');
+    return text;
+  };
+}
+
+/**
+ * Masks what the process writes to stdout and stderr as the log lines are masked: a run key or a
+ * param may hold the database password as well as a log line may (black-box round 13), and the
+ * run summary, status, --json, error lines and the job's own console output all go out there.
+ */
+export function maskStdio(secrets: readonly string[]): void {
+  const mask = secretMask(secrets);
+  if (mask === undefined) return;
+  for (const stream of [process.stdout, process.stderr]) {
+    const write = stream.write.bind(stream) as (chunk: unknown, ...rest: unknown[]) => boolean;
+    stream.write = ((chunk: unknown, ...rest: unknown[]) => write(typeof chunk === 'string' ? mask(chunk) : chunk, ...rest)) as typeof stream.write;
+  }
 }
 
 /** A logger that writes nothing (the runner's and the server's default); pino only if code asks more of it. */

@@ -97,6 +97,13 @@ export function createProgressReporter(opts: { readonly job: string; readonly tt
   return {
     update: (p) => {
       last = p;
+      // The step is done: its bar comes down before its `step done` line, which would otherwise
+      // draw it again below itself; the next step's first report brings the bar back.
+      if (p.stepDone && opts.tty) {
+        last = undefined;
+        if (drawn) setStatusLine(undefined);
+        drawn = false;
+      }
     },
     stop: () => {
       if (stopped) return;

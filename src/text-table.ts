@@ -1,4 +1,5 @@
 import { columns, padColumns } from './display-width.ts';
+import { INVISIBLE } from './key-label.ts';
 
 /** Rows of aligned columns, as `idem status` and `idem list` print them. */
 export interface TextTable {
@@ -28,20 +29,23 @@ export function textTable(rows: ReadonlyArray<readonly string[]>): TextTable {
  * What must never reach a terminal raw from a stored value (a run key an older idem accepted, a row
  * written by SQL, an error message, a job file's description): the control characters (C0, DEL,
  * C1: newlines, ESC sequences that move the cursor or clear the screen) and the Unicode line
- * separators and bidirectional embeddings, overrides and isolates (they reorder what follows them).
+ * separators and bidirectional embeddings, overrides and isolates (they reorder what follows them);
+ * and the characters that show as nothing or as a plain space (key-label.ts's INVISIBLE: a zero-width
+ * space, a soft hyphen, a no-break space), so that two keys differing by one do not look the same.
  */
-const UNSAFE = /[\u0000-\u001f\u007f-\u009f\u2028\u2029\u202a-\u202e\u2066-\u2069]/g;
+const UNSAFE = new RegExp(`[\\u0000-\\u001f\\u007f-\\u009f\\u2028\\u2029\\u202a-\\u202e\\u2066-\\u2069]|${INVISIBLE.source}`, 'gu');
 const NAMED: Record<string, string> = { '\n': '\\n', '\r': '\\r', '\t': '\\t' };
 
 /**
  * `s` with every such character escaped visibly: `\n`, `\r`, `\t`, else `\xHH` (C0, DEL, C1) or
- * `\uHHHH`. Printable text, non-ASCII included, is left as it is. Every text output of a stored
- * value goes through here (see {@link visibleDeep}); JSON output does not need it.
+ * `\uHHHH`. Printable text, non-ASCII included (the invisible characters aside), is left as it
+ * is. Every text output of a stored value goes through here (see {@link visibleDeep}); JSON output
+ * does not need it.
  */
 export function visible(s: string): string {
   return s.replace(UNSAFE, (ch) => {
     const code = ch.charCodeAt(0);
-    return NAMED[ch] ?? (code <= 0xff ? `\\x${code.toString(16).padStart(2, '0')}` : `\\u${code.toString(16).padStart(4, '0')}`);
+    return NAMED[ch] ?? (code <= 0x9f ? `\\x${code.toString(16).padStart(2, '0')}` : `\\u${code.toString(16).padStart(4, '0')}`);
   });
 }
 

@@ -517,6 +517,37 @@ describe('idem help, status and list', () => {
     expect(detail.stdout).toContain('copy-from:***');
   });
 
+  it("a run key holding DATABASE_URL's password is printed masked everywhere, as log lines mask it", async () => {
+    // Black-box round 13 (B2-12): log lines masked such a key, while the run summary, status,
+    // --json and the error lines printed it whole.
+    const password = decodeURIComponent(new URL(url).password);
+    expect(password.length).toBeGreaterThan(3);
+    const key = `${password}-x`;
+    const made = await idem(['run', 'counted', '--params', '{"chunks":1}', '--key', key]);
+    expect(made.code, made.stderr).toBe(0);
+    expect(made.stdout).toContain('(run key ***-x, attempt 1)');
+    const outputs = [made];
+    for (const args of [
+      ['run', 'counted', '--params', '{"chunks":1}', '--key', key, '--json'],
+      ['status'],
+      ['status', '--json'],
+      ['status', 'counted', '--key', key],
+      ['status', 'counted', '--key', key, '--json'],
+      ['status', 'counted', '--key', `${password}-nope`],
+      ['status', 'counted', '--key', `${password}-nope`, '--json'],
+      ['pause', 'counted', '--key', key],
+      ['pause', 'counted', '--key', key, '--json'],
+      ['resume', 'counted', '--key', key, '--json'],
+      ['reset', 'counted', '--key', key],
+    ]) {
+      const r = await idem(args);
+      expect(r.code, `${args.join(' ')}: ${r.stderr}`).not.toBe(null);
+      outputs.push(r);
+    }
+    expect(JSON.parse(outputs[1]!.stdout)).toMatchObject({ status: 'already-succeeded', runKey: '***-x' });
+    for (const r of outputs) expect(r.stdout + r.stderr).not.toContain(password);
+  });
+
   it('status <job> --key K shows one run in detail: state, chunks, steps; an unknown key is a usage error', async () => {
     // The run it shows.
     const made = await idem(['run', 'counted', '--params', '{"chunks":3}', '--key', 'cli-detail']);
@@ -695,6 +726,25 @@ describe('run keys: what --key may contain, and what text output shows of stored
       expectOneLineError(r, 2, `job "counted" has no run with key "${'k'.repeat(40)}…" (5000 characters; a run key has at most 200); see idem status counted`);
       expect(r.stderr.length, commands[i]).toBeLessThan(400);
     });
+  });
+
+  it('keys that differ by an invisible character (zero-width, soft hyphen, no-break space) are told apart: run, status and errors show it as \\uHHHH', async () => {
+    // Black-box round 13 (B2-11): "inv-a\u200bb" printed as "inv-ab", and "inv-a\u00a0b" as "inv-a b".
+    const key = 'inv-a\u200bb';
+    const run = await idem(['run', 'counted', '--params', '{"chunks":1}', '--key', key]);
+    expect(run.code, run.stderr).toBe(0);
+    expect(run.stdout).toContain('(run key inv-a\\u200bb, attempt 1)');
+    const table = await idem(['status', 'counted']);
+    expect(table.stdout).toContain('inv-a\\u200bb');
+    // What status shows works as --key, as for a bidi control.
+    const detail = await idem(['status', 'counted', '--key', 'inv-a\\u200bb']);
+    expect(detail.code, detail.stderr).toBe(0);
+    expect(lines(detail.stdout)[1]).toBe('run key   inv-a\\u200bb');
+    const unknown = await idem(['status', 'counted', '--key', 'inv-a\u00a0b']);
+    expectOneLineError(unknown, 2, 'job "counted" has no run with key "inv-a\\u00a0b"');
+    // Text output and error lines; stderr's JSON log lines keep the value exact, as --json does.
+    for (const r of [run, table, detail]) expect(r.stdout).not.toMatch(/[\u200b\u00a0]/);
+    expect(unknown.stderr).not.toMatch(/[\u200b\u00a0]/);
   });
 
   it('status shows control characters of a stored key (an older idem, SQL) escaped, never raw, in the table and the detail view', async () => {

@@ -560,6 +560,23 @@ describe('reads', () => {
     expect(events.at(-1)).toMatchObject({ id: created.body.id, state: 'succeeded', progress: { done: 5, percent: 100 } });
   });
 
+  it("a run key holding DATABASE_URL's password is masked in every answer (API, event stream, dashboard), as log lines mask it", async () => {
+    // Black-box round 13 (B2-12): the API and the dashboard showed such a key whole.
+    const password = decodeURIComponent(new URL(url).password);
+    expect(password).toMatch(/^[A-Za-z0-9._~-]{4,}$/);
+    const key = `${password}-http`;
+    const created = await post(key, { chunks: 1 });
+    expect(created.status, created.text).toBe(201);
+    expect(created.body.key).toBe('***-http');
+    const id = created.body.id as string;
+    expect((await api(server.base, 'GET', `/api/runs/${id}?wait=30`)).body.state).toBe('succeeded');
+    const events = await fetch(`${server.base}/api/runs/${id}/events`, { headers: { authorization: `Bearer ${TOKEN}` } });
+    const answers = [created.text, (await post(key, { chunks: 1 })).text, await events.text()];
+    for (const p of [`/api/runs/${id}`, '/api/runs?job=counted', '/', `/runs/${id}`]) answers.push((await api(server.base, 'GET', p)).text);
+    for (const text of answers) expect(text).not.toContain(password);
+    expect(answers.at(-1)).toContain('***-http');
+  });
+
   it('GET /metrics speaks Prometheus text, labelled by job and step, never by key', async () => {
     const created = await post('k-metrics', { chunks: 2 });
     expect(created.status).toBe(201);

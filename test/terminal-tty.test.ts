@@ -57,6 +57,12 @@ describe.runIf(existsSync(SCRIPT))('idem run on a terminal', () => {
     // The bar was drawn: the raw output holds at least one bar frame.
     expect(stdout).toMatch(/step 2\/3 work [█░]+ \d+\/12 chunks · [\d.]+\/s · ETA /);
     expect(screen.at(-1)).toMatch(/^job "counted" succeeded: 14 chunks in 3 steps/);
+    // A finished step's bar is not drawn again below its "step done" line (black-box round 13,
+    // B2-15): nothing follows that line but the next line (the first step's single chunk is done
+    // before any bar is drawn, so every step is checked, the last one too).
+    const afterDone = [...stdout.matchAll(/step done step=(\w+)\r?\n([^\n]*)/g)].map((m) => [m[1], m[2]!.split('\r\x1b[K')[0]]);
+    expect(afterDone.length).toBeGreaterThanOrEqual(2);
+    for (const [step, next] of afterDone) expect(next, `after step ${step} done`).not.toMatch(/ chunks · /);
   });
 });
 

@@ -90,6 +90,27 @@ describe('stored text with control characters on a terminal', () => {
     expect(visible('Größe 日本 😀 👩‍💻 back\\slash')).toBe('Größe 日本 😀 👩‍💻 back\\slash');
   });
 
+  it('visible() and keyLabel() escape the invisible characters, so keys that differ by one do not look alike', async () => {
+    // Black-box round 13 (B2-11): a key with a zero-width character, a soft hyphen or a non-ASCII
+    // space printed raw, the same as the key without it (or with an ASCII space).
+    const { visible } = await import('../src/text-table.ts');
+    const { keyLabel } = await import('../src/key-label.ts');
+    const invisible = ['\u200b', '\u200c', '\u200d', '\u2060', '\ufeff', '\u00ad', '\u00a0', '\u3000', '\u200e', '\u200f'];
+    for (const ch of invisible) {
+      const escaped = `\\u${ch.charCodeAt(0).toString(16).padStart(4, '0')}`;
+      expect(visible(`a${ch}b`)).toBe(`a${escaped}b`);
+      expect(keyLabel(`a${ch}b`)).toBe(`"a${escaped}b"`);
+    }
+    expect(keyLabel('a\u200b"b\n')).toBe('"a\\u200b\\"b\\n"');
+    // A zero-width joiner inside an emoji sequence is part of the emoji (👩‍💻, 🏳️‍🌈, 👩🏽‍💻), not hidden text.
+    for (const emoji of ['👩\u200d💻', '🏳\ufe0f\u200d🌈', '👩🏽\u200d💻']) {
+      expect(visible(`k ${emoji}`)).toBe(`k ${emoji}`);
+      expect(keyLabel(`k ${emoji}`)).toBe(`k ${emoji}`);
+    }
+    expect(visible('x\u200d💻')).toBe('x\\u200d💻');
+    expect(keyLabel('plain key 日本')).toBe('plain key 日本');
+  });
+
   it('log lines escape them in the header, the message and every field', () => {
     const line = formatLogLine(event({ job: 'j\x1b[31m', runKey: 'evil\n\x1b[2Jfake', attempt: 1, msg: 'chunk\x1b]0;title\x07 failed', chunk: 'k\x1b[H', err: { message: 'bad\nthing' } }), {});
     expect(line.split('\n')).toHaveLength(2);

@@ -21,7 +21,7 @@ export function registerServeCommand(program: Command, cli: CliContext): void {
         // Fastify and the server load only when the command runs, not for --help.
         const { serveCommand } = await import('../server/serve-command.ts');
         // A job a migration shares its name with would share the migration's lock and runs.
-        const { checkSharedNamesIn, loadJobDir } = await import('../cli-runtime.ts');
+        const { checkSharedNamesIn, loadJobDir, secretForms } = await import('../cli-runtime.ts');
         await checkSharedNamesIn(await loadJobDir(g.jobsDir, 'jobs'), g.migrationsDir, 'migrations');
         const signals = installSignals(log, g.shutdownTimeout, force);
         const openDatabase = async (poolSize: number, readPoolSize: number, readTimeoutMs: number) => {
@@ -34,7 +34,7 @@ export function registerServeCommand(program: Command, cli: CliContext): void {
           session.defer(() => reads.close());
           return { runner, reads: reads.pool };
         };
-        return serveCommand(o, { jobsDir: g.jobsDir, migrationsDir: g.migrationsDir, log, shutdownTimeoutSeconds: g.shutdownTimeout, stop: signals.stop, openDatabase });
+        return serveCommand(o, { jobsDir: g.jobsDir, migrationsDir: g.migrationsDir, log, shutdownTimeoutSeconds: g.shutdownTimeout, secrets: secretForms(g.databaseUrl ?? ''), stop: signals.stop, openDatabase });
       }),
     );
 }

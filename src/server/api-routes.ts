@@ -277,7 +277,7 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
         const end = ENDED_STATES.has(view.state);
         return { event: 'progress', data: JSON.stringify(view), end, ...(end ? { id: ENDED_EVENT_ID } : {}) };
       },
-      { intervalMs: ctx.sseIntervalMs, open: ctx.openStreams },
+      { intervalMs: ctx.sseIntervalMs, open: ctx.openStreams, mask: ctx.mask },
     );
   });
 }

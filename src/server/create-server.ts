@@ -4,12 +4,13 @@ import type { Logger } from 'pino';
 import { errorFields, InterruptedError, UsageError } from '../errors.ts';
 import { answerWithin } from '../sleep.ts';
 import { SampledWarnings } from './sampled-log.ts';
-import { silentLogger } from '../log.ts';
+import { secretMask, silentLogger } from '../log.ts';
 import type { Job } from '../job.ts';
 import type { Runner } from '../runner.ts';
 import { AllowedHosts, allowedHostProblem, isLoopbackAddress } from './allowed-hosts.ts';
 import { bearerToken, tokenMatcher } from './api-token.ts';
 import { registerApiRoutes } from './api-routes.ts';
+import { esc } from './dashboard-html.ts';
 import { registerDashboardRoutes } from './dashboard-routes.ts';
 import { HttpProblem, PROBLEM_TYPE, problemBody, toProblem } from './problem.ts';
 import { ReplayCache } from './replay-cache.ts';
@@ -75,6 +76,12 @@ export interface ServerOptions {
   readonly retentionMs?: number | null;
   /** The migrations folder's run keys: retention keeps those runs (see Runner.prune). */
   readonly migrationKeys?: readonly string[];
+  /**
+   * Text no answer shows, each occurrence replaced by `***` (as is, JSON- and HTML-escaped): the
+   * database password's forms, which a run key, params or an error may hold. idem serve passes
+   * them, as its log lines mask them. Defaults to none.
+   */
+  readonly secrets?: readonly string[];
 }
 
 export interface IdemServer {
@@ -95,7 +102,8 @@ const DEFAULT_LOG_WINDOW_MS = 10_000;
 /** How long /readyz waits for PostgreSQL's answer before it says not ready. */
 const READY_TIMEOUT_MS = 2_000;
 
-const PUBLIC_PATHS = new Set(['/healthz', '/readyz', '/assets/dashboard.css', '/assets/dashboard.js', '/favicon.svg']);
+const STATIC_PATHS = new Set(['/assets/dashboard.css', '/assets/dashboard.js', '/favicon.svg']);
+const PUBLIC_PATHS = new Set(['/healthz', '/readyz', ...STATIC_PATHS]);
 
 /** Paths answered whatever the Host: probes send the pod's address or name, and learn nothing there. */
 const PROBE_PATHS = new Set(['/healthz', '/readyz']);
@@ -130,7 +138,9 @@ export function createServer(opts: ServerOptions): IdemServer {
     },
   });
   const closing = new AbortController();
+  const mask = secretMask((opts.secrets ?? []).flatMap((s) => [s, esc(s)])) ?? ((text: string) => text);
   const ctx: ServerContext = {
+    mask,
     runner,
     jobs,
     views,
@@ -247,6 +257,12 @@ export function createServer(opts: ServerOptions): IdemServer {
       throw new HttpProblem(403, 'idem.forbidden', 'the bearer token is not the server\'s API token; send the token from IDEM_API_TOKEN or the --token-file of the server');
     }
   });
+
+  // Every answer a route or refusal sends (JSON, HTML, metrics) without the secrets; the event
+  // streams mask their own frames. Before the length is set, which Fastify does after this hook.
+  // Not the dashboard's static files: idem's own code, which a password that is also a word
+  // (`postgres`) would break.
+  app.addHook('onSend', async (request, _reply, payload) => (typeof payload === 'string' && !STATIC_PATHS.has(request.url.split('?')[0]!) ? mask(payload) : payload));
 
   app.addHook('onResponse', async (request, reply) => {
     // The route pattern, never the URL: a key or id in a label would grow the series without bound.

@@ -73,7 +73,7 @@ export function registerDashboardRoutes(app: FastifyInstance, ctx: ServerContext
           { event: 'jobs', data: jobsLive(names, latest) },
         ];
       },
-      { intervalMs: ctx.sseIntervalMs, open: ctx.openStreams },
+      { intervalMs: ctx.sseIntervalMs, open: ctx.openStreams, mask: ctx.mask },
     );
   });
 
@@ -103,7 +103,7 @@ export function registerDashboardRoutes(app: FastifyInstance, ctx: ServerContext
         first = undefined;
         return run ? { event: 'html', data: runLive(run) } : { event: 'gone', data: request.params.id, end: true };
       },
-      { intervalMs: ctx.sseIntervalMs, open: ctx.openStreams },
+      { intervalMs: ctx.sseIntervalMs, open: ctx.openStreams, mask: ctx.mask },
     );
   });
 }

@@ -44,6 +44,8 @@ export interface ServeDeps {
   readonly migrationsDir?: string;
   readonly log: Logger;
   readonly shutdownTimeoutSeconds: number;
+  /** The database password's forms: no answer shows them (ServerOptions.secrets). */
+  readonly secrets?: readonly string[];
   /**
    * Opens the runner with a pool of `poolSize` and, on the same database (DATABASE_URL or the
    * embedded server), the API's read pool of `readPoolSize` whose statements give up after
@@ -85,6 +87,7 @@ export async function serveCommand(o: ServeFlags, deps: ServeDeps): Promise<numb
     concurrency: o.concurrency,
     bodyLimit: o.bodyLimit,
     log: deps.log,
+    secrets: deps.secrets ?? [],
     retentionMs,
     migrationKeys: retentionMs !== null && deps.migrationsDir !== undefined ? await migrationKeys(deps.migrationsDir) : [],
     ...(rescan !== undefined ? { rescanMs: rescan } : {}),

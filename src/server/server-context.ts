@@ -23,4 +23,6 @@ export interface ServerContext {
   /** Aborts when the server begins to close (long-polls answer at once). */
   readonly closing: AbortSignal;
   readonly publicRead: boolean;
+  /** Text with the secrets of ServerOptions replaced by `***`: what every answer shows. */
+  readonly mask: (text: string) => string;
 }

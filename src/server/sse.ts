@@ -14,6 +14,8 @@ export interface SseOptions {
   readonly intervalMs: number;
   /** Streams still open when the server closes are ended by it. */
   readonly open: Set<() => void>;
+  /** Each frame as sent: the server's secrets masked (ServerContext.mask). */
+  readonly mask: (text: string) => string;
 }
 
 const HEARTBEAT_MS = 15_000;
@@ -77,7 +79,7 @@ export function streamEvents(
       const frames = events.map(frame);
       const changed = frames.filter((text, i) => text !== last.get(events[i]!.event));
       if (changed.length) {
-        res.write(changed.join(''));
+        res.write(opts.mask(changed.join('')));
         events.forEach((e, i) => last.set(e.event, frames[i]!));
         lastWrite = Date.now();
       } else if (Date.now() - lastWrite > HEARTBEAT_MS) {
