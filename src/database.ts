@@ -306,6 +306,9 @@ export function redactError<T>(err: T, connectionString: string): T {
       if (!Object.prototype.hasOwnProperty.call(e, key)) continue;
       try {
         const before = (e as unknown as Record<string, unknown>)[key];
+        // idem's own error codes and PostgreSQL's SQLSTATEs are never the password: a password
+        // that is also a word (`idem`) must not turn `idem.invalidParams` into `***.invalidParams`.
+        if (key === 'code' && typeof before === 'string' && /^(idem\.[A-Za-z]+|[0-9A-Z]{5})$/.test(before)) continue;
         const after = masked(before);
         if (after !== before) (e as unknown as Record<string, unknown>)[key] = after;
       } catch {

@@ -125,17 +125,63 @@ export function secretMask(secrets: readonly string[]): ((text: string) => strin
   };
 }
 
+/** Fields whose string values are idem's own words (an error code, a run's status), never a user's text. */
+const OWN_VOCABULARY = new Set(['code', 'status', 'state', 'kind', 'level', 'event']);
+
+/**
+ * `mask` for a text that may be a JSON document (an API answer, a `--json` line): its string
+ * values masked, never its keys, its layout or the values of idem's own vocabulary (OWN_VOCABULARY),
+ * so a password that is also a word (`idem`, `state`) cannot rewrite `"code":"idem.busy"` or a
+ * field's name; anything else masked as a whole, as log lines are. The document keeps its
+ * indentation (none, or the spaces of its first nested line).
+ */
+export function structuredMask(mask: (text: string) => string): (text: string) => string {
+  const walk = (v: unknown): unknown =>
+    typeof v === 'string'
+      ? mask(v)
+      : Array.isArray(v)
+      ? v.map(walk)
+      : v !== null && typeof v === 'object'
+      ? Object.fromEntries(Object.entries(v).map(([k, x]) => [k, OWN_VOCABULARY.has(k) && typeof x === 'string' ? x : walk(x)]))
+      : v;
+  return (text) => {
+    const body = text.trimEnd();
+    if (!/^[[{]/.test(body)) return mask(text);
+    let doc: unknown;
+    try {
+      doc = JSON.parse(body);
+    } catch {
+      return mask(text);
+    }
+    if (mask(body) === body) return text;
+    const indent = /^[[{]\n( +)/.exec(body)?.[1]?.length ?? 0;
+    return `${JSON.stringify(walk(doc), null, indent || undefined)}${text.slice(body.length)}`;
+  };
+}
+
 /**
  * Masks what the process writes to stdout and stderr as the log lines are masked: a run key or a
  * param may hold the database password as well as a log line may (black-box round 13), and the
  * run summary, status, --json, error lines and the job's own console output all go out there.
+ * JSON documents by their values (structuredMask); bytes (a child process's output piped through)
+ * by their latin1 view, which keeps every other byte as it was.
  */
 export function maskStdio(secrets: readonly string[]): void {
   const mask = secretMask(secrets);
   if (mask === undefined) return;
+  const text = structuredMask(mask);
+  const bytes = secretMask(secrets.map((s) => Buffer.from(s, 'utf8').toString('latin1')))!;
   for (const stream of [process.stdout, process.stderr]) {
     const write = stream.write.bind(stream) as (chunk: unknown, ...rest: unknown[]) => boolean;
-    stream.write = ((chunk: unknown, ...rest: unknown[]) => write(typeof chunk === 'string' ? mask(chunk) : chunk, ...rest)) as typeof stream.write;
+    stream.write = ((chunk: unknown, ...rest: unknown[]) => {
+      if (typeof chunk === 'string') return write(text(chunk), ...rest);
+      if (chunk instanceof Uint8Array) {
+        const latin1 = Buffer.from(chunk.buffer, chunk.byteOffset, chunk.byteLength).toString('latin1');
+        const masked = bytes(latin1);
+        return write(masked === latin1 ? chunk : Buffer.from(masked, 'latin1'), ...rest);
+      }
+      return write(chunk, ...rest);
+    }) as typeof stream.write;
   }
 }
 

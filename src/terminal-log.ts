@@ -1,5 +1,5 @@
 import { colours, writeLines, type Colours } from './terminal.ts';
-import { visible } from './text-table.ts';
+import { visible, visibleText } from './text-table.ts';
 
 const LEVEL_NAMES: Record<number, string> = { 10: 'trace', 20: 'debug', 30: 'info', 40: 'warn', 50: 'error', 60: 'fatal' };
 /** Fields every line of a run repeats: shown once, in the header line of the run, not on each line. */
@@ -52,7 +52,7 @@ export function formatLogLine(json: string, state: { run?: string }, c: Colours 
   const fields = Object.entries(e)
     .filter(([k, v]) => !HIDDEN.has(k) && v !== undefined && v !== null)
     .map(([k, v]) => c.gray(`${k}=`) + fieldValue(v));
-  lines.push([c.dim(time), levelLabel(Number(e.level), c), visible(String(e.msg ?? '')), ...fields].filter(Boolean).join(' '));
+  lines.push([c.dim(time), levelLabel(Number(e.level), c), visibleText(String(e.msg ?? '')), ...fields].filter(Boolean).join(' '));
   return lines.join('\n');
 }
 

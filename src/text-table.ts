@@ -35,6 +35,13 @@ export function textTable(rows: ReadonlyArray<readonly string[]>): TextTable {
  */
 const UNSAFE = new RegExp(`[\\u0000-\\u001f\\u007f-\\u009f\\u2028\\u2029\\u202a-\\u202e\\u2066-\\u2069]|${INVISIBLE.source}`, 'gu');
 const NAMED: Record<string, string> = { '\n': '\\n', '\r': '\\r', '\t': '\\t' };
+/**
+ * UNSAFE without the characters that are ordinary in free text (no-break and ideographic spaces,
+ * the zero-width non-joiner, the direction marks): a log message's `1\u00a0234` of a Russian
+ * number format, a Persian word, a Hebrew sentence's marks. The zero-width space, word joiner,
+ * byte order mark, soft hyphen and a stray joiner stay escaped.
+ */
+const UNSAFE_IN_TEXT = new RegExp(`[\\u0000-\\u001f\\u007f-\\u009f\\u2028\\u2029\\u202a-\\u202e\\u2066-\\u2069\\u00ad\\u200b\\u2060\\ufeff]|(?<![\\p{Extended_Pictographic}\\p{Emoji_Modifier}\\ufe0f])\\u200d|\\u200d(?!\\p{Extended_Pictographic})`, 'gu');
 
 /**
  * `s` with every such character escaped visibly: `\n`, `\r`, `\t`, else `\xHH` (C0, DEL, C1) or
@@ -43,10 +50,22 @@ const NAMED: Record<string, string> = { '\n': '\\n', '\r': '\\r', '\t': '\\t' };
  * does not need it.
  */
 export function visible(s: string): string {
-  return s.replace(UNSAFE, (ch) => {
+  return escapeWith(s, UNSAFE);
+}
+
+function escapeWith(s: string, unsafe: RegExp): string {
+  return s.replace(unsafe, (ch) => {
     const code = ch.charCodeAt(0);
     return NAMED[ch] ?? (code <= 0x9f ? `\\x${code.toString(16).padStart(2, '0')}` : `\\u${code.toString(16).padStart(4, '0')}`);
   });
+}
+
+/**
+ * A log message as the terminal shows it: {@link visible}, but the characters that are ordinary in
+ * free text (UNSAFE_IN_TEXT) left as they are; keys and identifiers keep visible's escapes.
+ */
+export function visibleText(s: string): string {
+  return escapeWith(s, UNSAFE_IN_TEXT);
 }
 
 /**

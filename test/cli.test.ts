@@ -548,6 +548,34 @@ describe('idem help, status and list', () => {
     for (const r of outputs) expect(r.stdout + r.stderr).not.toContain(password);
   });
 
+  it("a password that is also a word is masked in --json's values, never in its codes or field names; bytes a job writes are masked too", async () => {
+    // Review of the B2-12 fix: stdout was masked as text, so with the password "idem" every
+    // "code":"idem.…" of --json read "***.…"; and a Buffer (a child's output piped through) was not masked at all.
+    const role = 'idem_word_password';
+    await query(url, `drop role if exists ${role}`);
+    await query(url, `create role ${role} login superuser password 'idem'`);
+    const wordUrl = new URL(url);
+    wordUrl.username = role;
+    wordUrl.password = 'idem';
+    const dir = await mkdtemp(path.join(tmpdir(), 'idem-bytes-'));
+    try {
+      const r = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":"x"}', '--key', 'idem-nope', '--json'], { url: wordUrl.toString() });
+      expect(r.code, r.stderr).toBe(2);
+      const out = JSON.stringify(JSON.parse(r.stdout));
+      expect(out).toMatch(/"code":"idem\.\w+"/);
+      expect(out).toContain('***-nope');
+      await writeFile(path.join(dir, 'bytes.mjs'), `export default { name: 'bytes', steps: [{ name: 's', run() { process.stdout.write(Buffer.from('secret=' + decodeURIComponent(new URL(process.env.DATABASE_URL).password) + '\\n')); } }] };\n`);
+      const password = decodeURIComponent(new URL(url).password);
+      const b = await runCli(['--jobs-dir', dir, 'run', 'bytes', '--key', 'bytes-1'], { url });
+      expect(b.code, b.stderr).toBe(0);
+      expect(b.stdout).toContain('secret=***\n');
+      expect(b.stdout + b.stderr).not.toContain(password);
+    } finally {
+      await query(url, `drop role if exists ${role}`).catch(() => {});
+      await rm(dir, { recursive: true, force: true });
+    }
+  });
+
   it('status <job> --key K shows one run in detail: state, chunks, steps; an unknown key is a usage error', async () => {
     // The run it shows.
     const made = await idem(['run', 'counted', '--params', '{"chunks":3}', '--key', 'cli-detail']);

@@ -1,6 +1,6 @@
 import pino, { type Logger } from 'pino';
 import { describe, expect, it } from 'vitest';
-import { lazyLogger } from '../src/log.ts';
+import { lazyLogger, secretMask, structuredMask } from '../src/log.ts';
 
 /** A pino logger writing its JSON lines into `lines`, time left out (it differs between two loggers). */
 function capturing(lines: string[], level = 'info'): Logger {
@@ -62,5 +62,21 @@ describe('lazyLogger', () => {
     expect(r.made).toBe(1);
     expect(r.lazy).toEqual(r.eager);
     expect(r.eager).toHaveLength(1);
+  });
+});
+
+describe('structuredMask', () => {
+  it("masks a JSON document's values, never its field names, codes or layout; other text as a whole", () => {
+    // Review of round 13's B2-12 fix: masking --json and API answers as text turned a password
+    // that is also a word (idem, state) into *** in "code":"idem.busy" and in field names.
+    const m = structuredMask(secretMask(['idem'])!);
+    expect(m('{"status":"failed","runKey":"idem-x","error":{"code":"idem.busy","message":"job idem busy"}}\n')).toBe(
+      '{"status":"failed","runKey":"***-x","error":{"code":"idem.busy","message":"job *** busy"}}\n',
+    );
+    expect(m('[\n  {\n    "idem": "idem"\n  }\n]\n')).toBe('[\n  {\n    "idem": "***"\n  }\n]\n');
+    expect(m('idem: error: no run idem-x\n')).toBe('***: error: no run ***-x\n');
+    expect(m('{"not json": idem')).toBe('{"not json": ***');
+    const state = structuredMask(secretMask(['state'])!);
+    expect(state('{"state":"running","note":"a state"}')).toBe('{"state":"running","note":"a ***"}');
   });
 });

@@ -25,6 +25,17 @@ describe('log lines on a terminal', () => {
     expect(line).toMatch(/ error run failed err="boom here" chunk="c 1"$/);
   });
 
+  it("leave the characters ordinary in free text in a message as they are, and escape the zero-width ones", () => {
+    // Review of round 13's B2-11 fix: every log message on a terminal showed a Russian number's
+    // no-break space as \u00a0 ("1\u00a0234 rows"), a Persian word's non-joiner, a Hebrew mark.
+    const msg = 'processed 1\u00a0234 rows \u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645 \u05e9\u05dc\u05d5\u05dd\u200f \u3000end';
+    const line = formatLogLine(JSON.stringify({ level: 30, time: at, msg }), {});
+    expect(line).toContain(msg);
+    expect(formatLogLine(JSON.stringify({ level: 30, time: at, msg: 'a\u200bb\u00adc\u2060d' }), {})).toContain('a\\u200bb\\u00adc\\u2060d');
+    // A key in a field keeps every escape (two keys differing by a no-break space stay apart).
+    expect(formatLogLine(JSON.stringify({ level: 30, time: at, msg: 'x', chunk: 'a\u00a0b' }), {})).toMatch(/ chunk="?a\\u00a0b"?$/);
+  });
+
   it('pass a line that is not JSON through', () => {
     expect(formatLogLine('plain text\n', {})).toBe('plain text');
   });

@@ -76,7 +76,11 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
             // when there is none under .idem/ yet, and any trouble reaching the database leaves the
             // params error as the answer.
             if (g.databaseUrl === undefined && !existsSync(path.resolve('.idem', 'pg'))) throw err;
-            url = await databaseUrl(g, log, session).catch(() => undefined);
+            // A signal while the embedded server starts still ends the command as a signal does.
+            url = await databaseUrl(g, log, session).catch((e: unknown) => {
+              if (session.startup.signal.aborted) throw e;
+              return undefined;
+            });
             if (url === undefined || (await storedRunFingerprint(url, g.schema, job.name, o.key)) !== fingerprintOrNull(params)) throw err;
             valid = params;
           }

@@ -4,7 +4,7 @@ import type { Logger } from 'pino';
 import { errorFields, InterruptedError, UsageError } from '../errors.ts';
 import { answerWithin } from '../sleep.ts';
 import { SampledWarnings } from './sampled-log.ts';
-import { secretMask, silentLogger } from '../log.ts';
+import { secretMask, silentLogger, structuredMask } from '../log.ts';
 import type { Job } from '../job.ts';
 import type { Runner } from '../runner.ts';
 import { AllowedHosts, allowedHostProblem, isLoopbackAddress } from './allowed-hosts.ts';
@@ -139,6 +139,8 @@ export function createServer(opts: ServerOptions): IdemServer {
   });
   const closing = new AbortController();
   const mask = secretMask((opts.secrets ?? []).flatMap((s) => [s, esc(s)])) ?? ((text: string) => text);
+  /** An answer masked: a JSON one by its values (never its field names or codes), others as text. */
+  const answerMask = structuredMask(mask);
   const ctx: ServerContext = {
     mask,
     runner,
@@ -262,7 +264,7 @@ export function createServer(opts: ServerOptions): IdemServer {
   // streams mask their own frames. Before the length is set, which Fastify does after this hook.
   // Not the dashboard's static files: idem's own code, which a password that is also a word
   // (`postgres`) would break.
-  app.addHook('onSend', async (request, _reply, payload) => (typeof payload === 'string' && !STATIC_PATHS.has(request.url.split('?')[0]!) ? mask(payload) : payload));
+  app.addHook('onSend', async (request, _reply, payload) => (typeof payload === 'string' && !STATIC_PATHS.has(request.url.split('?')[0]!) ? answerMask(payload) : payload));
 
   app.addHook('onResponse', async (request, reply) => {
     // The route pattern, never the URL: a key or id in a label would grow the series without bound.

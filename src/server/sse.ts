@@ -1,5 +1,6 @@
 import type { FastifyReply, FastifyRequest } from 'fastify';
 import { errorFields } from '../errors.ts';
+import { structuredMask } from '../log.ts';
 
 /** One server-sent event; `data` may span lines (each becomes its own `data:` line). */
 export interface SseEvent {
@@ -25,6 +26,14 @@ const HEARTBEAT_MS = 15_000;
  * end a `data:` line early and start a bogus field. Each of the three becomes a line of its own
  * (the client joins them with LF); HTML fragments escape their CRs (`esc`) and arrive unchanged.
  */
+/**
+ * A frame with the secrets masked in its data lines (structuredMask: a JSON event by its values,
+ * never its field names), its event name and id (idem's own) left as they are.
+ */
+function maskedFrame(text: string, mask: (text: string) => string): string {
+  return text.replace(/^data: (.*)$/gm, (_, data: string) => `data: ${mask(data)}`);
+}
+
 function frame(e: SseEvent): string {
   return `event: ${e.event}\n${e.id === undefined ? '' : `id: ${e.id}\n`}${e.data.split(/\r\n|\r|\n/).map((l) => `data: ${l}`).join('\n')}\n\n`;
 }
@@ -57,6 +66,8 @@ export function streamEvents(
   res.write('retry: 2000\n\n');
   let closed = false;
   const last = new Map<string, string>();
+  const dataMask = structuredMask(opts.mask);
+  const maskFrame = (text: string) => maskedFrame(text, dataMask);
   let timer: NodeJS.Timeout | undefined;
   let lastWrite = Date.now();
   const socket = request.raw.socket;
@@ -79,7 +90,7 @@ export function streamEvents(
       const frames = events.map(frame);
       const changed = frames.filter((text, i) => text !== last.get(events[i]!.event));
       if (changed.length) {
-        res.write(opts.mask(changed.join('')));
+        res.write(changed.map(maskFrame).join(''));
         events.forEach((e, i) => last.set(e.event, frames[i]!));
         lastWrite = Date.now();
       } else if (Date.now() - lastWrite > HEARTBEAT_MS) {
