@@ -1,9 +1,13 @@
+import { testHookMs } from '../test-hooks.ts';
 import type { Command } from 'commander';
 import { positiveInt } from '../cli-parsers.ts';
 import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
 import { describeOutcome } from '../describe-outcome.ts';
 import { BusyError, errorFields, ExitCode, IdemError, InterruptedError } from '../errors.ts';
 import { noScheduledJobs, scheduledJobs } from './crontab.ts';
+
+/** How long cron's slots may meet a standby before it says so as an error (IDEM_STANDBY_ALARM_MS for tests). */
+const STANDBY_ALARM_MS = testHookMs('IDEM_STANDBY_ALARM_MS') ?? 10 * 60_000;
 
 /** `idem cron`: the schedules in this process, for containers without cron. */
 export function registerCronCommand(program: Command, cli: CliContext): void {
@@ -28,8 +32,9 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
         await assertNotStandby(runner.db);
         const signals = installSignals(log, g.shutdownTimeout, force);
         log.info({ jobs: entries.map((e) => `${e.job} (${e.schedule.expression})`) }, 'idem cron started');
-        // Slots (job@key) whose run met a standby, said once: a failover can take minutes of tries.
-        const onStandby = new Set<string>();
+        // Jobs whose slots meet a standby: since when, and whether that was said as an error. Keyed
+        // by job (bounded by the jobs), not by slot: kept slots beyond 24 drop without a word.
+        const onStandby = new Map<string, { since: number; loud: boolean }>();
         await runCronLoop({
           entries,
           signal: signals.stop,
@@ -44,23 +49,28 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
               const other = runs.find((r) => r.runKey !== key && r.state === 'running');
               throw new SlotBehindError(err, other ? `run key ${other.runKey}` : 'another process');
             });
-            onStandby.delete(`${name}@${key}`);
+            onStandby.delete(name);
             log.info({ job: name, slot: key, status: out.status, executed: out.executed }, describeOutcome(out));
           }),
           onError: (name, slot, err, again, retryInMs) => {
             if (signals.stop.aborted) return;
             // The database could not be reached (down, restarting, failing over, full): the run did
             // not start, and the slot is tried again until it does.
-            const standby = `${name}@${slotKey(slot)}`;
             if (retryInMs !== undefined && err instanceof IdemError && err.code === 'idem.standby') {
               // The server answers, but as a standby (a failover under way): tried again like an
-              // unreachable database, said once for the slot.
-              if (onStandby.has(standby)) return;
-              onStandby.add(standby);
-              log.warn({ job: name, slot: slotKey(slot), err: errorFields(err) }, `scheduled run could not start: the database is a standby (in recovery), as during a failover; it is tried again in ${Math.max(1, Math.round(retryInMs / 1000))} s, then until it is a primary again`);
+              // unreachable database, said once (a warning); still a standby after STANDBY_ALARM_MS,
+              // it is more likely DATABASE_URL naming a standby than a failover: said as an error, once.
+              const seen = onStandby.get(name);
+              if (!seen) {
+                onStandby.set(name, { since: Date.now(), loud: false });
+                log.warn({ job: name, slot: slotKey(slot), err: errorFields(err) }, `scheduled run could not start: the database is a standby (in recovery), as during a failover; it is tried again in ${Math.max(1, Math.round(retryInMs / 1000))} s, then until it is a primary again`);
+              } else if (!seen.loud && Date.now() - seen.since >= STANDBY_ALARM_MS) {
+                seen.loud = true;
+                log.error({ job: name, slot: slotKey(slot), err: errorFields(err) }, `scheduled runs have not started for ${Math.round((Date.now() - seen.since) / 60_000)} min: the database is still a standby (in recovery); if DATABASE_URL names a standby, point it at the primary; slots are still tried until it is one`);
+              }
               return;
             }
-            onStandby.delete(standby);
+            onStandby.delete(name);
             if (retryInMs !== undefined) {
               log.warn({ job: name, slot: slotKey(slot), err: errorFields(err) }, `scheduled run could not start: the database could not be reached; it is tried again in ${Math.max(1, Math.round(retryInMs / 1000))} s, then until it starts`);
               return;
