@@ -5,7 +5,7 @@ import pg from 'pg';
 import { isConnectionTrouble, isRetryable, noConnectionFree } from './retry.ts';
 import { sleep } from './sleep.ts';
 import { testHookMs } from './test-hooks.ts';
-import { WORKER } from './worker-identity.ts';
+import { POSTGRES_NAME_BYTES, WORKER } from './worker-identity.ts';
 import type { Logger } from 'pino';
 import { codeOf, DatabaseUnavailableError, errorFields, type IdemError, messageOf, UsageError } from './errors.ts';
 import { identInSql } from './table-name.ts';
@@ -132,14 +132,15 @@ function refuseUnknownSslSetting(connectionString: string, source: string): void
   } catch {
     return; // pg's own parse fails too: describeConnectError's invalidDatabaseUrl
   }
-  const modes = SSL_MODES.join(', ').replace(/, (?=[^,]*$)/, ' or ');
+  const orList = (values: readonly string[]) => values.join(', ').replace(/, (?=[^,]*$)/, ' or ');
+  const modes = orList(SSL_MODES);
   const said = (key: string, value: string) => redactSecrets(`${key}=${value.length > 40 ? `${value.slice(0, 40)}…` : value}`, connectionString);
   for (const value of query.getAll('sslmode')) {
     if (!SSL_MODES.includes(value)) throw new UsageError('invalidDatabaseUrl', `${source} has ${said('sslmode', value)}, which pg does not know; use sslmode=${modes} (or leave it out)`);
   }
   for (const value of query.getAll('ssl')) {
     if (!SSL_VALUES.includes(value)) {
-      throw new UsageError('invalidDatabaseUrl', `${source} has ${said('ssl', value)}, which pg does not know; use ssl=${SSL_VALUES.join(', ').replace(/, (?=[^,]*$)/, ' or ')}, or sslmode= (${modes})`);
+      throw new UsageError('invalidDatabaseUrl', `${source} has ${said('ssl', value)}, which pg does not know; use ssl=${orList(SSL_VALUES)}, or sslmode= (${modes})`);
     }
   }
 }
@@ -426,9 +427,6 @@ function idleSessionTimeout(ms: number): string {
  */
 export const sessionSetupOf = new WeakMap<object, string>();
 
-/** PostgreSQL keeps the first 63 bytes of an application_name (NAMEDATALEN - 1) and drops the rest. */
-const APPLICATION_NAME_BYTES = 63;
-
 /**
  * The application_name of one of idem's sessions: `idem host:pid` for the work pool's, `idem-lock
  * host:pid` for the lock's, so pg_stat_activity tells an operator which worker a backend belongs
@@ -437,7 +435,7 @@ const APPLICATION_NAME_BYTES = 63;
  */
 export function sessionName(kind: 'idem' | 'idem-lock', holder = WORKER): string {
   const chars = [...`${kind} ${holder}`];
-  while (Buffer.byteLength(chars.join('')) > APPLICATION_NAME_BYTES) chars.pop();
+  while (Buffer.byteLength(chars.join('')) > POSTGRES_NAME_BYTES) chars.pop();
   return chars.join('');
 }
 

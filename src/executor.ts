@@ -473,7 +473,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
             if (counted) ({ tries: n, delayMs: delay } = counted);
           }
           tries.set(chunk.seq, n);
-          if (isRetryable(err) && n < retry.attempts && !opts.stop.aborted) {
+          if (transient && n < retry.attempts && !opts.stop.aborted) {
             delay ??= backoffDelay(n, retry);
             log.warn({ chunk: step.chunks ? chunk.key : null, tries: n, delayMs: delay, err: errorFields(err) }, 'transient error, retrying chunk');
             cooling.add(chunk.seq);
@@ -483,7 +483,7 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
             retrySeq = chunk.seq;
             continue;
           }
-          if (isRetryable(err) && n < retry.attempts) {
+          if (transient && n < retry.attempts) {
             // Stopping (a first signal) as a chunk in flight met a transient error (its connection
             // lost): no new try starts here, and the chunk did not fail for good. The worker stops
             // as the signal says, the run interrupted, not failed; the rerun or another worker

@@ -4,13 +4,18 @@
 export const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/;
 
 /**
- * Characters that show as nothing, or as a plain space, so that two keys differing by one look the
- * same: the zero-width ones (space, non-joiner, joiner outside an emoji sequence such as 👩‍💻, word
- * joiner, byte order mark, and the left-to-right, right-to-left and Arabic letter marks), the soft
- * hyphen and the non-ASCII spaces (no-break, ideographic). Shown as `\uHHHH` (keyLabel, and
- * text-table.ts's `visible` for every text output).
+ * The characters no text needs to show as nothing: the zero-width space, word joiner, byte order
+ * mark, soft hyphen, and a joiner outside an emoji sequence such as 👩‍💻.
  */
-export const INVISIBLE = /[\u00a0\u00ad\u061c\u200b\u200c\u200e\u200f\u2060\u3000\ufeff]|(?<![\p{Extended_Pictographic}\p{Emoji_Modifier}\ufe0f])\u200d|\u200d(?!\p{Extended_Pictographic})/u;
+export const ZERO_WIDTH = /[\u00ad\u200b\u2060\ufeff]|(?<![\p{Extended_Pictographic}\p{Emoji_Modifier}\ufe0f])\u200d|\u200d(?!\p{Extended_Pictographic})/u;
+
+/**
+ * Characters that show as nothing, or as a plain space, so that two keys differing by one look the
+ * same: ZERO_WIDTH, and those ordinary in free text (the non-joiner, the left-to-right, right-to-left
+ * and Arabic letter marks, the no-break and ideographic spaces). Shown as `\uHHHH` (keyLabel, and
+ * text-table.ts's `visible` for every text output of a stored value).
+ */
+export const INVISIBLE = new RegExp(`[\\u00a0\\u061c\\u200c\\u200e\\u200f\\u3000]|${ZERO_WIDTH.source}`, 'u');
 
 /**
  * A chunk key as a message quotes it: as is, or JSON-quoted when it holds a control character, a

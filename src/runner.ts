@@ -22,7 +22,7 @@ import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
 import { checkRunKey } from './run-key.ts';
 import { unknownKeys } from './suggest.ts';
-import { WORKER } from './worker-identity.ts';
+import { POSTGRES_NAME_BYTES, WORKER } from './worker-identity.ts';
 
 /** Default size of the work pool (RunnerOptions.poolSize). */
 export const DEFAULT_POOL_SIZE = 10;
@@ -55,9 +55,6 @@ function refuseBadOptions(given: unknown): void {
   if (problems.length > 0) throw new UsageError('invalidOptions', `Runner.connect(): invalid options: ${problems.join('; ')}`);
 }
 
-/** PostgreSQL keeps the first 63 bytes of an identifier (NAMEDATALEN - 1) and drops the rest, silently. */
-const MAX_IDENTIFIER_BYTES = 63;
-
 /**
  * A schema name idem may keep its tables under: a plain identifier (it is quoted as given), not a
  * system schema (`pg_*`, where PostgreSQL refuses or a superuser would write into its catalogs;
@@ -68,10 +65,10 @@ function refuseSchemaName(schema: string): void {
   if (!/^[a-z_][a-z0-9_]*$/i.test(schema)) {
     throw new UsageError('invalidSchema', `schema name ${JSON.stringify(schema)} is not a plain identifier; use letters, digits and _`);
   }
-  if (schema.length > MAX_IDENTIFIER_BYTES) {
+  if (schema.length > POSTGRES_NAME_BYTES) {
     throw new UsageError(
       'invalidSchema',
-      `schema name "${schema.slice(0, 40)}…" is ${schema.length} bytes long, and PostgreSQL keeps the first ${MAX_IDENTIFIER_BYTES} of a name (two long names could meet in one schema); use a name of at most ${MAX_IDENTIFIER_BYTES} bytes`,
+      `schema name "${schema.slice(0, 40)}…" is ${schema.length} bytes long, and PostgreSQL keeps the first ${POSTGRES_NAME_BYTES} of a name (two long names could meet in one schema); use a name of at most ${POSTGRES_NAME_BYTES} bytes`,
     );
   }
   const system = schema.startsWith('pg_') ? 'the pg_ prefix is reserved' : schema === 'information_schema' ? "the SQL standard's catalog views" : null;

@@ -1,5 +1,5 @@
 import { columns, padColumns } from './display-width.ts';
-import { INVISIBLE } from './key-label.ts';
+import { INVISIBLE, ZERO_WIDTH } from './key-label.ts';
 
 /** Rows of aligned columns, as `idem status` and `idem list` print them. */
 export interface TextTable {
@@ -33,15 +33,15 @@ export function textTable(rows: ReadonlyArray<readonly string[]>): TextTable {
  * and the characters that show as nothing or as a plain space (key-label.ts's INVISIBLE: a zero-width
  * space, a soft hyphen, a no-break space), so that two keys differing by one do not look the same.
  */
-const UNSAFE = new RegExp(`[\\u0000-\\u001f\\u007f-\\u009f\\u2028\\u2029\\u202a-\\u202e\\u2066-\\u2069]|${INVISIBLE.source}`, 'gu');
+const CONTROLS = '[\\u0000-\\u001f\\u007f-\\u009f\\u2028\\u2029\\u202a-\\u202e\\u2066-\\u2069]';
+const UNSAFE = new RegExp(`${CONTROLS}|${INVISIBLE.source}`, 'gu');
 const NAMED: Record<string, string> = { '\n': '\\n', '\r': '\\r', '\t': '\\t' };
 /**
- * UNSAFE without the characters that are ordinary in free text (no-break and ideographic spaces,
- * the zero-width non-joiner, the direction marks): a log message's `1\u00a0234` of a Russian
- * number format, a Persian word, a Hebrew sentence's marks. The zero-width space, word joiner,
- * byte order mark, soft hyphen and a stray joiner stay escaped.
+ * UNSAFE without the characters that are ordinary in free text (key-label.ts's ZERO_WIDTH in
+ * place of INVISIBLE): a log message's `1\u00a0234` of a Russian number format, a Persian word, a
+ * Hebrew sentence's marks.
  */
-const UNSAFE_IN_TEXT = new RegExp(`[\\u0000-\\u001f\\u007f-\\u009f\\u2028\\u2029\\u202a-\\u202e\\u2066-\\u2069\\u00ad\\u200b\\u2060\\ufeff]|(?<![\\p{Extended_Pictographic}\\p{Emoji_Modifier}\\ufe0f])\\u200d|\\u200d(?!\\p{Extended_Pictographic})`, 'gu');
+const UNSAFE_IN_TEXT = new RegExp(`${CONTROLS}|${ZERO_WIDTH.source}`, 'gu');
 
 /**
  * `s` with every such character escaped visibly: `\n`, `\r`, `\t`, else `\xHH` (C0, DEL, C1) or

@@ -8,8 +8,14 @@ import { hostname } from 'node:os';
  */
 export const INIT_PID_NAMESPACE = 'pid:[4026531836]';
 
-/** The longest name that fits PostgreSQL's application_name (63 bytes) after `idem-lock `. */
-const NAME_BYTES = 63 - 'idem-lock '.length;
+/**
+ * PostgreSQL keeps the first 63 bytes of a name (NAMEDATALEN - 1): an identifier, an
+ * application_name. It drops the rest silently.
+ */
+export const POSTGRES_NAME_BYTES = 63;
+
+/** The longest name that fits PostgreSQL's application_name after `idem-lock `. */
+const NAME_BYTES = POSTGRES_NAME_BYTES - 'idem-lock '.length;
 
 /**
  * A worker's name: `host:pid`, and `host:pid/<8 hex>` for a process in a PID namespace other than

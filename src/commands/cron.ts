@@ -1,10 +1,10 @@
-import { testHookMs } from '../test-hooks.ts';
 import type { Command } from 'commander';
 import { positiveInt } from '../cli-parsers.ts';
 import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
 import { describeOutcome } from '../describe-outcome.ts';
 import { BusyError, errorFields, ExitCode, IdemError, InterruptedError } from '../errors.ts';
 import { noScheduledJobs, scheduledJobs } from './crontab.ts';
+import { testHookMs } from '../test-hooks.ts';
 
 /** How long cron's slots may meet a standby before it says so as an error (IDEM_STANDBY_ALARM_MS for tests). */
 const STANDBY_ALARM_MS = testHookMs('IDEM_STANDBY_ALARM_MS') ?? 10 * 60_000;

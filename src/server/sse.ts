@@ -26,16 +26,16 @@ const HEARTBEAT_MS = 15_000;
  * end a `data:` line early and start a bogus field. Each of the three becomes a line of its own
  * (the client joins them with LF); HTML fragments escape their CRs (`esc`) and arrive unchanged.
  */
+function frame(e: SseEvent): string {
+  return `event: ${e.event}\n${e.id === undefined ? '' : `id: ${e.id}\n`}${e.data.split(/\r\n|\r|\n/).map((l) => `data: ${l}`).join('\n')}\n\n`;
+}
+
 /**
  * A frame with the secrets masked in its data lines (structuredMask: a JSON event by its values,
  * never its field names), its event name and id (idem's own) left as they are.
  */
 function maskedFrame(text: string, mask: (text: string) => string): string {
   return text.replace(/^data: (.*)$/gm, (_, data: string) => `data: ${mask(data)}`);
-}
-
-function frame(e: SseEvent): string {
-  return `event: ${e.event}\n${e.id === undefined ? '' : `id: ${e.id}\n`}${e.data.split(/\r\n|\r|\n/).map((l) => `data: ${l}`).join('\n')}\n\n`;
 }
 
 /**
