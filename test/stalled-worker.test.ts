@@ -128,19 +128,32 @@ describe('a --join worker stopped (SIGSTOP) past the idle-in-transaction timeout
       { timeoutMs: 15_000 },
     );
 
-  it('the run succeeded meanwhile: it stays succeeded, with its one summary, and the stalled worker exits 0', async () => {
-    const key = 'stopped-until-done';
-    const chunks = 150;
+  /**
+   * Two workers on `key`; once both work, A is stopped (SIGSTOP, inside a chunk's JavaScript sleep
+   * almost surely: its SQL takes ~1 ms of the 60) until B has finished the run (exit 0) and the
+   * server has ended A's chunk sessions. Returns A, still stopped, and the run's row as B left it.
+   */
+  const stoppedUntilDone = async (key: string, chunks: number) => {
     const a = join(key, chunks, 60);
     const b = join(key, chunks, 60);
     try {
       await bothWorking(key, a, b);
-      // Inside a chunk's JavaScript sleep almost surely (the SQL of a chunk takes ~1 ms of its 60).
       a.child.kill('SIGSTOP');
       const rb = await b.done;
       expect(rb.code, rb.stderr).toBe(0);
       await sessionsEnded(a);
-      const before = await runRow(url, 'stall', key);
+      return { a, before: await runRow(url, 'stall', key) };
+    } catch (err) {
+      a.child.kill('SIGCONT');
+      throw err;
+    }
+  };
+
+  it('the run succeeded meanwhile: it stays succeeded, with its one summary, and the stalled worker exits 0', async () => {
+    const key = 'stopped-until-done';
+    const chunks = 150;
+    const { a, before } = await stoppedUntilDone(key, chunks);
+    try {
       expect(before).toMatchObject({ status: 'succeeded', error: null });
       a.child.kill('SIGCONT');
       const ra = await a.done;
@@ -160,15 +173,8 @@ describe('a --join worker stopped (SIGSTOP) past the idle-in-transaction timeout
     // connection gone) ended the run in place of the signal: exit 0, as if no signal had come.
     const key = 'stopped-two-sigterms';
     const chunks = 150;
-    const a = join(key, chunks, 60);
-    const b = join(key, chunks, 60);
+    const { a, before } = await stoppedUntilDone(key, chunks);
     try {
-      await bothWorking(key, a, b);
-      a.child.kill('SIGSTOP');
-      const rb = await b.done;
-      expect(rb.code, rb.stderr).toBe(0);
-      await sessionsEnded(a);
-      const before = await runRow(url, 'stall', key);
       a.child.kill('SIGCONT');
       a.child.kill('SIGTERM');
       await new Promise((r) => setTimeout(r, 5));
