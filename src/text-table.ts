@@ -34,7 +34,8 @@ export function textTable(rows: ReadonlyArray<readonly string[]>): TextTable {
  * space, a soft hyphen, a no-break space), so that two keys differing by one do not look the same.
  */
 const CONTROLS = '[\\u0000-\\u001f\\u007f-\\u009f\\u2028\\u2029\\u202a-\\u202e\\u2066-\\u2069]';
-const UNSAFE = new RegExp(`${CONTROLS}|${INVISIBLE.source}`, 'gu');
+/** What {@link visible} escapes: control, bidi-control and invisible characters. */
+export const UNSAFE = new RegExp(`${CONTROLS}|${INVISIBLE.source}`, 'gu');
 const NAMED: Record<string, string> = { '\n': '\\n', '\r': '\\r', '\t': '\\t' };
 /**
  * UNSAFE without the characters that are ordinary in free text (key-label.ts's ZERO_WIDTH in
@@ -53,11 +54,14 @@ export function visible(s: string): string {
   return escapeWith(s, UNSAFE);
 }
 
+/** One character as {@link visible} shows it: `\\n`, `\\x1b`, `\\u200b`. */
+export function escapedChar(ch: string): string {
+  const code = ch.charCodeAt(0);
+  return NAMED[ch] ?? (code <= 0x9f ? `\\x${code.toString(16).padStart(2, '0')}` : `\\u${code.toString(16).padStart(4, '0')}`);
+}
+
 function escapeWith(s: string, unsafe: RegExp): string {
-  return s.replace(unsafe, (ch) => {
-    const code = ch.charCodeAt(0);
-    return NAMED[ch] ?? (code <= 0x9f ? `\\x${code.toString(16).padStart(2, '0')}` : `\\u${code.toString(16).padStart(4, '0')}`);
-  });
+  return s.replace(unsafe, escapedChar);
 }
 
 /**

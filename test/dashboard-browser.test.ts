@@ -7,6 +7,7 @@ import pg from 'pg';
 import { chromium, type BrowserContext, type Page } from 'playwright-core';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { lockKey } from '../src/fingerprint.ts';
+import { visible } from '../src/text-table.ts';
 import { killLeftovers, query, REPO } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 import { api, startServe, TOKEN, type ServeProcess } from './support/server.ts';
@@ -351,13 +352,14 @@ describe('hostile text in run keys and errors (black-box round 12)', () => {
       expect(await page.locator('.panel-error pre').textContent()).toBe(message);
       expect(await page.locator('.panel-error table.steps').count()).toBe(0);
       expect(await page.locator('.live > .run-live > .two table.steps').count()).toBe(1);
-      expect(await page.locator('.run-head .key').textContent()).toBe(key);
+      // A key's control characters show as the terminal shows them (`\r`): two keys never look the same.
+      expect(await page.locator('.run-head .key').textContent()).toBe(visible(key));
       // On the dashboard, the Cancel button's confirm text holds the key, and no run card is inside another.
       await page.goto(`${server.base}/`);
       await expect.poll(liveState).toBe('live');
       expect(await page.locator('article.run article.run').count()).toBe(0);
-      expect(await page.locator(`article.run[data-run-id="${id}"] button[data-action=cancel]`).getAttribute('data-confirm')).toContain(key);
-      expect(await page.locator(`article.run[data-run-id="${id}"] .key`).textContent()).toBe(key);
+      expect(await page.locator(`article.run[data-run-id="${id}"] button[data-action=cancel]`).getAttribute('data-confirm')).toContain(visible(key));
+      expect(await page.locator(`article.run[data-run-id="${id}"] .key`).textContent()).toBe(visible(key));
     } finally {
       await query(url, `update idem.runs set status = 'cancelled' where id = $1`, [id]);
     }
@@ -391,7 +393,7 @@ describe('hostile text in run keys and errors (black-box round 12)', () => {
     }
   });
 
-  it('B3-3: a right-to-left override in a key, a chunk key or an error stays inside that text', async () => {
+  it('B3-3: a right-to-left override in a key, a chunk key or an error stays inside that text (in a key it is shown as its escape)', async () => {
     const RLO = '\u202E';
     const key = `rtl${RLO}abc-def`;
     const id = await runWith(key, `boom${RLO} reversed`, `c${RLO}01`);
@@ -420,7 +422,7 @@ describe('hostile text in run keys and errors (black-box round 12)', () => {
       // The job card: "last run <key> · <time>", the server's time left to right after the key.
       await page.goto(`${server.base}/`);
       const lastRun = 'article.job[data-job="counted"] p.muted.small';
-      expect(await page.locator(`${lastRun} a`).textContent()).toBe(key);
+      expect(await page.locator(`${lastRun} a`).textContent()).toBe(visible(key)); // rtl\u202eabc-def
       const keyBox = (await page.locator(`${lastRun} a`).boundingBox())!;
       const time = await textBox(`${lastRun} time`, ':');
       expect(time.first, 'the time comes after the key').toBeGreaterThanOrEqual(keyBox.x + keyBox.width - 1);

@@ -577,6 +577,23 @@ describe('reads', () => {
     expect(answers.at(-1)).toContain('***-http');
   });
 
+  it('a run key differing from another only by an invisible character shows that character on the dashboard, as the terminal does', async () => {
+    // Left from black-box round 13 (B2-11): the terminal shows U+200B as \u200b, the dashboard
+    // showed it as nothing, so "ab" and "a\u200bb" were two cards that looked the same.
+    const keys = ['dash-zw-a\u200bb', 'dash-zw-a\u00a0b', 'dash-zw-a\u001bb'];
+    const ids: string[] = [];
+    // An HTTP header cannot carry such a key: `idem run --key` can.
+    for (const key of keys) {
+      const [row] = await query<{ id: string }>(url, `insert into idem.runs (job, run_key, params, fingerprint, status) values ('counted', $1, '{}', 'x', 'succeeded') returning id::text`, [key]);
+      ids.push(row!.id);
+    }
+    for (const [i, shown] of ['\\u200b', '\\u00a0', '\\x1b'].entries()) {
+      const page = (await api(server.base, 'GET', `/runs/${ids[i]}`)).text;
+      expect(page).toContain(`dash-zw-a<span class="esc" title="invisible or control character U+${shown.slice(2).toUpperCase().padStart(4, '0')}">${shown}</span>b`);
+      expect(page).not.toContain(keys[i]);
+    }
+  });
+
   it('GET /metrics speaks Prometheus text, labelled by job and step, never by key', async () => {
     const created = await post('k-metrics', { chunks: 2 });
     expect(created.status).toBe(201);

@@ -36,6 +36,7 @@ h2{font-size:13px;text-transform:uppercase;letter-spacing:.06em;color:var(--mute
 .card-head{display:flex;align-items:center;justify-content:space-between;gap:10px}
 .title{font-weight:650;font-size:16px;color:var(--text);overflow:hidden;text-overflow:ellipsis;white-space:nowrap}
 .key{color:var(--muted);font-size:12.5px;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;margin:2px 0 10px}
+.esc{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;color:var(--accent);background:var(--accent-soft);border-radius:3px;padding:0 2px}
 .tag{display:inline-block;font-size:12px;font-weight:600;line-height:1;padding:5px 9px;border-radius:999px;background:var(--idle-soft);color:var(--idle);white-space:nowrap;text-transform:lowercase}
 .tag-running{background:var(--accent-soft);color:var(--accent)}
 .tag-running::before{content:"";display:inline-block;width:7px;height:7px;border-radius:50%;background:currentColor;margin-right:6px;vertical-align:1px;animation:pulse 1.4s ease-in-out infinite}

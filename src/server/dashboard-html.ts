@@ -1,4 +1,5 @@
 import type { Job } from '../job.ts';
+import { escapedChar, UNSAFE, visible } from '../text-table.ts';
 import type { RunView } from './run-view.ts';
 
 /**
@@ -16,6 +17,23 @@ export function esc(value: unknown): string {
  */
 export function userText(value: unknown): string {
   return `<bdi>${esc(value)}</bdi>`;
+}
+
+/**
+ * A key (run or chunk) as {@link userText}, but each control, bidi-control or invisible character
+ * (U+200B, a no-break space…) shown as its escape, `\u200b`, as the terminal shows it (text-table.ts's
+ * `visible`): two keys that differ by one never look the same.
+ */
+export function keyText(value: unknown): string {
+  const s = String(value ?? '');
+  let html = '';
+  let from = 0;
+  for (const m of s.matchAll(UNSAFE)) {
+    const code = m[0].charCodeAt(0).toString(16).toUpperCase().padStart(4, '0');
+    html += `${esc(s.slice(from, m.index))}<span class="esc" title="invisible or control character U+${code}">${escapedChar(m[0])}</span>`;
+    from = m.index + m[0].length;
+  }
+  return `<bdi>${html}${esc(s.slice(from))}</bdi>`;
 }
 
 /** UTC time, with the date when it is not today: absolute, so a live fragment only changes with the run. */
@@ -59,11 +77,11 @@ export function actions(r: RunView): string {
   // (a refusal, 409, would otherwise be all the button ever gets).
   const withNewCode =
     r.codeChanged && r.viaApi
-      ? ` data-body="${esc(JSON.stringify({ allowChangedCode: true }))}" data-confirm="${esc(`The code of job ${r.job} changed since run ${r.key} started. Resume it with the new code? Only if the change is safe for the chunks already done.`)}"`
+      ? ` data-body="${esc(JSON.stringify({ allowChangedCode: true }))}" data-confirm="${esc(`The code of job ${r.job} changed since run ${visible(r.key)} started. Resume it with the new code? Only if the change is safe for the chunks already done.`)}"`
       : '';
   if (r.state === 'paused' || r.requested === 'pause' || continuable) b.push(`<button type="button" class="btn" data-action="resume" data-run="${esc(r.id)}"${withNewCode}>Resume</button>`);
   if (!['succeeded', 'cancelled', 'deleting'].includes(r.state) && r.requested !== 'cancel') {
-    b.push(`<button type="button" class="btn btn-danger" data-action="cancel" data-run="${esc(r.id)}" data-confirm="Cancel run ${esc(r.key)} of ${esc(r.job)}? Finished chunks are kept; the run never continues.">Cancel</button>`);
+    b.push(`<button type="button" class="btn btn-danger" data-action="cancel" data-run="${esc(r.id)}" data-confirm="Cancel run ${esc(visible(r.key))} of ${esc(r.job)}? Finished chunks are kept; the run never continues.">Cancel</button>`);
   }
   return b.length ? `<div class="actions">${b.join('')}</div>` : '';
 }
@@ -84,7 +102,7 @@ export function runCard(r: RunView): string {
   const pct = r.progress.percent;
   return `<article class="card run" data-run-id="${esc(r.id)}" data-state="${esc(r.state)}">
   <header class="card-head"><a class="title" href="/runs/${esc(r.id)}">${esc(r.job)}</a>${stateTag(r.state)}</header>
-  <div class="key" title="run key (Idempotency-Key)">${userText(r.key)}</div>
+  <div class="key" title="run key (Idempotency-Key)">${keyText(r.key)}</div>
   ${progressBar(pct, `progress of run ${r.id}`)}
   <div class="progress-line"><span class="pct">${pct === null ? '…' : `${pct}%`}</span><span>${esc(chunkText(r))}</span>${progressNotes(r)}</div>
   ${facts([
@@ -95,7 +113,7 @@ export function runCard(r: RunView): string {
     ['started', when(r.startedAt ?? r.createdAt)],
     ['finished', when(r.finishedAt)],
   ])}
-  ${r.error ? `<p class="error-line" title="${esc(r.error.message)}">✖ ${userText(r.error.step)}${r.error.chunk ? ` · ${userText(r.error.chunk)}` : ''}: ${userText(r.error.message)}</p>` : ''}
+  ${r.error ? `<p class="error-line" title="${esc(r.error.message)}">✖ ${userText(r.error.step)}${r.error.chunk ? ` · ${keyText(r.error.chunk)}` : ''}: ${userText(r.error.message)}</p>` : ''}
   ${r.codeChanged ? `<p class="error-line" title="${esc(r.codeChanged.detail)}">⚠ code changed since the run started: ${userText(r.codeChanged.detail)}</p>` : ''}
   ${actions(r)}
 </article>`;
@@ -192,7 +210,7 @@ function jobStatus(name: string, last: RunView | undefined): { readonly tag: str
   return {
     tag: last ? stateTag(last.state, attr('data-job-tag')) : `<span class="tag tag-new"${attr('data-job-tag')}>new</span>`,
     line: last
-      ? `<p class="muted small"${attr('data-job-last')}>last run <a href="/runs/${esc(last.id)}">${userText(last.key)}</a> · ${when(last.updatedAt)}</p>`
+      ? `<p class="muted small"${attr('data-job-last')}>last run <a href="/runs/${esc(last.id)}">${keyText(last.key)}</a> · ${when(last.updatedAt)}</p>`
       : `<p class="muted small"${attr('data-job-last')} hidden></p>`,
   };
 }
@@ -268,12 +286,12 @@ export function runLive(r: RunView): string {
     .join('');
   const skipped = r.skipped?.length
     ? `<table class="table skipped"><thead><tr><th class="c-step">step</th><th class="c-chunk">chunk</th><th class="c-tries num">tries</th><th>error</th></tr></thead><tbody>${r.skipped
-        .map((k) => `<tr><td>${userText(k.step)}</td><td class="mono">${userText(k.key)}</td><td class="num">${k.attempts}</td><td><div class="cell-text">${userText(k.error)}</div></td></tr>`)
+        .map((k) => `<tr><td>${userText(k.step)}</td><td class="mono">${keyText(k.key)}</td><td class="num">${k.attempts}</td><td><div class="cell-text">${userText(k.error)}</div></td></tr>`)
         .join('')}</tbody></table>`
     : '<p class="empty">None.</p>';
   const pct = r.progress.percent;
   return `<div class="run-live" data-state="${esc(r.state)}"><div class="run-head" data-run-id="${esc(r.id)}" data-state="${esc(r.state)}">
-  <div class="run-title"><h1>${esc(r.job)} ${stateTag(r.state)}</h1><div class="key">${userText(r.key)}</div></div>
+  <div class="run-title"><h1>${esc(r.job)} ${stateTag(r.state)}</h1><div class="key">${keyText(r.key)}</div></div>
   ${actions(r)}
 </div>
 <section class="panel">
@@ -290,7 +308,7 @@ export function runLive(r: RunView): string {
     ['effects', r.effects ? `${r.effects.done} done${r.effects.started ? `, ${r.effects.started} open` : ''}` : '—'],
   ])}
 </section>
-${r.error ? `<section class="panel panel-error"><h2>Last error</h2><p><strong>${userText(r.error.step)}${r.error.chunk ? ` · chunk ${userText(r.error.chunk)}` : ''}</strong> after ${esc(r.error.tries)} ${r.error.tries === 1 ? 'try' : 'tries'}${r.error.code ? ` <span class="mono">(${userText(r.error.code)})</span>` : ''}</p><pre>${userText(r.error.message)}</pre><p class="muted small">${when(r.error.at)}</p></section>` : ''}
+${r.error ? `<section class="panel panel-error"><h2>Last error</h2><p><strong>${userText(r.error.step)}${r.error.chunk ? ` · chunk ${keyText(r.error.chunk)}` : ''}</strong> after ${esc(r.error.tries)} ${r.error.tries === 1 ? 'try' : 'tries'}${r.error.code ? ` <span class="mono">(${userText(r.error.code)})</span>` : ''}</p><pre>${userText(r.error.message)}</pre><p class="muted small">${when(r.error.at)}</p></section>` : ''}
 ${r.codeChanged ? `<section class="panel panel-error"><h2>Code changed since the run started</h2><p>It does not resume on its own: its job's code is <span class="mono">${esc(r.codeChanged.to)}</span>, its last attempt ran <span class="mono">${esc(r.codeChanged.from)}</span>.</p><pre>${userText(r.codeChanged.detail)}</pre></section>` : ''}
 <div class="two">
   <section class="panel"><h2>Steps</h2><table class="table steps"><thead><tr><th>step</th><th>status</th><th class="bar-cell">progress</th><th class="num">chunks</th></tr></thead><tbody>${steps || '<tr><td colspan="4" class="empty">not started</td></tr>'}</tbody></table></section>

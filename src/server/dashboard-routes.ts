@@ -7,6 +7,7 @@ import { HttpProblem } from './problem.ts';
 import type { RunStatus } from '../store.ts';
 import type { ServerContext } from './server-context.ts';
 import { streamEvents } from './sse.ts';
+import { visible } from '../text-table.ts';
 
 /**
  * The dashboard's lists by stored status. Active: runs that move or wait for an operator (a
@@ -86,7 +87,7 @@ export function registerDashboardRoutes(app: FastifyInstance, ctx: ServerContext
     const json = JSON.stringify(run.params, null, 2).replace(/[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g, (c) => `\\u${c.charCodeAt(0).toString(16).padStart(4, '0')}`);
     const params = `<section class="panel"><h2>Params</h2><pre>${esc(json)}</pre><p class="muted small mono">${esc(run.fingerprint)}</p></section>`;
     // FSI … PDI: a bidi control in the key reorders nothing else of the title.
-    const html = page(`${run.job} \u2068${run.key}\u2069`, runLive(run), params, { liveUrl: `/runs/${run.id}/live`, publicRead: ctx.publicRead });
+    const html = page(`${run.job} \u2068${visible(run.key)}\u2069`, runLive(run), params, { liveUrl: `/runs/${run.id}/live`, publicRead: ctx.publicRead });
     return reply.type('text/html; charset=utf-8').header('content-security-policy', csp).header('cache-control', 'no-store').send(html);
   });
 
