@@ -411,6 +411,12 @@ export interface CronLoopOptions {
    * database that answers as a standby, during a failover.
    */
   readonly waitsForDatabase?: (err: unknown) => boolean;
+  /**
+   * Gets each slot dropped from the kept ones, the oldest, when more than `MAX_RETRY_SLOTS` of a
+   * job wait to be tried again (a database down for more ticks than that): nothing tries it again,
+   * so it is said. Defaults to one line on stderr.
+   */
+  readonly onDropped?: (job: string, slot: Date) => void;
 }
 
 /** Most failed slots per job kept for retry by the cron loop; older ones are left to --catch-up. */
@@ -464,6 +470,15 @@ export class SlotBehindError extends Error {
   }
 }
 
+function reportDropToStderr(job: string, slot: Date): void {
+  process.stderr.write(`idem cron: ${droppedSlotMessage(job, slot)}\n`);
+}
+
+/** What `idem cron` says of a slot dropped from the retries (see `onDropped`). */
+export function droppedSlotMessage(job: string, slot: Date): string {
+  return `job "${job}" slot ${slotKey(slot)} is no longer tried again: more than ${MAX_RETRY_SLOTS} of its slots wait for a retry; run it by hand (idem run ${shellQuote(job)} --key ${slotKey(slot)}) or with --catch-up`;
+}
+
 function reportToStderr(job: string, slot: Date, err: unknown): void {
   process.stderr.write(`idem cron: job "${job}" slot ${slotKey(slot)} failed: ${messageOf(err)}\n`);
 }
@@ -488,6 +503,7 @@ export async function runCronLoop(opts: CronLoopOptions): Promise<void> {
   }
   const retryFailed = opts.retryFailed ?? retryByDefault;
   const waitsForDatabase = opts.waitsForDatabase ?? couldNotStartYet;
+  const onDropped = opts.onDropped ?? reportDropToStderr;
   if (signal.aborted) return;
   // Every job's loop sleeps on the signal at once: not a listener leak past Node's default of 10.
   setMaxListeners(Math.max(getMaxListeners(signal), entries.length + 10), signal);
@@ -527,7 +543,14 @@ export async function runCronLoop(opts: CronLoopOptions): Promise<void> {
         if (again) {
           kept.push({ slot, unreachable });
           kept.sort((a, b) => a.slot.getTime() - b.slot.getTime());
-          if (kept.length > MAX_RETRY_SLOTS) kept.shift();
+          if (kept.length > MAX_RETRY_SLOTS) {
+            const dropped = kept.shift()!;
+            try {
+              onDropped(job, dropped.slot);
+            } catch {
+              // A failing reporter must not end the scheduler either.
+            }
+          }
         }
         try {
           onError(job, slot, err, again, retryInMs);

@@ -7,6 +7,7 @@ import {
   couldNotReachDatabase,
   couldNotStartYet,
   latestSlot,
+  MAX_RETRY_SLOTS,
   parseCatchUp,
   parseSchedule,
   renderCrontab,
@@ -417,6 +418,33 @@ describe('runCronLoop', () => {
     });
     expect(h2.calls).toEqual(['hourly@2026-11-30T10:00:00Z', 'hourly@2026-11-30T11:00:00Z', 'hourly@2026-11-30T12:00:00Z']);
     expect(refusals).toEqual(['2026-11-30T10:00:00Z again=false retryInMs=undefined']);
+  });
+
+  it('past MAX_RETRY_SLOTS kept slots, the oldest dropped is said (onDropped), naming the slot; the rest still run', async () => {
+    // Left from black-box round 13: a database down longer than 24 ticks dropped the oldest kept
+    // slots without a word, so nobody knew to run them by hand.
+    const unreachable = () => new DatabaseUnavailableError('cannot reach the database at postgres://db/app: connection refused; start the server or fix DATABASE_URL', { cause: Object.assign(new Error('connect ECONNREFUSED 127.0.0.1:5432'), { code: 'ECONNREFUSED' }) });
+    // Down from 10:00:30 to 10:27:10: the 27 slots 10:01 … 10:27 cannot start; 24 are kept.
+    const h = harness('2026-11-30T10:00:20Z', '2026-11-30T10:28:30Z');
+    const down = (t: Date) => t >= at('2026-11-30T10:00:30Z') && t < at('2026-11-30T10:27:10Z');
+    const ran: string[] = [];
+    const dropped: string[] = [];
+    await runCronLoop({
+      entries: [{ job: 'minutely', schedule: parseSchedule('* * * * *') }],
+      runSlot: async (_job, slot) => {
+        if (down(h.now())) throw unreachable();
+        ran.push(slotKey(slot));
+      },
+      onError: () => {},
+      onDropped: (job, slot) => void dropped.push(`${job}@${slotKey(slot)} at ${h.now().toISOString().slice(11, 16)}`),
+      signal: h.controller.signal,
+      now: h.now,
+      sleep: h.sleep,
+    });
+    expect(MAX_RETRY_SLOTS).toBe(24);
+    expect(dropped).toEqual(['minutely@2026-11-30T10:01:00Z at 10:25', 'minutely@2026-11-30T10:02:00Z at 10:26', 'minutely@2026-11-30T10:03:00Z at 10:27']);
+    const minute = (m: number) => `2026-11-30T10:${String(m).padStart(2, '0')}:00Z`;
+    expect(ran).toEqual([minute(0), ...Array.from({ length: 25 }, (_, i) => minute(i + 4))]);
   });
 
   it('a slot whose run met a standby (a failover under way) is tried again with the same backoff until the server is primary again', async () => {

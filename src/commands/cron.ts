@@ -17,7 +17,7 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
     .option('--max-runs <n>', 'runs of different jobs executed at once by this process (the others wait their turn)', positiveInt(64), 4)
     .action((o: { maxRuns: number }) =>
       cli.runWithSession(async (g, log, session, force) => {
-        const { assertNotStandby, loadJobDir, runCronLoop, slotKey, SlotBehindError } = await import('../cli-runtime.ts');
+        const { assertNotStandby, droppedSlotMessage, loadJobDir, runCronLoop, slotKey, SlotBehindError } = await import('../cli-runtime.ts');
         // Each job keeps its own schedule, side by side; at most this many of their runs at once,
         // on a pool sized for them as idem serve's is (--max-runs × a run's connections + 4).
         const { default: pLimit } = await import('p-limit');
@@ -33,7 +33,7 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
         const signals = installSignals(log, g.shutdownTimeout, force);
         log.info({ jobs: entries.map((e) => `${e.job} (${e.schedule.expression})`) }, 'idem cron started');
         // Jobs whose slots meet a standby: since when, and whether that was said as an error. Keyed
-        // by job (bounded by the jobs), not by slot: kept slots beyond 24 drop without a word.
+        // by job (bounded by the jobs), not by slot.
         const onStandby = new Map<string, { since: number; loud: boolean }>();
         await runCronLoop({
           entries,
@@ -52,6 +52,7 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
             onStandby.delete(name);
             log.info({ job: name, slot: key, status: out.status, executed: out.executed }, describeOutcome(out));
           }),
+          onDropped: (name, slot) => log.error({ job: name, slot: slotKey(slot) }, droppedSlotMessage(name, slot)),
           onError: (name, slot, err, again, retryInMs) => {
             if (signals.stop.aborted) return;
             // The database could not be reached (down, restarting, failing over, full): the run did
