@@ -117,22 +117,39 @@ interface Measurement {
  */
 class HealthProbe {
   readonly #db: Kysely<any>;
-  #last: { at: number; value: Promise<Measurement> } | null = null;
+  /** The last probe: when it started (a failed one: when it failed), and whether it answered yet. */
+  #last: { at: number; value: Promise<Measurement>; settled: boolean } | null = null;
   #walVisible: Promise<boolean> | null = null;
 
   constructor(db: Kysely<any>) {
     this.#db = db;
   }
 
+  /**
+   * The last probe's answer while it is fresh, or still coming (a probe in flight is shared however
+   * long it takes: one waits for a connection at a time); else a new probe's.
+   */
   measure(maxAgeMs: number): Promise<Measurement> {
     const now = performance.now();
-    if (this.#last && now - this.#last.at < maxAgeMs) return this.#last.value;
-    // A failed probe is kept for the interval too: a persistent failure costs one query per
-    // interval, not one per chunk.
-    const value = this.#query();
-    value.catch(() => {});
-    this.#last = { at: now, value };
-    return value;
+    if (this.#last && (!this.#last.settled || now - this.#last.at < maxAgeMs)) return this.#last.value;
+    const last = { at: now, value: this.#query(), settled: false };
+    // A failed probe is kept for the interval after it failed: a persistent failure costs one query
+    // per interval, not one per chunk (counted from its start, a probe that failed after a 10 s
+    // connect timeout was stale at once, and the next chunk waited for another).
+    last.value.then(
+      () => void (last.settled = true),
+      () => {
+        last.settled = true;
+        last.at = performance.now();
+      },
+    );
+    this.#last = last;
+    return last.value;
+  }
+
+  /** How long the probe in flight has waited for its answer (0: none in flight). */
+  waitingMs(): number {
+    return this.#last && !this.#last.settled ? performance.now() - this.#last.at : 0;
   }
 
   /** Until when measure(maxAgeMs) answers from the last probe without querying. */
@@ -146,7 +163,14 @@ class HealthProbe {
       select current_setting('archive_mode') <> 'off'
         and ((select rolsuper from pg_roles where rolname = current_user) or pg_has_role(current_user, 'pg_monitor', 'member')) as ok`
       .execute(this.#db)
-      .then((r) => r.rows[0]?.ok === true));
+      .then(
+        (r) => r.rows[0]?.ok === true,
+        (err: unknown) => {
+          // Asked again by the next probe: a connection that failed once must not end probing.
+          this.#walVisible = null;
+          throw err;
+        },
+      ));
   }
 
   async #query(): Promise<Measurement> {
@@ -194,6 +218,35 @@ const warnedBlind = new WeakMap<RunIdentity, Set<string>>();
  * this), not once per step, until a probe succeeds again.
  */
 const probeFailing = new WeakSet<RunIdentity>();
+
+/**
+ * Longest a chunk start waits for a probe's answer (a probe is a few milliseconds of catalog reads;
+ * one that waits for a connection, behind a pooler with no session free or a server slow to accept
+ * one, can take pg-pool's 10 s connect timeout). Past it the chunk starts as when a probe fails.
+ */
+export const PROBE_PATIENCE_MS = 2_000;
+
+class SlowProbe extends Error {}
+
+/**
+ * The probe's answer, waited for at most PROBE_PATIENCE_MS in all (counted from the probe's start),
+ * and not at all while the last one failed or was too slow (`failing`): the probe goes on in the
+ * background and the next chunk start reads its answer.
+ */
+async function patiently(p: HealthProbe, intervalMs: number, failing: boolean): Promise<Measurement> {
+  const answer = p.measure(intervalMs);
+  const left = failing ? 0 : PROBE_PATIENCE_MS - p.waitingMs();
+  if (p.waitingMs() === 0) return answer; // answered already
+  let timer: NodeJS.Timeout | undefined;
+  const slow = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new SlowProbe(`health probe gave no answer within ${PROBE_PATIENCE_MS / 1000} s; continuing without it`)), Math.max(0, left));
+  });
+  try {
+    return await Promise.race([answer, slow]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
 
 /**
  * Logs once per run which of the step's indicators this role cannot see, and the grant that fixes
@@ -365,13 +418,16 @@ export async function createHealthGate(opts: HealthGateOptions): Promise<HealthG
         while (!signal.aborted) {
           let m: Measurement;
           try {
-            m = await p.measure(o.probeIntervalMs);
+            m = await patiently(p, o.probeIntervalMs, probeFailing.has(opts.run));
             probeFailing.delete(opts.run);
           } catch (err) {
             // Monitoring that fails must not stop the work: log once for the run, carry on as healthy.
-            if (!probeFailing.has(opts.run)) opts.log.warn({ err: errorFields(err) }, 'health probe failed; continuing without it');
+            if (!probeFailing.has(opts.run)) {
+              if (err instanceof SlowProbe) opts.log.warn(err.message);
+              else opts.log.warn({ err: errorFields(err) }, 'health probe failed; continuing without it');
+            }
             probeFailing.add(opts.run);
-            clearUntil = p.freshUntil(o.probeIntervalMs);
+            clearUntil = Math.max(p.freshUntil(o.probeIntervalMs), performance.now() + Math.min(o.probeIntervalMs, PROBE_PATIENCE_MS));
             // Chunks run again: the run is no longer paused for health, whatever the last probe said.
             if (paused !== null) {
               paused = null;

@@ -3,7 +3,8 @@ import pg from 'pg';
 import pino from 'pino';
 import { afterAll, beforeAll, describe, expect, inject, it, vi } from 'vitest';
 import { defineJob, Runner, sql, UsageError, type HealthOptions } from '../src/index.ts';
-import { parseHealthFlag, resolveHealth } from '../src/health-check.ts';
+import { createHealthGate, parseHealthFlag, PROBE_PATIENCE_MS, resolveHealth } from '../src/health-check.ts';
+import { Kysely, PostgresDialect } from 'kysely';
 import { runCard, runLive } from '../src/server/dashboard-html.ts';
 import { RunViews } from '../src/server/run-view.ts';
 import counted from './fixtures/jobs/counted.ts';
@@ -203,6 +204,62 @@ describe('health checks before each chunk', () => {
       expect(probes.length).toBe(12);
     } finally {
       spy2.mockRestore();
+    }
+  });
+
+  it('a probe that cannot get a connection holds the chunks back at most PROBE_PATIENCE_MS once, not its connect timeout at every interval', async () => {
+    // Found behind PgBouncer with a session pool smaller than the run needs: the probe's
+    // connection waited in PgBouncer's queue for pg-pool's 10 s connect timeout, every chunk of
+    // every slot waited with it, and then (the failed probe already stale) the next chunk started
+    // another: 3 chunks per 10 s where 3 slots ran 7 a second. Here the probe's pool has one
+    // connection, which the test holds, so the probe waits for it as for a pooler's session.
+    const pool = new pg.Pool({ connectionString: url, max: 1, connectionTimeoutMillis: 4_000 });
+    const db = new Kysely<any>({ dialect: new PostgresDialect({ pool }) });
+    const seen: string[] = [];
+    const log = pino({ level: 'info' }, { write: (line: string) => void seen.push(JSON.parse(line).msg) });
+    try {
+      const job = defineJob({ name: 'slow-probe', steps: [{ name: 's', run: async () => {} }] });
+      const gate = (await createHealthGate({ db, schema: 'idem', run: { job: 'slow-probe', runKey: 'k', runId: '0', attempt: 1 }, job, step: job.steps[0]!, log, override: { probeIntervalMs: 1_000, transactionAgeSeconds: 1 } }))!;
+      const held = await pool.connect();
+      try {
+        const started = performance.now();
+        // Twelve chunk starts over 3 s (three intervals): each may wait for the probe at most its patience.
+        const waits: number[] = [];
+        for (let i = 0; i < 12; i++) {
+          const t = performance.now();
+          await gate.wait(new AbortController().signal);
+          waits.push(performance.now() - t);
+          await new Promise((r) => setTimeout(r, 250));
+        }
+        const total = performance.now() - started;
+        expect(Math.max(...waits), `waits ${waits.map((w) => Math.round(w)).join(', ')} ms`).toBeLessThan(PROBE_PATIENCE_MS + 500);
+        expect(waits.filter((w) => w > 100), `waits ${waits.map((w) => Math.round(w)).join(', ')} ms`).toHaveLength(1);
+        expect(total).toBeLessThan(12 * 250 + PROBE_PATIENCE_MS + 1_500);
+        expect(seen.filter((m) => m.startsWith('health probe'))).toEqual([`health probe gave no answer within ${PROBE_PATIENCE_MS / 1000} s; continuing without it`]);
+        // One probe waits for the connection at a time, not one per chunk start.
+        expect(pool.waitingCount).toBeLessThanOrEqual(1);
+      } finally {
+        held.release();
+      }
+      // The connection back, the probe works again: a transaction open past the limit pauses the
+      // next chunk start. (A probe whose first query had failed once stayed failed for the
+      // process's life: health checks silently off in a long idem serve or idem cron.)
+      const tx = await openTransaction();
+      try {
+        await waitFor(() => olderThan(tx.pid, 1.2), 'the transaction to be older than 1.2 s');
+        await new Promise((r) => setTimeout(r, 1_100)); // past the interval of the last probe
+        // While probes fail, a chunk start does not wait for the next one: it reads its answer later.
+        await gate.wait(new AbortController().signal);
+        await new Promise((r) => setTimeout(r, 300));
+        const t = performance.now();
+        await gate.wait(AbortSignal.timeout(3_000));
+        expect(performance.now() - t).toBeGreaterThan(2_500);
+        expect(seen.filter((m) => m.startsWith('paused for health'))).toEqual([expect.stringMatching(new RegExp(`^paused for health: transaction of pid ${tx.pid} `))]);
+      } finally {
+        await tx.release();
+      }
+    } finally {
+      await db.destroy();
     }
   });
 
