@@ -553,7 +553,10 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   await planning?.catch(() => {});
   await refreshing;
   if (failure !== undefined) throw failure;
-  throwIfStopped(opts.stop);
+  // Stopped (a signal, an operator's pause or cancel) once the step's last chunks were in flight:
+  // nothing of it is left, so it ends done and the stop takes effect before the next step, or, when
+  // this was the last, has nothing left to stop and the run succeeds (README: Operating runs).
+  if (opts.stop.aborted && !opts.abort.aborted && !(await store.stepComplete(run.runId, step.name).catch(() => false))) throwIfStopped(opts.stop);
   progress(true);
   return executed;
 }

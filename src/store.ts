@@ -514,6 +514,14 @@ export class Store {
     return r && { done: r.done, planned: r.planned, plannedAll: r.planned_all };
   }
 
+  /** Whether every chunk of the step is planned and done or skipped: nothing of it is left to run. */
+  async stepComplete(runId: string, step: string): Promise<boolean> {
+    const { rows } = await this.#run(sql<{ complete: boolean }>`select s.planned_all and not exists (select 1 from ${this.#chunks} c
+        where c.run_id = s.run_id and c.step = s.name and c.done_at is null and c.skipped_at is null) as complete
+      from ${this.#steps} s where s.run_id = ${runId} and s.name = ${step}`);
+    return rows[0]?.complete === true;
+  }
+
   async stepCounts(runId: string, step: string): Promise<{ done: number; skipped: number }> {
     const { rows } = await this.#run(sql<{ done: number; skipped: number }>`select count(done_at)::int as done, count(skipped_at)::int as skipped
       from ${this.#chunks} where run_id = ${runId} and step = ${step}`);

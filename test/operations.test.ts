@@ -568,6 +568,43 @@ describe('cancel and reset', () => {
     expect(row.requested).toBeNull();
   });
 
+  it.each(['pause', 'cancel'] as const)('a %s the run has seen while its last chunk is in flight: the run ends succeeded; with a step left, it stops before that step', async (what) => {
+    // Black-box round 14 (B3-1): once the control poll had seen the request, the step ended by it
+    // after its last chunk committed, so the run read paused (or cancelled) with every chunk done,
+    // against the README ("has nothing left to stop: the run ends succeeded").
+    for (const withNext of [false, true]) {
+      const name = `last-chunk-${what}-${withNext ? 'next' : 'only'}`;
+      const gate = await holdGate(url, `g-${name}`);
+      const later: string[] = [];
+      const job = defineJob({
+        name,
+        steps: [
+          { name: 'only', chunks: () => ({ chunks: [{ key: 'a' }, { key: 'b' }], next: null }), run: async ({ db }: StepContext, c: { key: string }) => void (c.key === 'b' && (await sql`select 1 from gates where name = ${`g-${name}`} for share`.execute(db))) },
+          ...(withNext ? [{ name: 'next', run: async () => void later.push('ran') }] : []),
+        ],
+      });
+      const running = runner.run(job, { key: 'lc', controlPollMs: 50 }).catch((e: unknown) => e);
+      try {
+        await waitFor(async () => (await lockWaiters(url)) > 0, 'chunk b to wait at the gate');
+        expect((await runner[what](name, 'lc')).live).toBe(true);
+        // The control poll has seen it: the worker starts nothing more.
+        await new Promise((r) => setTimeout(r, 400));
+      } finally {
+        await gate.release();
+      }
+      const out = await running;
+      const row = await runRow(url, name, 'lc');
+      if (withNext) {
+        expect(row.status).toBe(what === 'pause' ? 'paused' : 'cancelled');
+        expect(later).toEqual([]);
+      } else {
+        expect(out).toMatchObject({ status: 'succeeded', executed: 2 });
+        expect(row.status).toBe('succeeded');
+        expect(row.requested).toBeNull();
+      }
+    }
+  });
+
   it('reset of a live run exits 75 (its run lock is held) and changes nothing', async () => {
     const key = 'op-live';
     const gate = await holdGate(url, 'g-live');
