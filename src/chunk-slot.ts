@@ -1,6 +1,6 @@
 import { AbortedTransactionError, DefaultQueryExecutor, Kysely, PostgresDialect, PostgresDriver, Transaction, type CompiledQuery, type ConnectionProvider, type DatabaseConnection, type Driver, type QueryResult } from 'kysely';
 import type pg from 'pg';
-import { sessionSetupOf } from './database.ts';
+import { cancelActiveStatement, sessionSetupOf } from './database.ts';
 import { codeOf } from './errors.ts';
 import { leadingTokens, splitStatements } from './sql-statements.ts';
 
@@ -345,6 +345,25 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
   let pipelined = { claim: '', text: '' };
   const commitAndBeginText = (claim: string) =>
     pipelined.claim === claim ? pipelined.text : (pipelined = { claim, text: `${checks}commit;\nbegin;\n${claim};\nsavepoint ${SAVEPOINT}` }).text;
+  /**
+   * Once the stop is immediate (`abort`: a second signal, the shutdown deadline, a lost lock), the
+   * job's statements in flight on this slot are cancelled, and any it sends after, until the chunk's
+   * transaction ends: a chunk inside a long statement (an UPDATE, a pg_sleep) ends at once and is
+   * rolled back, and the attempt is recorded as it ended, instead of the process exiting with the
+   * statement still running on the server (its row locks held) and the run left `running`.
+   * idem's own statements (the ROLLBACK, the COMMIT) are never cancelled.
+   */
+  let cancelling: NodeJS.Timeout | undefined;
+  const cancelled = new WeakSet<object>();
+  const cancelJobStatements = () => {
+    if (client && state.status === 'open') cancelActiveStatement(client, cancelled);
+  };
+  const onAbort = () => {
+    cancelJobStatements();
+    cancelling ??= setInterval(cancelJobStatements, 50).unref();
+  };
+  if (abort.aborted) onAbort();
+  else abort.addEventListener('abort', onAbort, { once: true });
 
   const connect = async (): Promise<pg.PoolClient> => {
     const c = await pool.connect();
@@ -606,6 +625,8 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
       return signal;
     },
     release() {
+      abort.removeEventListener('abort', onAbort);
+      clearInterval(cancelling);
       state.status = 'over';
       // A connection that may still be inside a transaction never goes back to the pool.
       letGo(inTransaction);

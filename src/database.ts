@@ -461,17 +461,25 @@ let cancelling: NodeJS.Timeout | undefined;
 export function cancelStatements(): void {
   const sent = new WeakSet<object>();
   const sweep = () => {
-    for (const client of idemSessions) {
-      const active = (client as unknown as { activeQuery?: object | null }).activeQuery;
-      if (!active || sent.has(active)) continue;
-      sent.add(active);
-      const canceller = new pg.Client({ host: client.host, port: client.port });
-      (canceller as unknown as { connection: { on(event: 'error', fn: () => void): void } }).connection.on('error', () => {});
-      (canceller as unknown as { cancel(client: pg.Client, query: object): void }).cancel(client, active);
-    }
+    for (const client of idemSessions) cancelActiveStatement(client, sent);
   };
   sweep();
   cancelling ??= setInterval(sweep, 50).unref();
+}
+
+/**
+ * Sends PostgreSQL's cancel request for the statement `client` is running, if any and not already
+ * in `sent` (which it joins). A connection of its own, as psql's Ctrl-C; the statement fails with
+ * 57014 and its transaction is left aborted.
+ */
+export function cancelActiveStatement(client: pg.ClientBase, sent: WeakSet<object>): void {
+  const active = (client as unknown as { activeQuery?: object | null }).activeQuery;
+  if (!active || sent.has(active)) return;
+  sent.add(active);
+  const { host, port } = client as unknown as { host: string; port: number };
+  const canceller = new pg.Client({ host, port });
+  (canceller as unknown as { connection: { on(event: 'error', fn: () => void): void } }).connection.on('error', () => {});
+  (canceller as unknown as { cancel(client: pg.ClientBase, query: object): void }).cancel(client, active);
 }
 
 /** Default of `idleInTransactionTimeoutMs`: a vanished process's open chunk transaction is ended after this. */

@@ -1,7 +1,7 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { defineJob, Runner, sql } from '../src/index.ts';
 import { chunkKey } from './fixtures/jobs/counted.ts';
-import { STALL_DIRS, killLeftovers, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, type CliProcess } from './support/cli.ts';
+import { FIXTURE_DIRS, STALL_DIRS, killLeftovers, query, runCli, runRow, sessions, spawnCli, waitFor, workCounts, type CliProcess } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 /**
@@ -266,6 +266,38 @@ describe('a --join worker whose chunk waits on ctx.signal alone, its work sessio
     expect(r.stderr).not.toContain('(runner)');
     expect(r.stderr.trim().split('\n').at(-1)).toMatch(/^idem: .*interrupted by SIGTERM/);
     expect(await runRow(url, 'stall', key)).toMatchObject({ status: 'interrupted', error: null });
+  });
+});
+
+describe('a chunk inside a long statement when the stop turns immediate (shutdown deadline, second signal)', () => {
+  /** idem's sessions of the worker still running a statement. */
+  const busy = async (pid: number) =>
+    (await query<{ pid: number }>(url, `select pid from pg_stat_activity where datname = current_database() and application_name like 'idem %:' || $1 and state = 'active'`, [String(pid)])).map((r) => r.pid);
+
+  it.each([
+    ['the shutdown deadline', ['--shutdown-timeout', '1'], 1],
+    ['a second SIGTERM', [], 2],
+  ] as const)('%s cancels the statement: exit 143, the run interrupted (not crashed), nothing left running on the server', async (_, flags, signals) => {
+    // Black-box round 14 (B1-2): the process exited 143 with the run still `running` (idem status:
+    // crashed) and its pg_sleep went on in PostgreSQL for as long as it had (a long UPDATE would
+    // have kept its row locks after idem had gone).
+    const key = `long-statement-${signals}`;
+    const w = spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', JSON.stringify({ chunks: 3, pauseMs: 60_000 }), '--key', key, ...flags], { url, timeoutMs: 60_000 });
+    await waitFor(async () => ((await query(url, `select 1 from pg_stat_activity where application_name like 'idem %:' || $1 and query like '%pg_sleep%' and state = 'active'`, [String(w.pid)])).length > 0 ? true : undefined), 'the chunk in its pg_sleep');
+    const started = Date.now();
+    for (let i = 0; i < signals; i++) {
+      w.child.kill('SIGTERM');
+      await new Promise((r) => setTimeout(r, 300));
+    }
+    const r = await w.done;
+    expect(r.timedOut, r.stderr).toBe(false);
+    expect(r.code, r.stderr).toBe(143);
+    expect(Date.now() - started, 'exits soon after the stop turns immediate').toBeLessThan(8_000);
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'interrupted', error: null });
+    expect(r.stderr.trim().split('\n').at(-1)).toMatch(/^idem: .*interrupted by SIGTERM/);
+    // Nothing of it runs on the server any more.
+    await waitFor(async () => ((await busy(w.pid)).length === 0 ? true : undefined), 'its statements to end', { timeoutMs: 3_000 });
+    expect(await query(url, `select 1 from pg_stat_activity where query like '%pg_sleep(60)%' and application_name like 'idem %:' || $1`, [String(w.pid)])).toEqual([]);
   });
 });
 
