@@ -338,7 +338,11 @@ export class CancelledError extends IdemError {
     brandErrorClass(this, 'CancelledError');
   }
 
-  constructor(message: string) {
+  /** The run was cancelled before this invocation (it started no work): an operator's decision made already. */
+  readonly earlier: boolean;
+
+  constructor(message: string, opts: { readonly earlier?: boolean } = {}) {
     super('idem.cancelled', ExitCode.Failed, message);
+    this.earlier = opts.earlier ?? false;
   }
 }

@@ -775,7 +775,7 @@ export class Runner {
     this.#log.warn({ job: job.name, runKey: run.run_key, status: ended }, `run ${ended} by an operator's request that its last worker did not live to honour`);
     throw ended === 'paused'
       ? new PausedError(`job "${job.name}" paused by an operator (the request was pending when its last worker stopped); run idem resume ${job.name} --key ${run.run_key} to let it continue`)
-      : new CancelledError(`job "${job.name}" cancelled by an operator (the request was pending when its last worker stopped); finished chunks are kept; idem reset ${job.name} --key ${run.run_key} forgets the run`);
+      : new CancelledError(`job "${job.name}" cancelled by an operator (the request was pending when its last worker stopped); finished chunks are kept; idem reset ${job.name} --key ${run.run_key} forgets the run`, { earlier: true });
   }
 
   /**
@@ -1214,7 +1214,7 @@ function refuseControlled(run: RunRow): void {
     throw new PausedError(`run ${run.run_key} of job "${run.job}" is paused; run idem resume ${run.job} --key ${run.run_key} first`);
   }
   if (run.status === 'cancelled') {
-    throw new CancelledError(`run ${run.run_key} of job "${run.job}" was cancelled; idem reset ${run.job} --key ${run.run_key} forgets it so it can run afresh`);
+    throw new CancelledError(`run ${run.run_key} of job "${run.job}" was cancelled; idem reset ${run.job} --key ${run.run_key} forgets it so it can run afresh`, { earlier: true });
   }
 }
 

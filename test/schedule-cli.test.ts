@@ -242,6 +242,35 @@ describe('--catch-up when a slot fails', () => {
     expect(await ticks('cu-fail')).toEqual(slots.map((s) => ({ run_key: slotKey(s), chunk_key: s.toISOString() })));
   });
 
+  it('passes over a slot an operator cancelled (exit 0, said on its line): the slots after it still run', async () => {
+    // Black-box round 14 (B3-6): a cancelled slot ended every --catch-up window holding it with
+    // exit 1 (idem.cancelled), so a crontab line with --catch-up N ran no new slot for N ticks.
+    const slots = slotsSince(schedule, { count: 3 });
+    const keys = slots.map(slotKey);
+    const args = tick('sched_h', ['--param', 'tag=cu-cancel', '--catch-up', '3', '--json']);
+    await query(url, 'insert into fail_chunks (chunk_key) values ($1)', [slots[1]!.toISOString()]);
+    try {
+      expect((await runCli(args, { url })).code).toBe(1);
+    } finally {
+      await query(url, 'delete from fail_chunks');
+    }
+    const cancel = await runCli(['--jobs-dir', SCHEDULED_JOBS, '--schema', 'sched_h', 'cancel', 'hourly-tick', '--key', keys[1]!], { url });
+    expect(cancel.code, cancel.stderr).toBe(0);
+    const next = await runCli(args, { url });
+    expect(next.code, next.stderr).toBe(0);
+    expect((JSON.parse(next.stdout) as Array<{ runKey: string; status: string }>).map((o) => [o.runKey, o.status])).toEqual([
+      [keys[0], 'already-succeeded'],
+      [keys[1], 'cancelled'],
+      [keys[2], 'succeeded'],
+    ]);
+    expect((await runsOf('sched_h')).map((r) => [r.run_key, r.status])).toEqual([[keys[0], 'succeeded'], [keys[1], 'cancelled'], [keys[2], 'succeeded']]);
+    expect(await ticks('cu-cancel')).toEqual([slots[0]!, slots[2]!].map((s) => ({ run_key: slotKey(s), chunk_key: s.toISOString() })));
+    // Without --json, the line says it was passed over, and how to run it after all.
+    const text = await runCli(tick('sched_h', ['--param', 'tag=cu-cancel', '--catch-up', '3']), { url });
+    expect(text.code, text.stderr).toBe(0);
+    expect(text.stdout).toContain(`slot ${keys[1]} of job "hourly-tick" was cancelled by an operator: passed over (idem reset hourly-tick --key ${keys[1]} lets it run again)`);
+  });
+
   it('--catch-up 12h runs every hourly slot of the last 12 hours, oldest first', async () => {
     const r = await runCli(tick('sched_f', ['--param', 'tag=cu-12h', '--catch-up', '12h', '--json']), { url });
     expect(r.code, r.stderr).toBe(0);

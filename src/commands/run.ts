@@ -5,10 +5,11 @@ import { checkRunKey, collectParam, nonNegativeNumber, parseParams, positiveInt,
 import { databaseUrl, installSignals, openRunner, storedRunFingerprint, type CliContext } from '../cli-session.ts';
 import { describeOutcome, runErrorObject } from '../describe-outcome.ts';
 import type { RunOutcome } from '../runner.ts';
-import { ExitCode, UsageError } from '../errors.ts';
+import { CancelledError, ExitCode, UsageError } from '../errors.ts';
 import { fingerprint } from '../fingerprint.ts';
 import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
 import { createProgressReporter } from '../progress-reporter.ts';
+import { shellQuote } from '../shell-quote.ts';
 import { testHookMs } from '../test-hooks.ts';
 
 interface RunFlags extends HealthFlags {
@@ -53,7 +54,7 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
       /** The run key being worked on, for --json's error object (a --catch-up slot's key). */
       let current = o.key;
       /** --catch-up: the slots' outcomes so far, printed with the failed slot's error as one array. */
-      const outcomes: RunOutcome[] = [];
+      const outcomes: Array<RunOutcome | { readonly status: 'cancelled'; readonly job: string; readonly runKey: string }> = [];
       const jsonError = (err: unknown) => (o.catchUp !== undefined ? [...outcomes, runErrorObject(name, current ?? null, err)] : runErrorObject(name, current ?? null, err));
       return cli.runWithSession(
         async (g, log, session, force) => {
@@ -119,7 +120,7 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
             current = key ?? defaultKey;
             // Stopped (the bar cleared) before anything else is written, also when the run throws:
             // main() writes the error line, and the session's deferred stop runs only after it.
-            const outcome = await runner.run(job, {
+            const running = runner.run(job, {
               throttle,
               ...(reporter ? { onProgress: reporter.update } : {}),
               params,
@@ -135,6 +136,17 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
               signal: signals.stop,
               abortSignal: signals.abort,
             }).finally(() => reporter?.stop());
+            // --catch-up passes over a slot an operator cancelled (before this invocation): that
+            // decision was made, and the slots after it are still due.
+            const outcome = o.catchUp === undefined ? await running : await running.catch((err: unknown) => {
+              if (!(err instanceof CancelledError && err.earlier)) throw err;
+              return null;
+            });
+            if (outcome === null) {
+              outcomes.push({ status: 'cancelled', job: job.name, runKey: key! });
+              if (!o.json) process.stdout.write(`slot ${key} of job "${job.name}" was cancelled by an operator: passed over (idem reset ${shellQuote(job.name)} --key ${key} lets it run again)\n`);
+              continue;
+            }
             outcomes.push(outcome);
             // --catch-up --json: one array at the end (as migrate --json), not a line per slot.
             if (!o.json) process.stdout.write(`${describeOutcome(outcome)}\n`);
