@@ -427,6 +427,8 @@ export const CRON_UNREACHABLE_RETRY_MS = 1_000;
 export const CRON_UNREACHABLE_RETRY_MAX_MS = 30_000;
 
 function retryByDefault(err: unknown): boolean {
+  // A run an operator cancelled exits 1 as a failed one does: their decision, not tried again.
+  if (err instanceof Error && (err as { code?: unknown }).code === 'idem.cancelled') return false;
   const code = exitCodeOf(err);
   return code === ExitCode.Failed || code === ExitCode.LockLost || err instanceof SlotBehindError;
 }

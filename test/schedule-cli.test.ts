@@ -368,6 +368,36 @@ describe('idem cron', () => {
     expect(await runsOf('sched_d')).toMatchObject([{ run_key: slotKey(slot), status: 'succeeded', attempt: 1 }]);
   });
 
+  it("a slot whose run an operator paused or cancelled is said as such, not as another run holding the job, and not tried again", async () => {
+    // Black-box round 14 (B3-7): idem cron logged "slot not run now: another run of job \"tick\"
+    // holds the job (another process); it is tried again at the job's next tick" for its own slot
+    // paused by an operator; a cancelled one was tried again at the next tick as a failure.
+    const slot = latestSlot(schedule);
+    for (const [schema, action, said] of [
+      ['sched_p', 'pause', `slot paused by an operator: run ${slotKey(slot)} of job "hourly-tick" is paused; run idem resume hourly-tick --key ${slotKey(slot)} first`],
+      ['sched_q', 'cancel', `slot cancelled by an operator: run ${slotKey(slot)} of job "hourly-tick" was cancelled; idem reset hourly-tick --key ${slotKey(slot)} forgets it so it can run afresh`],
+    ] as const) {
+      await query(url, 'insert into fail_chunks (chunk_key) values ($1)', [slot.toISOString()]);
+      try {
+        expect((await runCli(['--jobs-dir', SCHEDULED_JOBS, '--schema', schema, 'run', 'hourly-tick'], { url })).code).toBe(1);
+      } finally {
+        await query(url, 'delete from fail_chunks');
+      }
+      const control = await runCli(['--jobs-dir', SCHEDULED_JOBS, '--schema', schema, action, 'hourly-tick', '--key', slotKey(slot)], { url });
+      expect(control.code, control.stderr).toBe(0);
+      const cron = spawnCli(['--jobs-dir', SCHEDULED_JOBS, '--schema', schema, 'cron'], { url });
+      await waitFor(async () => cron.stderr().includes(`"slot":"${slotKey(slot)}"`), 'the scheduler to report the slot');
+      await new Promise((r) => setTimeout(r, 300));
+      cron.child.kill('SIGTERM');
+      const r = await cron.done;
+      expect(r.code, r.stderr).toBe(143);
+      const lines = r.stderr.split('\n').filter((l) => l.includes(`"slot":"${slotKey(slot)}"`)).map((l) => JSON.parse(l) as { msg: string; level: number });
+      expect(lines.map((l) => l.msg)).toEqual([said]);
+      expect(lines[0]!.level).toBe(40);
+      expect((await runsOf(schema)).map((x) => x.status)).toEqual([action === 'pause' ? 'paused' : 'cancelled']);
+    }
+  });
+
   it('runs the jobs side by side, at most --max-runs at once: two 2-second jobs overlap by default and take turns with --max-runs 1', async () => {
     const slot = slotKey(latestSlot(schedule));
     const spans = async (maxRuns: string[], schema: string) => {

@@ -41,7 +41,8 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
           runSlot: (name, slot) => limit(async () => {
             const key = slotKey(slot);
             const out = await runner.run(byName.get(name)!, { key, slot, signal: signals.stop, abortSignal: signals.abort }).catch(async (err: unknown) => {
-              if (!(err instanceof IdemError && err.exitCode === ExitCode.Busy)) throw err;
+              // A run an operator paused is theirs to resume, not a slot held up by another run.
+              if (!(err instanceof IdemError && err.exitCode === ExitCode.Busy) || err.code === 'idem.paused') throw err;
               // Busy: another scheduler runs (or ran) this very slot, or another run of the job
               // holds the job, and then nobody runs this slot now.
               const runs = await runner.status(name).catch(() => []);
@@ -74,6 +75,11 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
             onStandby.delete(name);
             if (retryInMs !== undefined) {
               log.warn({ job: name, slot: slotKey(slot), err: errorFields(err) }, `scheduled run could not start: the database could not be reached; it is tried again in ${Math.max(1, Math.round(retryInMs / 1000))} s, then until it starts`);
+              return;
+            }
+            // An operator's decision about the slot's run: said, and never tried again (retryByDefault).
+            if (err instanceof IdemError && (err.code === 'idem.paused' || err.code === 'idem.cancelled')) {
+              log.warn({ job: name, slot: slotKey(slot) }, `slot ${err.code === 'idem.paused' ? 'paused' : 'cancelled'} by an operator: ${err.message}`);
               return;
             }
             const then = again ? "it is tried again at the job's next tick, then left to --catch-up" : 'it was tried again once already: left to --catch-up';
