@@ -1,7 +1,7 @@
 import { open, stat } from 'node:fs/promises';
 import path from 'node:path';
 import type { ChunkSource, ChunkSpec, Json } from './job.ts';
-import { unknownKeys } from './suggest.ts';
+import { refuseNonOptions, unknownKeys } from './suggest.ts';
 
 export interface KeyListOptions<P = any> {
   /** The keys, or a function of the run's params returning them (`(p) => p.ids`). One of `keys` or `file`. */
@@ -50,6 +50,7 @@ type ParamsOfList<P> = unknown extends P ? unknown : P;
  * keyList({ keys: (p) => p.userIds, size: 100 })
  */
 export function keyList<P = any>(opts: KeyListOptions<P>): ChunkSource<ParamsOfList<P>, any, KeyListChunk> {
+  refuseNonOptions('keyList()', opts, "{ keys: [1, 2, 3], size: 1000 }");
   const problems = opts && typeof opts === 'object' ? unknownKeys(opts, KEY_LIST_KEYS, '') : [];
   if ((opts?.keys === undefined) === (opts?.file === undefined)) problems.push('pass exactly one of keys or file');
   if (opts?.keys !== undefined && !Array.isArray(opts.keys) && typeof opts.keys !== 'function') problems.push('keys must be an array or a function of the params');

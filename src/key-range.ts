@@ -1,6 +1,6 @@
 import { sql, type RawBuilder } from 'kysely';
 import type { ChunkSource, ChunkSpec, Json } from './job.ts';
-import { unknownKeys } from './suggest.ts';
+import { refuseNonOptions, unknownKeys } from './suggest.ts';
 import { identInSql, columnNameProblem, parseTableName, regclassText, tableInSql, tableNameProblem, tableRef } from './table-name.ts';
 
 export interface KeyRangeOptions {
@@ -51,6 +51,7 @@ const KEY_RANGE_KEYS: ReadonlyArray<keyof KeyRangeOptions> = ['table', 'column',
  * keyRange({ table: 'reservations', column: 'id', size: 1000, where: 'reserved_by_normalized is null' })
  */
 export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, any, KeyRangeChunk> {
+  refuseNonOptions('keyRange()', opts, "{ table: 'orders', column: 'id', size: 1000 }");
   const problems = [...(opts && typeof opts === 'object' ? unknownKeys(opts, KEY_RANGE_KEYS, '') : [])];
   problems.push(...[tableNameProblem(opts?.table, 'table'), columnNameProblem(opts?.column, 'column')].filter((p) => p !== null));
   if (!Number.isInteger(opts?.size) || opts.size < 1) problems.push(`size must be an integer >= 1 (got ${opts?.size})`);

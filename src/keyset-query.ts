@@ -2,7 +2,7 @@ import { sql, type RawBuilder } from 'kysely';
 import { createHash } from 'node:crypto';
 import type { ChunkSource, ChunkSpec, Json, PlanContext } from './job.ts';
 import { soleStatement } from './sql-statements.ts';
-import { unknownKeys } from './suggest.ts';
+import { refuseNonOptions, unknownKeys } from './suggest.ts';
 import { identInSql, columnNameProblem, tableNameProblem } from './table-name.ts';
 
 export interface KeysetQueryOptions {
@@ -58,6 +58,7 @@ const KEYSET_QUERY_KEYS: ReadonlyArray<keyof KeysetQueryOptions> = ['query', 'ke
  */
 export function keysetQuery(opts: KeysetQueryOptions): KeysetSource {
   const columns = typeof opts?.key === 'string' ? [opts.key] : Array.isArray(opts?.key) ? [...opts.key] : [];
+  refuseNonOptions('keysetQuery()', opts, "{ query: 'select id from orders', key: 'id', size: 1000 }");
   const problems = opts && typeof opts === 'object' ? unknownKeys(opts, KEYSET_QUERY_KEYS, '') : [];
   const text = typeof opts?.query === 'string' ? soleStatement(opts.query) : undefined;
   if (!(typeof opts?.query === 'string' ? opts.query.trim() !== '' : opts?.query && typeof (opts.query as RawBuilder<unknown>).compile === 'function')) {

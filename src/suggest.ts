@@ -65,3 +65,13 @@ export function editDistance(a: string, b: string): number {
   }
   return d[a.length]![b.length]!;
 }
+
+/**
+ * Refuses what is not an options object (an array, a string, nothing) given where one is expected,
+ * in one line with an example: `keyList([1, 2, 3])` listed `unknown key "0"` once per element.
+ */
+export function refuseNonOptions(fn: string, value: unknown, example: string): void {
+  if (value !== null && typeof value === 'object' && !Array.isArray(value)) return;
+  const got = Array.isArray(value) ? 'an array' : value === null ? 'null' : value === undefined ? 'undefined' : `a ${typeof value}`;
+  throw new TypeError(`${fn} takes an options object, such as ${example} (got ${got})`);
+}

@@ -336,6 +336,11 @@ describe('chunk sources refuse an option key they do not know, naming the closes
     // Black-box round 13, beside the job's nested keys: keyRange({ ..., wehre }) would cut every row, keyList({ ..., headers: false }) skip the first key.
     expect(() => keyRange({ table: 't', column: 'id', size: 10, wehre: 'x > 0' } as never)).toThrow('keyRange(): unknown key "wehre" (did you mean "where"?)');
     expect(() => keyList({ keys: [1], size: 1, headers: false } as never)).toThrow('keyList(): unknown key "headers" (did you mean "header"?)');
+    // Black-box round 14 (B3-14): keyList([…]) listed 'unknown key "0" (known: …)' once per element.
+    const keys = Array.from({ length: 40 }, (_, i) => i);
+    expect(() => keyList(keys as never)).toThrow(/^keyList\(\) takes an options object, such as \{ keys: \[1, 2, 3\], size: 1000 \} \(got an array\)$/);
+    expect(() => keyRange('orders' as never)).toThrow(/^keyRange\(\) takes an options object, such as \{ table: 'orders', column: 'id', size: 1000 \} \(got a string\)$/);
+    expect(() => keysetQuery(undefined as never)).toThrow(/^keysetQuery\(\) takes an options object, .* \(got undefined\)$/);
     expect(() => keysetQuery({ query: 'select 1 as id', key: 'id', size: 1, table: ['t'] } as never)).toThrow('keysetQuery(): unknown key "table" (did you mean "tables"?)');
     // Reported with the other problems, all at once; a stray key with no near one lists the known keys.
     expect(() => keyRange({ table: 't', column: 'id', size: 0, bogus: 1 } as never)).toThrow(
