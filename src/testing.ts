@@ -190,6 +190,27 @@ async function withAdmin<T>(url: string, source: string, fn: (c: pg.Client) => P
   }
 }
 
+/** How old a scenario database must be before a later kit takes it for a leftover. */
+const LEFTOVER_AFTER_SECONDS = 3600;
+
+/**
+ * Drops the scenario databases an earlier kit left behind (its test timed out, its process was
+ * killed before the scenario's finally ran): those created over an hour ago that no session uses.
+ * A database in use, or one that another role owns, is left as it is.
+ */
+async function dropLeftoverDatabases(c: pg.Client): Promise<void> {
+  const { rows } = await c.query<{ datname: string }>(
+    `select datname from pg_database d where datname ~ '^idem_kit_[0-9a-z]+_[0-9a-f]{12}$'
+      and not exists (select 1 from pg_stat_activity a where a.datid = d.oid)`,
+  );
+  const now = Date.now() / 1000;
+  for (const { datname } of rows) {
+    const created = parseInt(datname.split('_')[2]!, 36);
+    if (!(now - created > LEFTOVER_AFTER_SECONDS)) continue;
+    await c.query(`drop database if exists ${datname}`).catch(() => {});
+  }
+}
+
 /**
  * Runs `job` in every way idem promises to converge and asserts each ends in the clean run's
  * `snapshot`. Throws an Error naming the first scenario that differs, with a diff. See the module
@@ -222,13 +243,21 @@ export async function expectConvergent(given: Job, opts: ConvergenceOptions): Pr
   const admin = adminUrl;
 
   /** A fresh database with the setup jobs run in it; the scenario gets connected runners on it. */
+  let swept = false;
   const inFreshDatabase = async <T>(fn: (connect: () => Promise<Runner>) => Promise<T>): Promise<T> => {
-    const name = `idem_kit_${randomBytes(6).toString('hex')}`;
+    // Named with its creation time (seconds, base 36), so a later kit can tell a leftover from a
+    // scenario under way in another process.
+    const name = `idem_kit_${Math.floor(Date.now() / 1000).toString(36)}_${randomBytes(6).toString('hex')}`;
     await withAdmin(admin, source, async (c) => {
+      if (!swept) {
+        swept = true;
+        await dropLeftoverDatabases(c);
+      }
       await c.query(`create database ${name}`).catch(async (err: unknown) => {
         if (codeOf(err) !== '42501') throw err;
         const { rows } = await c.query<{ role: string }>('select quote_ident(current_user) as role');
-        throw new Error(
+        throw new UsageError(
+          'cannotCreateDatabase',
           `expectConvergent(): role ${rows[0]!.role} may not create databases (${(err as Error).message}), and each scenario runs in a database of its own created on databaseUrl: ALTER ROLE ${rows[0]!.role} CREATEDB, or pass the databaseUrl of a role that may`,
           { cause: err },
         );

@@ -204,8 +204,33 @@ describe('expectConvergent with a role that may not create databases', () => {
         `expectConvergent(): role ${role} may not create databases (permission denied to create database), and each scenario runs in a database of its own created on databaseUrl: ALTER ROLE ${role} CREATEDB, or pass the databaseUrl of a role that may`,
       );
       expect(err?.message).not.toContain('kit-secret-xyz');
+      // An idem error with its code and exit code, as the kit's other refusals (black-box round 14, B3-11).
+      expect(err).toMatchObject({ code: 'idem.cannotCreateDatabase', exitCode: 2 });
     } finally {
       await admin.query(`drop role if exists ${role}`);
+      await admin.end();
+    }
+  });
+});
+
+describe('expectConvergent after a scenario that never cleaned up (a test timed out)', () => {
+  it('drops the scenario databases an earlier kit left behind over an hour ago that nobody uses; a recent one stays', async () => {
+    // Black-box round 14 (B3-10): a vitest timeout left idem_kit_* databases on the server, and no
+    // later kit run removed them: a CI server behind DATABASE_URL collected them.
+    const pg = (await import('pg')).default;
+    const admin = new pg.Client({ connectionString: databaseUrl() });
+    await admin.connect();
+    const stamp = (msAgo: number) => Math.floor((Date.now() - msAgo) / 1000).toString(36);
+    const old = `idem_kit_${stamp(2 * 3_600_000)}_0a0b0c0d0e0f`;
+    const recent = `idem_kit_${stamp(60_000)}_0a0b0c0d0e0f`;
+    try {
+      for (const name of [old, recent]) await admin.query(`create database ${name}`);
+      const report = await expectConvergent(createTables, { ...kit, databaseUrl: databaseUrl(), snapshot: async () => [] });
+      expect(report.scenarios.length).toBeGreaterThan(0);
+      const { rows } = await admin.query<{ datname: string }>(`select datname from pg_database where datname like 'idem\\_kit\\_%' order by 1`);
+      expect(rows.map((r) => r.datname)).toEqual([recent]);
+    } finally {
+      for (const name of [old, recent]) await admin.query(`drop database if exists ${name}`);
       await admin.end();
     }
   });
