@@ -834,3 +834,16 @@ describe('headers of every response', () => {
     }
   });
 });
+
+describe('a long run id on the run page (black-box: clipping)', () => {
+  it('is clipped as the API clips it', async () => {
+    const id = 'a'.repeat(10_000);
+    const pageRes = await api(server.base, 'GET', `/runs/${id}`);
+    const apiRes = await api(server.base, 'GET', `/api/runs/${id}`);
+    expectProblem(pageRes, 404, 'idem.unknownRun');
+    expectProblem(apiRes, 404, 'idem.unknownRun');
+    const quoted = (detail: string) => /"([^"]*)"/.exec(detail)![1];
+    expect(quoted(pageRes.body.detail)).toBe(quoted(apiRes.body.detail));
+    expect(quoted(pageRes.body.detail)).toMatch(/^a+\.\.\.$/);
+  });
+});

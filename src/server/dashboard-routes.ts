@@ -3,6 +3,7 @@ import type { FastifyInstance } from 'fastify';
 import { paramsSchema } from './api-routes.ts';
 import { DASHBOARD_CSS, DASHBOARD_JS, FAVICON_SVG } from './dashboard-assets.ts';
 import { esc, homeLive, jobsLive, jobsSection, page, runLive, type HomeRuns, type RunList } from './dashboard-html.ts';
+import { printable } from './claim-request.ts';
 import { HttpProblem } from './problem.ts';
 import type { RunStatus } from '../store.ts';
 import type { ServerContext } from './server-context.ts';
@@ -78,7 +79,7 @@ export function registerDashboardRoutes(app: FastifyInstance, ctx: ServerContext
     );
   });
 
-  const unknownRun = (id: string) => new HttpProblem(404, 'idem.unknownRun', `no run with id "${id.slice(0, 40)}"; the dashboard at / lists the runs`);
+  const unknownRun = (id: string) => new HttpProblem(404, 'idem.unknownRun', `no run with id "${printable(id)}"; the dashboard at / lists the runs`);
 
   app.get<{ Params: { id: string } }>('/runs/:id', async (request, reply) => {
     const run = await ctx.views.get(request.params.id);
