@@ -835,6 +835,16 @@ describe('headers of every response', () => {
   });
 });
 
+describe('a 405 on a route that exists (black-box: route label)', () => {
+  it('is counted under the route it matched, not as unmatched', async () => {
+    const res = await api(server.base, 'PUT', '/api/runs/2');
+    expect(res.status).toBe(405);
+    const metrics = (await api(server.base, 'GET', '/metrics')).text;
+    expect(metrics).toMatch(/^idem_http_requests_total\{method="PUT",route="\/api\/runs\/:id",status="405"\} 1$/m);
+    expect(metrics).not.toMatch(/^idem_http_requests_total\{method="PUT",route="unmatched"/m);
+  });
+});
+
 describe('a long run id on the run page (black-box: clipping)', () => {
   it('is clipped as the API clips it', async () => {
     const id = 'a'.repeat(10_000);

@@ -268,7 +268,7 @@ export function createServer(opts: ServerOptions): IdemServer {
 
   app.addHook('onResponse', async (request, reply) => {
     // The route pattern, never the URL: a key or id in a label would grow the series without bound.
-    answered(request, request.routeOptions.url ?? 'unmatched', reply.statusCode, reply.elapsedTime);
+    answered(request, request.routeOptions.url ?? methodNotAllowedRoute.get(request.raw) ?? 'unmatched', reply.statusCode, reply.elapsedTime);
   });
 
   app.setErrorHandler(async (err, request, reply) => {
@@ -287,8 +287,10 @@ export function createServer(opts: ServerOptions): IdemServer {
 
   app.setNotFoundHandler(async (request, reply) => {
     const path = request.url.split('?')[0]!;
-    const allow = routeMethods.allowed(path);
+    const { methods: allow, url: matched } = routeMethods.allowed(path);
     if (allow.length > 0) {
+      // Counted under the route the path matched (a 405 is that route's answer), as a route's own answers are.
+      if (matched !== null) methodNotAllowedRoute.set(request.raw, matched);
       const problem = new HttpProblem(405, 'idem.methodNotAllowed', `${request.method.slice(0, 20)} is not allowed on ${path.slice(0, 100)}; use ${allow.join(', ')}`);
       return reply.code(405).header('allow', allow.join(', ')).type(PROBLEM_TYPE).send(problemBody(problem));
     }
@@ -298,6 +300,8 @@ export function createServer(opts: ServerOptions): IdemServer {
 
   // Recorded before any route is added, so it sees them all.
   const routeMethods = new RouteMethods();
+  /** The route pattern a path answered 405 matched: its label in idem_http_requests_total. */
+  const methodNotAllowedRoute = new WeakMap<import('node:http').IncomingMessage, string>();
   app.addHook('onRoute', (route) => routeMethods.add(route.url, route.method));
 
   // Liveness: the process serves. Readiness: PostgreSQL answers too, within READY_TIMEOUT_MS (a
@@ -386,7 +390,7 @@ export function createServer(opts: ServerOptions): IdemServer {
  * method as not found; this tells that 405 (with the methods to use) from a path no route has.
  */
 class RouteMethods {
-  readonly #routes: Array<{ readonly pattern: RegExp; readonly methods: string[] }> = [];
+  readonly #routes: Array<{ readonly pattern: RegExp; readonly url: string; readonly methods: string[] }> = [];
 
   add(url: string, method: string | readonly string[]): void {
     // `:name` matches one path segment, as in Fastify's router; everything else literally.
@@ -395,12 +399,13 @@ class RouteMethods {
     const methods = typeof method === 'string' ? [method] : [...method];
     const same = this.#routes.find((r) => r.pattern.source === pattern.source);
     if (same) same.methods.push(...methods.filter((m) => !same.methods.includes(m)));
-    else this.#routes.push({ pattern, methods });
+    else this.#routes.push({ pattern, url, methods });
   }
 
-  /** The methods `path` takes; empty when no route has that path. */
-  allowed(path: string): string[] {
-    return this.#routes.filter((r) => r.pattern.test(path)).flatMap((r) => r.methods);
+  /** The methods `path` takes (empty when no route has that path) and the first route pattern it matches (null: none). */
+  allowed(path: string): { readonly methods: string[]; readonly url: string | null } {
+    const routes = this.#routes.filter((r) => r.pattern.test(path));
+    return { methods: routes.flatMap((r) => r.methods), url: routes[0]?.url ?? null };
   }
 }
 
