@@ -845,6 +845,26 @@ describe('a 405 on a route that exists (black-box: route label)', () => {
   });
 });
 
+describe('Host headers that disagree (black-box: RFC 9112 §3.2)', () => {
+  it('two Host headers are a 400, whichever comes first; nothing is served', async () => {
+    for (const [a, b] of [['127.0.0.1', 'evil.com'], ['evil.com', '127.0.0.1'], ['127.0.0.1', '127.0.0.1']]) {
+      const res = await rawHttp(server.base, `GET /api/jobs HTTP/1.1\r\nhost: ${a}\r\nhost: ${b}\r\nauthorization: Bearer ${TOKEN}\r\nconnection: close\r\n\r\n`);
+      expect(res.status, `${a} ${b}: ${res.body}`).toBe(400);
+      expect(JSON.parse(res.body)).toMatchObject({ type: 'urn:idem:problem:idem.duplicateHost', status: 400 });
+    }
+  });
+
+  it('an absolute-form target names the host: checked against the allowed hosts (421), the Host header then does not matter', async () => {
+    const evil = await rawHttp(server.base, `GET http://evil.com/api/jobs HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer ${TOKEN}\r\nconnection: close\r\n\r\n`);
+    expect(evil.status, evil.body).toBe(421);
+    expect(JSON.parse(evil.body)).toMatchObject({ type: 'urn:idem:problem:idem.hostNotAllowed', status: 421 });
+    expect(JSON.parse(evil.body).detail).toContain('evil.com');
+    const port = new URL(server.base).port;
+    const fine = await rawHttp(server.base, `GET http://127.0.0.1:${port}/api/jobs HTTP/1.1\r\nhost: evil.com\r\nauthorization: Bearer ${TOKEN}\r\nconnection: close\r\n\r\n`);
+    expect(fine.status, fine.body).toBe(200);
+  });
+});
+
 describe('a long run id on the run page (black-box: clipping)', () => {
   it('is clipped as the API clips it', async () => {
     const id = 'a'.repeat(10_000);

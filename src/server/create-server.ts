@@ -232,15 +232,23 @@ export function createServer(opts: ServerOptions): IdemServer {
     if (request.headers.host === undefined && request.raw.httpVersion === '1.1') {
       throw new HttpProblem(400, 'idem.missingHost', 'the request has no Host header; HTTP/1.1 requires one, so send Host: <the server\'s host:port> (HTTP clients do by themselves)');
     }
+    // RFC 9112 §3.2: more than one Host is a 400. Node keeps the first and drops the others, so
+    // `Host: 127.0.0.1` then `Host: evil.com` passed the check below while a proxy may route by the second.
+    if (hostHeaders(request.raw.rawHeaders) > 1) {
+      throw new HttpProblem(400, 'idem.duplicateHost', 'the request has more than one Host header; send exactly one, the name the server is reached by');
+    }
     // DNS rebinding: a page whose name now resolves to 127.0.0.1 sends that name as Host. Before
     // authentication, so a --public-read server shows it nothing. (No Host: HTTP/1.0, no browser.)
-    const host = request.headers.host;
-    if (checkHosts && host !== undefined && !allowedHosts.allows(host) && !PROBE_PATHS.has(request.url.split('?')[0]!)) {
+    // An absolute-form target (`GET http://name/path`) names the host itself, and RFC 9112 §3.2.2
+    // says it wins over the Host header: that authority is the one checked.
+    const target = absoluteFormAuthority(request.raw.url ?? '');
+    const host = target ?? request.headers.host;
+    if (checkHosts && host !== undefined && !allowedHosts.allows(host) && !PROBE_PATHS.has(pathOf(request.url))) {
       sampled.warn('421 host', { status: 421, host: host.slice(0, 100) }, 'request refused: Host not allowed (answered 421); if it is a name of this server (a reverse proxy\'s), pass it as --allowed-host');
       throw new HttpProblem(
         421,
         'idem.hostNotAllowed',
-        `the Host header ${JSON.stringify(host.slice(0, 100))} is not a name of this server (a web page reaching it through DNS rebinding sends its own); use localhost or the server's IP address, or start idem serve with --allowed-host <name> for each name it is reached by`,
+        `${target === null ? 'the Host header' : 'the host of the request target'} ${JSON.stringify(host.slice(0, 100))} is not a name of this server (a web page reaching it through DNS rebinding sends its own); use localhost or the server's IP address, or start idem serve with --allowed-host <name> for each name it is reached by`,
       );
     }
   });
@@ -407,6 +415,28 @@ class RouteMethods {
     const routes = this.#routes.filter((r) => r.pattern.test(path));
     return { methods: routes.flatMap((r) => r.methods), url: routes[0]?.url ?? null };
   }
+}
+
+/** How many Host headers a request carries (Node's `headers.host` keeps only the first). */
+function hostHeaders(rawHeaders: readonly string[]): number {
+  let n = 0;
+  for (let i = 0; i < rawHeaders.length; i += 2) if (rawHeaders[i]!.toLowerCase() === 'host') n++;
+  return n;
+}
+
+/** The authority of an absolute-form request target (`http://name:port/path`), or null for an origin-form one (`/path`). */
+function absoluteFormAuthority(target: string): string | null {
+  const m = /^[a-z][a-z0-9+.-]*:\/\/([^/?#]*)/i.exec(target);
+  if (!m) return null;
+  // userinfo@ is not part of the host (RFC 9110 forbids it in http URIs anyway).
+  return m[1]!.slice(m[1]!.lastIndexOf('@') + 1);
+}
+
+/** The path of a request URL, origin-form or absolute-form, without its query. */
+function pathOf(url: string): string {
+  const path = url.split('?')[0]!;
+  const m = /^[a-z][a-z0-9+.-]*:\/\/[^/]*/i.exec(path);
+  return m ? path.slice(m[0].length) || '/' : path;
 }
 
 /** Sent with every answer (see the request listener in createServer). */
