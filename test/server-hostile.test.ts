@@ -835,6 +835,34 @@ describe('headers of every response', () => {
   });
 });
 
+describe('refusals Node answers before Fastify sees the request (black-box: Expect, CONNECT)', () => {
+  it('an Expect other than 100-continue is a problem+json 417 with the security headers, counted', async () => {
+    const res = await rawHttp(server.base, `GET /api/runs HTTP/1.1\r\nhost: 127.0.0.1\r\nexpect: foo\r\nauthorization: Bearer ${TOKEN}\r\nconnection: close\r\n\r\n`);
+    expect(res.status, res.headers).toBe(417);
+    expect(res.headers).toMatch(/^content-type: application\/problem\+json/im);
+    expect(res.headers).toMatch(/^x-content-type-options: nosniff$/im);
+    expect(res.headers).toMatch(/^referrer-policy: no-referrer$/im);
+    const body = JSON.parse(res.body);
+    expect(body).toMatchObject({ type: 'urn:idem:problem:idem.expectationFailed', status: 417, title: 'Expectation Failed' });
+    expect(body.detail).toMatch(/Expect.*;/);
+    const metrics = (await api(server.base, 'GET', '/metrics')).text;
+    expect(metrics).toMatch(/^idem_http_requests_total\{method="GET",route="unmatched",status="417"\} 1$/m);
+  });
+
+  it('CONNECT is a problem+json 405 (idem serve is no proxy) with the security headers, counted, not a closed socket', async () => {
+    const res = await rawHttp(server.base, `CONNECT 127.0.0.1:22 HTTP/1.1\r\nhost: 127.0.0.1:22\r\n\r\n`);
+    expect(res.status, res.headers).toBe(405);
+    expect(res.headers).toMatch(/^content-type: application\/problem\+json/im);
+    expect(res.headers).toMatch(/^x-content-type-options: nosniff$/im);
+    expect(res.headers).toMatch(/^referrer-policy: no-referrer$/im);
+    const body = JSON.parse(res.body);
+    expect(body).toMatchObject({ type: 'urn:idem:problem:idem.methodNotAllowed', status: 405 });
+    expect(body.detail).toMatch(/CONNECT.*;/);
+    const metrics = (await api(server.base, 'GET', '/metrics')).text;
+    expect(metrics).toMatch(/^idem_http_requests_total\{method="CONNECT",route="unmatched",status="405"\} 1$/m);
+  });
+});
+
 describe('a 405 on a route that exists (black-box: route label)', () => {
   it('is counted under the route it matched, not as unmatched', async () => {
     const res = await api(server.base, 'PUT', '/api/runs/2');

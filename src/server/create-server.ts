@@ -216,6 +216,31 @@ export function createServer(opts: ServerOptions): IdemServer {
     for (const [name, value] of Object.entries(SECURITY_HEADERS)) response.setHeader(name, value);
   });
 
+  // Two requests Node answers itself, before any listener of Fastify's: an Expect other than
+  // 100-continue (a bare 417 with an empty body) and CONNECT (the socket closed without a word).
+  // Answered here as every other refusal is: problem+json, the security headers, counted.
+  app.server.on('checkExpectation', (request: import('node:http').IncomingMessage, response: import('node:http').ServerResponse) => {
+    const expect = String(request.headers.expect ?? '');
+    const problem = new HttpProblem(417, 'idem.expectationFailed', `the server meets no Expect but 100-continue, and the request sent Expect: ${JSON.stringify(expect.slice(0, 40))}; send the request without it`);
+    const body = JSON.stringify(problemBody(problem));
+    response.writeHead(417, { ...SECURITY_HEADERS, 'content-type': `${PROBLEM_TYPE}; charset=utf-8`, 'content-length': Buffer.byteLength(body), connection: 'close' });
+    response.end(body);
+    metrics.httpRequests.inc({ method: request.method ?? 'unparsed', route: 'unmatched', status: '417' });
+    sampled.warn('417 expect', { status: 417 }, 'request refused: an Expect header other than 100-continue (answered 417)');
+  });
+  app.server.on('connect', (request: import('node:http').IncomingMessage, socket: import('node:net').Socket) => {
+    const problem = new HttpProblem(405, 'idem.methodNotAllowed', 'CONNECT is not allowed: idem serve is not a proxy; send the API\'s requests (GET, POST) to the server itself');
+    const body = JSON.stringify(problemBody(problem));
+    socket.on('error', () => {});
+    socket.resume();
+    const security = Object.entries(SECURITY_HEADERS).map(([name, value]) => `${name}: ${value}\r\n`).join('');
+    // An empty Allow: the target (an authority, not a path) allows no method (RFC 9110 §10.2.1).
+    socket.end(`HTTP/1.1 405 ${problemBody(problem).title}\r\nAllow: \r\nContent-Length: ${Buffer.byteLength(body)}\r\nContent-Type: ${PROBLEM_TYPE}; charset=utf-8\r\n${security}Connection: close\r\n\r\n${body}`);
+    setTimeout(() => socket.destroy(), 2_000).unref();
+    metrics.httpRequests.inc({ method: 'CONNECT', route: 'unmatched', status: '405' });
+    sampled.warn('405 connect', { status: 405, method: request.method }, 'request refused: CONNECT (answered 405)');
+  });
+
   // Params are JSON only: a text/plain body (Fastify parses it by default) is refused with 415.
   app.removeContentTypeParser('text/plain');
   app.removeContentTypeParser('application/json');
