@@ -1,4 +1,5 @@
 import net from 'node:net';
+import pg from 'pg';
 import { brotliCompressSync, deflateSync, gzipSync } from 'node:zlib';
 import { fileURLToPath } from 'node:url';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -904,4 +905,60 @@ describe('a long run id on the run page (black-box: clipping)', () => {
     expect(quoted(pageRes.body.detail)).toBe(quoted(apiRes.body.detail));
     expect(quoted(pageRes.body.detail)).toMatch(/^a+\.\.\.$/);
   });
+});
+
+describe('SIGTERM with a request that never finishes arriving (black-box: shutdown)', () => {
+  it('stops at once: the half-sent request is closed, not waited for until the deadline, and no deadline error is logged', async () => {
+    const proc = spawnCli(['--shutdown-timeout', '8', '--jobs-dir', ANY_JOBS, '--log-level', 'info', 'serve', '--port', '0'], { url, env: { IDEM_API_TOKEN: TOKEN }, timeoutMs: 60_000 });
+    const base = await waitFor(async () => /listening on (http:\/\/[^\s]+)/.exec(proc.stdout())?.[1], 'idem serve to listen');
+    const port = Number(new URL(base).port);
+    const open = (text: string) =>
+      new Promise<net.Socket>((resolve, reject) => {
+        const s = net.connect(port, '127.0.0.1', () => resolve(s));
+        s.on('error', () => {});
+        s.once('error', reject);
+        s.write(text);
+      });
+    // Headers, and 2 of the 10 body bytes; headers without their final CRLF; an idle keep-alive one.
+    const sockets = [
+      await open(`POST /api/jobs/any/runs HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer ${TOKEN}\r\nidempotency-key: k-half\r\ncontent-type: application/json\r\ncontent-length: 10\r\n\r\n{"`),
+      await open(`GET /api/runs HTTP/1.1\r\nhost: 127.0.0.1\r\n`),
+    ];
+    await new Promise((r) => setTimeout(r, 300));
+    const t0 = Date.now();
+    proc.child.kill('SIGTERM');
+    const res = await proc.done;
+    const ms = Date.now() - t0;
+    for (const s of sockets) s.destroy();
+    expect(res.code, res.stderr).toBe(143);
+    expect(ms, res.stderr).toBeLessThan(4_000);
+    expect(res.stderr).not.toContain('shutdown deadline passed');
+    expect(await query(url, `select 1 from idem.api_requests where idempotency_key = 'k-half'`)).toHaveLength(0);
+  }, 60_000);
+});
+
+describe('the shutdown deadline with no chunk in flight (black-box: shutdown)', () => {
+  it('passing it is a warning saying no chunk was in flight, not the error that chunks were aborted', async () => {
+    const proc = spawnCli(['--shutdown-timeout', '2', '--jobs-dir', ANY_JOBS, '--log-level', 'info', 'serve', '--port', '0'], { url, env: { IDEM_API_TOKEN: TOKEN }, timeoutMs: 60_000 });
+    const base = await waitFor(async () => /listening on (http:\/\/[^\s]+)/.exec(proc.stdout())?.[1], 'idem serve to listen');
+    const holder = new pg.Client({ connectionString: url });
+    await holder.connect();
+    try {
+      // A read whose answer the stop waits for: the runs table is locked, so it does not come before the deadline.
+      await holder.query('begin');
+      await holder.query('lock table idem.runs in access exclusive mode');
+      const pending = api(base, 'GET', '/api/runs').catch(() => null);
+      await waitFor(async () => (await query<{ n: number }>(url, `select count(*)::int as n from pg_locks where relation = 'idem.runs'::regclass and not granted`))[0]!.n > 0 || null, 'the read to wait for the lock');
+      proc.child.kill('SIGTERM');
+      const res = await proc.done;
+      await pending;
+      expect(res.code, res.stderr).toBe(143);
+      const lines = res.stderr.split('\n').filter((l) => l.startsWith('{')).map((l) => JSON.parse(l) as { level: number; msg: string });
+      expect(lines.find((l) => l.msg.startsWith('shutdown deadline passed')), res.stderr).toMatchObject({ level: 40, msg: 'shutdown deadline passed with no chunk in flight; exiting' });
+      expect(res.stderr).not.toContain('aborting in-flight chunks');
+    } finally {
+      await holder.query('rollback').catch(() => {});
+      await holder.end();
+    }
+  }, 60_000);
 });

@@ -212,9 +212,26 @@ export function createServer(opts: ServerOptions): IdemServer {
 
   // On every answer Node writes for Fastify (routes, refusals before any hook, event streams): no
   // MIME sniffing of a JSON or text answer into HTML, and no run URL leaked to a linked site.
-  app.server.prependListener('request', (_request: import('node:http').IncomingMessage, response: import('node:http').ServerResponse) => {
+  app.server.prependListener('request', (request: import('node:http').IncomingMessage, response: import('node:http').ServerResponse) => {
     for (const [name, value] of Object.entries(SECURITY_HEADERS)) response.setHeader(name, value);
+    answering.set(request.socket, response);
   });
+  // Every open connection, and the answer each is on: at close, a connection whose request has not
+  // arrived whole (headers or body still coming) is closed rather than waited for. Node's close
+  // waits for it (it is not idle), up to the request timeout; the process for the shutdown deadline.
+  const connections = new Set<import('node:net').Socket>();
+  const answering = new WeakMap<import('node:net').Socket, import('node:http').ServerResponse>();
+  app.server.on('connection', (socket: import('node:net').Socket) => {
+    connections.add(socket);
+    socket.once('close', () => connections.delete(socket));
+  });
+  /** Closes the connections no handler answers: a request still arriving, or none (idle, or headers part-sent). */
+  const closeUnanswered = () => {
+    for (const socket of connections) {
+      const response = answering.get(socket);
+      if (response === undefined || response.writableEnded || !response.req.complete) socket.destroy();
+    }
+  };
 
   // Two requests Node answers itself, before any listener of Fastify's: an Expect other than
   // 100-continue (a bare 417 with an empty body) and CONNECT (the socket closed without a word).
@@ -411,7 +428,10 @@ export function createServer(opts: ServerOptions): IdemServer {
         clearInterval(pruneTimer);
         clearInterval(rescanTimer);
         for (const close of [...ctx.openStreams]) close();
-        await Promise.all([app.close(), executor.shutdown(deadlineMs, reason instanceof InterruptedError ? reason.signal : 'SIGTERM'), replays.close()]);
+        const appClosed = app.close();
+        // After app.close() began: Fastify stops listening and answers new requests 503 from here.
+        closeUnanswered();
+        await Promise.all([appClosed, executor.shutdown(deadlineMs, reason instanceof InterruptedError ? reason.signal : 'SIGTERM'), replays.close()]);
         sampled.flush();
       })());
     },
