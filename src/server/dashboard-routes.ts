@@ -4,7 +4,7 @@ import { paramsSchema } from './api-routes.ts';
 import { DASHBOARD_CSS, DASHBOARD_JS, FAVICON_SVG } from './dashboard-assets.ts';
 import { esc, homeLive, jobsLive, jobsSection, page, runLive, type HomeRuns, type RunList } from './dashboard-html.ts';
 import { printable } from './claim-request.ts';
-import { HttpProblem } from './problem.ts';
+import { HttpProblem, toProblem } from './problem.ts';
 import type { RunStatus } from '../store.ts';
 import type { ServerContext } from './server-context.ts';
 import { streamEvents } from './sse.ts';
@@ -93,9 +93,17 @@ export function registerDashboardRoutes(app: FastifyInstance, ctx: ServerContext
   });
 
   app.get<{ Params: { id: string } }>('/runs/:id/live', async (request, reply) => {
-    // A run that never existed is a 404; one removed while its page is open ends with `gone`.
-    let first = await ctx.views.get(request.params.id);
-    if (!first) throw unknownRun(request.params.id);
+    // A run that never existed is a 404; one removed while its page is open ends with `gone`. While
+    // the database cannot be reached the stream opens all the same (200, saying so, as /live does):
+    // a browser's EventSource never reconnects after a 503, and the page would stop updating for good.
+    let first: Awaited<ReturnType<typeof ctx.views.get>>;
+    try {
+      first = await ctx.views.get(request.params.id);
+      if (!first) throw unknownRun(request.params.id);
+    } catch (err) {
+      if (toProblem(err).status !== 503) throw err;
+      first = undefined;
+    }
     streamEvents(
       request,
       reply,
