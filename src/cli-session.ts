@@ -364,6 +364,8 @@ const startupSignal: Record<StopSignal, () => void> = {
  * back whatever was in flight, so nothing is half-done).
  */
 export function installSignals(log: Logger, deadlineSeconds: number, onForce: (code: number) => void) {
+  /** Whether a chunk may be in flight at the deadline; a command that knows (idem serve) says so with `chunksInFlight`. */
+  let inFlight = () => true;
   dropEarlySignals();
   for (const sig of STOP_SIGNALS) process.off(sig, startupSignal[sig]);
   const stop = new AbortController();
@@ -376,7 +378,9 @@ export function installSignals(log: Logger, deadlineSeconds: number, onForce: (c
       log.warn({ signal: sig, deadlineSeconds }, 'stopping: no new chunks; in-flight chunks may finish (signal again to abort them)');
       stop.abort(new InterruptedError(sig));
       setTimeout(() => {
-        log.error('shutdown deadline passed; aborting in-flight chunks');
+        // Without a chunk in flight nothing is aborted: what held the stop was not a run's, and no error.
+        if (inFlight()) log.error('shutdown deadline passed; aborting in-flight chunks');
+        else log.warn({ deadlineSeconds }, 'shutdown deadline passed with no chunk in flight; exiting');
         abort.abort(new InterruptedError(sig));
         onForce(code);
       }, deadlineSeconds * 1000).unref();
@@ -389,5 +393,12 @@ export function installSignals(log: Logger, deadlineSeconds: number, onForce: (c
   // SIGHUP: the terminal closed (an ssh session dropped, the shell that started idem exited).
   // Node's default ended the process there and then, the run left `running` until it was taken for crashed.
   for (const sig of STOP_SIGNALS) process.on(sig, () => handler(sig));
-  return { stop: stop.signal, abort: abort.signal };
+  return {
+    stop: stop.signal,
+    abort: abort.signal,
+    /** Tells the deadline whether chunks are in flight (by default it takes it that they are). */
+    chunksInFlight(check: () => boolean): void {
+      inFlight = check;
+    },
+  };
 }

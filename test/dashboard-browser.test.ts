@@ -490,3 +490,71 @@ describe("a run whose job's code changed since it stopped (black-box round 13)",
     expect(row.code_changes).toEqual([{ from: old, to: view.codeChanged.to, attempt: 2, at: expect.any(String) }]);
   }, 60_000);
 });
+
+describe('a run page while the database cannot be read (black-box: a short outage)', () => {
+  const liveState = () => page.locator('.live-state').textContent();
+  const headState = () => page.locator('.run-head').getAttribute('data-state');
+
+  it('keeps its live stream through the outage, says the database is unreachable, and shows the final state after, without a reload', async () => {
+    // Reads give up after 1 s, so a read held by the lock below fails as one of a lost database does (503).
+    const srv = await startServe(url, ['--public-read'], { IDEM_SERVE_READ_TIMEOUT_MS: '1000' });
+    const holder = new pg.Client({ connectionString: url });
+    await holder.connect();
+    try {
+      const created = await api(srv.base, 'POST', '/api/jobs/counted/runs', { key: `outage-${Date.now()}`, body: { chunks: 40, pauseMs: 100 } });
+      expect(created.status, created.text).toBe(201);
+      await page.goto(`${srv.base}/runs/${created.body.id}`);
+      await page.evaluate(() => ((window as any).__sameDocument = true));
+      await expect.poll(headState, { timeout: 20_000 }).toBe('running');
+      await expect.poll(liveState).toBe('live');
+      // The outage: no read of the runs table answers for 6 s.
+      await holder.query('begin');
+      await holder.query('lock table idem.runs in access exclusive mode');
+      // Before: the stream ended, its reconnect was answered 503, and the EventSource gave up for good.
+      const live = await fetch(`${srv.base}/runs/${created.body.id}/live`);
+      expect(live.status).toBe(200);
+      await expect.poll(liveState, { timeout: 10_000 }).toBe('database unreachable; retrying…');
+      const reader = live.body!.getReader();
+      let text = '';
+      while (!text.includes('event: unavailable')) text += new TextDecoder().decode((await reader.read()).value);
+      await reader.cancel();
+      await new Promise((r) => setTimeout(r, 4_000));
+      await holder.query('commit');
+      await expect.poll(headState, { timeout: 60_000 }).toBe('succeeded');
+      expect(await liveState()).toBe('live');
+      expect(await page.evaluate(() => (window as any).__sameDocument)).toBe(true);
+    } finally {
+      await holder.query('rollback').catch(() => {});
+      await holder.end();
+      srv.proc.child.kill('SIGKILL');
+      await srv.proc.done;
+    }
+  }, 120_000);
+
+  it('opens its stream again after an answer that is not a 200 (a proxy\'s 502, a restarting server\'s 503), with a backoff', async () => {
+    const created = await api(server.base, 'POST', '/api/jobs/counted/runs', { key: `refused-${Date.now()}`, body: { chunks: 40, pauseMs: 100 } });
+    expect(created.status, created.text).toBe(201);
+    const refused: number[] = [];
+    // The first two opens of the stream are answered 503, as a server without its database did.
+    await page.route(`**/runs/${created.body.id}/live`, async (route) => {
+      if (refused.length < 2) {
+        refused.push(Date.now());
+        return route.fulfill({ status: 503, contentType: 'application/problem+json', body: '{"status":503}' });
+      }
+      return route.continue();
+    });
+    try {
+      await page.goto(`${server.base}/runs/${created.body.id}`);
+      expect(await headState()).not.toBe('succeeded');
+      await page.evaluate(() => ((window as any).__sameDocument = true));
+      await expect.poll(() => refused.length, { timeout: 10_000 }).toBe(2);
+      await expect.poll(headState, { timeout: 60_000 }).toBe('succeeded');
+      await expect.poll(liveState).toBe('live');
+      // Not at once: after a delay that grows.
+      expect(refused[1]! - refused[0]!).toBeGreaterThanOrEqual(900);
+      expect(await page.evaluate(() => (window as any).__sameDocument)).toBe(true);
+    } finally {
+      await page.unroute(`**/runs/${created.body.id}/live`);
+    }
+  }, 90_000);
+});

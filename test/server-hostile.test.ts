@@ -1,4 +1,5 @@
 import net from 'node:net';
+import pg from 'pg';
 import { brotliCompressSync, deflateSync, gzipSync } from 'node:zlib';
 import { fileURLToPath } from 'node:url';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -833,4 +834,131 @@ describe('headers of every response', () => {
       expect(res.headers).toMatch(/^referrer-policy: no-referrer$/im);
     }
   });
+});
+
+describe('refusals Node answers before Fastify sees the request (black-box: Expect, CONNECT)', () => {
+  it('an Expect other than 100-continue is a problem+json 417 with the security headers, counted', async () => {
+    const res = await rawHttp(server.base, `GET /api/runs HTTP/1.1\r\nhost: 127.0.0.1\r\nexpect: foo\r\nauthorization: Bearer ${TOKEN}\r\nconnection: close\r\n\r\n`);
+    expect(res.status, res.headers).toBe(417);
+    expect(res.headers).toMatch(/^content-type: application\/problem\+json/im);
+    expect(res.headers).toMatch(/^x-content-type-options: nosniff$/im);
+    expect(res.headers).toMatch(/^referrer-policy: no-referrer$/im);
+    const body = JSON.parse(res.body);
+    expect(body).toMatchObject({ type: 'urn:idem:problem:idem.expectationFailed', status: 417, title: 'Expectation Failed' });
+    expect(body.detail).toMatch(/Expect.*;/);
+    const metrics = (await api(server.base, 'GET', '/metrics')).text;
+    expect(metrics).toMatch(/^idem_http_requests_total\{method="GET",route="unmatched",status="417"\} 1$/m);
+  });
+
+  it('CONNECT is a problem+json 405 (idem serve is no proxy) with the security headers, counted, not a closed socket', async () => {
+    const res = await rawHttp(server.base, `CONNECT 127.0.0.1:22 HTTP/1.1\r\nhost: 127.0.0.1:22\r\n\r\n`);
+    expect(res.status, res.headers).toBe(405);
+    expect(res.headers).toMatch(/^content-type: application\/problem\+json/im);
+    expect(res.headers).toMatch(/^x-content-type-options: nosniff$/im);
+    expect(res.headers).toMatch(/^referrer-policy: no-referrer$/im);
+    const body = JSON.parse(res.body);
+    expect(body).toMatchObject({ type: 'urn:idem:problem:idem.methodNotAllowed', status: 405 });
+    expect(body.detail).toMatch(/CONNECT.*;/);
+    const metrics = (await api(server.base, 'GET', '/metrics')).text;
+    expect(metrics).toMatch(/^idem_http_requests_total\{method="CONNECT",route="unmatched",status="405"\} 1$/m);
+  });
+});
+
+describe('a 405 on a route that exists (black-box: route label)', () => {
+  it('is counted under the route it matched, not as unmatched', async () => {
+    const res = await api(server.base, 'PUT', '/api/runs/2');
+    expect(res.status).toBe(405);
+    const metrics = (await api(server.base, 'GET', '/metrics')).text;
+    expect(metrics).toMatch(/^idem_http_requests_total\{method="PUT",route="\/api\/runs\/:id",status="405"\} 1$/m);
+    expect(metrics).not.toMatch(/^idem_http_requests_total\{method="PUT",route="unmatched"/m);
+  });
+});
+
+describe('Host headers that disagree (black-box: RFC 9112 §3.2)', () => {
+  it('two Host headers are a 400, whichever comes first; nothing is served', async () => {
+    for (const [a, b] of [['127.0.0.1', 'evil.com'], ['evil.com', '127.0.0.1'], ['127.0.0.1', '127.0.0.1']]) {
+      const res = await rawHttp(server.base, `GET /api/jobs HTTP/1.1\r\nhost: ${a}\r\nhost: ${b}\r\nauthorization: Bearer ${TOKEN}\r\nconnection: close\r\n\r\n`);
+      expect(res.status, `${a} ${b}: ${res.body}`).toBe(400);
+      expect(JSON.parse(res.body)).toMatchObject({ type: 'urn:idem:problem:idem.duplicateHost', status: 400 });
+    }
+  });
+
+  it('an absolute-form target names the host: checked against the allowed hosts (421), the Host header then does not matter', async () => {
+    const evil = await rawHttp(server.base, `GET http://evil.com/api/jobs HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer ${TOKEN}\r\nconnection: close\r\n\r\n`);
+    expect(evil.status, evil.body).toBe(421);
+    expect(JSON.parse(evil.body)).toMatchObject({ type: 'urn:idem:problem:idem.hostNotAllowed', status: 421 });
+    expect(JSON.parse(evil.body).detail).toContain('evil.com');
+    const port = new URL(server.base).port;
+    const fine = await rawHttp(server.base, `GET http://127.0.0.1:${port}/api/jobs HTTP/1.1\r\nhost: evil.com\r\nauthorization: Bearer ${TOKEN}\r\nconnection: close\r\n\r\n`);
+    expect(fine.status, fine.body).toBe(200);
+  });
+});
+
+describe('a long run id on the run page (black-box: clipping)', () => {
+  it('is clipped as the API clips it', async () => {
+    const id = 'a'.repeat(10_000);
+    const pageRes = await api(server.base, 'GET', `/runs/${id}`);
+    const apiRes = await api(server.base, 'GET', `/api/runs/${id}`);
+    expectProblem(pageRes, 404, 'idem.unknownRun');
+    expectProblem(apiRes, 404, 'idem.unknownRun');
+    const quoted = (detail: string) => /"([^"]*)"/.exec(detail)![1];
+    expect(quoted(pageRes.body.detail)).toBe(quoted(apiRes.body.detail));
+    expect(quoted(pageRes.body.detail)).toMatch(/^a+\.\.\.$/);
+  });
+});
+
+describe('SIGTERM with a request that never finishes arriving (black-box: shutdown)', () => {
+  it('stops at once: the half-sent request is closed, not waited for until the deadline, and no deadline error is logged', async () => {
+    const proc = spawnCli(['--shutdown-timeout', '8', '--jobs-dir', ANY_JOBS, '--log-level', 'info', 'serve', '--port', '0'], { url, env: { IDEM_API_TOKEN: TOKEN }, timeoutMs: 60_000 });
+    const base = await waitFor(async () => /listening on (http:\/\/[^\s]+)/.exec(proc.stdout())?.[1], 'idem serve to listen');
+    const port = Number(new URL(base).port);
+    const open = (text: string) =>
+      new Promise<net.Socket>((resolve, reject) => {
+        const s = net.connect(port, '127.0.0.1', () => resolve(s));
+        s.on('error', () => {});
+        s.once('error', reject);
+        s.write(text);
+      });
+    // Headers, and 2 of the 10 body bytes; headers without their final CRLF; an idle keep-alive one.
+    const sockets = [
+      await open(`POST /api/jobs/any/runs HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer ${TOKEN}\r\nidempotency-key: k-half\r\ncontent-type: application/json\r\ncontent-length: 10\r\n\r\n{"`),
+      await open(`GET /api/runs HTTP/1.1\r\nhost: 127.0.0.1\r\n`),
+    ];
+    await new Promise((r) => setTimeout(r, 300));
+    const t0 = Date.now();
+    proc.child.kill('SIGTERM');
+    const res = await proc.done;
+    const ms = Date.now() - t0;
+    for (const s of sockets) s.destroy();
+    expect(res.code, res.stderr).toBe(143);
+    expect(ms, res.stderr).toBeLessThan(4_000);
+    expect(res.stderr).not.toContain('shutdown deadline passed');
+    expect(await query(url, `select 1 from idem.api_requests where idempotency_key = 'k-half'`)).toHaveLength(0);
+  }, 60_000);
+});
+
+describe('the shutdown deadline with no chunk in flight (black-box: shutdown)', () => {
+  it('passing it is a warning saying no chunk was in flight, not the error that chunks were aborted', async () => {
+    const proc = spawnCli(['--shutdown-timeout', '2', '--jobs-dir', ANY_JOBS, '--log-level', 'info', 'serve', '--port', '0'], { url, env: { IDEM_API_TOKEN: TOKEN }, timeoutMs: 60_000 });
+    const base = await waitFor(async () => /listening on (http:\/\/[^\s]+)/.exec(proc.stdout())?.[1], 'idem serve to listen');
+    const holder = new pg.Client({ connectionString: url });
+    await holder.connect();
+    try {
+      // A read whose answer the stop waits for: the runs table is locked, so it does not come before the deadline.
+      await holder.query('begin');
+      await holder.query('lock table idem.runs in access exclusive mode');
+      const pending = api(base, 'GET', '/api/runs').catch(() => null);
+      await waitFor(async () => (await query<{ n: number }>(url, `select count(*)::int as n from pg_locks where relation = 'idem.runs'::regclass and not granted`))[0]!.n > 0 || null, 'the read to wait for the lock');
+      proc.child.kill('SIGTERM');
+      const res = await proc.done;
+      await pending;
+      expect(res.code, res.stderr).toBe(143);
+      const lines = res.stderr.split('\n').filter((l) => l.startsWith('{')).map((l) => JSON.parse(l) as { level: number; msg: string });
+      expect(lines.find((l) => l.msg.startsWith('shutdown deadline passed')), res.stderr).toMatchObject({ level: 40, msg: 'shutdown deadline passed with no chunk in flight; exiting' });
+      expect(res.stderr).not.toContain('aborting in-flight chunks');
+    } finally {
+      await holder.query('rollback').catch(() => {});
+      await holder.end();
+    }
+  }, 60_000);
 });

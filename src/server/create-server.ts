@@ -212,8 +212,50 @@ export function createServer(opts: ServerOptions): IdemServer {
 
   // On every answer Node writes for Fastify (routes, refusals before any hook, event streams): no
   // MIME sniffing of a JSON or text answer into HTML, and no run URL leaked to a linked site.
-  app.server.prependListener('request', (_request: import('node:http').IncomingMessage, response: import('node:http').ServerResponse) => {
+  app.server.prependListener('request', (request: import('node:http').IncomingMessage, response: import('node:http').ServerResponse) => {
     for (const [name, value] of Object.entries(SECURITY_HEADERS)) response.setHeader(name, value);
+    answering.set(request.socket, response);
+  });
+  // Every open connection, and the answer each is on: at close, a connection whose request has not
+  // arrived whole (headers or body still coming) is closed rather than waited for. Node's close
+  // waits for it (it is not idle), up to the request timeout; the process for the shutdown deadline.
+  const connections = new Set<import('node:net').Socket>();
+  const answering = new WeakMap<import('node:net').Socket, import('node:http').ServerResponse>();
+  app.server.on('connection', (socket: import('node:net').Socket) => {
+    connections.add(socket);
+    socket.once('close', () => connections.delete(socket));
+  });
+  /** Closes the connections no handler answers: a request still arriving, or none (idle, or headers part-sent). */
+  const closeUnanswered = () => {
+    for (const socket of connections) {
+      const response = answering.get(socket);
+      if (response === undefined || response.writableEnded || !response.req.complete) socket.destroy();
+    }
+  };
+
+  // Two requests Node answers itself, before any listener of Fastify's: an Expect other than
+  // 100-continue (a bare 417 with an empty body) and CONNECT (the socket closed without a word).
+  // Answered here as every other refusal is: problem+json, the security headers, counted.
+  app.server.on('checkExpectation', (request: import('node:http').IncomingMessage, response: import('node:http').ServerResponse) => {
+    const expect = String(request.headers.expect ?? '');
+    const problem = new HttpProblem(417, 'idem.expectationFailed', `the server meets no Expect but 100-continue, and the request sent Expect: ${JSON.stringify(expect.slice(0, 40))}; send the request without it`);
+    const body = JSON.stringify(problemBody(problem));
+    response.writeHead(417, { ...SECURITY_HEADERS, 'content-type': `${PROBLEM_TYPE}; charset=utf-8`, 'content-length': Buffer.byteLength(body), connection: 'close' });
+    response.end(body);
+    metrics.httpRequests.inc({ method: request.method ?? 'unparsed', route: 'unmatched', status: '417' });
+    sampled.warn('417 expect', { status: 417 }, 'request refused: an Expect header other than 100-continue (answered 417)');
+  });
+  app.server.on('connect', (request: import('node:http').IncomingMessage, socket: import('node:net').Socket) => {
+    const problem = new HttpProblem(405, 'idem.methodNotAllowed', 'CONNECT is not allowed: idem serve is not a proxy; send the API\'s requests (GET, POST) to the server itself');
+    const body = JSON.stringify(problemBody(problem));
+    socket.on('error', () => {});
+    socket.resume();
+    const security = Object.entries(SECURITY_HEADERS).map(([name, value]) => `${name}: ${value}\r\n`).join('');
+    // An empty Allow: the target (an authority, not a path) allows no method (RFC 9110 §10.2.1).
+    socket.end(`HTTP/1.1 405 ${problemBody(problem).title}\r\nAllow: \r\nContent-Length: ${Buffer.byteLength(body)}\r\nContent-Type: ${PROBLEM_TYPE}; charset=utf-8\r\n${security}Connection: close\r\n\r\n${body}`);
+    setTimeout(() => socket.destroy(), 2_000).unref();
+    metrics.httpRequests.inc({ method: 'CONNECT', route: 'unmatched', status: '405' });
+    sampled.warn('405 connect', { status: 405, method: request.method }, 'request refused: CONNECT (answered 405)');
   });
 
   // Params are JSON only: a text/plain body (Fastify parses it by default) is refused with 415.
@@ -232,15 +274,23 @@ export function createServer(opts: ServerOptions): IdemServer {
     if (request.headers.host === undefined && request.raw.httpVersion === '1.1') {
       throw new HttpProblem(400, 'idem.missingHost', 'the request has no Host header; HTTP/1.1 requires one, so send Host: <the server\'s host:port> (HTTP clients do by themselves)');
     }
+    // RFC 9112 §3.2: more than one Host is a 400. Node keeps the first and drops the others, so
+    // `Host: 127.0.0.1` then `Host: evil.com` passed the check below while a proxy may route by the second.
+    if (hostHeaders(request.raw.rawHeaders) > 1) {
+      throw new HttpProblem(400, 'idem.duplicateHost', 'the request has more than one Host header; send exactly one, the name the server is reached by');
+    }
     // DNS rebinding: a page whose name now resolves to 127.0.0.1 sends that name as Host. Before
     // authentication, so a --public-read server shows it nothing. (No Host: HTTP/1.0, no browser.)
-    const host = request.headers.host;
-    if (checkHosts && host !== undefined && !allowedHosts.allows(host) && !PROBE_PATHS.has(request.url.split('?')[0]!)) {
+    // An absolute-form target (`GET http://name/path`) names the host itself, and RFC 9112 §3.2.2
+    // says it wins over the Host header: that authority is the one checked.
+    const target = absoluteFormAuthority(request.raw.url ?? '');
+    const host = target ?? request.headers.host;
+    if (checkHosts && host !== undefined && !allowedHosts.allows(host) && !PROBE_PATHS.has(pathOf(request.url))) {
       sampled.warn('421 host', { status: 421, host: host.slice(0, 100) }, 'request refused: Host not allowed (answered 421); if it is a name of this server (a reverse proxy\'s), pass it as --allowed-host');
       throw new HttpProblem(
         421,
         'idem.hostNotAllowed',
-        `the Host header ${JSON.stringify(host.slice(0, 100))} is not a name of this server (a web page reaching it through DNS rebinding sends its own); use localhost or the server's IP address, or start idem serve with --allowed-host <name> for each name it is reached by`,
+        `${target === null ? 'the Host header' : 'the host of the request target'} ${JSON.stringify(host.slice(0, 100))} is not a name of this server (a web page reaching it through DNS rebinding sends its own); use localhost or the server's IP address, or start idem serve with --allowed-host <name> for each name it is reached by`,
       );
     }
   });
@@ -268,7 +318,7 @@ export function createServer(opts: ServerOptions): IdemServer {
 
   app.addHook('onResponse', async (request, reply) => {
     // The route pattern, never the URL: a key or id in a label would grow the series without bound.
-    answered(request, request.routeOptions.url ?? 'unmatched', reply.statusCode, reply.elapsedTime);
+    answered(request, request.routeOptions.url ?? methodNotAllowedRoute.get(request.raw) ?? 'unmatched', reply.statusCode, reply.elapsedTime);
   });
 
   app.setErrorHandler(async (err, request, reply) => {
@@ -287,8 +337,10 @@ export function createServer(opts: ServerOptions): IdemServer {
 
   app.setNotFoundHandler(async (request, reply) => {
     const path = request.url.split('?')[0]!;
-    const allow = routeMethods.allowed(path);
+    const { methods: allow, url: matched } = routeMethods.allowed(path);
     if (allow.length > 0) {
+      // Counted under the route the path matched (a 405 is that route's answer), as a route's own answers are.
+      if (matched !== null) methodNotAllowedRoute.set(request.raw, matched);
       const problem = new HttpProblem(405, 'idem.methodNotAllowed', `${request.method.slice(0, 20)} is not allowed on ${path.slice(0, 100)}; use ${allow.join(', ')}`);
       return reply.code(405).header('allow', allow.join(', ')).type(PROBLEM_TYPE).send(problemBody(problem));
     }
@@ -298,6 +350,8 @@ export function createServer(opts: ServerOptions): IdemServer {
 
   // Recorded before any route is added, so it sees them all.
   const routeMethods = new RouteMethods();
+  /** The route pattern a path answered 405 matched: its label in idem_http_requests_total. */
+  const methodNotAllowedRoute = new WeakMap<import('node:http').IncomingMessage, string>();
   app.addHook('onRoute', (route) => routeMethods.add(route.url, route.method));
 
   // Liveness: the process serves. Readiness: PostgreSQL answers too, within READY_TIMEOUT_MS (a
@@ -374,7 +428,10 @@ export function createServer(opts: ServerOptions): IdemServer {
         clearInterval(pruneTimer);
         clearInterval(rescanTimer);
         for (const close of [...ctx.openStreams]) close();
-        await Promise.all([app.close(), executor.shutdown(deadlineMs, reason instanceof InterruptedError ? reason.signal : 'SIGTERM'), replays.close()]);
+        const appClosed = app.close();
+        // After app.close() began: Fastify stops listening and answers new requests 503 from here.
+        closeUnanswered();
+        await Promise.all([appClosed, executor.shutdown(deadlineMs, reason instanceof InterruptedError ? reason.signal : 'SIGTERM'), replays.close()]);
         sampled.flush();
       })());
     },
@@ -386,7 +443,7 @@ export function createServer(opts: ServerOptions): IdemServer {
  * method as not found; this tells that 405 (with the methods to use) from a path no route has.
  */
 class RouteMethods {
-  readonly #routes: Array<{ readonly pattern: RegExp; readonly methods: string[] }> = [];
+  readonly #routes: Array<{ readonly pattern: RegExp; readonly url: string; readonly methods: string[] }> = [];
 
   add(url: string, method: string | readonly string[]): void {
     // `:name` matches one path segment, as in Fastify's router; everything else literally.
@@ -395,13 +452,36 @@ class RouteMethods {
     const methods = typeof method === 'string' ? [method] : [...method];
     const same = this.#routes.find((r) => r.pattern.source === pattern.source);
     if (same) same.methods.push(...methods.filter((m) => !same.methods.includes(m)));
-    else this.#routes.push({ pattern, methods });
+    else this.#routes.push({ pattern, url, methods });
   }
 
-  /** The methods `path` takes; empty when no route has that path. */
-  allowed(path: string): string[] {
-    return this.#routes.filter((r) => r.pattern.test(path)).flatMap((r) => r.methods);
+  /** The methods `path` takes (empty when no route has that path) and the first route pattern it matches (null: none). */
+  allowed(path: string): { readonly methods: string[]; readonly url: string | null } {
+    const routes = this.#routes.filter((r) => r.pattern.test(path));
+    return { methods: routes.flatMap((r) => r.methods), url: routes[0]?.url ?? null };
   }
+}
+
+/** How many Host headers a request carries (Node's `headers.host` keeps only the first). */
+function hostHeaders(rawHeaders: readonly string[]): number {
+  let n = 0;
+  for (let i = 0; i < rawHeaders.length; i += 2) if (rawHeaders[i]!.toLowerCase() === 'host') n++;
+  return n;
+}
+
+/** The authority of an absolute-form request target (`http://name:port/path`), or null for an origin-form one (`/path`). */
+function absoluteFormAuthority(target: string): string | null {
+  const m = /^[a-z][a-z0-9+.-]*:\/\/([^/?#]*)/i.exec(target);
+  if (!m) return null;
+  // userinfo@ is not part of the host (RFC 9110 forbids it in http URIs anyway).
+  return m[1]!.slice(m[1]!.lastIndexOf('@') + 1);
+}
+
+/** The path of a request URL, origin-form or absolute-form, without its query. */
+function pathOf(url: string): string {
+  const path = url.split('?')[0]!;
+  const m = /^[a-z][a-z0-9+.-]*:\/\/[^/]*/i.exec(path);
+  return m ? path.slice(m[0].length) || '/' : path;
 }
 
 /** Sent with every answer (see the request listener in createServer). */

@@ -152,24 +152,40 @@ export const DASHBOARD_JS = `'use strict';
   }
 
   // Live: the server sends the rendered fragment whenever it changed; the browser swaps it in.
+  // An EventSource reconnects by itself after a stream that ended, but gives up for good on an
+  // answer that is not a 200 (a 503 while the server restarts, a proxy's 502): such a one is opened
+  // again here, after 1 s, then twice as long each time up to 30 s, until a stream answers.
   function live() {
     const region = document.querySelector('[data-live]');
     if (!region || !window.EventSource) return;
     const state = document.querySelector('.live-state');
-    const es = new EventSource(region.getAttribute('data-live'));
-    es.addEventListener('html', (e) => { region.innerHTML = e.data; if (state) state.textContent = 'live'; });
-    // Each job's status, swapped element by element: the rest of its card (an open Run form) stays.
-    es.addEventListener('jobs', (e) => {
-      const t = document.createElement('template');
-      t.innerHTML = e.data;
-      for (const el of Array.from(t.content.children)) {
-        const attr = el.hasAttribute('data-job-tag') ? 'data-job-tag' : 'data-job-last';
-        const old = document.querySelector('#jobs [' + attr + '="' + CSS.escape(el.getAttribute(attr) || '') + '"]');
-        if (old) old.replaceWith(el);
-      }
-    });
-    es.addEventListener('gone', () => { es.close(); if (state) state.textContent = 'this run no longer exists'; });
-    es.onerror = () => { if (state) state.textContent = 'reconnecting…'; };
+    const say = (text) => { if (state) state.textContent = text; };
+    let delay = 1000;
+    let ended = false;
+    function connect() {
+      const es = new EventSource(region.getAttribute('data-live'));
+      es.addEventListener('html', (e) => { region.innerHTML = e.data; say('live'); delay = 1000; });
+      // Each job's status, swapped element by element: the rest of its card (an open Run form) stays.
+      es.addEventListener('jobs', (e) => {
+        const t = document.createElement('template');
+        t.innerHTML = e.data;
+        for (const el of Array.from(t.content.children)) {
+          const attr = el.hasAttribute('data-job-tag') ? 'data-job-tag' : 'data-job-last';
+          const old = document.querySelector('#jobs [' + attr + '="' + CSS.escape(el.getAttribute(attr) || '') + '"]');
+          if (old) old.replaceWith(el);
+        }
+      });
+      // The server cannot read its database: it says so and keeps trying on the same stream.
+      es.addEventListener('unavailable', (e) => say(e.data));
+      es.addEventListener('gone', () => { ended = true; es.close(); say('this run no longer exists'); });
+      es.onerror = () => {
+        say('reconnecting…');
+        if (ended || es.readyState !== EventSource.CLOSED) return;
+        setTimeout(connect, delay);
+        delay = Math.min(delay * 2, 30000);
+      };
+    }
+    connect();
   }
 
   document.addEventListener('click', async (e) => {

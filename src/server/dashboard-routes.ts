@@ -3,7 +3,8 @@ import type { FastifyInstance } from 'fastify';
 import { paramsSchema } from './api-routes.ts';
 import { DASHBOARD_CSS, DASHBOARD_JS, FAVICON_SVG } from './dashboard-assets.ts';
 import { esc, homeLive, jobsLive, jobsSection, page, runLive, type HomeRuns, type RunList } from './dashboard-html.ts';
-import { HttpProblem } from './problem.ts';
+import { printable } from './claim-request.ts';
+import { HttpProblem, toProblem } from './problem.ts';
 import type { RunStatus } from '../store.ts';
 import type { ServerContext } from './server-context.ts';
 import { streamEvents } from './sse.ts';
@@ -78,7 +79,7 @@ export function registerDashboardRoutes(app: FastifyInstance, ctx: ServerContext
     );
   });
 
-  const unknownRun = (id: string) => new HttpProblem(404, 'idem.unknownRun', `no run with id "${id.slice(0, 40)}"; the dashboard at / lists the runs`);
+  const unknownRun = (id: string) => new HttpProblem(404, 'idem.unknownRun', `no run with id "${printable(id)}"; the dashboard at / lists the runs`);
 
   app.get<{ Params: { id: string } }>('/runs/:id', async (request, reply) => {
     const run = await ctx.views.get(request.params.id);
@@ -92,9 +93,17 @@ export function registerDashboardRoutes(app: FastifyInstance, ctx: ServerContext
   });
 
   app.get<{ Params: { id: string } }>('/runs/:id/live', async (request, reply) => {
-    // A run that never existed is a 404; one removed while its page is open ends with `gone`.
-    let first = await ctx.views.get(request.params.id);
-    if (!first) throw unknownRun(request.params.id);
+    // A run that never existed is a 404; one removed while its page is open ends with `gone`. While
+    // the database cannot be reached the stream opens all the same (200, saying so, as /live does):
+    // a browser's EventSource never reconnects after a 503, and the page would stop updating for good.
+    let first: Awaited<ReturnType<typeof ctx.views.get>>;
+    try {
+      first = await ctx.views.get(request.params.id);
+      if (!first) throw unknownRun(request.params.id);
+    } catch (err) {
+      if (toProblem(err).status !== 503) throw err;
+      first = undefined;
+    }
     streamEvents(
       request,
       reply,

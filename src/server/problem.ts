@@ -29,6 +29,7 @@ const TITLES: Record<number, string> = {
   409: 'Conflict',
   413: 'Content Too Large',
   415: 'Unsupported Media Type',
+  417: 'Expectation Failed',
   421: 'Misdirected Request',
   422: 'Unprocessable Content',
   431: 'Request Header Fields Too Large',

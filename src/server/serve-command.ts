@@ -54,6 +54,8 @@ export interface ServeDeps {
   openDatabase(poolSize: number, readPoolSize: number, readTimeoutMs: number): Promise<{ readonly runner: Runner; readonly reads: pg.Pool }>;
   /** Aborts on the first SIGINT/SIGTERM. */
   readonly stop: AbortSignal;
+  /** Given how to tell whether the server executes a run: the shutdown deadline says it aborted chunks only then. */
+  readonly chunksInFlight?: (check: () => boolean) => void;
 }
 
 /**
@@ -94,6 +96,7 @@ export async function serveCommand(o: ServeFlags, deps: ServeDeps): Promise<numb
     ...(requestTimeout !== undefined ? { requestTimeoutMs: requestTimeout } : {}),
     ...(logWindow !== undefined ? { logWindowMs: logWindow } : {}),
   });
+  deps.chunksInFlight?.(() => server.executor.executing().size > 0);
   let address: string;
   try {
     address = await server.listen({ host: o.host, port: o.port });

@@ -1,6 +1,7 @@
 import type { FastifyReply, FastifyRequest } from 'fastify';
 import { errorFields } from '../errors.ts';
 import { structuredMask } from '../log.ts';
+import { toProblem } from './problem.ts';
 
 /** One server-sent event; `data` may span lines (each becomes its own `data:` line). */
 export interface SseEvent {
@@ -20,6 +21,9 @@ export interface SseOptions {
 }
 
 const HEARTBEAT_MS = 15_000;
+
+/** Sent while the database cannot be reached; the dashboard shows its data where it says `live`. */
+const UNAVAILABLE: SseEvent = { event: 'unavailable', data: 'database unreachable; retrying…' };
 
 /**
  * An EventSource ends a line at CRLF, LF or a lone CR: data split only on LF would let a CR in it
@@ -99,8 +103,22 @@ export function streamEvents(
       }
       if (events.some((e) => e.end)) return close();
     } catch (err) {
-      request.log.warn({ err: errorFields(err) }, 'event stream failed; closing it (the client reconnects)');
-      return close();
+      if (closed) return;
+      if (toProblem(err).status !== 503) {
+        request.log.warn({ err: errorFields(err) }, 'event stream failed; closing it (the client reconnects)');
+        return close();
+      }
+      // The database cannot be reached (a restart, a failover): the stream says so and keeps asking,
+      // rather than ending into a reconnect that would be answered 503, on which a browser's
+      // EventSource gives up for good. Every event is sent again once the database answers.
+      const text = frame(UNAVAILABLE);
+      if (last.get(UNAVAILABLE.event) !== text) {
+        request.log.warn({ err: errorFields(err) }, 'event stream cannot read the database; it says so and keeps trying');
+        res.write(text);
+        lastWrite = Date.now();
+      }
+      last.clear();
+      last.set(UNAVAILABLE.event, text);
     }
     timer = setTimeout(tick, opts.intervalMs);
   };
