@@ -267,7 +267,9 @@ describe('health checks before each chunk', () => {
     expect(resolveHealth()).toMatchObject({ replicationLagSeconds: 10, walArchivePending: 42, autovacuum: true, transactionAgeSeconds: 300, lockWaitMs: 1000, probeIntervalMs: 5000 });
     expect(resolveHealth({ lockWaitMs: 5 }, false)).toBeNull();
     expect(resolveHealth(false, { lockWaitMs: 5 })).toMatchObject({ lockWaitMs: 5, transactionAgeSeconds: 300 });
-    expect(() => resolveHealth({ lockWait: 5 } as HealthOptions)).toThrow('invalid health check settings: unknown indicator "lockWait"');
+    expect(() => resolveHealth({ lockWait: 5 } as HealthOptions)).toThrow('invalid health check settings: unknown indicator "lockWait" (did you mean "lockWaitMs"?)');
+    // Black-box round 14 (B3-17): a misspelt flag got the list, not the name meant.
+    expect(() => parseHealthFlag('autovacum=off')).toThrow('--health autovacum=off: unknown indicator "autovacum" (did you mean "autovacuum"?); use one of');
     expect(() => resolveHealth({ probeIntervalMs: false } as unknown as HealthOptions)).toThrow('probeIntervalMs must be a number >= 0 (got false)');
     expect(parseHealthFlag('walArchivePending=off', parseHealthFlag('autovacuum=off'))).toEqual({ autovacuum: false, walArchivePending: false });
     expect(() => parseHealthFlag('lockWaitMs=soon')).toThrow(UsageError);
