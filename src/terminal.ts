@@ -45,8 +45,13 @@ export function truncate(text: string, width: number): string {
   return out;
 }
 
+/** Whether `stream` takes colours: a TTY, without NO_COLOR set, and not a dumb terminal. */
+export function colourful(stream: { readonly isTTY?: boolean }): boolean {
+  return stream.isTTY === true && !process.env.NO_COLOR && process.env.TERM !== 'dumb';
+}
+
 /** Colours when the terminal takes them: not with NO_COLOR set, not when stderr is not a TTY. */
-export function colours(enabled = process.stderr.isTTY === true && !process.env.NO_COLOR && process.env.TERM !== 'dumb') {
+export function colours(enabled = colourful(process.stderr)) {
   const wrap = (open: number, close: number) => (s: string) => (enabled ? `\x1b[${open}m${s}\x1b[${close}m` : s);
   return { dim: wrap(2, 22), bold: wrap(1, 22), red: wrap(31, 39), green: wrap(32, 39), yellow: wrap(33, 39), blue: wrap(34, 39), magenta: wrap(35, 39), cyan: wrap(36, 39), gray: wrap(90, 39) };
 }

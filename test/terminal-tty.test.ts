@@ -35,6 +35,22 @@ describe.runIf(existsSync(SCRIPT))('idem list on a terminal', () => {
   });
 });
 
+describe.runIf(existsSync(SCRIPT))('TERM=dumb on a terminal', () => {
+  it('idem status and idem list print no colour escapes, as with NO_COLOR', async () => {
+    // Black-box round 14 (B3-17): TERM=dumb still got colours from status (NO_COLOR did not).
+    const env: NodeJS.ProcessEnv = { ...process.env, DATABASE_URL: database.url, TERM: 'dumb' };
+    delete env.NODE_OPTIONS;
+    delete env.NO_COLOR;
+    const run = await exec(process.execPath, [BIN, ...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":1}', '--key', 'dumb'], { cwd: REPO, env, timeout: 60_000 });
+    expect(run.stdout).toContain('succeeded');
+    for (const cmd of [['status'], ['status', 'counted', '--key', 'dumb'], ['list']]) {
+      const { stdout } = await exec(SCRIPT, ['-qec', [process.execPath, BIN, ...FIXTURE_DIRS, ...cmd].map(quote).join(' '), '/dev/null'], { cwd: REPO, env, timeout: 60_000 });
+      expect(stdout, cmd.join(' ')).toContain(cmd[0] === 'list' ? 'counted' : 'dumb');
+      expect(stdout, cmd.join(' ')).not.toMatch(/\x1b\[\d+m/);
+    }
+  });
+});
+
 describe.runIf(existsSync(SCRIPT))('idem run on a terminal', () => {
   it('prints one line per event and keeps the progress bar below the log lines', async () => {
     const args = [BIN, ...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":12,"pauseMs":120}', '--key', 'tty'];

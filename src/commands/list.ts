@@ -3,7 +3,7 @@ import { openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode } from '../errors.ts';
 import type { RunStatusRow } from '../runner.ts';
 import { prepareColumns } from '../display-width.ts';
-import { colours, type Colours } from '../terminal.ts';
+import { colourful, colours, type Colours } from '../terminal.ts';
 import { textTable, visibleDeep } from '../text-table.ts';
 import { relativeTime, stateColour } from './status.ts';
 
@@ -67,7 +67,7 @@ export function registerListCommand(program: Command, cli: CliContext): void {
         ];
         const tty = process.stdout.isTTY === true;
         if (!o.json && tty) await prepareColumns(JSON.stringify(items));
-        const text = o.json ? JSON.stringify(items) : tty ? formatList(items, new Date(), colours(!process.env.NO_COLOR && process.env.TERM !== 'dumb')) : formatListTsv(items);
+        const text = o.json ? JSON.stringify(items) : tty ? formatList(items, new Date(), colours(colourful(process.stdout))) : formatListTsv(items);
         process.stdout.write(`${text}\n`);
         return ExitCode.Ok;
       }),

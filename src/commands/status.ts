@@ -9,7 +9,7 @@ import { quoteKey } from '../run-key.ts';
 import { shellQuote } from '../shell-quote.ts';
 import { shownStepState } from '../step-state.ts';
 import { columns, fitColumns, padColumns, prepareColumns } from '../display-width.ts';
-import { colours, type Colours } from '../terminal.ts';
+import { colourful, colours, type Colours } from '../terminal.ts';
 import { textTable, visible, visibleDeep } from '../text-table.ts';
 
 /** "just now", "42 s ago", "3 min ago", "5 h ago", "2 d ago". Pure; exported for tests. */
@@ -220,7 +220,7 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
         const runner = await openRunner(g, log, session, undefined, undefined, job !== undefined ? (db, schema) => assertKnownJob(db, schema, job, g) : undefined, true);
         // A run's params (and error) may quote DATABASE_URL's password: masked as in every log line.
         const masked = (text: string) => (g.databaseUrl ? redactSecrets(text, g.databaseUrl) : text);
-        const tty = process.stdout.isTTY === true && !process.env.NO_COLOR;
+        const tty = colourful(process.stdout);
         if (o.key !== undefined) {
           // status() lists newest first; a run key is unique per job, so search that job's runs.
           // The run and its steps are read in one snapshot, so their counts agree.
