@@ -11,6 +11,12 @@ export function positiveInt(max: number) {
   };
 }
 
+/** A run key given to find a run (status, pause, reset, finalize): never empty, as no run's is. */
+export function existingKey(value: string): string {
+  if (value === '') throw new InvalidArgumentError('expected a run key, got an empty one (idem status <job> lists the runs and their keys)');
+  return value;
+}
+
 export function positiveNumber(value: string): number {
   const n = Number(value);
   if (!Number.isFinite(n) || n <= 0) throw new InvalidArgumentError(`expected a number > 0, got "${value}"`);

@@ -865,3 +865,15 @@ describe('a statement_timeout (set for the role or database) that cuts a stateme
     }
   });
 });
+
+describe('an empty --key given to find a run', () => {
+  it('status, pause, resume, cancel, reset and finalize refuse it in one line (exit 2), writing nothing', async () => {
+    // Black-box round 14 (B3-17): `idem status counted --key ""` said "no run with key """.
+    const before = await snapshot(url, ALL_TABLES);
+    for (const cmd of [['status', 'counted'], ['pause', 'counted'], ['resume', 'counted'], ['cancel', 'counted'], ['reset', 'counted'], ['finalize', 'counted']]) {
+      const r = await idem([...cmd, '--key', '']);
+      expect([r.code, r.stderr], cmd.join(' ')).toEqual([2, "idem: error: option '--key <key>' argument '' is invalid. expected a run key, got an empty one (idem status <job> lists the runs and their keys); see --help\n"]);
+    }
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+});

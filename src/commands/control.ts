@@ -1,5 +1,6 @@
 import type { Command } from 'commander';
 import { cancelStatementsOnStop, openRunner, type CliContext } from '../cli-session.ts';
+import { existingKey } from '../cli-parsers.ts';
 import { ExitCode } from '../errors.ts';
 import { visible } from '../text-table.ts';
 
@@ -8,7 +9,7 @@ function registerControl(program: Command, cli: CliContext, name: 'pause' | 'res
     .command(name)
     .description(description)
     .argument('<job>', 'job name')
-    .option('--key <key>', "the run's key (default: the job's latest run it applies to)")
+    .option('--key <key>', "the run's key (default: the job's latest run it applies to)", existingKey)
     .option('--json', 'print the result as JSON')
     .action((job: string, o: { key?: string; json?: boolean }) =>
       cli.runWithSession(async (g, log, session) => {

@@ -1,5 +1,5 @@
 import type { Command } from 'commander';
-import { collectParam, nonNegativeNumber, parseParams, positiveInt } from '../cli-parsers.ts';
+import { collectParam, existingKey, nonNegativeNumber, parseParams, positiveInt } from '../cli-parsers.ts';
 import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
 import { describeOutcome, runErrorObject } from '../describe-outcome.ts';
 import { ExitCode } from '../errors.ts';
@@ -26,7 +26,7 @@ export function registerFinalizeCommand(program: Command, cli: CliContext): void
   withHealthFlags(program.command('finalize'))
     .description('deploys: make sure a run succeeded: done → exit 0, running elsewhere → wait, unfinished and idle → run the rest here, failed → exit 1')
     .argument('<job>', 'job name')
-    .requiredOption('--key <key>', "the run's key")
+    .requiredOption('--key <key>', "the run's key", existingKey)
     .option('--timeout <seconds>', 'how long to wait for the run when another process runs it (default: no bound)', nonNegativeNumber)
     .option('--params <json>', 'params, only for a run that does not exist yet (an existing run keeps its own)')
     .option('--param <key=value>', 'one param, as for idem run; repeatable', collectParam, {})

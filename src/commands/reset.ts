@@ -1,5 +1,6 @@
 import type { Command } from 'commander';
 import { cancelStatementsOnStop, openRunner, type CliContext } from '../cli-session.ts';
+import { existingKey } from '../cli-parsers.ts';
 import { ExitCode } from '../errors.ts';
 import { visible } from '../text-table.ts';
 
@@ -9,7 +10,7 @@ export function registerResetCommand(program: Command, cli: CliContext): void {
     .command('reset')
     .description('forget a run (steps, chunk markers, effects) so its key runs afresh; refused while it runs')
     .argument('<job>', 'job name')
-    .requiredOption('--key <key>', "the run's key (see idem status)")
+    .requiredOption('--key <key>', "the run's key (see idem status)", existingKey)
     .action((job: string, o: { key: string }) =>
       cli.runWithSession(async (g, log, session) => {
         // The name is checked before idem's schema is created: a refused name writes nothing.

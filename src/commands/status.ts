@@ -1,5 +1,5 @@
 import type { Command } from 'commander';
-import { positiveInt } from '../cli-parsers.ts';
+import { existingKey, positiveInt } from '../cli-parsers.ts';
 import { openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode, UsageError } from '../errors.ts';
 import type { Runner, RunStatusRow } from '../runner.ts';
@@ -209,7 +209,7 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
     .command('status')
     .description("show runs: state ('running' only while a process holds the lock), attempt, chunks done/planned, last error; with <job> --key K, one run in detail")
     .argument('[job]', 'only this job')
-    .option('--key <key>', 'show this run of <job> in detail: steps, chunks done/planned per step, rate, ETA, holder, skipped chunks, last error')
+    .option('--key <key>', 'show this run of <job> in detail: steps, chunks done/planned per step, rate, ETA, holder, skipped chunks, last error', existingKey)
     .option('--json', 'print as JSON')
     .option('--limit <n>', 'how many runs', positiveInt(10_000), 50)
     .action((job: string | undefined, o: { json?: boolean; limit: number; key?: string }) =>
