@@ -744,6 +744,25 @@ describe('database health at start-up', () => {
     expect(fromUrl.stderr).not.toMatch(/wrong-url-secret|other-secret/);
   });
 
+  it("a run key holding the password: idem status's columns line up with the key masked (widths of what is shown)", async () => {
+    // Black-box round: the padding was computed on the key before masking, so `***-x` sat 10 columns off.
+    const key = `${decodeURIComponent(new URL(db.url).password)}-x`;
+    for (const k of [key, 'k']) expect((await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":1}', '--key', k], { url: db.url })).code).toBe(0);
+    const r = await runCli([...FIXTURE_DIRS, 'status', 'counted'], { url: db.url });
+    expect(r.code, r.stderr).toBe(0);
+    const out = lines(r.stdout);
+    const header = out[0]!;
+    const masked = out.find((l) => l.includes('***-x'))!;
+    const plain = out.find((l) => /^counted +k +succeeded/.test(l))!;
+    expect(masked, r.stdout).toBeDefined();
+    expect(plain, r.stdout).toBeDefined();
+    // STATE starts in one column in every row.
+    expect(masked.indexOf('succeeded')).toBe(header.indexOf('STATE'));
+    expect(plain.indexOf('succeeded')).toBe(header.indexOf('STATE'));
+    // A long password is masked before the key is clipped to its column: no piece of it shows.
+    expect(r.stdout).not.toContain(key.slice(0, 8));
+  });
+
   it('a URL that does not parse is idem.invalidDatabaseUrl (exit 2) whatever breaks it: a fragment, a port past 65535, an unclosed [', async () => {
     const u = new URL(db.url);
     for (const raw of [`postgres://${u.username}:pw-secret@${u.host}/app#frag`, `postgres://${u.username}:pw-secret@127.0.0.1:99999/app`, `postgres://${u.username}:pw-secret@[::1:5542/app`]) {
