@@ -735,6 +735,13 @@ export function describeConnectError(err: unknown, connectionString: string, sou
       }
       break;
     }
+    case '42501': {
+      // The role may log in, but not to this database: CONNECT was revoked (from PUBLIC) and not granted to it.
+      const database = /permission denied for database "(.+)"/.exec(raw)?.[1];
+      if (database !== undefined) msg = `the database at ${where} does not let role ${roleOf(connectionString)} connect (${raw}); GRANT CONNECT ON DATABASE ${identInSql(database)} TO ${identInSql(roleOf(connectionString))}, or connect as a role that has it`;
+      else msg = `cannot connect to the database at ${where}: ${raw}; check ${urlSource}`;
+      break;
+    }
     case '3D000':
       msg = `the database at ${where} does not exist (${raw}); create it or fix the database name in ${urlSource}`;
       break;

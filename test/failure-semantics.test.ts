@@ -763,6 +763,28 @@ describe('database health at start-up', () => {
     expect(r.stdout).not.toContain(key.slice(0, 8));
   });
 
+  it('a database with CONNECT revoked: exit 2 naming GRANT CONNECT ON DATABASE … TO the role', async () => {
+    const name = `idem-noconnect-${process.pid}`;
+    const role = `idem_noconnect_${process.pid}`;
+    await query(db.url, `create database "${name}"`);
+    await query(db.url, `create role ${role} login password 'noconnect-pw'`);
+    await query(db.url, `revoke connect on database "${name}" from public`);
+    try {
+      const u = new URL(db.url);
+      u.username = role;
+      u.password = 'noconnect-pw';
+      u.pathname = `/${name}`;
+      const r = await runCli([...FIXTURE_DIRS, 'status'], { url: u.href });
+      expect(r.code, r.stderr).toBe(2);
+      expect(r.stderr.trim().split('\n')).toEqual([
+        `idem: error: the database at ${u.href.replace('noconnect-pw', '***')} does not let role ${role} connect (permission denied for database "${name}"); GRANT CONNECT ON DATABASE "${name}" TO ${role}, or connect as a role that has it`,
+      ]);
+    } finally {
+      await query(db.url, `drop database if exists "${name}"`);
+      await query(db.url, `drop role if exists ${role}`);
+    }
+  });
+
   it('a URL that does not parse is idem.invalidDatabaseUrl (exit 2) whatever breaks it: a fragment, a port past 65535, an unclosed [', async () => {
     const u = new URL(db.url);
     for (const raw of [`postgres://${u.username}:pw-secret@${u.host}/app#frag`, `postgres://${u.username}:pw-secret@127.0.0.1:99999/app`, `postgres://${u.username}:pw-secret@[::1:5542/app`]) {
