@@ -1,3 +1,4 @@
+import { readFileSync, type Stats, statSync } from 'node:fs';
 import { homedir, userInfo } from 'node:os';
 import path from 'node:path';
 import { Kysely, PostgresDialect } from 'kysely';
@@ -198,9 +199,86 @@ export function secretForms(connectionString: string): string[] {
   } catch {
     forms = [/password\s*=\s*'?([^'\s]+)/i.exec(connectionString)?.[1] ?? ''];
   }
-  forms.push(process.env.PGPASSWORD ?? '');
+  forms.push(process.env.PGPASSWORD ?? '', passwordFromFile(connectionString) ?? '');
   // Longest first: a form inside another (the decoded password in the written one) leaves no piece of it.
   return forms.filter((password) => password.length >= 3).sort((a, b) => b.length - a.length);
+}
+
+/**
+ * The password pg would take from the password file (PGPASSFILE, default ~/.pgpass) for this
+ * connection: the first line whose host, port, database and user match pg's (its `pgpass` package's
+ * rules: `*` matches anything, `\:` and `\\` are escapes). Only where pg reads the file: the
+ * connection string has no password and PGPASSWORD is not set. A file pg ignores for its
+ * permissions still holds the password, and it is masked all the same. Undefined without one.
+ */
+export function passwordFromFile(connectionString: string): string | undefined {
+  if (Object.prototype.hasOwnProperty.call(process.env, 'PGPASSWORD')) return undefined;
+  const file = passwordFilePath();
+  let stat: Stats;
+  try {
+    stat = statSync(file);
+  } catch {
+    return undefined;
+  }
+  if (!stat.isFile()) return undefined;
+  const cacheKey = `${file}\0${stat.mtimeMs}\0${stat.size}\0${stat.ino}\0${connectionString}\0${process.env.PGUSER ?? ''}\0${process.env.PGHOST ?? ''}\0${process.env.PGPORT ?? ''}\0${process.env.PGDATABASE ?? ''}`;
+  if (fileSecrets.has(cacheKey)) return fileSecrets.get(cacheKey);
+  let found: string | undefined;
+  try {
+    // pg's own reading of the string and the environment (host, port, database, user).
+    const params = (new pg.Client({ connectionString }) as unknown as { connectionParameters: { host?: string; port?: number; database?: string; user?: string; password?: string | null } }).connectionParameters;
+    if (params.password === null || params.password === undefined) {
+      for (const line of readFileSync(file, 'utf8').split(/\r?\n/)) {
+        const entry = parsePassFileLine(line);
+        if (entry && passFileEntryMatches(entry, params)) {
+          found = entry.password;
+          break;
+        }
+      }
+    }
+  } catch {
+    found = undefined; // an unreadable file or a string pg cannot read: pg gets no password from it either
+  }
+  if (fileSecrets.size > 20) fileSecrets.clear();
+  fileSecrets.set(cacheKey, found);
+  return found;
+}
+
+/** passwordFromFile's answers, by file version, connection string and pg's environment. */
+const fileSecrets = new Map<string, string | undefined>();
+
+/** The password file pg reads (its `pgpass` package's choice): PGPASSFILE, else ~/.pgpass. */
+function passwordFilePath(): string {
+  return process.env.PGPASSFILE || path.join(process.env.HOME || homedir(), '.pgpass');
+}
+
+type PassFileEntry = { readonly host: string; readonly port: string; readonly database: string; readonly user: string; readonly password: string };
+
+/** One line of a password file as pg's `pgpass` package reads it (host:port:database:user:password), or null. */
+function parsePassFileLine(line: string): PassFileEntry | null {
+  if (line.length < 11 || /^\s+#/.test(line)) return null;
+  const fields: string[] = [];
+  let start = 0;
+  for (let i = 0; i < line.length - 1; i++) {
+    if (fields.length === 4) break;
+    if (line[i + 1] === ':' && line[i] !== '\\') {
+      fields.push(line.slice(start, i + 1));
+      start = i + 2;
+    }
+  }
+  if (fields.length < 4) return null;
+  fields.push(line.slice(start));
+  const unescape = (f: string) => (Object.prototype.hasOwnProperty.call(process.env, 'PGPASS_NO_DEESCAPE') ? f : f.replace(/\\([:\\])/g, '$1'));
+  const [host, port, database, user, password] = fields.map(unescape) as [string, string, string, string, string];
+  const portOk = port === '*' || (Number.isSafeInteger(Number(port)) && Number(port) > 0);
+  if (!host || !portOk || !database || !user || !password) return null;
+  return { host, port, database, user, password };
+}
+
+/** Whether a password file line is for this connection, as pg's `pgpass` package matches it. */
+function passFileEntryMatches(entry: PassFileEntry, params: { host?: string; port?: number; database?: string; user?: string }): boolean {
+  const field = (want: string, have: string | undefined) => want === '*' || want === have;
+  return field(entry.host, params.host) && (Number(params.port || 5432) === Number(entry.port) || entry.port === '*') && field(entry.database, params.database) && field(entry.user, params.user);
 }
 
 function safeDecode(text: string): string {
@@ -673,7 +751,7 @@ const POOLER_PROBES = 10;
  * gives one.
  */
 function passwordSource(connectionString: string): { readonly from: 'url' | 'env' | 'file'; readonly file: string } {
-  const file = process.env.PGPASSFILE || path.join(homedir(), '.pgpass');
+  const file = passwordFilePath();
   let inUrl = false;
   try {
     const u = new URL(connectionString);

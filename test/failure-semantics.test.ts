@@ -1,4 +1,4 @@
-import { mkdtemp, rm, writeFile } from 'node:fs/promises';
+import { mkdir, mkdtemp, rm, writeFile } from 'node:fs/promises';
 import { hostname, tmpdir } from 'node:os';
 import path from 'node:path';
 import { fileURLToPath, pathToFileURL } from 'node:url';
@@ -742,6 +742,66 @@ describe('database health at start-up', () => {
     const fromUrl = await runCli([...FIXTURE_DIRS, 'status'], { url: inUrl.toString(), env: { PGPASSWORD: 'other-secret' } });
     expect(fromUrl.stderr.trim().split('\n')).toEqual([expect.stringMatching(/; fix the user or password in DATABASE_URL$/)]);
     expect(fromUrl.stderr).not.toMatch(/wrong-url-secret|other-secret/);
+  });
+
+  describe('a password from the password file (PGPASSFILE)', () => {
+    let dir: string;
+    let pgpass: string;
+    let bare: string;
+    const secret = () => decodeURIComponent(new URL(db.url).password);
+    beforeAll(async () => {
+      dir = await mkdtemp(path.join(tmpdir(), 'idem-pgpass-mask-'));
+      const u = new URL(db.url);
+      pgpass = path.join(dir, 'pgpass');
+      await writeFile(pgpass, `${u.hostname}:${u.port}:*:${decodeURIComponent(u.username)}:${secret()}\n`, { mode: 0o600 });
+      u.password = '';
+      bare = u.href;
+      await mkdir(path.join(dir, 'jobs'));
+      // A job that quotes the password in its error, as a careless one does (an API token in a URL).
+      await writeFile(path.join(dir, 'jobs', 'pgpass-leak.mjs'), `export default { name: 'pgpass-leak', steps: [{ name: 'call', retry: { attempts: 1 }, run: async () => { throw new Error('GET https://api.example/x?token=' + process.env.LEAKED_TOKEN); } }] };\n`);
+    });
+    afterAll(() => rm(dir, { recursive: true, force: true }));
+
+    it('is masked as one from the URL or PGPASSWORD is: in the run key, the job error, --json and idem status', async () => {
+      // Black-box round: the same password from PGPASSWORD showed `token=***`; from .pgpass it was printed whole.
+      const env = { PGPASSFILE: pgpass, PGPASSWORD: undefined, LEAKED_TOKEN: secret() };
+      const key = `${secret()}-pp`;
+      const run = await runCli(['--jobs-dir', path.join(dir, 'jobs'), 'run', 'pgpass-leak', '--key', key, '--json'], { url: bare, env });
+      expect(run.code, run.stderr).toBe(1);
+      expect(run.stderr).toContain('token=***');
+      expect(run.stdout).toContain('token=***');
+      const [text, json] = await Promise.all([
+        runCli(['--jobs-dir', path.join(dir, 'jobs'), 'status'], { url: bare, env }),
+        runCli(['--jobs-dir', path.join(dir, 'jobs'), 'status', '--json'], { url: bare, env }),
+      ]);
+      expect(text.code, text.stderr).toBe(0);
+      expect(text.stdout).toContain('***-pp');
+      expect(JSON.parse(json.stdout)).toContainEqual(expect.objectContaining({ job: 'pgpass-leak', runKey: '***-pp', state: 'failed' }));
+      for (const r of [run, text, json]) expect(r.stdout + r.stderr).not.toContain(secret());
+      // The run is recorded under its real key: only what is shown is masked.
+      expect(await query(db.url, `select count(*)::int as n from idem.runs where job = 'pgpass-leak' and run_key = $1`, [key])).toEqual([{ n: 1 }]);
+    });
+
+    it("is masked in idem serve's answers and log lines too", async () => {
+      const server = await startServe(bare, [], { PGPASSFILE: pgpass, PGPASSWORD: undefined, LEAKED_TOKEN: secret() } as unknown as Record<string, string>, path.join(dir, 'jobs'));
+      try {
+        const created = await api(server.base, 'POST', '/api/jobs/pgpass-leak/runs', { body: {}, key: `${secret()}-serve` });
+        expect(created.status, created.text).toBe(201);
+        const failed = await api(server.base, 'GET', `/api/runs/${created.body.id}?wait=30`);
+        expect(failed.body).toMatchObject({ state: 'failed' });
+        expect(failed.text).toContain('***-serve');
+        expect(failed.text).toContain('token=***');
+        const page = await api(server.base, 'GET', `/runs/${created.body.id}`);
+        expect(page.status).toBe(200);
+        for (const r of [created, failed, page]) expect(r.text).not.toContain(secret());
+      } finally {
+        server.proc.child.kill('SIGTERM');
+        await server.proc.done;
+      }
+      expect(server.proc.stderr()).toContain('token=***');
+      expect(server.proc.stdout() + server.proc.stderr()).not.toContain(secret());
+    }, 60_000);
+
   });
 
   it("a run key holding the password: idem status's columns line up with the key masked (widths of what is shown)", async () => {
