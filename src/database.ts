@@ -252,6 +252,25 @@ function passwordFilePath(): string {
   return process.env.PGPASSFILE || path.join(process.env.HOME || homedir(), '.pgpass');
 }
 
+/**
+ * Why pg does not read the password file, when it is there and would be read (PGPASSWORD is not
+ * set) but pg's `pgpass` ignores it: group or world access, or not a plain file. The problem and its
+ * fix, for a warning or an error; undefined when pg reads it (or there is none).
+ */
+export function passwordFileProblem(): string | undefined {
+  if (Object.prototype.hasOwnProperty.call(process.env, 'PGPASSWORD') || process.platform === 'win32') return undefined;
+  const file = passwordFilePath();
+  let stat: Stats;
+  try {
+    stat = statSync(file);
+  } catch {
+    return undefined;
+  }
+  if (!stat.isFile()) return `the password file ${file} is not a plain file, so pg does not read it; put the password in a file there (chmod 600), or point PGPASSFILE at one`;
+  if (stat.mode & 0o077) return `the password file ${file} has group or world access, so pg does not read it; chmod 600 ${file}`;
+  return undefined;
+}
+
 type PassFileEntry = { readonly host: string; readonly port: string; readonly database: string; readonly user: string; readonly password: string };
 
 /** One line of a password file as pg's `pgpass` package reads it (host:port:database:user:password), or null. */
@@ -777,7 +796,10 @@ export function describeConnectError(err: unknown, connectionString: string, sou
   // pg's SCRAM client, given no password (none in the URL, PGPASSWORD or the password file), says so
   // in its own terms ("SASL: SCRAM-SERVER-FIRST-MESSAGE: client password must be a string").
   if (/client password must be a (non-empty )?string/.test(raw)) {
-    const { file } = passwordSource(connectionString);
+    const { file, from } = passwordSource(connectionString);
+    // The password may well be in the file, which pg ignored for its permissions: that is the fix.
+    const problem = from === 'file' ? passwordFileProblem() : undefined;
+    if (problem) return new DatabaseUnavailableError(`the database at ${where} asks for a password and none was given: ${problem} (or put the password in ${urlSource} or PGPASSWORD)`, { cause: err });
     return new DatabaseUnavailableError(
       `the database at ${where} asks for a password and none was given (not in ${urlSource}, PGPASSWORD or ${file}); put it in ${urlSource} (postgres://user:password@host:5432/db, percent-encoded), or set PGPASSWORD, or add it to ${file}`,
       { cause: err },

@@ -1,4 +1,4 @@
-import { mkdir, mkdtemp, rm, writeFile } from 'node:fs/promises';
+import { chmod, mkdir, mkdtemp, rm, writeFile } from 'node:fs/promises';
 import { hostname, tmpdir } from 'node:os';
 import path from 'node:path';
 import { fileURLToPath, pathToFileURL } from 'node:url';
@@ -802,6 +802,24 @@ describe('database health at start-up', () => {
       expect(server.proc.stdout() + server.proc.stderr()).not.toContain(secret());
     }, 60_000);
 
+    it('in a file with group or world access: one idem warning line, and the error names the permissions and chmod 600', async () => {
+      // Black-box round: pg's own "WARNING: password file … has group or world access" twice, then
+      // "none was given … add it to <file>" while the password was in that file.
+      const open = path.join(dir, 'pgpass-open');
+      const u = new URL(db.url);
+      await writeFile(open, `${u.hostname}:${u.port}:*:${decodeURIComponent(u.username)}:${secret()}\n`, { mode: 0o644 });
+      await chmod(open, 0o644);
+      const before = await query(db.url, `select count(*)::int as n from idem.runs`);
+      const r = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--key', 'pgpass-open'], { url: bare, env: { PGPASSFILE: open, PGPASSWORD: undefined } });
+      expect(r.code, r.stderr).toBe(2);
+      expect(r.stdout).toBe('');
+      expect(r.stderr.trim().split('\n')).toEqual([
+        `idem: warning: the password file ${open} has group or world access, so pg does not read it; chmod 600 ${open}`,
+        `idem: error: the database at ${bare} asks for a password and none was given: the password file ${open} has group or world access, so pg does not read it; chmod 600 ${open} (or put the password in DATABASE_URL or PGPASSWORD)`,
+      ]);
+      expect(r.stderr).not.toContain(secret());
+      expect(await query(db.url, `select count(*)::int as n from idem.runs`)).toEqual(before);
+    });
   });
 
   it("a run key holding the password: idem status's columns line up with the key masked (widths of what is shown)", async () => {
