@@ -199,53 +199,53 @@ export function secretForms(connectionString: string): string[] {
   } catch {
     forms = [/password\s*=\s*'?([^'\s]+)/i.exec(connectionString)?.[1] ?? ''];
   }
-  forms.push(process.env.PGPASSWORD ?? '', passwordFromFile(connectionString) ?? '');
+  forms.push(process.env.PGPASSWORD ?? '', ...passwordsFromFile(connectionString));
   // Longest first: a form inside another (the decoded password in the written one) leaves no piece of it.
   return forms.filter((password) => password.length >= 3).sort((a, b) => b.length - a.length);
 }
 
 /**
- * The password pg would take from the password file (PGPASSFILE, default ~/.pgpass) for this
- * connection: the first line whose host, port, database and user match pg's (its `pgpass` package's
- * rules: `*` matches anything, `\:` and `\\` are escapes). Only where pg reads the file: the
- * connection string has no password and PGPASSWORD is not set. A file pg ignores for its
- * permissions still holds the password, and it is masked all the same. Undefined without one.
+ * The passwords pg may take from the password file (PGPASSFILE, default ~/.pgpass) for this
+ * connection: those of the lines whose host, port, database and user match pg's (its `pgpass`
+ * package's rules: `*` matches anything, `\:` and `\\` are escapes). Every matching line, not
+ * only the first as libpq takes: pgpass 1.0.5 goes on reading after its first match and gives the
+ * last one it read. Only where pg reads the file: the connection string has no password and
+ * PGPASSWORD is not set. A file pg ignores for its permissions still holds the password, and it is
+ * masked all the same.
  */
-export function passwordFromFile(connectionString: string): string | undefined {
-  if (Object.prototype.hasOwnProperty.call(process.env, 'PGPASSWORD')) return undefined;
+export function passwordsFromFile(connectionString: string): readonly string[] {
+  if (Object.prototype.hasOwnProperty.call(process.env, 'PGPASSWORD')) return [];
   const file = passwordFilePath();
   let stat: Stats;
   try {
     stat = statSync(file);
   } catch {
-    return undefined;
+    return [];
   }
-  if (!stat.isFile()) return undefined;
+  if (!stat.isFile()) return [];
   const cacheKey = `${file}\0${stat.mtimeMs}\0${stat.size}\0${stat.ino}\0${connectionString}\0${process.env.PGUSER ?? ''}\0${process.env.PGHOST ?? ''}\0${process.env.PGPORT ?? ''}\0${process.env.PGDATABASE ?? ''}`;
-  if (fileSecrets.has(cacheKey)) return fileSecrets.get(cacheKey);
-  let found: string | undefined;
+  const known = fileSecrets.get(cacheKey);
+  if (known) return known;
+  const found: string[] = [];
   try {
     // pg's own reading of the string and the environment (host, port, database, user).
     const params = (new pg.Client({ connectionString }) as unknown as { connectionParameters: { host?: string; port?: number; database?: string; user?: string; password?: string | null } }).connectionParameters;
     if (params.password === null || params.password === undefined) {
       for (const line of readFileSync(file, 'utf8').split(/\r?\n/)) {
         const entry = parsePassFileLine(line);
-        if (entry && passFileEntryMatches(entry, params)) {
-          found = entry.password;
-          break;
-        }
+        if (entry && passFileEntryMatches(entry, params)) found.push(entry.password);
       }
     }
   } catch {
-    found = undefined; // an unreadable file or a string pg cannot read: pg gets no password from it either
+    // an unreadable file or a string pg cannot read: pg gets no password from it either
   }
   if (fileSecrets.size > 20) fileSecrets.clear();
   fileSecrets.set(cacheKey, found);
   return found;
 }
 
-/** passwordFromFile's answers, by file version, connection string and pg's environment. */
-const fileSecrets = new Map<string, string | undefined>();
+/** passwordsFromFile's answers, by file version, connection string and pg's environment. */
+const fileSecrets = new Map<string, readonly string[]>();
 
 /** The password file pg reads (its `pgpass` package's choice): PGPASSFILE, else ~/.pgpass. */
 function passwordFilePath(): string {
