@@ -1,4 +1,6 @@
+import { createRequire } from 'node:module';
 import path from 'node:path';
+import { Writable } from 'node:stream';
 import type { Command } from 'commander';
 import type { Logger } from 'pino';
 import { detachHungUpTerminal, guardStdio } from './hangup.ts';
@@ -112,7 +114,9 @@ export function createCliContext(program: Command, state: { exitCode: number }):
     // command run here needs pg (job files import idem, which brings the runner): loaded first,
     // before the runtime's modules, whose evaluation would load it without preloadPg's care.
     await import('./preload-pg.ts').then((m) => m.preloadPg());
-    const { createLogger, maskStdio, secretForms, redactSecrets } = await import('./cli-runtime.ts');
+    const { createLogger, maskStdio, secretForms, redactSecrets, passwordFileProblem } = await import('./cli-runtime.ts');
+    const fileProblem = passwordFileProblem();
+    if (fileProblem) onePasswordFileWarning(fileProblem);
     // Every line masks the password (job lines too: ctx.log is a child of this logger), and so does
     // everything else the command prints (a run key or param may hold it).
     const log = createLogger(g.logLevel, { secrets: secretForms(g.databaseUrl ?? '') });
@@ -179,6 +183,32 @@ export function createCliContext(program: Command, state: { exitCode: number }):
     }
   };
   return { globals, runWithSession };
+}
+
+/**
+ * pg's `pgpass` says why it ignores the password file ("WARNING: password file … has group or world
+ * access; …") on stderr in its own words, at each connection it opens (twice as a command starts).
+ * Said once instead, as an idem warning with the fix, and only when pg looks in the file (the server
+ * asks for a password the URL and PGPASSWORD do not give).
+ */
+function onePasswordFileWarning(problem: string): void {
+  let pgpass: { warnTo(stream: NodeJS.WritableStream): unknown };
+  try {
+    // The copy pg requires (its own dependency, not idem's).
+    pgpass = createRequire(createRequire(import.meta.url).resolve('pg'))('pgpass') as typeof pgpass;
+  } catch {
+    return; // a pg without pgpass reads no password file
+  }
+  let said = false;
+  pgpass.warnTo(
+    new Writable({
+      write(_chunk, _encoding, done) {
+        if (!said) process.stderr.write(`idem: warning: ${problem}\n`);
+        said = true;
+        done();
+      },
+    }),
+  );
 }
 
 /**

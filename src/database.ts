@@ -1,3 +1,4 @@
+import { readFileSync, type Stats, statSync } from 'node:fs';
 import { homedir, userInfo } from 'node:os';
 import path from 'node:path';
 import { Kysely, PostgresDialect } from 'kysely';
@@ -198,9 +199,105 @@ export function secretForms(connectionString: string): string[] {
   } catch {
     forms = [/password\s*=\s*'?([^'\s]+)/i.exec(connectionString)?.[1] ?? ''];
   }
-  forms.push(process.env.PGPASSWORD ?? '');
+  forms.push(process.env.PGPASSWORD ?? '', ...passwordsFromFile(connectionString));
   // Longest first: a form inside another (the decoded password in the written one) leaves no piece of it.
   return forms.filter((password) => password.length >= 3).sort((a, b) => b.length - a.length);
+}
+
+/**
+ * The passwords pg may take from the password file (PGPASSFILE, default ~/.pgpass) for this
+ * connection: those of the lines whose host, port, database and user match pg's (its `pgpass`
+ * package's rules: `*` matches anything, `\:` and `\\` are escapes). Every matching line, not
+ * only the first as libpq takes: pgpass 1.0.5 goes on reading after its first match and gives the
+ * last one it read. Only where pg reads the file: the connection string has no password and
+ * PGPASSWORD is not set. A file pg ignores for its permissions still holds the password, and it is
+ * masked all the same.
+ */
+export function passwordsFromFile(connectionString: string): readonly string[] {
+  if (Object.prototype.hasOwnProperty.call(process.env, 'PGPASSWORD')) return [];
+  const file = passwordFilePath();
+  let stat: Stats;
+  try {
+    stat = statSync(file);
+  } catch {
+    return [];
+  }
+  if (!stat.isFile()) return [];
+  const cacheKey = `${file}\0${stat.mtimeMs}\0${stat.size}\0${stat.ino}\0${connectionString}\0${process.env.PGUSER ?? ''}\0${process.env.PGHOST ?? ''}\0${process.env.PGPORT ?? ''}\0${process.env.PGDATABASE ?? ''}`;
+  const known = fileSecrets.get(cacheKey);
+  if (known) return known;
+  const found: string[] = [];
+  try {
+    // pg's own reading of the string and the environment (host, port, database, user).
+    const params = (new pg.Client({ connectionString }) as unknown as { connectionParameters: { host?: string; port?: number; database?: string; user?: string; password?: string | null } }).connectionParameters;
+    if (params.password === null || params.password === undefined) {
+      for (const line of readFileSync(file, 'utf8').split(/\r?\n/)) {
+        const entry = parsePassFileLine(line);
+        if (entry && passFileEntryMatches(entry, params)) found.push(entry.password);
+      }
+    }
+  } catch {
+    // an unreadable file or a string pg cannot read: pg gets no password from it either
+  }
+  if (fileSecrets.size > 20) fileSecrets.clear();
+  fileSecrets.set(cacheKey, found);
+  return found;
+}
+
+/** passwordsFromFile's answers, by file version, connection string and pg's environment. */
+const fileSecrets = new Map<string, readonly string[]>();
+
+/** The password file pg reads (its `pgpass` package's choice): PGPASSFILE, else ~/.pgpass. */
+function passwordFilePath(): string {
+  return process.env.PGPASSFILE || path.join(process.env.HOME || homedir(), '.pgpass');
+}
+
+/**
+ * Why pg does not read the password file, when it is there and would be read (PGPASSWORD is not
+ * set) but pg's `pgpass` ignores it: group or world access, or not a plain file. The problem and its
+ * fix, for a warning or an error; undefined when pg reads it (or there is none).
+ */
+export function passwordFileProblem(): string | undefined {
+  if (Object.prototype.hasOwnProperty.call(process.env, 'PGPASSWORD') || process.platform === 'win32') return undefined;
+  const file = passwordFilePath();
+  let stat: Stats;
+  try {
+    stat = statSync(file);
+  } catch {
+    return undefined;
+  }
+  if (!stat.isFile()) return `the password file ${file} is not a plain file, so pg does not read it; put the password in a file there (chmod 600), or point PGPASSFILE at one`;
+  if (stat.mode & 0o077) return `the password file ${file} has group or world access, so pg does not read it; chmod 600 ${file}`;
+  return undefined;
+}
+
+type PassFileEntry = { readonly host: string; readonly port: string; readonly database: string; readonly user: string; readonly password: string };
+
+/** One line of a password file as pg's `pgpass` package reads it (host:port:database:user:password), or null. */
+function parsePassFileLine(line: string): PassFileEntry | null {
+  if (line.length < 11 || /^\s+#/.test(line)) return null;
+  const fields: string[] = [];
+  let start = 0;
+  for (let i = 0; i < line.length - 1; i++) {
+    if (fields.length === 4) break;
+    if (line[i + 1] === ':' && line[i] !== '\\') {
+      fields.push(line.slice(start, i + 1));
+      start = i + 2;
+    }
+  }
+  if (fields.length < 4) return null;
+  fields.push(line.slice(start));
+  const unescape = (f: string) => (Object.prototype.hasOwnProperty.call(process.env, 'PGPASS_NO_DEESCAPE') ? f : f.replace(/\\([:\\])/g, '$1'));
+  const [host, port, database, user, password] = fields.map(unescape) as [string, string, string, string, string];
+  const portOk = port === '*' || (Number.isSafeInteger(Number(port)) && Number(port) > 0);
+  if (!host || !portOk || !database || !user || !password) return null;
+  return { host, port, database, user, password };
+}
+
+/** Whether a password file line is for this connection, as pg's `pgpass` package matches it. */
+function passFileEntryMatches(entry: PassFileEntry, params: { host?: string; port?: number; database?: string; user?: string }): boolean {
+  const field = (want: string, have: string | undefined) => want === '*' || want === have;
+  return field(entry.host, params.host) && (Number(params.port || 5432) === Number(entry.port) || entry.port === '*') && field(entry.database, params.database) && field(entry.user, params.user);
 }
 
 function safeDecode(text: string): string {
@@ -681,7 +778,7 @@ const POOLER_PROBES = 10;
  * gives one.
  */
 function passwordSource(connectionString: string): { readonly from: 'url' | 'env' | 'file'; readonly file: string } {
-  const file = process.env.PGPASSFILE || path.join(homedir(), '.pgpass');
+  const file = passwordFilePath();
   let inUrl = false;
   try {
     const u = new URL(connectionString);
@@ -707,7 +804,10 @@ export function describeConnectError(err: unknown, connectionString: string, sou
   // pg's SCRAM client, given no password (none in the URL, PGPASSWORD or the password file), says so
   // in its own terms ("SASL: SCRAM-SERVER-FIRST-MESSAGE: client password must be a string").
   if (/client password must be a (non-empty )?string/.test(raw)) {
-    const { file } = passwordSource(connectionString);
+    const { file, from } = passwordSource(connectionString);
+    // The password may well be in the file, which pg ignored for its permissions: that is the fix.
+    const problem = from === 'file' ? passwordFileProblem() : undefined;
+    if (problem) return new DatabaseUnavailableError(`the database at ${where} asks for a password and none was given: ${problem} (or put the password in ${urlSource} or PGPASSWORD)`, { cause: err });
     return new DatabaseUnavailableError(
       `the database at ${where} asks for a password and none was given (not in ${urlSource}, PGPASSWORD or ${file}); put it in ${urlSource} (postgres://user:password@host:5432/db, percent-encoded), or set PGPASSWORD, or add it to ${file}`,
       { cause: err },
@@ -741,6 +841,13 @@ export function describeConnectError(err: unknown, connectionString: string, sou
         else if (pw.from === 'file') msg = `the database at ${where} refused the credentials (${raw}); fix the password in ${pw.file} (${urlSource} has none, PGPASSWORD is not set), or the user in ${urlSource}`;
         else msg = `the database at ${where} refused the credentials (${raw}); fix the user or password in ${urlSource}`;
       }
+      break;
+    }
+    case '42501': {
+      // The role may log in, but not to this database: CONNECT was revoked (from PUBLIC) and not granted to it.
+      const database = /permission denied for database "(.+)"/.exec(raw)?.[1];
+      if (database !== undefined) msg = `the database at ${where} does not let role ${roleOf(connectionString)} connect (${raw}); GRANT CONNECT ON DATABASE ${identInSql(database)} TO ${identInSql(roleOf(connectionString))}, or connect as a role that has it`;
+      else msg = `cannot connect to the database at ${where}: ${raw}; check ${urlSource}`;
       break;
     }
     case '3D000':

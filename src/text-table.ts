@@ -91,10 +91,15 @@ export function visibleError(message: string, frame = false): string {
  * was given, so no field it prints can slip through.
  */
 export function visibleDeep<T>(value: T): T {
-  if (typeof value === 'string') return visible(value) as T;
-  if (Array.isArray(value)) return value.map((v) => visibleDeep(v)) as T;
+  return stringsMapped(value, visible);
+}
+
+/** `value` with every string in it (in arrays and plain objects, at any depth) replaced by `fn`'s; other values as they are. */
+export function stringsMapped<T>(value: T, fn: (text: string) => string): T {
+  if (typeof value === 'string') return fn(value) as T;
+  if (Array.isArray(value)) return value.map((v) => stringsMapped(v, fn)) as T;
   if (value && typeof value === 'object' && Object.getPrototypeOf(value) === Object.prototype) {
-    return Object.fromEntries(Object.entries(value).map(([k, v]) => [k, visibleDeep(v)])) as T;
+    return Object.fromEntries(Object.entries(value).map(([k, v]) => [k, stringsMapped(v, fn)])) as T;
   }
   return value;
 }

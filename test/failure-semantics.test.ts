@@ -1,4 +1,4 @@
-import { mkdtemp, rm, writeFile } from 'node:fs/promises';
+import { chmod, mkdir, mkdtemp, rm, writeFile } from 'node:fs/promises';
 import { hostname, tmpdir } from 'node:os';
 import path from 'node:path';
 import { fileURLToPath, pathToFileURL } from 'node:url';
@@ -742,6 +742,125 @@ describe('database health at start-up', () => {
     const fromUrl = await runCli([...FIXTURE_DIRS, 'status'], { url: inUrl.toString(), env: { PGPASSWORD: 'other-secret' } });
     expect(fromUrl.stderr.trim().split('\n')).toEqual([expect.stringMatching(/; fix the user or password in DATABASE_URL$/)]);
     expect(fromUrl.stderr).not.toMatch(/wrong-url-secret|other-secret/);
+  });
+
+  describe('a password from the password file (PGPASSFILE)', () => {
+    let dir: string;
+    let pgpass: string;
+    let bare: string;
+    const secret = () => decodeURIComponent(new URL(db.url).password);
+    beforeAll(async () => {
+      dir = await mkdtemp(path.join(tmpdir(), 'idem-pgpass-mask-'));
+      const u = new URL(db.url);
+      pgpass = path.join(dir, 'pgpass');
+      await writeFile(pgpass, `${u.hostname}:${u.port}:*:${decodeURIComponent(u.username)}:${secret()}\n`, { mode: 0o600 });
+      u.password = '';
+      bare = u.href;
+      await mkdir(path.join(dir, 'jobs'));
+      // A job that quotes the password in its error, as a careless one does (an API token in a URL).
+      await writeFile(path.join(dir, 'jobs', 'pgpass-leak.mjs'), `export default { name: 'pgpass-leak', steps: [{ name: 'call', retry: { attempts: 1 }, run: async () => { throw new Error('GET https://api.example/x?token=' + process.env.LEAKED_TOKEN); } }] };\n`);
+    });
+    afterAll(() => rm(dir, { recursive: true, force: true }));
+
+    it('is masked as one from the URL or PGPASSWORD is: in the run key, the job error, --json and idem status', async () => {
+      // Black-box round: the same password from PGPASSWORD showed `token=***`; from .pgpass it was printed whole.
+      const env = { PGPASSFILE: pgpass, PGPASSWORD: undefined, LEAKED_TOKEN: secret() };
+      const key = `${secret()}-pp`;
+      const run = await runCli(['--jobs-dir', path.join(dir, 'jobs'), 'run', 'pgpass-leak', '--key', key, '--json'], { url: bare, env });
+      expect(run.code, run.stderr).toBe(1);
+      expect(run.stderr).toContain('token=***');
+      expect(run.stdout).toContain('token=***');
+      const [text, json] = await Promise.all([
+        runCli(['--jobs-dir', path.join(dir, 'jobs'), 'status'], { url: bare, env }),
+        runCli(['--jobs-dir', path.join(dir, 'jobs'), 'status', '--json'], { url: bare, env }),
+      ]);
+      expect(text.code, text.stderr).toBe(0);
+      expect(text.stdout).toContain('***-pp');
+      expect(JSON.parse(json.stdout)).toContainEqual(expect.objectContaining({ job: 'pgpass-leak', runKey: '***-pp', state: 'failed' }));
+      for (const r of [run, text, json]) expect(r.stdout + r.stderr).not.toContain(secret());
+      // The run is recorded under its real key: only what is shown is masked.
+      expect(await query(db.url, `select count(*)::int as n from idem.runs where job = 'pgpass-leak' and run_key = $1`, [key])).toEqual([{ n: 1 }]);
+    });
+
+    it("is masked in idem serve's answers and log lines too", async () => {
+      const server = await startServe(bare, [], { PGPASSFILE: pgpass, PGPASSWORD: undefined, LEAKED_TOKEN: secret() } as unknown as Record<string, string>, path.join(dir, 'jobs'));
+      try {
+        const created = await api(server.base, 'POST', '/api/jobs/pgpass-leak/runs', { body: {}, key: `${secret()}-serve` });
+        expect(created.status, created.text).toBe(201);
+        const failed = await api(server.base, 'GET', `/api/runs/${created.body.id}?wait=30`);
+        expect(failed.body).toMatchObject({ state: 'failed' });
+        expect(failed.text).toContain('***-serve');
+        expect(failed.text).toContain('token=***');
+        const page = await api(server.base, 'GET', `/runs/${created.body.id}`);
+        expect(page.status).toBe(200);
+        for (const r of [created, failed, page]) expect(r.text).not.toContain(secret());
+      } finally {
+        server.proc.child.kill('SIGTERM');
+        await server.proc.done;
+      }
+      expect(server.proc.stderr()).toContain('token=***');
+      expect(server.proc.stdout() + server.proc.stderr()).not.toContain(secret());
+    }, 60_000);
+
+    it('in a file with group or world access: one idem warning line, and the error names the permissions and chmod 600', async () => {
+      // Black-box round: pg's own "WARNING: password file … has group or world access" twice, then
+      // "none was given … add it to <file>" while the password was in that file.
+      const open = path.join(dir, 'pgpass-open');
+      const u = new URL(db.url);
+      await writeFile(open, `${u.hostname}:${u.port}:*:${decodeURIComponent(u.username)}:${secret()}\n`, { mode: 0o644 });
+      await chmod(open, 0o644);
+      const before = await query(db.url, `select count(*)::int as n from idem.runs`);
+      const r = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--key', 'pgpass-open'], { url: bare, env: { PGPASSFILE: open, PGPASSWORD: undefined } });
+      expect(r.code, r.stderr).toBe(2);
+      expect(r.stdout).toBe('');
+      expect(r.stderr.trim().split('\n')).toEqual([
+        `idem: warning: the password file ${open} has group or world access, so pg does not read it; chmod 600 ${open}`,
+        `idem: error: the database at ${bare} asks for a password and none was given: the password file ${open} has group or world access, so pg does not read it; chmod 600 ${open} (or put the password in DATABASE_URL or PGPASSWORD)`,
+      ]);
+      expect(r.stderr).not.toContain(secret());
+      expect(await query(db.url, `select count(*)::int as n from idem.runs`)).toEqual(before);
+    });
+  });
+
+  it("a run key holding the password: idem status's columns line up with the key masked (widths of what is shown)", async () => {
+    // Black-box round: the padding was computed on the key before masking, so `***-x` sat 10 columns off.
+    const key = `${decodeURIComponent(new URL(db.url).password)}-x`;
+    for (const k of [key, 'k']) expect((await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":1}', '--key', k], { url: db.url })).code).toBe(0);
+    const r = await runCli([...FIXTURE_DIRS, 'status', 'counted'], { url: db.url });
+    expect(r.code, r.stderr).toBe(0);
+    const out = lines(r.stdout);
+    const header = out[0]!;
+    const masked = out.find((l) => l.includes('***-x'))!;
+    const plain = out.find((l) => /^counted +k +succeeded/.test(l))!;
+    expect(masked, r.stdout).toBeDefined();
+    expect(plain, r.stdout).toBeDefined();
+    // STATE starts in one column in every row.
+    expect(masked.indexOf('succeeded')).toBe(header.indexOf('STATE'));
+    expect(plain.indexOf('succeeded')).toBe(header.indexOf('STATE'));
+    // A long password is masked before the key is clipped to its column: no piece of it shows.
+    expect(r.stdout).not.toContain(key.slice(0, 8));
+  });
+
+  it('a database with CONNECT revoked: exit 2 naming GRANT CONNECT ON DATABASE … TO the role', async () => {
+    const name = `idem-noconnect-${process.pid}`;
+    const role = `idem_noconnect_${process.pid}`;
+    await query(db.url, `create database "${name}"`);
+    await query(db.url, `create role ${role} login password 'noconnect-pw'`);
+    await query(db.url, `revoke connect on database "${name}" from public`);
+    try {
+      const u = new URL(db.url);
+      u.username = role;
+      u.password = 'noconnect-pw';
+      u.pathname = `/${name}`;
+      const r = await runCli([...FIXTURE_DIRS, 'status'], { url: u.href });
+      expect(r.code, r.stderr).toBe(2);
+      expect(r.stderr.trim().split('\n')).toEqual([
+        `idem: error: the database at ${u.href.replace('noconnect-pw', '***')} does not let role ${role} connect (permission denied for database "${name}"); GRANT CONNECT ON DATABASE "${name}" TO ${role}, or connect as a role that has it`,
+      ]);
+    } finally {
+      await query(db.url, `drop database if exists "${name}"`);
+      await query(db.url, `drop role if exists ${role}`);
+    }
   });
 
   it('a URL that does not parse is idem.invalidDatabaseUrl (exit 2) whatever breaks it: a fragment, a port past 65535, an unclosed [', async () => {

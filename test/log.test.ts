@@ -80,3 +80,51 @@ describe('structuredMask', () => {
     expect(state('{"state":"running","note":"a state"}')).toBe('{"state":"running","note":"a ***"}');
   });
 });
+
+describe("secretForms: the password file's passwords for the connection", () => {
+  it('are those of the lines for the URL (host, port, database, user, `*`, escapes), pg\'s among them; none when the URL or PGPASSWORD gives one', async () => {
+    const { mkdtemp, rm, writeFile } = await import('node:fs/promises');
+    const { tmpdir } = await import('node:os');
+    const path = (await import('node:path')).default;
+    const { secretForms } = await import('../src/database.ts');
+    const { createRequire } = await import('node:module');
+    const pgpass = createRequire(createRequire(import.meta.url).resolve('pg'))('pgpass') as (conn: object, cb: (pw: string | undefined) => void) => void;
+    const pg = (await import('pg')).default;
+    const pgReads = (url: string) => new Promise<string | undefined>((resolve) => pgpass((new pg.Client(url) as unknown as { connectionParameters: object }).connectionParameters, resolve));
+    const dir = await mkdtemp(path.join(tmpdir(), 'idem-pgpass-unit-'));
+    const saved = { PGPASSFILE: process.env.PGPASSFILE, PGPASSWORD: process.env.PGPASSWORD };
+    try {
+      const file = path.join(dir, 'pgpass');
+      const lines = ['otherhost:5432:*:*:by-host-xx', 'db:6000:*:*:by-port-xx', 'db:5432:app:bob:by-user-xx', 'db:5432:app:alice:pa\\:ss-alice', 'db:*:*:*:fallback-xx'];
+      await writeFile(file, `${lines.join('\n')}\n`, { mode: 0o600 });
+      process.env.PGPASSFILE = file;
+      delete process.env.PGPASSWORD;
+      // Each URL with the lines that are its own: every one is masked (libpq takes the first,
+      // pgpass 1.0.5 the last it reads), and the one pg takes is among them.
+      const cases: Array<[string, string[]]> = [
+        ['postgres://alice@db:5432/app', ['fallback-xx', 'pa:ss-alice']],
+        ['postgres://alice@db/app', ['fallback-xx', 'pa:ss-alice']],
+        ['postgres://bob@db/app', ['by-user-xx', 'fallback-xx']],
+        ['postgres://carol@db:6000/app', ['by-port-xx', 'fallback-xx']],
+        ['postgres://carol@otherhost/x', ['by-host-xx']],
+        ['postgres://carol@db:7000/x', ['fallback-xx']],
+        ['postgres://carol@elsewhere/x', []],
+      ];
+      for (const [url, own] of cases) {
+        expect([...secretForms(url)].sort(), url).toEqual(own);
+        const taken = await pgReads(url);
+        if (taken !== undefined) expect(own, url).toContain(taken);
+      }
+      // pg does not read the file when the URL or PGPASSWORD gives a password.
+      expect(new Set(secretForms('postgres://alice:given-pw@db/app'))).toEqual(new Set(['given-pw']));
+      process.env.PGPASSWORD = 'env-pw';
+      expect(secretForms('postgres://alice@db/app')).toEqual(['env-pw']);
+    } finally {
+      for (const [k, v] of Object.entries(saved)) {
+        if (v === undefined) delete process.env[k];
+        else process.env[k] = v;
+      }
+      await rm(dir, { recursive: true, force: true });
+    }
+  });
+});

@@ -10,7 +10,7 @@ import { shellQuote } from '../shell-quote.ts';
 import { shownStepState } from '../step-state.ts';
 import { columns, fitColumns, padColumns, prepareColumns } from '../display-width.ts';
 import { colourful, colours, type Colours } from '../terminal.ts';
-import { textTable, visible, visibleDeep } from '../text-table.ts';
+import { stringsMapped, textTable, visible, visibleDeep } from '../text-table.ts';
 
 /** "just now", "42 s ago", "3 min ago", "5 h ago", "2 d ago". Pure; exported for tests. */
 export function relativeTime(date: Date, now: Date = new Date()): string {
@@ -233,16 +233,18 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
           if (!run) throw new UsageError('unknownRun', `job "${job}" has no run with key ${quoteKey(o.key)}; see idem status ${job} for its runs`);
           const json = JSON.stringify({ ...run, steps: steps.map((st) => ({ ...st, status: shownStepState(st.status, run.state) })) });
           if (!o.json) await prepareColumns(json);
-          process.stdout.write(masked(o.json ? `${json}\n` : `${formatRunDetail(run, steps, new Date(), colours(tty))}\n`));
+          // The table masked before its columns are measured and its long values clipped (the
+          // output is masked again as a whole, as every line idem writes is).
+          process.stdout.write(masked(o.json ? `${json}\n` : `${formatRunDetail(stringsMapped(run, masked), stringsMapped(steps, masked), new Date(), colours(tty))}\n`));
           return ExitCode.Ok;
         }
         const rows = await runner.status(job, o.limit);
         const json = JSON.stringify(rows);
         if (!o.json) await prepareColumns(json);
         // --json keeps its shape (an array of runs); the table tells of a lock held with no live run.
-        const orphans = o.json ? [] : formatOrphanHolders(await runner.jobLockHolders(job !== undefined ? [job] : [...new Set(rows.map((r) => r.job))]), colours(tty));
+        const orphans = o.json ? [] : formatOrphanHolders(stringsMapped(await runner.jobLockHolders(job !== undefined ? [job] : [...new Set(rows.map((r) => r.job))]), masked), colours(tty));
         // A schema without idem's bookkeeping (a mistyped --schema, or nothing ever run): said so.
-        const table = rows.length === 0 && !runner.schemaExists ? `no runs yet (schema "${runner.schema}" holds no idem runs: idem creates it at the first run or migrate; check --schema)` : formatStatus(rows, new Date(), colours(tty));
+        const table = rows.length === 0 && !runner.schemaExists ? `no runs yet (schema "${runner.schema}" holds no idem runs: idem creates it at the first run or migrate; check --schema)` : formatStatus(stringsMapped(rows, masked), new Date(), colours(tty));
         process.stdout.write(masked(o.json ? `${json}\n` : `${[table, ...orphans].join('\n')}\n`));
         return ExitCode.Ok;
       }),
