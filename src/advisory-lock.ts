@@ -190,8 +190,12 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
     }
     // end() waits for the server's goodbye, which a dead network never sends.
     const ended = client.end().catch(() => {});
-    const bound = new Promise<void>((resolve) => setTimeout(resolve, checkTimeout).unref());
+    // Not unref'd: with nothing else left to wait on, an end() that never settles ended the
+    // process mid-close (Node's exit 13, not the command's code). Cleared once either settles.
+    let bounding: NodeJS.Timeout | undefined;
+    const bound = new Promise<void>((resolve) => (bounding = setTimeout(resolve, checkTimeout)));
     await Promise.race([ended, bound]);
+    clearTimeout(bounding);
     destroySocket(client);
   };
 

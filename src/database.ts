@@ -542,10 +542,15 @@ export async function openDatabase(
   // to end, not once they have: close() waits for the sockets, so that whoever counts the server's
   // sessions next (the embedded server's last-one-out check) no longer sees ours.
   const open = new Set<pg.Client>();
+  /** Called once `open` is empty (see close()). */
+  let whenAllEnded: (() => void) | undefined;
   pool.on('connect', (client) => {
     trackSession(client);
     open.add(client);
-    client.once('end', () => open.delete(client));
+    client.once('end', () => {
+      open.delete(client);
+      if (open.size === 0) whenAllEnded?.();
+    });
   });
   // An idle client's socket error is emitted on the pool; unhandled, it would kill the process.
   pool.on('error', (err) => {
@@ -599,7 +604,13 @@ export async function openDatabase(
       (closed ??= (async () => {
         // Errors of sessions this close ends (sockets dropped after the wait) are not news.
         closing = true;
-        await db.destroy().catch(() => {});
+        // pool.end() waits for every client handed out to come back. One whose holder never gives it
+        // back (a chunk abandoned after a lost lock whose job code never settles) kept close()
+        // waiting forever, on nothing once its session was gone (the CLI then ended by Node's exit
+        // 13, with no timer or socket left). Once every session has ended, nothing is left to wait for.
+        const destroyed = db.destroy().catch(() => {});
+        await (open.size === 0 ? destroyed : Promise.race([destroyed, new Promise<void>((resolve) => (whenAllEnded = resolve))]));
+        whenAllEnded = undefined;
         await awaitSocketsClosed(open, CLOSE_WAIT_MS);
       })()),
   };
