@@ -2,7 +2,7 @@ import { homedir, userInfo } from 'node:os';
 import path from 'node:path';
 import { Kysely, PostgresDialect } from 'kysely';
 import pg from 'pg';
-import { isConnectionTrouble, isRetryable, noConnectionFree } from './retry.ts';
+import { CONNECT_RETRY_MS, isConnectionTrouble, isRetryable, noConnectionFree, serverStarting } from './retry.ts';
 import { sleep } from './sleep.ts';
 import { testHookMs } from './test-hooks.ts';
 import { POSTGRES_NAME_BYTES, WORKER } from './worker-identity.ts';
@@ -622,8 +622,6 @@ const droppedAtSetup = new WeakSet<object>();
 /** The fix for a server or role with no connection free (53300), wherever idem meets it. */
 export const NO_CONNECTION_FREE_FIX = "wait for other sessions to end, or raise max_connections or the role's CONNECTION LIMIT";
 
-/** How long opening waits for a server that has no connection free (53300) or is starting (57P03). */
-const CONNECT_RETRY_MS = 10_000;
 
 /**
  * How long close() waits for the server's goodbye on its sessions before dropping their sockets: a
@@ -715,6 +713,10 @@ export function describeConnectError(err: unknown, connectionString: string, sou
       `the database at ${where} asks for a password and none was given (not in ${urlSource}, PGPASSWORD or ${file}); put it in ${urlSource} (postgres://user:password@host:5432/db, percent-encoded), or set PGPASSWORD, or add it to ${file}`,
       { cause: err },
     );
+  }
+  // Starting up or restarting (57P03), still so after the wait for it: the URL is right.
+  if (serverStarting(err)) {
+    return new DatabaseUnavailableError(`the database at ${where} is starting up or restarting (${raw}); run the same command again once it is up`, { cause: err });
   }
   let msg: string;
   switch (code) {
