@@ -2,6 +2,8 @@ import pg from 'pg';
 import { BusyError, codeOf, DatabaseUnavailableError, InterruptedError, LockLostError, RETRY_OR_WAIT } from './errors.ts';
 import { lockKey } from './fingerprint.ts';
 import { answerWithin, sleep } from './sleep.ts';
+import { CONNECT_RETRY_MS, serverStarting } from './retry.ts';
+import { testHookMs } from './test-hooks.ts';
 import { lockSessionSetup, NO_CONNECTION_FREE_FIX, sessionName, trackSession } from './database.ts';
 import { lockCheckIntervalMs, SILENT_SECONDS_SQL, silentSecondsOf, type LockHolder, describeHolder } from './lock-holder.ts';
 
@@ -119,7 +121,7 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
   // The worker's identity rides in the lock session's application_name (pg_stat_activity shows it
   // to every role), so `idem status` can name the live workers of a run without a table of its own.
   const appName = sessionName('idem-lock', opts.holder);
-  const client = new pg.Client({ connectionString: opts.connectionString, keepAlive: true, keepAliveInitialDelayMillis: 5_000, application_name: appName });
+  const client = await connectLockSession(() => new pg.Client({ connectionString: opts.connectionString, keepAlive: true, keepAliveInitialDelayMillis: 5_000, application_name: appName }));
   trackSession(client);
   const lostController = new AbortController();
   const loseLock = (why: string, cause?: unknown) => {
@@ -168,12 +170,6 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
   client.on('error', (err) => loseLock(whyLost(err), err));
   client.on('end', () => loseLock('its session ended'));
   let released = false;
-  try {
-    await client.connect();
-  } catch (err) {
-    const full = codeOf(err) === '53300' ? `; the database has no connection free for idem: ${NO_CONNECTION_FREE_FIX}` : '';
-    throw new DatabaseUnavailableError(`cannot open the lock session: ${(err as Error).message}${full}`, { cause: err });
-  }
   let timer: NodeJS.Timeout | undefined;
   const release = async () => {
     if (released) return;
@@ -190,8 +186,12 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
     }
     // end() waits for the server's goodbye, which a dead network never sends.
     const ended = client.end().catch(() => {});
-    const bound = new Promise<void>((resolve) => setTimeout(resolve, checkTimeout).unref());
+    // Not unref'd: with nothing else left to wait on, an end() that never settles ended the
+    // process mid-close (Node's exit 13, not the command's code). Cleared once either settles.
+    let bounding: NodeJS.Timeout | undefined;
+    const bound = new Promise<void>((resolve) => (bounding = setTimeout(resolve, checkTimeout)));
     await Promise.race([ended, bound]);
+    clearTimeout(bounding);
     destroySocket(client);
   };
 
@@ -333,6 +333,36 @@ async function describeHolders(client: pg.Client, key: string, intervalMs: numbe
 }
 
 /** Drops a client's socket at once (no goodbye): for a session that has stopped answering. */
+/**
+ * A new client from `make`, connected. A server starting up or restarting (57P03) is waited for
+ * up to 10 s, as opening the pool waits (a pg.Client connects once: each try is a new one); it
+ * gave up at once with "cannot open the lock session: the database system is starting up".
+ */
+async function connectLockSession(make: () => pg.Client): Promise<pg.Client> {
+  const until = Date.now() + (testHookMs('IDEM_CONNECT_RETRY_MS') ?? CONNECT_RETRY_MS);
+  for (let tries = 0; ; tries++) {
+    const client = make();
+    // Errors of a try that failed are its own: the caller's listeners come once it is connected.
+    const quiet = () => {};
+    client.on('error', quiet);
+    try {
+      await client.connect();
+      client.off('error', quiet);
+      return client;
+    } catch (err) {
+      client.off('error', quiet);
+      client.on('error', quiet);
+      await client.end().catch(() => {});
+      if (serverStarting(err) && Date.now() < until) {
+        await sleep(Math.min(250 * 2 ** tries, 2_000, Math.max(0, until - Date.now())));
+        continue;
+      }
+      const full = codeOf(err) === '53300' ? `; the database has no connection free for idem: ${NO_CONNECTION_FREE_FIX}` : serverStarting(err) ? '; the database is starting up or restarting: run the same command again once it is up' : '';
+      throw new DatabaseUnavailableError(`cannot open the lock session: ${(err as Error).message}${full}`, { cause: err });
+    }
+  }
+}
+
 function destroySocket(client: pg.Client): void {
   (client as unknown as { connection?: { stream?: { destroy(): void } } }).connection?.stream?.destroy();
 }

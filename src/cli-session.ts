@@ -80,6 +80,10 @@ export function createCliContext(program: Command, state: { exitCode: number }):
     let jobCodeFailed = false;
     const finish = async (code: number, graceMs = 10_000) => {
       exiting = code;
+      // Set before anything is awaited: a close that never settles, with nothing left to wait on
+      // (its sockets gone), ends the process by Node's own exit (bin/idem.js's top-level await
+      // unsettled), whose code was 13 unless this was set.
+      process.exitCode = code;
       // Watchdog: a stuck close (a pool waiting on an in-flight transaction) must not keep a cron
       // slot busy forever; exiting closes the sockets and Postgres rolls the transactions back.
       setTimeout(() => process.exit(code), graceMs).unref();
@@ -178,6 +182,9 @@ export function createCliContext(program: Command, state: { exitCode: number }):
       // The same watchdog on the normal path: releasing the lock, pool and embedded server must
       // not hang the process.
       // A lost lock often means a dead network: closing the pool would wait on its sockets.
+      // The exit code is set first, as in finish(): a close left waiting on nothing (no socket or
+      // timer to keep the process alive) ended it with Node's 13, while --json said the command's.
+      process.exitCode = state.exitCode;
       setTimeout(() => process.exit(state.exitCode), state.exitCode === ExitCode.LockLost ? 2_000 : 10_000).unref();
       await session.close();
     }

@@ -3,7 +3,7 @@ import { homedir, userInfo } from 'node:os';
 import path from 'node:path';
 import { Kysely, PostgresDialect } from 'kysely';
 import pg from 'pg';
-import { isConnectionTrouble, isRetryable, noConnectionFree } from './retry.ts';
+import { CONNECT_RETRY_MS, isConnectionTrouble, isRetryable, noConnectionFree, serverStarting } from './retry.ts';
 import { sleep } from './sleep.ts';
 import { testHookMs } from './test-hooks.ts';
 import { POSTGRES_NAME_BYTES, WORKER } from './worker-identity.ts';
@@ -647,10 +647,15 @@ export async function openDatabase(
   // to end, not once they have: close() waits for the sockets, so that whoever counts the server's
   // sessions next (the embedded server's last-one-out check) no longer sees ours.
   const open = new Set<pg.Client>();
+  /** Called once `open` is empty (see close()). */
+  let whenAllEnded: (() => void) | undefined;
   pool.on('connect', (client) => {
     trackSession(client);
     open.add(client);
-    client.once('end', () => open.delete(client));
+    client.once('end', () => {
+      open.delete(client);
+      if (open.size === 0) whenAllEnded?.();
+    });
   });
   // An idle client's socket error is emitted on the pool; unhandled, it would kill the process.
   pool.on('error', (err) => {
@@ -704,7 +709,13 @@ export async function openDatabase(
       (closed ??= (async () => {
         // Errors of sessions this close ends (sockets dropped after the wait) are not news.
         closing = true;
-        await db.destroy().catch(() => {});
+        // pool.end() waits for every client handed out to come back. One whose holder never gives it
+        // back (a chunk abandoned after a lost lock whose job code never settles) kept close()
+        // waiting forever, on nothing once its session was gone (the CLI then ended by Node's exit
+        // 13, with no timer or socket left). Once every session has ended, nothing is left to wait for.
+        const destroyed = db.destroy().catch(() => {});
+        await (open.size === 0 ? destroyed : Promise.race([destroyed, new Promise<void>((resolve) => (whenAllEnded = resolve))]));
+        whenAllEnded = undefined;
         await awaitSocketsClosed(open, CLOSE_WAIT_MS);
       })()),
   };
@@ -716,8 +727,6 @@ const droppedAtSetup = new WeakSet<object>();
 /** The fix for a server or role with no connection free (53300), wherever idem meets it. */
 export const NO_CONNECTION_FREE_FIX = "wait for other sessions to end, or raise max_connections or the role's CONNECTION LIMIT";
 
-/** How long opening waits for a server that has no connection free (53300) or is starting (57P03). */
-const CONNECT_RETRY_MS = 10_000;
 
 /**
  * How long close() waits for the server's goodbye on its sessions before dropping their sockets: a
@@ -812,6 +821,10 @@ export function describeConnectError(err: unknown, connectionString: string, sou
       `the database at ${where} asks for a password and none was given (not in ${urlSource}, PGPASSWORD or ${file}); put it in ${urlSource} (postgres://user:password@host:5432/db, percent-encoded), or set PGPASSWORD, or add it to ${file}`,
       { cause: err },
     );
+  }
+  // Starting up or restarting (57P03), still so after the wait for it: the URL is right.
+  if (serverStarting(err)) {
+    return new DatabaseUnavailableError(`the database at ${where} is starting up or restarting (${raw}); run the same command again once it is up`, { cause: err });
   }
   let msg: string;
   switch (code) {

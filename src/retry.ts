@@ -1,5 +1,6 @@
 import { codeOf } from './errors.ts';
 import { sleep } from './sleep.ts';
+import { testHookMs } from './test-hooks.ts';
 
 /**
  * SQLSTATEs after which the same chunk, retried in a fresh transaction, can succeed.
@@ -97,6 +98,19 @@ export function noConnectionFree(err: unknown): boolean {
   return err instanceof Error && NO_CONNECTION_FREE.test(err.message);
 }
 
+/**
+ * The server refused a new connection because it is starting up, or shutting down to restart
+ * (57P03 "the database system is starting up", "… is shutting down", "… is in recovery mode",
+ * "… is not yet accepting connections"): it comes back by itself, and the command can wait for it.
+ * Not a standby with hot_standby off (57P03 "… is not accepting connections"), which never does.
+ */
+export function serverStarting(err: unknown): boolean {
+  return codeOf(err) === SqlState.CannotConnectNow && err instanceof Error && /starting up|shutting down|in recovery mode|not yet accepting connections/.test(err.message);
+}
+
+/** How long opening waits for a server that has no connection free (53300) or is starting (57P03). */
+export const CONNECT_RETRY_MS = 10_000;
+
 export interface BackoffOptions {
   /** First delay's upper bound in ms. Defaults to `100`. */
   readonly base?: number;
@@ -144,10 +158,22 @@ export function backoffDelay(attempt: number, opts: BackoffOptions = {}, random:
  */
 export async function retrying<T>(fn: () => Promise<T>, opts: BackoffOptions = {}): Promise<T> {
   const attempts = opts.attempts ?? DEFAULT_BACKOFF.attempts;
-  for (let attempt = 1; ; attempt++) {
+  /** Until when a server that is starting up (a restart) is waited for, from the first such refusal. */
+  let startingUntil: number | undefined;
+  for (let attempt = 1, starting = 0; ; attempt++) {
     try {
       return await fn();
     } catch (err) {
+      // A restart: the tries ran out in a second or two while the server came back, and the
+      // command gave up on "the database system is starting up". Waited for as opening waits.
+      if (serverStarting(err)) {
+        startingUntil ??= Date.now() + (testHookMs('IDEM_CONNECT_RETRY_MS') ?? CONNECT_RETRY_MS);
+        if (Date.now() < startingUntil) {
+          await sleep(Math.min(250 * 2 ** starting++, 2_000, Math.max(0, startingUntil - Date.now())));
+          attempt--;
+          continue;
+        }
+      }
       if (attempt >= attempts || !isRetryable(err)) throw err;
       await sleep(backoffDelay(attempt, opts));
     }

@@ -1075,9 +1075,9 @@ export class Runner {
    */
   async #workers(db: Kysely<any>, runId: string, attempt: number): Promise<RunWorker[]> {
     const key = lockKey(this.runLockName(runId));
-    const { rows } = await sql<{ worker: string; silent: number | null; chunks: number; last_minute: number; seconds: number }>`
+    const { rows } = await sql<{ worker: string; silent: number | null; chunks: number; last_minute: number; seconds: number | null }>`
       with live as (
-        select substr(a.application_name, length('idem-lock ') + 1) as worker, min(a.backend_start) as since,
+        select substr(a.application_name, length('idem-lock ') + 1) as worker,
           min(${sql.raw(SILENT_SECONDS_SQL)})::float8 as silent
         from pg_locks l join pg_stat_activity a on a.pid = l.pid
         where l.locktype = 'advisory' and l.granted and l.objsubid = 1
@@ -1085,15 +1085,18 @@ export class Runner {
           and ((l.classid::bigint << 32) | l.objid::bigint) = ${key}::bigint and a.application_name like 'idem-lock %'
         group by 1
       )
-      select live.worker, live.silent,
-        (select count(*) from ${sql.id(this.schema, 'chunks')} c where c.run_id = ${runId} and c.done_attempt = ${attempt} and c.done_by = live.worker)::int as chunks,
-        (select count(*) from ${sql.id(this.schema, 'chunks')} c where c.run_id = ${runId} and c.done_by = live.worker and c.done_at > now() - interval '60 seconds')::int as last_minute,
-        -- A worker younger than a minute is rated over its own lifetime, not over 60 s.
-        least(60, greatest(1, extract(epoch from now() - live.since)))::float8 as seconds
-      from live order by live.worker`.execute(db);
+      select live.worker, live.silent, done.chunks, done.last_minute,
+        extract(epoch from now() - done.first_done)::float8 as seconds
+      from live cross join lateral (
+        select count(*) filter (where c.done_attempt = ${attempt})::int as chunks,
+          count(*) filter (where c.done_at > now() - interval '60 seconds')::int as last_minute,
+          min(c.done_at) filter (where c.done_attempt = ${attempt}) as first_done
+        from ${sql.id(this.schema, 'chunks')} c where c.run_id = ${runId} and c.done_by = live.worker
+      ) done
+      order by live.worker`.execute(db);
     return rows.map((r) => {
       const silentSeconds = silentSecondsOf(r.silent);
-      return { worker: r.worker, chunks: r.chunks, rate: Math.round((r.last_minute / r.seconds) * 100) / 100, silentSeconds, silent: looksDead({ silentSeconds, applicationName: `idem-lock ${r.worker}` }) };
+      return { worker: r.worker, chunks: r.chunks, rate: workerRate(r.last_minute, r.seconds), silentSeconds, silent: looksDead({ silentSeconds, applicationName: `idem-lock ${r.worker}` }) };
     });
   }
 
@@ -1121,6 +1124,18 @@ export class Runner {
         and database = (select oid from pg_database where datname = current_database())`.execute(db);
     return { keys: new Set(rows.map((r) => r.key)), byPid: new Set(rows.map((r) => `${r.pid}:${r.key}`)) };
   }
+}
+
+/**
+ * A worker's chunks a second: over the last minute, or, for a worker whose first chunk of this
+ * attempt is younger than that, over the span since that chunk ((n - 1) chunks after it), the
+ * worker's own record. Not the age of its lock session (pg_stat_activity.backend_start): behind
+ * PgBouncer that is the pooled server session's, opened by whatever used it first, and a worker
+ * 4 s old was rated over many minutes.
+ */
+function workerRate(lastMinute: number, sinceFirst: number | null): number {
+  const rate = sinceFirst === null || sinceFirst >= 60 ? lastMinute / 60 : lastMinute <= 1 ? lastMinute / Math.max(1, sinceFirst) : (lastMinute - 1) / Math.max(1, sinceFirst);
+  return Math.round(rate * 100) / 100;
 }
 
 /** How long a worker that lost its lock (or its connections) asks how the run ended, for its message. */

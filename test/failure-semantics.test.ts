@@ -680,6 +680,36 @@ describe('signals and lost locks', () => {
     expect(fence[0]!.old).toBeGreaterThanOrEqual(5);
     expect(fence[0]!.late).toBe(0);
   }, 120_000);
+
+  it('a lost lock exits 69, as its --json says, even when closing waits on a chunk that never settles and every session of the worker is gone', async () => {
+    // Black-box: idem's backends terminated while a step ran (--concurrency 3) printed the lost lock
+    // and --json's exitCode 69, then exited 13: closing the pool waited on a slot whose chunk never
+    // ended, nothing (no socket, no timer but the unref'd watchdog) kept the process alive, and Node
+    // ended it for bin/idem.js's unsettled top-level await, with its own code.
+    const dir = await mkdtemp(path.join(tmpdir(), 'idem-lost-close-'));
+    try {
+      await writeFile(path.join(dir, 'package.json'), JSON.stringify({ type: 'module' }));
+      // A chunk that awaits what never comes, with no timer or socket of its own (it ignores ctx.signal).
+      await writeFile(path.join(dir, 'never.js'), `export default { name: 'never', steps: [{ name: 'wait', run() { return new Promise(() => {}); } }] };\n`);
+      const child = spawnCli(['--jobs-dir', dir, 'run', 'never', '--key', 'lost-close', '--json'], { url: db.url, timeoutMs: 60_000 });
+      const holder = sessionName('idem-lock', `${hostname()}:${child.pid}`);
+      const work = sessionName('idem', `${hostname()}:${child.pid}`);
+      await waitFor(async () => ((await query(db.url, `select 1 from idem.steps s join idem.runs r on r.id = s.run_id where r.run_key = 'lost-close' and s.status = 'running'`)).length > 0 ? true : undefined), 'the step running');
+      await new Promise((r) => setTimeout(r, 300));
+      const killed = await query<{ n: number }>(db.url, `select count(pg_terminate_backend(pid))::int as n from pg_stat_activity where application_name in ($1, $2) and datname = current_database()`, [holder, work]);
+      expect(killed[0]!.n).toBeGreaterThanOrEqual(2);
+      const r = await child.done;
+      expect(r.timedOut, r.stderr).toBe(false);
+      const json = JSON.parse(lines(r.stdout).at(-1)!) as { exitCode: number };
+      expect(json.exitCode).toBe(69);
+      expect(lines(r.stderr).filter((l) => l.startsWith('idem: error:'))).toEqual([expect.stringMatching(/^idem: error: lost the advisory lock for /)]);
+      expect(r.code, r.stderr).toBe(69);
+      expect(r.stderr).not.toContain('unsettled top-level await');
+      expect(await runRow(db.url, 'never', 'lost-close')).toMatchObject({ status: expect.stringMatching(/^(running|interrupted)$/) });
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
+  }, 90_000);
 });
 
 describe('database health at start-up', () => {

@@ -93,6 +93,37 @@ describe.skipIf(missing)('behind PgBouncer in session mode', () => {
     expect(results.map((r) => r.code).sort()).toEqual([0, 75, 75, 75, 75]);
     expect(await query(database.url, `select count(*)::int as n, count(distinct chunk_key)::int as d from work_log where run_key = 'five' and step = 'work'`)).toEqual([{ n: 40, d: 40 }]);
   });
+
+  it("status rates a worker over its own chunks, not over the age of the pooled server session its lock got", async () => {
+    // Black-box: two --join workers through PgBouncer, status after 4 s said 0.34/s per worker for
+    // 3.34/s direct: the worker's age came from pg_stat_activity.backend_start of the server session
+    // PgBouncer handed its lock, opened long before by an earlier command.
+    const warm = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', COUNTED(2), '--key', 'rate-warm'], { url: bouncer.url });
+    expect(warm.code, warm.stderr).toBe(0);
+    // PgBouncer keeps those server sessions (server_lifetime: an hour), and they age meanwhile.
+    await new Promise((r) => setTimeout(r, 8_000));
+    const startedAt = Date.now();
+    const worker = spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', COUNTED(2000, 40), '--key', 'rate-live', '--join', '--no-progress'], { url: bouncer.url, timeoutMs: 120_000 });
+    try {
+      await waitFor(async () => ((await query<{ n: number }>(database.url, `select count(*)::int as n from work_log where run_key = 'rate-live'`))[0]!.n >= 20 ? true : undefined), 'the worker committing chunks');
+      // The lock session got one of the warmed server sessions: its backend is older than the worker.
+      const [lock] = await query<{ age: number }>(database.url, `select extract(epoch from now() - backend_start)::float8 as age from pg_stat_activity where application_name like 'idem-lock %' and datname = current_database()`);
+      expect(lock!.age).toBeGreaterThan((Date.now() - startedAt) / 1000 + 5);
+      const status = await runCli([...FIXTURE_DIRS, 'status', 'counted', '--key', 'rate-live', '--json'], { url: database.url });
+      const age = (Date.now() - startedAt) / 1000;
+      expect(status.code, status.stderr).toBe(0);
+      const run = JSON.parse(status.stdout) as { workers: Array<{ chunks: number; rate: number }> };
+      expect(run.workers).toHaveLength(1);
+      const [w] = run.workers;
+      // The worker is younger than `age`, so it did at least chunks/age a second; with the server
+      // session's age it was rated at under half that.
+      expect(w!.chunks).toBeGreaterThanOrEqual(20);
+      expect(w!.rate).toBeGreaterThanOrEqual((0.8 * w!.chunks) / age);
+    } finally {
+      worker.child.kill('SIGINT');
+      await worker.done;
+    }
+  }, 120_000);
 });
 
 describe.skipIf(missing)('behind PgBouncer in session mode that does not reset sessions', () => {
