@@ -305,7 +305,9 @@ export class Runner {
     });
     try {
       await opts.beforeSchema?.(database.db, schema);
-      const present = await retrying(() => ensureRunnerSchema(database.db, schema, opts.readOnly ? 'read' : 'write'));
+      // A database that refuses writes (a standby, default_transaction_read_only) is said as a run's
+      // claim would say it, also when it is the schema's creation that met it.
+      const present = await refuseOnStandby(database.db, () => retrying(() => ensureRunnerSchema(database.db, schema, opts.readOnly ? 'read' : 'write')));
       const runner = new Runner(database, opts, schema, log);
       runner.#schemaExists = present;
       return runner;
