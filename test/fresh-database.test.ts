@@ -63,7 +63,7 @@ describe('a database without idem schema', () => {
     // some statement of the schema's creation (or one before it), and each must leave nothing.
     let refused = 0;
     for (const ms of ['1ms', '3ms', '10ms']) {
-      await query(url, `alter database ${name} set statement_timeout = '${ms}'`);
+      await query(unhindered(url), `alter database ${name} set statement_timeout = '${ms}'`);
       const r = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":1}', '--key', 'st', '--json'], { url });
       const tables = Number((await query(unhindered(url), `select count(*)::int as n from pg_tables where schemaname = 'idem'`))[0].n);
       if (tables > 0) {
