@@ -43,6 +43,53 @@ function oneLine(r: CliResult, code: number): string {
 }
 
 describe('a database without idem schema', () => {
+  it('idem run --dry-run reports the run as new, and creates nothing', async () => {
+    const { url } = await freshDatabase();
+    const r = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":2}', '--key', 'k', '--dry-run'], { url });
+    expect({ code: r.code, stderr: r.stderr }).toEqual({ code: 0, stderr: '' });
+    expect(r.stdout).toBe('dry run: job "counted" run key k is new; steps: prepare, work (chunked), finish; nothing was written\n');
+    const json = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":2}', '--key', 'k', '--dry-run', '--json'], { url });
+    expect(json.code, json.stderr).toBe(0);
+    expect(JSON.parse(json.stdout)).toMatchObject({ status: 'dry-run', runKey: 'k', runId: null, attempt: 0, plan: { state: 'new' } });
+    expect(await idemSchemas(url)).toBe(0);
+  });
+
+  it('idem run --dry-run works for a role that may not create the schema, and creates nothing', async () => {
+    const { url } = await freshDatabase();
+    const role = `idem_nocreate_${randomBytes(4).toString('hex')}`;
+    roles.push(role);
+    const password = randomBytes(12).toString('hex');
+    await query(url, `create role ${role} login password '${password}'`);
+    const u = new URL(url);
+    u.username = role;
+    u.password = password;
+    const r = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":2}', '--key', 'k', '--dry-run'], { url: u.toString() });
+    expect({ code: r.code, stderr: r.stderr }).toEqual({ code: 0, stderr: '' });
+    expect(r.stdout).toContain('run key k is new');
+    expect(await idemSchemas(url)).toBe(0);
+  });
+
+  it('pause, resume, cancel and reset say the job has no run; prune removes nothing; none creates the schema', async () => {
+    const { url } = await freshDatabase();
+    const cli = (args: string[]) => runCli([...FIXTURE_DIRS, ...args], { url });
+    const [pause, resume, cancel, pauseKey, reset, prune] = await Promise.all([
+      cli(['pause', 'counted']),
+      cli(['resume', 'counted']),
+      cli(['cancel', 'counted']),
+      cli(['pause', 'counted', '--key', 'x']),
+      cli(['reset', 'counted', '--key', 'x']),
+      cli(['prune', '--older-than', '30d', '--json']),
+    ]);
+    expect(oneLine(pause, 2)).toBe('idem: error: job "counted" has no run to pause (none is running or pending or failed or interrupted); see idem status counted');
+    expect(oneLine(resume, 2)).toMatch(/^idem: error: job "counted" has no run to resume /);
+    expect(oneLine(cancel, 2)).toMatch(/^idem: error: job "counted" has no run to cancel /);
+    expect(oneLine(pauseKey, 2)).toBe('idem: error: job "counted" has no run with key "x"; see idem status counted for its run keys');
+    expect(oneLine(reset, 2)).toBe('idem: error: job "counted" has no run with key "x"; see idem status counted for its run keys');
+    expect({ code: prune.code, stderr: prune.stderr }).toEqual({ code: 0, stderr: '' });
+    expect(JSON.parse(prune.stdout)).toEqual({ runs: 0, steps: 0, chunks: 0, effects: 0, skipped: 0 });
+    expect(await idemSchemas(url)).toBe(0);
+  });
+
   it('with default_transaction_read_only = on, idem run gives the readOnlyDefault refusal and creates nothing', async () => {
     const { url, name } = await freshDatabase();
     await query(url, `alter database ${name} set default_transaction_read_only = on`);

@@ -285,11 +285,11 @@ export function knownMigrationNames(schema = 'idem'): string[] {
 /**
  * Brings the runner's schema to the latest version. The fast path is one query: when every known
  * migration is recorded, nothing else runs (so a no-op rerun stays O(1)). Kysely's Migrator takes
- * a lock of its own, so every pod of a deploy may call this at once. With `read` access, a schema
- * that has no idem bookkeeping is left as it is: false (there is nothing to read). The first
- * creation is one transaction (see createRunnerSchema).
+ * a lock of its own, so every pod of a deploy may call this at once. With `read` access, or
+ * `create` false, a schema that has no idem bookkeeping is left as it is: false (there is nothing
+ * to read, and no run to act on). The first creation is one transaction (see createRunnerSchema).
  */
-export async function ensureRunnerSchema(db: Kysely<any>, schema: string, access: 'read' | 'write' = 'write'): Promise<boolean> {
+export async function ensureRunnerSchema(db: Kysely<any>, schema: string, access: 'read' | 'write' = 'write', create = access === 'write'): Promise<boolean> {
   const known = knownMigrationNames(schema);
   let applied: string[] | null = null;
   const privileges = access === 'read' ? ['SELECT'] : ['SELECT', 'INSERT', 'UPDATE', 'DELETE'];
@@ -324,7 +324,9 @@ export async function ensureRunnerSchema(db: Kysely<any>, schema: string, access
   }
   // Reading (status, list) a schema that has no idem bookkeeping: nothing to read, and nothing is
   // created (a mistyped --schema made a whole idem schema, or asked a read-only role for CREATE).
-  if (!applied && access === 'read') return false;
+  // An operator's command (pause, reset, prune) on a database without the schema: there are no
+  // runs to act on, and it creates nothing either.
+  if (!applied && (access === 'read' || !create)) return false;
   if (!applied) {
     // A schema that already has tables of the names idem creates, not made by idem (it has no
     // migration table): the first migration would fail on them after Kysely created its own two
