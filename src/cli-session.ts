@@ -343,8 +343,13 @@ export async function storedRunFingerprint(url: string, schema: string, job: str
   }
 }
 
-/** Opens a Runner on DATABASE_URL, or on the embedded server under .idem/ when none is given (or on `url`, from databaseUrl). */
-export async function openRunner(g: GlobalOptions, log: Logger, session: Session, poolSize = 10, url?: string, beforeSchema?: RunnerOptions['beforeSchema'], readOnly = false): Promise<Runner> {
+/**
+ * Opens a Runner on DATABASE_URL, or on the embedded server under .idem/ when none is given (or on
+ * `url`, from databaseUrl). `access`: `write` creates or upgrades idem's schema (a command that
+ * starts runs); `existing` (pause, resume, cancel, reset, prune) and `read` (status, list, a dry
+ * run: SELECT is all it needs) create nothing where the schema is not there yet: there are no runs.
+ */
+export async function openRunner(g: GlobalOptions, log: Logger, session: Session, poolSize = 10, url?: string, beforeSchema?: RunnerOptions['beforeSchema'], access: 'write' | 'existing' | 'read' = 'write'): Promise<Runner> {
   // The runner brings kysely and pg: loaded by the commands that talk to the database, when they do.
   const [{ Runner }, connectionString] = await Promise.all([import('./cli-runtime.ts'), url ?? databaseUrl(g, log, session)]);
   // IDEM_IDLE_IN_TRANSACTION_TIMEOUT_MS: for tests, which cannot stall a worker for the default 60 s.
@@ -356,7 +361,8 @@ export async function openRunner(g: GlobalOptions, log: Logger, session: Session
     poolSize,
     ...(idle !== undefined ? { idleInTransactionTimeoutMs: idle } : {}),
     ...(beforeSchema ? { beforeSchema } : {}),
-    ...(readOnly ? { readOnly } : {}),
+    ...(access === 'read' ? { readOnly: true } : {}),
+    ...(access === 'existing' ? { createSchema: false } : {}),
     // The connection string given (not the embedded server's): a connection error's fix names its source.
     ...(g.databaseUrl && (url === undefined || url === g.databaseUrl) ? { connectionSource: g.databaseUrlFrom ?? '--database-url' } : {}),
   });

@@ -9,6 +9,8 @@ import type { RunRow } from './store.ts';
 export interface OperationsHost {
   readonly db: Kysely<any>;
   readonly schema: string;
+  /** False: the database has no idem schema (a runner that did not create it), so no runs. */
+  readonly schemaExists?: boolean;
   readonly connectionString: string;
   jobLockName(job: string): string;
   runLockName(runId: string): string;
@@ -78,7 +80,9 @@ const t = (h: Pick<OperationsHost, 'schema'>, name: string) => sql.id(h.schema, 
  */
 async function targetRun(h: OperationsHost, job: string, key: string | undefined, statuses: readonly string[], verb: string, pausePending = false): Promise<RunRow> {
   let run: RunRow | undefined;
-  if (key === undefined) {
+  if (h.schemaExists === false) {
+    // No idem schema: no run, said as for a job that has none.
+  } else if (key === undefined) {
     const applies = pausePending ? sql`(status = any(${statuses}::text[]) or (status = 'running' and requested = 'pause'))` : sql`status = any(${statuses}::text[])`;
     // Every running candidate (the live one is among them) and the latest candidate of all.
     const { rows } = await sql<RunRow>`select * from ${t(h, 'runs')} r
@@ -258,6 +262,7 @@ export async function resetRun(h: OperationsHost, job: string, key: string): Pro
 export async function pruneRuns(h: OperationsHost, olderThanMs: number, migrationKeys: readonly string[] = [], batch = PRUNE_BATCH): Promise<PruneResult> {
   const cutoff = new Date(Date.now() - olderThanMs).toISOString();
   const total = { runs: 0, steps: 0, chunks: 0, effects: 0, skipped: 0 };
+  if (h.schemaExists === false) return total;
   // Runs an idem from before migration runs were marked recorded for the migrations folder's
   // files (their run keys, without params): marked first, so they are kept (idem migrate marks
   // them too). A job run with such a key and no params is kept as well: the safe side.

@@ -30,7 +30,7 @@ export const DEFAULT_POOL_SIZE = 10;
 export const POOL_HEADROOM = 2;
 
 /** Every key of RunnerOptions; any other is refused (a typo such as `poolsize` would otherwise do nothing). */
-const RUNNER_OPTION_KEYS: ReadonlyArray<keyof RunnerOptions> = ['connectionString', 'schema', 'log', 'poolSize', 'idleInTransactionTimeoutMs', 'lockIdleTimeoutMs', 'beforeSchema', 'readOnly', 'connectionSource'];
+const RUNNER_OPTION_KEYS: ReadonlyArray<keyof RunnerOptions> = ['connectionString', 'schema', 'log', 'poolSize', 'idleInTransactionTimeoutMs', 'lockIdleTimeoutMs', 'beforeSchema', 'readOnly', 'createSchema', 'connectionSource'];
 
 /** What other libraries and habits call the connection string. */
 const CONNECTION_STRING_ALIASES: Readonly<Record<string, string>> = Object.fromEntries(
@@ -115,10 +115,16 @@ export interface RunnerOptions {
   /**
    * Connect to read only (status, list): idem's tables need just SELECT then, not INSERT, UPDATE
    * and DELETE, so a monitoring role can use it; writing through it fails with PostgreSQL's
-   * permission error. The schema is still created or upgraded when it must be (that takes its
-   * owner). Defaults to `false`.
+   * permission error. A schema that is not there yet is not created (schemaExists is false: no
+   * runs); one older than this idem is still upgraded (that takes its owner). Defaults to `false`.
    */
   readonly readOnly?: boolean;
+  /**
+   * @internal False: a database without idem's schema is left without it (schemaExists false: there
+   * are no runs). The CLI's operator commands (pause, resume, cancel, reset, prune), which have
+   * nothing to act on there. Defaults to `true` (`false` when readOnly).
+   */
+  readonly createSchema?: boolean;
   /** @internal Where connectionString came from, as a connection error's fix names it (the CLI: `--database-url` or `DATABASE_URL`). */
   readonly connectionSource?: string;
 }
@@ -305,7 +311,11 @@ export class Runner {
     });
     try {
       await opts.beforeSchema?.(database.db, schema);
-      const present = await retrying(() => ensureRunnerSchema(database.db, schema, opts.readOnly ? 'read' : 'write'));
+      // A database that refuses writes (a standby, default_transaction_read_only) is said as a run's
+      // claim would say it, also when it is the schema's creation that met it.
+      const present = await refuseOnStandby(database.db, () =>
+        retrying(() => ensureRunnerSchema(database.db, schema, opts.readOnly ? 'read' : 'write', !opts.readOnly && opts.createSchema !== false)),
+      );
       const runner = new Runner(database, opts, schema, log);
       runner.#schemaExists = present;
       return runner;
@@ -320,7 +330,7 @@ export class Runner {
   }
 
   /**
-   * False for a read-only runner (`readOnly`) on a schema without idem's bookkeeping, which it left
+   * False for a read-only runner (`readOnly`, or `createSchema: false`) on a schema without idem's bookkeeping, which it left
    * as it was: it has no runs (status() lists none).
    */
   get schemaExists(): boolean {
@@ -398,7 +408,7 @@ export class Runner {
       fp = fingerprint(params);
     } catch (err) {
       // Params that are an existing run's stored ones (see storedParamsGiven) are not validated again.
-      const run = opts.key === undefined ? undefined : await this.store.findRun(job.name, opts.key);
+      const run = opts.key === undefined || !this.#schemaExists ? undefined : await this.store.findRun(job.name, opts.key);
       if (!run || !storedParamsGiven(opts.params, run)) throw err;
       ({ params, fingerprint: fp } = run);
     }
@@ -628,7 +638,7 @@ export class Runner {
   }
 
   #ops(): OperationsHost {
-    return { db: this.db, schema: this.schema, connectionString: this.#connectionString, jobLockName: (j) => this.jobLockName(j), runLockName: (id) => this.runLockName(id), heldLocks: () => this.heldLocks() };
+    return { db: this.db, schema: this.schema, schemaExists: this.#schemaExists, connectionString: this.#connectionString, jobLockName: (j) => this.jobLockName(j), runLockName: (id) => this.runLockName(id), heldLocks: () => this.heldLocks() };
   }
 
   jobLockName(job: string): string {
@@ -972,7 +982,8 @@ export class Runner {
   }
 
   async #dryRun(job: Job, runKey: string, fp: string, allowChangedCode: boolean, given: unknown, join: boolean): Promise<RunOutcome> {
-    const run = await this.store.findRun(job.name, runKey);
+    // No schema yet (a dry run creates none): the run would be new.
+    const run = this.#schemaExists ? await this.store.findRun(job.name, runKey) : null;
     if (run && !storedParamsGiven(given, run)) checkFingerprint(job.name, runKey, run, fp);
     // A resume the real command would refuse for its code: not a finished, paused or cancelled run
     // (refused or done for that first), nor a live one unless joining it (a plain run is busy

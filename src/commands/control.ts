@@ -13,10 +13,10 @@ function registerControl(program: Command, cli: CliContext, name: 'pause' | 'res
     .option('--json', 'print the result as JSON')
     .action((job: string, o: { key?: string; json?: boolean }) =>
       cli.runWithSession(async (g, log, session) => {
-        // The name is checked before idem's schema is created: a refused name writes nothing.
+        // The name is checked before idem's schema is upgraded: a refused name writes nothing.
         const { assertKnownJob } = await import('../cli-runtime.ts');
         await cancelStatementsOnStop(session);
-        const runner = await openRunner(g, log, session, undefined, undefined, (db, schema) => assertKnownJob(db, schema, job, g));
+        const runner = await openRunner(g, log, session, undefined, undefined, (db, schema) => assertKnownJob(db, schema, job, g), 'existing');
         const r = await runner[name](job, o.key);
         const how = !r.live
           ? name === 'resume' && r.status === 'running'

@@ -56,7 +56,7 @@ export function registerListCommand(program: Command, cli: CliContext): void {
         const migrations = await loadJobDir(g.migrationsDir, 'migrations');
         checkSharedNames(jobs, migrations);
         // Reads only: a monitoring role with SELECT on idem's tables may list.
-        const runner = await openRunner(g, log, session, undefined, undefined, undefined, true);
+        const runner = await openRunner(g, log, session, undefined, undefined, undefined, 'read');
         // A job's latest run, except that a live one wins: a busy invocation of another key leaves
         // a newer `pending` row beside it, which is not what the job is doing.
         const latest = new Map<string, RunStatusRow>();

@@ -15,7 +15,7 @@ export function registerPruneCommand(program: Command, cli: CliContext): void {
         const ms = parseDuration(o.olderThan, '--older-than');
         const keys = await migrationKeys(g.migrationsDir);
         await cancelStatementsOnStop(session);
-        const runner = await openRunner(g, log, session);
+        const runner = await openRunner(g, log, session, undefined, undefined, undefined, 'existing');
         const r = await runner.prune(ms, { migrationKeys: keys });
         const held = r.skipped > 0 ? `; left ${r.skipped} ${r.skipped === 1 ? 'run' : 'runs'} alone that another process holds (reviving, running or resetting it)` : '';
         process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `prune: removed ${count(r.runs, 'run')}, ${count(r.steps, 'step')}, ${count(r.chunks, 'chunk marker')}, ${count(r.effects, 'effect')} older than ${o.olderThan}${held}\n`);

@@ -13,10 +13,10 @@ export function registerResetCommand(program: Command, cli: CliContext): void {
     .requiredOption('--key <key>', "the run's key (see idem status)", existingKey)
     .action((job: string, o: { key: string }) =>
       cli.runWithSession(async (g, log, session) => {
-        // The name is checked before idem's schema is created: a refused name writes nothing.
+        // The name is checked before idem's schema is upgraded: a refused name writes nothing.
         const { assertKnownJob } = await import('../cli-runtime.ts');
         await cancelStatementsOnStop(session);
-        const runner = await openRunner(g, log, session, undefined, undefined, (db, schema) => assertKnownJob(db, schema, job, g));
+        const runner = await openRunner(g, log, session, undefined, undefined, (db, schema) => assertKnownJob(db, schema, job, g), 'existing');
         const r = await runner.reset(job, o.key);
         process.stdout.write(`reset: forgot run ${visible(o.key)} of job "${visible(job)}" (${r.chunks} chunk markers, ${r.effects} effects)\n`);
         return ExitCode.Ok;

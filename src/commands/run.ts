@@ -105,7 +105,9 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
             process.stdout.write(o.json ? '[]\n' : `no slot of job "${job.name}" falls within --catch-up ${o.catchUp}\n`);
             return ExitCode.Ok;
           }
-          const runner = await openRunner(g, log, session, o.concurrency + POOL_HEADROOM, url);
+          // A dry run writes nothing, not even idem's schema: it reads (where the schema is not there yet,
+          // every run is new).
+          const runner = await openRunner(g, log, session, o.concurrency + POOL_HEADROOM, url, undefined, o.dryRun ? 'read' : 'write');
           const signals = installSignals(log, g.shutdownTimeout, force);
           const throttle = {
             ...(o.maxRate !== undefined ? { maxRate: o.maxRate } : {}),

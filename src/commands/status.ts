@@ -217,7 +217,7 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
         if (o.key !== undefined && job === undefined) throw new UsageError('invalidKey', '--key needs the job too: idem status <job> --key <key>');
         // A job name is checked before idem's schema is created: a refused name writes nothing.
         const { assertKnownJob, redactSecrets } = await import('../cli-runtime.ts');
-        const runner = await openRunner(g, log, session, undefined, undefined, job !== undefined ? (db, schema) => assertKnownJob(db, schema, job, g) : undefined, true);
+        const runner = await openRunner(g, log, session, undefined, undefined, job !== undefined ? (db, schema) => assertKnownJob(db, schema, job, g) : undefined, 'read');
         // A run's params (and error) may quote DATABASE_URL's password: masked as in every log line.
         const masked = (text: string) => (g.databaseUrl ? redactSecrets(text, g.databaseUrl) : text);
         const tty = colourful(process.stdout);

@@ -1,4 +1,5 @@
 import { Migrator, sql, type Kysely, type Migration, type MigrationProvider } from 'kysely';
+import { isStatementTimeout } from '../database.ts';
 import { codeOf, DatabaseUnavailableError, UsageError } from '../errors.ts';
 
 /** Kysely's bookkeeping tables for the runner's own schema; kept inside that schema. */
@@ -284,10 +285,11 @@ export function knownMigrationNames(schema = 'idem'): string[] {
 /**
  * Brings the runner's schema to the latest version. The fast path is one query: when every known
  * migration is recorded, nothing else runs (so a no-op rerun stays O(1)). Kysely's Migrator takes
- * a lock of its own, so every pod of a deploy may call this at once. With `read` access, a schema
- * that has no idem bookkeeping is left as it is: false (there is nothing to read).
+ * a lock of its own, so every pod of a deploy may call this at once. With `read` access, or
+ * `create` false, a schema that has no idem bookkeeping is left as it is: false (there is nothing
+ * to read, and no run to act on). The first creation is one transaction (see createRunnerSchema).
  */
-export async function ensureRunnerSchema(db: Kysely<any>, schema: string, access: 'read' | 'write' = 'write'): Promise<boolean> {
+export async function ensureRunnerSchema(db: Kysely<any>, schema: string, access: 'read' | 'write' = 'write', create = access === 'write'): Promise<boolean> {
   const known = knownMigrationNames(schema);
   let applied: string[] | null = null;
   const privileges = access === 'read' ? ['SELECT'] : ['SELECT', 'INSERT', 'UPDATE', 'DELETE'];
@@ -322,7 +324,9 @@ export async function ensureRunnerSchema(db: Kysely<any>, schema: string, access
   }
   // Reading (status, list) a schema that has no idem bookkeeping: nothing to read, and nothing is
   // created (a mistyped --schema made a whole idem schema, or asked a read-only role for CREATE).
-  if (!applied && access === 'read') return false;
+  // An operator's command (pause, reset, prune) on a database without the schema: there are no
+  // runs to act on, and it creates nothing either.
+  if (!applied && (access === 'read' || !create)) return false;
   if (!applied) {
     // A schema that already has tables of the names idem creates, not made by idem (it has no
     // migration table): the first migration would fail on them after Kysely created its own two
@@ -339,6 +343,8 @@ export async function ensureRunnerSchema(db: Kysely<any>, schema: string, access
         `schema "${schema}" already has ${taken.length === 1 ? 'a table' : 'tables'} named ${names}, which idem would create there, and no idem bookkeeping (${MIGRATION_TABLE}): they are not idem's; keep idem's tables in a schema of their own with --schema (the default is idem), or rename those tables`,
       );
     }
+    // Made whole here, or by another pod meanwhile (then upgraded below if that pod's idem is older).
+    if (await createRunnerSchema(db, schema, known)) return true;
   }
   const provider: MigrationProvider = { getMigrations: async () => runnerMigrations(schema) };
   const migrator = new Migrator({
@@ -349,14 +355,80 @@ export async function ensureRunnerSchema(db: Kysely<any>, schema: string, access
     migrationLockTableName: MIGRATION_LOCK_TABLE,
   });
   const { error, results } = await migrator.migrateToLatest();
-  if (error) {
-    const message = String((error as Error).message ?? error);
-    if (codeOf(error) === INSUFFICIENT_PRIVILEGE) throw await privilegeRefusal(db, schema, applied ? 'upgrade' : 'create', message, error, access);
-    // Kysely fails before any migration (creating the schema or its bookkeeping tables) without naming one.
-    const failed = results?.find((r) => r.status === 'Error')?.migrationName;
-    throw new DatabaseUnavailableError(`could not create or upgrade the runner schema "${schema}"${failed ? ` (migration ${failed})` : ''}: ${message}`, { cause: error });
-  }
+  if (error) throw await migrationFailure(db, schema, error, results?.find((r) => r.status === 'Error')?.migrationName, applied ? 'upgrade' : 'create', access);
   return true;
+}
+
+/**
+ * The error a failed creation or upgrade of the schema ends with. The database's read-only
+ * default (25006) and a statement_timeout are thrown as PostgreSQL raised them: the
+ * runner and the CLI turn them into their one-line refusals (idem.readOnlyDefault, idem.statementTimeout).
+ */
+async function migrationFailure(db: Kysely<any>, schema: string, error: unknown, failed: string | undefined, what: 'create' | 'upgrade', access: 'read' | 'write'): Promise<unknown> {
+  const code = codeOf(error);
+  if (code === READ_ONLY_TRANSACTION || isStatementTimeout(error)) return error;
+  const message = String((error as Error)?.message ?? error);
+  if (code === INSUFFICIENT_PRIVILEGE) return privilegeRefusal(db, schema, what, message, error, access);
+  // Kysely fails before any migration (creating the schema or its bookkeeping tables) without naming one.
+  return new DatabaseUnavailableError(`could not create or upgrade the runner schema "${schema}"${failed ? ` (migration ${failed})` : ''}: ${message}`, { cause: error });
+}
+
+/**
+ * Creates the runner schema on a database that has no idem bookkeeping: the schema (unless it is
+ * there, empty of idem's tables), Kysely's bookkeeping tables as its Migrator makes them, and every
+ * migration, in ONE transaction. Whatever fails (a read-only database, a statement_timeout, a
+ * missing privilege) leaves nothing behind; Kysely's Migrator creates the schema and its tables
+ * outside its transaction, and a first deploy that failed left an empty `idem` schema (or one with
+ * only the bookkeeping). Nothing is ever dropped: a rollback removes only what this transaction made.
+ * Pods of a deploy that all find the database fresh take turns on a transaction lock; those that
+ * come after find the schema made (false: the caller goes on as for an existing schema).
+ */
+async function createRunnerSchema(db: Kysely<any>, schema: string, known: readonly string[]): Promise<boolean> {
+  return db.connection().execute(async (conn) => {
+    await sql`begin`.execute(conn);
+    try {
+      await sql`select pg_advisory_xact_lock(hashtext(${`idem:create-schema:${schema}`}))`.execute(conn);
+      const { rows } = await sql<{ there: boolean }>`select exists (select 1 from pg_class c join pg_namespace n on n.oid = c.relnamespace
+        where n.nspname = ${schema} and c.relname = ${MIGRATION_TABLE}) as there`.execute(conn);
+      if (rows[0]?.there) {
+        await sql`rollback`.execute(conn);
+        return false;
+      }
+      let failed: string | undefined;
+      try {
+        await conn.schema.createSchema(schema).ifNotExists().execute();
+        // The tables Kysely's Migrator creates (migrator.js), so it finds them and goes on from them.
+        await conn.schema.withSchema(schema).createTable(MIGRATION_TABLE)
+          .addColumn('name', 'varchar(255)', (col) => col.notNull().primaryKey())
+          .addColumn('timestamp', 'varchar(255)', (col) => col.notNull())
+          .execute();
+        await conn.schema.withSchema(schema).createTable(MIGRATION_LOCK_TABLE)
+          .addColumn('id', 'varchar(255)', (col) => col.notNull().primaryKey())
+          .addColumn('is_locked', 'integer', (col) => col.notNull().defaultTo(0))
+          .execute();
+        await conn.withSchema(schema).insertInto(MIGRATION_LOCK_TABLE).values({ id: MIGRATION_LOCK_ROW, is_locked: 0 }).execute();
+        const migrations = runnerMigrations(schema);
+        for (const name of known) {
+          failed = name;
+          await migrations[name]!.up(conn);
+          await conn.withSchema(schema).insertInto(MIGRATION_TABLE).values({ name, timestamp: new Date().toISOString() }).execute();
+        }
+      } catch (err) {
+        throw await migrationFailureAfterRollback(conn, schema, err, failed);
+      }
+      await sql`commit`.execute(conn);
+      return true;
+    } catch (err) {
+      await sql`rollback`.execute(conn).catch(() => {});
+      throw err;
+    }
+  });
+}
+
+/** migrationFailure, after rolling back first: its privilege refusal queries the database. */
+async function migrationFailureAfterRollback(conn: Kysely<any>, schema: string, err: unknown, failed: string | undefined): Promise<unknown> {
+  await sql`rollback`.execute(conn).catch(() => {});
+  return migrationFailure(conn, schema, err, failed, 'create', 'write');
 }
 
 /** "no INSERT, UPDATE or DELETE on idem.chunks, idem.runs; no DELETE on idem.steps": tables grouped by what they lack. */
@@ -376,6 +448,10 @@ const RUNNER_TABLES = ['runs', 'steps', 'chunks', 'effects', 'api_requests'] as 
 const UNDEFINED_TABLE = '42P01';
 /** SQLSTATE 42501: the role lacks a privilege. */
 const INSUFFICIENT_PRIVILEGE = '42501';
+/** SQLSTATE 25006: a write in a read-only transaction (a standby, default_transaction_read_only). */
+const READ_ONLY_TRANSACTION = '25006';
+/** The one row of Kysely's lock table (kysely's MIGRATION_LOCK_ID). */
+const MIGRATION_LOCK_ROW = 'migration_lock';
 
 /**
  * What a role without enough privileges must do, in one line: the grant that lets it manage the
