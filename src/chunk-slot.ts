@@ -502,9 +502,15 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
   const begin = async <R>(claim: string) => {
     if (inTransaction) throw new Error('a chunk transaction is already open on this slot');
     const c = (client ??= await connect());
-    opened();
+    // Open for rollback() from here; open to the job's statements (and to an abort's cancel, which
+    // must never hit idem's own claim) only once the claim has answered.
+    inTransaction = true;
+    jobTransaction.ended = false;
+    jobTransaction.committed = false;
+    jobTransaction.sessionChanged = false;
     // Simple protocol, two statements in one message: pg answers with one result per statement.
     const results = (await c.query(`begin;\n${claim};\nsavepoint ${SAVEPOINT}`)) as unknown as pg.QueryResult[];
+    opened();
     return results[1]!.rows as R[];
   };
 

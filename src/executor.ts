@@ -114,12 +114,16 @@ export async function executeSteps(opts: ExecuteOptions, steps: Map<string, Step
       opts.log.debug({ step: step.name }, 'step already done, skipped');
       continue;
     }
+    // A stop seen between steps: the next step starts nothing (not even its health gate or estimate).
+    throwIfStopped(opts.stop);
     const stepLog = opts.log.child({ step: step.name });
     stepLog.info('step started');
     // Deferred constraints in the database: chunks run their deferred checks before COMMIT (ChunkSlot).
     // Asked again at each step until there is one: an earlier step (or a migration) may have made it.
     if (!checksFirst) checksFirst = await opts.store.hasDeferrableConstraints();
     executed += await executeStep(opts, step, index, row, stepLog, checksFirst);
+    // Never once the stop is immediate (the lock lost): this worker no longer speaks for the run.
+    throwIfStopped(opts.abort);
     await opts.store.finishStep(opts.run.runId, opts.run.attempt, step.name);
     stepLog.info('step done');
   }
@@ -385,7 +389,8 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
             continue;
           }
           if (leavesForOthers(err)) return;
-          failure ??= err;
+          // An immediate stop ends the step by its reason, whatever the claim met on its way out.
+          failure ??= opts.abort.aborted ? (opts.abort.reason ?? err) : err;
           return;
         }
 
@@ -556,7 +561,8 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   // Stopped (a signal, an operator's pause or cancel) once the step's last chunks were in flight:
   // nothing of it is left, so it ends done and the stop takes effect before the next step, or, when
   // this was the last, has nothing left to stop and the run succeeds (README: Operating runs).
-  if (opts.stop.aborted && !opts.abort.aborted && !(await store.stepComplete(run.runId, step.name).catch(() => false))) throwIfStopped(opts.stop);
+  // An immediate stop (a lost lock, a second signal) ends the step as it always did: unfinished.
+  if (opts.stop.aborted && (opts.abort.aborted || !(await store.stepComplete(run.runId, step.name).catch(() => false)))) throwIfStopped(opts.abort.aborted ? opts.abort : opts.stop);
   progress(true);
   return executed;
 }

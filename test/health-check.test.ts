@@ -78,6 +78,28 @@ describe('health checks before each chunk', () => {
     }
   });
 
+  it('the lock lost while every slot waits out a health pause: the step stays unfinished, and the rerun does its chunks', async () => {
+    // Review of this stop (H1): with no chunk in flight the stopped step returned normally once the
+    // lock was lost, and executeSteps marked it done: a resume skipped its chunks for good.
+    const tx = await openTransaction();
+    const key = 'lost-in-pause';
+    try {
+      await waitFor(() => olderThan(tx.pid, 1), 'the transaction to be older than 1 s');
+      const running = runner.run(counted, { params: { chunks: 3 }, key, health: { ...FAST, transactionAgeSeconds: 1 } }).catch((e: unknown) => e);
+      await waitFor(async () => (await runRow(url, 'counted', key))?.health_pause, 'the run to pause for health');
+      await query(url, `select pg_terminate_backend(pid) from pg_stat_activity where application_name like 'idem-lock %' and pid <> pg_backend_pid()`);
+      expect(await running).toMatchObject({ name: 'LockLostError' });
+      await new Promise((r) => setTimeout(r, 500));
+      const steps = await query<{ name: string; status: string }>(url, `select s.name, s.status from idem.steps s join idem.runs r on r.id = s.run_id where r.job = 'counted' and r.run_key = $1 order by s.position`, [key]);
+      expect(steps.filter((st) => st.status === 'done')).toEqual([]);
+    } finally {
+      await tx.release();
+    }
+    const rerun = await runner.run(counted, { params: { chunks: 3 }, key });
+    expect(rerun).toMatchObject({ status: 'succeeded' });
+    expect(await workCounts(url, key)).toEqual(new Map([['c0001', 1], ['c0002', 1], ['c0003', 1]]));
+  });
+
   it('a health pause left by a worker that died while paused is not shown as the next attempt\'s', async () => {
     // Review of black-box round 10's fix: the HTTP view and the dashboard show health_pause, which
     // only a worker that saw the database healthy again cleared.

@@ -164,6 +164,19 @@ function escape(text: string): string {
 // A monitoring role may read idem's tables and nothing more: status and list work for it, and a
 // command that writes names exactly the privileges it lacks. A database of its own: the suite above
 // starts before idem's schema exists.
+describe('a schema made beforehand by the DBA, owned by a role without CREATE on the database', () => {
+  it('the first run creates idem\'s tables in it (no CREATE SCHEMA asked of the database)', async () => {
+    // Review of this stop (H3): the first migration, now one transaction, always ran CREATE SCHEMA
+    // IF NOT EXISTS, which PostgreSQL checks against CREATE on the database before it looks at IF
+    // NOT EXISTS: "permission denied for database", where the least-privilege set-up had worked.
+    const schema = `idem_pre_${randomBytes(3).toString('hex')}`;
+    await query(ownerUrl, `create schema ${schema} authorization ${role}`);
+    const r = await runCli([...FIXTURE_DIRS, '--schema', schema, 'run', 'counted', '--params', '{"chunks":2}', '--key', 'pre-made'], { url: roleUrl });
+    expect(r.code, r.stderr).toBe(0);
+    expect(await query(ownerUrl, `select status from ${schema}.runs where run_key = 'pre-made'`)).toEqual([{ status: 'succeeded' }]);
+  });
+});
+
 describe('a read-only role (USAGE on the schema, SELECT on its tables)', () => {
   let db: TestDatabase;
   const reader = `idem_read_${randomBytes(4).toString('hex')}`;

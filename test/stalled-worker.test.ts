@@ -275,15 +275,20 @@ describe('a chunk inside a long statement when the stop turns immediate (shutdow
     (await query<{ pid: number }>(url, `select pid from pg_stat_activity where datname = current_database() and application_name like 'idem %:' || $1 and state = 'active'`, [String(pid)])).map((r) => r.pid);
 
   it.each([
-    ['the shutdown deadline', ['--shutdown-timeout', '1'], 1],
-    ['a second SIGTERM', [], 2],
-  ] as const)('%s cancels the statement: exit 143, the run interrupted (not crashed), nothing left running on the server', async (_, flags, signals) => {
+    ['the shutdown deadline', ['--shutdown-timeout', '1'], 1, 3],
+    ['a second SIGTERM', [], 2, 3],
+    // Review of this stop (H2): the other slot's claim, waiting on the chunk's row lock in the last
+    // pass, was cancelled too, and its 57014 failed the run in step "(runner)" (exit 1).
+    ['a second SIGTERM, the other slot waiting to claim the same chunk', ['--concurrency', '2'], 2, 1],
+  ] as const)('%s cancels the statement: exit 143, the run interrupted (not crashed), nothing left running on the server', async (_, flags, signals, chunks) => {
     // Black-box round 14 (B1-2): the process exited 143 with the run still `running` (idem status:
     // crashed) and its pg_sleep went on in PostgreSQL for as long as it had (a long UPDATE would
     // have kept its row locks after idem had gone).
-    const key = `long-statement-${signals}`;
-    const w = spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', JSON.stringify({ chunks: 3, pauseMs: 60_000 }), '--key', key, ...flags], { url, timeoutMs: 60_000 });
+    const key = `long-statement-${signals}-${flags.join('')}`;
+    const w = spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', JSON.stringify({ chunks, pauseMs: 60_000 }), '--key', key, ...flags], { url, timeoutMs: 60_000 });
     await waitFor(async () => ((await query(url, `select 1 from pg_stat_activity where application_name like 'idem %:' || $1 and query like '%pg_sleep%' and state = 'active'`, [String(w.pid)])).length > 0 ? true : undefined), 'the chunk in its pg_sleep');
+    // With two slots, the second waits on the chunk's row lock (its last-pass claim).
+    if (chunks === 1) await waitFor(async () => ((await query(url, `select 1 from pg_stat_activity where application_name like 'idem %:' || $1 and wait_event_type = 'Lock'`, [String(w.pid)])).length > 0 ? true : undefined), 'the other slot waiting to claim');
     const started = Date.now();
     for (let i = 0; i < signals; i++) {
       w.child.kill('SIGTERM');

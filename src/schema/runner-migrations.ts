@@ -396,7 +396,10 @@ async function createRunnerSchema(db: Kysely<any>, schema: string, known: readon
       }
       let failed: string | undefined;
       try {
-        await conn.schema.createSchema(schema).ifNotExists().execute();
+        // Only when missing: PostgreSQL checks CREATE on the database before it reads IF NOT EXISTS,
+        // so a schema a DBA made for a role without that privilege would be refused.
+        const { rows: ns } = await sql<{ there: boolean }>`select exists (select 1 from pg_namespace where nspname = ${schema}) as there`.execute(conn);
+        if (!ns[0]?.there) await conn.schema.createSchema(schema).execute();
         // The tables Kysely's Migrator creates (migrator.js), so it finds them and goes on from them.
         await conn.schema.withSchema(schema).createTable(MIGRATION_TABLE)
           .addColumn('name', 'varchar(255)', (col) => col.notNull().primaryKey())
