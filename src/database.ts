@@ -1,5 +1,5 @@
 import { readFileSync, type Stats, statSync } from 'node:fs';
-import { homedir, userInfo } from 'node:os';
+import { userInfo } from 'node:os';
 import path from 'node:path';
 import { Kysely, PostgresDialect } from 'kysely';
 import pg from 'pg';
@@ -247,9 +247,14 @@ export function passwordsFromFile(connectionString: string): readonly string[] {
 /** passwordsFromFile's answers, by file version, connection string and pg's environment. */
 const fileSecrets = new Map<string, readonly string[]>();
 
-/** The password file pg reads (its `pgpass` package's choice): PGPASSFILE, else ~/.pgpass. */
+/**
+ * The password file pg reads, exactly as its `pgpass` package chooses it: PGPASSFILE, else
+ * $HOME/.pgpass, and with HOME unset (some systemd units) ./.pgpass in the working directory, not
+ * the account's home: the file masked must be the file pg reads.
+ */
 function passwordFilePath(): string {
-  return process.env.PGPASSFILE || path.join(process.env.HOME || homedir(), '.pgpass');
+  if (process.env.PGPASSFILE) return process.env.PGPASSFILE;
+  return process.platform === 'win32' ? path.join(process.env.APPDATA || './', 'postgresql', 'pgpass.conf') : path.join(process.env.HOME || './', '.pgpass');
 }
 
 /**

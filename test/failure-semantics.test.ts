@@ -1,4 +1,4 @@
-import { chmod, mkdir, mkdtemp, rm, writeFile } from 'node:fs/promises';
+import { chmod, mkdir, mkdtemp, readFile, rm, writeFile } from 'node:fs/promises';
 import { hostname, tmpdir } from 'node:os';
 import path from 'node:path';
 import { fileURLToPath, pathToFileURL } from 'node:url';
@@ -810,6 +810,19 @@ describe('database health at start-up', () => {
       for (const r of [run, text, json]) expect(r.stdout + r.stderr).not.toContain(secret());
       // The run is recorded under its real key: only what is shown is masked.
       expect(await query(db.url, `select count(*)::int as n from idem.runs where job = 'pgpass-leak' and run_key = $1`, [key])).toEqual([{ n: 1 }]);
+    });
+
+    it('with HOME unset, pg reads ./.pgpass in the working directory: that is the file masked', async () => {
+      // Review of this stop (M4): idem masked the lines of the account's ~/.pgpass while pg, with
+      // HOME unset (a systemd unit), read ./.pgpass: the password it used went unmasked.
+      const cwd = path.join(dir, 'home-unset');
+      await mkdir(cwd, { recursive: true });
+      await writeFile(path.join(cwd, '.pgpass'), await readFile(pgpass, 'utf8'), { mode: 0o600 });
+      const env = { HOME: undefined, PGPASSFILE: undefined, PGPASSWORD: undefined, LEAKED_TOKEN: secret() };
+      const run = await runCli(['--jobs-dir', path.join(dir, 'jobs'), 'run', 'pgpass-leak', '--key', 'home-unset'], { url: bare, env, cwd });
+      expect(run.code, run.stderr).toBe(1);
+      expect(run.stderr).toContain('token=***');
+      expect(run.stdout + run.stderr).not.toContain(secret());
     });
 
     it("is masked in idem serve's answers and log lines too", async () => {
