@@ -139,7 +139,10 @@ class HealthProbe {
    */
   measure(maxAgeMs: number): Promise<Measurement> {
     const now = performance.now();
-    if (this.#last && (!this.#last.settled || now - this.#last.at < maxAgeMs)) return this.#last.value;
+    // A probe in flight past PROBE_GIVE_UP_MS (a socket that went half-open) is not waited for any
+    // more: another is sent, or no probe would ever be sent again in this process.
+    const pending = this.#last && !this.#last.settled && now - this.#last.at < Math.max(PROBE_GIVE_UP_MS, 3 * maxAgeMs);
+    if (this.#last && (pending || (this.#last.settled && now - this.#last.at < maxAgeMs))) return this.#last.value;
     const last = { at: now, value: this.#query(), settled: false };
     // A failed probe is kept for the interval after it failed: a persistent failure costs one query
     // per interval, not one per chunk (counted from its start, a probe that failed after a 10 s
@@ -233,6 +236,9 @@ const probeFailing = new WeakSet<RunIdentity>();
  * one, can take pg-pool's 10 s connect timeout). Past it the chunk starts as when a probe fails.
  */
 export const PROBE_PATIENCE_MS = 2_000;
+
+/** A probe in flight this long is given up on (see HealthProbe.measure). */
+const PROBE_GIVE_UP_MS = 30_000;
 
 class SlowProbe extends Error {}
 
@@ -429,6 +435,12 @@ export async function createHealthGate(opts: HealthGateOptions): Promise<HealthG
             m = await patiently(p, o.probeIntervalMs, probeFailing.has(opts.run));
             probeFailing.delete(opts.run);
           } catch (err) {
+            // Paused for health, a probe that is slow to answer is no sign of health (a busy
+            // pg_stat_activity, a long archive backlog): the pause holds until a probe answers.
+            if (err instanceof SlowProbe && paused !== null) {
+              await sleep(o.probeIntervalMs, signal);
+              continue;
+            }
             // Monitoring that fails must not stop the work: log once for the run, carry on as healthy.
             if (!probeFailing.has(opts.run)) {
               if (err instanceof SlowProbe) opts.log.warn(err.message);

@@ -285,6 +285,39 @@ describe('health checks before each chunk', () => {
     }
   });
 
+  it('a probe that is slow while the run is paused for health keeps the pause (it does not let chunks start)', async () => {
+    // Review of this stop (M2): a probe slower than its patience lifted a health pause, so chunks
+    // started on a database still unhealthy, just when probes are likely slow.
+    const pool = new pg.Pool({ connectionString: url, max: 1, connectionTimeoutMillis: 15_000 });
+    const db = new Kysely<any>({ dialect: new PostgresDialect({ pool }) });
+    const seen: string[] = [];
+    const log = pino({ level: 'info' }, { write: (line: string) => void seen.push(JSON.parse(line).msg) });
+    const tx = await openTransaction();
+    try {
+      await waitFor(() => olderThan(tx.pid, 1.2), 'the transaction to be older than 1.2 s');
+      const job = defineJob({ name: 'slow-probe-paused', steps: [{ name: 's', run: async () => {} }] });
+      const gate = (await createHealthGate({ db, schema: 'idem', run: { job: 'slow-probe-paused', runKey: 'k', runId: '0', attempt: 1 }, job, step: job.steps[0]!, log, override: { probeIntervalMs: 500, transactionAgeSeconds: 1 } }))!;
+      const stop = new AbortController();
+      const waiting = gate.wait(stop.signal).then(() => 'returned');
+      await waitFor(async () => (seen.some((m) => m.startsWith('paused for health')) ? true : undefined), 'the gate to pause');
+      // From now on every probe waits for the pool's one connection.
+      const held = await pool.connect();
+      try {
+        const outcome = await Promise.race([waiting, new Promise((r) => setTimeout(() => r('still paused'), PROBE_PATIENCE_MS + 5_000))]);
+        expect(outcome).toBe('still paused');
+        // Not taken for a probe that failed (which lets chunks start: "continuing without it").
+        expect(seen.filter((m) => m.startsWith('health probe') || m.startsWith('database healthy again'))).toEqual([]);
+      } finally {
+        stop.abort();
+        held.release();
+        await waiting;
+      }
+    } finally {
+      await tx.release();
+      await db.destroy();
+    }
+  });
+
   it('settings are checked: unknown names, bad values and bad flags are refused with the fix', () => {
     expect(resolveHealth()).toMatchObject({ replicationLagSeconds: 10, walArchivePending: 42, autovacuum: true, transactionAgeSeconds: 300, lockWaitMs: 1000, probeIntervalMs: 5000 });
     expect(resolveHealth({ lockWaitMs: 5 }, false)).toBeNull();
