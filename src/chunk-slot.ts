@@ -355,8 +355,10 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
    */
   let cancelling: NodeJS.Timeout | undefined;
   const cancelled = new WeakSet<object>();
+  /** A connection a cancel request was sent on: one arriving late would hit its next statement, so it never goes back to the pool. */
+  let cancelledOn: pg.PoolClient | undefined;
   const cancelJobStatements = () => {
-    if (client && state.status === 'open') cancelActiveStatement(client, cancelled);
+    if (client && state.status === 'open' && cancelActiveStatement(client, cancelled)) cancelledOn = client;
   };
   const onAbort = () => {
     cancelJobStatements();
@@ -403,7 +405,7 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
   const letGo = (discard: boolean) => {
     unwatch();
     unwatch = () => {};
-    client?.release(discard);
+    client?.release(discard || client === cancelledOn);
     client = undefined;
     connection = undefined;
     inTransaction = false;

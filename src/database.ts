@@ -563,7 +563,7 @@ let cancelling: NodeJS.Timeout | undefined;
 export function cancelStatements(): void {
   const sent = new WeakSet<object>();
   const sweep = () => {
-    for (const client of idemSessions) cancelActiveStatement(client, sent);
+    for (const client of idemSessions) void cancelActiveStatement(client, sent);
   };
   sweep();
   cancelling ??= setInterval(sweep, 50).unref();
@@ -574,14 +574,15 @@ export function cancelStatements(): void {
  * in `sent` (which it joins). A connection of its own, as psql's Ctrl-C; the statement fails with
  * 57014 and its transaction is left aborted.
  */
-export function cancelActiveStatement(client: pg.ClientBase, sent: WeakSet<object>): void {
+export function cancelActiveStatement(client: pg.ClientBase, sent: WeakSet<object>): boolean {
   const active = (client as unknown as { activeQuery?: object | null }).activeQuery;
-  if (!active || sent.has(active)) return;
+  if (!active || sent.has(active)) return false;
   sent.add(active);
   const { host, port } = client as unknown as { host: string; port: number };
   const canceller = new pg.Client({ host, port });
   (canceller as unknown as { connection: { on(event: 'error', fn: () => void): void } }).connection.on('error', () => {});
   (canceller as unknown as { cancel(client: pg.ClientBase, query: object): void }).cancel(client, active);
+  return true;
 }
 
 /** Default of `idleInTransactionTimeoutMs`: a vanished process's open chunk transaction is ended after this. */
