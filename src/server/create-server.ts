@@ -229,7 +229,8 @@ export function createServer(opts: ServerOptions): IdemServer {
   const closeUnanswered = () => {
     for (const socket of connections) {
       const response = answering.get(socket);
-      if (response === undefined || response.writableEnded || !response.req.complete) socket.destroy();
+      // writableFinished, not writableEnded: an answer ended but still in the socket buffer is let finish.
+      if (response === undefined || response.writableFinished || !response.req.complete) socket.destroy();
     }
   };
 
