@@ -247,14 +247,14 @@ describe('--catch-up when a slot fails', () => {
     // exit 1 (idem.cancelled), so a crontab line with --catch-up N ran no new slot for N ticks.
     const slots = slotsSince(schedule, { count: 3 });
     const keys = slots.map(slotKey);
-    const args = tick('sched_h', ['--param', 'tag=cu-cancel', '--catch-up', '3', '--json']);
+    const args = tick('sched_cancelled', ['--param', 'tag=cu-cancel', '--catch-up', '3', '--json']);
     await query(url, 'insert into fail_chunks (chunk_key) values ($1)', [slots[1]!.toISOString()]);
     try {
       expect((await runCli(args, { url })).code).toBe(1);
     } finally {
       await query(url, 'delete from fail_chunks');
     }
-    const cancel = await runCli(['--jobs-dir', SCHEDULED_JOBS, '--schema', 'sched_h', 'cancel', 'hourly-tick', '--key', keys[1]!], { url });
+    const cancel = await runCli(['--jobs-dir', SCHEDULED_JOBS, '--schema', 'sched_cancelled', 'cancel', 'hourly-tick', '--key', keys[1]!], { url });
     expect(cancel.code, cancel.stderr).toBe(0);
     const next = await runCli(args, { url });
     expect(next.code, next.stderr).toBe(0);
@@ -263,10 +263,10 @@ describe('--catch-up when a slot fails', () => {
       [keys[1], 'cancelled'],
       [keys[2], 'succeeded'],
     ]);
-    expect((await runsOf('sched_h')).map((r) => [r.run_key, r.status])).toEqual([[keys[0], 'succeeded'], [keys[1], 'cancelled'], [keys[2], 'succeeded']]);
+    expect((await runsOf('sched_cancelled')).map((r) => [r.run_key, r.status])).toEqual([[keys[0], 'succeeded'], [keys[1], 'cancelled'], [keys[2], 'succeeded']]);
     expect(await ticks('cu-cancel')).toEqual([slots[0]!, slots[2]!].map((s) => ({ run_key: slotKey(s), chunk_key: s.toISOString() })));
     // Without --json, the line says it was passed over, and how to run it after all.
-    const text = await runCli(tick('sched_h', ['--param', 'tag=cu-cancel', '--catch-up', '3']), { url });
+    const text = await runCli(tick('sched_cancelled', ['--param', 'tag=cu-cancel', '--catch-up', '3']), { url });
     expect(text.code, text.stderr).toBe(0);
     expect(text.stdout).toContain(`slot ${keys[1]} of job "hourly-tick" was cancelled by an operator: passed over (idem reset hourly-tick --key ${keys[1]} lets it run again)`);
   });
