@@ -30,8 +30,10 @@ export default defineConfig({
     hookTimeout: 120_000,
     // Forks, not threads: tests spawn child processes and send signals, which threads share badly.
     pool: 'forks',
-    // The CI machine has 2 cores; more workers only make Postgres and the workers fight for them.
-    maxWorkers: 2,
+    // The CI machine has 2 cores, but most of the long files wait (a minute's cron slot, a server
+    // held starting up, a pooler's queue, a cut network's timeouts) rather than compute: a third
+    // worker overlaps those waits (the suite went from ~880 s to … on 2 workers).
+    maxWorkers: 3,
     // 'stack' (vitest's default, pinned): after-hooks run in reverse order, so a file's own afterAll
     // registered after useTestDatabase() (test/support/database.ts) runs before the database drops.
     // Files start longest first (test/support/sequencer.ts), so that no long file starts last and
