@@ -32,7 +32,7 @@ export default defineConfig({
     pool: 'forks',
     // The CI machine has 2 cores, but most of the long files wait (a minute's cron slot, a server
     // held starting up, a pooler's queue, a cut network's timeouts) rather than compute: a third
-    // worker overlaps those waits (the suite went from ~880 s to … on 2 workers).
+    // worker overlaps those waits (the suite: 855–886 s on 2 workers, 690 s on 3, 2026-12-04).
     maxWorkers: 3,
     // 'stack' (vitest's default, pinned): after-hooks run in reverse order, so a file's own afterAll
     // registered after useTestDatabase() (test/support/database.ts) runs before the database drops.
