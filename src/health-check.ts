@@ -3,7 +3,7 @@ import type { Logger } from 'pino';
 import { brandErrorClass, codeOf, errorFields, UsageError } from './errors.ts';
 import type { Job, RunIdentity, Step } from './job.ts';
 import { sleep } from './sleep.ts';
-import { suggestSimilar } from './suggest.ts';
+import { didYouMean, suggestSimilar } from './suggest.ts';
 import { identInSql, lookupText } from './table-name.ts';
 
 /**
@@ -63,7 +63,7 @@ export function resolveHealth(...layers: ReadonlyArray<HealthSetting | undefined
     if (k === 'autovacuum') {
       if (typeof v !== 'boolean') problems.push(`autovacuum must be true or false (got ${JSON.stringify(v)})`);
     } else if (!(NUMERIC as readonly string[]).includes(k)) {
-      problems.push(`unknown indicator "${k}" (${didYouMean(k) ?? `known: ${[...NUMERIC, 'autovacuum'].join(', ')}`})`);
+      problems.push(`unknown indicator "${k}" (${indicatorMeant(k) ?? `known: ${[...NUMERIC, 'autovacuum'].join(', ')}`})`);
     } else if (!(v === false && k !== 'probeIntervalMs') && !(typeof v === 'number' && Number.isFinite(v) && v >= 0)) {
       problems.push(`${k} must be a number >= 0${k === 'probeIntervalMs' ? '' : ' or false'} (got ${JSON.stringify(v)})`);
     }
@@ -74,9 +74,8 @@ export function resolveHealth(...layers: ReadonlyArray<HealthSetting | undefined
 
 /** Parses one `--health name=value` flag (`value`: a number, `off`, or for autovacuum `on`/`off`). */
 /** `did you mean "autovacuum"?` for a misspelt indicator, or undefined. */
-function didYouMean(name: string): string | undefined {
-  const similar = suggestSimilar(name, [...NUMERIC, 'autovacuum']);
-  return similar.length > 0 ? `did you mean ${similar.map((n) => JSON.stringify(n)).join(' or ')}?` : undefined;
+function indicatorMeant(name: string): string | undefined {
+  return didYouMean(suggestSimilar(name, [...NUMERIC, 'autovacuum']));
 }
 
 export function parseHealthFlag(value: string, previous: HealthOptions = {}): HealthOptions {
@@ -88,7 +87,7 @@ export function parseHealthFlag(value: string, previous: HealthOptions = {}): He
     return { ...previous, autovacuum: raw === 'on' };
   }
   if (!(NUMERIC as readonly string[]).includes(name)) {
-    const meant = didYouMean(name);
+    const meant = indicatorMeant(name);
     throw new UsageError('invalidHealth', `--health ${value}: unknown indicator "${name}"${meant ? ` (${meant})` : ''}; use one of ${[...NUMERIC, 'autovacuum'].join(', ')} as name=value`);
   }
   const n = Number(raw);

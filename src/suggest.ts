@@ -41,8 +41,13 @@ export function unknownKeys(value: object, known: readonly string[], where: stri
       // Another library's name for an option (`databaseUrl` for `connectionString`) is nothing like
       // ours letter by letter: `aliases` maps it.
       const similar = Object.hasOwn(aliases, k) ? [aliases[k]!] : suggestSimilar(k, known);
-      return `${where}unknown key ${JSON.stringify(k)} (${similar.length > 0 ? `did you mean ${similar.map((n) => JSON.stringify(n)).join(' or ')}?` : `known: ${known.join(', ')}`})`;
+      return `${where}unknown key ${JSON.stringify(k)} (${didYouMean(similar) ?? `known: ${known.join(', ')}`})`;
     });
+}
+
+/** `did you mean "a" or "b"?` for the names suggestSimilar found; undefined for none. */
+export function didYouMean(similar: readonly string[]): string | undefined {
+  return similar.length > 0 ? `did you mean ${similar.map((n) => JSON.stringify(n)).join(' or ')}?` : undefined;
 }
 
 /** `'a'`, `'a' or 'b'`, `'a', 'b' or 'c'`. */
