@@ -651,8 +651,7 @@ async function tryChunk(
     if (faults) await faultPoint('after-claim');
     const ctx = new ChunkContext(opts, step, slot.trx, slot.signal, claimed.key, !step.chunks, stepLog);
     // The job's work, in the same transaction.
-    if (step.chunks) await step.run(ctx, reviveSpec(claimed.spec));
-    else await (step.run as (c: StepContext) => unknown)(ctx);
+    await step.run(ctx, step.chunks ? reviveSpec(claimed.spec) : undefined);
     if (faults) {
       await faultPoint('after-work');
       // The marker was written by the claim; a crash here loses both it and the work.

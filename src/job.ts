@@ -129,7 +129,12 @@ interface StepCommon {
 /** A step whose whole work is one transaction. */
 export interface SingleStep<P = any, DB = any> extends StepCommon {
   readonly chunks?: undefined;
-  run(ctx: StepContext<P, DB>): unknown;
+  /**
+   * The step's work. `chunk` is always undefined here; it is declared (as ChunkedStep's is, `any`)
+   * so that both kinds of step have identical `run` signatures: only then does TypeScript type
+   * `ctx` in a chunked step whose `chunks` is a call (`keyRange(…)`) and whose `run` takes `ctx` alone.
+   */
+  run(ctx: StepContext<P, DB>, chunk: any): unknown;
 }
 
 /** A step cut into chunks, each committed with its marker in one transaction. */

@@ -81,3 +81,14 @@ export const listedByParams = defineJob({
   params: (raw) => raw as { ids: number[] },
   steps: [{ name: 'listed', chunks: keyList({ keys: (p) => p.ids, size: 2 }), run: ({ db }, { keys }) => sql`select ${keys}`.execute(db) }],
 });
+
+// Black-box round 14 (B3-13): a chunked step whose chunks are a call and whose run takes ctx alone
+// got an untyped ctx (TS7031/TS7006 under strict): the union's two run signatures differed in arity.
+export const ctxOnly = defineJob({
+  name: 'types-ctx-only',
+  steps: [
+    { name: 'ranged', chunks: keyRange({ table: 'reservations', column: 'id', size: 10 }), run: ({ db, params }) => sql`select ${JSON.stringify(params)}`.execute(db) },
+    { name: 'listed', chunks: keyList({ keys: [1, 2], size: 1 }), run: (ctx) => ctx.log.info('chunk') },
+    { name: 'single', run: ({ db }) => sql`select 1`.execute(db) },
+  ],
+});
