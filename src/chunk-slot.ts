@@ -20,8 +20,11 @@ export interface ChunkSlot {
   /**
    * Opens a chunk's transaction: BEGIN and `claim`, a statement without parameters, in one
    * message. Returns the claim's rows; the transaction stays open until commit() or rollback().
+   * `cancelOn`: a claim that may wait (the last pass's, on a chunk another worker holds) is
+   * cancelled once it aborts (a first SIGTERM): nothing of a chunk has started, and the claim fails
+   * with 57014 instead of holding the worker until the chunk it waits for ends.
    */
-  begin<R>(claim: string): Promise<R[]>;
+  begin<R>(claim: string, cancelOn?: AbortSignal): Promise<R[]>;
   /** The open transaction as a Kysely `Transaction`, for the job's `ctx.db`; refused once it ends. */
   readonly trx: Transaction<any>;
   /** COMMIT. Throws Kysely's AbortedTransactionError when PostgreSQL rolled back instead (an earlier error of the transaction). */
@@ -501,7 +504,7 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
     }
   };
 
-  const begin = async <R>(claim: string) => {
+  const begin = async <R>(claim: string, cancelOn?: AbortSignal) => {
     if (inTransaction) throw new Error('a chunk transaction is already open on this slot');
     const c = (client ??= await connect());
     // Open for rollback() from here; open to the job's statements (and to an abort's cancel, which
@@ -511,7 +514,18 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
     jobTransaction.committed = false;
     jobTransaction.sessionChanged = false;
     // Simple protocol, two statements in one message: pg answers with one result per statement.
-    const results = (await c.query(`begin;\n${claim};\nsavepoint ${SAVEPOINT}`)) as unknown as pg.QueryResult[];
+    const sent = c.query(`begin;\n${claim};\nsavepoint ${SAVEPOINT}`) as unknown as Promise<pg.QueryResult[]>;
+    const cancel = () => {
+      if (cancelActiveStatement(c, cancelled)) cancelledOn = c;
+    };
+    if (cancelOn?.aborted) cancel();
+    else cancelOn?.addEventListener('abort', cancel, { once: true });
+    let results: pg.QueryResult[];
+    try {
+      results = await sent;
+    } finally {
+      cancelOn?.removeEventListener('abort', cancel);
+    }
     opened();
     return results[1]!.rows as R[];
   };

@@ -378,11 +378,19 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
           // Under --max-rate every start has its reservation: a claim made without one (it was
           // expected to find nothing) lets its chunk go, and the slot claims again after reserving.
           setWaiting(mode === 'wait');
-          outcome = await tryChunk(opts, step, slot, claim, log, mayStart, nextWithCommit, retryDelays);
+          outcome = await tryChunk(opts, step, slot, claim, log, mayStart, nextWithCommit, retryDelays, mode === 'wait' ? opts.stop : undefined);
           setWaiting(false);
           claimErrors = 0;
         } catch (err) {
           setWaiting(false);
+          // A waiting claim cancelled by a first signal (see ChunkSlot.begin): the slot leaves, and
+          // the step ends as a stop ends it. Until 2026-12-04 the claim held the worker until the
+          // chunk it waited for ended, or the shutdown deadline forced the process out.
+          if (mode === 'wait' && opts.stop.aborted && !opts.abort.aborted) return;
+          // A waiting claim cut short by the role's statement_timeout or lock_timeout, while the
+          // chunk it waits for runs longer in another worker: claim again. Until 2026-12-04 its
+          // 57014 (55P03 after the retries) failed the run in step "(runner)".
+          if (mode === 'wait' && waitCutShort(err) && !opts.abort.aborted) continue;
           // The claim itself failed (before any work): a dropped connection is tried again.
           if (isRetryable(err) && ++claimErrors < retry.attempts && !opts.abort.aborted) {
             await sleep(backoffDelay(claimErrors, retry), opts.stop);
@@ -614,6 +622,16 @@ interface ClaimedWithCommit {
  * work, COMMIT (where the fence trigger checks that this attempt is still the run's), with the next
  * claim when `next()` gives one. Throws only when the claim itself fails.
  */
+/**
+ * A waiting claim (the last pass's) cut short while it waited for another worker's chunk: by the
+ * role's statement_timeout or lock_timeout, or a cancel request (57014, 55P03). Nothing of a chunk
+ * had started; the claim is sent again.
+ */
+function waitCutShort(err: unknown): boolean {
+  const code = codeOf(err);
+  return code === '57014' || code === '55P03';
+}
+
 async function tryChunk(
   opts: ExecuteOptions,
   step: Step,
@@ -623,6 +641,8 @@ async function tryChunk(
   mayStart: (chunk: PendingChunk) => boolean | 'later' | 'busy',
   next: () => NextClaim | undefined,
   retryDelays: () => readonly number[],
+  /** Cancels the claim when it aborts (ChunkSlot.begin's `cancelOn`): the last pass's waiting claim. */
+  cancelClaimOn?: AbortSignal,
 ): Promise<ChunkTry> {
   const { store, run } = opts;
   const started = performance.now();
@@ -632,7 +652,7 @@ async function tryChunk(
   try {
     // BEGIN and the claim, in one message: the claim locks the first free chunk (SKIP LOCKED) and
     // writes its marker; both commit with the work or neither does.
-    chunk = (typeof claim === 'string' ? await slot.begin<PendingChunk>(claim) : claim)[0];
+    chunk = (typeof claim === 'string' ? await slot.begin<PendingChunk>(claim, cancelClaimOn) : claim)[0];
     if (!chunk) {
       await slot.commit();
       return { kind: 'none' };

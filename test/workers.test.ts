@@ -396,3 +396,45 @@ describe('every worker stopped at once', () => {
     console.log(`3 workers, --max-rate 5: 16 chunks over ${Math.round(times.at(-1)! - times[0]!)} ms, the last 14 over ${Math.round(span)} ms`);
   });
 });
+
+describe("a worker's last-pass claim, waiting for a chunk another worker holds", () => {
+  /** The worker's sessions waiting on a lock: its last-pass claim blocked on the other's chunk. */
+  const claimWaiting = async (w: CliProcess) =>
+    (await query(url, `select 1 from pg_stat_activity where datname = current_database() and application_name like 'idem %:' || $1 and wait_event_type = 'Lock'`, [String(w.pid)])).length > 0 ? true : undefined;
+
+  it("is cut short by the role's statement_timeout: it claims again, and the run is not failed in step \"(runner)\"", async () => {
+    // Review of stop 34 (2): a statement_timeout (or lock_timeout) shorter than another worker's
+    // chunk cancelled the waiting claim, and its 57014 failed the whole run in step "(runner)".
+    const key = 'wait-claim-timeout';
+    const holder = join(key, 1, 4_000);
+    await waitFor(async () => ((await query(url, `select 1 from pg_stat_activity where application_name like 'idem %:' || $1 and query like '%pg_sleep%' and state = 'active'`, [String(holder.pid)])).length > 0 ? true : undefined), 'the chunk in its pg_sleep');
+    const timed = `${url}${url.includes('?') ? '&' : '?'}options=${encodeURIComponent('-c statement_timeout=700')}`;
+    const waiter = spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params(1, 4_000), '--key', key, '--join'], { url: timed, timeoutMs: 60_000 });
+    await waitFor(() => claimWaiting(waiter), 'the joiner waiting to claim the held chunk');
+    const [held, waited] = await Promise.all([holder.done, waiter.done]);
+    expect(held.code, held.stderr).toBe(0);
+    expect(waited.code, waited.stderr).toBe(0);
+    expect(waited.stderr).not.toContain('(runner)');
+    await expectExactlyOnce(key, 1);
+  });
+
+  it('ends at the first SIGTERM: the worker leaves at once (exit 143), not at the shutdown deadline, and the run goes on', async () => {
+    // Review of stop 34 (3): the claim blocked on the other worker's row lock until the deadline
+    // (--shutdown-timeout), then the process was forced out without recording how it left.
+    const key = 'wait-claim-sigterm';
+    const holder = join(key, 1, 8_000);
+    await waitFor(async () => ((await query(url, `select 1 from pg_stat_activity where application_name like 'idem %:' || $1 and query like '%pg_sleep%' and state = 'active'`, [String(holder.pid)])).length > 0 ? true : undefined), 'the chunk in its pg_sleep');
+    const waiter = join(key, 1, 8_000, ['--shutdown-timeout', '20']);
+    await waitFor(() => claimWaiting(waiter), 'the joiner waiting to claim the held chunk');
+    const t0 = Date.now();
+    waiter.child.kill('SIGTERM');
+    const stopped = await waiter.done;
+    expect(Date.now() - t0, 'left at once').toBeLessThan(3_000);
+    expect(stopped.code, stopped.stderr).toBe(143);
+    expect(stopped.stderr).toContain('worker stopped; 1 other worker was still on the run');
+    expect(stopped.stderr).not.toContain('(runner)');
+    const held = await holder.done;
+    expect(held.code, held.stderr).toBe(0);
+    await expectExactlyOnce(key, 1);
+  });
+});
