@@ -390,7 +390,10 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
           // A waiting claim cut short by the role's statement_timeout or lock_timeout, while the
           // chunk it waits for runs longer in another worker: claim again. Until 2026-12-04 its
           // 57014 (55P03 after the retries) failed the run in step "(runner)".
-          if (mode === 'wait' && waitCutShort(err) && !opts.abort.aborted) continue;
+          if (mode === 'wait' && waitCutShort(err) && !opts.abort.aborted) {
+            await sleep(50, opts.stop); // a timeout of a few ms would make it spin
+            continue;
+          }
           // The claim itself failed (before any work): a dropped connection is tried again.
           if (isRetryable(err) && ++claimErrors < retry.attempts && !opts.abort.aborted) {
             await sleep(backoffDelay(claimErrors, retry), opts.stop);
