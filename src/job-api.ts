@@ -13,6 +13,7 @@ export type {
   Job,
   JobDefinition,
   Json,
+  NoParams,
   ParamsValidator,
   PlanContext,
   RunIdentity,

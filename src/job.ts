@@ -210,7 +210,13 @@ const NAME_RULE = `${NAME} (letters, digits and . _ : -, starting with a letter 
  *     run: ({ db }, { lo, hi }) => db.updateTable('reservations').set(...).where('id', '>=', lo).where('id', '<', hi).execute() }],
  * });
  */
-export function defineJob<P = Record<string, never>, DB = any>(definition: JobDefinition<P, DB>): Job<P, DB> {
+/**
+ * The params of a job without a `params` validator: none to read. An empty object type, so that
+ * `ctx.params.foo` is a type error (a `Record<string, never>` gave `never`, which any type accepts).
+ */
+export type NoParams = Readonly<Record<never, never>>;
+
+export function defineJob<P = NoParams, DB = any>(definition: JobDefinition<P, DB>): Job<P, DB> {
   return assertJob(definition, 'defineJob()');
 }
 

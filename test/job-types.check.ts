@@ -3,7 +3,7 @@
  * not run: each `@ts-expect-error` must meet an error, every other line must compile. Nothing
  * here touches a database.
  */
-import { defineJob, keyList, keyRange, keysetQuery, sql, type KeyRangeChunk } from 'idem';
+import { defineJob, keyList, keyRange, keysetQuery, sql, type KeyRangeChunk, type NoParams } from 'idem';
 
 interface Db {
   reservations: { id: number; reserved_by: string | null };
@@ -90,5 +90,22 @@ export const ctxOnly = defineJob({
     { name: 'ranged', chunks: keyRange({ table: 'reservations', column: 'id', size: 10 }), run: ({ db, params }) => sql`select ${JSON.stringify(params)}`.execute(db) },
     { name: 'listed', chunks: keyList({ keys: [1, 2], size: 1 }), run: (ctx) => ctx.log.info('chunk') },
     { name: 'single', run: ({ db }) => sql`select 1`.execute(db) },
+  ],
+});
+
+// Black-box round 15 (B2-14): a job without `params` that names its database type names its params
+// type too; Record<string, never> (the default until 2026-12-04) let `params.foo` pass as `never`,
+// which any type accepts, where noUncheckedIndexedAccess is off. NoParams has nothing to read.
+export const noParams = defineJob<NoParams, Db>({
+  name: 'types-no-params',
+  steps: [
+    {
+      name: 'single',
+      run: ({ params }) => {
+        // @ts-expect-error: a job without params has none to read
+        const v: string = params.foo;
+        return v;
+      },
+    },
   ],
 });
