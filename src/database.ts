@@ -572,16 +572,22 @@ export function cancelStatements(): void {
 /**
  * Sends PostgreSQL's cancel request for the statement `client` is running, if any and not already
  * in `sent` (which it joins). A connection of its own, as psql's Ctrl-C; the statement fails with
- * 57014 and its transaction is left aborted.
+ * 57014 and its transaction is left aborted. Sent with pg's Connection, not Client#cancel: that one
+ * (like the `activeQuery` getter) is deprecated in pg 8.23 and printed a DeprecationWarning on
+ * every process that cancelled (black-box round 15), and goes away in pg 9.
  */
 export function cancelActiveStatement(client: pg.ClientBase, sent: WeakSet<object>): boolean {
-  const active = (client as unknown as { activeQuery?: object | null }).activeQuery;
+  const c = client as unknown as { _getActiveQuery?: () => object | null; _activeQuery?: object | null; processID: number; secretKey: number; host: string; port: number };
+  const active = typeof c._getActiveQuery === 'function' ? c._getActiveQuery() : (c._activeQuery ?? null);
   if (!active || sent.has(active)) return false;
   sent.add(active);
-  const { host, port } = client as unknown as { host: string; port: number };
-  const canceller = new pg.Client({ host, port });
-  (canceller as unknown as { connection: { on(event: 'error', fn: () => void): void } }).connection.on('error', () => {});
-  (canceller as unknown as { cancel(client: pg.ClientBase, query: object): void }).cancel(client, active);
+  // pg's Connection (its wire protocol over one socket); @types/pg does not declare these two.
+  const con = new pg.Connection() as unknown as pg.Connection & { connect(portOrPath: number | string, host?: string): void; cancel(processID: number, secretKey: number): void };
+  // The server answers a cancel request by closing the connection; nothing to wait for or report.
+  con.on('error', () => {});
+  con.once('connect', () => con.cancel(c.processID, c.secretKey));
+  if (c.host?.startsWith('/')) con.connect(`${c.host}/.s.PGSQL.${c.port}`);
+  else con.connect(c.port, c.host);
   return true;
 }
 

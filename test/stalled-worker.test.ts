@@ -297,6 +297,9 @@ describe('a chunk inside a long statement when the stop turns immediate (shutdow
     const r = await w.done;
     expect(r.timedOut, r.stderr).toBe(false);
     expect(r.code, r.stderr).toBe(143);
+    // Black-box round 15 (B1-2): pg's "Client.activeQuery is deprecated" warning, printed by the
+    // cancel (idem read the deprecated getter, and so does pg's own Client#cancel).
+    expect(r.stderr).not.toContain('DeprecationWarning');
     expect(Date.now() - started, 'exits soon after the stop turns immediate').toBeLessThan(8_000);
     expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'interrupted', error: null });
     expect(r.stderr.trim().split('\n').at(-1)).toMatch(/^idem: .*interrupted by SIGTERM/);
