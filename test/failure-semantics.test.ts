@@ -1117,6 +1117,9 @@ describe('database health at start-up', () => {
       for (const { pid } of ended) await query(db.url, 'select pg_terminate_backend($1)', [pid]);
       expect(logged('a slot could not get a database connection')).toBe(false);
       await waitFor(async () => logged('a slot could not get a database connection'), 'S1 to leave for want of a connection', { timeoutMs: 30_000 });
+      // The race as the review found it: S1 left with x to retry, and S2's claim, passing x by, waits.
+      expect(xTries).toBe(1);
+      expect(await query(db.url, `select c.done_at is null as pending from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'left-pending' and c.key = 'x'`)).toEqual([{ pending: true }]);
       // z commits elsewhere (attempt 1, by another worker), and connections are to be had again.
       await query(db.url, `alter role ${role} connection limit 10`);
       await holder.query(`update idem.chunks c set done_at = clock_timestamp(), done_attempt = 1, done_by = 'another worker' from idem.runs r where r.id = c.run_id and r.job = 'left-pending' and c.key = 'z'`);
