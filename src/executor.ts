@@ -87,6 +87,12 @@ export interface Progress {
   readonly stepDone?: boolean;
 }
 
+/**
+ * How many times a step's slots start, at most, when they all end with chunks of the step left (a
+ * slot that left for want of a connection had one): then the step fails naming them, never a loop.
+ */
+const MAX_SLOT_ROUNDS = 10;
+
 /** How often (at most) a step's progress is read back from the database, for the other workers' chunks. */
 const PROGRESS_REFRESH_MS = 1_000;
 
@@ -302,6 +308,8 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
    * retries, because it has none free (max_connections or the role's CONNECTION LIMIT reached:
    * 53300; a server starting: 57P03): while other slots go on, it ends quietly and they finish the
    * step with fewer. The last slot does not: its error ends this worker (not the run, Runner).
+   * A chunk it was about to retry or skip may be one the others' last claims passed by: the step
+   * is checked complete once every slot has ended, and the slots start again when it is not.
    */
   const leavesForOthers = (err: unknown): boolean => {
     if (!noConnectionFree(err) || slotsLive <= 1 || failure !== undefined || opts.stop.aborted) return false;
@@ -565,7 +573,37 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
 
   throwIfStopped(opts.stop);
   // A non-chunked step is one chunk: one slot.
-  await Promise.all(Array.from({ length: step.chunks ? opts.concurrency : 1 }, runSlot));
+  const slots = step.chunks ? opts.concurrency : 1;
+  for (let round = 1; ; round++) {
+    await Promise.all(Array.from({ length: slots }, runSlot));
+    if (failure !== undefined || opts.stop.aborted || opts.abort.aborted) break;
+    // Every slot found nothing more to claim. That is not yet the step done: a slot that left for
+    // want of a connection (leavesForOthers) may have had a chunk to retry, or one it failed for
+    // good and was skipping, that the others' last claims passed by (it was cooling off when they
+    // were sent). Until 2026-12-04 the step and the run were then marked done with it pending, and
+    // a rerun said "already succeeded". One query a step; the slots start again for what is left.
+    let left: string[];
+    try {
+      if (await store.stepComplete(run.runId, step.name)) break;
+      left = await store.pendingKeys(run.runId, step.name, 6);
+    } catch (err) {
+      // Past their retries: ends the step as a slot's error would (the planner is awaited first).
+      failure = err;
+      break;
+    }
+    const named = left.length === 0 ? 'none pending, but not all of it planned' : `${left.slice(0, 5).map((k) => (step.chunks ? keyLabel(k) : `step "${step.name}"`)).join(', ')}${left.length > 5 ? ', …' : ''}`;
+    if (round >= MAX_SLOT_ROUNDS) {
+      failure = new ChunkFailure(
+        step.name,
+        step.chunks && left.length === 1 ? left[0]! : null,
+        1,
+        new Error(`the step is not complete (${named}) after its slots started ${MAX_SLOT_ROUNDS} times and found nothing more to claim; run the same command again to resume`),
+      );
+      break;
+    }
+    // Done meanwhile by another worker (or planned by one): the slots look again, which costs a claim each.
+    if (left.length > 0) log.warn({ round: round + 1, left }, `every slot ended, but chunks of the step are left (${named}): the slots start again for them`);
+  }
   await planning?.catch(() => {});
   await refreshing;
   if (failure !== undefined) throw failure;

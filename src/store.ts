@@ -522,6 +522,13 @@ export class Store {
     return rows[0]?.complete === true;
   }
 
+  /** Keys of the step's chunks neither done nor skipped, first `limit` by seq: what an error about them names. */
+  async pendingKeys(runId: string, step: string, limit: number): Promise<string[]> {
+    const { rows } = await this.#run(sql<{ key: string }>`select key from ${this.#chunks}
+      where run_id = ${runId} and step = ${step} and done_at is null and skipped_at is null order by seq limit ${limit}`);
+    return rows.map((r) => r.key);
+  }
+
   async stepCounts(runId: string, step: string): Promise<{ done: number; skipped: number }> {
     const { rows } = await this.#run(sql<{ done: number; skipped: number }>`select count(done_at)::int as done, count(skipped_at)::int as skipped
       from ${this.#chunks} where run_id = ${runId} and step = ${step}`);

@@ -6,7 +6,7 @@ import { spawn } from 'node:child_process';
 import { existsSync } from 'node:fs';
 import { inspect } from 'node:util';
 import pg from 'pg';
-import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, afterEach, beforeAll, describe, expect, it, vi } from 'vitest';
 import { defineJob, RunFailedError, Runner, sql } from '../src/index.ts';
 import { sessionName } from '../src/database.ts';
 import { FAULT_POINTS } from '../src/fault-points.ts';
@@ -1038,6 +1038,146 @@ describe('database health at start-up', () => {
       expect((await workCounts(db.url, key)).size).toBe(12);
     } finally {
       await as.drop();
+    }
+  });
+
+  it('a slot that leaves for want of a connection with a chunk to retry does not leave that chunk pending under a step marked done', async () => {
+    // Review round 14 (F1): slot S1's chunk x failed transiently and S1 slept out its backoff; S2,
+    // in its last pass, sent a wait claim passing x by (it was cooling off) that blocked on z (held
+    // by another transaction); S1 woke, could get no connection (53300) and left quietly for the
+    // others; z was committed elsewhere, S2's claim found nothing and the step, then the run, were
+    // marked done with x never done: a rerun said "already succeeded".
+    await query(db.url, `create table if not exists left_pending_log (key text not null)`);
+    const role = 'idem_conn_limit_left';
+    const as = await limitedRole(role, 'left-secret-xyz', 10);
+    const gate = () => {
+      let open!: () => void;
+      const promise = new Promise<void>((resolve) => (open = resolve));
+      return { promise, open };
+    };
+    const gateX = gate();
+    const gateY = gate();
+    let xTries = 0;
+    let xPid: number | undefined;
+    let yStarted = false;
+    const job = defineJob({
+      name: 'left-pending',
+      // A long backoff, the same every time (Math.random pinned below): the test acts within it.
+      retry: { base: 3_000, factor: 1, attempts: 2 },
+      steps: [
+        {
+          name: 'work',
+          chunks: () => ({ chunks: [{ key: 'x' }, { key: 'y' }, { key: 'z' }], next: null }),
+          run: async ({ db: trx }, c: { key: string }) => {
+            if (c.key === 'x' && ++xTries === 1) {
+              const { rows } = await sql<{ pid: number }>`select pg_backend_pid() as pid`.execute(trx);
+              xPid = rows[0]!.pid;
+              await gateX.promise;
+              throw Object.assign(new Error('could not serialize access (test)'), { code: '40001' });
+            }
+            if (c.key === 'y') {
+              yStarted = true;
+              await gateY.promise;
+            }
+            await sql`insert into left_pending_log (key) values (${c.key})`.execute(trx);
+          },
+        },
+      ],
+    });
+    const lines: string[] = [];
+    const logged = (msg: string) => lines.some((l) => l.includes(msg));
+    const { default: pino } = await import('pino');
+    const own = await Runner.connect({ connectionString: as.url, log: pino({ level: 'debug' }, { write: (s: string) => void lines.push(s) }) });
+    const random = vi.spyOn(Math, 'random').mockReturnValue(0.999);
+    const holder = new pg.Client({ connectionString: db.url, application_name: 'test-holder' });
+    holder.on('error', () => {});
+    await holder.connect();
+    try {
+      const running = own.run(job, { key: 'left', concurrency: 2 });
+      await waitFor(async () => xPid !== undefined && yStarted, 'x and y in flight');
+      // z is planned and free: hold its row, as another worker's chunk in flight would.
+      await holder.query('begin');
+      expect((await holder.query(`select c.seq from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'left-pending' and c.key = 'z' for update of c`)).rowCount).toBe(1);
+      gateX.open(); // x fails transiently: its slot (S1) sleeps out the 3 s backoff
+      await waitFor(async () => logged('transient error, retrying chunk'), 'x to fail once');
+      gateY.open(); // y commits; S2 finds nothing free and waits, x passed by, for z
+      const s2 = await waitFor(async () => {
+        const rows = await query<{ pid: number }>(db.url, `select pid from pg_stat_activity where datname = current_database() and usename = $1 and wait_event_type = 'Lock'`, [role]);
+        return rows[0]?.pid;
+      }, "S2's wait claim blocked on z");
+      // The role may keep the sessions it has (the lock's, S2's): every other one ends, x's slot's
+      // among them, and no new one is let in.
+      await query(db.url, `alter role ${role} connection limit 2`);
+      const ended = await query<{ pid: number }>(
+        db.url,
+        `select pid from pg_stat_activity where datname = current_database() and usename = $1 and application_name not like 'idem-lock%' and pid <> $2`,
+        [role, s2],
+      );
+      expect(ended.map((r) => r.pid)).toContain(xPid);
+      for (const { pid } of ended) await query(db.url, 'select pg_terminate_backend($1)', [pid]);
+      expect(logged('a slot could not get a database connection')).toBe(false);
+      await waitFor(async () => logged('a slot could not get a database connection'), 'S1 to leave for want of a connection', { timeoutMs: 30_000 });
+      // The race as the review found it: S1 left with x to retry, and S2's claim, passing x by, waits.
+      expect(xTries).toBe(1);
+      expect(await query(db.url, `select c.done_at is null as pending from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'left-pending' and c.key = 'x'`)).toEqual([{ pending: true }]);
+      // z commits elsewhere (attempt 1, by another worker), and connections are to be had again.
+      await query(db.url, `alter role ${role} connection limit 10`);
+      await holder.query(`update idem.chunks c set done_at = clock_timestamp(), done_attempt = 1, done_by = 'another worker' from idem.runs r where r.id = c.run_id and r.job = 'left-pending' and c.key = 'z'`);
+      await holder.query('commit');
+      const outcome = await running;
+      expect(outcome).toMatchObject({ status: 'succeeded', attempt: 1 });
+      const chunks = await query<{ key: string; done: boolean }>(db.url, `select c.key, c.done_at is not null as done from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'left-pending' order by c.seq`);
+      expect(chunks).toEqual([
+        { key: 'x', done: true },
+        { key: 'y', done: true },
+        { key: 'z', done: true },
+      ]);
+      expect(await query(db.url, `select key, count(*)::int as n from left_pending_log group by key order by key`)).toEqual([
+        { key: 'x', n: 1 },
+        { key: 'y', n: 1 },
+      ]);
+      expect(logged('chunks of the step are left')).toBe(true);
+      expect(lines.join('')).not.toContain('left-secret-xyz');
+    } finally {
+      random.mockRestore();
+      gateX.open();
+      gateY.open();
+      await holder.end().catch(() => {});
+      await own.close();
+      await query(db.url, `drop table if exists left_pending_log`);
+      await as.drop();
+    }
+  });
+
+  it('a step whose slots keep ending with it incomplete fails after a bounded number of starts, naming what is left, never loops', async () => {
+    // The other side of the test above: the slots start again only so often. Here the step row says
+    // it is not all planned (written behind the runner's back), which no start of the slots changes.
+    const job = defineJob({
+      name: 'never-complete',
+      steps: [
+        {
+          name: 'work',
+          chunks: () => ({ chunks: [{ key: 'a' }], next: null }),
+          run: async () => {
+            await query(db.url, `update idem.steps s set planned_all = false from idem.runs r where r.id = s.run_id and r.job = 'never-complete' and s.name = 'work'`);
+          },
+        },
+      ],
+    });
+    const lines: string[] = [];
+    const { default: pino } = await import('pino');
+    const own = await Runner.connect({ connectionString: db.url, log: pino({ level: 'debug' }, { write: (s: string) => void lines.push(s) }) });
+    try {
+      const started = Date.now();
+      const err = await rejectionOf(own.run(job, { key: 'never', concurrency: 2 }));
+      expect(err).toBeInstanceOf(RunFailedError);
+      expect(err.message).toContain('failed in step "work"');
+      expect(err.message).toContain('the step is not complete (none pending, but not all of it planned) after its slots started 10 times and found nothing more to claim; run the same command again to resume');
+      expect(Date.now() - started).toBeLessThan(15_000);
+      expect(await runRow(db.url, 'never-complete', 'never')).toMatchObject({ status: 'failed', attempt: 1 });
+      expect(await doneCount('never', 'never-complete')).toBe(1);
+    } finally {
+      await own.close();
     }
   });
 
