@@ -591,12 +591,17 @@ export function cancelActiveStatement(client: pg.ClientBase, sent: WeakSet<objec
   return true;
 }
 
+/** How long a work-pool connection may take to open (pg-pool's connectionTimeoutMillis): a pooler with no session free holds it past this. */
+export const CONNECT_TIMEOUT_MS = 10_000;
+
 /** Default of `idleInTransactionTimeoutMs`: a vanished process's open chunk transaction is ended after this. */
 export const DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT_MS = 60_000;
 
 export interface Database {
   readonly db: Kysely<any>;
   readonly pool: pg.Pool;
+  /** Whether the connections go through a (session-mode) connection pooler, seen at open (refuseSessionlessPooler). */
+  readonly pooled: boolean;
   /** Idempotent. */
   close(): Promise<void>;
 }
@@ -629,7 +634,7 @@ export async function openDatabase(
     max: opts.poolSize,
     application_name: sessionName('idem'),
     keepAlive: true,
-    connectionTimeoutMillis: 10_000,
+    connectionTimeoutMillis: testHookMs('IDEM_CONNECT_TIMEOUT_MS') ?? CONNECT_TIMEOUT_MS,
     ...(opts.queryTimeoutMs !== undefined ? { query_timeout: opts.queryTimeoutMs } : {}),
     // Awaited by pg-pool before the client is handed out, so the session settings are in place
     // before anyone's first statement and nothing is queued behind them on the connection.
@@ -679,6 +684,7 @@ export async function openDatabase(
   // A server with no connection free (max_connections, the role's CONNECTION LIMIT, reached:
   // 53300) or still starting (57P03) is waited for a little: sessions leave, a server comes up.
   const fullUntil = Date.now() + (testHookMs('IDEM_CONNECT_RETRY_MS') ?? CONNECT_RETRY_MS);
+  let pooled = false;
   for (let attempt = 1, full = 0; ; attempt++) {
     // Settled one by one: when one connects and the other is refused, the one that connected must
     // go back, or pool.end() below waits for it forever (with one slot free, idem hung at start).
@@ -699,7 +705,7 @@ export async function openDatabase(
       throw describeConnectError(refused.reason, connectionString, opts.source);
     }
     try {
-      await refuseSessionlessPooler(clients[0]!, clients[1]!, connectionString);
+      pooled = await refuseSessionlessPooler(clients[0]!, clients[1]!, connectionString);
       for (const c of clients) c.release();
       break;
     } catch (err) {
@@ -717,6 +723,7 @@ export async function openDatabase(
   return {
     db,
     pool,
+    pooled,
     close: () =>
       (closed ??= (async () => {
         // Errors of sessions this close ends (sockets dropped after the wait) are not news.
@@ -767,7 +774,7 @@ async function awaitSocketsClosed(open: ReadonlySet<pg.Client>, ms: number): Pro
  * put; a transaction pooler releases A's server session after each statement and hands that one
  * to B (PgBouncer reuses the most recently used) or another one to A's next statement.
  */
-async function refuseSessionlessPooler(a: pg.PoolClient, b: pg.PoolClient, connectionString: string): Promise<void> {
+async function refuseSessionlessPooler(a: pg.PoolClient, b: pg.PoolClient, connectionString: string): Promise<boolean> {
   const pid = async (c: pg.PoolClient) => (await c.query<{ pid: number }>('select pg_backend_pid() as pid')).rows[0]!.pid;
   const announced = (c: pg.PoolClient) => (c as unknown as { processID?: number }).processID;
   const a1 = await pid(a);
@@ -775,7 +782,7 @@ async function refuseSessionlessPooler(a: pg.PoolClient, b: pg.PoolClient, conne
   // Each connection talks to the backend that announced itself at connect, and they are two: no
   // pooler in between (a pooler announces a pid of its own, in every pool mode). Certain, and the
   // common case, so it costs two statements.
-  if (a1 !== b1 && announced(a) === a1 && announced(b) === b1) return;
+  if (a1 !== b1 && announced(a) === a1 && announced(b) === b1) return false;
   // A pooler. In session mode each connection keeps its server session for its life; in
   // transaction or statement mode its next statement may go to any idle one. One alternation
   // (A, B, A, B) can be fooled when other processes' clients take and give back sessions in
@@ -783,7 +790,7 @@ async function refuseSessionlessPooler(a: pg.PoolClient, b: pg.PoolClient, conne
   // PgBouncer did), so alternate POOLER_PROBES times: any move, or a shared session, is refused.
   let keeps = a1 !== b1;
   for (let i = 0; keeps && i < POOLER_PROBES; i++) keeps = (await pid(a)) === a1 && (await pid(b)) === b1;
-  if (keeps) return;
+  if (keeps) return true;
   const what = announced(a) !== undefined && announced(a) !== a1 ? 'a connection pooler (PgBouncer or similar)' : 'a pooler';
   throw new DatabaseUnavailableError(
     `${redactUrl(connectionString)} goes through ${what} in transaction or statement mode, which does not keep sessions, and idem needs its session (advisory lock): set pool_mode = session for idem's database, or point idem at PostgreSQL directly`,

@@ -670,10 +670,13 @@ export class Runner {
     log.info({ resumed: attempt > 1, joined }, joined ? 'joined the run as another worker' : attempt > 1 ? 'run resumed' : 'run started');
     // Operators pause or cancel through the run row; the live attempt looks between chunks.
     const control = new AbortController();
+    let ending = false;
     const poll = setInterval(() => {
       this.store.control(runId).then(
         ({ requested, status, error }) => {
-          if (control.signal.aborted) return;
+          // Once this worker is ending, the run's state is its own doing (it recorded it interrupted):
+          // not another worker's, as the lines below would say.
+          if (control.signal.aborted || ending) return;
           if (requested) {
             // Logged when seen, so an operator (and a test) can tell the request has reached the run.
             log.warn({ requested }, `${requested} requested by an operator; no new chunk starts, in-flight chunks finish`);
@@ -749,6 +752,7 @@ export class Runner {
       // A job's error that quotes DATABASE_URL is recorded in idem.runs, logged and thrown: the
       // chunks' own are masked as they fail (executor.ts), the rest here, whatever threw them (a
       // chunk source planning the next window, the health gate resolving a step's tables).
+      ending = true;
       const err = redactError(thrown, this.#connectionString);
       // Once the lock is gone, whatever failed next (often a statement on a connection killed in
       // the same sweep) is a symptom: the run was lost, not failed, and must not be marked failed.
@@ -922,7 +926,14 @@ export class Runner {
       // under workers that may still be live).
       const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => undefined);
       if (others === null) await this.store.endInterrupted(runId, attempt).catch(() => null);
-      const why = `the database failed idem's own statements past their retries (${messageOf(err)})`;
+      // Behind a session pooler, a connection that waited past the connect timeout (or PgBouncer's
+      // query_wait_timeout) for a server session means its pool for the database is full.
+      const full = this.#database.pooled && /timeout exceeded when trying to connect|query_wait_timeout/.test(messageOf(err));
+      const why = `the database failed idem's own statements past their retries (${messageOf(err)})${
+        full
+          ? `: the connection pooler's pool for this database has no server session free for idem: each worker needs --concurrency + 2 sessions (its lock's, one per slot, one for planning and bookkeeping); raise the pooler's default_pool_size (and max_db_connections) or lower --concurrency`
+          : ''
+      }`;
       if (others) {
         log.error({ err: errorFields(err), otherWorkers: others }, `this worker stopped: ${why}; the run goes on in its other workers`);
         return new LockLostError(`this worker stopped: ${why}; the run goes on in its ${others} other ${others === 1 ? 'worker' : 'workers'} (idem status ${job.name} --key ${runKey} shows them; --join adds this one back)`, { cause: err });

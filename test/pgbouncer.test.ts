@@ -227,6 +227,30 @@ describe.skipIf(missing)('behind PgBouncer in session mode with a pool smaller t
   }, 400_000);
 });
 
+describe.skipIf(missing)('behind PgBouncer in session mode with a pool too small for even one slot', () => {
+  // Black-box round 15 (B3-3): default_pool_size 2 and --concurrency 1 (idem needs 3: its lock
+  // session, a slot, planning and bookkeeping): 0 chunks for minutes, then a warning that "the run
+  // was interrupted in another worker" (there was none: the worker's own ending, seen by its control
+  // poll) and exit 69 with "timeout exceeded when trying to connect", naming neither the pooler's
+  // pool nor the fix. The connect timeout is shortened (a test hook) so that this takes seconds.
+  const database = useTestDatabase({ fixtureTables: true });
+  let bouncer: Bouncer;
+  beforeAll(async () => {
+    bouncer = await startPgbouncer(database.url, 'session', ['default_pool_size = 2', 'max_db_connections = 2', 'query_wait_timeout = 5']);
+  });
+  afterAll(() => bouncer?.stop());
+
+  it('the worker stops (exit 69, the run interrupted) naming the pooler\'s full pool and the fix, with no word of another worker', async () => {
+    const migrated = await runCli([...FIXTURE_DIRS, 'migrate'], { url: database.url });
+    expect(migrated.code, migrated.stderr).toBe(0);
+    const r = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', COUNTED(5), '--key', 'tiny-pool'], { url: bouncer.url, env: { IDEM_CONNECT_TIMEOUT_MS: '1000', IDEM_CONNECT_RETRY_MS: '1000' }, timeoutMs: 120_000 });
+    expect(r.code, r.stderr).toBe(69);
+    expect(r.stderr).not.toContain('in another worker');
+    expect(r.stderr.trim().split('\n').at(-1)).toMatch(/^idem: error: this worker stopped: .*timeout exceeded when trying to connect.*the connection pooler's pool for this database has no server session free for idem: each worker needs --concurrency \+ 2 sessions \(its lock's, one per slot, one for planning and bookkeeping\); raise the pooler's default_pool_size \(and max_db_connections\) or lower --concurrency; the run is interrupted: run the same command again to resume$/);
+    expect((await query<{ status: string }>(database.url, `select status from idem.runs where run_key = 'tiny-pool'`))[0]?.status).toBe('interrupted');
+  }, 150_000);
+});
+
 describe.skipIf(missing || !systemPgBin())('behind PgBouncer in session mode, the server restarted (a cluster of the test\'s own)', () => {
   let dir: string;
   let primary: Cluster;
