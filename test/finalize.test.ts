@@ -274,4 +274,28 @@ describe('finalize', () => {
     expect(lines(again.stdout)[1]).toMatch(/^0002_backfill_widgets: finalize: had already succeeded; job "backfill-widgets" already done/);
     expect(await query(url, `select count(*)::int as n from work_log where job = 'backfill-widgets'`)).toEqual([{ n: 6 }]);
   });
+
+  it('idem finalize and idem migrate take the throttle flags (--max-rate, --pause, --target-chunk-ms): a throttled backfill is not finished at full speed', async () => {
+    // Black-box round 15 (B3-4): `idem finalize … --max-rate 1` was refused ("unknown option"), and
+    // the rest of a run throttled by `idem run --max-rate` ran unthrottled in the deploy.
+    /** Seconds from the first chunk's claim to the last one's, over a run's `work` chunks. */
+    const spread = async (job: string, key: string) =>
+      (await query<{ s: number }>(url, `select extract(epoch from max(c.done_at) - min(c.done_at))::float8 as s from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = $1 and r.run_key = $2 and c.step = 'work'`, [job, key]))[0]!.s;
+    const fin = await runCli([...FIXTURE_DIRS, '--log-level', 'warn', 'finalize', 'counted', '--key', 'fin-rate', '--params', JSON.stringify({ chunks: 5, pauseMs: 0, label: 'x', gate: null }), '--max-rate', '4'], { url });
+    expect(fin.code, fin.stderr).toBe(0);
+    expect(await workCounts(url, 'fin-rate')).toEqual(ones(5));
+    // Five starts at 4 a second: at least a second from the first to the fifth (unthrottled: ~0.05 s).
+    expect(await spread('counted', 'fin-rate')).toBeGreaterThanOrEqual(0.9);
+    for (const flag of [['--pause', '10'], ['--target-chunk-ms', '500']]) {
+      const r = await runCli([...FIXTURE_DIRS, '--log-level', 'warn', 'finalize', 'counted', '--key', `fin${flag[0]}`, '--params', JSON.stringify({ chunks: 2, pauseMs: 0, label: 'x', gate: null }), ...flag], { url });
+      expect(r.code, r.stderr).toBe(0);
+    }
+    const bad = await runCli([...FIXTURE_DIRS, 'finalize', 'counted', '--key', 'fin-bad', '--max-rate', '0'], { url });
+    expect(bad.code).toBe(2);
+    expect(bad.stderr).toMatch(/--max-rate/);
+    const help = await runCli(['migrate', '--help']);
+    expect(help.stdout).toMatch(/--max-rate <chunks\/s>/);
+    expect(help.stdout).toMatch(/--pause <ms>/);
+    expect(help.stdout).toMatch(/--target-chunk-ms <ms>/);
+  });
 });

@@ -5,13 +5,14 @@ import { describeOutcome, runErrorObject } from '../describe-outcome.ts';
 import { ExitCode } from '../errors.ts';
 import type { FinalizeOutcome } from '../finalize.ts';
 import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
+import { throttleSetting, withThrottleFlags, type ThrottleFlags } from './throttle-flags.ts';
 
 export function describeFinalize(o: FinalizeOutcome): string {
   const how = o.how === 'waited' ? 'finished by another process while finalize waited' : o.how === 'ran-inline' ? 'the rest ran here' : 'had already succeeded';
   return `finalize: ${how}; ${describeOutcome(o)}`;
 }
 
-interface FinalizeFlags extends HealthFlags {
+interface FinalizeFlags extends HealthFlags, ThrottleFlags {
   key: string;
   timeout?: number;
   params?: string;
@@ -23,7 +24,7 @@ interface FinalizeFlags extends HealthFlags {
 
 /** `idem finalize <job> --key K`: for deploys, make sure a run succeeded (wait for it, or finish it here). */
 export function registerFinalizeCommand(program: Command, cli: CliContext): void {
-  withHealthFlags(program.command('finalize'))
+  withThrottleFlags(withHealthFlags(program.command('finalize')))
     .description('deploys: make sure a run succeeded: done → exit 0, running elsewhere → wait, unfinished and idle → run the rest here, failed → exit 1')
     .argument('<job>', 'job name')
     .requiredOption('--key <key>', "the run's key", existingKey)
@@ -52,6 +53,7 @@ export function registerFinalizeCommand(program: Command, cli: CliContext): void
           ...(o.timeout !== undefined ? { timeoutSeconds: o.timeout } : {}),
           allowChangedCode: o.allowChangedCode ?? false,
           ...health,
+          ...throttleSetting(o),
           signal: signals.stop,
           abortSignal: signals.abort,
         });

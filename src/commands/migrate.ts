@@ -7,10 +7,11 @@ import type { RunOutcome } from '../runner.ts';
 import { visible } from '../text-table.ts';
 import { describeFinalize } from './finalize.ts';
 import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
+import { throttleSetting, withThrottleFlags, type ThrottleFlags } from './throttle-flags.ts';
 
 /** `idem migrate`: the ordered migrations; every pod may call it at once. */
 export function registerMigrateCommand(program: Command, cli: CliContext): void {
-  withHealthFlags(program.command('migrate'))
+  withThrottleFlags(withHealthFlags(program.command('migrate')))
     .description('run the ordered migrations in the migrations folder; every pod may call it at once')
     .option('--wait [seconds]', 'wait for another migrating process (default: forever)', waitSeconds)
     .option('--no-wait', 'exit 75 at once if another process is migrating')
@@ -18,7 +19,7 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
     .option('--allow-changed-code', 'resume migrations whose file (or version) changed since they started; recorded on the run')
     .option('--finalize <name>', 'deploys: make sure this migration (and those before it) succeeded: done → exit 0, running elsewhere → wait, idle → run it here, failed → exit 1')
     .option('--timeout <seconds>', 'with --finalize: how long to wait for a migration running elsewhere (default: no bound)', nonNegativeNumber)
-    .action((o: { wait?: number | boolean; json?: boolean; allowChangedCode?: boolean; finalize?: string; timeout?: number } & HealthFlags) => {
+    .action((o: { wait?: number | boolean; json?: boolean; allowChangedCode?: boolean; finalize?: string; timeout?: number } & HealthFlags & ThrottleFlags) => {
       // --json: a migrate that fails prints the outcomes so far, then the failed migration as an
       // entry (none for those after it, which never ran), as `run --json` prints its error object;
       // an entry with null runKey and job when none was under way (a bad flag, the database, the lock).
@@ -42,6 +43,7 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
               ...(o.timeout !== undefined ? { timeoutSeconds: o.timeout } : {}),
               allowChangedCode: o.allowChangedCode ?? false,
               ...health,
+              ...throttleSetting(o),
               signal: signals.stop,
               abortSignal: signals.abort,
             });
@@ -55,6 +57,7 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
               wait: o.wait ?? true,
               allowChangedCode: o.allowChangedCode ?? false,
               ...health,
+              ...throttleSetting(o),
               signal: signals.stop,
               abortSignal: signals.abort,
               onMigration: (m) => {

@@ -1,18 +1,19 @@
 import { existsSync } from 'node:fs';
 import path from 'node:path';
 import type { Command } from 'commander';
-import { checkRunKey, collectParam, nonNegativeNumber, parseParams, positiveInt, positiveNumber, waitSeconds } from '../cli-parsers.ts';
+import { checkRunKey, collectParam, parseParams, positiveInt, waitSeconds } from '../cli-parsers.ts';
 import { databaseUrl, installSignals, openRunner, storedRunFingerprint, type CliContext } from '../cli-session.ts';
 import { describeOutcome, runErrorObject } from '../describe-outcome.ts';
 import type { RunOutcome } from '../runner.ts';
 import { CancelledError, ExitCode, UsageError } from '../errors.ts';
 import { fingerprint } from '../fingerprint.ts';
 import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
+import { throttleSetting, withThrottleFlags, type ThrottleFlags } from './throttle-flags.ts';
 import { createProgressReporter } from '../progress-reporter.ts';
 import { shellQuote } from '../shell-quote.ts';
 import { testHookMs } from '../test-hooks.ts';
 
-interface RunFlags extends HealthFlags {
+interface RunFlags extends HealthFlags, ThrottleFlags {
   key?: string;
   params?: string;
   param: Record<string, unknown>;
@@ -22,9 +23,6 @@ interface RunFlags extends HealthFlags {
   dryRun?: boolean;
   retrySkipped?: boolean;
   json?: boolean;
-  maxRate?: number;
-  pause?: number;
-  targetChunkMs?: number;
   progress: boolean;
   catchUp?: string;
   allowChangedCode?: boolean;
@@ -32,7 +30,7 @@ interface RunFlags extends HealthFlags {
 
 /** `idem run <job>`: run a job, or find it done; resumes at the first unfinished chunk. */
 export function registerRunCommand(program: Command, cli: CliContext): void {
-  withHealthFlags(program.command('run'))
+  withThrottleFlags(withHealthFlags(program.command('run')))
     .description('run a job (or find it done): resumes at the first unfinished chunk')
     .argument('<job>', 'job name, as defined in a file in the jobs folder')
     .option('--key <key>', 'run key (idempotency key); default: the params fingerprint')
@@ -43,9 +41,6 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
     .option('--join', 'if this run is live in other processes, join them as one more worker (start it when nobody runs it)')
     .option('--dry-run', 'show what would run; write nothing')
     .option('--retry-skipped', "retry chunks skipped under a step's maxFailedChunks policy (also in a succeeded run)")
-    .option('--max-rate <chunks/s>', 'start at most this many chunks per second', positiveNumber)
-    .option('--pause <ms>', 'pause this long after each chunk (per worker)', nonNegativeNumber)
-    .option('--target-chunk-ms <ms>', 'grow or shrink keyRange, keyList and keysetQuery chunks toward this duration', positiveNumber)
     .option('--no-progress', 'no live progress line on a terminal')
     .option('--catch-up <N|duration>', 'scheduled jobs: run the missed slots oldest first, the last N or those within a duration (e.g. 3, 12h, 2d)')
     .option('--json', 'print the outcome as JSON on stdout')
@@ -109,11 +104,7 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
           // every run is new).
           const runner = await openRunner(g, log, session, o.concurrency + POOL_HEADROOM, url, undefined, o.dryRun ? 'read' : 'write');
           const signals = installSignals(log, g.shutdownTimeout, force);
-          const throttle = {
-            ...(o.maxRate !== undefined ? { maxRate: o.maxRate } : {}),
-            ...(o.pause !== undefined ? { pauseMs: o.pause } : {}),
-            ...(o.targetChunkMs !== undefined ? { targetChunkMs: o.targetChunkMs } : {}),
-          };
+          const { throttle = {} } = throttleSetting(o);
           const progressMs = testHookMs('IDEM_PROGRESS_INTERVAL_MS');
           for (const slot of slots) {
             const reporter = o.progress && !o.json && !o.dryRun ? createProgressReporter({ job: job.name, tty: process.stderr.isTTY === true, log, ...(progressMs ? { intervalMs: progressMs } : {}) }) : undefined;
