@@ -311,8 +311,11 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
    * A chunk it was about to retry or skip may be one the others' last claims passed by: the step
    * is checked complete once every slot has ended, and the slots start again when it is not.
    */
+  /** The error the last slot that left for want of a connection met (see the slots' rounds below). */
+  let leftFor: unknown;
   const leavesForOthers = (err: unknown): boolean => {
     if (!noConnectionFree(err) || slotsLive <= 1 || failure !== undefined || opts.stop.aborted) return false;
+    leftFor = err;
     log.warn({ err: errorFields(err), slotsLeft: slotsLive - 1 }, `a slot could not get a database connection (${messageOf(err)}); the step goes on with ${slotsLive - 1} ${slotsLive - 1 === 1 ? 'slot' : 'slots'}`);
     return true;
   };
@@ -593,7 +596,9 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
     }
     const named = left.length === 0 ? 'none pending, but not all of it planned' : `${left.slice(0, 5).map((k) => (step.chunks ? keyLabel(k) : `step "${step.name}"`)).join(', ')}${left.length > 5 ? ', …' : ''}`;
     if (round >= MAX_SLOT_ROUNDS) {
-      failure = new ChunkFailure(
+      // Slots that kept leaving for want of a connection: that, not the job, ends this worker (exit
+      // 69, the run interrupted, as the last slot's own refusal would); else the step fails naming them.
+      failure = leftFor !== undefined ? leftFor : new ChunkFailure(
         step.name,
         step.chunks && left.length === 1 ? left[0]! : null,
         1,
@@ -658,12 +663,6 @@ interface ClaimedWithCommit {
 }
 
 /**
- * One try of one chunk, in one transaction on the slot's connection: the claim (which also marks
- * the chunk done, travelling with the BEGIN, or already answered with the last COMMIT), the job's
- * work, COMMIT (where the fence trigger checks that this attempt is still the run's), with the next
- * claim when `next()` gives one. Throws only when the claim itself fails.
- */
-/**
  * A waiting claim (the last pass's) cut short while it waited for another worker's chunk: by the
  * role's statement_timeout or lock_timeout, or a cancel request (57014, 55P03). Nothing of a chunk
  * had started; the claim is sent again.
@@ -673,6 +672,12 @@ function waitCutShort(err: unknown): boolean {
   return code === '57014' || code === '55P03';
 }
 
+/**
+ * One try of one chunk, in one transaction on the slot's connection: the claim (which also marks
+ * the chunk done, travelling with the BEGIN, or already answered with the last COMMIT), the job's
+ * work, COMMIT (where the fence trigger checks that this attempt is still the run's), with the next
+ * claim when `next()` gives one. Throws only when the claim itself fails.
+ */
 async function tryChunk(
   opts: ExecuteOptions,
   step: Step,

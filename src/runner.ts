@@ -931,7 +931,7 @@ export class Runner {
       const full = this.#database.pooled && /timeout exceeded when trying to connect|query_wait_timeout/.test(messageOf(err));
       const why = `the database failed idem's own statements past their retries (${messageOf(err)})${
         full
-          ? `: the connection pooler's pool for this database has no server session free for idem: each worker needs --concurrency + 2 sessions (its lock's, one per slot, one for planning and bookkeeping); raise the pooler's default_pool_size (and max_db_connections) or lower --concurrency`
+          ? `: behind a connection pooler this means its pool for this database has no server session free for idem: each worker may hold --concurrency + 3 (its lock's, one per slot, two for planning, bookkeeping and effects); raise the pooler's default_pool_size (and max_db_connections) or lower --concurrency`
           : ''
       }`;
       if (others) {

@@ -246,7 +246,7 @@ describe.skipIf(missing)('behind PgBouncer in session mode with a pool too small
     const r = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', COUNTED(5), '--key', 'tiny-pool'], { url: bouncer.url, env: { IDEM_CONNECT_TIMEOUT_MS: '1000', IDEM_CONNECT_RETRY_MS: '1000' }, timeoutMs: 120_000 });
     expect(r.code, r.stderr).toBe(69);
     expect(r.stderr).not.toContain('in another worker');
-    expect(r.stderr.trim().split('\n').at(-1)).toMatch(/^idem: error: this worker stopped: .*timeout exceeded when trying to connect.*the connection pooler's pool for this database has no server session free for idem: each worker needs --concurrency \+ 2 sessions \(its lock's, one per slot, one for planning and bookkeeping\); raise the pooler's default_pool_size \(and max_db_connections\) or lower --concurrency; the run is interrupted: run the same command again to resume$/);
+    expect(r.stderr.trim().split('\n').at(-1)).toMatch(/^idem: error: this worker stopped: .*timeout exceeded when trying to connect.*behind a connection pooler this means its pool for this database has no server session free for idem: each worker may hold --concurrency \+ 3 \(its lock's, one per slot, two for planning, bookkeeping and effects\); raise the pooler's default_pool_size \(and max_db_connections\) or lower --concurrency; the run is interrupted: run the same command again to resume$/);
     expect((await query<{ status: string }>(database.url, `select status from idem.runs where run_key = 'tiny-pool'`))[0]?.status).toBe('interrupted');
   }, 150_000);
 });
