@@ -3,9 +3,17 @@ import { UsageError } from './errors.ts';
 import { UNSAFE_NUMBER_RULE, unsafeNumberPath } from './unsafe-number.ts';
 
 /** Commander argument parsers and the params parser: pure, so every command refuses bad flags the same way. */
+/**
+ * A number as the command line takes it: plain decimal digits, with one optional fraction part
+ * (`250`, `0.5`). Number() alone would take `''` as 0, `0x3E8` as 1000, `' 5'` as 5 and `1e3` as
+ * 1000: a typo would become a setting.
+ */
+const PLAIN_DECIMAL = /^\d+(\.\d+)?$/;
+const PLAIN_INTEGER = /^\d+$/;
+
 export function positiveInt(max: number) {
   return (value: string): number => {
-    const n = Number(value);
+    const n = PLAIN_INTEGER.test(value) ? Number(value) : Number.NaN;
     if (!Number.isInteger(n) || n < 1 || n > max) throw new InvalidArgumentError(`expected an integer from 1 to ${max}, got "${value}"`);
     return n;
   };
@@ -18,21 +26,21 @@ export function existingKey(value: string): string {
 }
 
 export function positiveNumber(value: string): number {
-  const n = Number(value);
-  if (!Number.isFinite(n) || n <= 0) throw new InvalidArgumentError(`expected a number > 0, got "${value}"`);
+  const n = PLAIN_DECIMAL.test(value) ? Number(value) : Number.NaN;
+  if (!Number.isFinite(n) || n <= 0) throw new InvalidArgumentError(`expected a plain decimal number > 0 (such as 5 or 0.5), got "${value}"`);
   return n;
 }
 
 export function nonNegativeNumber(value: string): number {
-  const n = Number(value);
-  if (!Number.isFinite(n) || n < 0) throw new InvalidArgumentError(`expected a number >= 0, got "${value}"`);
+  const n = PLAIN_DECIMAL.test(value) ? Number(value) : Number.NaN;
+  if (!Number.isFinite(n) || n < 0) throw new InvalidArgumentError(`expected a plain decimal number >= 0 (such as 250 or 0.5), got "${value}"`);
   return n;
 }
 
 export function waitSeconds(value: string | boolean): number | boolean {
   if (typeof value === 'boolean') return value;
-  const n = Number(value);
-  if (!Number.isFinite(n) || n < 0) throw new InvalidArgumentError(`expected a number of seconds >= 0, got "${value}"`);
+  const n = PLAIN_DECIMAL.test(value) ? Number(value) : Number.NaN;
+  if (!Number.isFinite(n) || n < 0) throw new InvalidArgumentError(`expected a plain decimal number of seconds >= 0 (such as 30 or 0.5), got "${value}"`);
   return n;
 }
 
@@ -72,3 +80,4 @@ export function parseParams(json: string | undefined, pairs: Record<string, unkn
   }
   return { ...(base as Record<string, unknown>), ...pairs };
 }
+

@@ -1,0 +1,64 @@
+import { mkdtemp, rm, writeFile, mkdir } from 'node:fs/promises';
+import { tmpdir } from 'node:os';
+import path from 'node:path';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { defineJob, exitCodeOf, Runner } from '../src/index.ts';
+import { ALL_TABLES, FIXTURE_DIRS, killLeftovers, lines, query, runCli, snapshot, type CliResult } from './support/cli.ts';
+import { useTestDatabase } from './support/database.ts';
+
+// Round 15 (B2) findings on the command line's input: each test here failed on the code before its fix.
+
+const testDb = useTestDatabase({ fixtureTables: true, idemSchema: true, runner: true });
+let url: string;
+let runner: Runner;
+beforeAll(() => {
+  ({ url, runner } = testDb);
+});
+afterAll(killLeftovers);
+
+const idem = (args: string[]) => runCli([...FIXTURE_DIRS, ...args], { url });
+
+function expectOneLineError(r: CliResult, code: number, message: string | RegExp): void {
+  expect({ code: r.code, stderrLines: lines(r.stderr).length, stdout: r.stdout }, r.stderr).toEqual({ code, stderrLines: 1, stdout: '' });
+  expect(r.stderr).toMatch(/^idem: error: /);
+  if (typeof message === 'string') expect(r.stderr).toContain(message);
+  else expect(r.stderr).toMatch(message);
+}
+
+describe('number flags take plain decimal numbers only', () => {
+  it("--pause '', --pause 0x3E8, --max-rate ' 5', 1e3 and Infinity exit 2 naming the value, and change nothing", async () => {
+    const before = await snapshot(url, ALL_TABLES);
+    const [empty, hex, spaced, exp, inf, conc, wait] = await Promise.all([
+      idem(['run', 'counted', '--pause', '']),
+      idem(['run', 'counted', '--pause', '0x3E8']),
+      idem(['run', 'counted', '--max-rate', ' 5']),
+      idem(['run', 'counted', '--target-chunk-ms', '1e3']),
+      idem(['run', 'counted', '--max-rate', 'Infinity']),
+      idem(['run', 'counted', '--concurrency', '0x2']),
+      idem(['run', 'counted', '--wait', '0b1']),
+    ]);
+    expectOneLineError(empty!, 2, `expected a plain decimal number >= 0 (such as 250 or 0.5), got ""`);
+    expectOneLineError(hex!, 2, `expected a plain decimal number >= 0 (such as 250 or 0.5), got "0x3E8"`);
+    expectOneLineError(spaced!, 2, `expected a plain decimal number > 0 (such as 5 or 0.5), got " 5"`);
+    expectOneLineError(exp!, 2, `expected a plain decimal number > 0 (such as 5 or 0.5), got "1e3"`);
+    expectOneLineError(inf!, 2, `expected a plain decimal number > 0 (such as 5 or 0.5), got "Infinity"`);
+    expectOneLineError(conc!, 2, `expected an integer from 1 to 64, got "0x2"`);
+    expectOneLineError(wait!, 2, `expected a plain decimal number of seconds >= 0 (such as 30 or 0.5), got "0b1"`);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it('plain decimals are still taken', async () => {
+    const r = await idem(['run', 'counted', '--params', '{"chunks":1}', '--key', 'plain-numbers', '--pause', '0', '--max-rate', '2.5', '--target-chunk-ms', '100', '--concurrency', '2']);
+    expect(r.code, r.stderr).toBe(0);
+  });
+
+  it('the library names NaN as NaN, not null', async () => {
+    const job = defineJob({ name: 'nan-conc', steps: [{ name: 'only', run: () => {} }] });
+    const err = await runner.run(job, { key: 'nan', concurrency: Number.NaN }).catch((e: unknown) => e);
+    expect(exitCodeOf(err), String(err)).toBe(2);
+    expect(String(err)).toContain('concurrency must be an integer >= 1 (got NaN)');
+    expect(() => defineJob({ name: 'nan-target', throttle: { targetChunkMs: Number.NaN }, steps: [{ name: 'only', run: () => {} }] })).toThrow(/targetChunkMs must be > 0 \(got NaN\)/);
+    expect(await query(url, `select count(*)::int as n from idem.runs where job like 'nan-%'`)).toEqual([{ n: 0 }]);
+  });
+});
+
