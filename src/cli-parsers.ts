@@ -71,6 +71,8 @@ export function parseParams(json: string | undefined, pairs: Record<string, unkn
       throw new UsageError('invalidParams', `--params must be a JSON object, got ${json}; pass e.g. --params '{"day":"2026-11-30"}'`);
     }
   }
+  const duplicate = json === undefined ? null : duplicateKey(json);
+  if (duplicate !== null) throw new UsageError('invalidParams', `--params has the key ${JSON.stringify(duplicate)} twice; give each key once (JSON.parse would keep the last silently, and the params make the run's key)`);
   // Before anything else reads them: a rounded number would be another run's key.
   const inJson = unsafeNumberPath(base);
   if (inJson !== null) throw new UsageError('invalidParams', `--params: ${inJson} ${UNSAFE_NUMBER_RULE}`);
@@ -81,3 +83,70 @@ export function parseParams(json: string | undefined, pairs: Record<string, unkn
   return { ...(base as Record<string, unknown>), ...pairs };
 }
 
+/**
+ * The first key that an object of `text` (valid JSON) holds twice, as a dotted path from the top
+ * (`filter.b.c`, array items as `[0]`), or null. JSON.parse keeps the last of them silently.
+ */
+export function duplicateKey(text: string): string | null {
+  let i = 0;
+  const ws = () => {
+    while (i < text.length && ' \t\n\r'.includes(text[i]!)) i++;
+  };
+  const str = (): string => {
+    const start = i++;
+    while (text[i] !== '"') i += text[i] === '\\' ? 2 : 1;
+    i++;
+    return JSON.parse(text.slice(start, i)) as string;
+  };
+  const join = (path: string, key: string) => (path === '' ? key : `${path}.${key}`);
+  const value = (path: string): string | null => {
+    ws();
+    const ch = text[i];
+    if (ch === '{') {
+      i++;
+      const seen = new Set<string>();
+      ws();
+      if (text[i] === '}') {
+        i++;
+        return null;
+      }
+      for (;;) {
+        ws();
+        const key = str();
+        if (seen.has(key)) return join(path, key);
+        seen.add(key);
+        ws();
+        i++; // ':'
+        const inner = value(join(path, key));
+        if (inner !== null) return inner;
+        ws();
+        if (text[i++] === '}') return null;
+      }
+    }
+    if (ch === '[') {
+      i++;
+      ws();
+      if (text[i] === ']') {
+        i++;
+        return null;
+      }
+      for (let n = 0; ; n++) {
+        const inner = value(`${path}[${n}]`);
+        if (inner !== null) return inner;
+        ws();
+        if (text[i++] === ']') return null;
+      }
+    }
+    if (ch === '"') {
+      str();
+      return null;
+    }
+    while (i < text.length && !',]} \t\n\r'.includes(text[i]!)) i++;
+    return null;
+  };
+  try {
+    return value('');
+  } catch {
+    return null; // nested deeper than the stack: JSON.parse took it, and so does this check
+  }
+}

@@ -62,3 +62,19 @@ describe('number flags take plain decimal numbers only', () => {
   });
 });
 
+describe('--params with a duplicated key', () => {
+  it('exits 2 naming the key, and changes nothing', async () => {
+    const before = await snapshot(url, ALL_TABLES);
+    const [top, nested] = await Promise.all([
+      idem(['run', 'counted', '--params', '{"chunks":1,"chunks":1000000}']),
+      idem(['run', 'counted', '--params', '{"chunks":1,"filter":{"a":1,"b":{"c":1,"c":2}}}']),
+    ]);
+    expectOneLineError(top!, 2, `--params has the key "chunks" twice; give each key once`);
+    expectOneLineError(nested!, 2, `--params has the key "filter.b.c" twice; give each key once`);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+    // The same name in two objects is no duplicate.
+    const ok = await idem(['run', 'counted', '--params', '{"chunks":1,"label":"x"}', '--key', 'dup-ok']);
+    expect(ok.code, ok.stderr).toBe(0);
+  });
+});
+
