@@ -78,3 +78,29 @@ describe('--params with a duplicated key', () => {
   });
 });
 
+describe('a run key with leading or trailing whitespace', () => {
+  it("--key ' ' and --key 'k ' exit 2 with a hint, and change nothing", async () => {
+    const before = await snapshot(url, ALL_TABLES);
+    const [blank, trailing, leading] = await Promise.all([
+      idem(['run', 'counted', '--key', ' ']),
+      idem(['run', 'counted', '--key', '2026-11-30 ']),
+      idem(['run', 'counted', '--key', '\u00a0k']),
+    ]);
+    expectOneLineError(blank!, 2, `--key must not begin or end with whitespace (got " "); pass the key without it, e.g. 2026-11-30`);
+    expectOneLineError(trailing!, 2, `--key must not begin or end with whitespace (got "2026-11-30 ")`);
+    expectOneLineError(leading!, 2, `--key must not begin or end with whitespace`);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it('the library refuses the same keys, and takes one with inner spaces', async () => {
+    const job = defineJob({ name: 'ws-key', steps: [{ name: 'only', run: () => {} }] });
+    for (const key of [' ', '\t', 'k\n', ' k']) {
+      const err = await runner.run(job, { key }).catch((e: unknown) => e);
+      expect(exitCodeOf(err), `${JSON.stringify(key)}: ${String(err)}`).toBe(2);
+    }
+    const err = await runner.run(job, { key: ' ' }).catch((e: unknown) => e);
+    expect(String(err)).toContain('key must not begin or end with whitespace (got " ")');
+    expect(await query(url, `select count(*)::int as n from idem.runs where job = 'ws-key'`)).toEqual([{ n: 0 }]);
+    expect((await runner.run(job, { key: 'two words' })).status).toBe('succeeded');
+  });
+});
