@@ -105,6 +105,7 @@ const fileStem = (name: string) => name.replace(/\.[cm]?[jt]s$/, '');
 export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Promise<LoadedJob[]> {
   const abs = path.resolve(dir);
   const names = await jobFileNames(abs, ['ENOENT']);
+  if (what === 'migrations') refuseSharedStems(names);
   const loaded: LoadedJob[] = [];
   const byName = new Map<string, string>();
   for (const name of names) {
@@ -118,6 +119,25 @@ export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Prom
     loaded.push(one);
   }
   return loaded;
+}
+
+/**
+ * Two migration files of one name but their extension (`0001_a.mjs`, `0001_a.ts`) would share a
+ * run key: `migrate` would run both under it, and `migrate --finalize 0001_a` would find either.
+ * Refused before any file is imported, naming both.
+ */
+function refuseSharedStems(names: readonly string[]): void {
+  const byStem = new Map<string, string>();
+  for (const name of names) {
+    const other = byStem.get(fileStem(name));
+    if (other !== undefined) {
+      throw new UsageError(
+        'duplicateMigration',
+        `two migration files have the run key "${fileStem(name)}" (${other} and ${name}): a migration's run key is its file name without the extension, so they would share one run; rename one`,
+      );
+    }
+    byStem.set(fileStem(name), name);
+  }
 }
 
 /** Imports one job file and checks its job (not what only a migration must be: see checkMigration). */

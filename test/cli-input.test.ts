@@ -104,3 +104,32 @@ describe('a run key with leading or trailing whitespace', () => {
     expect((await runner.run(job, { key: 'two words' })).status).toBe('succeeded');
   });
 });
+
+describe('two migration files with one base name', () => {
+  let tmp: string;
+  beforeAll(async () => {
+    tmp = await mkdtemp(path.join(tmpdir(), 'idem-cli-input-'));
+  });
+  afterAll(() => rm(tmp, { recursive: true, force: true }));
+
+  it('migrate, migrate --finalize and list exit 2 naming both files, and run nothing', async () => {
+    const root = path.join(tmp, 'same-stem');
+    await mkdir(path.join(root, 'jobs'), { recursive: true });
+    await mkdir(path.join(root, 'migrations'), { recursive: true });
+    await writeFile(path.join(root, 'package.json'), JSON.stringify({ type: 'module' }));
+    await writeFile(path.join(root, 'migrations', '0001_a.mjs'), `export default { name: 'm5-a', steps: [{ name: 'a', run() {} }] };\n`);
+    await writeFile(path.join(root, 'migrations', '0001_a.ts'), `export default { name: 'm5-b', steps: [{ name: 'a', run() {} }] };\n`);
+    const before = await snapshot(url, ALL_TABLES);
+    const in_ = (args: string[]) => runCli(args, { url, cwd: root, timeoutMs: 20_000 });
+    const [migrate, finalize, list] = await Promise.all([in_(['migrate']), in_(['migrate', '--finalize', '0001_a']), in_(['list'])]);
+    for (const r of [migrate!, finalize!, list!]) {
+      expectOneLineError(
+        r,
+        2,
+        'idem: error: two migration files have the run key "0001_a" (0001_a.mjs and 0001_a.ts): a migration\'s run key is its file name without the extension, so they would share one run; rename one',
+      );
+    }
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+    expect(await query(url, `select count(*)::int as n from idem.runs where job like 'm5-%'`)).toEqual([{ n: 0 }]);
+  });
+});
