@@ -1,4 +1,4 @@
-import { mkdtemp, rm, writeFile, mkdir } from 'node:fs/promises';
+import { mkdir, mkdtemp, readdir, readFile, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -131,5 +131,34 @@ describe('two migration files with one base name', () => {
     }
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
     expect(await query(url, `select count(*)::int as n from idem.runs where job like 'm5-%'`)).toEqual([{ n: 0 }]);
+  });
+});
+
+describe('idem init with --jobs-dir and --migrations-dir', () => {
+  let tmp: string;
+  beforeAll(async () => {
+    tmp = await mkdtemp(path.join(tmpdir(), 'idem-init-dirs-'));
+  });
+  afterAll(() => rm(tmp, { recursive: true, force: true }));
+
+  it('scaffolds into the given folders, and the test and the printed commands point at them', async () => {
+    const r = await runCli(['--jobs-dir', 'src/jobs', '--migrations-dir', 'db/migr', 'init'], { cwd: tmp, timeoutMs: 20_000 });
+    expect(r.code, r.stderr).toBe(0);
+    const files = async (dir: string) => (await readdir(path.join(tmp, dir)).catch(() => null))?.sort() ?? null;
+    expect({ jobs: await files('src/jobs'), migrations: await files('db/migr'), defaultJobs: await files('jobs'), defaultMigrations: await files('migrations') }).toEqual({
+      jobs: ['example-customer-totals.ts'],
+      migrations: ['0001_create_example_tables.ts'],
+      defaultJobs: null,
+      defaultMigrations: null,
+    });
+    const test = await readFile(path.join(tmp, 'test', 'idem-examples.test.ts'), 'utf8');
+    expect(test).toContain(`import createTables from '../db/migr/0001_create_example_tables.ts';`);
+    expect(test).toContain(`import customerTotals from '../src/jobs/example-customer-totals.ts';`);
+    expect(r.stdout).toContain('created src/jobs/example-customer-totals.ts');
+    expect(r.stdout).toContain('npx idem --migrations-dir db/migr migrate');
+    expect(r.stdout).toContain('npx idem --jobs-dir src/jobs run example-customer-totals');
+    // A second init names the files in the given folders.
+    const again = await runCli(['--jobs-dir', 'src/jobs', '--migrations-dir', 'db/migr', 'init'], { cwd: tmp, timeoutMs: 20_000 });
+    expectOneLineError(again, 2, 'idem init would overwrite db/migr/0001_create_example_tables.ts, src/jobs/example-customer-totals.ts, test/idem-examples.test.ts');
   });
 });
