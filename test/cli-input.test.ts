@@ -3,7 +3,8 @@ import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { defineJob, exitCodeOf, Runner } from '../src/index.ts';
-import { ALL_TABLES, FIXTURE_DIRS, killLeftovers, lines, query, runCli, snapshot, type CliResult } from './support/cli.ts';
+import { fileURLToPath } from 'node:url';
+import { ALL_TABLES, FIXTURE_DIRS, FIXTURE_MIGRATIONS, killLeftovers, lines, query, runCli, runRow, snapshot, spawnCli, type CliResult } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 // Round 15 (B2) findings on the command line's input: each test here failed on the code before its fix.
@@ -160,5 +161,42 @@ describe('idem init with --jobs-dir and --migrations-dir', () => {
     // A second init names the files in the given folders.
     const again = await runCli(['--jobs-dir', 'src/jobs', '--migrations-dir', 'db/migr', 'init'], { cwd: tmp, timeoutMs: 20_000 });
     expectOneLineError(again, 2, 'idem init would overwrite db/migr/0001_create_example_tables.ts, src/jobs/example-customer-totals.ts, test/idem-examples.test.ts');
+  });
+});
+
+describe('a closed stdout or stderr', () => {
+  const SCHEDULED_JOBS = fileURLToPath(new URL('./fixtures/scheduled-jobs', import.meta.url));
+
+  it('`run --catch-up 5 | head -1`: every slot still runs, no error, no stack trace, exit 0', async () => {
+    const cli = spawnCli(['--jobs-dir', SCHEDULED_JOBS, '--migrations-dir', FIXTURE_MIGRATIONS, '--schema', 'epipe_a', '--log-level', 'warn', 'run', 'hourly-tick', '--param', 'tag=epipe', '--param', 'pauseMs=300', '--catch-up', '5'], { url });
+    // The reader goes away after the first line, as `head -1` does: later writes meet EPIPE.
+    cli.child.stdout!.once('data', () => cli.child.stdout!.destroy());
+    const r = await cli.done;
+    expect({ code: r.code, stderr: r.stderr }).toEqual({ code: 0, stderr: '' });
+    const runs = await query(url, `select run_key, status from epipe_a.runs where job = 'hourly-tick' order by run_key`);
+    expect(runs.map((x) => x.status)).toEqual(['succeeded', 'succeeded', 'succeeded', 'succeeded', 'succeeded']);
+    expect(await query(url, `select count(*)::int as n from work_log where job = 'hourly-tick' and step = 'epipe'`)).toEqual([{ n: 5 }]);
+  });
+
+  it('`run … | true`: the run succeeds and the exit code is 0', async () => {
+    const cli = spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":2}', '--key', 'epipe-manual-1'], { url });
+    cli.child.stdout!.destroy();
+    const r = await cli.done;
+    expect({ code: r.code, stderr: r.stderr.split('\n').filter((l) => !l.startsWith('{')).join('\n') }).toEqual({ code: 0, stderr: '' });
+    expect((await runRow(url, 'counted', 'epipe-manual-1')).status).toBe('succeeded');
+  });
+
+  it('a closed stderr (debug logs) does not change the outcome or the exit code, nor a refusal\'s with both closed', async () => {
+    const ok = spawnCli([...FIXTURE_DIRS, '--log-level', 'debug', 'run', 'counted', '--params', '{"chunks":2}', '--key', 'epipe-stderr-1'], { url });
+    ok.child.stderr!.destroy();
+    const r = await ok.done;
+    expect(r.code).toBe(0);
+    expect(r.stdout).toMatch(/^job "counted" succeeded/);
+    expect((await runRow(url, 'counted', 'epipe-stderr-1')).status).toBe('succeeded');
+    // Both closed, and a refusal: still its exit code (2), nothing written.
+    const refused = spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--key', ' ']);
+    refused.child.stderr!.destroy();
+    refused.child.stdout!.destroy();
+    expect((await refused.done).code).toBe(2);
   });
 });
