@@ -156,6 +156,10 @@ async function loadJobFile(file: string, what: 'jobs' | 'migrations'): Promise<L
   }
   const origin = path.relative(process.cwd(), file);
   const exported = jobExport(mod, isCommonJsFile(file));
+  if (isThenable(exported)) {
+    const which = exported === mod.default ? 'the default export' : 'the export job';
+    throw new UsageError('invalidJob', `${origin}: ${which} is a Promise: export the job itself (defineJob(...)), not a promise of it (in an ES module, export default await … works); fix the file`);
+  }
   const job = assertJob(exported === undefined ? noJobExported(mod, origin) : exported, origin);
   await recordJobFile(job, file);
   return { file, id: fileStem(path.basename(file)), job };
@@ -272,6 +276,9 @@ function jobExport(mod: Record<string, unknown>, commonJs: boolean): unknown {
   }
   return top;
 }
+
+const isThenable = (value: unknown): boolean =>
+  value !== null && (typeof value === 'object' || typeof value === 'function') && typeof (value as { then?: unknown }).then === 'function';
 
 /**
  * A file that exports no job: it says so, and what it does export. Files named `_…` are the

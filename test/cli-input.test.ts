@@ -200,3 +200,30 @@ describe('a closed stdout or stderr', () => {
     expect((await refused.done).code).toBe(2);
   });
 });
+
+describe('what a job file exports', () => {
+  let tmp: string;
+  beforeAll(async () => {
+    tmp = await mkdtemp(path.join(tmpdir(), 'idem-exports-'));
+  });
+  afterAll(() => rm(tmp, { recursive: true, force: true }));
+
+  async function project(name: string, files: Record<string, string>): Promise<string> {
+    const root = path.join(tmp, name);
+    await mkdir(path.join(root, 'jobs'), { recursive: true });
+    await mkdir(path.join(root, 'migrations'), { recursive: true });
+    await writeFile(path.join(root, 'package.json'), JSON.stringify({ type: 'module' }));
+    for (const [file, text] of Object.entries(files)) await writeFile(path.join(root, 'jobs', file), text);
+    return root;
+  }
+
+  it('a default export that is a Promise is told to export the job itself', async () => {
+    const root = await project('promised', {
+      'promised.js': `export default (async () => ({ name: 'promised', steps: [{ name: 'a', run() {} }] }))();\n`,
+    });
+    const before = await snapshot(url, ALL_TABLES);
+    const r = await runCli(['run', 'promised'], { url, cwd: root, timeoutMs: 20_000 });
+    expectOneLineError(r, 2, 'idem: error: jobs/promised.js: the default export is a Promise: export the job itself (defineJob(...)), not a promise of it (in an ES module, export default await … works); fix the file');
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+});
