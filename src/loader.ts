@@ -161,6 +161,7 @@ async function loadJobFile(file: string, what: 'jobs' | 'migrations'): Promise<L
     throw new UsageError('invalidJob', `${origin}: ${which} is a Promise: export the job itself (defineJob(...)), not a promise of it (in an ES module, export default await … works); fix the file`);
   }
   const job = assertJob(exported === undefined ? noJobExported(mod, origin) : exported, origin);
+  warnIgnoredJobs(mod, exported, origin);
   await recordJobFile(job, file);
   return { file, id: fileStem(path.basename(file)), job };
 }
@@ -279,6 +280,33 @@ function jobExport(mod: Record<string, unknown>, commonJs: boolean): unknown {
 
 const isThenable = (value: unknown): boolean =>
   value !== null && (typeof value === 'object' || typeof value === 'function') && typeof (value as { then?: unknown }).then === 'function';
+
+/** What reads as a job definition: an object with a string name and an array of steps. */
+const looksLikeJob = (value: unknown): value is { name: string } =>
+  value !== null && typeof value === 'object' && typeof (value as { name?: unknown }).name === 'string' && Array.isArray((value as { steps?: unknown }).steps);
+
+/** Files and exports already warned about: a command that loads a folder twice says it once. */
+const warnedIgnored = new Set<string>();
+
+/**
+ * A file holds one job, its default export (or `job`): another job it exports beside that one
+ * (`export const job = defineJob(...)` next to a default of another name) is ignored, and `idem run`
+ * of its name said only "no job named". One warning line names it.
+ */
+function warnIgnoredJobs(mod: Record<string, unknown>, chosen: unknown, origin: string): void {
+  const candidates: Array<[string, unknown]> = Object.entries(mod).filter(([k]) => k !== 'module.exports');
+  const top = mod.default;
+  if (top && typeof top === 'object' && top !== chosen && !looksLikeJob(top)) candidates.push(...Object.entries(top));
+  for (const [exportName, value] of candidates) {
+    if (value === chosen || !looksLikeJob(value)) continue;
+    if (chosen && typeof chosen === 'object' && (chosen as { name?: unknown }).name === value.name) continue;
+    const key = `${origin}\0${exportName}`;
+    if (warnedIgnored.has(key)) continue;
+    warnedIgnored.add(key);
+    const how = exportName === 'default' ? 'export default' : `export ${exportName}`;
+    process.emitWarning(`${origin} exports a second job, ${JSON.stringify(value.name)} (${how}), which idem ignores: a job file holds one job, its default export (or job); move ${JSON.stringify(value.name)} into a file of its own`);
+  }
+}
 
 /**
  * A file that exports no job: it says so, and what it does export. Files named `_…` are the

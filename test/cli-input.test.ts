@@ -217,6 +217,25 @@ describe('what a job file exports', () => {
     return root;
   }
 
+  it('a second job exported beside the default is named in a warning at load, as ignored', async () => {
+    const root = await project('two-exports', {
+      'two.js': `export default { name: 'first', steps: [{ name: 'a', run() {} }] };\nexport const job = { name: 'second', steps: [{ name: 'a', run() {} }] };\n`,
+      // One job under two names is one job: nothing to say.
+      'same.js': `export const job = { name: 'same', steps: [{ name: 'a', run() {} }] };\nexport default job;\n`,
+    });
+    const before = await snapshot(url, ALL_TABLES);
+    const [list, second] = await Promise.all([
+      runCli(['list'], { url, cwd: root, timeoutMs: 20_000 }),
+      runCli(['run', 'second'], { url, cwd: root, timeoutMs: 20_000 }),
+    ]);
+    const warning = `idem: warning: jobs/two.js exports a second job, "second" (export job), which idem ignores: a job file holds one job, its default export (or job); move "second" into a file of its own`;
+    expect(list.code, list.stderr).toBe(0);
+    expect(lines(list.stderr)).toEqual([warning]);
+    expect(second.code).toBe(2);
+    expect(lines(second.stderr)).toEqual([warning, expect.stringMatching(/^idem: error: no job named 'second'/)]);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
   it('a default export that is a Promise is told to export the job itself', async () => {
     const root = await project('promised', {
       'promised.js': `export default (async () => ({ name: 'promised', steps: [{ name: 'a', run() {} }] }))();\n`,
