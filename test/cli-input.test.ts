@@ -59,6 +59,7 @@ describe('number flags take plain decimal numbers only', () => {
     expect(exitCodeOf(err), String(err)).toBe(2);
     expect(String(err)).toContain('concurrency must be an integer >= 1 (got NaN)');
     expect(() => defineJob({ name: 'nan-target', throttle: { targetChunkMs: Number.NaN }, steps: [{ name: 'only', run: () => {} }] })).toThrow(/targetChunkMs must be > 0 \(got NaN\)/);
+    expect(() => defineJob({ name: 'nan-retry', retry: { attempts: 2, factor: Number.POSITIVE_INFINITY }, steps: [{ name: 'only', run: () => {} }] })).toThrow(/factor must be a number >= 1 \(got Infinity\)/);
     expect(await query(url, `select count(*)::int as n from idem.runs where job like 'nan-%'`)).toEqual([{ n: 0 }]);
   });
 });
