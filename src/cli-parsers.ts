@@ -2,7 +2,6 @@ import { InvalidArgumentError } from 'commander';
 import { UsageError } from './errors.ts';
 import { UNSAFE_NUMBER_RULE, unsafeNumberPath } from './unsafe-number.ts';
 
-/** Commander argument parsers and the params parser: pure, so every command refuses bad flags the same way. */
 /**
  * A number as the command line takes it: plain decimal digits, with one optional fraction part
  * (`250`, `0.5`). Number() alone would take `''` as 0, `0x3E8` as 1000, `' 5'` as 5 and `1e3` as
@@ -11,6 +10,7 @@ import { UNSAFE_NUMBER_RULE, unsafeNumberPath } from './unsafe-number.ts';
 const PLAIN_DECIMAL = /^\d+(\.\d+)?$/;
 const PLAIN_INTEGER = /^\d+$/;
 
+/** Commander argument parsers and the params parser: pure, so every command refuses bad flags the same way. */
 export function positiveInt(max: number) {
   return (value: string): number => {
     const n = PLAIN_INTEGER.test(value) ? Number(value) : Number.NaN;

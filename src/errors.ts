@@ -211,7 +211,6 @@ export function exitCodeOf(err: unknown): ExitCode {
   return ExitCode.Failed;
 }
 
-/** The longest error message idem records or prints, in characters (code points); longer ones end in `…`. */
 /**
  * A setting's value as a message quotes it: JSON, except for what JSON cannot show (NaN and
  * ±Infinity, which JSON.stringify makes "null"; undefined; a bigint), shown as JavaScript writes it.
@@ -222,6 +221,7 @@ export function givenValue(value: unknown): string {
   return JSON.stringify(value) ?? String(value);
 }
 
+/** The longest error message idem records or prints, in characters (code points); longer ones end in `…`. */
 export const MAX_MESSAGE_CHARS = 4000;
 
 /** `message` cut to {@link MAX_MESSAGE_CHARS} code points (never inside a surrogate pair), `…` marking a cut. */
