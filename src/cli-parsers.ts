@@ -2,10 +2,18 @@ import { InvalidArgumentError } from 'commander';
 import { UsageError } from './errors.ts';
 import { UNSAFE_NUMBER_RULE, unsafeNumberPath } from './unsafe-number.ts';
 
+/**
+ * A number as the command line takes it: plain decimal digits, with one optional fraction part
+ * (`250`, `0.5`). Number() alone would take `''` as 0, `0x3E8` as 1000, `' 5'` as 5 and `1e3` as
+ * 1000: a typo would become a setting.
+ */
+const PLAIN_DECIMAL = /^\d+(\.\d+)?$/;
+const PLAIN_INTEGER = /^\d+$/;
+
 /** Commander argument parsers and the params parser: pure, so every command refuses bad flags the same way. */
 export function positiveInt(max: number) {
   return (value: string): number => {
-    const n = Number(value);
+    const n = PLAIN_INTEGER.test(value) ? Number(value) : Number.NaN;
     if (!Number.isInteger(n) || n < 1 || n > max) throw new InvalidArgumentError(`expected an integer from 1 to ${max}, got "${value}"`);
     return n;
   };
@@ -18,21 +26,21 @@ export function existingKey(value: string): string {
 }
 
 export function positiveNumber(value: string): number {
-  const n = Number(value);
-  if (!Number.isFinite(n) || n <= 0) throw new InvalidArgumentError(`expected a number > 0, got "${value}"`);
+  const n = PLAIN_DECIMAL.test(value) ? Number(value) : Number.NaN;
+  if (!Number.isFinite(n) || n <= 0) throw new InvalidArgumentError(`expected a plain decimal number > 0 (such as 5 or 0.5), got "${value}"`);
   return n;
 }
 
 export function nonNegativeNumber(value: string): number {
-  const n = Number(value);
-  if (!Number.isFinite(n) || n < 0) throw new InvalidArgumentError(`expected a number >= 0, got "${value}"`);
+  const n = PLAIN_DECIMAL.test(value) ? Number(value) : Number.NaN;
+  if (!Number.isFinite(n) || n < 0) throw new InvalidArgumentError(`expected a plain decimal number >= 0 (such as 250 or 0.5), got "${value}"`);
   return n;
 }
 
 export function waitSeconds(value: string | boolean): number | boolean {
   if (typeof value === 'boolean') return value;
-  const n = Number(value);
-  if (!Number.isFinite(n) || n < 0) throw new InvalidArgumentError(`expected a number of seconds >= 0, got "${value}"`);
+  const n = PLAIN_DECIMAL.test(value) ? Number(value) : Number.NaN;
+  if (!Number.isFinite(n) || n < 0) throw new InvalidArgumentError(`expected a plain decimal number of seconds >= 0 (such as 30 or 0.5), got "${value}"`);
   return n;
 }
 
@@ -63,6 +71,8 @@ export function parseParams(json: string | undefined, pairs: Record<string, unkn
       throw new UsageError('invalidParams', `--params must be a JSON object, got ${json}; pass e.g. --params '{"day":"2026-11-30"}'`);
     }
   }
+  const duplicate = json === undefined ? null : duplicateKey(json);
+  if (duplicate !== null) throw new UsageError('invalidParams', `--params has the key ${JSON.stringify(duplicate)} twice; give each key once (JSON.parse would keep the last silently, and the params make the run's key)`);
   // Before anything else reads them: a rounded number would be another run's key.
   const inJson = unsafeNumberPath(base);
   if (inJson !== null) throw new UsageError('invalidParams', `--params: ${inJson} ${UNSAFE_NUMBER_RULE}`);
@@ -71,4 +81,72 @@ export function parseParams(json: string | undefined, pairs: Record<string, unkn
     if (at !== null) throw new UsageError('invalidParams', `--param ${name}: ${at} ${UNSAFE_NUMBER_RULE}`);
   }
   return { ...(base as Record<string, unknown>), ...pairs };
+}
+
+/**
+ * The first key that an object of `text` (valid JSON) holds twice, as a dotted path from the top
+ * (`filter.b.c`, array items as `[0]`), or null. JSON.parse keeps the last of them silently.
+ */
+export function duplicateKey(text: string): string | null {
+  let i = 0;
+  const ws = () => {
+    while (i < text.length && ' \t\n\r'.includes(text[i]!)) i++;
+  };
+  const str = (): string => {
+    const start = i++;
+    while (text[i] !== '"') i += text[i] === '\\' ? 2 : 1;
+    i++;
+    return JSON.parse(text.slice(start, i)) as string;
+  };
+  const join = (path: string, key: string) => (path === '' ? key : `${path}.${key}`);
+  const value = (path: string): string | null => {
+    ws();
+    const ch = text[i];
+    if (ch === '{') {
+      i++;
+      const seen = new Set<string>();
+      ws();
+      if (text[i] === '}') {
+        i++;
+        return null;
+      }
+      for (;;) {
+        ws();
+        const key = str();
+        if (seen.has(key)) return join(path, key);
+        seen.add(key);
+        ws();
+        i++; // ':'
+        const inner = value(join(path, key));
+        if (inner !== null) return inner;
+        ws();
+        if (text[i++] === '}') return null;
+      }
+    }
+    if (ch === '[') {
+      i++;
+      ws();
+      if (text[i] === ']') {
+        i++;
+        return null;
+      }
+      for (let n = 0; ; n++) {
+        const inner = value(`${path}[${n}]`);
+        if (inner !== null) return inner;
+        ws();
+        if (text[i++] === ']') return null;
+      }
+    }
+    if (ch === '"') {
+      str();
+      return null;
+    }
+    while (i < text.length && !',]} \t\n\r'.includes(text[i]!)) i++;
+    return null;
+  };
+  try {
+    return value('');
+  } catch {
+    return null; // nested deeper than the stack: JSON.parse took it, and so does this check
+  }
 }

@@ -16,6 +16,7 @@ import { registerServeCommand } from './commands/serve.ts';
 import { registerStatusCommand } from './commands/status.ts';
 import { migrateErrorEntry, runErrorObject } from './describe-outcome.ts';
 import { ExitCode, exitCodeOf, messageOf, UsageError, type StopSignal } from './errors.ts';
+import { guardStdio } from './hangup.ts';
 import { LOG_LEVELS } from './log-level.ts';
 import { visibleError } from './text-table.ts';
 
@@ -184,6 +185,8 @@ function oneLineWarnings(): void {
 
 /** Entry point of the `idem` binary. */
 export async function main(argv: string[]): Promise<never> {
+  // Every command, init and --help included: a closed stdout must not crash one.
+  guardStdio();
   oneLineWarnings();
   const state = { exitCode: 0 };
   const program = buildProgram(state);

@@ -211,6 +211,16 @@ export function exitCodeOf(err: unknown): ExitCode {
   return ExitCode.Failed;
 }
 
+/**
+ * A setting's value as a message quotes it: JSON, except for what JSON cannot show (NaN and
+ * ±Infinity, which JSON.stringify makes "null"; undefined; a bigint), shown as JavaScript writes it.
+ */
+export function givenValue(value: unknown): string {
+  if (typeof value === 'number' && !Number.isFinite(value)) return String(value);
+  if (typeof value === 'bigint') return `${value}n`;
+  return JSON.stringify(value) ?? String(value);
+}
+
 /** The longest error message idem records or prints, in characters (code points); longer ones end in `…`. */
 export const MAX_MESSAGE_CHARS = 4000;
 

@@ -35,7 +35,10 @@ const isDevNull = (fd: number): boolean => {
 
 let guarded = false;
 
-/** From here on a write to stdout or stderr that fails because the terminal hung up (EIO) detaches from it instead of crashing idem. */
+/**
+ * From here on a write to stdout or stderr that fails because the terminal hung up (EIO) detaches
+ * from it, and one to a pipe whose reader is gone (EPIPE) is dropped, instead of crashing idem.
+ */
 export function guardStdio(): void {
   if (guarded) return;
   guarded = true;
@@ -44,7 +47,11 @@ export function guardStdio(): void {
       detachHungUpTerminal();
       return;
     }
-    // A write after that failure, to the stream it destroyed: the same dead terminal.
+    // The reader went away (`idem run … | head -1`, `| true`): what is left to print is dropped,
+    // and the work goes on with the exit code it would have had. Node ignores SIGPIPE, so this
+    // came as an 'error' event that nothing handled, an uncaught exception blamed on the job.
+    if (err.code === 'EPIPE') return;
+    // A write after that failure, to the stream it destroyed: the same dead terminal or pipe.
     if (err.code === 'ERR_STREAM_DESTROYED') return;
     // Anything else stays what it was without this listener: an uncaught exception.
     process.nextTick(() => {

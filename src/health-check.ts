@@ -1,6 +1,6 @@
 import { sql, type Kysely } from 'kysely';
 import type { Logger } from 'pino';
-import { brandErrorClass, codeOf, errorFields, UsageError } from './errors.ts';
+import { brandErrorClass, codeOf, errorFields, givenValue, UsageError } from './errors.ts';
 import type { Job, RunIdentity, Step } from './job.ts';
 import { sleep } from './sleep.ts';
 import { didYouMean, suggestSimilar } from './suggest.ts';
@@ -65,7 +65,7 @@ export function resolveHealth(...layers: ReadonlyArray<HealthSetting | undefined
     } else if (!(NUMERIC as readonly string[]).includes(k)) {
       problems.push(`unknown indicator "${k}" (${indicatorMeant(k) ?? `known: ${[...NUMERIC, 'autovacuum'].join(', ')}`})`);
     } else if (!(v === false && k !== 'probeIntervalMs') && !(typeof v === 'number' && Number.isFinite(v) && v >= 0)) {
-      problems.push(`${k} must be a number >= 0${k === 'probeIntervalMs' ? '' : ' or false'} (got ${JSON.stringify(v)})`);
+      problems.push(`${k} must be a number >= 0${k === 'probeIntervalMs' ? '' : ' or false'} (got ${givenValue(v)})`);
     }
   }
   if (problems.length) throw new UsageError('invalidHealth', `invalid health check settings: ${problems.join('; ')}; see "Health checks" in the README`);

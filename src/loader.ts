@@ -105,6 +105,7 @@ const fileStem = (name: string) => name.replace(/\.[cm]?[jt]s$/, '');
 export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Promise<LoadedJob[]> {
   const abs = path.resolve(dir);
   const names = await jobFileNames(abs, ['ENOENT']);
+  if (what === 'migrations') refuseSharedStems(names);
   const loaded: LoadedJob[] = [];
   const byName = new Map<string, string>();
   for (const name of names) {
@@ -118,6 +119,25 @@ export async function loadJobDir(dir: string, what: 'jobs' | 'migrations'): Prom
     loaded.push(one);
   }
   return loaded;
+}
+
+/**
+ * Two migration files of one name but their extension (`0001_a.mjs`, `0001_a.ts`) would share a
+ * run key: `migrate` would run both under it, and `migrate --finalize 0001_a` would find either.
+ * Refused before any file is imported, naming both.
+ */
+function refuseSharedStems(names: readonly string[]): void {
+  const byStem = new Map<string, string>();
+  for (const name of names) {
+    const other = byStem.get(fileStem(name));
+    if (other !== undefined) {
+      throw new UsageError(
+        'duplicateMigration',
+        `two migration files have the run key "${fileStem(name)}" (${other} and ${name}): a migration's run key is its file name without the extension, so they would share one run; rename one`,
+      );
+    }
+    byStem.set(fileStem(name), name);
+  }
 }
 
 /** Imports one job file and checks its job (not what only a migration must be: see checkMigration). */
@@ -136,7 +156,12 @@ async function loadJobFile(file: string, what: 'jobs' | 'migrations'): Promise<L
   }
   const origin = path.relative(process.cwd(), file);
   const exported = jobExport(mod, isCommonJsFile(file));
+  if (isThenable(exported)) {
+    const which = exported === mod.default ? 'the default export' : 'the export job';
+    throw new UsageError('invalidJob', `${origin}: ${which} is a Promise: export the job itself (defineJob(...)), not a promise of it (in an ES module, export default await … works); fix the file`);
+  }
   const job = assertJob(exported === undefined ? noJobExported(mod, origin) : exported, origin);
+  warnIgnoredJobs(mod, exported, origin);
   await recordJobFile(job, file);
   return { file, id: fileStem(path.basename(file)), job };
 }
@@ -251,6 +276,36 @@ function jobExport(mod: Record<string, unknown>, commonJs: boolean): unknown {
     if (commonJs && mod.default === top && !('name' in top)) return undefined;
   }
   return top;
+}
+
+const isThenable = (value: unknown): boolean =>
+  value !== null && (typeof value === 'object' || typeof value === 'function') && typeof (value as { then?: unknown }).then === 'function';
+
+/** What reads as a job definition: an object with a string name and an array of steps. */
+const looksLikeJob = (value: unknown): value is { name: string } =>
+  value !== null && typeof value === 'object' && typeof (value as { name?: unknown }).name === 'string' && Array.isArray((value as { steps?: unknown }).steps);
+
+/** Files and exports already warned about: a command that loads a folder twice says it once. */
+const warnedIgnored = new Set<string>();
+
+/**
+ * A file holds one job, its default export (or `job`): another job it exports beside that one
+ * (`export const job = defineJob(...)` next to a default of another name) is ignored, and `idem run`
+ * of its name said only "no job named". One warning line names it.
+ */
+function warnIgnoredJobs(mod: Record<string, unknown>, chosen: unknown, origin: string): void {
+  const candidates: Array<[string, unknown]> = Object.entries(mod).filter(([k]) => k !== 'module.exports');
+  const top = mod.default;
+  if (top && typeof top === 'object' && top !== chosen && !looksLikeJob(top)) candidates.push(...Object.entries(top));
+  for (const [exportName, value] of candidates) {
+    if (value === chosen || !looksLikeJob(value)) continue;
+    if (chosen && typeof chosen === 'object' && (chosen as { name?: unknown }).name === value.name) continue;
+    const key = `${origin}\0${exportName}`;
+    if (warnedIgnored.has(key)) continue;
+    warnedIgnored.add(key);
+    const how = exportName === 'default' ? 'export default' : `export ${exportName}`;
+    process.emitWarning(`${origin} exports a second job, ${JSON.stringify(value.name)} (${how}), which idem ignores: a job file holds one job, its default export (or job); move ${JSON.stringify(value.name)} into a file of its own`);
+  }
 }
 
 /**

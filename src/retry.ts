@@ -1,4 +1,4 @@
-import { codeOf } from './errors.ts';
+import { codeOf, givenValue } from './errors.ts';
 import { sleep } from './sleep.ts';
 import { testHookMs } from './test-hooks.ts';
 
@@ -127,10 +127,10 @@ export function backoffProblems(b: BackoffOptions): string[] {
   if (!b || typeof b !== 'object') return ['retry must be an object { base?, max?, factor?, attempts? }'];
   const problems: string[] = [];
   const num = (v: unknown) => typeof v === 'number' && Number.isFinite(v);
-  if (b.base !== undefined && !(num(b.base) && b.base >= 0)) problems.push(`base must be a number of ms >= 0 (got ${JSON.stringify(b.base)})`);
-  if (b.max !== undefined && !(num(b.max) && b.max >= 0)) problems.push(`max must be a number of ms >= 0 (got ${JSON.stringify(b.max)})`);
-  if (b.factor !== undefined && !(num(b.factor) && b.factor >= 1)) problems.push(`factor must be a number >= 1 (got ${JSON.stringify(b.factor)})`);
-  if (b.attempts !== undefined && !(Number.isInteger(b.attempts) && b.attempts >= 1)) problems.push(`attempts must be an integer >= 1 (got ${JSON.stringify(b.attempts)})`);
+  if (b.base !== undefined && !(num(b.base) && b.base >= 0)) problems.push(`base must be a number of ms >= 0 (got ${givenValue(b.base)})`);
+  if (b.max !== undefined && !(num(b.max) && b.max >= 0)) problems.push(`max must be a number of ms >= 0 (got ${givenValue(b.max)})`);
+  if (b.factor !== undefined && !(num(b.factor) && b.factor >= 1)) problems.push(`factor must be a number >= 1 (got ${givenValue(b.factor)})`);
+  if (b.attempts !== undefined && !(Number.isInteger(b.attempts) && b.attempts >= 1)) problems.push(`attempts must be an integer >= 1 (got ${givenValue(b.attempts)})`);
   return problems;
 }
 

@@ -22,7 +22,9 @@ export function quoteKey(key: string): string {
  * A run key, from the command line (`--key`) or a library call: a string of 1 to 200 characters
  * (code points), none of them a control character (C0, DEL, C1: a newline or an ESC sequence in a
  * key would reach every terminal that shows it, and break `idem status`'s lines). Any printable
- * character is allowed, non-ASCII too: keys in the operator's language are legitimate. Throws a
+ * character is allowed, non-ASCII too: keys in the operator's language are legitimate. Whitespace
+ * may stand inside a key, never at its start or end (`--key ' '` looks empty in every listing, and
+ * `'k '` looks like `k`). Throws a
  * UsageError (exit 2) naming the problem, before anything is written.
  */
 export function checkRunKey(key: unknown, label = '--key'): asserts key is string {
@@ -30,6 +32,10 @@ export function checkRunKey(key: unknown, label = '--key'): asserts key is strin
   const chars = [...key];
   if (chars.length === 0 || chars.length > MAX_RUN_KEY_CHARS) {
     throw new UsageError('invalidKey', `${label} must be 1 to ${MAX_RUN_KEY_CHARS} characters (got ${chars.length}); pass ${chars.length === 0 ? 'a non-empty' : 'a shorter'} key, e.g. 2026-11-30`);
+  }
+  // Checked first: a key ' ' or 'k\n' is a stray space or newline, and the hint says so.
+  if (/^\s|\s$/u.test(key)) {
+    throw new UsageError('invalidKey', `${label} must not begin or end with whitespace (got ${quoteKey(key)}); pass the key without it, e.g. 2026-11-30`);
   }
   const at = chars.findIndex((ch) => /\p{Cc}/u.test(ch));
   if (at !== -1) {

@@ -4,7 +4,7 @@ import type { Logger } from 'pino';
 import { acquireAdvisoryLock, lockHolders, type HeldLock } from './advisory-lock.ts';
 import { looksDead, SILENT_SECONDS_SQL, silentSecondsOf, type LockHolder } from './lock-holder.ts';
 import { describeConnectError, isStatementTimeout, openDatabase, redactError, statementTimeoutFix, type Database } from './database.ts';
-import { BusyError, CancelledError, codeOf, RETRY_OR_WAIT, errorFields, FencedError, IdemError, InterruptedError, messageOf, STOP_SIGNALS, type StopSignal, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
+import { BusyError, CancelledError, codeOf, givenValue, RETRY_OR_WAIT, errorFields, FencedError, IdemError, InterruptedError, messageOf, STOP_SIGNALS, type StopSignal, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
@@ -627,7 +627,7 @@ export class Runner {
    */
   #checkConcurrency(concurrency = 1): void {
     if (!Number.isInteger(concurrency) || concurrency < 1) {
-      throw new UsageError('invalidConcurrency', `concurrency must be an integer >= 1 (got ${JSON.stringify(concurrency)})`);
+      throw new UsageError('invalidConcurrency', `concurrency must be an integer >= 1 (got ${givenValue(concurrency)})`);
     }
     if (concurrency + POOL_HEADROOM > this.#poolSize) {
       throw new UsageError(

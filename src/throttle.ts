@@ -1,3 +1,5 @@
+import { givenValue } from './errors.ts';
+
 /** Throttling for a step: how fast chunks may start, and how long they should take. */
 export interface ThrottleOptions {
   /** Most chunks started per second, across all of the step's workers. Defaults to unlimited. */
@@ -49,9 +51,9 @@ export function resolveThrottle(...layers: ReadonlyArray<ThrottleOptions | undef
 export function throttleProblems(t: ThrottleOptions): string[] {
   const problems: string[] = [];
   if (!t || typeof t !== 'object') return ['throttle must be an object { maxRate?, pauseMs?, targetChunkMs? }'];
-  if (t.maxRate !== undefined && !(typeof t.maxRate === 'number' && t.maxRate > 0 && Number.isFinite(t.maxRate))) problems.push(`maxRate must be > 0 (got ${JSON.stringify(t.maxRate)})`);
-  if (t.pauseMs !== undefined && !(typeof t.pauseMs === 'number' && Number.isFinite(t.pauseMs) && t.pauseMs >= 0)) problems.push(`pauseMs must be >= 0 (got ${JSON.stringify(t.pauseMs)})`);
-  if (t.targetChunkMs !== undefined && !(typeof t.targetChunkMs === 'number' && t.targetChunkMs > 0 && Number.isFinite(t.targetChunkMs))) problems.push(`targetChunkMs must be > 0 (got ${JSON.stringify(t.targetChunkMs)})`);
+  if (t.maxRate !== undefined && !(typeof t.maxRate === 'number' && t.maxRate > 0 && Number.isFinite(t.maxRate))) problems.push(`maxRate must be > 0 (got ${givenValue(t.maxRate)})`);
+  if (t.pauseMs !== undefined && !(typeof t.pauseMs === 'number' && Number.isFinite(t.pauseMs) && t.pauseMs >= 0)) problems.push(`pauseMs must be >= 0 (got ${givenValue(t.pauseMs)})`);
+  if (t.targetChunkMs !== undefined && !(typeof t.targetChunkMs === 'number' && t.targetChunkMs > 0 && Number.isFinite(t.targetChunkMs))) problems.push(`targetChunkMs must be > 0 (got ${givenValue(t.targetChunkMs)})`);
   return problems;
 }
 

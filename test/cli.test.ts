@@ -156,7 +156,7 @@ describe('idem run', () => {
     const cases: Array<[CliResult, object]> = [
       [concurrency!, refused('counted', null, 'idem.invalidArgument', `option '--concurrency <n>' argument '0' is invalid. expected an integer from 1 to 64, got "0"`)],
       [param!, refused('counted', null, 'idem.invalidArgument', `option '--param <key=value>' argument 'noeq' is invalid. expected key=value, got "noeq"`)],
-      [wait!, refused('counted', 'k1', 'idem.invalidArgument', `option '--wait [seconds]' argument 'abc' is invalid. expected a number of seconds >= 0, got "abc"`)],
+      [wait!, refused('counted', 'k1', 'idem.invalidArgument', `option '--wait [seconds]' argument 'abc' is invalid. expected a plain decimal number of seconds >= 0 (such as 30 or 0.5), got "abc"`)],
       [noJob!, refused(null, null, 'idem.missingArgument', `missing required argument 'job'`)],
       [folder!, refused('counted', null, 'idem.missingFolder', '--jobs-dir /nonexistent-idem-jobs: no such folder; create it or fix the path')],
     ];

@@ -116,7 +116,7 @@ describe('idem migrate', () => {
     expect(unreachable.stdout).not.toContain('secret');
     expect(badFlag.code, badFlag.stderr).toBe(2);
     expect(JSON.parse(badFlag.stdout)).toEqual([
-      { runKey: null, job: null, status: 'error', exitCode: 2, code: 'idem.invalidArgument', error: `option '--wait [seconds]' argument 'abc' is invalid. expected a number of seconds >= 0, got "abc"` },
+      { runKey: null, job: null, status: 'error', exitCode: 2, code: 'idem.invalidArgument', error: `option '--wait [seconds]' argument 'abc' is invalid. expected a plain decimal number of seconds >= 0 (such as 30 or 0.5), got "abc"` },
     ]);
   });
 

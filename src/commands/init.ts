@@ -3,6 +3,7 @@ import { appendFile, mkdir, readFile, writeFile } from 'node:fs/promises';
 import path from 'node:path';
 import type { Command } from 'commander';
 import { ExitCode, UsageError } from '../errors.ts';
+import { shellQuote } from '../shell-quote.ts';
 
 const MIGRATION = `import { defineJob, sql } from 'idem';
 
@@ -62,11 +63,11 @@ export default defineJob({
 });
 `;
 
-const TEST = `import { test } from 'vitest';
+const test = (migrationImport: string, jobImport: string) => `import { test } from 'vitest';
 import { sql } from 'idem';
 import { expectConvergent } from 'idem/testing';
-import createTables from '../migrations/0001_create_example_tables.ts';
-import customerTotals from '../jobs/example-customer-totals.ts';
+import createTables from '${migrationImport}';
+import customerTotals from '${jobImport}';
 
 // Runs the job clean, twice, concurrently, crashed at each chunk then rerun, and under a new run
 // key, each in a fresh database (DATABASE_URL, else an embedded PostgreSQL under .idem/), and
@@ -85,25 +86,51 @@ test('create-example-tables converges however it is run', async () => {
 }, 120_000);
 `;
 
-/** The files `idem init` writes, relative to the project. */
-export const INIT_FILES: Readonly<Record<string, string>> = {
-  'migrations/0001_create_example_tables.ts': MIGRATION,
-  'jobs/example-customer-totals.ts': JOB,
-  'test/idem-examples.test.ts': TEST,
-};
+/** Where `idem init` writes, relative to the project. */
+interface InitFolders {
+  readonly jobsDir: string;
+  readonly migrationsDir: string;
+}
+
+/** A path as a file name in a message or an import: relative to `from`, with forward slashes. */
+const relativeTo = (from: string, to: string) => path.relative(from, to).split(path.sep).join('/');
+
+/**
+ * The files `idem init` writes, relative to `root`, in the folders `--jobs-dir` and
+ * `--migrations-dir` name (jobs/ and migrations/ by default); the test imports them from there.
+ */
+export function initFiles(root: string, dirs: InitFolders): Record<string, string> {
+  const migration = path.resolve(root, dirs.migrationsDir, '0001_create_example_tables.ts');
+  const job = path.resolve(root, dirs.jobsDir, 'example-customer-totals.ts');
+  const testDir = path.join(root, 'test');
+  const importPath = (file: string) => {
+    const rel = relativeTo(testDir, file);
+    return rel.startsWith('.') ? rel : `./${rel}`;
+  };
+  return {
+    [relativeTo(root, migration)]: MIGRATION,
+    [relativeTo(root, job)]: JOB,
+    'test/idem-examples.test.ts': test(importPath(migration), importPath(job)),
+  };
+}
+
+/** The files `idem init` writes with the default folders, relative to the project. */
+export const INIT_FILES: Readonly<Record<string, string>> = initFiles('.', { jobsDir: 'jobs', migrationsDir: 'migrations' });
 
 /** `idem init`: an example job, migration and convergence test in the current project. */
 export function registerInitCommand(program: Command): void {
   program
     .command('init')
-    .description('scaffold jobs/ and migrations/ with an example, a convergence test, and .idem/ in .gitignore; never overwrites a file')
+    .description('scaffold jobs/ and migrations/ (or --jobs-dir and --migrations-dir) with an example, a convergence test, and .idem/ in .gitignore; never overwrites a file')
     .action(async () => {
       const root = process.cwd();
-      const existing = Object.keys(INIT_FILES).filter((f) => existsSync(path.join(root, f)));
+      const { jobsDir, migrationsDir } = program.opts<InitFolders>();
+      const files = initFiles(root, { jobsDir, migrationsDir });
+      const existing = Object.keys(files).filter((f) => existsSync(path.join(root, f)));
       if (existing.length > 0) {
         throw new UsageError('initWouldOverwrite', `idem init would overwrite ${existing.join(', ')}; move or delete ${existing.length === 1 ? 'it' : 'them'} and run idem init again (nothing was written)`);
       }
-      for (const [file, content] of Object.entries(INIT_FILES)) {
+      for (const [file, content] of Object.entries(files)) {
         await mkdir(path.dirname(path.join(root, file)), { recursive: true });
         await writeFile(path.join(root, file), content, { flag: 'wx' });
         process.stdout.write(`created ${file}\n`);
@@ -118,13 +145,27 @@ export function registerInitCommand(program: Command): void {
         [
           '',
           'Next:',
-          '  npx idem migrate                       # create the example tables (an embedded PostgreSQL starts under .idem/ unless DATABASE_URL is set)',
-          '  npx idem run example-customer-totals   # run the example job; run it again: nothing to do',
-          '  npx idem status                        # see the runs',
+          ...nextCommands({ jobsDir, migrationsDir }),
           'and the convergence test: npm install -D vitest && npx vitest run test/idem-examples.test.ts',
           '',
         ].join('\n'),
       );
       process.exitCode = ExitCode.Ok;
     });
+}
+
+/**
+ * The commands `idem init` prints, with the folders it was given (a folder other than the default
+ * must be named to every command that reads it), aligned on their comments.
+ */
+function nextCommands(dirs: InitFolders): string[] {
+  const jobs = dirs.jobsDir === 'jobs' ? '' : ` --jobs-dir ${shellQuote(dirs.jobsDir)}`;
+  const migrations = dirs.migrationsDir === 'migrations' ? '' : ` --migrations-dir ${shellQuote(dirs.migrationsDir)}`;
+  const lines: Array<[string, string]> = [
+    [`npx idem${migrations} migrate`, 'create the example tables (an embedded PostgreSQL starts under .idem/ unless DATABASE_URL is set)'],
+    [`npx idem${jobs} run example-customer-totals`, 'run the example job; run it again: nothing to do'],
+    ['npx idem status', 'see the runs'],
+  ];
+  const width = Math.max(...lines.map(([command]) => command.length));
+  return lines.map(([command, comment]) => `  ${command.padEnd(width)}   # ${comment}`);
 }
