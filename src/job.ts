@@ -307,7 +307,7 @@ function isStandardSchema(v: unknown): v is StandardSchemaV1 {
  */
 export async function validateParams<P>(job: Job<P>, raw: unknown): Promise<P> {
   const params = await validateRawParams(job, raw);
-  const problem = unstorable(params);
+  const problem = unstorable(params, 'have the params validator return it');
   if (problem) throw new UsageError('invalidParams', `invalid params for job "${job.name}": ${problem}`);
   return params;
 }
@@ -318,16 +318,19 @@ export const MAX_PARAMS_DEPTH = 100;
 
 /**
  * Why params cannot be fingerprinted and stored as jsonb, or null when they can: a non-finite number
- * (JSON has none), a string or key with U+0000 or a lone surrogate (jsonb refuses both), nesting
- * deeper than MAX_PARAMS_DEPTH. Checked after validation, so the job's own output counts too.
+ * or a BigInt (JSON has neither: JSON.stringify threw its bare "Do not know how to serialize a
+ * BigInt", exit 1), a string or key with U+0000 or a lone surrogate (jsonb refuses both), nesting
+ * deeper than MAX_PARAMS_DEPTH. Checked after validation, so the job's own output counts too;
+ * `fix` says who should give a BigInt as a string instead.
  */
-function unstorable(value: unknown): string | null {
+function unstorable(value: unknown, fix = 'pass it'): string | null {
   const stack: Array<[unknown, string, number]> = [[value, 'params', 0]];
   const text = (s: string, path: string) =>
     s.includes('\u0000') ? `${path} contains the character U+0000, which PostgreSQL cannot store` : LONE_SURROGATE.test(s) ? `${path} is not well-formed Unicode (it has a lone surrogate)` : null;
   while (stack.length > 0) {
     const [v, path, depth] = stack.pop()!;
     if (typeof v === 'number' && !Number.isFinite(v)) return `${path} is ${v}, which JSON cannot represent`;
+    if (typeof v === 'bigint') return `${path} is a BigInt, which JSON cannot represent; ${fix} as a string (or a number within ±(2^53−1))`;
     if (typeof v === 'string') {
       const p = text(v, path);
       if (p) return p;
