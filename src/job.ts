@@ -237,19 +237,14 @@ export function assertJob(value: unknown, origin: string): Job {
     problems.push(`version must be a non-empty string (at most 200 characters) or a number (got ${JSON.stringify(def.version)})`);
   }
   const checkHealth = (setting: unknown, where: string) => {
-    if (setting === undefined) return;
-    try {
-      if (setting !== false && (typeof setting !== 'object' || setting === null)) throw new Error('health must be an object of thresholds or false');
-      resolveHealth(setting as HealthSetting);
-    } catch (err) {
-      problems.push(`${where}${(err as Error).message}`);
-    }
+    const problem = healthSettingProblem(setting);
+    if (problem) problems.push(`${where}${problem}`);
   };
   checkHealth(def.health, '');
   if (def.params !== undefined && typeof def.params !== 'function' && !isStandardSchema(def.params)) {
     problems.push('params must be a Standard Schema (zod, valibot, arktype…) or a function (raw) => params');
   }
-  if (def.throttle !== undefined) for (const m of [...unknownNestedKeys(def.throttle, THROTTLE_KEYS, ''), ...throttleProblems(def.throttle)]) problems.push(`throttle: ${m}`);
+  if (def.throttle !== undefined) for (const m of throttleSettingProblems(def.throttle)) problems.push(`throttle: ${m}`);
   if (def.retry !== undefined) for (const m of [...unknownNestedKeys(def.retry, BACKOFF_KEYS, ''), ...backoffProblems(def.retry)]) problems.push(`retry: ${m}`);
   if (!Array.isArray(def.steps) || def.steps.length === 0) {
     problems.push('steps must be a non-empty array');
@@ -264,7 +259,7 @@ export function assertJob(value: unknown, origin: string): Job {
       if (s && s.maxFailedChunks !== undefined && !(Number.isInteger(s.maxFailedChunks) && s.maxFailedChunks >= 0)) {
         problems.push(`steps[${i}].maxFailedChunks must be an integer >= 0`);
       }
-      if (s?.throttle !== undefined) for (const m of [...unknownNestedKeys(s.throttle, THROTTLE_KEYS, ''), ...throttleProblems(s.throttle)]) problems.push(`steps[${i}].throttle: ${m}`);
+      if (s?.throttle !== undefined) for (const m of throttleSettingProblems(s.throttle)) problems.push(`steps[${i}].throttle: ${m}`);
       if (s?.retry !== undefined) for (const m of [...unknownNestedKeys(s.retry, BACKOFF_KEYS, ''), ...backoffProblems(s.retry)]) problems.push(`steps[${i}].retry: ${m}`);
       if (s) checkHealth(s.health, `steps[${i}]: `);
       if (s && s.tables !== undefined) {
@@ -291,6 +286,26 @@ const STEP_KEYS: ReadonlyArray<keyof SingleStep | keyof ChunkedStep> = ['name', 
 const SCHEDULE_KEYS: ReadonlyArray<keyof ScheduleSpec> = ['cron', 'timezone'];
 const BACKOFF_KEYS: ReadonlyArray<keyof BackoffOptions> = ['base', 'max', 'factor', 'attempts'];
 const THROTTLE_KEYS: ReadonlyArray<keyof ThrottleOptions> = ['maxRate', 'pauseMs', 'targetChunkMs'];
+
+/**
+ * What is wrong with a throttle setting (a job's, a step's, or Runner.run's option): its unknown
+ * keys (`maxrate`) and its values (`maxRate: 0`). Empty when nothing is.
+ */
+export function throttleSettingProblems(throttle: unknown): string[] {
+  return [...unknownNestedKeys(throttle, THROTTLE_KEYS, ''), ...throttleProblems(throttle as ThrottleOptions)];
+}
+
+/** What is wrong with a health setting (an object of thresholds, or false), or null when nothing is. */
+export function healthSettingProblem(setting: unknown): string | null {
+  if (setting === undefined) return null;
+  try {
+    if (setting !== false && (typeof setting !== 'object' || setting === null)) throw new Error('health must be an object of thresholds or false');
+    resolveHealth(setting as HealthSetting);
+    return null;
+  } catch (err) {
+    return (err as Error).message;
+  }
+}
 
 /** unknownKeys of a nested option object, when it is one (a wrong type is reported by its own check). */
 function unknownNestedKeys(value: unknown, known: readonly string[], where: string): string[] {

@@ -21,6 +21,7 @@ import { isConnectionTrouble, isRetryable, retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
 import { checkRunKey } from './run-key.ts';
+import { refuseBadRunOptions } from './run-options.ts';
 import { unknownKeys } from './suggest.ts';
 import { POSTGRES_NAME_BYTES, WORKER } from './worker-identity.ts';
 
@@ -394,7 +395,8 @@ export class Runner {
   }
 
   /** Runs a job to completion (or finds it done). Throws an IdemError subclass on every other outcome. */
-  run(job: Job, opts: RunJobOptions = {}): Promise<RunOutcome> {
+  async run(job: Job, opts: RunJobOptions = {}): Promise<RunOutcome> {
+    refuseBadRunOptions('Runner.run()', opts);
     return this.#inFlightRun(opts, (signals) => this.#run(job, { ...opts, ...signals }));
   }
 
@@ -521,7 +523,8 @@ export class Runner {
    * Runs ordered migrations under one lock: every pod of a deploy may call this at once; one works,
    * the others wait (by default) and then find each migration done.
    */
-  migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: MigrateOptions = {}): Promise<RunOutcome[]> {
+  async migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: MigrateOptions = {}): Promise<RunOutcome[]> {
+    refuseBadRunOptions('Runner.migrate()', opts);
     return this.#inFlightRun(opts, (signals) => this.#migrate(migrations, { ...opts, ...signals }));
   }
 

@@ -48,6 +48,50 @@ function expectUsage(err: Error, code: string, message: string): void {
   expect(exitCodeOf(err)).toBe(2);
 }
 
+describe('an options object with a key the method does not know (B2 round 15)', () => {
+  it('Runner.run refuses it, naming the key meant, and runs nothing', async () => {
+    const calls = { n: 0 };
+    const job = countingJob('opt-typo', calls);
+    const cases: Array<[Record<string, unknown>, string]> = [
+      [{ key: 'dry-1', dryrun: true }, 'unknown key "dryrun" (did you mean "dryRun"?)'],
+      [{ kye: 'k' }, 'unknown key "kye" (did you mean "key"?)'],
+      [{ key: 'k', concurency: 2 }, 'unknown key "concurency" (did you mean "concurrency"?)'],
+      [{ key: 'k', throttle: { maxrate: 0.001 } }, 'throttle: unknown key "maxrate" (did you mean "maxRate"?)'],
+    ];
+    for (const [opts, problem] of cases) {
+      const err = await rejectionOf(runner.run(job, opts as never));
+      expectUsage(err, 'idem.invalidOptions', `Runner.run(): invalid options: ${problem}`);
+    }
+    const notObject = await rejectionOf(runner.run(job, 'dry-1' as never));
+    expectUsage(notObject, 'idem.invalidOptions', "Runner.run(): options must be an object, such as { key: 'day-1', params: {…} } (got a string)");
+    const wrongType = await rejectionOf(runner.run(job, { key: 'k', dryRun: 'yes', wait: -1 } as never));
+    expectUsage(wrongType, 'idem.invalidOptions', 'Runner.run(): invalid options: dryRun must be true or false (got "yes"); wait must be true, false or a number of seconds >= 0 (got -1)');
+    expect(calls.n).toBe(0);
+    expect(await runsOf('opt-typo')).toBe(0);
+  });
+
+  it('finalizeRun, Runner.migrate and finalizeMigration refuse theirs too, before reading or writing anything', async () => {
+    const calls = { n: 0 };
+    const job = countingJob('opt-typo-fin', calls);
+    const typo = await rejectionOf(finalizeRun(runner, job, { key: 'f', timeoutSecond: 5 } as never));
+    expectUsage(typo, 'idem.invalidOptions', 'finalizeRun(): invalid options: unknown key "timeoutSecond" (did you mean "timeoutSeconds"?)');
+    const negative = await rejectionOf(finalizeRun(runner, job, { key: 'f', timeoutSeconds: -5 }));
+    expectUsage(negative, 'idem.invalidOptions', 'finalizeRun(): invalid options: timeoutSeconds must be a number of seconds >= 0 (got -5)');
+    const noKey = await rejectionOf(finalizeRun(runner, job, {} as never));
+    expectUsage(noKey, 'idem.invalidOptions', 'finalizeRun(): invalid options: key is required: the key of the run to finalize');
+    const migration = countingJob('opt-typo-mig', calls);
+    const wiat = await rejectionOf(runner.migrate([{ runKey: '0001', job: migration }], { wiat: true } as never));
+    expectUsage(wiat, 'idem.invalidOptions', 'Runner.migrate(): invalid options: unknown key "wiat" (did you mean "wait"?)');
+    const keyGiven = await rejectionOf(runner.migrate([{ runKey: '0001', job: migration }], { key: 'x' } as never));
+    expect(keyGiven.message).toMatch(/^Runner\.migrate\(\): invalid options: unknown key "key" \(/);
+    const fin = await rejectionOf(finalizeMigration(runner, [{ runKey: '0001', job: migration }], '0001', { timeoutSecond: 1 } as never));
+    expectUsage(fin, 'idem.invalidOptions', 'finalizeMigration(): invalid options: unknown key "timeoutSecond" (did you mean "timeoutSeconds"?)');
+    expect(calls.n).toBe(0);
+    expect(await runsOf('opt-typo-fin')).toBe(0);
+    expect(await runsOf('opt-typo-mig')).toBe(0);
+  });
+});
+
 describe('params a validator returns with a BigInt in them (B2 round 15)', () => {
   const bigintJob = (name: string) => defineJob({ name, params: (raw: any) => ({ id: BigInt(raw.id) }), steps: [{ name: 's', run: () => {} }] });
   const MESSAGE = (job: string) => `invalid params for job "${job}": params.id is a BigInt, which JSON cannot represent; have the params validator return it as a string (or a number within ±(2^53−1))`;
