@@ -56,7 +56,6 @@ export function refuseBadRunOptions(fn: keyof typeof ENTRY_POINTS, given: unknow
   for (const k of ['dryRun', 'join', 'retrySkipped', 'allowChangedCode', 'resumeFailed']) {
     if (given_(k) && typeof o[k] !== 'boolean') problems.push(`${k} must be true or false (got ${shown(o[k])})`);
   }
-  const KEYS_ONLY = (m: string) => m.startsWith('unknown key');
   const seconds = (v: unknown) => typeof v === 'number' && Number.isFinite(v) && v >= 0;
   if (given_('wait') && !(typeof o.wait === 'boolean' || seconds(o.wait))) problems.push(`wait must be true, false or a number of seconds >= 0 (got ${shown(o.wait)})`);
   if (given_('timeoutSeconds') && !seconds(o.timeoutSeconds)) problems.push(`timeoutSeconds must be a number of seconds >= 0 (got ${shown(o.timeoutSeconds)})`);
@@ -69,7 +68,8 @@ export function refuseBadRunOptions(fn: keyof typeof ENTRY_POINTS, given: unknow
     if (given_(k) && typeof o[k] !== 'function') problems.push(`${k} must be a function (got ${shown(o[k])})`);
   }
   if (given_('slot') && !(o.slot === null || (o.slot instanceof Date && !Number.isNaN(o.slot.getTime())))) problems.push(`slot must be a Date or null (got ${shown(o.slot)})`);
-  if (given_('throttle')) for (const m of throttleSettingProblems(o.throttle).filter(KEYS_ONLY)) problems.push(`throttle: ${m}`);
+  // Checked here, as defineJob checks a job's: inside the run it failed the run in step "(runner)".
+  if (given_('throttle')) for (const m of throttleSettingProblems(o.throttle)) problems.push(`throttle: ${m}`);
   if (given_('health')) {
     const problem = healthSettingProblem(o.health);
     if (problem) problems.push(`health: ${problem}`);

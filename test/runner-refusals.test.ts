@@ -92,6 +92,30 @@ describe('an options object with a key the method does not know (B2 round 15)', 
   });
 });
 
+describe('an invalid throttle given to Runner.run (B2 round 15)', () => {
+  it('is refused up front as defineJob refuses it, and a valid one then runs attempt 1', async () => {
+    const calls = { n: 0 };
+    const job = countingJob('bad-throttle', calls);
+    const cases: Array<[unknown, string]> = [
+      [{ maxRate: 0 }, 'maxRate must be > 0 (got 0)'],
+      [{ maxRate: -1 }, 'maxRate must be > 0 (got -1)'],
+      [{ pauseMs: -1 }, 'pauseMs must be >= 0 (got -1)'],
+      [{ pauseMs: 'x' }, 'pauseMs must be >= 0 (got "x")'],
+      [{ targetChunkMs: 0 }, 'targetChunkMs must be > 0 (got 0)'],
+      ['fast', 'throttle must be an object { maxRate?, pauseMs?, targetChunkMs? }'],
+    ];
+    for (const [throttle, problem] of cases) {
+      const err = await rejectionOf(runner.run(job, { key: 't', throttle } as never));
+      expectUsage(err, 'idem.invalidOptions', `Runner.run(): invalid options: throttle: ${problem}`);
+    }
+    expect(calls.n).toBe(0);
+    expect(await runsOf('bad-throttle')).toBe(0);
+    const ok = await runner.run(job, { key: 't', throttle: { maxRate: 100 } });
+    expect(ok).toMatchObject({ status: 'succeeded', attempt: 1 });
+    expect(calls.n).toBe(1);
+  });
+});
+
 describe('params a validator returns with a BigInt in them (B2 round 15)', () => {
   const bigintJob = (name: string) => defineJob({ name, params: (raw: any) => ({ id: BigInt(raw.id) }), steps: [{ name: 's', run: () => {} }] });
   const MESSAGE = (job: string) => `invalid params for job "${job}": params.id is a BigInt, which JSON cannot represent; have the params validator return it as a string (or a number within ±(2^53−1))`;
