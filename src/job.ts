@@ -277,6 +277,17 @@ export function assertJob(value: unknown, origin: string): Job {
   return Object.freeze({ ...(def as JobDefinition), steps: Object.freeze([...(def.steps as Step[])]) });
 }
 
+/**
+ * What a migration may not declare, though a job may: it runs once per database under its run key
+ * (its file name), so params and a schedule would be silently ignored.
+ */
+export function migrationProblems(job: Job): string[] {
+  const problems: string[] = [];
+  if (job.params !== undefined) problems.push('a migration takes no params (it runs once per database, with its file name as run key): remove params, or make it a job in the jobs folder');
+  if (job.schedule !== undefined) problems.push('a migration has no schedule (idem migrate runs it, once): remove schedule, or make it a job in the jobs folder');
+  return problems;
+}
+
 /** Every key a job definition may have; any other is refused (a typo such as `schedual` would otherwise do nothing). */
 const JOB_KEYS: ReadonlyArray<keyof JobDefinition> = ['name', 'description', 'version', 'params', 'steps', 'retry', 'throttle', 'health', 'schedule'];
 /** Every key a step may have. */

@@ -11,7 +11,7 @@ import { fingerprint, lockKey } from './fingerprint.ts';
 import { adoptCodeFingerprint, codeFingerprint, recordCodeFingerprint, refuseChangedCode, short } from './code-fingerprint.ts';
 import { recordedFailure } from './finalize.ts';
 import { assertNotStandby, refuseOnStandby, type HealthSetting } from './health-check.ts';
-import { validateParams, type Job, type Json } from './job.ts';
+import { assertJob, migrationProblems, validateParams, type Job, type Json } from './job.ts';
 import { keyLabel } from './key-label.ts';
 import { faultPoint } from './fault-points.ts';
 import { silentLogger } from './log.ts';
@@ -74,6 +74,48 @@ function refuseSchemaName(schema: string): void {
   }
   const system = schema.startsWith('pg_') ? 'the pg_ prefix is reserved' : schema === 'information_schema' ? "the SQL standard's catalog views" : null;
   if (system) throw new UsageError('invalidSchema', `schema name "${schema}" is a PostgreSQL system schema (${system}), where idem must not create its tables; use a schema of its own (the default is ${DEFAULT_SCHEMA})`);
+}
+
+/**
+ * A job given to run() or migrate(), checked as the CLI's loader and idem/testing check one, before
+ * anything is written: a plain object (not defineJob's) ran as far as it got, a failed run with
+ * JS's "Cannot read properties of undefined (reading 'map')" for missing steps, and a name the CLI
+ * refuses was stored. The caller's object is what runs (the code fingerprint knows a job file's
+ * hash by it); the checked copy assertJob returns is dropped. The check is cheap (no I/O).
+ */
+function refuseBadJob(job: unknown, origin: string): void {
+  if (job === null || typeof job !== 'object') {
+    const got = job === null ? 'null' : job === undefined ? 'undefined' : `a ${typeof job}`;
+    throw new UsageError('invalidJob', `${origin}: the job must be a job definition (what defineJob returns), got ${got}`);
+  }
+  assertJob(job, origin);
+}
+
+/**
+ * Runner.migrate's list, checked as `idem migrate` checks its folder before anything is written:
+ * an array of { runKey, job }, each run key valid and given once (two migrations under one key
+ * would be one run: the second found done), each job valid and a migration's (no params, no schedule).
+ */
+function refuseBadMigrations(migrations: unknown): void {
+  const fn = 'Runner.migrate()';
+  if (!Array.isArray(migrations)) {
+    const got = migrations === null ? 'null' : typeof migrations === 'object' ? 'an object' : `a ${typeof migrations}`;
+    throw new UsageError('invalidMigration', `${fn}: migrations must be an array of { runKey, job } (got ${got})`);
+  }
+  const seen = new Map<string, number>();
+  migrations.forEach((m: unknown, i) => {
+    if (m === null || typeof m !== 'object' || Array.isArray(m)) throw new UsageError('invalidMigration', `${fn}: migrations[${i}] must be an object { runKey, job }`);
+    const unknown = unknownKeys(m, ['runKey', 'job'], `migrations[${i}]: `);
+    if (unknown.length > 0) throw new UsageError('invalidMigration', `${fn}: ${unknown.join('; ')}`);
+    const { runKey, job } = m as { runKey: unknown; job: unknown };
+    checkRunKey(runKey as string, `migration key of job "${(job as Job | null)?.name}"`);
+    refuseBadJob(job, `${fn}: migration ${runKey as string}`);
+    const problems = migrationProblems(job as Job);
+    if (problems.length > 0) throw new UsageError('invalidMigration', `${fn}: migration ${runKey as string}: ${problems.join('; ')}`);
+    const first = seen.get(runKey as string);
+    if (first !== undefined) throw new UsageError('invalidMigration', `${fn}: run key "${runKey as string}" is given twice (migrations[${first}] and migrations[${i}]); give each migration a run key of its own`);
+    seen.set(runKey as string, i);
+  });
 }
 
 /** Default name of the schema holding idem's own tables. */
@@ -396,6 +438,7 @@ export class Runner {
 
   /** Runs a job to completion (or finds it done). Throws an IdemError subclass on every other outcome. */
   async run(job: Job, opts: RunJobOptions = {}): Promise<RunOutcome> {
+    refuseBadJob(job, 'Runner.run()');
     refuseBadRunOptions('Runner.run()', opts);
     return this.#inFlightRun(opts, (signals) => this.#run(job, { ...opts, ...signals }));
   }
@@ -524,13 +567,13 @@ export class Runner {
    * the others wait (by default) and then find each migration done.
    */
   async migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: MigrateOptions = {}): Promise<RunOutcome[]> {
+    refuseBadMigrations(migrations);
     refuseBadRunOptions('Runner.migrate()', opts);
     return this.#inFlightRun(opts, (signals) => this.#migrate(migrations, { ...opts, ...signals }));
   }
 
   async #migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: MigrateOptions): Promise<RunOutcome[]> {
     this.#checkConcurrency(opts.concurrency);
-    for (const m of migrations) checkRunKey(m.runKey, `migration key of job "${m.job?.name}"`);
     const outcomes: RunOutcome[] = [];
     const record = (outcome: RunOutcome) => {
       outcomes.push(outcome);

@@ -116,6 +116,59 @@ describe('an invalid throttle given to Runner.run (B2 round 15)', () => {
   });
 });
 
+describe('a job not made by defineJob, given to Runner.run or Runner.migrate (B2 round 15)', () => {
+  it('Runner.run checks it as defineJob does, before writing anything', async () => {
+    const cases: Array<[unknown, string]> = [
+      [{ name: 'plain-bad' }, 'Runner.run(): invalid job definition: steps must be a non-empty array'],
+      [{ name: 'plain-bad2', steps: [{ name: 's' }] }, 'Runner.run(): invalid job definition: steps[0].run must be a function'],
+      [
+        { name: 'bad name!', steps: [{ name: 's', run: () => {} }] },
+        'Runner.run(): invalid job definition: name must match /^[a-z0-9][a-z0-9._:-]{0,99}$/i (letters, digits and . _ : -, starting with a letter or digit, at most 100 characters, got "bad name!")',
+      ],
+      [{ name: 'plain-extra', steps: [{ name: 's', run: () => {} }], schedual: '0 3 * * *' }, 'Runner.run(): invalid job definition: unknown key "schedual" (did you mean "schedule"?)'],
+    ];
+    for (const [job, message] of cases) {
+      const err = await rejectionOf(runner.run(job as Job, { key: 'k' }));
+      expectUsage(err, 'idem.invalidJob', message);
+    }
+    for (const job of [undefined, null, 'plain-bad']) {
+      const err = await rejectionOf(runner.run(job as never, { key: 'k' }));
+      expectUsage(err, 'idem.invalidJob', `Runner.run(): the job must be a job definition (what defineJob returns), got ${job === null ? 'null' : job === undefined ? 'undefined' : 'a string'}`);
+    }
+    const [row] = await query<{ n: number }>(url, "select count(*)::int as n from idem.runs where job in ('plain-bad', 'plain-bad2', 'bad name!', 'plain-extra')");
+    const n = row!.n;
+    expect(n).toBe(0);
+  });
+
+  it('Runner.migrate checks each job, and refuses a run key given twice and a migration taking params', async () => {
+    const calls = { n: 0 };
+    const good = countingJob('lm-good', calls);
+    const plain = await rejectionOf(runner.migrate([{ runKey: '0011', job: { name: 'lm-h' } as Job }]));
+    expectUsage(plain, 'idem.invalidJob', 'Runner.migrate(): migration 0011: invalid job definition: steps must be a non-empty array');
+    const twice = await rejectionOf(runner.migrate([{ runKey: '0011', job: good }, { runKey: '0011', job: countingJob('lm-other', calls) }]));
+    expectUsage(twice, 'idem.invalidMigration', 'Runner.migrate(): run key "0011" is given twice (migrations[0] and migrations[1]); give each migration a run key of its own');
+    const withParams = defineJob({ name: 'lm-params', params: (raw: unknown) => raw as { n?: number }, steps: [{ name: 's', run: () => void calls.n++ }] });
+    const params = await rejectionOf(runner.migrate([{ runKey: '0012', job: withParams }]));
+    expectUsage(
+      params,
+      'idem.invalidMigration',
+      'Runner.migrate(): migration 0012: a migration takes no params (it runs once per database, with its file name as run key): remove params, or make it a job in the jobs folder',
+    );
+    const extra = await rejectionOf(runner.migrate([{ runKey: '0013', job: good, runkey: 'x' } as never]));
+    expectUsage(extra, 'idem.invalidMigration', 'Runner.migrate(): migrations[0]: unknown key "runkey" (did you mean "runKey"?)');
+    const notArray = await rejectionOf(runner.migrate({ runKey: '0013', job: good } as never));
+    expectUsage(notArray, 'idem.invalidMigration', 'Runner.migrate(): migrations must be an array of { runKey, job } (got an object)');
+    expect(calls.n).toBe(0);
+    const [row] = await query<{ n: number }>(url, "select count(*)::int as n from idem.runs where job in ('lm-h', 'lm-good', 'lm-other', 'lm-params')");
+    const n = row!.n;
+    expect(n).toBe(0);
+    // The same migrations given right run.
+    const [out] = await runner.migrate([{ runKey: '0011', job: good }]);
+    expect(out).toMatchObject({ status: 'succeeded', runKey: '0011' });
+    expect(calls.n).toBe(1);
+  });
+});
+
 describe('params a validator returns with a BigInt in them (B2 round 15)', () => {
   const bigintJob = (name: string) => defineJob({ name, params: (raw: any) => ({ id: BigInt(raw.id) }), steps: [{ name: 's', run: () => {} }] });
   const MESSAGE = (job: string) => `invalid params for job "${job}": params.id is a BigInt, which JSON cannot represent; have the params validator return it as a string (or a number within ±(2^53−1))`;
