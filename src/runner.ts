@@ -53,7 +53,34 @@ function refuseBadOptions(given: unknown): void {
   const aliased = Object.keys(given).some((k) => Object.hasOwn(CONNECTION_STRING_ALIASES, k));
   if (cs === undefined && !aliased) problems.push(`connectionString is required: ${URL_FORM}`);
   else if (cs !== undefined && typeof cs !== 'string') problems.push(`connectionString must be a string (got ${cs === null ? 'null' : `a${typeof cs === 'object' ? 'n' : ''} ${typeof cs}`}): ${URL_FORM}`);
+  problems.push(...optionValueProblems(given as Record<string, unknown>));
   if (problems.length > 0) throw new UsageError('invalidOptions', `Runner.connect(): invalid options: ${problems.join('; ')}`);
+}
+
+/**
+ * Runner.connect's option values that cannot work, refused before connecting: a poolSize below
+ * what a run needs (1 waited 10 s and said "cannot connect to the database"; -1 left a
+ * top-level-await script to exit 13 silently; 0, 2 and 1.5 were taken and every run() was then
+ * refused, idem.poolTooSmall), a timeout below its bound, a flag that is not a boolean.
+ */
+function optionValueProblems(o: Record<string, unknown>): string[] {
+  const problems: string[] = [];
+  const shown = (v: unknown) => (typeof v === 'function' ? 'a function' : typeof v === 'bigint' ? `${v}n` : (JSON.stringify(v) ?? String(v)));
+  const minPool = 1 + POOL_HEADROOM;
+  if (o.poolSize !== undefined && !(Number.isInteger(o.poolSize) && (o.poolSize as number) >= minPool)) {
+    problems.push(`poolSize must be an integer >= ${minPool}: a run needs a connection per concurrent chunk plus ${POOL_HEADROOM} (planning ahead, effects and control polls) (got ${shown(o.poolSize)})`);
+  }
+  const lockIdle = o.lockIdleTimeoutMs;
+  if (lockIdle !== undefined && !(Number.isInteger(lockIdle) && (lockIdle === 0 || (lockIdle as number) >= 20_000))) {
+    problems.push(`lockIdleTimeoutMs must be 0 (off) or an integer of at least 20000 ms, ten of the lock's 2 s checks (got ${shown(lockIdle)})`);
+  }
+  const idle = o.idleInTransactionTimeoutMs;
+  if (idle !== undefined && !(Number.isInteger(idle) && (idle as number) >= 0)) problems.push(`idleInTransactionTimeoutMs must be an integer number of ms >= 0, 0 turning it off (got ${shown(idle)})`);
+  for (const k of ['readOnly', 'createSchema']) if (o[k] !== undefined && typeof o[k] !== 'boolean') problems.push(`${k} must be true or false (got ${shown(o[k])})`);
+  for (const k of ['schema', 'connectionSource']) if (o[k] !== undefined && typeof o[k] !== 'string') problems.push(`${k} must be a string (got ${shown(o[k])})`);
+  if (o.beforeSchema !== undefined && typeof o.beforeSchema !== 'function') problems.push(`beforeSchema must be a function (got ${shown(o.beforeSchema)})`);
+  if (o.log !== undefined && (o.log === null || typeof (o.log as { child?: unknown }).child !== 'function')) problems.push('log must be a pino Logger (an object with child())');
+  return problems;
 }
 
 /**
@@ -340,10 +367,6 @@ export class Runner {
     // as for the CLI: pg would read a leading space as the host, a trailing one into the database name.
     const opts = typeof given?.connectionString === 'string' ? { ...given, connectionString: given.connectionString.trim() } : given;
     const schema = opts.schema ?? DEFAULT_SCHEMA;
-    const lockIdle = opts.lockIdleTimeoutMs;
-    if (lockIdle !== undefined && !(Number.isInteger(lockIdle) && (lockIdle === 0 || lockIdle >= 20_000))) {
-      throw new TypeError(`lockIdleTimeoutMs must be 0 (off) or an integer of at least 20000 ms, ten of the lock's 2 s checks (got ${lockIdle})`);
-    }
     refuseSchemaName(schema);
     const log = opts.log ?? silentLogger();
     const database = await openDatabase(opts.connectionString, {

@@ -196,3 +196,50 @@ describe('params a validator returns with a BigInt in them (B2 round 15)', () =>
     }
   });
 });
+
+describe('Runner.connect given a pool or timeout it cannot work with (B2 round 15)', () => {
+  it('refuses it before connecting, naming the bound and why', async () => {
+    const need = 'a run needs a connection per concurrent chunk plus 2 (planning ahead, effects and control polls)';
+    const cases: Array<[Record<string, unknown>, string]> = [
+      [{ poolSize: 1 }, `poolSize must be an integer >= 3: ${need} (got 1)`],
+      [{ poolSize: 2 }, `poolSize must be an integer >= 3: ${need} (got 2)`],
+      [{ poolSize: 0 }, `poolSize must be an integer >= 3: ${need} (got 0)`],
+      [{ poolSize: -3 }, `poolSize must be an integer >= 3: ${need} (got -3)`],
+      [{ poolSize: 1.5 }, `poolSize must be an integer >= 3: ${need} (got 1.5)`],
+      [{ lockIdleTimeoutMs: -1 }, "lockIdleTimeoutMs must be 0 (off) or an integer of at least 20000 ms, ten of the lock's 2 s checks (got -1)"],
+      [{ idleInTransactionTimeoutMs: -5 }, 'idleInTransactionTimeoutMs must be an integer number of ms >= 0, 0 turning it off (got -5)'],
+      [{ readOnly: 'yes' }, 'readOnly must be true or false (got "yes")'],
+      [{ schema: 5 }, 'schema must be a string (got 5)'],
+    ];
+    for (const [opts, problem] of cases) {
+      const started = Date.now();
+      const err = await rejectionOf(Runner.connect({ connectionString: url, schema: 'never_made', ...opts } as never));
+      expect(err, JSON.stringify(opts)).toBeInstanceOf(UsageError);
+      expect((err as UsageError).code).toBe('idem.invalidOptions');
+      expect(err.message).toBe(`Runner.connect(): invalid options: ${problem}`);
+      expect(exitCodeOf(err)).toBe(2);
+      expect(Date.now() - started).toBeLessThan(2_000);
+    }
+    // Nothing was created: the schema these runners would have made is not there.
+    const [row] = await query<{ there: boolean }>(url, "select exists (select 1 from pg_namespace where nspname = 'never_made') as there");
+    const there = row!.there;
+    expect(there).toBe(false);
+  });
+
+  it('a top-level-await script given poolSize -1 ends with the one-line error, exit 2 (it exited 13 silently)', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'idem-pool-'));
+    try {
+      const index = new URL('../dist/index.js', import.meta.url).href;
+      writeFileSync(
+        join(dir, 'script.mjs'),
+        `import { Runner, exitCodeOf } from ${JSON.stringify(index)};\ntry { await Runner.connect({ connectionString: process.env.DATABASE_URL, poolSize: -1 }); } catch (err) { console.error(err.message); process.exit(exitCodeOf(err)); }\n`,
+      );
+      const { spawnSync } = await import('node:child_process');
+      const r = spawnSync(process.execPath, [join(dir, 'script.mjs')], { env: { ...process.env, DATABASE_URL: url }, encoding: 'utf8', timeout: 30_000 });
+      expect(r.stderr).toContain('Runner.connect(): invalid options: poolSize must be an integer >= 3');
+      expect(r.status).toBe(2);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+});
