@@ -439,6 +439,11 @@ export class Runner {
       return c.signal;
     };
     const signal = follow([this.#closing.signal, ...(caller.signal ? [caller.signal] : [])]);
+    // Stopped before it started: nothing to record (a run row created only to read `interrupted`).
+    if (signal.aborted) {
+      for (const u of undo) u();
+      throw signal.reason;
+    }
     const running = body({ signal, ...(caller.abortSignal ? { abortSignal: follow([caller.abortSignal]) } : {}) });
     const settled = running.then(
       () => {},

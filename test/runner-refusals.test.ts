@@ -243,3 +243,19 @@ describe('Runner.connect given a pool or timeout it cannot work with (B2 round 1
     }
   });
 });
+
+describe('Runner.run given a signal already aborted (B2 round 15)', () => {
+  it('throws InterruptedError (143) and writes no run', async () => {
+    const calls = { n: 0 };
+    const job = countingJob('pre-aborted', calls);
+    const err = await rejectionOf(runner.run(job, { key: 'k', signal: AbortSignal.abort() }));
+    expect(err).toBeInstanceOf(InterruptedError);
+    expect(exitCodeOf(err)).toBe(143);
+    expect(err.message).toMatch(/^stopped by the caller's AbortSignal \(This operation was aborted\)/);
+    const migrated = await rejectionOf(runner.migrate([{ runKey: '0001', job }], { signal: AbortSignal.abort('SIGINT') }));
+    expect(migrated).toBeInstanceOf(InterruptedError);
+    expect(exitCodeOf(migrated)).toBe(130);
+    expect(calls.n).toBe(0);
+    expect(await runsOf('pre-aborted')).toBe(0);
+  });
+});
