@@ -27,7 +27,7 @@ const ENTRY_POINTS = {
 } as const;
 
 /** `"yes"`, `-1`, `a function`: a value as a refusal quotes it. */
-function shown(v: unknown): string {
+export function shown(v: unknown): string {
   if (typeof v === 'function') return 'a function';
   if (typeof v === 'bigint') return `${v}n`;
   try {

@@ -21,7 +21,7 @@ import { isConnectionTrouble, isRetryable, retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
 import { checkRunKey } from './run-key.ts';
-import { refuseBadRunOptions } from './run-options.ts';
+import { refuseBadRunOptions, shown } from './run-options.ts';
 import { unknownKeys } from './suggest.ts';
 import { POSTGRES_NAME_BYTES, WORKER } from './worker-identity.ts';
 
@@ -65,7 +65,6 @@ function refuseBadOptions(given: unknown): void {
  */
 function optionValueProblems(o: Record<string, unknown>): string[] {
   const problems: string[] = [];
-  const shown = (v: unknown) => (typeof v === 'function' ? 'a function' : typeof v === 'bigint' ? `${v}n` : (JSON.stringify(v) ?? String(v)));
   const minPool = 1 + POOL_HEADROOM;
   if (o.poolSize !== undefined && !(Number.isInteger(o.poolSize) && (o.poolSize as number) >= minPool)) {
     problems.push(`poolSize must be an integer >= ${minPool}: a run needs a connection per concurrent chunk plus ${POOL_HEADROOM} (planning ahead, effects and control polls) (got ${shown(o.poolSize)})`);
