@@ -7,6 +7,7 @@ import { keyLabel } from './key-label.ts';
 import type { RunJobOptions, Runner, RunOutcome } from './runner.ts';
 import type { RunRow } from './store.ts';
 import { continueCommand, shellQuote } from './shell-quote.ts';
+import { refuseBadRunOptions } from './run-options.ts';
 
 /** How finalize got the run to succeeded. */
 export type FinalizeHow = 'already-succeeded' | 'waited' | 'ran-inline';
@@ -32,6 +33,7 @@ export interface FinalizeOptions extends Pick<RunJobOptions, 'concurrency' | 'si
  * @example await finalizeRun(runner, job, { key: 'backfill-2026-11', timeoutSeconds: 600 });
  */
 export async function finalizeRun(runner: Runner, job: Job, opts: FinalizeOptions): Promise<FinalizeOutcome> {
+  refuseBadRunOptions('finalizeRun()', opts ?? null);
   // A key that is a slot of the job's schedule is that slot's run (ctx.slot), as `idem run --key`
   // runs it; a slot-shaped key off the schedule, or not due yet, is refused before anything is read.
   const slot = slotOfJobKey(job, opts.key);
@@ -80,6 +82,7 @@ export async function finalizeMigration(
   name: string,
   opts: Omit<FinalizeOptions, 'key' | 'params'> = {},
 ): Promise<FinalizeOutcome[]> {
+  refuseBadRunOptions('finalizeMigration()', opts);
   const index = migrations.findIndex((m) => m.runKey === name || m.job.name === name);
   if (index < 0) {
     const known = migrations.map((m) => m.runKey).join(', ') || 'none';

@@ -243,19 +243,14 @@ export function assertJob(value: unknown, origin: string): Job {
     problems.push(`version must be a non-empty string (at most 200 characters) or a number (got ${JSON.stringify(def.version)})`);
   }
   const checkHealth = (setting: unknown, where: string) => {
-    if (setting === undefined) return;
-    try {
-      if (setting !== false && (typeof setting !== 'object' || setting === null)) throw new Error('health must be an object of thresholds or false');
-      resolveHealth(setting as HealthSetting);
-    } catch (err) {
-      problems.push(`${where}${(err as Error).message}`);
-    }
+    const problem = healthSettingProblem(setting);
+    if (problem) problems.push(`${where}${problem}`);
   };
   checkHealth(def.health, '');
   if (def.params !== undefined && typeof def.params !== 'function' && !isStandardSchema(def.params)) {
     problems.push('params must be a Standard Schema (zod, valibot, arktype…) or a function (raw) => params');
   }
-  if (def.throttle !== undefined) for (const m of [...unknownNestedKeys(def.throttle, THROTTLE_KEYS, ''), ...throttleProblems(def.throttle)]) problems.push(`throttle: ${m}`);
+  if (def.throttle !== undefined) for (const m of throttleSettingProblems(def.throttle)) problems.push(`throttle: ${m}`);
   if (def.retry !== undefined) for (const m of [...unknownNestedKeys(def.retry, BACKOFF_KEYS, ''), ...backoffProblems(def.retry)]) problems.push(`retry: ${m}`);
   if (!Array.isArray(def.steps) || def.steps.length === 0) {
     problems.push('steps must be a non-empty array');
@@ -270,7 +265,7 @@ export function assertJob(value: unknown, origin: string): Job {
       if (s && s.maxFailedChunks !== undefined && !(Number.isInteger(s.maxFailedChunks) && s.maxFailedChunks >= 0)) {
         problems.push(`steps[${i}].maxFailedChunks must be an integer >= 0`);
       }
-      if (s?.throttle !== undefined) for (const m of [...unknownNestedKeys(s.throttle, THROTTLE_KEYS, ''), ...throttleProblems(s.throttle)]) problems.push(`steps[${i}].throttle: ${m}`);
+      if (s?.throttle !== undefined) for (const m of throttleSettingProblems(s.throttle)) problems.push(`steps[${i}].throttle: ${m}`);
       if (s?.retry !== undefined) for (const m of [...unknownNestedKeys(s.retry, BACKOFF_KEYS, ''), ...backoffProblems(s.retry)]) problems.push(`steps[${i}].retry: ${m}`);
       if (s) checkHealth(s.health, `steps[${i}]: `);
       if (s && s.tables !== undefined) {
@@ -288,6 +283,17 @@ export function assertJob(value: unknown, origin: string): Job {
   return Object.freeze({ ...(def as JobDefinition), steps: Object.freeze([...(def.steps as Step[])]) });
 }
 
+/**
+ * What a migration may not declare, though a job may: it runs once per database under its run key
+ * (its file name), so params and a schedule would be silently ignored.
+ */
+export function migrationProblems(job: Job): string[] {
+  const problems: string[] = [];
+  if (job.params !== undefined) problems.push('a migration takes no params (it runs once per database, with its file name as run key): remove params, or make it a job in the jobs folder');
+  if (job.schedule !== undefined) problems.push('a migration has no schedule (idem migrate runs it, once): remove schedule, or make it a job in the jobs folder');
+  return problems;
+}
+
 /** Every key a job definition may have; any other is refused (a typo such as `schedual` would otherwise do nothing). */
 const JOB_KEYS: ReadonlyArray<keyof JobDefinition> = ['name', 'description', 'version', 'params', 'steps', 'retry', 'throttle', 'health', 'schedule'];
 /** Every key a step may have. */
@@ -297,6 +303,26 @@ const STEP_KEYS: ReadonlyArray<keyof SingleStep | keyof ChunkedStep> = ['name', 
 const SCHEDULE_KEYS: ReadonlyArray<keyof ScheduleSpec> = ['cron', 'timezone'];
 const BACKOFF_KEYS: ReadonlyArray<keyof BackoffOptions> = ['base', 'max', 'factor', 'attempts'];
 const THROTTLE_KEYS: ReadonlyArray<keyof ThrottleOptions> = ['maxRate', 'pauseMs', 'targetChunkMs'];
+
+/**
+ * What is wrong with a throttle setting (a job's, a step's, or Runner.run's option): its unknown
+ * keys (`maxrate`) and its values (`maxRate: 0`). Empty when nothing is.
+ */
+export function throttleSettingProblems(throttle: unknown): string[] {
+  return [...unknownNestedKeys(throttle, THROTTLE_KEYS, ''), ...throttleProblems(throttle as ThrottleOptions)];
+}
+
+/** What is wrong with a health setting (an object of thresholds, or false), or null when nothing is. */
+export function healthSettingProblem(setting: unknown): string | null {
+  if (setting === undefined) return null;
+  try {
+    if (setting !== false && (typeof setting !== 'object' || setting === null)) throw new Error('health must be an object of thresholds or false');
+    resolveHealth(setting as HealthSetting);
+    return null;
+  } catch (err) {
+    return (err as Error).message;
+  }
+}
 
 /** unknownKeys of a nested option object, when it is one (a wrong type is reported by its own check). */
 function unknownNestedKeys(value: unknown, known: readonly string[], where: string): string[] {
@@ -313,7 +339,7 @@ function isStandardSchema(v: unknown): v is StandardSchemaV1 {
  */
 export async function validateParams<P>(job: Job<P>, raw: unknown): Promise<P> {
   const params = await validateRawParams(job, raw);
-  const problem = unstorable(params);
+  const problem = unstorable(params, 'have the params validator return it');
   if (problem) throw new UsageError('invalidParams', `invalid params for job "${job.name}": ${problem}`);
   return params;
 }
@@ -324,16 +350,19 @@ export const MAX_PARAMS_DEPTH = 100;
 
 /**
  * Why params cannot be fingerprinted and stored as jsonb, or null when they can: a non-finite number
- * (JSON has none), a string or key with U+0000 or a lone surrogate (jsonb refuses both), nesting
- * deeper than MAX_PARAMS_DEPTH. Checked after validation, so the job's own output counts too.
+ * or a BigInt (JSON has neither: JSON.stringify threw its bare "Do not know how to serialize a
+ * BigInt", exit 1), a string or key with U+0000 or a lone surrogate (jsonb refuses both), nesting
+ * deeper than MAX_PARAMS_DEPTH. Checked after validation, so the job's own output counts too;
+ * `fix` says who should give a BigInt as a string instead.
  */
-function unstorable(value: unknown): string | null {
+function unstorable(value: unknown, fix = 'pass it'): string | null {
   const stack: Array<[unknown, string, number]> = [[value, 'params', 0]];
   const text = (s: string, path: string) =>
     s.includes('\u0000') ? `${path} contains the character U+0000, which PostgreSQL cannot store` : LONE_SURROGATE.test(s) ? `${path} is not well-formed Unicode (it has a lone surrogate)` : null;
   while (stack.length > 0) {
     const [v, path, depth] = stack.pop()!;
     if (typeof v === 'number' && !Number.isFinite(v)) return `${path} is ${v}, which JSON cannot represent`;
+    if (typeof v === 'bigint') return `${path} is a BigInt, which JSON cannot represent; ${fix} as a string (or a number within ±(2^53−1))`;
     if (typeof v === 'string') {
       const p = text(v, path);
       if (p) return p;

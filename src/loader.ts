@@ -5,7 +5,7 @@ import path from 'node:path';
 import { pathToFileURL } from 'node:url';
 import { recordJobFile } from './code-fingerprint.ts';
 import { codeOf, messageOf, UsageError } from './errors.ts';
-import { assertJob, type Job } from './job.ts';
+import { assertJob, migrationProblems, type Job } from './job.ts';
 import { jobFilesLoading } from './job-file-loading.ts';
 import { displayPath, explainLoadError, formatLoadFailure } from './load-error.ts';
 import { MAX_RUN_KEY_CHARS } from './run-key.ts';
@@ -251,9 +251,7 @@ export async function checkNameShared(name: string, dirs: { readonly jobsDir: st
  * file name that is not a valid run key would fail only when `migrate` reaches it.
  */
 function checkMigration(job: Job, id: string, origin: string): void {
-  const problems: string[] = [];
-  if (job.params !== undefined) problems.push('a migration takes no params (it runs once per database, with its file name as run key): remove params, or make it a job in the jobs folder');
-  if (job.schedule !== undefined) problems.push('a migration has no schedule (idem migrate runs it, once): remove schedule, or make it a job in the jobs folder');
+  const problems = migrationProblems(job);
   const chars = [...id].length;
   if (chars > MAX_RUN_KEY_CHARS) problems.push(`the migration's file name without its extension is its run key, at most ${MAX_RUN_KEY_CHARS} characters; this one has ${chars}: rename the file`);
   else if (/\p{Cc}/u.test(id)) problems.push("the migration's file name without its extension is its run key, which may not hold control characters: rename the file");

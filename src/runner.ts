@@ -11,7 +11,7 @@ import { fingerprint, lockKey } from './fingerprint.ts';
 import { adoptCodeFingerprint, codeFingerprint, recordCodeFingerprint, refuseChangedCode, short } from './code-fingerprint.ts';
 import { recordedFailure } from './finalize.ts';
 import { assertNotStandby, refuseOnStandby, type HealthSetting } from './health-check.ts';
-import { validateParams, type Job, type Json } from './job.ts';
+import { assertJob, migrationProblems, validateParams, type Job, type Json } from './job.ts';
 import { keyLabel } from './key-label.ts';
 import { faultPoint } from './fault-points.ts';
 import { silentLogger } from './log.ts';
@@ -21,6 +21,7 @@ import { isConnectionTrouble, isRetryable, retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
 import { checkRunKey } from './run-key.ts';
+import { refuseBadRunOptions, shown } from './run-options.ts';
 import { unknownKeys } from './suggest.ts';
 import { POSTGRES_NAME_BYTES, WORKER } from './worker-identity.ts';
 
@@ -52,7 +53,33 @@ function refuseBadOptions(given: unknown): void {
   const aliased = Object.keys(given).some((k) => Object.hasOwn(CONNECTION_STRING_ALIASES, k));
   if (cs === undefined && !aliased) problems.push(`connectionString is required: ${URL_FORM}`);
   else if (cs !== undefined && typeof cs !== 'string') problems.push(`connectionString must be a string (got ${cs === null ? 'null' : `a${typeof cs === 'object' ? 'n' : ''} ${typeof cs}`}): ${URL_FORM}`);
+  problems.push(...optionValueProblems(given as Record<string, unknown>));
   if (problems.length > 0) throw new UsageError('invalidOptions', `Runner.connect(): invalid options: ${problems.join('; ')}`);
+}
+
+/**
+ * Runner.connect's option values that cannot work, refused before connecting: a poolSize below
+ * what a run needs (1 waited 10 s and said "cannot connect to the database"; -1 left a
+ * top-level-await script to exit 13 silently; 0, 2 and 1.5 were taken and every run() was then
+ * refused, idem.poolTooSmall), a timeout below its bound, a flag that is not a boolean.
+ */
+function optionValueProblems(o: Record<string, unknown>): string[] {
+  const problems: string[] = [];
+  const minPool = 1 + POOL_HEADROOM;
+  if (o.poolSize !== undefined && !(Number.isInteger(o.poolSize) && (o.poolSize as number) >= minPool)) {
+    problems.push(`poolSize must be an integer >= ${minPool}: a run needs a connection per concurrent chunk plus ${POOL_HEADROOM} (planning ahead, effects and control polls) (got ${shown(o.poolSize)})`);
+  }
+  const lockIdle = o.lockIdleTimeoutMs;
+  if (lockIdle !== undefined && !(Number.isInteger(lockIdle) && (lockIdle === 0 || (lockIdle as number) >= 20_000))) {
+    problems.push(`lockIdleTimeoutMs must be 0 (off) or an integer of at least 20000 ms, ten of the lock's 2 s checks (got ${shown(lockIdle)})`);
+  }
+  const idle = o.idleInTransactionTimeoutMs;
+  if (idle !== undefined && !(Number.isInteger(idle) && (idle as number) >= 0)) problems.push(`idleInTransactionTimeoutMs must be an integer number of ms >= 0, 0 turning it off (got ${shown(idle)})`);
+  for (const k of ['readOnly', 'createSchema']) if (o[k] !== undefined && typeof o[k] !== 'boolean') problems.push(`${k} must be true or false (got ${shown(o[k])})`);
+  for (const k of ['schema', 'connectionSource']) if (o[k] !== undefined && typeof o[k] !== 'string') problems.push(`${k} must be a string (got ${shown(o[k])})`);
+  if (o.beforeSchema !== undefined && typeof o.beforeSchema !== 'function') problems.push(`beforeSchema must be a function (got ${shown(o.beforeSchema)})`);
+  if (o.log !== undefined && (o.log === null || typeof (o.log as { child?: unknown }).child !== 'function')) problems.push('log must be a pino Logger (an object with child())');
+  return problems;
 }
 
 /**
@@ -73,6 +100,48 @@ function refuseSchemaName(schema: string): void {
   }
   const system = schema.startsWith('pg_') ? 'the pg_ prefix is reserved' : schema === 'information_schema' ? "the SQL standard's catalog views" : null;
   if (system) throw new UsageError('invalidSchema', `schema name "${schema}" is a PostgreSQL system schema (${system}), where idem must not create its tables; use a schema of its own (the default is ${DEFAULT_SCHEMA})`);
+}
+
+/**
+ * A job given to run() or migrate(), checked as the CLI's loader and idem/testing check one, before
+ * anything is written: a plain object (not defineJob's) ran as far as it got, a failed run with
+ * JS's "Cannot read properties of undefined (reading 'map')" for missing steps, and a name the CLI
+ * refuses was stored. The caller's object is what runs (the code fingerprint knows a job file's
+ * hash by it); the checked copy assertJob returns is dropped. The check is cheap (no I/O).
+ */
+function refuseBadJob(job: unknown, origin: string): void {
+  if (job === null || typeof job !== 'object') {
+    const got = job === null ? 'null' : job === undefined ? 'undefined' : `a ${typeof job}`;
+    throw new UsageError('invalidJob', `${origin}: the job must be a job definition (what defineJob returns), got ${got}`);
+  }
+  assertJob(job, origin);
+}
+
+/**
+ * Runner.migrate's list, checked as `idem migrate` checks its folder before anything is written:
+ * an array of { runKey, job }, each run key valid and given once (two migrations under one key
+ * would be one run: the second found done), each job valid and a migration's (no params, no schedule).
+ */
+function refuseBadMigrations(migrations: unknown): void {
+  const fn = 'Runner.migrate()';
+  if (!Array.isArray(migrations)) {
+    const got = migrations === null ? 'null' : typeof migrations === 'object' ? 'an object' : `a ${typeof migrations}`;
+    throw new UsageError('invalidMigration', `${fn}: migrations must be an array of { runKey, job } (got ${got})`);
+  }
+  const seen = new Map<string, number>();
+  migrations.forEach((m: unknown, i) => {
+    if (m === null || typeof m !== 'object' || Array.isArray(m)) throw new UsageError('invalidMigration', `${fn}: migrations[${i}] must be an object { runKey, job }`);
+    const unknown = unknownKeys(m, ['runKey', 'job'], `migrations[${i}]: `);
+    if (unknown.length > 0) throw new UsageError('invalidMigration', `${fn}: ${unknown.join('; ')}`);
+    const { runKey, job } = m as { runKey: unknown; job: unknown };
+    checkRunKey(runKey as string, `migration key of job "${(job as Job | null)?.name}"`);
+    refuseBadJob(job, `${fn}: migration ${runKey as string}`);
+    const problems = migrationProblems(job as Job);
+    if (problems.length > 0) throw new UsageError('invalidMigration', `${fn}: migration ${runKey as string}: ${problems.join('; ')}`);
+    const first = seen.get(runKey as string);
+    if (first !== undefined) throw new UsageError('invalidMigration', `${fn}: run key "${runKey as string}" is given twice (migrations[${first}] and migrations[${i}]); give each migration a run key of its own`);
+    seen.set(runKey as string, i);
+  });
 }
 
 /** Default name of the schema holding idem's own tables. */
@@ -297,10 +366,6 @@ export class Runner {
     // as for the CLI: pg would read a leading space as the host, a trailing one into the database name.
     const opts = typeof given?.connectionString === 'string' ? { ...given, connectionString: given.connectionString.trim() } : given;
     const schema = opts.schema ?? DEFAULT_SCHEMA;
-    const lockIdle = opts.lockIdleTimeoutMs;
-    if (lockIdle !== undefined && !(Number.isInteger(lockIdle) && (lockIdle === 0 || lockIdle >= 20_000))) {
-      throw new TypeError(`lockIdleTimeoutMs must be 0 (off) or an integer of at least 20000 ms, ten of the lock's 2 s checks (got ${lockIdle})`);
-    }
     refuseSchemaName(schema);
     const log = opts.log ?? silentLogger();
     const database = await openDatabase(opts.connectionString, {
@@ -373,6 +438,11 @@ export class Runner {
       return c.signal;
     };
     const signal = follow([this.#closing.signal, ...(caller.signal ? [caller.signal] : [])]);
+    // Stopped before it started: nothing to record (a run row created only to read `interrupted`).
+    if (signal.aborted) {
+      for (const u of undo) u();
+      throw signal.reason;
+    }
     const running = body({ signal, ...(caller.abortSignal ? { abortSignal: follow([caller.abortSignal]) } : {}) });
     const settled = running.then(
       () => {},
@@ -394,7 +464,9 @@ export class Runner {
   }
 
   /** Runs a job to completion (or finds it done). Throws an IdemError subclass on every other outcome. */
-  run(job: Job, opts: RunJobOptions = {}): Promise<RunOutcome> {
+  async run(job: Job, opts: RunJobOptions = {}): Promise<RunOutcome> {
+    refuseBadJob(job, 'Runner.run()');
+    refuseBadRunOptions('Runner.run()', opts);
     return this.#inFlightRun(opts, (signals) => this.#run(job, { ...opts, ...signals }));
   }
 
@@ -521,13 +593,14 @@ export class Runner {
    * Runs ordered migrations under one lock: every pod of a deploy may call this at once; one works,
    * the others wait (by default) and then find each migration done.
    */
-  migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: MigrateOptions = {}): Promise<RunOutcome[]> {
+  async migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: MigrateOptions = {}): Promise<RunOutcome[]> {
+    refuseBadMigrations(migrations);
+    refuseBadRunOptions('Runner.migrate()', opts);
     return this.#inFlightRun(opts, (signals) => this.#migrate(migrations, { ...opts, ...signals }));
   }
 
   async #migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: MigrateOptions): Promise<RunOutcome[]> {
     this.#checkConcurrency(opts.concurrency);
-    for (const m of migrations) checkRunKey(m.runKey, `migration key of job "${m.job?.name}"`);
     const outcomes: RunOutcome[] = [];
     const record = (outcome: RunOutcome) => {
       outcomes.push(outcome);

@@ -1,0 +1,261 @@
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { defineJob, exitCodeOf, finalizeMigration, finalizeRun, InterruptedError, Runner, UsageError, type Job } from '../src/index.ts';
+import { FIXTURE_MIGRATIONS, killLeftovers, query, runCli } from './support/cli.ts';
+import { useTestDatabase } from './support/database.ts';
+
+/**
+ * The library's entry points refuse what the CLI refuses, up front: a UsageError (exit 2) naming the
+ * problem and the fix, and nothing written to the database (no row in idem.runs). Found by a
+ * black-box tester using the packed package as a library (round 15, B2).
+ */
+const testDb = useTestDatabase({ runner: true });
+let url: string;
+let runner: Runner;
+beforeAll(() => {
+  ({ url, runner } = testDb);
+});
+afterAll(killLeftovers);
+
+/** The error a promise rejects with (fails the test if it resolves). */
+async function rejectionOf(p: Promise<unknown>): Promise<Error> {
+  return p.then(
+    (v) => {
+      throw new Error(`expected a rejection, got ${JSON.stringify(v)}`);
+    },
+    (e: Error) => e,
+  );
+}
+
+/** Runs rows of a job: none after a refusal. */
+async function runsOf(job: string): Promise<number> {
+  const [row] = await query<{ n: number }>(url, 'select count(*)::int as n from idem.runs where job = $1', [job]);
+  return row!.n;
+}
+
+/** A job whose only step counts its executions in `calls`. */
+function countingJob(name: string, calls: { n: number }): Job {
+  return defineJob({ name, steps: [{ name: 's', run: () => void calls.n++ }] });
+}
+
+/** Asserts `err` is a UsageError with this code and message, exit code 2. */
+function expectUsage(err: Error, code: string, message: string): void {
+  expect(err).toBeInstanceOf(UsageError);
+  expect((err as UsageError).code).toBe(code);
+  expect(err.message).toBe(message);
+  expect(exitCodeOf(err)).toBe(2);
+}
+
+describe('an options object with a key the method does not know (B2 round 15)', () => {
+  it('Runner.run refuses it, naming the key meant, and runs nothing', async () => {
+    const calls = { n: 0 };
+    const job = countingJob('opt-typo', calls);
+    const cases: Array<[Record<string, unknown>, string]> = [
+      [{ key: 'dry-1', dryrun: true }, 'unknown key "dryrun" (did you mean "dryRun"?)'],
+      [{ kye: 'k' }, 'unknown key "kye" (did you mean "key"?)'],
+      [{ key: 'k', concurency: 2 }, 'unknown key "concurency" (did you mean "concurrency"?)'],
+      [{ key: 'k', throttle: { maxrate: 0.001 } }, 'throttle: unknown key "maxrate" (did you mean "maxRate"?)'],
+    ];
+    for (const [opts, problem] of cases) {
+      const err = await rejectionOf(runner.run(job, opts as never));
+      expectUsage(err, 'idem.invalidOptions', `Runner.run(): invalid options: ${problem}`);
+    }
+    const notObject = await rejectionOf(runner.run(job, 'dry-1' as never));
+    expectUsage(notObject, 'idem.invalidOptions', "Runner.run(): options must be an object, such as { key: 'day-1', params: {…} } (got a string)");
+    const wrongType = await rejectionOf(runner.run(job, { key: 'k', dryRun: 'yes', wait: -1 } as never));
+    expectUsage(wrongType, 'idem.invalidOptions', 'Runner.run(): invalid options: dryRun must be true or false (got "yes"); wait must be true, false or a number of seconds >= 0 (got -1)');
+    expect(calls.n).toBe(0);
+    expect(await runsOf('opt-typo')).toBe(0);
+  });
+
+  it('finalizeRun, Runner.migrate and finalizeMigration refuse theirs too, before reading or writing anything', async () => {
+    const calls = { n: 0 };
+    const job = countingJob('opt-typo-fin', calls);
+    const typo = await rejectionOf(finalizeRun(runner, job, { key: 'f', timeoutSecond: 5 } as never));
+    expectUsage(typo, 'idem.invalidOptions', 'finalizeRun(): invalid options: unknown key "timeoutSecond" (did you mean "timeoutSeconds"?)');
+    const negative = await rejectionOf(finalizeRun(runner, job, { key: 'f', timeoutSeconds: -5 }));
+    expectUsage(negative, 'idem.invalidOptions', 'finalizeRun(): invalid options: timeoutSeconds must be a number of seconds >= 0 (got -5)');
+    const noKey = await rejectionOf(finalizeRun(runner, job, {} as never));
+    expectUsage(noKey, 'idem.invalidOptions', 'finalizeRun(): invalid options: key is required: the key of the run to finalize');
+    const migration = countingJob('opt-typo-mig', calls);
+    const wiat = await rejectionOf(runner.migrate([{ runKey: '0001', job: migration }], { wiat: true } as never));
+    expectUsage(wiat, 'idem.invalidOptions', 'Runner.migrate(): invalid options: unknown key "wiat" (did you mean "wait"?)');
+    const keyGiven = await rejectionOf(runner.migrate([{ runKey: '0001', job: migration }], { key: 'x' } as never));
+    expect(keyGiven.message).toMatch(/^Runner\.migrate\(\): invalid options: unknown key "key" \(/);
+    const fin = await rejectionOf(finalizeMigration(runner, [{ runKey: '0001', job: migration }], '0001', { timeoutSecond: 1 } as never));
+    expectUsage(fin, 'idem.invalidOptions', 'finalizeMigration(): invalid options: unknown key "timeoutSecond" (did you mean "timeoutSeconds"?)');
+    expect(calls.n).toBe(0);
+    expect(await runsOf('opt-typo-fin')).toBe(0);
+    expect(await runsOf('opt-typo-mig')).toBe(0);
+  });
+});
+
+describe('an invalid throttle given to Runner.run (B2 round 15)', () => {
+  it('is refused up front as defineJob refuses it, and a valid one then runs attempt 1', async () => {
+    const calls = { n: 0 };
+    const job = countingJob('bad-throttle', calls);
+    const cases: Array<[unknown, string]> = [
+      [{ maxRate: 0 }, 'maxRate must be > 0 (got 0)'],
+      [{ maxRate: -1 }, 'maxRate must be > 0 (got -1)'],
+      [{ pauseMs: -1 }, 'pauseMs must be >= 0 (got -1)'],
+      [{ pauseMs: 'x' }, 'pauseMs must be >= 0 (got "x")'],
+      [{ targetChunkMs: 0 }, 'targetChunkMs must be > 0 (got 0)'],
+      ['fast', 'throttle must be an object { maxRate?, pauseMs?, targetChunkMs? }'],
+    ];
+    for (const [throttle, problem] of cases) {
+      const err = await rejectionOf(runner.run(job, { key: 't', throttle } as never));
+      expectUsage(err, 'idem.invalidOptions', `Runner.run(): invalid options: throttle: ${problem}`);
+    }
+    expect(calls.n).toBe(0);
+    expect(await runsOf('bad-throttle')).toBe(0);
+    const ok = await runner.run(job, { key: 't', throttle: { maxRate: 100 } });
+    expect(ok).toMatchObject({ status: 'succeeded', attempt: 1 });
+    expect(calls.n).toBe(1);
+  });
+});
+
+describe('a job not made by defineJob, given to Runner.run or Runner.migrate (B2 round 15)', () => {
+  it('Runner.run checks it as defineJob does, before writing anything', async () => {
+    const cases: Array<[unknown, string]> = [
+      [{ name: 'plain-bad' }, 'Runner.run(): invalid job definition: steps must be a non-empty array'],
+      [{ name: 'plain-bad2', steps: [{ name: 's' }] }, 'Runner.run(): invalid job definition: steps[0].run must be a function'],
+      [
+        { name: 'bad name!', steps: [{ name: 's', run: () => {} }] },
+        'Runner.run(): invalid job definition: name must match /^[a-z0-9][a-z0-9._:-]{0,99}$/i (letters, digits and . _ : -, starting with a letter or digit, at most 100 characters, got "bad name!")',
+      ],
+      [{ name: 'plain-extra', steps: [{ name: 's', run: () => {} }], schedual: '0 3 * * *' }, 'Runner.run(): invalid job definition: unknown key "schedual" (did you mean "schedule"?)'],
+    ];
+    for (const [job, message] of cases) {
+      const err = await rejectionOf(runner.run(job as Job, { key: 'k' }));
+      expectUsage(err, 'idem.invalidJob', message);
+    }
+    for (const job of [undefined, null, 'plain-bad']) {
+      const err = await rejectionOf(runner.run(job as never, { key: 'k' }));
+      expectUsage(err, 'idem.invalidJob', `Runner.run(): the job must be a job definition (what defineJob returns), got ${job === null ? 'null' : job === undefined ? 'undefined' : 'a string'}`);
+    }
+    const [row] = await query<{ n: number }>(url, "select count(*)::int as n from idem.runs where job in ('plain-bad', 'plain-bad2', 'bad name!', 'plain-extra')");
+    const n = row!.n;
+    expect(n).toBe(0);
+  });
+
+  it('Runner.migrate checks each job, and refuses a run key given twice and a migration taking params', async () => {
+    const calls = { n: 0 };
+    const good = countingJob('lm-good', calls);
+    const plain = await rejectionOf(runner.migrate([{ runKey: '0011', job: { name: 'lm-h' } as Job }]));
+    expectUsage(plain, 'idem.invalidJob', 'Runner.migrate(): migration 0011: invalid job definition: steps must be a non-empty array');
+    const twice = await rejectionOf(runner.migrate([{ runKey: '0011', job: good }, { runKey: '0011', job: countingJob('lm-other', calls) }]));
+    expectUsage(twice, 'idem.invalidMigration', 'Runner.migrate(): run key "0011" is given twice (migrations[0] and migrations[1]); give each migration a run key of its own');
+    const withParams = defineJob({ name: 'lm-params', params: (raw: unknown) => raw as { n?: number }, steps: [{ name: 's', run: () => void calls.n++ }] });
+    const params = await rejectionOf(runner.migrate([{ runKey: '0012', job: withParams }]));
+    expectUsage(
+      params,
+      'idem.invalidMigration',
+      'Runner.migrate(): migration 0012: a migration takes no params (it runs once per database, with its file name as run key): remove params, or make it a job in the jobs folder',
+    );
+    const extra = await rejectionOf(runner.migrate([{ runKey: '0013', job: good, runkey: 'x' } as never]));
+    expectUsage(extra, 'idem.invalidMigration', 'Runner.migrate(): migrations[0]: unknown key "runkey" (did you mean "runKey"?)');
+    const notArray = await rejectionOf(runner.migrate({ runKey: '0013', job: good } as never));
+    expectUsage(notArray, 'idem.invalidMigration', 'Runner.migrate(): migrations must be an array of { runKey, job } (got an object)');
+    expect(calls.n).toBe(0);
+    const [row] = await query<{ n: number }>(url, "select count(*)::int as n from idem.runs where job in ('lm-h', 'lm-good', 'lm-other', 'lm-params')");
+    const n = row!.n;
+    expect(n).toBe(0);
+    // The same migrations given right run.
+    const [out] = await runner.migrate([{ runKey: '0011', job: good }]);
+    expect(out).toMatchObject({ status: 'succeeded', runKey: '0011' });
+    expect(calls.n).toBe(1);
+  });
+});
+
+describe('params a validator returns with a BigInt in them (B2 round 15)', () => {
+  const bigintJob = (name: string) => defineJob({ name, params: (raw: any) => ({ id: BigInt(raw.id) }), steps: [{ name: 's', run: () => {} }] });
+  const MESSAGE = (job: string) => `invalid params for job "${job}": params.id is a BigInt, which JSON cannot represent; have the params validator return it as a string (or a number within ±(2^53−1))`;
+
+  it('Runner.run refuses them as invalid params, naming the path, and writes nothing', async () => {
+    const err = await rejectionOf(runner.run(bigintJob('c'), { params: { id: '5' }, key: 'k' }));
+    expectUsage(err, 'idem.invalidParams', MESSAGE('c'));
+    const nested = defineJob({ name: 'c-nested', params: () => ({ ids: [1, 2n] }), steps: [{ name: 's', run: () => {} }] });
+    const err2 = await rejectionOf(runner.run(nested, { key: 'k' }));
+    expect(err2.message).toBe('invalid params for job "c-nested": params.ids[1] is a BigInt, which JSON cannot represent; have the params validator return it as a string (or a number within ±(2^53−1))');
+    expect(await runsOf('c')).toBe(0);
+    expect(await runsOf('c-nested')).toBe(0);
+  });
+
+  it('idem run refuses them with one line, exit 2', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'idem-bigint-'));
+    try {
+      writeFileSync(join(dir, 'bigint-cli.ts'), `export default { name: 'bigint-cli', params: (raw: any) => ({ id: BigInt(raw.id) }), steps: [{ name: 's', run: () => {} }] };\n`);
+      const r = await runCli(['run', 'bigint-cli', '--param', 'id=5', '--jobs-dir', dir, '--migrations-dir', FIXTURE_MIGRATIONS], { url });
+      expect(r.stderr).toBe(`idem: error: ${MESSAGE('bigint-cli')}\n`);
+      expect(r.code).toBe(2);
+      expect(await runsOf('bigint-cli')).toBe(0);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+});
+
+describe('Runner.connect given a pool or timeout it cannot work with (B2 round 15)', () => {
+  it('refuses it before connecting, naming the bound and why', async () => {
+    const need = 'a run needs a connection per concurrent chunk plus 2 (planning ahead, effects and control polls)';
+    const cases: Array<[Record<string, unknown>, string]> = [
+      [{ poolSize: 1 }, `poolSize must be an integer >= 3: ${need} (got 1)`],
+      [{ poolSize: 2 }, `poolSize must be an integer >= 3: ${need} (got 2)`],
+      [{ poolSize: 0 }, `poolSize must be an integer >= 3: ${need} (got 0)`],
+      [{ poolSize: -3 }, `poolSize must be an integer >= 3: ${need} (got -3)`],
+      [{ poolSize: 1.5 }, `poolSize must be an integer >= 3: ${need} (got 1.5)`],
+      [{ lockIdleTimeoutMs: -1 }, "lockIdleTimeoutMs must be 0 (off) or an integer of at least 20000 ms, ten of the lock's 2 s checks (got -1)"],
+      [{ idleInTransactionTimeoutMs: -5 }, 'idleInTransactionTimeoutMs must be an integer number of ms >= 0, 0 turning it off (got -5)'],
+      [{ readOnly: 'yes' }, 'readOnly must be true or false (got "yes")'],
+      [{ schema: 5 }, 'schema must be a string (got 5)'],
+    ];
+    for (const [opts, problem] of cases) {
+      const started = Date.now();
+      const err = await rejectionOf(Runner.connect({ connectionString: url, schema: 'never_made', ...opts } as never));
+      expect(err, JSON.stringify(opts)).toBeInstanceOf(UsageError);
+      expect((err as UsageError).code).toBe('idem.invalidOptions');
+      expect(err.message).toBe(`Runner.connect(): invalid options: ${problem}`);
+      expect(exitCodeOf(err)).toBe(2);
+      expect(Date.now() - started).toBeLessThan(2_000);
+    }
+    // Nothing was created: the schema these runners would have made is not there.
+    const [row] = await query<{ there: boolean }>(url, "select exists (select 1 from pg_namespace where nspname = 'never_made') as there");
+    const there = row!.there;
+    expect(there).toBe(false);
+  });
+
+  it('a top-level-await script given poolSize -1 ends with the one-line error, exit 2 (it exited 13 silently)', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'idem-pool-'));
+    try {
+      const index = new URL('../dist/index.js', import.meta.url).href;
+      writeFileSync(
+        join(dir, 'script.mjs'),
+        `import { Runner, exitCodeOf } from ${JSON.stringify(index)};\ntry { await Runner.connect({ connectionString: process.env.DATABASE_URL, poolSize: -1 }); } catch (err) { console.error(err.message); process.exit(exitCodeOf(err)); }\n`,
+      );
+      const { spawnSync } = await import('node:child_process');
+      const r = spawnSync(process.execPath, [join(dir, 'script.mjs')], { env: { ...process.env, DATABASE_URL: url }, encoding: 'utf8', timeout: 30_000 });
+      expect(r.stderr).toContain('Runner.connect(): invalid options: poolSize must be an integer >= 3');
+      expect(r.status).toBe(2);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+});
+
+describe('Runner.run given a signal already aborted (B2 round 15)', () => {
+  it('throws InterruptedError (143) and writes no run', async () => {
+    const calls = { n: 0 };
+    const job = countingJob('pre-aborted', calls);
+    const err = await rejectionOf(runner.run(job, { key: 'k', signal: AbortSignal.abort() }));
+    expect(err).toBeInstanceOf(InterruptedError);
+    expect(exitCodeOf(err)).toBe(143);
+    expect(err.message).toMatch(/^stopped by the caller's AbortSignal \(This operation was aborted\)/);
+    const migrated = await rejectionOf(runner.migrate([{ runKey: '0001', job }], { signal: AbortSignal.abort('SIGINT') }));
+    expect(migrated).toBeInstanceOf(InterruptedError);
+    expect(exitCodeOf(migrated)).toBe(130);
+    expect(calls.n).toBe(0);
+    expect(await runsOf('pre-aborted')).toBe(0);
+  });
+});
