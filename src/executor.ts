@@ -158,16 +158,26 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   const doneBefore = done;
   // Other workers of the run commit chunks too: what they did is read back now and then (not on
   // the chunk path: in the background, at most once a PROGRESS_REFRESH_MS), so that a worker's
-  // progress shows the step's, not its own alone.
+  // progress shows the step's, not its own alone. Read back on a timer too, not only on this
+  // worker's chunk events, and reported when it changed the figures: a worker whose slots wait on
+  // another worker's chunks (or run long chunks) has no events, and until 2026-12-04 its progress
+  // line kept the figures of its last one (27/30 for 30 s while 28 were done).
   let seen = { done: 0, planned: 0, plannedAll: false };
   let refreshedAt = performance.now();
   let refreshing: Promise<void> | undefined;
+  /** The step's slots have all ended: a late read-back reports nothing more. */
+  let slotsEnded = false;
   const refresh = () => {
     if (refreshing || performance.now() - refreshedAt < PROGRESS_REFRESH_MS) return;
     refreshedAt = performance.now();
     refreshing = store
       .stepProgress(run.runId, step.name)
-      .then((p) => void (p && (seen = { done: Math.max(seen.done, p.done), planned: Math.max(seen.planned, p.planned), plannedAll: seen.plannedAll || p.plannedAll })))
+      .then((p) => {
+        if (!p) return;
+        const before = seen;
+        seen = { done: Math.max(seen.done, p.done), planned: Math.max(seen.planned, p.planned), plannedAll: seen.plannedAll || p.plannedAll };
+        if (!slotsEnded && (seen.done !== before.done || seen.planned !== before.planned || seen.plannedAll !== before.plannedAll)) report();
+      })
       .catch(() => {})
       .finally(() => (refreshing = undefined));
   };
@@ -178,6 +188,10 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   const progress = (stepDone = false) => {
     if (!opts.onProgress) return;
     if (!stepDone) refresh();
+    report(stepDone);
+  };
+  const report = (stepDone = false) => {
+    if (!opts.onProgress) return;
     opts.onProgress({
       runKey: run.runKey,
       attempt: run.attempt,
@@ -565,7 +579,14 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
 
   throwIfStopped(opts.stop);
   // A non-chunked step is one chunk: one slot.
-  await Promise.all(Array.from({ length: step.chunks ? opts.concurrency : 1 }, runSlot));
+  const refresher = opts.onProgress ? setInterval(refresh, PROGRESS_REFRESH_MS / 4) : undefined;
+  refresher?.unref();
+  try {
+    await Promise.all(Array.from({ length: step.chunks ? opts.concurrency : 1 }, runSlot));
+  } finally {
+    clearInterval(refresher);
+    slotsEnded = true;
+  }
   await planning?.catch(() => {});
   await refreshing;
   if (failure !== undefined) throw failure;

@@ -1061,6 +1061,53 @@ describe('formatProgress', () => {
     }
   });
 
+  it("a worker waiting on another worker's chunk reports the other's later commits, read back from the database", async () => {
+    // Black-box round 15 (B1-1): a --join worker that waited on a stopped worker's chunks printed
+    // "done":27 for 30 s while 28 were done: the step's count was read back only on its own chunk
+    // events, and waiting it had none; the 10-second line reprinted its last figures.
+    const job = defineJob({
+      name: 'held-refresh',
+      steps: [
+        {
+          name: 'work',
+          chunks: () => ({ chunks: [{ key: 'x' }, { key: 'y' }, { key: 'z' }], next: null }),
+          async run({ db }: StepContext, { key }: { key: string }) {
+            if (key !== 'z') await sql`select 1 from gates where name = ${`held-refresh-${key}`} for share`.execute(db);
+          },
+        },
+      ],
+    });
+    const other = await Runner.connect({ connectionString: url });
+    const gateX = await holdGate(url, 'held-refresh-x');
+    const gateY = await holdGate(url, 'held-refresh-y');
+    const logged: Array<{ done: number; waitingOnOthers?: boolean }> = [];
+    const log = pino({ level: 'info' }, { write: (line: string) => void logged.push(JSON.parse(line)) });
+    const reporter = createProgressReporter({ job: 'held-refresh', tty: false, log, intervalMs: 100 });
+    let first: Promise<unknown> | undefined;
+    let second: Promise<unknown> | undefined;
+    try {
+      // The first worker's two slots hold x and y at their gates; the second does z, then waits.
+      first = runner.run(job, { key: 'k', join: true, concurrency: 2 });
+      await waitFor(async () => (await lockWaiters(url)) >= 2, 'chunks x and y to wait at their gates');
+      second = other.run(job, { key: 'k', join: true, concurrency: 1, onProgress: reporter.update });
+      await waitFor(async () => logged.find((l) => l.waitingOnOthers && l.done === 1), 'the joiner to have done z and to wait on x and y');
+      // The first worker commits y; the joiner, still waiting (on x), has no chunk event of its own.
+      await gateY.release();
+      await waitFor(async () => ((await chunkRows(url, 'held-refresh', 'k', 'work')).filter((c) => c.done_at !== null).length === 2 ? true : undefined), 'y committed');
+      const line = await waitFor(async () => logged.find((l) => l.waitingOnOthers && l.done === 2), "the joiner's progress line to count y", { timeoutMs: 5_000 });
+      expect(line).toMatchObject({ done: 2, planned: 3, executedNow: 1, waitingOnOthers: true });
+      await gateX.release();
+      expect(await second).toMatchObject({ status: 'succeeded' });
+      expect(await first).toMatchObject({ status: 'succeeded' });
+    } finally {
+      reporter.stop();
+      await gateX.release();
+      await gateY.release();
+      await Promise.allSettled([first, second]);
+      await other.close();
+    }
+  });
+
   it('never shows 60 seconds in a minute', () => {
     // 239 left at 2/s: 119.5 s, which rounds up to 2m00s.
     expect(formatProgress('counted', p({ done: 0, planned: 239, executedNow: 2 }), 1_000)).toBe('counted step 2/3 work: 0/239 chunks, 2.0/s, ETA 2m00s');
