@@ -59,6 +59,11 @@ export interface ControlResult {
   readonly status: string;
   /** True when a live process holds the run and will honour the request between chunks. */
   readonly live: boolean;
+  /**
+   * The request now pending on the run for its live process (`pause`, `cancel`), or null: none
+   * (a run nobody executes took its new status at once; a resume withdrew the pause).
+   */
+  readonly requested: 'pause' | 'cancel' | null;
 }
 
 export interface PruneResult {
@@ -167,7 +172,7 @@ export async function requestControl(h: OperationsHost, job: string, what: 'paus
         finished_at = case when ${newStatus} = 'cancelled' then now() else finished_at end
       where id = ${run.id} and status = ${run.status} and attempt = ${run.attempt} and requested is not distinct from ${run.requested}
       returning status`.execute(h.db);
-    if (rows[0]) return { job, runKey: run.run_key, status: rows[0].status, live };
+    if (rows[0]) return { job, runKey: run.run_key, status: rows[0].status, live, requested: live ? what : null };
     if (tries >= CAS_TRIES) throw new BusyError(`run "${run.run_key}" of job "${job}" kept changing while the ${what} was requested; try again`);
     run = await targetRun(h, job, run.run_key, open, what);
   }
@@ -191,7 +196,7 @@ export async function resumeRun(h: OperationsHost, job: string, key?: string): P
       returning status`.execute(h.db);
     // A run with a pause pending whose worker died (crashed) is no live run: nobody goes on with it now.
     // (The resume took effect: a failed read of the locks only changes what is said, never the outcome.)
-    if (rows[0]) return { job, runKey: run.run_key, status: rows[0].status, live: run.status === 'running' && (await isLive(h, run).catch(() => true)) };
+    if (rows[0]) return { job, runKey: run.run_key, status: rows[0].status, live: run.status === 'running' && (await isLive(h, run).catch(() => true)), requested: null };
     if (tries >= CAS_TRIES) throw new BusyError(`run "${run.run_key}" of job "${job}" kept changing while the resume was requested; try again`);
     run = await targetRun(h, job, run.run_key, ['paused'], 'resume', true);
   }

@@ -170,7 +170,7 @@ describe('pause and resume', () => {
     expect(await workCounts(url, key)).toEqual(new Map([['c0001', 1]]));
     expect((await idem(['pause', 'counted', '--key', key])).code).toBe(0);
 
-    expect(await runner.cancel('counted', key)).toEqual({ job: 'counted', runKey: key, status: 'cancelled', live: false });
+    expect(await runner.cancel('counted', key)).toEqual({ job: 'counted', runKey: key, status: 'cancelled', live: false, requested: null });
     const row = await runRow(url, 'counted', key);
     expect(row).toMatchObject({ status: 'cancelled', requested: null });
     expect(row.finished_at).toBeInstanceOf(Date);
