@@ -807,6 +807,58 @@ describe('idem status while runs are live', () => {
     expect(steps).toEqual([{ estimated_chunks: 250 }]);
   });
 
+  it('a live run that has committed nothing for many times its usual interval between chunks reads stalled, with no ETA', async () => {
+    // Black-box round 15 (B1-2): a worker SIGSTOPped holding the last chunks; status read "35 s
+    // ago … 0.47/s, ETA 4s", then "50 s ago … ETA 6s": an ETA for a run that had not moved.
+    let release!: () => void;
+    const gate = new Promise<void>((r) => (release = r));
+    let reached!: () => void;
+    const atGate = new Promise<void>((r) => (reached = r));
+    const job = defineJob({
+      name: 'status-stalled',
+      steps: [
+        {
+          name: 'work',
+          chunks: () => ({ chunks: ['a', 'b', 'c', 'd', 'e'].map((key) => ({ key })), next: null }),
+          async run(_ctx: StepContext, chunk: { key: string }) {
+            if (chunk.key !== 'd') return sleep(50);
+            reached();
+            await gate;
+          },
+        },
+      ],
+    });
+    const running = runner.run(job, { key: 'stalled', health: false });
+    const status = async () => {
+      const r = await idem(['status', 'status-stalled', '--json']);
+      expect(r.code, r.stderr).toBe(0);
+      return (JSON.parse(r.stdout) as Array<Record<string, any>>).find((x) => x.runKey === 'stalled')!;
+    };
+    try {
+      await atGate;
+      // Just after its last chunk: moving, an ETA.
+      const moving = await status();
+      expect(moving).toMatchObject({ state: 'running', chunksDone: 3, stalledSeconds: null });
+      expect(moving.etaSeconds).toEqual(expect.any(Number));
+      // Nothing committed for 10 s (the floor; its chunks came ~50 ms apart): stalled, no ETA.
+      await new Promise((r) => setTimeout(r, 10_500));
+      const stalled = await status();
+      expect(stalled).toMatchObject({ state: 'running', chunksDone: 3, etaSeconds: null });
+      expect(stalled.stalledSeconds).toBeGreaterThanOrEqual(10);
+      expect(stalled.stalledSeconds).toBeLessThan(30);
+      expect(stalled.throughput).toBeGreaterThan(0);
+      const human = await idem(['status', 'status-stalled']);
+      expect(human.stdout).toMatch(/stalled: no chunk committed for 1\ds/);
+      expect(human.stdout).not.toMatch(/ETA/);
+      const detail = await idem(['status', 'status-stalled', '--key', 'stalled']);
+      expect(detail.stdout).toMatch(/stalled: no chunk committed for 1\ds/);
+      expect(detail.stdout).not.toMatch(/ETA/);
+    } finally {
+      release();
+    }
+    expect((await running).status).toBe('succeeded');
+  });
+
   it('UPDATED of a live run moves with every chunk it commits: Runner.status, idem status --json and the HTTP run view', async () => {
     // Before: UPDATED stayed at the attempt's start (the run row is written only at start and end),
     // so a run committing a chunk every 200 ms read "3 min ago" and looked stuck.
