@@ -34,6 +34,22 @@ export function doneChunks(chunks: RawBuilder<unknown>): RawBuilder<unknown> {
     max(c.done_at) as last_done from ${chunks} c where c.run_id = r.id)`;
 }
 
+/** A live run reads stalled once nothing committed for this many times its usual interval between chunks… */
+export const STALLED_AFTER_INTERVALS = 5;
+/** …and for at least this long (a run committing every few ms is not stalled by a checkpoint's pause). */
+export const STALLED_MIN_SECONDS = 10;
+
+/**
+ * Seconds since a running attempt's last committed chunk, when that is stalled (see
+ * RunStatusRow.stalledSeconds), else null. The usual interval is the attempt's time up to its last
+ * chunk over its chunks: not its rate now, which a stall drags down until it would never tell.
+ */
+export function stalledSeconds(attemptSeconds: number, idleSeconds: number, doneThisAttempt: number): number | null {
+  if (!(doneThisAttempt > 0) || !(idleSeconds >= 0)) return null;
+  const interval = Math.max(0, attemptSeconds - idleSeconds) / doneThisAttempt;
+  return idleSeconds > Math.max(STALLED_MIN_SECONDS, STALLED_AFTER_INTERVALS * interval) ? Math.floor(idleSeconds) : null;
+}
+
 /** When a run last changed: its row's `updated_at`, or its latest committed chunk where later. */
 export function lastChange(updatedAt: Date, lastDone: Date | null): Date {
   return lastDone !== null && lastDone > updatedAt ? lastDone : updatedAt;

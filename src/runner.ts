@@ -16,7 +16,7 @@ import { keyLabel } from './key-label.ts';
 import { faultPoint } from './fault-points.ts';
 import { silentLogger } from './log.ts';
 import { answerWithin, sleep } from './sleep.ts';
-import { beingDeletedMessage, doneChunks, finishDeletion, isLive, lastChange, pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
+import { beingDeletedMessage, doneChunks, finishDeletion, isLive, lastChange, pruneRuns, stalledSeconds, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
 import { isConnectionTrouble, isRetryable, retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
@@ -247,7 +247,7 @@ export interface RunStatusRow {
   readonly etaSeconds: number | null;
   /**
    * While running: seconds since the run's last committed chunk, when that is longer than
-   * STALLED_AFTER_INTERVALS times its usual interval between chunks this attempt and at least
+   * STALLED_AFTER_INTERVALS (operations.ts) times its usual interval between chunks this attempt and at least
    * STALLED_MIN_SECONDS (a worker stopped or stuck holding chunks); else null. No ETA then.
    */
   readonly stalledSeconds: number | null;
@@ -261,22 +261,6 @@ export interface RunStatusRow {
   readonly healthPause: { readonly reason: string; readonly since: string } | null;
   /** The processes working the run now (one, or several with `--join`): chunks each committed in this attempt, and chunks/s over the last minute. */
   readonly workers: ReadonlyArray<RunWorker>;
-}
-
-/** A live run reads stalled once nothing committed for this many times its usual interval between chunks… */
-export const STALLED_AFTER_INTERVALS = 5;
-/** …and for at least this long (a run committing every few ms is not stalled by a checkpoint's pause). */
-export const STALLED_MIN_SECONDS = 10;
-
-/**
- * Seconds since a running attempt's last committed chunk, when that is stalled (see
- * RunStatusRow.stalledSeconds), else null. The usual interval is the attempt's time up to its last
- * chunk over its chunks: not its rate now, which a stall drags down until it would never tell.
- */
-function stalledSeconds(attemptSeconds: number, idleSeconds: number, doneThisAttempt: number): number | null {
-  if (!(doneThisAttempt > 0) || !(idleSeconds >= 0)) return null;
-  const interval = Math.max(0, attemptSeconds - idleSeconds) / doneThisAttempt;
-  return idleSeconds > Math.max(STALLED_MIN_SECONDS, STALLED_AFTER_INTERVALS * interval) ? Math.floor(idleSeconds) : null;
 }
 
 /**

@@ -853,6 +853,15 @@ describe('idem status while runs are live', () => {
       const detail = await idem(['status', 'status-stalled', '--key', 'stalled']);
       expect(detail.stdout).toMatch(/stalled: no chunk committed for 1\ds/);
       expect(detail.stdout).not.toMatch(/ETA/);
+      // The HTTP API's run view (and the dashboard) says the same.
+      const reads = new pg.Pool({ connectionString: url, max: 1 });
+      try {
+        const view = await new RunViews(runner.db, reads, runner.schema, runner).byKey('status-stalled', 'stalled');
+        expect(view).toMatchObject({ state: 'running', progress: { done: 3 }, etaSeconds: null });
+        expect(view!.stalledSeconds).toBeGreaterThanOrEqual(10);
+      } finally {
+        await reads.end();
+      }
     } finally {
       release();
     }
