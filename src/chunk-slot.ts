@@ -291,6 +291,25 @@ function guardedConnection(connection: DatabaseConnection, client: pg.PoolClient
 /** pg's ReadyForQuery status of the session: 'I' idle (no transaction), 'T' in one, 'E' in a failed one. */
 const transactionStatus = (client: pg.PoolClient) => (client as unknown as { getTransactionStatus?(): string | null }).getTransactionStatus?.();
 
+/**
+ * The server said (ReadyForQuery 'I', the last statement answered, none in flight) that no
+ * transaction is open: a COMMIT that failed (the fence, a deferred constraint) ended it. A ROLLBACK
+ * then would do nothing but draw `WARNING: there is no transaction in progress` into the server's
+ * log. False whenever that is not known for sure (a statement in flight, an older pg): then the
+ * ROLLBACK goes as before.
+ */
+const noTransaction = (client: pg.PoolClient) => isReady(client) && transactionStatus(client) === 'I';
+const isReady = (client: pg.PoolClient) => (client as unknown as { readyForQuery?: boolean }).readyForQuery === true;
+
+/**
+ * pg rejects a statement as soon as its error arrives, and may read the ReadyForQuery after it
+ * (the transaction status) only later: an empty query, sent in any transaction state and answered
+ * at once, waits for it. Only then, only when it has not been read yet.
+ */
+const settle = async (client: pg.PoolClient) => {
+  if (!isReady(client) && typeof (client as unknown as { getTransactionStatus?: unknown }).getTransactionStatus === 'function') await client.query('');
+};
+
 const closedError = (s: TransactionState) =>
   new Error(`this chunk's transaction is ${s.status === 'ending' ? 'ending' : 'over'}: ctx.db may be used only until the chunk's run() returns`);
 
@@ -495,7 +514,12 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
   const rollback = async () => {
     if (!inTransaction || !client) return;
     try {
-      await end('rollback');
+      await settle(client);
+      if (noTransaction(client)) {
+        // Ended on the server already (until 2026-12-04 a ROLLBACK was sent anyway, and the server
+        // logged a WARNING for every chunk the fence refused).
+        inTransaction = false;
+      } else await end('rollback');
       // The job's statements ended the chunk's transaction themselves (see rollbackWith).
       if (jobTransaction.ended) letGo(true);
     } catch {
@@ -613,8 +637,10 @@ export function openChunkSlot(pool: pg.Pool, prepare: readonly string[], checksF
     async rollbackWith<R>(statement: string) {
       if (!client) throw new Error('no connection on this slot');
       try {
-        const results = await end<pg.QueryResult[]>(`rollback;\n${statement}`);
-        return results[results.length - 1]!.rows as R[];
+        // No ROLLBACK where no transaction is open (a failed COMMIT ended it): see noTransaction.
+        await settle(client);
+        const results = await end<pg.QueryResult | pg.QueryResult[]>(noTransaction(client) ? statement : `rollback;\n${statement}`);
+        return (Array.isArray(results) ? results[results.length - 1]! : results).rows as R[];
       } catch (err) {
         await rollback();
         throw err;

@@ -164,16 +164,26 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   const doneBefore = done;
   // Other workers of the run commit chunks too: what they did is read back now and then (not on
   // the chunk path: in the background, at most once a PROGRESS_REFRESH_MS), so that a worker's
-  // progress shows the step's, not its own alone.
+  // progress shows the step's, not its own alone. Read back on a timer too, not only on this
+  // worker's chunk events, and reported when it changed the figures: a worker whose slots wait on
+  // another worker's chunks (or run long chunks) has no events, and until 2026-12-04 its progress
+  // line kept the figures of its last one (27/30 for 30 s while 28 were done).
   let seen = { done: 0, planned: 0, plannedAll: false };
   let refreshedAt = performance.now();
   let refreshing: Promise<void> | undefined;
+  /** The step's slots have all ended: a late read-back reports nothing more. */
+  let slotsEnded = false;
   const refresh = () => {
     if (refreshing || performance.now() - refreshedAt < PROGRESS_REFRESH_MS) return;
     refreshedAt = performance.now();
     refreshing = store
       .stepProgress(run.runId, step.name)
-      .then((p) => void (p && (seen = { done: Math.max(seen.done, p.done), planned: Math.max(seen.planned, p.planned), plannedAll: seen.plannedAll || p.plannedAll })))
+      .then((p) => {
+        if (!p) return;
+        const before = seen;
+        seen = { done: Math.max(seen.done, p.done), planned: Math.max(seen.planned, p.planned), plannedAll: seen.plannedAll || p.plannedAll };
+        if (!slotsEnded && (seen.done !== before.done || seen.planned !== before.planned || seen.plannedAll !== before.plannedAll)) report();
+      })
       .catch(() => {})
       .finally(() => (refreshing = undefined));
   };
@@ -184,6 +194,10 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   const progress = (stepDone = false) => {
     if (!opts.onProgress) return;
     if (!stepDone) refresh();
+    report(stepDone);
+  };
+  const report = (stepDone = false) => {
+    if (!opts.onProgress) return;
     opts.onProgress({
       runKey: run.runKey,
       attempt: run.attempt,
@@ -577,37 +591,44 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
   throwIfStopped(opts.stop);
   // A non-chunked step is one chunk: one slot.
   const slots = step.chunks ? opts.concurrency : 1;
-  for (let round = 1; ; round++) {
-    await Promise.all(Array.from({ length: slots }, runSlot));
-    if (failure !== undefined || opts.stop.aborted || opts.abort.aborted) break;
-    // Every slot found nothing more to claim. That is not yet the step done: a slot that left for
-    // want of a connection (leavesForOthers) may have had a chunk to retry, or one it failed for
-    // good and was skipping, that the others' last claims passed by (it was cooling off when they
-    // were sent). Until 2026-12-04 the step and the run were then marked done with it pending, and
-    // a rerun said "already succeeded". One query a step; the slots start again for what is left.
-    let left: string[];
-    try {
-      if (await store.stepComplete(run.runId, step.name)) break;
-      left = await store.pendingKeys(run.runId, step.name, 6);
-    } catch (err) {
-      // Past their retries: ends the step as a slot's error would (the planner is awaited first).
-      failure = err;
-      break;
+  const refresher = opts.onProgress ? setInterval(refresh, PROGRESS_REFRESH_MS / 4) : undefined;
+  refresher?.unref();
+  try {
+    for (let round = 1; ; round++) {
+      await Promise.all(Array.from({ length: slots }, runSlot));
+      if (failure !== undefined || opts.stop.aborted || opts.abort.aborted) break;
+      // Every slot found nothing more to claim. That is not yet the step done: a slot that left for
+      // want of a connection (leavesForOthers) may have had a chunk to retry, or one it failed for
+      // good and was skipping, that the others' last claims passed by (it was cooling off when they
+      // were sent). Until 2026-12-04 the step and the run were then marked done with it pending, and
+      // a rerun said "already succeeded". One query a step; the slots start again for what is left.
+      let left: string[];
+      try {
+        if (await store.stepComplete(run.runId, step.name)) break;
+        left = await store.pendingKeys(run.runId, step.name, 6);
+      } catch (err) {
+        // Past their retries: ends the step as a slot's error would (the planner is awaited first).
+        failure = err;
+        break;
+      }
+      const named = left.length === 0 ? 'none pending, but not all of it planned' : `${left.slice(0, 5).map((k) => (step.chunks ? keyLabel(k) : `step "${step.name}"`)).join(', ')}${left.length > 5 ? ', …' : ''}`;
+      if (round >= MAX_SLOT_ROUNDS) {
+        // Slots that kept leaving for want of a connection: that, not the job, ends this worker (exit
+        // 69, the run interrupted, as the last slot's own refusal would); else the step fails naming them.
+        failure = leftFor !== undefined ? leftFor : new ChunkFailure(
+          step.name,
+          step.chunks && left.length === 1 ? left[0]! : null,
+          1,
+          new Error(`the step is not complete (${named}) after its slots started ${MAX_SLOT_ROUNDS} times and found nothing more to claim; run the same command again to resume`),
+        );
+        break;
+      }
+      // Done meanwhile by another worker (or planned by one): the slots look again, which costs a claim each.
+      if (left.length > 0) log.warn({ round: round + 1, left }, `every slot ended, but chunks of the step are left (${named}): the slots start again for them`);
     }
-    const named = left.length === 0 ? 'none pending, but not all of it planned' : `${left.slice(0, 5).map((k) => (step.chunks ? keyLabel(k) : `step "${step.name}"`)).join(', ')}${left.length > 5 ? ', …' : ''}`;
-    if (round >= MAX_SLOT_ROUNDS) {
-      // Slots that kept leaving for want of a connection: that, not the job, ends this worker (exit
-      // 69, the run interrupted, as the last slot's own refusal would); else the step fails naming them.
-      failure = leftFor !== undefined ? leftFor : new ChunkFailure(
-        step.name,
-        step.chunks && left.length === 1 ? left[0]! : null,
-        1,
-        new Error(`the step is not complete (${named}) after its slots started ${MAX_SLOT_ROUNDS} times and found nothing more to claim; run the same command again to resume`),
-      );
-      break;
-    }
-    // Done meanwhile by another worker (or planned by one): the slots look again, which costs a claim each.
-    if (left.length > 0) log.warn({ round: round + 1, left }, `every slot ended, but chunks of the step are left (${named}): the slots start again for them`);
+  } finally {
+    clearInterval(refresher);
+    slotsEnded = true;
   }
   await planning?.catch(() => {});
   await refreshing;

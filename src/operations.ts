@@ -34,6 +34,22 @@ export function doneChunks(chunks: RawBuilder<unknown>): RawBuilder<unknown> {
     max(c.done_at) as last_done from ${chunks} c where c.run_id = r.id)`;
 }
 
+/** A live run reads stalled once nothing committed for this many times its usual interval between chunks… */
+export const STALLED_AFTER_INTERVALS = 5;
+/** …and for at least this long (a run committing every few ms is not stalled by a checkpoint's pause). */
+export const STALLED_MIN_SECONDS = 10;
+
+/**
+ * Seconds since a running attempt's last committed chunk, when that is stalled (see
+ * RunStatusRow.stalledSeconds), else null. The usual interval is the attempt's time up to its last
+ * chunk over its chunks: not its rate now, which a stall drags down until it would never tell.
+ */
+export function stalledSeconds(attemptSeconds: number, idleSeconds: number, doneThisAttempt: number): number | null {
+  if (!(doneThisAttempt > 0) || !(idleSeconds >= 0)) return null;
+  const interval = Math.max(0, attemptSeconds - idleSeconds) / doneThisAttempt;
+  return idleSeconds > Math.max(STALLED_MIN_SECONDS, STALLED_AFTER_INTERVALS * interval) ? Math.floor(idleSeconds) : null;
+}
+
 /** When a run last changed: its row's `updated_at`, or its latest committed chunk where later. */
 export function lastChange(updatedAt: Date, lastDone: Date | null): Date {
   return lastDone !== null && lastDone > updatedAt ? lastDone : updatedAt;
@@ -59,6 +75,11 @@ export interface ControlResult {
   readonly status: string;
   /** True when a live process holds the run and will honour the request between chunks. */
   readonly live: boolean;
+  /**
+   * The request now pending on the run for its live process (`pause`, `cancel`), or null: none
+   * (a run nobody executes took its new status at once; a resume withdrew the pause).
+   */
+  readonly requested: 'pause' | 'cancel' | null;
 }
 
 export interface PruneResult {
@@ -167,7 +188,7 @@ export async function requestControl(h: OperationsHost, job: string, what: 'paus
         finished_at = case when ${newStatus} = 'cancelled' then now() else finished_at end
       where id = ${run.id} and status = ${run.status} and attempt = ${run.attempt} and requested is not distinct from ${run.requested}
       returning status`.execute(h.db);
-    if (rows[0]) return { job, runKey: run.run_key, status: rows[0].status, live };
+    if (rows[0]) return { job, runKey: run.run_key, status: rows[0].status, live, requested: live ? what : null };
     if (tries >= CAS_TRIES) throw new BusyError(`run "${run.run_key}" of job "${job}" kept changing while the ${what} was requested; try again`);
     run = await targetRun(h, job, run.run_key, open, what);
   }
@@ -191,7 +212,7 @@ export async function resumeRun(h: OperationsHost, job: string, key?: string): P
       returning status`.execute(h.db);
     // A run with a pause pending whose worker died (crashed) is no live run: nobody goes on with it now.
     // (The resume took effect: a failed read of the locks only changes what is said, never the outcome.)
-    if (rows[0]) return { job, runKey: run.run_key, status: rows[0].status, live: run.status === 'running' && (await isLive(h, run).catch(() => true)) };
+    if (rows[0]) return { job, runKey: run.run_key, status: rows[0].status, live: run.status === 'running' && (await isLive(h, run).catch(() => true)), requested: null };
     if (tries >= CAS_TRIES) throw new BusyError(`run "${run.run_key}" of job "${job}" kept changing while the resume was requested; try again`);
     run = await targetRun(h, job, run.run_key, ['paused'], 'resume', true);
   }

@@ -16,7 +16,7 @@ import { keyLabel } from './key-label.ts';
 import { faultPoint } from './fault-points.ts';
 import { silentLogger } from './log.ts';
 import { answerWithin, sleep } from './sleep.ts';
-import { beingDeletedMessage, doneChunks, finishDeletion, isLive, lastChange, pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
+import { beingDeletedMessage, doneChunks, finishDeletion, isLive, lastChange, pruneRuns, stalledSeconds, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
 import { isConnectionTrouble, isRetryable, retrying } from './retry.ts';
 import { ensureRunnerSchema } from './schema/runner-migrations.ts';
 import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
@@ -312,8 +312,14 @@ export interface RunStatusRow {
   readonly throughput: number | null;
   /** Total chunks expected: planned so far, or the sources' estimates where larger. */
   readonly estimatedChunks: number | null;
-  /** Seconds left at the current throughput (while running). */
+  /** Seconds left at the current throughput (while running, and not stalled). */
   readonly etaSeconds: number | null;
+  /**
+   * While running: seconds since the run's last committed chunk, when that is longer than
+   * STALLED_AFTER_INTERVALS (operations.ts) times its usual interval between chunks this attempt and at least
+   * STALLED_MIN_SECONDS (a worker stopped or stuck holding chunks); else null. No ETA then.
+   */
+  readonly stalledSeconds: number | null;
   /** A pause or cancel requested and not yet honoured. */
   readonly requested: 'pause' | 'cancel' | null;
   /** Chunks skipped under a step's skip policy (the first 20), with their errors. */
@@ -1114,6 +1120,7 @@ export class Runner {
         coalesce((select bool_and(planned_all) from ${sql.id(s, 'steps')} st where st.run_id = r.id), false) as fully_planned,
         exists (select 1 from ${sql.id(s, 'chunks')} c where c.run_id = r.id and c.skipped_at is not null) as has_skipped,
         extract(epoch from now() - r.attempt_started_at)::float8 as attempt_seconds,
+        extract(epoch from now() - greatest(cs.last_done, r.attempt_started_at))::float8 as idle_seconds,
         (select sum(case when planned_all then planned else greatest(planned, coalesce(estimated_chunks, 0)) end)
            from ${sql.id(s, 'steps')} st where st.run_id = r.id)::int as estimated_total
       from ${sql.id(s, 'runs')} r cross join lateral ${doneChunks(sql.id(s, 'chunks'))} cs
@@ -1135,6 +1142,7 @@ export class Runner {
         : r.attempt_seconds > 0 && r.done_this_attempt > 0 ? r.done_this_attempt / r.attempt_seconds
         : null;
       const estimated = r.estimated_total ?? null;
+      const stalled = rate === null ? null : stalledSeconds(r.attempt_seconds, r.idle_seconds, r.done_this_attempt);
       return {
         job: r.job,
         runKey: r.run_key,
@@ -1156,7 +1164,8 @@ export class Runner {
         workers,
         throughput: rate === null ? null : Math.round(rate * 100) / 100,
         estimatedChunks: estimated,
-        etaSeconds: rate && estimated !== null ? Math.max(0, Math.round((estimated - r.chunks_done) / rate)) : null,
+        etaSeconds: rate && estimated !== null && stalled === null ? Math.max(0, Math.round((estimated - r.chunks_done) / rate)) : null,
+        stalledSeconds: stalled,
         requested: r.requested ?? null,
         codeChanges: r.code_changes ?? [],
         healthPause: state === 'running' ? (r.health_pause ?? null) : null,

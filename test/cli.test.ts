@@ -11,13 +11,17 @@ import {
   ALL_TABLES,
   BROKEN_JOBS,
   FIXTURE_DIRS,
+  holdGate,
   killLeftovers,
+  lockWaiters,
   lines,
   logLines,
   query,
   runCli,
   runRow,
   snapshot,
+  spawnCli,
+  waitFor,
   workCounts,
   type CliResult,
 } from './support/cli.ts';
@@ -726,6 +730,37 @@ describe('run keys: what --key may contain, and what text output shows of stored
     expect(accented.code, accented.stderr).toBe(0);
     expect(await runRow(url, 'counted', 'Größe-日本-2026')).toMatchObject({ status: 'succeeded' });
     expectOneLineError(empty, 2, '--key must be 1 to 200 characters (got 0)');
+  });
+
+  it('pause, resume, cancel, reset and prune print their documented --json shapes; pause and cancel say the request pending on a live run', async () => {
+    // Black-box round 15 (B1-4): reset had no --json (exit 2) while the others took it, pause's
+    // JSON of a live run did not show that a pause was now pending, and none was documented.
+    const key = 'json-shapes';
+    const gate = await holdGate(url, key);
+    const worker = spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', JSON.stringify({ chunks: 50, pauseMs: 0, label: '', gate: key }), '--key', key], { url, timeoutMs: 60_000 });
+    const json = async (args: string[]) => {
+      const r = await idem([...args, '--json']);
+      expect(r.code, `${args.join(' ')}: ${r.stderr}`).toBe(0);
+      return JSON.parse(r.stdout) as unknown;
+    };
+    try {
+      await waitFor(async () => ((await lockWaiters(url)) > 0 ? true : undefined), 'the run to hold a chunk at the gate');
+      expect(await json(['pause', 'counted', '--key', key])).toEqual({ job: 'counted', runKey: key, status: 'running', live: true, requested: 'pause' });
+      expect(await query(url, `select requested from idem.runs where run_key = $1`, [key])).toEqual([{ requested: 'pause' }]);
+      expect(await json(['resume', 'counted', '--key', key])).toEqual({ job: 'counted', runKey: key, status: 'running', live: true, requested: null });
+      expect(await json(['cancel', 'counted', '--key', key])).toEqual({ job: 'counted', runKey: key, status: 'running', live: true, requested: 'cancel' });
+      await waitFor(async () => worker.stderr().includes('cancel requested by an operator'), 'the worker to see the cancel', { timeoutMs: 10_000 });
+    } finally {
+      await gate.release();
+    }
+    const ended = await worker.done;
+    expect(ended.code, ended.stderr.slice(-2000) + ended.stdout).toBe(1);
+    expect(await query(url, `select status from idem.runs where run_key = $1`, [key])).toEqual([{ status: 'cancelled' }]);
+    const [{ n: markers } = { n: -1 }] = await query<{ n: number }>(url, `select count(*)::int as n from idem.chunks c join idem.runs r on r.id = c.run_id where r.run_key = $1`, [key]);
+    expect(await json(['reset', 'counted', '--key', key])).toEqual({ job: 'counted', runKey: key, chunks: markers, effects: 0 });
+    expect(await query(url, `select 1 from idem.runs where run_key = $1`, [key])).toEqual([]);
+    const pruned = await json(['prune', '--older-than', '1000d']);
+    expect(pruned).toEqual({ runs: 0, steps: 0, chunks: 0, effects: 0, skipped: 0 });
   });
 
   it('a key with a bidi override is echoed escaped by run, reset and pause, as status shows it; an over-long key is echoed cut, with the limit', async () => {

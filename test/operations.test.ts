@@ -170,7 +170,7 @@ describe('pause and resume', () => {
     expect(await workCounts(url, key)).toEqual(new Map([['c0001', 1]]));
     expect((await idem(['pause', 'counted', '--key', key])).code).toBe(0);
 
-    expect(await runner.cancel('counted', key)).toEqual({ job: 'counted', runKey: key, status: 'cancelled', live: false });
+    expect(await runner.cancel('counted', key)).toEqual({ job: 'counted', runKey: key, status: 'cancelled', live: false, requested: null });
     const row = await runRow(url, 'counted', key);
     expect(row).toMatchObject({ status: 'cancelled', requested: null });
     expect(row.finished_at).toBeInstanceOf(Date);
@@ -807,6 +807,67 @@ describe('idem status while runs are live', () => {
     expect(steps).toEqual([{ estimated_chunks: 250 }]);
   });
 
+  it('a live run that has committed nothing for many times its usual interval between chunks reads stalled, with no ETA', async () => {
+    // Black-box round 15 (B1-2): a worker SIGSTOPped holding the last chunks; status read "35 s
+    // ago … 0.47/s, ETA 4s", then "50 s ago … ETA 6s": an ETA for a run that had not moved.
+    let release!: () => void;
+    const gate = new Promise<void>((r) => (release = r));
+    let reached!: () => void;
+    const atGate = new Promise<void>((r) => (reached = r));
+    const job = defineJob({
+      name: 'status-stalled',
+      steps: [
+        {
+          name: 'work',
+          chunks: () => ({ chunks: ['a', 'b', 'c', 'd', 'e'].map((key) => ({ key })), next: null }),
+          async run(_ctx: StepContext, chunk: { key: string }) {
+            if (chunk.key !== 'd') return sleep(50);
+            reached();
+            await gate;
+          },
+        },
+      ],
+    });
+    const running = runner.run(job, { key: 'stalled', health: false });
+    const status = async () => {
+      const r = await idem(['status', 'status-stalled', '--json']);
+      expect(r.code, r.stderr).toBe(0);
+      return (JSON.parse(r.stdout) as Array<Record<string, any>>).find((x) => x.runKey === 'stalled')!;
+    };
+    try {
+      await atGate;
+      // Just after its last chunk: moving, an ETA.
+      const moving = await status();
+      expect(moving).toMatchObject({ state: 'running', chunksDone: 3, stalledSeconds: null });
+      expect(moving.etaSeconds).toEqual(expect.any(Number));
+      // Nothing committed for 10 s (the floor; its chunks came ~50 ms apart): stalled, no ETA.
+      await new Promise((r) => setTimeout(r, 10_500));
+      const stalled = await status();
+      expect(stalled).toMatchObject({ state: 'running', chunksDone: 3, etaSeconds: null });
+      expect(stalled.stalledSeconds).toBeGreaterThanOrEqual(10);
+      expect(stalled.stalledSeconds).toBeLessThan(30);
+      expect(stalled.throughput).toBeGreaterThan(0);
+      const human = await idem(['status', 'status-stalled']);
+      expect(human.stdout).toMatch(/stalled: no chunk committed for 1\ds/);
+      expect(human.stdout).not.toMatch(/ETA/);
+      const detail = await idem(['status', 'status-stalled', '--key', 'stalled']);
+      expect(detail.stdout).toMatch(/stalled: no chunk committed for 1\ds/);
+      expect(detail.stdout).not.toMatch(/ETA/);
+      // The HTTP API's run view (and the dashboard) says the same.
+      const reads = new pg.Pool({ connectionString: url, max: 1 });
+      try {
+        const view = await new RunViews(runner.db, reads, runner.schema, runner).byKey('status-stalled', 'stalled');
+        expect(view).toMatchObject({ state: 'running', progress: { done: 3 }, etaSeconds: null });
+        expect(view!.stalledSeconds).toBeGreaterThanOrEqual(10);
+      } finally {
+        await reads.end();
+      }
+    } finally {
+      release();
+    }
+    expect((await running).status).toBe('succeeded');
+  });
+
   it('UPDATED of a live run moves with every chunk it commits: Runner.status, idem status --json and the HTTP run view', async () => {
     // Before: UPDATED stayed at the attempt's start (the run row is written only at start and end),
     // so a run committing a chunk every 200 ms read "3 min ago" and looked stuck.
@@ -1056,6 +1117,53 @@ describe('formatProgress', () => {
       expect(seen.at(-1)?.waitingOnOthers).toBe(false);
     } finally {
       await gate.release();
+      await Promise.allSettled([first, second]);
+      await other.close();
+    }
+  });
+
+  it("a worker waiting on another worker's chunk reports the other's later commits, read back from the database", async () => {
+    // Black-box round 15 (B1-1): a --join worker that waited on a stopped worker's chunks printed
+    // "done":27 for 30 s while 28 were done: the step's count was read back only on its own chunk
+    // events, and waiting it had none; the 10-second line reprinted its last figures.
+    const job = defineJob({
+      name: 'held-refresh',
+      steps: [
+        {
+          name: 'work',
+          chunks: () => ({ chunks: [{ key: 'x' }, { key: 'y' }, { key: 'z' }], next: null }),
+          async run({ db }: StepContext, { key }: { key: string }) {
+            if (key !== 'z') await sql`select 1 from gates where name = ${`held-refresh-${key}`} for share`.execute(db);
+          },
+        },
+      ],
+    });
+    const other = await Runner.connect({ connectionString: url });
+    const gateX = await holdGate(url, 'held-refresh-x');
+    const gateY = await holdGate(url, 'held-refresh-y');
+    const logged: Array<{ done: number; waitingOnOthers?: boolean }> = [];
+    const log = pino({ level: 'info' }, { write: (line: string) => void logged.push(JSON.parse(line)) });
+    const reporter = createProgressReporter({ job: 'held-refresh', tty: false, log, intervalMs: 100 });
+    let first: Promise<unknown> | undefined;
+    let second: Promise<unknown> | undefined;
+    try {
+      // The first worker's two slots hold x and y at their gates; the second does z, then waits.
+      first = runner.run(job, { key: 'k', join: true, concurrency: 2 });
+      await waitFor(async () => (await lockWaiters(url)) >= 2, 'chunks x and y to wait at their gates');
+      second = other.run(job, { key: 'k', join: true, concurrency: 1, onProgress: reporter.update });
+      await waitFor(async () => logged.find((l) => l.waitingOnOthers && l.done === 1), 'the joiner to have done z and to wait on x and y');
+      // The first worker commits y; the joiner, still waiting (on x), has no chunk event of its own.
+      await gateY.release();
+      await waitFor(async () => ((await chunkRows(url, 'held-refresh', 'k', 'work')).filter((c) => c.done_at !== null).length === 2 ? true : undefined), 'y committed');
+      const line = await waitFor(async () => logged.find((l) => l.waitingOnOthers && l.done === 2), "the joiner's progress line to count y", { timeoutMs: 5_000 });
+      expect(line).toMatchObject({ done: 2, planned: 3, executedNow: 1, waitingOnOthers: true });
+      await gateX.release();
+      expect(await second).toMatchObject({ status: 'succeeded' });
+      expect(await first).toMatchObject({ status: 'succeeded' });
+    } finally {
+      reporter.stop();
+      await gateX.release();
+      await gateY.release();
       await Promise.allSettled([first, second]);
       await other.close();
     }

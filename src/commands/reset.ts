@@ -11,14 +11,17 @@ export function registerResetCommand(program: Command, cli: CliContext): void {
     .description('forget a run (steps, chunk markers, effects) so its key runs afresh; refused while it runs')
     .argument('<job>', 'job name')
     .requiredOption('--key <key>', "the run's key (see idem status)", existingKey)
-    .action((job: string, o: { key: string }) =>
+    .option('--json', 'print the result as JSON')
+    .action((job: string, o: { key: string; json?: boolean }) =>
       cli.runWithSession(async (g, log, session) => {
         // The name is checked before idem's schema is upgraded: a refused name writes nothing.
         const { assertKnownJob } = await import('../cli-runtime.ts');
         await cancelStatementsOnStop(session);
         const runner = await openRunner(g, log, session, undefined, undefined, (db, schema) => assertKnownJob(db, schema, job, g), 'existing');
         const r = await runner.reset(job, o.key);
-        process.stdout.write(`reset: forgot run ${visible(o.key)} of job "${visible(job)}" (${r.chunks} chunk markers, ${r.effects} effects)\n`);
+        process.stdout.write(
+          o.json ? `${JSON.stringify({ job, runKey: o.key, chunks: r.chunks, effects: r.effects })}\n` : `reset: forgot run ${visible(o.key)} of job "${visible(job)}" (${r.chunks} chunk markers, ${r.effects} effects)\n`,
+        );
         return ExitCode.Ok;
       }),
     );

@@ -80,7 +80,7 @@ export function formatStatus(stored: readonly RunStatusRow[], now: Date = new Da
   const { line } = textTable([header, ...table]);
   const out = [line(header, (_, s) => c.bold(s))];
   rows.forEach((r, n) => {
-    const live = r.state === 'running' ? [`held by ${r.holder ?? '?'}`, r.throughput !== null ? `${r.throughput}/s` : '', r.etaSeconds !== null ? `ETA ${r.etaSeconds}s` : ''].filter(Boolean).join(', ') : '';
+    const live = r.state === 'running' ? [`held by ${r.holder ?? '?'}`, r.throughput !== null ? `${r.throughput}/s` : '', r.etaSeconds !== null ? `ETA ${r.etaSeconds}s` : '', r.stalledSeconds !== null ? c.yellow(stalledNote(r.stalledSeconds)) : ''].filter(Boolean).join(', ') : '';
     const silent = r.workers.filter((w) => w.silent).length;
     const workers = [r.workers.length > 1 ? `${r.workers.length} workers` : '', silent > 0 ? c.yellow(`${silent} silent (looks dead): idem status ${shellQuote(r.job)} --key ${shellQuote(r.runKey)}`) : ''].filter(Boolean).join('  ');
     const guards = [r.healthPause ? c.yellow(`paused for health: ${r.healthPause.reason}`) : '', r.codeChanges.length ? c.yellow(`code changed (allowed) at attempt ${r.codeChanges.map((x) => x.attempt).join(', ')}`) : ''];
@@ -133,6 +133,9 @@ function paramsText(params: unknown): string {
   return `${chars.slice(0, TABLE_ERROR_CHARS).join('')}… (${(chars.length - TABLE_ERROR_CHARS).toLocaleString('en-US').replace(/,/g, ' ')} more characters: --json shows all)`;
 }
 
+/** In place of the ETA of a run that has not moved for many times its usual interval between chunks. */
+const stalledNote = (seconds: number) => `stalled: no chunk committed for ${seconds}s`;
+
 /** `idem status <job> --key K`: one run in detail. Pure; exported for tests. */
 export function formatRunDetail(stored: RunStatusRow, storedSteps: readonly StepDetail[], now: Date = new Date(), c: Colours = colours(false)): string {
   const [r, steps] = visibleDeep([withKeyLabels(stored), storedSteps] as const);
@@ -143,7 +146,7 @@ export function formatRunDetail(stored: RunStatusRow, storedSteps: readonly Step
     // From the stored params, escaped as text once (visibleDeep's escapes would be escaped again by JSON).
     ['params', visible(paramsText(stored.params))],
     ['state', `${stateColour(r.state, c)(r.state)}, attempt ${r.attempt}${r.requested ? c.yellow(` (${r.requested} requested)`) : ''}`],
-    ['chunks', `${chunksOf(r)} done${r.throughput !== null ? `, ${r.throughput}/s` : ''}${r.etaSeconds !== null ? `, ETA ${r.etaSeconds}s` : ''}`],
+    ['chunks', `${chunksOf(r)} done${r.throughput !== null ? `, ${r.throughput}/s` : ''}${r.etaSeconds !== null ? `, ETA ${r.etaSeconds}s` : ''}${r.stalledSeconds !== null ? `, ${c.yellow(stalledNote(r.stalledSeconds))}` : ''}`],
     ...(r.holder ? ([['held by', r.holder]] as Array<[string, string]>) : []),
     ...(r.workers.length > 0 ? ([['workers', r.workers.map((w) => `${w.worker} (${w.chunks} chunks, ${w.rate}/s${w.silent ? c.yellow(`, silent ${Math.floor(w.silentSeconds ?? 0)}s: looks dead, not counted in the rate`) : ''})`).join(', ')]] as Array<[string, string]>) : []),
     ...(r.healthPause ? ([['health', c.yellow(`paused for health: ${r.healthPause.reason}`)]] as Array<[string, string]>) : []),

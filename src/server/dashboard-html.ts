@@ -107,7 +107,7 @@ export function runCard(r: RunView): string {
   <div class="progress-line"><span class="pct">${pct === null ? '…' : `${pct}%`}</span><span>${esc(chunkText(r))}</span>${progressNotes(r)}</div>
   ${facts([
     ['rate', r.throughput === null ? '—' : `${esc(r.throughput)}/s`],
-    ['ETA', duration(r.etaSeconds)],
+    ['ETA', r.stalledSeconds != null ? `stalled: no chunk committed for ${esc(r.stalledSeconds)}s` : duration(r.etaSeconds)],
     ['attempt', esc(r.attempt)],
     ['holder', r.holder ? `<span class="mono">${userText(r.holder)}</span>` : '—'],
     ['started', when(r.startedAt ?? r.createdAt)],
@@ -299,7 +299,7 @@ export function runLive(r: RunView): string {
   <div class="progress-line"><span class="pct">${pct === null ? '…' : `${pct}%`}</span><span>${esc(chunkText(r))}</span>${progressNotes(r)}</div>
   ${facts([
     ['rate', r.throughput === null ? '—' : `${esc(r.throughput)}/s`],
-    ['ETA', duration(r.etaSeconds)],
+    ['ETA', r.stalledSeconds != null ? `stalled: no chunk committed for ${esc(r.stalledSeconds)}s` : duration(r.etaSeconds)],
     ['attempt', esc(r.attempt)],
     ['holder', r.holder ? `<span class="mono">${userText(r.holder)}</span>` : '—'],
     ['created', when(r.createdAt)],

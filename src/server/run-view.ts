@@ -4,7 +4,7 @@ import { changedCode, short } from '../code-fingerprint.ts';
 import type { Job, Json } from '../job.ts';
 import { continueCommand } from '../shell-quote.ts';
 import { printable } from './claim-request.ts';
-import { doneChunks, lastChange, runIsLive, type HeldLocks, type OperationsHost } from '../operations.ts';
+import { doneChunks, lastChange, runIsLive, stalledSeconds, type HeldLocks, type OperationsHost } from '../operations.ts';
 import type { RunErrorInfo, RunStatus, RunSummary } from '../store.ts';
 import { shownStepState } from '../step-state.ts';
 
@@ -45,6 +45,8 @@ export interface RunView {
   /** Chunks per second of the live attempt. */
   readonly throughput: number | null;
   readonly etaSeconds: number | null;
+  /** While running: seconds since its last committed chunk once it reads stalled (see RunStatusRow.stalledSeconds); else null. No ETA then. */
+  readonly stalledSeconds: number | null;
   readonly steps: readonly StepView[];
   readonly error: RunErrorInfo | null;
   readonly summary: RunSummary | null;
@@ -170,6 +172,7 @@ export class RunViews {
         r.created_at, r.started_at, r.updated_at, r.finished_at, r.error, r.summary, r.lock_name, r.lock_pid, r.code_fingerprint,
         cs.chunks_done, cs.done_this_attempt, cs.last_done,
         extract(epoch from now() - r.attempt_started_at)::float8 as attempt_seconds,
+        extract(epoch from now() - greatest(cs.last_done, r.attempt_started_at))::float8 as idle_seconds,
         coalesce((select json_agg(json_build_object(
             'name', st.name, 'status', st.status, 'planned', st.planned, 'plannedAll', st.planned_all, 'estimated', st.estimated_chunks,
             'done', (select count(*) from ${s('chunks')} c where c.run_id = st.run_id and c.step = st.name and c.done_at is not null)
@@ -407,6 +410,7 @@ function toView(r: any, locked: boolean): RunView {
   const done: number = r.chunks_done;
   const percent = state === 'succeeded' ? 100 : total ? Math.min(99, Math.floor((done / total) * 100)) : total === 0 ? 0 : null;
   const rate = state === 'running' && r.attempt_seconds > 0 && r.done_this_attempt > 0 ? r.done_this_attempt / r.attempt_seconds : null;
+  const stalled = rate === null ? null : stalledSeconds(r.attempt_seconds, r.idle_seconds, r.done_this_attempt);
   return {
     id: String(r.id),
     job: r.job,
@@ -424,7 +428,8 @@ function toView(r: any, locked: boolean): RunView {
     finishedAt: iso(r.finished_at),
     progress: { done, total, fullyPlanned, percent },
     throughput: rate === null ? null : Math.round(rate * 100) / 100,
-    etaSeconds: rate && total !== null ? Math.max(0, Math.round((total - done) / rate)) : null,
+    etaSeconds: rate && total !== null && stalled === null ? Math.max(0, Math.round((total - done) / rate)) : null,
+    stalledSeconds: stalled,
     steps,
     error: r.error ?? null,
     summary: r.summary ?? null,
