@@ -298,7 +298,12 @@ const transactionStatus = (client: pg.PoolClient) => (client as unknown as { get
  * log. False whenever that is not known for sure (a statement in flight, an older pg): then the
  * ROLLBACK goes as before.
  */
-const noTransaction = (client: pg.PoolClient) => isReady(client) && transactionStatus(client) === 'I';
+const noTransaction = (client: pg.PoolClient) => usable(client) && isReady(client) && transactionStatus(client) === 'I';
+/** Whether pg still takes statements on the connection: not after a connection error or end() (its last status is then stale). */
+const usable = (client: pg.PoolClient) => {
+  const c = client as unknown as { _queryable?: boolean; _ending?: boolean };
+  return c._queryable !== false && c._ending !== true;
+};
 const isReady = (client: pg.PoolClient) => (client as unknown as { readyForQuery?: boolean }).readyForQuery === true;
 
 /**
@@ -307,7 +312,9 @@ const isReady = (client: pg.PoolClient) => (client as unknown as { readyForQuery
  * at once, waits for it. Only then, only when it has not been read yet.
  */
 const settle = async (client: pg.PoolClient) => {
-  if (!isReady(client) && typeof (client as unknown as { getTransactionStatus?: unknown }).getTransactionStatus === 'function') await client.query('');
+  // A connection that failed answers nothing: the ROLLBACK that follows then fails as it always did
+  // (and the slot drops the connection), instead of this throwing before the transaction state moves.
+  if (!isReady(client) && typeof (client as unknown as { getTransactionStatus?: unknown }).getTransactionStatus === 'function') await client.query('').catch(() => {});
 };
 
 const closedError = (s: TransactionState) =>
