@@ -3,7 +3,7 @@ import { CompiledQuery, sql, type Kysely } from 'kysely';
 import type { Logger } from 'pino';
 import { acquireAdvisoryLock, lockHolders, type HeldLock } from './advisory-lock.ts';
 import { looksDead, SILENT_SECONDS_SQL, silentSecondsOf, type LockHolder } from './lock-holder.ts';
-import { describeConnectError, isStatementTimeout, openDatabase, redactError, statementTimeoutFix, type Database } from './database.ts';
+import { describeConnectError, isStatementTimeout, openDatabase, redactError, statementTimeoutOrigin, type Database } from './database.ts';
 import { BusyError, CancelledError, codeOf, RETRY_OR_WAIT, errorFields, FencedError, IdemError, InterruptedError, messageOf, STOP_SIGNALS, type StopSignal, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
@@ -936,8 +936,9 @@ export class Runner {
     const failure = err instanceof ChunkFailure ? err : new ChunkFailure('(runner)', null, 1, err);
     const code = codeOf(failure.cause);
     // PostgreSQL's bare "canceling statement due to statement timeout" names neither the setting nor a fix.
+    const origin = statementTimeoutOrigin(this.#connectionString, this.#connectionSource);
     const message = isStatementTimeout(failure.cause)
-      ? `${failure.message} (the statement_timeout set for the role or database, or by the job, cut it short: give a chunk less to do, or ${statementTimeoutFix(this.#connectionString)} or in the chunk (SET LOCAL statement_timeout))`
+      ? `${failure.message} (the statement_timeout ${origin.setBy}, or by the job, cut it short: give a chunk less to do, or ${origin.fix}${origin.fromConnection ? ', or raise it' : ' or'} in the chunk (SET LOCAL statement_timeout))`
       : failure.message;
     const recorded = await this.store
       .failRun(runId, attempt, {
