@@ -18,7 +18,7 @@ import { silentLogger } from './log.ts';
 import { answerWithin, sleep } from './sleep.ts';
 import { beingDeletedMessage, doneChunks, finishDeletion, isLive, lastChange, pruneRuns, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
 import { isConnectionTrouble, isRetryable, retrying } from './retry.ts';
-import { ensureRunnerSchema } from './schema/runner-migrations.ts';
+import { ensureRunnerSchema, lostPrivilegeRefusal } from './schema/runner-migrations.ts';
 import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
 import { checkRunKey } from './run-key.ts';
 import { unknownKeys } from './suggest.ts';
@@ -932,6 +932,19 @@ export class Runner {
       const ended = now?.attempt === attempt && ['paused', 'cancelled', 'failed'].includes(now.status) ? `the run had ended ${now.status}` : 'the run is interrupted';
       log.error({ err: errorFields(err), status: now?.status ?? null }, `this worker stopped: ${why}; ${ended}`);
       return new LockLostError(`this worker stopped: ${why}; ${ended}${ended === 'the run is interrupted' ? ': run the same command again to resume' : `: idem status ${job.name} --key ${runKey} shows it`}`, { cause: err });
+    }
+    // A grant on idem's own schema or tables taken back mid-run (its bookkeeping, a chunk's claim,
+    // marker or fence refused) is not the job's failure: this worker stops as a connect would have
+    // refused, naming the GRANT (exit 2), and the run is left interrupted (when idem may still write
+    // that), to resume once granted. A permission error on the job's own tables stays its failure.
+    if (!(err instanceof IdemError)) {
+      const refusal = await lostPrivilegeRefusal(this.db, this.schema, err instanceof ChunkFailure ? err.cause : err).catch(() => null);
+      if (refusal) {
+        const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => undefined);
+        if (others === null) await this.store.endInterrupted(runId, attempt).catch(() => null);
+        log.warn({ err: errorFields(refusal.cause), otherWorkers: others ?? null }, "this worker stopped: a privilege on idem's schema was taken back mid-run");
+        return refusal;
+      }
     }
     const failure = err instanceof ChunkFailure ? err : new ChunkFailure('(runner)', null, 1, err);
     const code = codeOf(failure.cause);
