@@ -159,7 +159,11 @@ export function createCliContext(program: Command, state: { exitCode: number }):
       // loading, or params its schema refused, with DATABASE_URL in the message, shows it masked.
       const runtime = await import('./cli-runtime.ts');
       // The embedded server's role is postgres.
-      const err = runtime.statementTimeoutRefusal(g.databaseUrl ? runtime.redactError(thrown, g.databaseUrl) : thrown, g.databaseUrl ?? 'postgres://postgres@localhost');
+      const err = runtime.statementTimeoutRefusal(
+        g.databaseUrl ? runtime.redactError(thrown, g.databaseUrl) : thrown,
+        g.databaseUrl ?? 'postgres://postgres@localhost',
+        g.databaseUrl ? (g.databaseUrlFrom ?? '--database-url') : undefined,
+      );
       state.exitCode = exitCodeOf(err);
       // --json is for scripts: an outcome other than success is JSON on stdout too (the one-line
       // error still goes to stderr, and the exit code is the same).

@@ -167,11 +167,12 @@ class HealthProbe {
     return this.#last ? this.#last.at + maxAgeMs : 0;
   }
 
-  /** pg_ls_archive_statusdir needs superuser or pg_monitor; without it the indicator is skipped. */
+  /**
+   * pg_ls_archive_statusdir needs superuser or pg_monitor; without it the indicator is skipped
+   * (warnIfBlind says so), as it is with archive_mode off (nothing to watch).
+   */
   #canSeeWal(): Promise<boolean> {
-    return (this.#walVisible ??= sql<{ ok: boolean }>`
-      select current_setting('archive_mode') <> 'off'
-        and ((select rolsuper from pg_roles where rolname = current_user) or pg_has_role(current_user, 'pg_monitor', 'member')) as ok`
+    return (this.#walVisible ??= sql<{ ok: boolean }>`select ${ARCHIVE_ON} and ${SEES_ARCHIVE} as ok`
       .execute(this.#db)
       .then(
         (r) => r.rows[0]?.ok === true,
@@ -211,6 +212,12 @@ class HealthProbe {
 }
 
 const probes = new WeakMap<Kysely<any>, HealthProbe>();
+
+/** Whether the server archives WAL: with archive_mode off there is no backlog to watch. */
+const ARCHIVE_ON = sql`current_setting('archive_mode') <> 'off'`;
+
+/** Whether this role may list the archive status directory (pg_ls_archive_statusdir). */
+const SEES_ARCHIVE = sql`((select rolsuper from pg_roles where rolname = current_user) or pg_has_role(current_user, 'pg_monitor', 'member'))`;
 
 /**
  * The indicators that read other roles' sessions or the standbys: PostgreSQL shows those columns
@@ -267,23 +274,36 @@ async function patiently(p: HealthProbe, intervalMs: number, failing: boolean): 
  */
 async function warnIfBlind(db: Kysely<any>, o: Required<HealthOptions>, run: RunIdentity, log: Logger): Promise<void> {
   const on = NEED_READ_ALL_STATS.filter((k) => o[k] !== false);
+  const walOn = o.walArchivePending !== false;
   const warned = warnedBlind.get(run) ?? new Set<string>();
-  if (on.every((k) => warned.has(k))) return;
-  const seen = await sql<{ role: string; stats: boolean }>`select current_user as role, pg_has_role(current_user, 'pg_read_all_stats', 'USAGE') as stats`
+  if (on.every((k) => warned.has(k)) && (!walOn || warned.has('walArchivePending'))) return;
+  const seen = await sql<{ role: string; stats: boolean; walBlind: boolean }>`select current_user as role,
+      pg_has_role(current_user, 'pg_read_all_stats', 'USAGE') as stats,
+      ${ARCHIVE_ON} and not ${SEES_ARCHIVE} as "walBlind"`
     .execute(db)
     .then((r) => r.rows[0], () => undefined);
   if (!seen) return;
   const blind = on.filter((k) => !warned.has(k));
+  const walUnseen = walOn && !warned.has('walArchivePending');
   // Seen once per run: a role that can see them is not asked again at the next step either.
   for (const k of blind) warned.add(k);
+  if (walOn) warned.add('walArchivePending');
   warnedBlind.set(run, warned);
-  if (seen.stats) return;
-  const names = blind.length > 1 ? `${blind.slice(0, -1).join(', ')} and ${blind.at(-1)}` : blind[0];
   const role = identInSql(seen.role);
-  log.warn(
-    { indicators: blind, role: seen.role },
-    `health checks cannot see other roles' sessions: role ${role} lacks pg_read_all_stats, so ${names} never pause this run; GRANT pg_read_all_stats TO ${role} (or pg_monitor; see README, Database privileges)`,
-  );
+  if (!seen.stats && blind.length > 0) {
+    const names = blind.length > 1 ? `${blind.slice(0, -1).join(', ')} and ${blind.at(-1)}` : blind[0];
+    log.warn(
+      { indicators: blind, role: seen.role },
+      `health checks cannot see other roles' sessions: role ${role} lacks pg_read_all_stats, so ${names} never pause this run; GRANT pg_read_all_stats TO ${role} (or pg_monitor; see README, Database privileges)`,
+    );
+  }
+  // pg_ls_archive_statusdir is pg_monitor's (or a superuser's) alone: pg_read_all_stats is not enough.
+  if (walUnseen && seen.walBlind) {
+    log.warn(
+      { indicators: ['walArchivePending'], role: seen.role },
+      `health checks cannot see the WAL archive: role ${role} lacks pg_monitor, so walArchivePending never pauses this run; GRANT pg_monitor TO ${role} (see README, Database privileges)`,
+    );
+  }
 }
 
 /**

@@ -3,7 +3,7 @@ import { CompiledQuery, sql, type Kysely } from 'kysely';
 import type { Logger } from 'pino';
 import { acquireAdvisoryLock, lockHolders, type HeldLock } from './advisory-lock.ts';
 import { looksDead, SILENT_SECONDS_SQL, silentSecondsOf, type LockHolder } from './lock-holder.ts';
-import { describeConnectError, isStatementTimeout, openDatabase, redactError, statementTimeoutFix, type Database } from './database.ts';
+import { describeConnectError, isStatementTimeout, openDatabase, redactError, statementTimeoutOrigin, type Database } from './database.ts';
 import { BusyError, CancelledError, codeOf, givenValue, RETRY_OR_WAIT, errorFields, FencedError, IdemError, InterruptedError, messageOf, STOP_SIGNALS, type StopSignal, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
@@ -18,7 +18,7 @@ import { silentLogger } from './log.ts';
 import { answerWithin, sleep } from './sleep.ts';
 import { beingDeletedMessage, doneChunks, finishDeletion, isLive, lastChange, pruneRuns, stalledSeconds, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
 import { isConnectionTrouble, isRetryable, retrying } from './retry.ts';
-import { ensureRunnerSchema } from './schema/runner-migrations.ts';
+import { ensureRunnerSchema, lostPrivilegeRefusal } from './schema/runner-migrations.ts';
 import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
 import { checkRunKey } from './run-key.ts';
 import { refuseBadRunOptions, shown } from './run-options.ts';
@@ -1023,11 +1023,25 @@ export class Runner {
       log.error({ err: errorFields(err), status: now?.status ?? null }, `this worker stopped: ${why}; ${ended}`);
       return new LockLostError(`this worker stopped: ${why}; ${ended}${ended === 'the run is interrupted' ? ': run the same command again to resume' : `: idem status ${job.name} --key ${runKey} shows it`}`, { cause: err });
     }
+    // A grant on idem's own schema or tables taken back mid-run (its bookkeeping, a chunk's claim,
+    // marker or fence refused) is not the job's failure: this worker stops as a connect would have
+    // refused, naming the GRANT (exit 2), and the run is left interrupted (when idem may still write
+    // that), to resume once granted. A permission error on the job's own tables stays its failure.
+    if (!(err instanceof IdemError)) {
+      const refusal = await lostPrivilegeRefusal(this.db, this.schema, err instanceof ChunkFailure ? err.cause : err).catch(() => null);
+      if (refusal) {
+        const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => undefined);
+        if (others === null) await this.store.endInterrupted(runId, attempt).catch(() => null);
+        log.warn({ err: errorFields(refusal.cause), otherWorkers: others ?? null }, "this worker stopped: a privilege on idem's schema was taken back mid-run");
+        return refusal;
+      }
+    }
     const failure = err instanceof ChunkFailure ? err : new ChunkFailure('(runner)', null, 1, err);
     const code = codeOf(failure.cause);
     // PostgreSQL's bare "canceling statement due to statement timeout" names neither the setting nor a fix.
+    const origin = statementTimeoutOrigin(this.#connectionString, this.#connectionSource);
     const message = isStatementTimeout(failure.cause)
-      ? `${failure.message} (the statement_timeout set for the role or database, or by the job, cut it short: give a chunk less to do, or ${statementTimeoutFix(this.#connectionString)} or in the chunk (SET LOCAL statement_timeout))`
+      ? `${failure.message} (the statement_timeout ${origin.setBy}, or by the job, cut it short: give a chunk less to do, or ${origin.fix}${origin.fromConnection ? ', or raise it' : ' or'} in the chunk (SET LOCAL statement_timeout))`
       : failure.message;
     const recorded = await this.store
       .failRun(runId, attempt, {

@@ -866,6 +866,67 @@ describe('a statement_timeout (set for the role or database) that cuts a stateme
   });
 });
 
+describe('a statement_timeout set by the connection itself (-c statement_timeout in its options, or PGOPTIONS)', () => {
+  // Black-box round 15 (B3): with `?options=-c statement_timeout=1` in DATABASE_URL, the refusal
+  // said to ALTER ROLE … SET statement_timeout, which a startup option overrides: it could not work.
+  const withOptions = (url: string, options: string) => {
+    const u = new URL(url);
+    u.searchParams.set('options', options);
+    return u.toString();
+  };
+
+  it("idem's own statement: the one line names where it is set (DATABASE_URL's options, or PGOPTIONS) and that fix; exit 2, nothing written", async () => {
+    const url = testDb.url;
+    const { default: pg } = await import('pg');
+    const holder = new pg.Client({ connectionString: url });
+    await holder.connect();
+    try {
+      const before = await snapshot(url, ALL_TABLES);
+      await holder.query('set statement_timeout = 0; begin; lock table idem.runs in access exclusive mode');
+      const viaUrl = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":1}', '--key', 'stc-url'], { url: withOptions(url, '-c statement_timeout=300ms') });
+      const viaEnv = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":1}', '--key', 'stc-env'], { url, env: { PGOPTIONS: '-c statement_timeout=300ms' } });
+      await holder.query('rollback');
+      expect([viaUrl.code, lines(viaUrl.stderr)], viaUrl.stderr).toEqual([
+        2,
+        [
+          "idem: error: the database cancelled a statement of idem's at the statement_timeout set by -c statement_timeout in DATABASE_URL's options: it waited on a lock or ran longer; raise or remove -c statement_timeout in DATABASE_URL's options (a setting there overrides the role's and the database's), then run the same command again",
+        ],
+      ]);
+      expect([viaEnv.code, lines(viaEnv.stderr)], viaEnv.stderr).toEqual([
+        2,
+        [
+          "idem: error: the database cancelled a statement of idem's at the statement_timeout set by -c statement_timeout in PGOPTIONS: it waited on a lock or ran longer; raise or remove -c statement_timeout in PGOPTIONS (a setting there overrides the role's and the database's), then run the same command again",
+        ],
+      ]);
+      expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+    } finally {
+      await holder.end();
+    }
+  });
+
+  it("a chunk's statement: the run's error names DATABASE_URL's options, not ALTER ROLE", async () => {
+    const url = testDb.url;
+    const { default: pg } = await import('pg');
+    const holder = new pg.Client({ connectionString: url });
+    await holder.connect();
+    await query(url, `insert into gates values ('stc-gate') on conflict do nothing`);
+    try {
+      await holder.query(`begin; select 1 from gates where name = 'stc-gate' for update`);
+      const r = await runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', '{"chunks":1,"gate":"stc-gate"}', '--key', 'stc-chunk'], { url: withOptions(url, '-c statement_timeout=1s') });
+      await holder.query('rollback');
+      expect(r.code, r.stderr).toBe(1);
+      const [run] = await query(url, `select status, error->>'message' as message from idem.runs where job = 'counted' and run_key = 'stc-chunk'`);
+      expect(run).toEqual({
+        status: 'failed',
+        message:
+          "canceling statement due to statement timeout (the statement_timeout set by -c statement_timeout in DATABASE_URL's options, or by the job, cut it short: give a chunk less to do, or raise or remove -c statement_timeout in DATABASE_URL's options (a setting there overrides the role's and the database's), or raise it in the chunk (SET LOCAL statement_timeout))",
+      });
+    } finally {
+      await holder.end();
+    }
+  });
+});
+
 describe('an empty --key given to find a run', () => {
   it('status, pause, resume, cancel, reset and finalize refuse it in one line (exit 2), writing nothing', async () => {
     // Black-box round 14 (B3-17): `idem status counted --key ""` said "no run with key """.

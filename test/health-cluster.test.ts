@@ -1,4 +1,5 @@
 import { fileURLToPath } from 'node:url';
+import pino from 'pino';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { defineJob, exitCodeOf, keyRange, Runner, sql, StandbyError, type HealthOptions } from '../src/index.ts';
 import counted from './fixtures/jobs/counted.ts';
@@ -169,6 +170,57 @@ describe.skipIf(!bin)('health indicators on a cluster of its own (system Postgre
       expect(await ready()).toBeLessThanOrEqual(2);
     } finally {
       await setArchive('true');
+    }
+  });
+
+  it('a role that cannot read the archive status (no pg_monitor) is told once that walArchivePending never pauses the run, and the grant', async () => {
+    // Black-box round 15 (B3): as a role with pg_read_all_stats but not pg_monitor, --health
+    // walArchivePending=1 with 4 segments waiting ran to the end with no pause and no word at all.
+    const role = `idem_wal_${process.pid}`;
+    const setArchive = async (command: string) => {
+      await query(primary.url, `alter system set archive_command = '${command}'`);
+      await query(primary.url, 'select pg_reload_conf()');
+    };
+    const ready = async () => (await query(primary.url, `select count(*)::int as n from pg_ls_archive_statusdir() where name like '%.ready'`))[0].n as number;
+    await query(primary.url, `drop role if exists ${role}; create role ${role} login; grant pg_read_all_stats to ${role}`);
+    await query(primary.url, `grant usage on schema idem to ${role}; grant select, insert, update, delete on all tables in schema idem to ${role}`);
+    await query(primary.url, `grant select, insert, update, delete on all tables in schema public to ${role}; grant usage on all sequences in schema public to ${role}`);
+    const logs: Array<{ msg: string; [k: string]: unknown }> = [];
+    const as = new URL(primary.url);
+    as.username = role;
+    const roleRunner = await Runner.connect({ connectionString: as.toString(), log: pino({ level: 'info' }, { write: (line: string) => void logs.push(JSON.parse(line)) }) });
+    await setArchive('false');
+    try {
+      for (let i = 0; i < 4; i++) {
+        await query(primary.url, `insert into work_log (job, run_key, step, chunk_key, attempt, pid) values ('wal-role', 'x', 'x', 'x', 0, 0)`);
+        await query(primary.url, 'select pg_switch_wal()');
+      }
+      await waitFor(async () => (await ready()) > 1, 'more than 1 segment waiting for the archiver');
+      const out = await roleRunner.run(counted, { params: { chunks: 2 }, key: 'wal-blind', health: { ...FAST, walArchivePending: 1, replicationLagSeconds: false } });
+      expect(out).toMatchObject({ status: 'succeeded', executed: 4 });
+      expect(logs.filter((l) => /walArchivePending/.test(l.msg)).map((l) => [l.level, l.runKey, l.msg])).toEqual([
+        [40, 'wal-blind', `health checks cannot see the WAL archive: role ${role} lacks pg_monitor, so walArchivePending never pauses this run; GRANT pg_monitor TO ${role} (see README, Database privileges)`],
+      ]);
+      // With the grant the same backlog pauses the run (the warning is not said again).
+      await query(primary.url, `grant pg_monitor to ${role}`);
+      await roleRunner.close();
+      logs.length = 0;
+      const seeing = await Runner.connect({ connectionString: as.toString(), log: pino({ level: 'info' }, { write: (line: string) => void logs.push(JSON.parse(line)) }) });
+      try {
+        const running = seeing.run(counted, { params: { chunks: 2 }, key: 'wal-seeing', health: { ...FAST, walArchivePending: 1, replicationLagSeconds: false } });
+        const pause = await waitFor(async () => (await runRow(primary.url, 'counted', 'wal-seeing'))?.health_pause, 'the run to pause for unarchived WAL');
+        expect(pause.reason).toMatch(/^\d+ WAL segments not archived > 1$/);
+        await setArchive('true');
+        await query(primary.url, 'select pg_switch_wal()');
+        expect(await running).toMatchObject({ status: 'succeeded', executed: 4 });
+        expect(logs.filter((l) => /pg_monitor/.test(l.msg))).toEqual([]);
+      } finally {
+        await seeing.close();
+      }
+    } finally {
+      await setArchive('true');
+      await roleRunner.close();
+      await query(primary.url, `drop owned by ${role}; drop role if exists ${role}`).catch(() => {});
     }
   });
 

@@ -5,7 +5,7 @@ import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { inject } from 'vitest';
 import { createFixtureTables } from './fixtures/tables.ts';
-import { FIXTURE_DIRS, FIXTURE_JOBS, killLeftovers, lines, query, runCli, workCounts, type CliResult } from './support/cli.ts';
+import { FIXTURE_DIRS, FIXTURE_JOBS, holdGate, killLeftovers, lines, lockWaiters, query, runCli, spawnCli, waitFor, workCounts, type CliResult } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 
 // A production role often may not CREATE in the database. idem then says what to grant, and a role
@@ -154,6 +154,49 @@ describe('a role without CREATE on the database', { shuffle: false }, () => {
       await query(ownerUrl, `grant delete on idem.chunks to ${role}`);
     }
   });
+
+  it("a permission error on the job's own table stays the job's failure (exit 1, run failed)", async () => {
+    await query(ownerUrl, `revoke insert on work_log from ${role}`);
+    try {
+      const r = await asRole(['--log-level', 'error', 'run', 'counted', '--params', '{"chunks":1}', '--key', 'weak-job-table']);
+      expect(r.code, r.stderr).toBe(1);
+      expect(lines(r.stderr).filter((l) => l.startsWith('idem: error:'))).toEqual([expect.stringMatching(/^idem: error: job "counted" failed in step "\w+".* permission denied for table work_log; /)]);
+      expect(await query(ownerUrl, `select status, error->>'message' as message from idem.runs where run_key = 'weak-job-table'`)).toEqual([{ status: 'failed', message: 'permission denied for table work_log' }]);
+    } finally {
+      await query(ownerUrl, `grant insert on work_log to ${role}`);
+    }
+  });
+
+  for (const table of ['chunks', 'runs']) {
+    it(`a grant taken back mid-run (UPDATE on idem.${table}) stops the worker with the same line as at connect time (exit 2), not a failed run`, async () => {
+      // Black-box round 15 (B3): REVOKE UPDATE ON idem.chunks while a run went on failed the run
+      // ("job failed in step (runner) … permission denied for table chunks", exit 1), blaming the job.
+      const key = `weak-revoke-${table}`;
+      const gate = await holdGate(ownerUrl, key);
+      const child = spawnCli([...FIXTURE_DIRS, '--log-level', 'error', 'run', 'counted', '--params', JSON.stringify({ chunks: 3, gate: key }), '--key', key], { url: roleUrl, timeoutMs: 40_000 });
+      let r: CliResult;
+      try {
+        await waitFor(async () => (await lockWaiters(ownerUrl, 'idem')) > 0, 'a chunk waiting on the gate');
+        await query(ownerUrl, `revoke update on idem.${table} from ${role}`);
+        await gate.release();
+        r = await child.done;
+      } finally {
+        await gate.release();
+        await query(ownerUrl, `grant update on idem.${table} to ${role}`);
+      }
+      expect(oneLine(r, 2)).toBe(
+        `idem: error: role ${role} may not use the runner schema "idem" (no UPDATE on idem.${table}): as the schema's owner, ` +
+          `GRANT USAGE ON SCHEMA idem TO ${role}; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA idem TO ${role} (see README, Database privileges)`,
+      );
+      const [run] = await query(ownerUrl, `select status, error from idem.runs where run_key = $1`, [key]);
+      // Not failed: with UPDATE on idem.runs taken back idem cannot record it interrupted either,
+      // and the run is left running under no lock (idem status: crashed), as a killed worker leaves it.
+      expect(run).toEqual({ status: table === 'runs' ? 'running' : 'interrupted', error: null });
+      // Granted back, the same command resumes it.
+      const again = await asRole(['run', 'counted', '--params', JSON.stringify({ chunks: 3, gate: key }), '--key', key]);
+      expect(again.code, again.stderr).toBe(0);
+    });
+  }
 });
 
 /** A string as a literal in a RegExp. */

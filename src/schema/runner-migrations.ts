@@ -444,6 +444,30 @@ function missingPrivileges(schema: string, lacking: ReadonlyArray<{ table: strin
   return [...groups].map(([what, tables]) => `no ${what} on ${tables.join(', ')}`).join('; ');
 }
 
+/**
+ * A permission error (42501) on idem's own schema or tables, raised while a run went on (a grant
+ * taken back mid-run), as the one-line refusal a connect would give now: the same message, naming
+ * the GRANT. Null when `err` is something else, or when it names a table idem's role still has every
+ * privilege on (a job's own table of the same name: that failure is the job's).
+ */
+export async function lostPrivilegeRefusal(db: Kysely<any>, schema: string, err: unknown): Promise<DatabaseUnavailableError | null> {
+  if (codeOf(err) !== INSUFFICIENT_PRIVILEGE || !(err instanceof Error)) return null;
+  const named = /^permission denied for (table|schema) (.+)$/.exec(err.message);
+  if (!named) return null;
+  const [, kind, name] = named;
+  if (kind === 'schema') return name === schema ? privilegeRefusal(db, schema, 'use', err.message, err) : null;
+  if (!(RUNNER_TABLES as readonly string[]).includes(name!)) return null;
+  const { rows } = await sql<{ table: string; missing: string[] }>`
+    select c.relname as table, p.missing from pg_class c
+      cross join lateral (select array_agg(w order by o) as missing from unnest(array['SELECT', 'INSERT', 'UPDATE', 'DELETE']) with ordinality as u(w, o)
+        where not has_table_privilege(c.oid, w)) p
+      where c.relnamespace = (select oid from pg_namespace where nspname = ${schema}) and c.relkind in ('r', 'p')
+        and c.relname not in (${MIGRATION_TABLE}, ${MIGRATION_LOCK_TABLE}) and p.missing is not null
+      order by c.relname`.execute(db);
+  if (!rows.some((r) => r.table === name)) return null;
+  return privilegeRefusal(db, schema, 'use', missingPrivileges(schema, rows), err);
+}
+
 /** The tables idem's runner migrations create, in whatever schema they are given. */
 const RUNNER_TABLES = ['runs', 'steps', 'chunks', 'effects', 'api_requests'] as const;
 
