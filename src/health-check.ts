@@ -3,6 +3,7 @@ import type { Logger } from 'pino';
 import { brandErrorClass, codeOf, errorFields, givenValue, UsageError } from './errors.ts';
 import type { Job, RunIdentity, Step } from './job.ts';
 import { sleep } from './sleep.ts';
+import { retrying } from './retry.ts';
 import { didYouMean, suggestSimilar } from './suggest.ts';
 import { identInSql, lookupText } from './table-name.ts';
 
@@ -431,7 +432,9 @@ export async function createHealthGate(opts: HealthGateOptions): Promise<HealthG
   const names = [...(opts.step.tables ?? []), ...(opts.step.chunks?.tables ?? [])];
   const tables = new Set<number>();
   if (o.autovacuum && names.length > 0) {
-    const { rows } = await sql<{ oid: string | null }>`select to_regclass(n)::oid::int8 as oid from unnest(${names.map(lookupText)}::text[]) n`.execute(opts.db);
+    // Retried as every statement of idem's own is: a pool connection whose backend just ended (a
+    // terminated session, found by the chaos for workers) stopped the worker here at a step's start.
+    const { rows } = await retrying(() => sql<{ oid: string | null }>`select to_regclass(n)::oid::int8 as oid from unnest(${names.map(lookupText)}::text[]) n`.execute(opts.db));
     for (const r of rows) if (r.oid !== null) tables.add(Number(r.oid));
   }
   const runs = sql.id(opts.schema, 'runs');
