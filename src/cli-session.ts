@@ -36,6 +36,12 @@ export class Session {
   readonly startup = new AbortController();
   /** An embedded server is being made or started: closing waits for it to give up and be released. */
   embeddedStarting = false;
+  /**
+   * The job's code threw outside a chunk's run() or left a rejection unhandled: that was printed (and
+   * --json'd) as the command's outcome. A run that still ends well after it (the chunk in flight was
+   * its last) is not printed as a second outcome.
+   */
+  jobCodeFailed = false;
   defer(fn: () => Promise<void>): void {
     this.#cleanups.push(fn);
   }
@@ -137,6 +143,7 @@ export function createCliContext(program: Command, state: { exitCode: number }):
       const mask = (text: string) => (g.databaseUrl ? redactSecrets(text, g.databaseUrl) : text);
       const guard = guardAgainstJobCode(jsonError, mask, () => exiting, (code) => {
         jobCodeFailed = true;
+        session.jobCodeFailed = true;
         void finish(code, 2_000);
       });
       try {
@@ -230,7 +237,8 @@ function onePasswordFileWarning(problem: string): void {
  * exit 1: `process.exit()` keeps its own code unless it is 0; a throw or rejection releases the
  * session first, as a signal during start-up does: the runner closes, a chunk in flight gets the
  * close's grace (2 s) to finish, and the run is left unfinished (interrupted; crashed when a chunk
- * outlived the grace). After `process.exit()` it is left as a crash leaves it. A `process.exit()` from a
+ * outlived the grace; succeeded when the chunk in flight was its last, which the command then does
+ * not print as a second outcome). After `process.exit()` it is left as a crash leaves it. A `process.exit()` from a
  * job file's top level, while it loads, is a bad job file instead: exit 2, the file named.
  */
 function guardAgainstJobCode(jsonError: ((err: unknown) => unknown) | undefined, mask: (text: string) => string, idemExits: () => number | undefined, finish: (code: number) => void): { remove(): void } {
@@ -271,7 +279,7 @@ function guardAgainstJobCode(jsonError: ((err: unknown) => unknown) | undefined,
       message = 'a value that cannot be read';
     }
     // The runner closes: chunks in flight get the close's grace to finish, no new one starts.
-    report(`${what} (${message})`, 'a run in flight is stopped unfinished');
+    report(`${what} (${message})`, 'no new chunk starts, a run in flight stops once its chunks in flight end (idem status shows how it ended)');
     finish(ExitCode.Failed);
   };
   process.on('exit', onExit);

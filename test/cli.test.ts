@@ -280,6 +280,35 @@ describe('idem run', () => {
     }
   });
 
+  it('an uncaught throw in the chunk that is the run\'s last: exit 1, one error line and one --json object, no success printed beside them', async () => {
+    // Black-box round 16 (B5-1): the chunk in flight finished within the close's grace and was the
+    // run's last, so the run ended succeeded: idem printed the error object and then the success
+    // object (two JSON documents on stdout, `JSON.parse` failed), exit 1, and the error line said the
+    // run was "stopped unfinished".
+    for (const how of ['throw', 'reject'] as const) {
+      const key = `exiter-last-${how}`;
+      const env = { EXITER_HOW: how, EXITER_WAIT_MS: '200', EXITER_KEYS: 'b' };
+      const r = await runCli(['--jobs-dir', MORE_JOBS, 'run', 'exiter', '--key', key, '--json'], { url, env });
+      expect(r.code, r.stderr).toBe(1);
+      const objects = lines(r.stdout);
+      expect(objects, r.stdout).toHaveLength(1);
+      expect(JSON.parse(objects[0]!)).toMatchObject({ status: 'error', job: 'exiter', runKey: key, exitCode: 1, code: 'idem.jobCodeEnded' });
+      const errors = lines(r.stderr).filter((l) => l.startsWith('idem: error:'));
+      expect(errors, r.stderr).toHaveLength(1);
+      expect(errors[0]).not.toContain('unfinished');
+      expect(errors[0]).toContain('idem status shows how it ended');
+      // Its one chunk committed: the run is done, and the same command says so.
+      expect(await runRow(url, 'exiter', key)).toMatchObject({ status: 'succeeded' });
+      const text = await runCli(['--jobs-dir', MORE_JOBS, 'run', 'exiter', '--key', key], { url, env: { ...env, EXITER_HOW: 'none' } });
+      expect(text.code, text.stderr).toBe(0);
+      expect(text.stdout).toContain('already done');
+    }
+    // Without --json: the error line alone, no "succeeded" line on stdout.
+    const plain = await runCli(['--jobs-dir', MORE_JOBS, 'run', 'exiter', '--key', 'exiter-last-plain'], { url, env: { EXITER_HOW: 'throw', EXITER_WAIT_MS: '200', EXITER_KEYS: 'b' } });
+    expect(plain.code, plain.stderr).toBe(1);
+    expect(plain.stdout).toBe('');
+  });
+
   it('the same key with other params exits 65 and changes nothing', async () => {
     const first = await idem(['run', 'counted', '--params', '{"chunks":2,"label":"a"}', '--key', 'cli-mismatch']);
     expect(first.code, first.stderr).toBe(0);

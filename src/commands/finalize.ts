@@ -57,6 +57,8 @@ export function registerFinalizeCommand(program: Command, cli: CliContext): void
           signal: signals.stop,
           abortSignal: signals.abort,
         });
+        // The job's code threw meanwhile: that error is the command's outcome, printed already.
+        if (session.jobCodeFailed) return ExitCode.Failed;
         process.stdout.write(o.json ? `${JSON.stringify(outcome)}\n` : `${describeFinalize(outcome)}\n`);
         return ExitCode.Ok;
       }, ['jobs'], o.json ? (err) => runErrorObject(name, o.key, err) : undefined),

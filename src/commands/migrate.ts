@@ -47,6 +47,8 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
               signal: signals.stop,
               abortSignal: signals.abort,
             });
+            // The job's code threw meanwhile: that error is the command's outcome, printed already.
+            if (session.jobCodeFailed) return ExitCode.Failed;
             if (o.json) process.stdout.write(`${JSON.stringify(finalized)}\n`);
             else for (const out of finalized) process.stdout.write(`${visible(out.runKey)}: ${describeFinalize(out)}\n`);
             return ExitCode.Ok;
@@ -68,6 +70,7 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
               },
             },
           );
+          if (session.jobCodeFailed) return ExitCode.Failed;
           if (o.json) process.stdout.write(`${JSON.stringify(outcomes)}\n`);
           else if (outcomes.length === 0) process.stdout.write(`no migrations in ${g.migrationsDir}/\n`);
           else for (const out of outcomes) process.stdout.write(`${visible(out.runKey)}: ${describeOutcome(out)}\n`);

@@ -140,6 +140,8 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
               if (!o.json) process.stdout.write(`slot ${key} of job "${job.name}" was cancelled by an operator: passed over (idem reset ${shellQuote(job.name)} --key ${key} lets it run again)\n`);
               continue;
             }
+            // The job's code threw meanwhile: that error is the command's outcome, printed already.
+            if (session.jobCodeFailed) return ExitCode.Failed;
             outcomes.push(outcome);
             // --catch-up --json: one array at the end (as migrate --json), not a line per slot.
             if (!o.json) process.stdout.write(`${describeOutcome(outcome)}\n`);
