@@ -98,10 +98,18 @@ const JSON_REFUSALS: Readonly<Record<string, (job: string | null, flags: Readonl
   run: (job, flags, err) => (flags.has('--catch-up') ? [runErrorObject(job, null, err)] : runErrorObject(job, flags.get('--key') ?? null, err)),
   finalize: (job, flags, err) => runErrorObject(job, flags.get('--key') ?? null, err),
   migrate: (_job, _flags, err) => [migrateErrorEntry(null, err)],
+  // The other commands with --json: the same object, their job and --key where they take them.
+  status: (job, flags, err) => runErrorObject(job, flags.get('--key') ?? null, err),
+  pause: (job, flags, err) => runErrorObject(job, flags.get('--key') ?? null, err),
+  resume: (job, flags, err) => runErrorObject(job, flags.get('--key') ?? null, err),
+  cancel: (job, flags, err) => runErrorObject(job, flags.get('--key') ?? null, err),
+  reset: (job, flags, err) => runErrorObject(job, flags.get('--key') ?? null, err),
+  list: (_job, _flags, err) => runErrorObject(null, null, err),
+  prune: (_job, _flags, err) => runErrorObject(null, null, err),
 };
 
 /**
- * `run`, `finalize` and `migrate` with --json print their error object (or array) on stdout for a
+ * A command with --json prints its error object (or array) on stdout for a
  * command line commander refuses too, as for every other refusal, and for a signal before the
  * command took over. commander stops at the first bad token, so the command, its job operand,
  * --key and --json are read off the arguments here: a program option or a command's option that

@@ -247,3 +247,37 @@ describe('what a job file exports', () => {
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
   });
 });
+
+describe('--json on every command: a refusal is the error object on stdout', () => {
+  it('status, list, pause, resume, cancel, reset and prune print {status: "error", …} with the exit code, as run does', async () => {
+    // Black-box round 16 (B5-4): README's JSON output says an outcome other than success is the
+    // error object, but only run, finalize and migrate printed one: these exited 2 with stdout empty.
+    const before = await snapshot(url, ALL_TABLES);
+    const cases: Array<[string[], { job: string | null; runKey: string | null }]> = [
+      [['status', 'no-such-job', '--json'], { job: 'no-such-job', runKey: null }],
+      [['status', 'counted', '--key', 'never-ran', '--json'], { job: 'counted', runKey: 'never-ran' }],
+      [['pause', 'counted', '--key', 'never-ran', '--json'], { job: 'counted', runKey: 'never-ran' }],
+      [['resume', 'counted', '--key', 'never-ran', '--json'], { job: 'counted', runKey: 'never-ran' }],
+      [['cancel', 'counted', '--key', 'never-ran', '--json'], { job: 'counted', runKey: 'never-ran' }],
+      [['reset', 'counted', '--key', 'never-ran', '--json'], { job: 'counted', runKey: 'never-ran' }],
+      [['prune', '--older-than', '1x', '--json'], { job: null, runKey: null }],
+      // Refused by the command line itself (commander), before any command runs.
+      [['status', '--json', '--limit', 'x'], { job: null, runKey: null }],
+    ];
+    const results = await Promise.all(cases.map(([args]) => idem(args)));
+    results.forEach((r, i) => {
+      const [args, want] = cases[i]!;
+      expect(r.code, `${args.join(' ')}: ${r.stderr}`).toBe(2);
+      expect(lines(r.stdout), `${args.join(' ')}: ${r.stdout}`).toHaveLength(1);
+      const obj = JSON.parse(r.stdout) as Record<string, unknown>;
+      expect(obj, args.join(' ')).toMatchObject({ status: 'error', job: want.job, runKey: want.runKey, exitCode: 2 });
+      expect(typeof obj.error, args.join(' ')).toBe('string');
+      expect(lines(r.stderr), args.join(' ')).toHaveLength(1);
+      expect(r.stderr, args.join(' ')).toContain(obj.error as string);
+    });
+    const list = await runCli(['list', '--json', '--jobs-dir', 'no-such-dir'], { url });
+    expect(list.code, list.stderr).toBe(2);
+    expect(JSON.parse(list.stdout)).toMatchObject({ status: 'error', job: null, runKey: null, exitCode: 2 });
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+});

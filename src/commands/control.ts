@@ -1,4 +1,5 @@
 import type { Command } from 'commander';
+import { runErrorObject } from '../describe-outcome.ts';
 import { cancelStatementsOnStop, openRunner, type CliContext } from '../cli-session.ts';
 import { existingKey } from '../cli-parsers.ts';
 import { ExitCode } from '../errors.ts';
@@ -27,7 +28,7 @@ function registerControl(program: Command, cli: CliContext, name: 'pause' | 'res
             : 'requested: the live run stops at its next chunk boundary';
         process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `${name}: run ${visible(r.runKey)} of job "${r.job}" ${how}\n`);
         return ExitCode.Ok;
-      }),
+      }, undefined, o.json ? (err) => runErrorObject(job, o.key ?? null, err) : undefined),
     );
 }
 

@@ -1,4 +1,5 @@
 import type { Command } from 'commander';
+import { runErrorObject } from '../describe-outcome.ts';
 import { openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode } from '../errors.ts';
 import type { RunStatusRow } from '../runner.ts';
@@ -70,6 +71,6 @@ export function registerListCommand(program: Command, cli: CliContext): void {
         const text = o.json ? JSON.stringify(items) : tty ? formatList(items, new Date(), colours(colourful(process.stdout))) : formatListTsv(items);
         process.stdout.write(`${text}\n`);
         return ExitCode.Ok;
-      }),
+      }, undefined, o.json ? (err) => runErrorObject(null, null, err) : undefined),
     );
 }

@@ -1,4 +1,5 @@
 import type { Command } from 'commander';
+import { runErrorObject } from '../describe-outcome.ts';
 import { cancelStatementsOnStop, openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode } from '../errors.ts';
 
@@ -20,7 +21,7 @@ export function registerPruneCommand(program: Command, cli: CliContext): void {
         const held = r.skipped > 0 ? `; left ${r.skipped} ${r.skipped === 1 ? 'run' : 'runs'} alone that another process holds (reviving, running or resetting it)` : '';
         process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `prune: removed ${count(r.runs, 'run')}, ${count(r.steps, 'step')}, ${count(r.chunks, 'chunk marker')}, ${count(r.effects, 'effect')} older than ${o.olderThan}${held}\n`);
         return ExitCode.Ok;
-      }, []),
+      }, [], o.json ? (err) => runErrorObject(null, null, err) : undefined),
     );
 }
 

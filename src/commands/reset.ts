@@ -1,4 +1,5 @@
 import type { Command } from 'commander';
+import { runErrorObject } from '../describe-outcome.ts';
 import { cancelStatementsOnStop, openRunner, type CliContext } from '../cli-session.ts';
 import { existingKey } from '../cli-parsers.ts';
 import { ExitCode } from '../errors.ts';
@@ -23,6 +24,6 @@ export function registerResetCommand(program: Command, cli: CliContext): void {
           o.json ? `${JSON.stringify({ job, runKey: o.key, chunks: r.chunks, effects: r.effects })}\n` : `reset: forgot run ${visible(o.key)} of job "${visible(job)}" (${r.chunks} chunk markers, ${r.effects} effects)\n`,
         );
         return ExitCode.Ok;
-      }),
+      }, undefined, o.json ? (err) => runErrorObject(job, o.key, err) : undefined),
     );
 }

@@ -1,4 +1,5 @@
 import type { Command } from 'commander';
+import { runErrorObject } from '../describe-outcome.ts';
 import { existingKey, positiveInt } from '../cli-parsers.ts';
 import { openRunner, type CliContext } from '../cli-session.ts';
 import { ExitCode, UsageError } from '../errors.ts';
@@ -250,6 +251,6 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
         const table = rows.length === 0 && !runner.schemaExists ? `no runs yet (schema "${runner.schema}" holds no idem runs: idem creates it at the first run or migrate; check --schema)` : formatStatus(stringsMapped(rows, masked), new Date(), colours(tty));
         process.stdout.write(masked(o.json ? `${json}\n` : `${[table, ...orphans].join('\n')}\n`));
         return ExitCode.Ok;
-      }),
+      }, undefined, o.json ? (err) => runErrorObject(job ?? null, o.key ?? null, err) : undefined),
     );
 }
