@@ -220,9 +220,22 @@ export function redactSecrets(text: string, connectionString: string): string {
 
 /**
  * The password's forms redactSecrets masks: as written in the URL (percent-encoded), as the server
- * gets it, and PGPASSWORD. pg (like libpq) also takes it from the query, `?password=…`, and an SSL
+ * gets it, and PGPASSWORD; and the API token (IDEM_API_TOKEN, or a token file's, see addSecret). pg (like libpq) also takes it from the query, `?password=…`, and an SSL
  * key's passphrase from `?sslpassword=…`: those too, as written and decoded.
  */
+/**
+ * Secrets besides the database password that nothing idem prints, logs, stores or answers may show:
+ * `idem serve`'s API token once read from --token-file (IDEM_API_TOKEN is masked from the
+ * environment directly, in every command: a job's code and its child processes inherit it).
+ */
+const otherSecrets = new Set<string>();
+
+/** Adds a secret (an API token read from a file) to what secretForms masks, from now on. */
+export function addSecret(secret: string): void {
+  otherSecrets.add(secret);
+  otherSecrets.add(secret.trim());
+}
+
 export function secretForms(connectionString: string): string[] {
   let forms: string[];
   try {
@@ -237,8 +250,13 @@ export function secretForms(connectionString: string): string[] {
     forms = [/password\s*=\s*'?([^'\s]+)/i.exec(connectionString)?.[1] ?? ''];
   }
   forms.push(process.env.PGPASSWORD ?? '', ...passwordsFromFile(connectionString));
+  // The API token (black-box round 16: a job's error quoting its environment stored, logged and
+  // served the token under --public-read, where the password beside it was masked).
+  const token = process.env.IDEM_API_TOKEN;
+  if (token !== undefined) forms.push(token, token.trim());
+  forms.push(...otherSecrets);
   // Longest first: a form inside another (the decoded password in the written one) leaves no piece of it.
-  return forms.filter((password) => password.length >= 3).sort((a, b) => b.length - a.length);
+  return [...new Set(forms)].filter((password) => password.length >= 3).sort((a, b) => b.length - a.length);
 }
 
 /**

@@ -577,6 +577,51 @@ describe('reads', () => {
     expect(answers.at(-1)).toContain('***-http');
   });
 
+  it("the API token in a job's error is masked wherever the error shows: API, event stream, dashboard, log lines, idem status, the stored run", async () => {
+    // Black-box round 16 (B4-1, high): the password was masked in a run's error, the token was not.
+    // IDEM_API_TOKEN is in every job's environment, so a library that dumps its environment into an
+    // error put the write token in front of every reader (under --public-read, anyone).
+    const dir = await mkdtemp(path.join(tmpdir(), 'idem-leak-'));
+    try {
+      await writeFile(
+        path.join(dir, 'leak.mjs'),
+        `export default { name: 'leak', steps: [{ name: 'work', run() { throw new Error('env dump: token ' + process.env.IDEM_API_TOKEN + ' end'); } }] };\n`,
+      );
+      const leaky = await startServe(url, [], {}, dir, 'info');
+      try {
+        const created = await api(leaky.base, 'POST', '/api/jobs/leak/runs', { key: 'leak-1', body: {} });
+        expect(created.status, created.text).toBe(201);
+        const id = created.body.id as string;
+        const done = await api(leaky.base, 'GET', `/api/runs/${id}?wait=30`);
+        expect(done.body.state, done.text).toBe('failed');
+        expect(done.text).toContain('env dump: token *** end');
+        const events = await fetch(`${leaky.base}/api/runs/${id}/events`, { headers: { authorization: `Bearer ${TOKEN}` } });
+        const answers = [done.text, await events.text()];
+        for (const p of ['/api/runs?job=leak', '/', `/runs/${id}`]) answers.push((await api(leaky.base, 'GET', p)).text);
+        for (const text of answers) expect(text).not.toContain(TOKEN);
+        const [row] = await query<{ error: string }>(url, `select error::text from idem.runs where id = $1`, [id]);
+        expect(row!.error).toContain('env dump: token *** end');
+        // The CLI, run by a deploy whose environment holds the token too.
+        const status = await runCli(['--jobs-dir', dir, 'status', 'leak', '--json'], { url, env: { IDEM_API_TOKEN: TOKEN } });
+        expect(status.code, status.stderr).toBe(0);
+        expect(status.stdout).toContain('env dump: token *** end');
+        const failed = await runCli(['--jobs-dir', dir, 'run', 'leak', '--key', 'leak-cli'], { url, env: { IDEM_API_TOKEN: TOKEN } });
+        expect(failed.code, failed.stderr).toBe(1);
+        expect(failed.stderr).toContain('env dump: token *** end');
+        const [cliRow] = await query<{ error: string }>(url, `select error::text from idem.runs where job = 'leak' and run_key = 'leak-cli'`);
+        expect(cliRow!.error).not.toContain(TOKEN);
+        leaky.proc.child.kill('SIGTERM');
+        await leaky.proc.done;
+        expect(leaky.proc.stderr()).not.toContain(TOKEN);
+        expect(leaky.proc.stderr()).toContain('env dump: token *** end');
+      } finally {
+        leaky.proc.child.kill('SIGKILL');
+      }
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
+  });
+
   it('a run key differing from another only by an invisible character shows that character on the dashboard, as the terminal does', async () => {
     // Left from black-box round 13 (B2-11): the terminal shows U+200B as \u200b, the dashboard
     // showed it as nothing, so "ab" and "a\u200bb" were two cards that looked the same.

@@ -1,6 +1,7 @@
 import type pg from 'pg';
 import type { Logger } from 'pino';
 import { ExitCode, InterruptedError } from '../errors.ts';
+import { addSecret } from '../database.ts';
 import { loadJobDir, migrationKeys } from '../loader.ts';
 import { testHookMs } from '../test-hooks.ts';
 import { parseDuration } from '../operations.ts';
@@ -67,6 +68,10 @@ export async function serveCommand(o: ServeFlags, deps: ServeDeps): Promise<numb
   checkServeFlags(o);
   const retentionMs = o.retention === undefined ? null : parseDuration(o.retention, '--retention');
   const token = await loadApiToken({ ...(o.tokenFile !== undefined ? { file: o.tokenFile } : {}), ...(process.env.IDEM_API_TOKEN ? { env: process.env.IDEM_API_TOKEN } : {}) });
+  // Masked from here on wherever the password is (answers, log lines, a run's stored error): a job's
+  // error may quote it, and a token file's token is not in the environment, where every mask finds
+  // IDEM_API_TOKEN's.
+  addSecret(token);
   const jobs = (await loadJobDir(deps.jobsDir, 'jobs')).map((l) => l.job);
   // Each executing run takes up to `concurrency` connections of the runner's pool, plus its control
   // and lock reads; the API reads on a pool of their own.
@@ -89,7 +94,7 @@ export async function serveCommand(o: ServeFlags, deps: ServeDeps): Promise<numb
     concurrency: o.concurrency,
     bodyLimit: o.bodyLimit,
     log: deps.log,
-    secrets: deps.secrets ?? [],
+    secrets: [...(deps.secrets ?? []), token],
     retentionMs,
     migrationKeys: retentionMs !== null && deps.migrationsDir !== undefined ? await migrationKeys(deps.migrationsDir) : [],
     ...(rescan !== undefined ? { rescanMs: rescan } : {}),
