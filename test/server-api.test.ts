@@ -154,6 +154,12 @@ describe('bad requests write nothing', () => {
   it('answers each with one clear problem', async () => {
     const before = await snapshot(url, TABLES);
     expectProblem(await post(undefined, { chunks: 2 }), 400, 'idem.missingIdempotencyKey');
+    // Black-box round 16 (B4-4): a header sent empty (or spaces only: HTTP trims them) was "missing".
+    for (const value of ['', '   ']) {
+      const empty = await api(server.base, 'POST', '/api/jobs/counted/runs', { body: { chunks: 2 }, headers: { 'idempotency-key': value } });
+      expectProblem(empty, 400, 'idem.invalidIdempotencyKey');
+      expect(empty.body.detail).toContain('the Idempotency-Key header is empty');
+    }
     expectProblem(await post('k-unknown', {}, { job: 'no-such-job' }), 404, 'idem.unknownJob');
     const invalid = await post('k-invalid', { chunks: 'many' });
     expectProblem(invalid, 400, 'idem.invalidParams');

@@ -93,8 +93,12 @@ export function registerApiRoutes(app: FastifyInstance, ctx: ServerContext): voi
 
   app.post<{ Params: { job: string }; Body: unknown }>('/api/jobs/:job/runs', async (request, reply) => {
     const key = request.headers['idempotency-key'];
-    if (key === undefined || key === '') {
+    if (key === undefined) {
       throw new HttpProblem(400, 'idem.missingIdempotencyKey', 'the request has no Idempotency-Key header; send one unique key per intended run (e.g. a UUID), and the same key again on a retry');
+    }
+    // Sent, but empty (HTTP trims the spaces around a value): not missing, as it said until 2026-12-04.
+    if (key === '') {
+      throw new HttpProblem(400, 'idem.invalidIdempotencyKey', 'the Idempotency-Key header is empty; send one unique key per intended run (e.g. a UUID), and the same key again on a retry');
     }
     // Node joins a repeated header it does not know with ", ": "te2, te3" would be judged as one key.
     const sent = request.raw.headersDistinct['idempotency-key']?.length ?? 1;
