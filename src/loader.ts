@@ -34,6 +34,29 @@ export function isCommonJsFile(file: string): boolean {
 
 let requireHook: Promise<void> | undefined;
 
+/** How many plain JavaScript job files are importing now (see registerRequireHook). */
+let plainJobsLoading = 0;
+
+/**
+ * Registers tsx's require hook, for CommonJS TypeScript only. tsx replaces Node's loader of `.js`
+ * (and so of `.cjs`) files too, and compiles a `.js` file's import/export to CommonJS: once a
+ * `.ts` job had loaded, an ES-module `.js` job in a `"type": "commonjs"` package loaded, where
+ * Node refuses it and idem did too when no `.ts` file sorted before it. So while a `.js`, `.cjs`
+ * or `.mjs` job file imports, its JavaScript (it and what it requires) is loaded by Node's own
+ * loader, as Node would run it whatever other files the folder holds.
+ */
+async function registerRequireHook(): Promise<void> {
+  const extensions = createRequire(import.meta.url).extensions;
+  const nodeJs = extensions['.js']!;
+  const { register } = await import('tsx/cjs/api');
+  register();
+  const tsxJs = extensions['.js']!;
+  if (tsxJs === nodeJs) return;
+  extensions['.js'] = function loadJs(module, filename) {
+    return (plainJobsLoading > 0 && !TYPESCRIPT.test(filename.split('?')[0]!) ? nodeJs : tsxJs).call(this, module, filename);
+  };
+}
+
 /** The directory of the nearest package.json above a file (the file's own directory when none). */
 function packageRoot(file: string): string {
   for (let dir = path.dirname(file); ; dir = path.dirname(dir)) {
@@ -51,7 +74,7 @@ function packageRoot(file: string): string {
  */
 async function importJobFile(file: string): Promise<Record<string, unknown>> {
   if (TYPESCRIPT.test(file) && isCommonJsFile(file)) {
-    await (requireHook ??= import('tsx/cjs/api').then((m) => void m.register()));
+    await (requireHook ??= registerRequireHook());
     return { default: createRequire(file)(file) as unknown };
   }
   if (TYPESCRIPT.test(file)) {
@@ -70,7 +93,12 @@ async function importJobFile(file: string): Promise<Record<string, unknown>> {
       throw err;
     }
   }
-  return (await import(pathToFileURL(file).href)) as Record<string, unknown>;
+  plainJobsLoading++;
+  try {
+    return (await import(pathToFileURL(file).href)) as Record<string, unknown>;
+  } finally {
+    plainJobsLoading--;
+  }
 }
 
 export interface LoadedJob {

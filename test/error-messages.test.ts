@@ -205,6 +205,36 @@ describe('a job file that cannot load: file:line:column, the cause, the source l
     expect(JSON.parse(ok.stdout)).toEqual(expect.arrayContaining([expect.objectContaining({ kind: 'job', name: 'esm-js' })]));
   });
 
+  it('an ES-module .js job in a "type": "commonjs" project is refused whether a .ts job loads before or after it; a CommonJS .js job loads in both orders', async () => {
+    // Black-box: with a .ts job sorting first (a.ts), tsx's require hook was active when esm.js
+    // loaded, compiled its import/export to CommonJS and the job ran; Node refuses the file, and
+    // so did idem when the .ts file sorted last (z.ts).
+    const esm = `export default { name: 'esm-js', steps: [{ name: 'a', run: () => 1 }] };\n`;
+    const cjs = `module.exports = { name: 'cjs-js', steps: [{ name: 'a', run: () => 1 }] };\n`;
+    const ts = (name: string) => `const n: number = 1;\nexport default { name: '${name}', steps: [{ name: 'a', run: () => n }] };\n`;
+    const before = await snapshot(url, ALL_TABLES);
+    for (const tsFile of ['a.ts', 'z.ts']) {
+      const dir = await jobFolder(`esm-js-commonjs-${tsFile}`, { [tsFile]: ts('ts-job'), 'esm.js': esm }, { name: 'app', type: 'commonjs' });
+      for (const args of [['run', 'esm-js'], ['list']]) {
+        expect(refusal(await runCli(['--jobs-dir', dir, ...args], { url }), 2), `${tsFile}: ${args.join(' ')}`).toEqual([
+          `idem: error: cannot load jobs file ${path.join(dir, 'esm.js')}: it is an ES module but ${path.join(dir, '..', 'package.json')} declares "type": "commonjs"; set "type": "module" there, or rename the file to .mjs`,
+        ]);
+      }
+      const ok = await jobFolder(`cjs-js-commonjs-${tsFile}`, { [tsFile]: ts('ts-job'), 'cjs.js': cjs }, { name: 'app', type: 'commonjs' });
+      const r = await runCli(['--jobs-dir', ok, 'list', '--json'], { url });
+      expect({ code: r.code, stderr: r.stderr }, tsFile).toEqual({ code: 0, stderr: '' });
+      expect((JSON.parse(r.stdout) as Array<{ kind: string; name: string }>).filter((j) => j.kind === 'job').map((j) => j.name).sort(), tsFile).toEqual(['cjs-js', 'ts-job']);
+      // What a .cjs job requires loads as Node loads it too: an ES-module .js helper is refused.
+      const helper = await jobFolder(`esm-helper-commonjs-${tsFile}`, {
+        [tsFile]: ts('ts-job'),
+        'c.cjs': `const h = require('./_h.js');\nmodule.exports = { name: 'c', steps: [{ name: 'a', run: () => h.x }] };\n`,
+        '_h.js': `export const x = 1;\n`,
+      }, { name: 'app', type: 'commonjs' });
+      expect(refusal(await runCli(['--jobs-dir', helper, 'list'], { url }), 2)[0], tsFile).toMatch(new RegExp(`^idem: error: cannot load jobs file ${esc(path.join(helper, 'c.cjs'))}`));
+    }
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
   it('a job file that calls process.exit() while loading is a bad job file: exit 2, one line naming it, no word of a run', async () => {
     // Black-box round 13: exit 1 and "a run in flight is left unfinished", where no run existed.
     const dir = await jobFolder('exits', {
