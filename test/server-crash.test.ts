@@ -166,6 +166,41 @@ describe('idem serve killed with SIGKILL mid-run', () => {
     await second.proc.done;
   });
 
+  it.each([
+    ['SIGTERM', 143, 'k-term-x2'],
+    ['SIGINT', 130, 'k-int-x2'],
+  ] as const)('a second %s during a long statement cancels it: exit %i, the run recorded interrupted (not crashed), no pg_sleep left on the server', async (sig, exitCode, key) => {
+    // Black-box (fix-serve): the second signal exited 143 at once with the run still `running`
+    // (idem status: crashed) and its pg_sleep still active on the server: nothing cancelled the
+    // statement, and the process did not wait for the run to be recorded.
+    const srv = await startServe(url);
+    const pid = srv.proc.pid;
+    const sleeping = async () =>
+      (await query(url, `select pid from pg_stat_activity where application_name like 'idem %:' || $1 and query like '%pg_sleep%' and state = 'active'`, [String(pid)])).length;
+    const created = await api(srv.base, 'POST', '/api/jobs/counted/runs', { key, body: { chunks: 3, pauseMs: 60_000 } });
+    expect(created.status).toBe(201);
+    await waitFor(async () => ((await sleeping()) > 0 ? true : undefined), 'the chunk in its pg_sleep', { timeoutMs: 60_000 });
+    const started = Date.now();
+    srv.proc.child.kill(sig);
+    await new Promise((r) => setTimeout(r, 300));
+    srv.proc.child.kill(sig);
+    const stopped = await srv.proc.done;
+    expect(stopped.code, stopped.stderr).toBe(exitCode);
+    expect(Date.now() - started, 'exits soon after the second signal').toBeLessThan(8_000);
+    expect(stopped.stderr).toContain('second signal; aborting in-flight chunks');
+    expect(await runRow(url, 'counted', key)).toMatchObject({ status: 'interrupted', attempt: 1, error: null });
+    const interrupted = stopped.stderr.split('\n').filter((l) => l.includes('"msg":"run interrupted'));
+    expect(interrupted.length, stopped.stderr).toBe(1);
+    expect(JSON.parse(interrupted[0]!)).toMatchObject({ runKey: key, signal: sig });
+    // Cancelled before the process exited, not left to run on after it.
+    expect(await sleeping()).toBe(0);
+    // No chunk of `work` committed: the one in flight rolled back.
+    expect((await workCounts(url, key)).size).toBe(0);
+    // Cancelled, so the servers the next tests start do not resume its minute-long chunks.
+    const cancelled = await runCli([...FIXTURE_DIRS, 'cancel', 'counted', '--key', key], { url });
+    expect(cancelled.code, cancelled.stderr).toBe(0);
+  });
+
   it('--max-runs bounds the runs executing at once; the others wait their turn, pending', async () => {
     const srv = await startServe(url, ['--max-runs', '1']);
     const slow = await api(srv.base, 'POST', '/api/jobs/counted/runs', { key: 'k-slot', body: { chunks: 10, pauseMs: 200 } });

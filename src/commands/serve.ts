@@ -34,7 +34,7 @@ export function registerServeCommand(program: Command, cli: CliContext): void {
           session.defer(() => reads.close());
           return { runner, reads: reads.pool };
         };
-        return serveCommand(o, { jobsDir: g.jobsDir, migrationsDir: g.migrationsDir, log, shutdownTimeoutSeconds: g.shutdownTimeout, secrets: secretForms(g.databaseUrl ?? ''), stop: signals.stop, chunksInFlight: (check) => signals.chunksInFlight(check), openDatabase });
+        return serveCommand(o, { jobsDir: g.jobsDir, migrationsDir: g.migrationsDir, log, shutdownTimeoutSeconds: g.shutdownTimeout, secrets: secretForms(g.databaseUrl ?? ''), stop: signals.stop, abort: signals.abort, chunksInFlight: (check) => signals.chunksInFlight(check), openDatabase });
       }),
     );
 }

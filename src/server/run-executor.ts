@@ -238,14 +238,25 @@ export class RunExecutor {
   }
 
   /**
+   * Immediate stop (a second signal, the shutdown deadline): the job code of every live run is
+   * aborted and its statements cancelled (PostgreSQL's cancel request); the runs end `interrupted`,
+   * recorded with `signal`. Nothing new starts either.
+   */
+  abortRuns(signal: StopSignal = 'SIGTERM'): void {
+    this.#queue.length = 0;
+    if (!this.#stop.signal.aborted) this.#stop.abort(new InterruptedError(signal));
+    if (!this.#abort.signal.aborted) this.#abort.abort(new InterruptedError(signal));
+  }
+
+  /**
    * Graceful stop: nothing new starts, live runs stop after their in-flight chunks and are
    * recorded `interrupted` (resumed at the next start). After `deadlineMs` the job code is aborted.
    */
   async shutdown(deadlineMs: number, signal: StopSignal = 'SIGTERM'): Promise<void> {
     this.#queue.length = 0;
     // The signal that stopped the server is the one the runs it stops are recorded with.
-    this.#stop.abort(new InterruptedError(signal));
-    const timer = setTimeout(() => this.#abort.abort(new InterruptedError(signal)), deadlineMs);
+    if (!this.#stop.signal.aborted) this.#stop.abort(new InterruptedError(signal));
+    const timer = setTimeout(() => this.abortRuns(signal), deadlineMs);
     timer.unref();
     await Promise.allSettled([...this.#running.values()]);
     clearTimeout(timer);

@@ -55,6 +55,12 @@ export interface ServeDeps {
   openDatabase(poolSize: number, readPoolSize: number, readTimeoutMs: number): Promise<{ readonly runner: Runner; readonly reads: pg.Pool }>;
   /** Aborts on the first SIGINT/SIGTERM. */
   readonly stop: AbortSignal;
+  /**
+   * Aborts on a second SIGINT/SIGTERM (or at the shutdown deadline): the live runs' chunks are
+   * aborted and their statements cancelled, so they are recorded `interrupted` before the process
+   * exits, not left `running` with their statements going on in PostgreSQL.
+   */
+  readonly abort?: AbortSignal;
   /** Given how to tell whether the server executes a run: the shutdown deadline says it aborted chunks only then. */
   readonly chunksInFlight?: (check: () => boolean) => void;
 }
@@ -102,6 +108,9 @@ export async function serveCommand(o: ServeFlags, deps: ServeDeps): Promise<numb
     ...(logWindow !== undefined ? { logWindowMs: logWindow } : {}),
   });
   deps.chunksInFlight?.(() => server.executor.executing().size > 0);
+  const abortRuns = () => server.executor.abortRuns(deps.abort?.reason instanceof InterruptedError ? deps.abort.reason.signal : 'SIGTERM');
+  if (deps.abort?.aborted) abortRuns();
+  else deps.abort?.addEventListener('abort', abortRuns, { once: true });
   let address: string;
   try {
     address = await server.listen({ host: o.host, port: o.port });
