@@ -59,5 +59,5 @@ export async function assertKnownJob(db: Kysely<any> | undefined, schema: string
   const names = [...jobs, ...migrations].map((l) => l.job.name);
   if (names.includes(name)) return;
   const ran = hasRuns ? (await sql<{ job: string }>`select distinct job from ${runs}`.execute(db!)).rows : [];
-  throw unknownJobError(name, names, [dirs.jobsDir, dirs.migrationsDir], ran.map((r) => r.job));
+  throw unknownJobError(name, names, [dirs.jobsDir, dirs.migrationsDir], ran.map((r) => r.job), [...jobs, ...migrations]);
 }
