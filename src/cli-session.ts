@@ -1,3 +1,4 @@
+import { existsSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import path from 'node:path';
 import { Writable } from 'node:stream';
@@ -298,6 +299,46 @@ const LIBPQ_SERVER_VARIABLES = ['PGHOST', 'PGPORT', 'PGDATABASE'] as const;
 /** DATABASE_URL, or the URL of the embedded server under .idem/ (started if needed, released when the session ends). */
 export async function databaseUrl(g: GlobalOptions, log: Logger, session: Session): Promise<string> {
   const source = g.databaseUrlFrom ?? '--database-url';
+  checkDatabaseSource(g);
+  if (g.databaseUrl) {
+    const { redactUrl, refuseUnsupportedUrl } = await import('./cli-runtime.ts');
+    refuseUnsupportedUrl(g.databaseUrl, source);
+    log.debug({ database: redactUrl(g.databaseUrl) }, 'using database');
+    return g.databaseUrl;
+  }
+  const { startEmbeddedPostgres } = await import('./embedded-postgres.ts');
+  session.startup.signal.throwIfAborted();
+  // Registered before it is up: a signal meanwhile makes the start give up (initdb killed, its
+  // leftovers and lock removed; a server it started released again) and closing waits for that.
+  session.embeddedStarting = true;
+  const starting = startEmbeddedPostgres({ dataDir: path.resolve('.idem', 'pg'), onLog: (msg) => log.info(msg), signal: session.startup.signal }).finally(() => (session.embeddedStarting = false));
+  session.defer(async () => (await starting.catch(() => undefined))?.release());
+  return (await starting).url;
+}
+
+/**
+ * For a command that only reads (status, list) or acts on runs that exist (pause, resume, cancel,
+ * reset, prune): true when there is no database to ask, with neither DATABASE_URL (nor
+ * --database-url) nor an embedded server under .idem/. There are no runs then, and the command
+ * answers from the files alone: making an embedded server (initdb, ~40 MB) to find nothing in it
+ * is not its business, least of all in a folder that is not a project. Where neither the jobs nor
+ * the migrations folder is there either, idem was started outside the project's root: refused,
+ * exit 2, as `idem run` refuses (`job`: the name the command was given, which the refusal names).
+ */
+export function withoutDatabase(g: GlobalOptions, job?: string): boolean {
+  checkDatabaseSource(g);
+  if (g.databaseUrl !== undefined || existsSync(path.resolve('.idem', 'pg'))) return false;
+  if (!existsSync(path.resolve(g.jobsDir)) && !existsSync(path.resolve(g.migrationsDir))) {
+    // Only default folders can be missing here (an explicit one is checked up front).
+    const hint = `there is no ${g.jobsDir}/ or ${g.migrationsDir}/ folder in ${process.cwd()}; run idem in your project's root, pass --jobs-dir, or create one with idem init`;
+    throw job === undefined ? new UsageError('missingFolder', hint) : new UsageError('unknownJob', `no job named '${job}': ${hint}`);
+  }
+  return true;
+}
+
+/** The refusals of a database URL that is no use, before it is used: set but empty, or PG* variables without it. */
+function checkDatabaseSource(g: GlobalOptions): void {
+  const source = g.databaseUrlFrom ?? '--database-url';
   // Set but empty (a CI secret that is missing): not the embedded server's cue, which a deploy's
   // idem migrate would otherwise take, migrating a throwaway database and exiting 0.
   if (g.databaseUrl === '') {
@@ -314,20 +355,6 @@ export async function databaseUrl(g: GlobalOptions, log: Logger, session: Sessio
       );
     }
   }
-  if (g.databaseUrl) {
-    const { redactUrl, refuseUnsupportedUrl } = await import('./cli-runtime.ts');
-    refuseUnsupportedUrl(g.databaseUrl, source);
-    log.debug({ database: redactUrl(g.databaseUrl) }, 'using database');
-    return g.databaseUrl;
-  }
-  const { startEmbeddedPostgres } = await import('./embedded-postgres.ts');
-  session.startup.signal.throwIfAborted();
-  // Registered before it is up: a signal meanwhile makes the start give up (initdb killed, its
-  // leftovers and lock removed; a server it started released again) and closing waits for that.
-  session.embeddedStarting = true;
-  const starting = startEmbeddedPostgres({ dataDir: path.resolve('.idem', 'pg'), onLog: (msg) => log.info(msg), signal: session.startup.signal }).finally(() => (session.embeddedStarting = false));
-  session.defer(async () => (await starting.catch(() => undefined))?.release());
-  return (await starting).url;
 }
 
 /**

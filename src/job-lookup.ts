@@ -41,14 +41,15 @@ export async function checkJobFolders(folders: readonly JobFolder[], log: Logger
  * refused with the closest known names, before anything is written. The files are loaded only on
  * that path, so a job with runs needs no loadable file (its file may be gone).
  */
-export async function assertKnownJob(db: Kysely<any>, schema: string, name: string, dirs: { readonly jobsDir: string; readonly migrationsDir: string }): Promise<void> {
+export async function assertKnownJob(db: Kysely<any> | undefined, schema: string, name: string, dirs: { readonly jobsDir: string; readonly migrationsDir: string }): Promise<void> {
   // Called before idem's schema is created (Runner.connect's beforeSchema): on a database without
-  // it there are no runs, and a refused name must not leave the schema behind.
+  // it there are no runs, and a refused name must not leave the schema behind. Without a database
+  // (db undefined: no DATABASE_URL and no embedded server yet) there are no runs either.
   const runs = sql.id(schema, 'runs');
-  const { rows: table } = await sql<{ found: boolean }>`select to_regclass(format('%I.runs', ${schema}::text)) is not null as found`.execute(db);
-  const hasRuns = table[0]?.found === true;
+  const table = db ? (await sql<{ found: boolean }>`select to_regclass(format('%I.runs', ${schema}::text)) is not null as found`.execute(db)).rows : [];
+  const hasRuns = db !== undefined && table[0]?.found === true;
   if (hasRuns) {
-    const { rows } = await sql<{ found: boolean }>`select exists (select 1 from ${runs} where job = ${name}) as found`.execute(db);
+    const { rows } = await sql<{ found: boolean }>`select exists (select 1 from ${runs} where job = ${name}) as found`.execute(db!);
     // A job and a migration of this name would mix their runs here: refused, as everywhere.
     if (rows[0]?.found) return checkNameShared(name, dirs);
   }
@@ -57,6 +58,6 @@ export async function assertKnownJob(db: Kysely<any>, schema: string, name: stri
   checkSharedNames(jobs, migrations);
   const names = [...jobs, ...migrations].map((l) => l.job.name);
   if (names.includes(name)) return;
-  const ran = hasRuns ? (await sql<{ job: string }>`select distinct job from ${runs}`.execute(db)).rows : [];
-  throw unknownJobError(name, names, [dirs.jobsDir, dirs.migrationsDir], ran.map((r) => r.job));
+  const ran = hasRuns ? (await sql<{ job: string }>`select distinct job from ${runs}`.execute(db!)).rows : [];
+  throw unknownJobError(name, names, [dirs.jobsDir, dirs.migrationsDir], ran.map((r) => r.job), [...jobs, ...migrations]);
 }

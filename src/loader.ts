@@ -373,7 +373,7 @@ export async function findJob(dir: string, name: string, opts: { readonly migrat
     // idem was started outside the project's root, or before idem init.
     throw new UsageError('unknownJob', `no job named ${quotedName(name)}: there is no ${dir}/ folder in ${process.cwd()}; run idem in your project's root, pass --jobs-dir, or create one with idem init`);
   }
-  throw unknownJobError(name, all.map((j) => j.job.name), [dir]);
+  throw unknownJobError(name, all.map((j) => j.job.name), [dir], [], all);
 }
 
 /**
@@ -386,14 +386,29 @@ function quotedName(name: string): string {
 }
 
 /**
+ * The job a name given as a path means (`jobs/slow.ts`, `./jobs/backfill`, `slow.mjs`: a folder, a
+ * job file's extension, or both): the one the file holds (by its path, else by its name without
+ * extension, whatever the extension given), else the one its base name names; undefined for a
+ * name that is not a path, or a path that means none of them. A job is named, never given by its
+ * file: the refusal says which name to give.
+ */
+function jobOfPath(name: string, files: readonly LoadedJob[], names: readonly string[]): string | undefined {
+  if (!/[\\/]/.test(name) && fileStem(name) === name) return undefined;
+  const stem = fileStem(path.basename(name));
+  const file = files.find((f) => f.file === path.resolve(name)) ?? files.find((f) => f.id === stem);
+  return file?.job.name ?? (names.includes(stem) ? stem : undefined);
+}
+
+/**
  * `no job named 'x'; did you mean 'y'?`, or the known names when none is close: the jobs and
  * migrations of the folders, then (apart) jobs known only by their runs in the database. Each
  * list shows ten names at most, so the refusal stays one line on a database of many jobs.
  */
-export function unknownJobError(name: string, known: Iterable<string>, dirs: readonly string[], ranOnly: Iterable<string> = []): UsageError {
+export function unknownJobError(name: string, known: Iterable<string>, dirs: readonly string[], ranOnly: Iterable<string> = [], files: readonly LoadedJob[] = []): UsageError {
   const names = [...new Set(known)].sort();
   const others = [...new Set(ranOnly)].filter((n) => !names.includes(n)).sort();
-  const similar = suggestSimilar(name, [...names, ...others].sort());
+  const meant = jobOfPath(name, files, names);
+  const similar = meant !== undefined ? [meant] : suggestSimilar(name, [...names, ...others].sort());
   if (similar.length > 0) return new UsageError('unknownJob', `no job named ${quotedName(name)}; did you mean ${quoteChoices(similar)}?`);
   const where = dirs.map((d) => `${d}/`).join(' or ');
   const some = (list: string[]): string => (list.length > 10 ? `${list.slice(0, 10).join(', ')} and ${list.length - 10} more` : list.join(', '));

@@ -17,6 +17,18 @@ export interface OperationsHost {
   heldLocks(): Promise<HeldLocks>;
 }
 
+/**
+ * The host of an operator command with no database to ask (no DATABASE_URL and no embedded server
+ * yet, see withoutDatabase in cli-session.ts): no idem schema, so no runs, as on a database the
+ * schema was never created in; the refusals are the same. Nothing of it reads a database.
+ */
+export function noDatabaseHost(schema: string): OperationsHost {
+  const none = (): never => {
+    throw new Error('idem internal error: no database to ask');
+  };
+  return { db: new Proxy({}, { get: none }) as Kysely<any>, schema, schemaExists: false, connectionString: '', jobLockName: none, runLockName: none, heldLocks: none };
+}
+
 /** Session advisory locks held right now: by 64-bit key, and as `pid:key`. */
 export interface HeldLocks {
   readonly keys: ReadonlySet<string>;

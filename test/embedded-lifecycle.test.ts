@@ -138,7 +138,10 @@ describe('the embedded PostgreSQL is stopped when the last idem process exits', 
 });
 
 describe('a signal while the embedded server is being made or started', () => {
-  /** A fresh project of its own: these tests need a data dir that is not initialised yet. */
+  /**
+   * A fresh project of its own: these tests need a data dir that is not initialised yet. `run`
+   * makes it: status and list make no embedded server where .idem/ has none.
+   */
   async function freshProject(): Promise<string> {
     const dir = await mkdtemp(path.join(os.tmpdir(), 'idem-lifecycle-init-'));
     await chownToPostgres(dir);
@@ -161,14 +164,14 @@ describe('a signal while the embedded server is being made or started', () => {
       const env = { ...process.env };
       delete env.DATABASE_URL;
       delete env.NODE_OPTIONS;
-      const first = spawn(process.execPath, [path.resolve('bin/idem.js'), 'list'], { cwd: dir, detached: true, stdio: ['ignore', 'ignore', 'pipe'], env });
+      const first = spawn(process.execPath, [path.resolve('bin/idem.js'), 'run', 'noop'], { cwd: dir, detached: true, stdio: ['ignore', 'ignore', 'pipe'], env });
       let err = '';
       first.stderr!.setEncoding('utf8').on('data', (s: string) => (err += s));
       const closed = new Promise<number | null>((resolve) => first.on('close', (code) => resolve(code)));
       await waitFor(async () => /initialising embedded PostgreSQL/.test(err), 'initdb to start', { timeoutMs: 60_000 });
       process.kill(-first.pid!, 'SIGINT');
       expect(await closed, err).toBe(130);
-      const next = await runCli(['list'], { cwd: dir, timeoutMs: 120_000 });
+      const next = await runCli(['run', 'noop'], { cwd: dir, timeoutMs: 120_000 });
       expect(next.code, next.stderr).toBe(0);
       expect(next.ms, next.stderr).toBeLessThan(30_000);
       expect(await leftovers(dir)).toEqual([]);
@@ -184,11 +187,11 @@ describe('a signal while the embedded server is being made or started', () => {
   it('a SIGKILLed initialiser does not hold the next command for a minute either: its lock and leftovers are cleared', async () => {
     const dir = await freshProject();
     try {
-      const first = spawnCli(['list'], { cwd: dir, timeoutMs: 120_000 });
+      const first = spawnCli(['run', 'noop'], { cwd: dir, timeoutMs: 120_000 });
       await waitFor(async () => /initialising embedded PostgreSQL/.test(first.stderr()), 'initdb to start', { timeoutMs: 60_000 });
       first.child.kill('SIGKILL');
       await first.done;
-      const next = await runCli(['list'], { cwd: dir, timeoutMs: 120_000 });
+      const next = await runCli(['run', 'noop'], { cwd: dir, timeoutMs: 120_000 });
       expect(next.code, next.stderr).toBe(0);
       expect(next.ms, next.stderr).toBeLessThan(30_000);
       await waitFor(async () => (await leftovers(dir)).length === 0, 'the dead initialiser leftovers to be gone', { timeoutMs: 20_000 });
@@ -203,7 +206,7 @@ describe('a signal while the embedded server is being made or started', () => {
     const dir = await freshProject();
     try {
       // Initialised first, so that the next command's start is pg_ctl's alone.
-      const init = await runCli(['list'], { cwd: dir, timeoutMs: 120_000 });
+      const init = await runCli(['run', 'noop'], { cwd: dir, timeoutMs: 120_000 });
       expect(init.code, init.stderr).toBe(0);
       const proc = spawnCli(['status'], { cwd: dir, timeoutMs: 120_000 });
       let exited = false;

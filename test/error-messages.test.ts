@@ -255,6 +255,38 @@ describe('a job file that cannot load: file:line:column, the cause, the source l
   });
 });
 
+describe('a path given as a job name', () => {
+  it('suggests the job the file holds (or the one its base name names), as a name with an extension does', async () => {
+    // Black-box tester: `idem run jobs/slow.ts` listed every known name, while `idem run slow.ts`
+    // suggested 'slow' (by edit distance alone, so a file whose job has another name got nothing).
+    const dir = await jobFolder('paths', {
+      'slow.js': `export default { name: 'slow', steps: [{ name: 'a', run() {} }] };\n`,
+      'backfill.js': `export default { name: 'backfill-order-totals', steps: [{ name: 'a', run() {} }] };\n`,
+      'other.js': `export default { name: 'other', steps: [{ name: 'a', run() {} }] };\n`,
+    });
+    const cwd = path.dirname(dir);
+    const before = await snapshot(url, ALL_TABLES);
+    const cases: Array<[string, string]> = [
+      ['jobs/slow.ts', 'slow'],
+      ['jobs/slow.js', 'slow'],
+      ['slow.ts', 'slow'],
+      ['./jobs/backfill.js', 'backfill-order-totals'],
+      [path.join(dir, 'backfill.js'), 'backfill-order-totals'],
+      ['jobs/backfill.ts', 'backfill-order-totals'],
+      ['backfill.mjs', 'backfill-order-totals'],
+      ['jobs/backfill', 'backfill-order-totals'],
+    ];
+    for (const [given, meant] of cases) {
+      const r = await runCli(['run', given], { url, cwd });
+      expect(refusal(r, 2), given).toEqual([`idem: error: no job named '${given}'; did you mean '${meant}'?`]);
+    }
+    // The commands that take a job's name to find its runs say the same.
+    const status = await runCli(['status', 'jobs/backfill.js'], { url, cwd });
+    expect(refusal(status, 2)).toEqual([`idem: error: no job named 'jobs/backfill.js'; did you mean 'backfill-order-totals'?`]);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+});
+
 describe('a folder given with --jobs-dir or --migrations-dir must exist', () => {
   it('run in a directory without jobs/ says so (not "known: none"): run idem in the project root, --jobs-dir, or idem init', async () => {
     // The commonest slip: `npx idem run x` from a subfolder, or before `idem init`.

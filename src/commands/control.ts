@@ -1,6 +1,6 @@
 import type { Command } from 'commander';
 import { runErrorObject } from '../describe-outcome.ts';
-import { cancelStatementsOnStop, openRunner, type CliContext } from '../cli-session.ts';
+import { cancelStatementsOnStop, openRunner, withoutDatabase, type CliContext } from '../cli-session.ts';
 import { existingKey } from '../cli-parsers.ts';
 import { ExitCode } from '../errors.ts';
 import { visible } from '../text-table.ts';
@@ -15,7 +15,14 @@ function registerControl(program: Command, cli: CliContext, name: 'pause' | 'res
     .action((job: string, o: { key?: string; json?: boolean }) =>
       cli.runWithSession(async (g, log, session) => {
         // The name is checked before idem's schema is upgraded: a refused name writes nothing.
-        const { assertKnownJob } = await import('../cli-runtime.ts');
+        const { assertKnownJob, noDatabaseHost, requestControl, resumeRun } = await import('../cli-runtime.ts');
+        if (withoutDatabase(g, job)) {
+          // No database to ask (no DATABASE_URL, no embedded server yet): no run to act on, said as
+          // on a database without idem's schema; none is made.
+          await assertKnownJob(undefined, g.schema, job, g);
+          const none = noDatabaseHost(g.schema);
+          await (name === 'resume' ? resumeRun(none, job, o.key) : requestControl(none, job, name, o.key));
+        }
         await cancelStatementsOnStop(session);
         const runner = await openRunner(g, log, session, undefined, undefined, (db, schema) => assertKnownJob(db, schema, job, g), 'existing');
         const r = await runner[name](job, o.key);

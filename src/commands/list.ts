@@ -1,6 +1,6 @@
 import type { Command } from 'commander';
 import { runErrorObject } from '../describe-outcome.ts';
-import { openRunner, type CliContext } from '../cli-session.ts';
+import { openRunner, withoutDatabase, type CliContext } from '../cli-session.ts';
 import { ExitCode } from '../errors.ts';
 import type { RunStatusRow } from '../runner.ts';
 import { prepareColumns } from '../display-width.ts';
@@ -56,12 +56,13 @@ export function registerListCommand(program: Command, cli: CliContext): void {
         const jobs = await loadJobDir(g.jobsDir, 'jobs');
         const migrations = await loadJobDir(g.migrationsDir, 'migrations');
         checkSharedNames(jobs, migrations);
-        // Reads only: a monitoring role with SELECT on idem's tables may list.
-        const runner = await openRunner(g, log, session, undefined, undefined, undefined, 'read');
         // A job's latest run, except that a live one wins: a busy invocation of another key leaves
         // a newer `pending` row beside it, which is not what the job is doing.
         const latest = new Map<string, RunStatusRow>();
-        for (const r of await runner.status(undefined, 1000)) if (!latest.has(r.job) || (r.state === 'running' && latest.get(r.job)!.state !== 'running')) latest.set(r.job, r);
+        // Without a database to ask (no DATABASE_URL, no embedded server yet) none is made: no runs.
+        // Reads only: a monitoring role with SELECT on idem's tables may list.
+        const stored = withoutDatabase(g) ? [] : await (await openRunner(g, log, session, undefined, undefined, undefined, 'read')).status(undefined, 1000);
+        for (const r of stored) if (!latest.has(r.job) || (r.state === 'running' && latest.get(r.job)!.state !== 'running')) latest.set(r.job, r);
         const items: ListItem[] = [
           ...jobs.map((j) => ({ kind: 'job' as const, name: j.job.name, description: j.job.description ?? '', state: latest.get(j.job.name)?.state ?? 'never run', updatedAt: latest.get(j.job.name)?.updatedAt ?? null })),
           ...migrations.map((m) => ({ kind: 'migration' as const, name: m.id, job: m.job.name, description: m.job.description ?? '', state: latest.get(m.job.name)?.state ?? 'pending', updatedAt: latest.get(m.job.name)?.updatedAt ?? null })),

@@ -1,6 +1,6 @@
 import type { Command } from 'commander';
 import { runErrorObject } from '../describe-outcome.ts';
-import { cancelStatementsOnStop, openRunner, type CliContext } from '../cli-session.ts';
+import { cancelStatementsOnStop, openRunner, withoutDatabase, type CliContext } from '../cli-session.ts';
 import { ExitCode } from '../errors.ts';
 
 /** `idem prune --older-than D`: delete old finished runs in batches. */
@@ -12,12 +12,17 @@ export function registerPruneCommand(program: Command, cli: CliContext): void {
     .option('--json', 'print the counts as JSON')
     .action((o: { olderThan: string; json?: boolean }) =>
       cli.runWithSession(async (g, log, session) => {
-        const { migrationKeys, parseDuration } = await import('../cli-runtime.ts');
+        const { migrationKeys, noDatabaseHost, parseDuration, pruneRuns } = await import('../cli-runtime.ts');
         const ms = parseDuration(o.olderThan, '--older-than');
         const keys = await migrationKeys(g.migrationsDir);
-        await cancelStatementsOnStop(session);
-        const runner = await openRunner(g, log, session, undefined, undefined, undefined, 'existing');
-        const r = await runner.prune(ms, { migrationKeys: keys });
+        // No database to ask (no DATABASE_URL, no embedded server yet): nothing to remove; none is made.
+        const r = withoutDatabase(g)
+          ? await pruneRuns(noDatabaseHost(g.schema), ms, keys)
+          : await (async () => {
+              await cancelStatementsOnStop(session);
+              const runner = await openRunner(g, log, session, undefined, undefined, undefined, 'existing');
+              return runner.prune(ms, { migrationKeys: keys });
+            })();
         const held = r.skipped > 0 ? `; left ${r.skipped} ${r.skipped === 1 ? 'run' : 'runs'} alone that another process holds (reviving, running or resetting it)` : '';
         process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `prune: removed ${count(r.runs, 'run')}, ${count(r.steps, 'step')}, ${count(r.chunks, 'chunk marker')}, ${count(r.effects, 'effect')} older than ${o.olderThan}${held}\n`);
         return ExitCode.Ok;

@@ -1,6 +1,6 @@
 import type { Command } from 'commander';
 import { runErrorObject } from '../describe-outcome.ts';
-import { cancelStatementsOnStop, openRunner, type CliContext } from '../cli-session.ts';
+import { cancelStatementsOnStop, openRunner, withoutDatabase, type CliContext } from '../cli-session.ts';
 import { existingKey } from '../cli-parsers.ts';
 import { ExitCode } from '../errors.ts';
 import { visible } from '../text-table.ts';
@@ -16,7 +16,12 @@ export function registerResetCommand(program: Command, cli: CliContext): void {
     .action((job: string, o: { key: string; json?: boolean }) =>
       cli.runWithSession(async (g, log, session) => {
         // The name is checked before idem's schema is upgraded: a refused name writes nothing.
-        const { assertKnownJob } = await import('../cli-runtime.ts');
+        const { assertKnownJob, noDatabaseHost, resetRun } = await import('../cli-runtime.ts');
+        if (withoutDatabase(g, job)) {
+          // No database to ask (no DATABASE_URL, no embedded server yet): no run to forget; none is made.
+          await assertKnownJob(undefined, g.schema, job, g);
+          await resetRun(noDatabaseHost(g.schema), job, o.key);
+        }
         await cancelStatementsOnStop(session);
         const runner = await openRunner(g, log, session, undefined, undefined, (db, schema) => assertKnownJob(db, schema, job, g), 'existing');
         const r = await runner.reset(job, o.key);

@@ -1,7 +1,7 @@
 import type { Command } from 'commander';
 import { runErrorObject } from '../describe-outcome.ts';
 import { existingKey, positiveInt } from '../cli-parsers.ts';
-import { openRunner, type CliContext } from '../cli-session.ts';
+import { openRunner, withoutDatabase, type CliContext } from '../cli-session.ts';
 import { ExitCode, UsageError } from '../errors.ts';
 import type { Runner, RunStatusRow } from '../runner.ts';
 import { describeHolder, type LockHolder } from '../lock-holder.ts';
@@ -207,6 +207,11 @@ function uniqueByPrefix(runs: readonly RunStatusRow[], job: string, key: string)
   return hits[0];
 }
 
+/** What `idem status` says without a database to ask: not a hint to check --schema, which is not the cause. */
+const NO_DATABASE_NO_RUNS = 'no runs yet (no DATABASE_URL, and no embedded server under .idem/ yet: idem makes one at the first run or migrate)';
+
+const noRunWithKey = (job: string, key: string) => new UsageError('unknownRun', `job "${job}" has no run with key ${quoteKey(key)}; see idem status ${job} for its runs`);
+
 /** `idem status [job] [--key K]`: the runs, newest first, or one run in detail. */
 export function registerStatusCommand(program: Command, cli: CliContext): void {
   program
@@ -221,6 +226,13 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
         if (o.key !== undefined && job === undefined) throw new UsageError('invalidKey', '--key needs the job too: idem status <job> --key <key>');
         // A job name is checked before idem's schema is created: a refused name writes nothing.
         const { assertKnownJob, redactSecrets } = await import('../cli-runtime.ts');
+        if (withoutDatabase(g, job)) {
+          // No database to ask (no DATABASE_URL, no embedded server yet): no runs, and none is made.
+          if (job !== undefined) await assertKnownJob(undefined, g.schema, job, g);
+          if (o.key !== undefined) throw noRunWithKey(job!, o.key);
+          process.stdout.write(o.json ? '[]\n' : `${NO_DATABASE_NO_RUNS}\n`);
+          return ExitCode.Ok;
+        }
         const runner = await openRunner(g, log, session, undefined, undefined, job !== undefined ? (db, schema) => assertKnownJob(db, schema, job, g) : undefined, 'read');
         // A run's params (and error) may quote DATABASE_URL's password: masked as in every log line.
         const masked = (text: string) => (g.databaseUrl ? redactSecrets(text, g.databaseUrl) : text);
@@ -234,7 +246,7 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
             const found = runs.find((r) => r.runKey === key) ?? uniqueByPrefix(runs, job!, key);
             return { run: found, steps: found ? await stepDetails(view.db, runner.schema, found.runId) : [] };
           });
-          if (!run) throw new UsageError('unknownRun', `job "${job}" has no run with key ${quoteKey(o.key)}; see idem status ${job} for its runs`);
+          if (!run) throw noRunWithKey(job!, o.key);
           const json = JSON.stringify({ ...run, steps: steps.map((st) => ({ ...st, status: shownStepState(st.status, run.state) })) });
           if (!o.json) await prepareColumns(json);
           // The table masked before its columns are measured and its long values clipped (the
