@@ -55,7 +55,13 @@ describe('read-only and operator commands without DATABASE_URL and without an em
       const r = await runCli(args, { cwd });
       expect(outcome(r), args.join(' ')).toEqual({ code: 2, stdout: '', stderr: [`idem: error: ${message}`] });
     }
-    expect(outcome(await runCli(['status', '--json'], { cwd }))).toEqual({ code: 2, stdout: '', stderr: [`idem: error: ${hint}`] });
+    // With --json the refusal is the error object on stdout too.
+    const json = await runCli(['status', '--json'], { cwd });
+    expect({ code: json.code, stdout: JSON.parse(json.stdout) as unknown, stderr: outcome(json).stderr }).toEqual({
+      code: 2,
+      stdout: { status: 'error', job: null, runKey: null, exitCode: 2, code: 'idem.missingFolder', error: hint },
+      stderr: [`idem: error: ${hint}`],
+    });
     expect(await readdir(cwd), 'something was created').toEqual([]);
   });
 
