@@ -10,6 +10,7 @@ import { POSTGRES_NAME_BYTES, WORKER } from './worker-identity.ts';
 import type { Logger } from 'pino';
 import { codeOf, DatabaseUnavailableError, errorFields, type IdemError, messageOf, UsageError } from './errors.ts';
 import { identInSql } from './table-name.ts';
+import { MIN_TOKEN_LENGTH } from './server/api-token.ts';
 
 /**
  * Whether `err` is PostgreSQL's statement_timeout cutting a statement short (57014 alone is also a
@@ -232,9 +233,11 @@ const otherSecrets = new Set<string>();
 
 /** Adds a secret (an API token read from a file) to what secretForms masks, from now on. */
 export function addSecret(secret: string): void {
+  if (secret.trim().length < MIN_TOKEN_LENGTH) return;
   otherSecrets.add(secret);
   otherSecrets.add(secret.trim());
 }
+
 
 export function secretForms(connectionString: string): string[] {
   let forms: string[];
@@ -252,8 +255,10 @@ export function secretForms(connectionString: string): string[] {
   forms.push(process.env.PGPASSWORD ?? '', ...passwordsFromFile(connectionString));
   // The API token (black-box round 16: a job's error quoting its environment stored, logged and
   // served the token under --public-read, where the password beside it was masked).
-  const token = process.env.IDEM_API_TOKEN;
-  if (token !== undefined) forms.push(token, token.trim());
+  // Only a value that can be a token (idem serve refuses one under 16 characters): a short one
+  // (IDEM_API_TOKEN=idem in a developer's shell) would mask ordinary words, `idem: error:` among them.
+  const token = process.env.IDEM_API_TOKEN?.trim();
+  if (token !== undefined && token.length >= MIN_TOKEN_LENGTH) forms.push(token, process.env.IDEM_API_TOKEN!);
   forms.push(...otherSecrets);
   // Longest first: a form inside another (the decoded password in the written one) leaves no piece of it.
   return [...new Set(forms)].filter((password) => password.length >= 3).sort((a, b) => b.length - a.length);

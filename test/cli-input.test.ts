@@ -281,3 +281,14 @@ describe('--json on every command: a refusal is the error object on stdout', () 
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
   });
 });
+
+describe('IDEM_API_TOKEN in the environment of a CLI command', () => {
+  it('a value too short to be a token (idem serve refuses under 16 characters) masks nothing: `idem` stays `idem`', async () => {
+    // Review of round 16's fix (B4-1): the token's forms joined every mask with the password's
+    // 3-character floor, so IDEM_API_TOKEN=idem turned `idem: error:` into `***: error:` (and
+    // changed a stored error's text for good).
+    const r = await runCli([...FIXTURE_DIRS, 'status', 'no-such-job'], { url, env: { IDEM_API_TOKEN: 'idem' } });
+    expect(r.code, r.stderr).toBe(2);
+    expect(r.stderr).toMatch(/^idem: error: no job named 'no-such-job'/);
+  });
+});

@@ -235,7 +235,9 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
         }
         const runner = await openRunner(g, log, session, undefined, undefined, job !== undefined ? (db, schema) => assertKnownJob(db, schema, job, g) : undefined, 'read');
         // A run's params (and error) may quote DATABASE_URL's password: masked as in every log line.
-        const masked = (text: string) => (g.databaseUrl ? redactSecrets(text, g.databaseUrl) : text);
+        // Also without DATABASE_URL (the embedded server): PGPASSWORD and the API token are masked
+        // before a long error is cut for the table, where a cut secret would no longer be found.
+        const masked = (text: string) => redactSecrets(text, g.databaseUrl ?? '');
         const tty = colourful(process.stdout);
         if (o.key !== undefined) {
           // status() lists newest first; a run key is unique per job, so search that job's runs.
