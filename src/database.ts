@@ -10,7 +10,6 @@ import { POSTGRES_NAME_BYTES, WORKER } from './worker-identity.ts';
 import type { Logger } from 'pino';
 import { codeOf, DatabaseUnavailableError, errorFields, type IdemError, messageOf, UsageError } from './errors.ts';
 import { identInSql } from './table-name.ts';
-import { MIN_TOKEN_LENGTH } from './server/api-token.ts';
 
 /**
  * Whether `err` is PostgreSQL's statement_timeout cutting a statement short (57014 alone is also a
@@ -230,6 +229,13 @@ export function redactSecrets(text: string, connectionString: string): string {
  * environment directly, in every command: a job's code and its child processes inherit it).
  */
 const otherSecrets = new Set<string>();
+
+/**
+ * The shortest API token idem serve takes (server/api-token.ts refuses shorter ones), and so the
+ * shortest token the masks take: defined here, where every command's masks are made, so that they
+ * do not load the server's modules.
+ */
+export const MIN_TOKEN_LENGTH = 16;
 
 /** Adds a secret (an API token read from a file) to what secretForms masks, from now on. */
 export function addSecret(secret: string): void {

@@ -1,9 +1,10 @@
 import { createHash, timingSafeEqual } from 'node:crypto';
 import { readFile } from 'node:fs/promises';
+import { MIN_TOKEN_LENGTH } from '../database.ts';
 import { UsageError } from '../errors.ts';
 
-/** Shortest token accepted: a guessable token would make the bearer check decoration. */
-export const MIN_TOKEN_LENGTH = 16;
+/** Shortest token accepted: a guessable token would make the bearer check decoration (defined with the masks, which take no shorter one). */
+export { MIN_TOKEN_LENGTH };
 
 /**
  * The API token from a file (first line, trimmed: the shape of a Kubernetes or systemd secret) or
