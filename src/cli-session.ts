@@ -83,8 +83,6 @@ export function createCliContext(program: Command, state: { exitCode: number }):
     const session = new Session();
     /** The code idem itself ends the process with, once it does: any other process.exit() comes from the job's code. */
     let exiting: number | undefined;
-    /** Set when the job's code threw outside a chunk's run() or left a rejection unhandled (guardAgainstJobCode). */
-    let jobCodeFailed = false;
     const finish = async (code: number, graceMs = 10_000) => {
       exiting = code;
       // Set before anything is awaited: a close that never settles, with nothing left to wait on
@@ -143,13 +141,12 @@ export function createCliContext(program: Command, state: { exitCode: number }):
       );
       const mask = (text: string) => (g.databaseUrl ? redactSecrets(text, g.databaseUrl) : text);
       const guard = guardAgainstJobCode(jsonError, mask, () => exiting, (code) => {
-        jobCodeFailed = true;
         session.jobCodeFailed = true;
         void finish(code, 2_000);
       });
       try {
         state.exitCode = await fn(g, log, session, (code) => void finish(code, 2_000));
-        if (jobCodeFailed) state.exitCode = ExitCode.Failed;
+        if (session.jobCodeFailed) state.exitCode = ExitCode.Failed;
       } finally {
         guard.remove();
       }
@@ -159,7 +156,7 @@ export function createCliContext(program: Command, state: { exitCode: number }):
       // The job's code threw outside run() or let a promise reject: that was printed (and
       // --json'd), and closing the runner stopped the run, which the command throws now: not a
       // second outcome, and the exit code stays 1.
-      if (jobCodeFailed) {
+      if (session.jobCodeFailed) {
         state.exitCode = ExitCode.Failed;
         return;
       }

@@ -92,18 +92,23 @@ function oneLine(str: string): string {
   return str.trim().split(/\s*\n\s*/).join(' ').replace(/\.$/, '');
 }
 
+/** The error object of a command that takes a job operand and --key. */
+function jobAndKeyError(job: string | null, flags: ReadonlyMap<string, string>, err: unknown): unknown {
+  return runErrorObject(job, flags.get('--key') ?? null, err);
+}
+
 /** What a command given --json prints on stdout when its command line is refused, by command. */
 const JSON_REFUSALS: Readonly<Record<string, (job: string | null, flags: ReadonlyMap<string, string>, err: unknown) => unknown>> = {
   // `run --catch-up --json` prints an array (of the slots' outcomes), here the error alone.
   run: (job, flags, err) => (flags.has('--catch-up') ? [runErrorObject(job, null, err)] : runErrorObject(job, flags.get('--key') ?? null, err)),
-  finalize: (job, flags, err) => runErrorObject(job, flags.get('--key') ?? null, err),
+  finalize: jobAndKeyError,
   migrate: (_job, _flags, err) => [migrateErrorEntry(null, err)],
   // The other commands with --json: the same object, their job and --key where they take them.
-  status: (job, flags, err) => runErrorObject(job, flags.get('--key') ?? null, err),
-  pause: (job, flags, err) => runErrorObject(job, flags.get('--key') ?? null, err),
-  resume: (job, flags, err) => runErrorObject(job, flags.get('--key') ?? null, err),
-  cancel: (job, flags, err) => runErrorObject(job, flags.get('--key') ?? null, err),
-  reset: (job, flags, err) => runErrorObject(job, flags.get('--key') ?? null, err),
+  status: jobAndKeyError,
+  pause: jobAndKeyError,
+  resume: jobAndKeyError,
+  cancel: jobAndKeyError,
+  reset: jobAndKeyError,
   list: (_job, _flags, err) => runErrorObject(null, null, err),
   prune: (_job, _flags, err) => runErrorObject(null, null, err),
 };

@@ -219,11 +219,6 @@ export function redactSecrets(text: string, connectionString: string): string {
 }
 
 /**
- * The password's forms redactSecrets masks: as written in the URL (percent-encoded), as the server
- * gets it, and PGPASSWORD; and the API token (IDEM_API_TOKEN, or a token file's, see addSecret). pg (like libpq) also takes it from the query, `?password=…`, and an SSL
- * key's passphrase from `?sslpassword=…`: those too, as written and decoded.
- */
-/**
  * Secrets besides the database password that nothing idem prints, logs, stores or answers may show:
  * `idem serve`'s API token once read from --token-file (IDEM_API_TOKEN is masked from the
  * environment directly, in every command: a job's code and its child processes inherit it).
@@ -244,7 +239,12 @@ export function addSecret(secret: string): void {
   otherSecrets.add(secret.trim());
 }
 
-
+/**
+ * The password's forms redactSecrets masks: as written in the URL (percent-encoded), as the server
+ * gets it, and PGPASSWORD; and the API token (IDEM_API_TOKEN, or a token file's, see addSecret).
+ * pg (like libpq) also takes the password from the query, `?password=…`, and an SSL key's
+ * passphrase from `?sslpassword=…`: those too, as written and decoded.
+ */
 export function secretForms(connectionString: string): string[] {
   let forms: string[];
   try {
