@@ -32,8 +32,10 @@ export default defineConfig({
     pool: 'forks',
     // The CI machine has 2 cores, but most of the long files wait (a minute's cron slot, a server
     // held starting up, a pooler's queue, a cut network's timeouts) rather than compute: a third
-    // worker overlaps those waits (the suite: 855–886 s on 2 workers, 690 s on 3, 2026-12-04).
-    maxWorkers: 3,
+    // worker overlaps those waits (the suite: 855–886 s on 2 workers, 690 s on 3, 2026-12-04). Later
+    // that day the suite had grown and the machine slowed: 832–853 s on 3 (14 min 34 s–14 min 55 s
+    // with npm ci), 777 s on 4 (13 min 40 s), all passing; a fourth worker keeps it under 15 minutes.
+    maxWorkers: 4,
     // 'stack' (vitest's default, pinned): after-hooks run in reverse order, so a file's own afterAll
     // registered after useTestDatabase() (test/support/database.ts) runs before the database drops.
     // Files start longest first (test/support/sequencer.ts), so that no long file starts last and
