@@ -274,6 +274,33 @@ function runnerMigrations(schema: string): Record<string, Migration> {
           end $fence$`.execute(db);
       },
     },
+    '0016_chunk_fence_sql_lookup': {
+      async up(db) {
+        // The same fence, the same lookup, the same lock, a third cheaper at COMMIT. A query run by
+        // PL/pgSQL (through SPI) at COMMIT made the backend grow its heap and hand it back to the
+        // system in every chunk's transaction (strace: 18,014 brk calls over 3,000 chunk commits,
+        // 48 without the fence); measured with pgbench (PostgreSQL 18, one client, the claim and a
+        // one-row UPDATE per transaction): 0.35-0.54 ms a transaction with the PL/pgSQL lookup,
+        // 0.28-0.36 ms with the lookup in this SQL function, 0.26-0.34 ms with no fence at all. The
+        // trigger's body only calls it: a plain expression, which PL/pgSQL evaluates without SPI.
+        // SECURITY DEFINER (as the trigger, 0014): it runs as the schema's owner whatever role the
+        // chunk switched to, and is never inlined into the caller (which would bring SPI back).
+        // VOLATILE (the default): FOR SHARE needs it, and each call reads the run row at its latest.
+        // Positional parameters: in a SQL function a column of the same name would take a named one's place.
+        await sql`create function ${t('chunk_fence_holds')}(bigint, integer) returns boolean language sql security definer as $holds$
+          select exists (select 1 from ${t('runs')} r where r.id operator(pg_catalog.=) $1
+            and r.attempt operator(pg_catalog.=) $2 and r.status operator(pg_catalog.=) 'running' for share)
+          $holds$`.execute(db);
+        await sql`create or replace function ${t('chunk_fence')}() returns trigger language plpgsql security definer as $fence$
+          begin
+            if not ${t('chunk_fence_holds')}(new.run_id, new.done_attempt) then
+              raise exception 'idem: attempt % of run % was fenced off (taken over, or the run ended); chunk % rolled back', new.done_attempt, new.run_id, new.key
+                using errcode = 'IF001';
+            end if;
+            return null;
+          end $fence$`.execute(db);
+      },
+    },
   };
 }
 
