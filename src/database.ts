@@ -9,6 +9,7 @@ import { testHookMs } from './test-hooks.ts';
 import { POSTGRES_NAME_BYTES, WORKER } from './worker-identity.ts';
 import type { Logger } from 'pino';
 import { codeOf, DatabaseUnavailableError, errorFields, type IdemError, messageOf, UsageError } from './errors.ts';
+import { maskFromNowOn } from './log.ts';
 import { identInSql } from './table-name.ts';
 
 /**
@@ -235,8 +236,11 @@ export const MIN_TOKEN_LENGTH = 16;
 /** Adds a secret (an API token read from a file) to what secretForms masks, from now on. */
 export function addSecret(secret: string): void {
   if (secret.trim().length < MIN_TOKEN_LENGTH) return;
-  otherSecrets.add(secret);
-  otherSecrets.add(secret.trim());
+  for (const form of [secret, secret.trim()]) {
+    otherSecrets.add(form);
+    // The command's logger and console masks were made before the token was read.
+    maskFromNowOn(form);
+  }
 }
 
 /**

@@ -104,7 +104,6 @@ export function createLogger(level: LogLevel = 'info', opts: { readonly pretty?:
  */
 function masking(secrets: readonly string[]): <D extends { write(line: string): unknown }>(destination: D) => D {
   const mask = secretMask(secrets);
-  if (mask === undefined) return (destination) => destination;
   return (destination) => {
     const write = destination.write.bind(destination);
     destination.write = (line: string) => write(mask(line));
@@ -113,13 +112,31 @@ function masking(secrets: readonly string[]): <D extends { write(line: string): 
 }
 
 /**
- * The text with every secret (as is, and as JSON escapes it) replaced by `***`, as log lines are
- * masked; undefined with no secret to mask.
+ * Secrets learned after the masks were made (idem serve's --token-file token, read once the
+ * command's logger and console masks exist): every mask secretMask made takes them from then on.
  */
-export function secretMask(secrets: readonly string[]): ((text: string) => string) | undefined {
-  const forms = [...new Set(secrets.flatMap((s) => [s, JSON.stringify(s).slice(1, -1)]))].filter((s) => s.length >= 3).sort((a, b) => b.length - a.length);
-  if (forms.length === 0) return undefined;
+const laterSecrets: string[] = [];
+
+/** Adds a secret to every mask made by secretMask, those made before too. */
+export function maskFromNowOn(secret: string): void {
+  if (!laterSecrets.includes(secret)) laterSecrets.push(secret);
+}
+
+/**
+ * The text with every secret (as is, and as JSON escapes it) replaced by `***`, as log lines are
+ * masked; also every secret added later with maskFromNowOn. `encode`: how each secret is looked
+ * for (maskStdio's bytes look for their latin1 view).
+ */
+export function secretMask(secrets: readonly string[], encode: (secret: string) => string = (secret) => secret): (text: string) => string {
+  const formsOf = (all: readonly string[]) =>
+    [...new Set(all.map(encode).flatMap((s) => [s, JSON.stringify(s).slice(1, -1)]))].filter((s) => s.length >= 3).sort((a, b) => b.length - a.length);
+  let forms = formsOf([...secrets, ...laterSecrets]);
+  let known = laterSecrets.length;
   return (text) => {
+    if (known !== laterSecrets.length) {
+      forms = formsOf([...secrets, ...laterSecrets]);
+      known = laterSecrets.length;
+    }
     for (const form of forms) if (text.includes(form)) text = text.split(form).join('***');
     return text;
   };
@@ -147,13 +164,14 @@ export function structuredMask(mask: (text: string) => string): (text: string) =
   return (text) => {
     const body = text.trimEnd();
     if (!/^[[{]/.test(body)) return mask(text);
+    // Nothing to mask (the common case): the document is not parsed.
+    if (mask(body) === body) return text;
     let doc: unknown;
     try {
       doc = JSON.parse(body);
     } catch {
       return mask(text);
     }
-    if (mask(body) === body) return text;
     const indent = /^[[{]\n( +)/.exec(body)?.[1]?.length ?? 0;
     return `${JSON.stringify(walk(doc), null, indent || undefined)}${text.slice(body.length)}`;
   };
@@ -167,10 +185,8 @@ export function structuredMask(mask: (text: string) => string): (text: string) =
  * by their latin1 view, which keeps every other byte as it was.
  */
 export function maskStdio(secrets: readonly string[]): void {
-  const mask = secretMask(secrets);
-  if (mask === undefined) return;
-  const text = structuredMask(mask);
-  const bytes = secretMask(secrets.map((s) => Buffer.from(s, 'utf8').toString('latin1')))!;
+  const text = structuredMask(secretMask(secrets));
+  const bytes = secretMask(secrets, (s) => Buffer.from(s, 'utf8').toString('latin1'));
   for (const stream of [process.stdout, process.stderr]) {
     const write = stream.write.bind(stream) as (chunk: unknown, ...rest: unknown[]) => boolean;
     stream.write = ((chunk: unknown, ...rest: unknown[]) => {

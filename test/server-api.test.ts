@@ -628,6 +628,37 @@ describe('reads', () => {
     }
   });
 
+  it("a --token-file token is masked in the server's own log lines and console output too", async () => {
+    // Left from black-box round 16's review: idem serve made its log and console masks before it
+    // read the token file, so a job that printed the token (it can read the file as well as the
+    // server can) showed it in serve's stderr and stdout, where IDEM_API_TOKEN's was masked.
+    const dir = await mkdtemp(path.join(tmpdir(), 'idem-token-file-'));
+    try {
+      const tokenFile = path.join(dir, 'token');
+      await writeFile(tokenFile, `${TOKEN}\n`);
+      await writeFile(
+        path.join(dir, 'tell.mjs'),
+        `import { readFileSync } from 'node:fs';\nexport default { name: 'tell', steps: [{ name: 'work', run(ctx) { const t = readFileSync(process.env.TELL_TOKEN_FILE, 'utf8').trim(); ctx.log.warn('log token ' + t + ' end'); console.log('stdout token ' + t + ' end'); console.error('stderr token ' + t + ' end'); } }] };\n`,
+      );
+      const told = await startServe(url, ['--token-file', tokenFile], { IDEM_API_TOKEN: undefined as unknown as string, TELL_TOKEN_FILE: tokenFile }, dir, 'info');
+      try {
+        const created = await api(told.base, 'POST', '/api/jobs/tell/runs', { key: 'tell-1', body: {} });
+        expect(created.status, created.text).toBe(201);
+        const done = await api(told.base, 'GET', `/api/runs/${created.body.id}?wait=30`);
+        expect(done.body.state, done.text).toBe('succeeded');
+        told.proc.child.kill('SIGTERM');
+        await told.proc.done;
+        const out = `${told.proc.stdout()}\n${told.proc.stderr()}`;
+        for (const where of ['log', 'stdout', 'stderr']) expect(out).toContain(`${where} token *** end`);
+        expect(out).not.toContain(TOKEN);
+      } finally {
+        told.proc.child.kill('SIGKILL');
+      }
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
+  });
+
   it('a run key differing from another only by an invisible character shows that character on the dashboard, as the terminal does', async () => {
     // Left from black-box round 13 (B2-11): the terminal shows U+200B as \u200b, the dashboard
     // showed it as nothing, so "ab" and "a\u200bb" were two cards that looked the same.

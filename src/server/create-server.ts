@@ -138,7 +138,7 @@ export function createServer(opts: ServerOptions): IdemServer {
     },
   });
   const closing = new AbortController();
-  const mask = secretMask((opts.secrets ?? []).flatMap((s) => [s, esc(s)])) ?? ((text: string) => text);
+  const mask = secretMask((opts.secrets ?? []).flatMap((s) => [s, esc(s)]));
   /** An answer masked: a JSON one by its values (never its field names or codes), others as text. */
   const answerMask = structuredMask(mask);
   const ctx: ServerContext = {
