@@ -19,6 +19,10 @@ import { visibleError } from './text-table.ts';
 export const CLI_DEFAULT_SCHEMA = 'idem';
 
 /** The global flags every command sees. */
+/** The folders idem looks in when no flag names others. */
+export const DEFAULT_JOBS_DIR = 'jobs';
+export const DEFAULT_MIGRATIONS_DIR = 'migrations';
+
 export interface GlobalOptions {
   databaseUrl?: string;
   /** Where databaseUrl came from, as an error message names it: the flag or the environment. */
@@ -326,8 +330,16 @@ export function withoutDatabase(g: GlobalOptions, job?: string): boolean {
   checkDatabaseSource(g);
   if (g.databaseUrl !== undefined || existsSync(path.resolve('.idem', 'pg'))) return false;
   if (!existsSync(path.resolve(g.jobsDir)) && !existsSync(path.resolve(g.migrationsDir))) {
-    // Only default folders can be missing here (an explicit one is checked up front).
-    const hint = `there is no ${g.jobsDir}/ or ${g.migrationsDir}/ folder in ${process.cwd()}; run idem in your project's root, pass --jobs-dir, or create one with idem init`;
+    // A folder given by flag is checked up front by the commands that read it; prune, pause and the
+    // like do not, so one given to them can be missing here: named by its flag, not told to pass it.
+    const jobsGiven = g.jobsDir !== DEFAULT_JOBS_DIR;
+    const migrationsGiven = g.migrationsDir !== DEFAULT_MIGRATIONS_DIR;
+    const hint =
+      jobsGiven && migrationsGiven
+        ? `--jobs-dir ${g.jobsDir} and --migrations-dir ${g.migrationsDir}: no such folders; fix the paths`
+        : jobsGiven || migrationsGiven
+        ? `${jobsGiven ? `--jobs-dir ${g.jobsDir}` : `--migrations-dir ${g.migrationsDir}`}: no such folder (nor a ${jobsGiven ? g.migrationsDir : g.jobsDir}/ folder in ${process.cwd()}); fix the path, or run idem in your project's root`
+        : `there is no ${g.jobsDir}/ or ${g.migrationsDir}/ folder in ${process.cwd()}; run idem in your project's root, pass --jobs-dir, or create one with idem init`;
     throw job === undefined ? new UsageError('missingFolder', hint) : new UsageError('unknownJob', `no job named '${job}': ${hint}`);
   }
   return true;

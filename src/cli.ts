@@ -1,7 +1,7 @@
 import { readFileSync } from 'node:fs';
 import { Command, CommanderError, Option } from 'commander';
 import { positiveInt } from './cli-parsers.ts';
-import { CLI_DEFAULT_SCHEMA, createCliContext, startupInterruption } from './cli-session.ts';
+import { CLI_DEFAULT_SCHEMA, createCliContext, DEFAULT_JOBS_DIR, DEFAULT_MIGRATIONS_DIR, startupInterruption } from './cli-session.ts';
 import { registerControlCommands } from './commands/control.ts';
 import { registerCronCommand } from './commands/cron.ts';
 import { registerFinalizeCommand } from './commands/finalize.ts';
@@ -42,8 +42,8 @@ export function buildProgram(state: { exitCode: number }): Command {
     .version(idemVersion(), '-V, --version', 'print the version of idem')
     .addOption(new Option('--database-url <url>', 'PostgreSQL connection string (default: DATABASE_URL, else an embedded server under .idem/)').env('DATABASE_URL'))
     .option('--schema <name>', "schema for idem's own tables", CLI_DEFAULT_SCHEMA)
-    .option('--jobs-dir <dir>', 'folder of job files', 'jobs')
-    .option('--migrations-dir <dir>', 'folder of ordered migration files', 'migrations')
+    .option('--jobs-dir <dir>', 'folder of job files', DEFAULT_JOBS_DIR)
+    .option('--migrations-dir <dir>', 'folder of ordered migration files', DEFAULT_MIGRATIONS_DIR)
     .addOption(new Option('--log-level <level>', 'log level (logs go to stderr)').choices(LOG_LEVELS as string[]).default('info'))
     .option('--shutdown-timeout <seconds>', 'after a first SIGINT/SIGTERM, how long in-flight chunks may take', positiveInt(3600), 30)
     // Parse errors are one line like every other refusal, with the fix (see the help) in it;

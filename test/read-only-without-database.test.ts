@@ -62,6 +62,17 @@ describe('read-only and operator commands without DATABASE_URL and without an em
       stdout: { status: 'error', job: null, runKey: null, exitCode: 2, code: 'idem.missingFolder', error: hint },
       stderr: [`idem: error: ${hint}`],
     });
+    // A folder given by flag to a command that does not read it (prune): named by its flag,
+    // not "pass --jobs-dir" to someone who did (left from black-box round 16's review).
+    const flagged: Array<[string[], string]> = [
+      [['--jobs-dir', '/typo-jobs', 'prune', '--older-than', '30d'], `--jobs-dir /typo-jobs: no such folder (nor a migrations/ folder in ${cwd}); fix the path, or run idem in your project's root`],
+      [['--migrations-dir', 'db/typo', 'prune', '--older-than', '30d'], `--migrations-dir db/typo: no such folder (nor a jobs/ folder in ${cwd}); fix the path, or run idem in your project's root`],
+      [['--jobs-dir', 'a', '--migrations-dir', 'b', 'prune', '--older-than', '30d'], '--jobs-dir a and --migrations-dir b: no such folders; fix the paths'],
+    ];
+    for (const [args, message] of flagged) {
+      const r = await runCli(args, { cwd });
+      expect(outcome(r), args.join(' ')).toEqual({ code: 2, stdout: '', stderr: [`idem: error: ${message}`] });
+    }
     expect(await readdir(cwd), 'something was created').toEqual([]);
   });
 
