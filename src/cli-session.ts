@@ -9,6 +9,7 @@ import { ExitCode, exitCodeOf, exitCodeOfSignal, IdemError, InterruptedError, me
 import type { LogLevel } from './log-level.ts';
 import type { Runner, RunnerOptions } from './runner.ts';
 import { jobFileExit } from './job-file-loading.ts';
+import { quotedName } from './key-label.ts';
 import { testHookMs } from './test-hooks.ts';
 import { visibleError } from './text-table.ts';
 
@@ -340,7 +341,7 @@ export function withoutDatabase(g: GlobalOptions, job?: string): boolean {
         : jobsGiven || migrationsGiven
         ? `${jobsGiven ? `--jobs-dir ${g.jobsDir}` : `--migrations-dir ${g.migrationsDir}`}: no such folder (nor a ${jobsGiven ? g.migrationsDir : g.jobsDir}/ folder in ${process.cwd()}); fix the path, or run idem in your project's root`
         : `there is no ${g.jobsDir}/ or ${g.migrationsDir}/ folder in ${process.cwd()}; run idem in your project's root, pass --jobs-dir, or create one with idem init`;
-    throw job === undefined ? new UsageError('missingFolder', hint) : new UsageError('unknownJob', `no job named '${job}': ${hint}`);
+    throw job === undefined ? new UsageError('missingFolder', hint) : new UsageError('unknownJob', `no job named ${quotedName(job)}: ${hint}`);
   }
   return true;
 }

@@ -25,3 +25,9 @@ export function keyLabel(key: string): string {
   if (!/[\u0000-\u001f]/.test(key) && !LONE_SURROGATE.test(key) && !INVISIBLE.test(key)) return key;
   return JSON.stringify(key).replace(new RegExp(INVISIBLE.source, 'gu'), (ch) => `\\u${ch.charCodeAt(0).toString(16).padStart(4, '0')}`);
 }
+
+/** A job name as a refusal quotes it: whole, or its first 40 characters when it is longer than a name can be. */
+export function quotedName(name: string): string {
+  const chars = [...name];
+  return chars.length <= 100 ? `'${name}'` : `'${chars.slice(0, 40).join('')}…' (${chars.length} characters; a job name has at most 100)`;
+}

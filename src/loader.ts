@@ -5,6 +5,7 @@ import path from 'node:path';
 import { pathToFileURL } from 'node:url';
 import { recordJobFile } from './code-fingerprint.ts';
 import { codeOf, messageOf, UsageError } from './errors.ts';
+import { quotedName } from './key-label.ts';
 import { assertJob, migrationProblems, type Job } from './job.ts';
 import { jobFilesLoading } from './job-file-loading.ts';
 import { displayPath, explainLoadError, formatLoadFailure } from './load-error.ts';
@@ -380,11 +381,6 @@ export async function findJob(dir: string, name: string, opts: { readonly migrat
  * A job name as a refusal quotes it: whole, or its first 40 characters (code points) when it is
  * longer than any job name can be (NAME: 100), as a long run key is cut (quoteKey).
  */
-function quotedName(name: string): string {
-  const chars = [...name];
-  return chars.length <= 100 ? `'${name}'` : `'${chars.slice(0, 40).join('')}…' (${chars.length} characters; a job name has at most 100)`;
-}
-
 /**
  * The job a name given as a path means (`jobs/slow.ts`, `./jobs/backfill`, `slow.mjs`: a folder, a
  * job file's extension, or both): the one the file holds (by its path, else by its name without

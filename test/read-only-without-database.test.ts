@@ -69,6 +69,9 @@ describe('read-only and operator commands without DATABASE_URL and without an em
       [['--migrations-dir', 'db/typo', 'prune', '--older-than', '30d'], `--migrations-dir db/typo: no such folder (nor a jobs/ folder in ${cwd}); fix the path, or run idem in your project's root`],
       [['--jobs-dir', 'a', '--migrations-dir', 'b', 'prune', '--older-than', '30d'], '--jobs-dir a and --migrations-dir b: no such folders; fix the paths'],
     ];
+    // A name longer than a job name can be is cut in the refusal, as idem run cuts it.
+    const long = 'j'.repeat(5000);
+    flagged.push([['status', long], `no job named '${'j'.repeat(40)}…' (5000 characters; a job name has at most 100): ${hint}`]);
     for (const [args, message] of flagged) {
       const r = await runCli(args, { cwd });
       expect(outcome(r), args.join(' ')).toEqual({ code: 2, stdout: '', stderr: [`idem: error: ${message}`] });
