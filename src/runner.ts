@@ -19,7 +19,7 @@ import { answerWithin, sleep } from './sleep.ts';
 import { beingDeletedMessage, doneChunks, finishDeletion, isLive, lastChange, pruneRuns, stalledSeconds, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
 import { isConnectionTrouble, isRetryable, retrying } from './retry.ts';
 import { ensureRunnerSchema, lostPrivilegeRefusal } from './schema/runner-migrations.ts';
-import { Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
+import { documentedError, Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
 import { checkRunKey } from './run-key.ts';
 import { refuseBadRunOptions, shown } from './run-options.ts';
 import { unknownKeys } from './suggest.ts';
@@ -1049,7 +1049,7 @@ export class Runner {
         chunk: failure.chunk,
         tries: failure.tries,
         message,
-        ...(code !== undefined ? { code } : {}),
+        code: code ?? null,
         at: new Date().toISOString(),
       })
       .catch(() => null);
@@ -1172,7 +1172,7 @@ export class Runner {
         createdAt: r.created_at,
         updatedAt: lastChange(r.updated_at, r.last_done),
         finishedAt: r.finished_at,
-        error: r.error,
+        error: documentedError(r.error),
         summary: r.summary,
         skipped: skippedByRun.get(String(r.id)) ?? [],
         workers,

@@ -122,8 +122,14 @@ export interface RunErrorInfo {
   readonly chunk: string | null;
   readonly tries: number;
   readonly message: string;
-  readonly code?: string;
+  /** The SQLSTATE (or the Node error's code), null when it has none (stored without it before 2026-12-04). */
+  readonly code?: string | null;
   readonly at: string;
+}
+
+/** A stored run error with every field idem status and the API document: `code` null where it was left out. */
+export function documentedError(error: RunErrorInfo | null | undefined): RunErrorInfo | null {
+  return error ? { ...error, code: error.code ?? null } : null;
 }
 
 /**

@@ -536,6 +536,24 @@ describe('idem help, status and list', () => {
     for (const column of ['RUN KEY', 'STATE', 'ATTEMPT', 'CHUNKS', 'UPDATED']) expect(row[head.indexOf(column)]).not.toBe(' ');
   });
 
+  it("status --json gives a failed run's error every documented field, code null when the error has none", async () => {
+    // Black-box round 17 (B6-6): an error without a SQLSTATE had no `code` key at all, where the
+    // README documents {step, chunk, message, code, tries, at}.
+    await query(url, `insert into fail_chunks (chunk_key) values ('c0001')`);
+    try {
+      const failed = await idem(['run', 'counted', '--params', '{"chunks":2}', '--key', 'st-error-code']);
+      expect(failed.code, failed.stderr).toBe(1);
+    } finally {
+      await query(url, `delete from fail_chunks`);
+    }
+    const r = await idem(['status', 'counted', '--key', 'st-error-code', '--json']);
+    expect(r.code, r.stderr).toBe(0);
+    const shown = JSON.parse(r.stdout) as { error: Record<string, unknown> } | Array<{ error: Record<string, unknown> }>;
+    const run = Array.isArray(shown) ? shown[0] : shown;
+    expect(Object.keys(run!.error).sort()).toEqual(['at', 'chunk', 'code', 'message', 'step', 'tries']);
+    expect(run!.error).toMatchObject({ step: 'work', chunk: 'c0001', code: null, tries: expect.any(Number) });
+  });
+
   it("status shows a run's params with DATABASE_URL's password masked, as every log line does", async () => {
     // Review of the change that added params to status: a job's param that quotes the database's
     // password (a second connection string) was printed whole by idem status.

@@ -5,7 +5,7 @@ import type { Job, Json } from '../job.ts';
 import { continueCommand } from '../shell-quote.ts';
 import { printable } from './claim-request.ts';
 import { doneChunks, lastChange, runIsLive, stalledSeconds, type HeldLocks, type OperationsHost } from '../operations.ts';
-import type { RunErrorInfo, RunStatus, RunSummary } from '../store.ts';
+import { documentedError, type RunErrorInfo, type RunStatus, type RunSummary } from '../store.ts';
 import { shownStepState } from '../step-state.ts';
 
 /** How liveness is decided: the runner's lock names (the held locks are read on the read pool). */
@@ -431,7 +431,7 @@ function toView(r: any, locked: boolean): RunView {
     etaSeconds: rate && total !== null && stalled === null ? Math.max(0, Math.round((total - done) / rate)) : null,
     stalledSeconds: stalled,
     steps,
-    error: r.error ?? null,
+    error: documentedError(r.error),
     summary: r.summary ?? null,
     viaApi: r.via_api,
     codeChanged: null,
