@@ -117,13 +117,20 @@ async function targetRun(h: OperationsHost, job: string, key: string | undefined
     // No idem schema: no run, said as for a job that has none.
   } else if (key === undefined) {
     const applies = pausePending ? sql`(status = any(${statuses}::text[]) or (status = 'running' and requested = 'pause'))` : sql`status = any(${statuses}::text[])`;
-    // Every running candidate (the live one is among them) and the latest candidate of all.
-    const { rows } = await sql<RunRow>`select * from ${t(h, 'runs')} r
-      where job = ${job} and ${applies} and (status = 'running' or id = (select id from ${t(h, 'runs')} where job = ${job} and ${applies} order by created_at desc, id desc limit 1))
+    // Every running run (the live one is among them, whether the command applies to it or not) and
+    // the latest run it applies to. The live run is the target even where the command does not
+    // apply to it (a resume of a live run with no pause pending): the refusal names it, and an
+    // older paused run is left alone (until 2026-12-04 a resume without --key resumed that one).
+    const { rows } = await sql<RunRow & { applies: boolean }>`select r.*, ${applies} as applies from ${t(h, 'runs')} r
+      where job = ${job} and (status = 'running' or id = (select id from ${t(h, 'runs')} where job = ${job} and ${applies} order by created_at desc, id desc limit 1))
       order by created_at desc, id desc`.execute(h.db);
     const running = rows.filter((r) => r.status === 'running');
     const held = running.length > 0 ? await h.heldLocks() : undefined;
-    run = (held && running.find((r) => runIsLive(r, held, h))) ?? rows[0];
+    const picked = (held && running.find((r) => runIsLive(r, held, h))) ?? rows.find((r) => r.applies);
+    if (picked) {
+      const { applies: _, ...row } = picked;
+      run = row;
+    }
   } else {
     run = (await sql<RunRow>`select * from ${t(h, 'runs')} where job = ${job} and run_key = ${key}`.execute(h.db)).rows[0];
   }
@@ -216,7 +223,17 @@ export async function resumeRun(h: OperationsHost, job: string, key?: string): P
   for (let tries = 1; ; tries++) {
     if (run.status === 'deleting') throw beingDeleted(run, job, 'resume');
     if (run.status !== 'paused' && !(run.status === 'running' && run.requested === 'pause')) {
-      throw new UsageError('cannotControl', `run "${run.run_key}" of job "${job}" is ${run.status}, not paused: nothing to resume`);
+      const what = `run "${run.run_key}" of job "${job}"`;
+      // A row that says running with no process on it is what idem status calls crashed (until
+      // 2026-12-04 this said "is running").
+      if (run.status === 'running' && !(await isLive(h, run).catch(() => true))) {
+        throw new UsageError('cannotControl', `${what} crashed (its row says running, but no process works it), not paused: nothing to resume; its next invocation (idem run ${job} --key ${run.run_key}) continues it`);
+      }
+      const olderPaused = key === undefined && run.status === 'running' ? (await sql<{ n: number }>`select count(*)::int as n from ${t(h, 'runs')} where job = ${job} and status = 'paused'`.execute(h.db)).rows[0]!.n > 0 : false;
+      throw new UsageError(
+        'cannotControl',
+        `${what} is ${run.status}, not paused: nothing to resume${olderPaused ? ' (an older paused run is left alone while a run of the job is live: name it with --key)' : ''}`,
+      );
     }
     const { rows } = await sql<{ status: string }>`update ${t(h, 'runs')}
       set status = case when status <> 'paused' then status when error is not null then 'failed' else 'interrupted' end, requested = null, updated_at = now()

@@ -343,6 +343,14 @@ describe('resume of a crashed run with a pause pending', () => {
     const params = { chunks: 3 };
     expectFaultCrash(await runCli(countedArgs(key, params), { url, env: { IDEM_FAULT: 'after-commit:crash:1' } }), 'after-commit');
     await waitFor(async () => (await sessions(url, 'idem-lock')) === 0, 'the crashed lock session to end');
+    // Without the pause, a resume has nothing to withdraw: refused, naming the run crashed, as idem
+    // status shows it (black-box round 17, B6-3: "is running, not paused").
+    const early = await idem(['resume', 'counted', '--key', key]);
+    expect([early.code, early.stdout, early.stderr.trim()]).toEqual([
+      2,
+      '',
+      `idem: error: run "${key}" of job "counted" crashed (its row says running, but no process works it), not paused: nothing to resume; its next invocation (idem run counted --key ${key}) continues it`,
+    ]);
     // As a worker killed after an operator asked it to pause leaves its run (the row still says running).
     await query(url, `update idem.runs set requested = 'pause' where job = 'counted' and run_key = $1`, [key]);
     const resumed = await idem(['resume', 'counted', '--key', key]);
@@ -439,6 +447,15 @@ describe('resume without --key while a run is live', () => {
     try {
       child = spawnCli(countedArgs('op-live-resume', params), { url });
       await someoneBlocked();
+      // The live run has no pause to withdraw: refused, and the older paused run is still left
+      // alone (black-box round 17, B6-2: it was resumed instead).
+      const early = await idem(['resume', 'counted']);
+      expect([early.code, early.stdout, early.stderr.trim()]).toEqual([
+        2,
+        '',
+        'idem: error: run "op-live-resume" of job "counted" is running, not paused: nothing to resume (an older paused run is left alone while a run of the job is live: name it with --key)',
+      ]);
+      expect(await runRow(url, 'counted', 'op-old-paused')).toMatchObject({ status: 'paused' });
       expect((await runCli(countedArgs('op-busy-resume', params), { url })).code).toBe(75);
       expect((await idem(['pause', 'counted'])).stdout).toMatch('run op-live-resume of job "counted" requested');
       const resumed = await idem(['resume', 'counted']);
