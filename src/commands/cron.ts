@@ -8,6 +8,8 @@ import { testHookMs } from '../test-hooks.ts';
 
 /** How long cron's slots may meet a standby before it says so as an error (IDEM_STANDBY_ALARM_MS for tests). */
 const STANDBY_ALARM_MS = testHookMs('IDEM_STANDBY_ALARM_MS') ?? 10 * 60_000;
+/** Tests only: the schedules' clock reads this much behind the wall clock, so a test can put a slot boundary seconds away. */
+const CLOCK_BEHIND_MS = testHookMs('IDEM_CRON_CLOCK_BEHIND_MS');
 
 /** `idem cron`: the schedules in this process, for containers without cron. */
 export function registerCronCommand(program: Command, cli: CliContext): void {
@@ -38,6 +40,7 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
         await runCronLoop({
           entries,
           signal: signals.stop,
+          ...(CLOCK_BEHIND_MS !== undefined ? { now: () => new Date(Date.now() - CLOCK_BEHIND_MS) } : {}),
           runSlot: (name, slot) => limit(async () => {
             const key = slotKey(slot);
             const out = await runner.run(byName.get(name)!, { key, slot, signal: signals.stop, abortSignal: signals.abort }).catch(async (err: unknown) => {
