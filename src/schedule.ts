@@ -399,8 +399,10 @@ export interface CronLoopOptions {
   readonly onError?: (job: string, slot: Date, err: unknown, again: boolean, retryInMs?: number) => void;
   /**
    * Whether a failed slot is tried again, once, at the job's next tick (before that tick's own slot).
-   * Defaults to: failed runs (exit 1) and runs that lost their lock (69); not a busy slot (another
-   * process has it), bad input, or a paused or cancelled run.
+   * Defaults to: failed runs (exit 1), runs that lost their lock (69), a slot held up by another run
+   * of its job (`SlotBehindError`) and a slot another process is running (`SlotTakenError`, looked
+   * at again at every tick while that process runs it, see there); not bad input, or a paused or
+   * cancelled run.
    */
   readonly retryFailed?: (err: unknown) => boolean;
   /**
@@ -430,7 +432,7 @@ function retryByDefault(err: unknown): boolean {
   // A run an operator cancelled exits 1 as a failed one does: their decision, not tried again.
   if (err instanceof Error && (err as { code?: unknown }).code === 'idem.cancelled') return false;
   const code = exitCodeOf(err);
-  return code === ExitCode.Failed || code === ExitCode.LockLost || err instanceof SlotBehindError;
+  return code === ExitCode.Failed || code === ExitCode.LockLost || err instanceof SlotBehindError || err instanceof SlotTakenError;
 }
 
 /**
@@ -472,6 +474,21 @@ export class SlotBehindError extends Error {
   }
 }
 
+/**
+ * A slot whose run another process (a peer scheduler, a run by hand) holds: not run here now. That
+ * process may die before it finishes the run, and nobody else would resume it, so the slot is
+ * looked at again at the job's next tick, and at each one after while that process still runs it:
+ * then it is found done (a no-op), still taken, or resumed here, once, as a failed slot is (its
+ * chunks done stay done; an operator's pause or cancel is honoured).
+ */
+export class SlotTakenError extends Error {
+  /** `busy`: the refusal the slot's run met (its `cause`). */
+  constructor(busy: Error) {
+    super(busy instanceof BusyError ? busy.reason : busy.message, { cause: busy });
+    this.name = 'SlotTakenError';
+  }
+}
+
 function reportDropToStderr(job: string, slot: Date): void {
   process.stderr.write(`idem cron: ${droppedSlotMessage(job, slot)}\n`);
 }
@@ -491,7 +508,8 @@ function reportToStderr(job: string, slot: Date, err: unknown): void {
  * runs it, and so on, so a long run of one job never holds up another job's slots. A job that falls
  * behind (a run longer than its period, a clock jump) runs only its latest due slot, as at start;
  * `--catch-up` is the way to run missed ones. Errors go to `onError` and never stop the loop; a slot
- * that failed is tried again once, at the job's next tick (see `retryFailed`), and a slot whose run
+ * that failed is tried again once, at the job's next tick (see `retryFailed`), a slot another process
+ * runs is looked at again at each tick until it is done or resumed here (see `SlotTakenError`), and a slot whose run
  * could not reach the database is tried again until it starts (see `waitsForDatabase`). Resolves once
  * `signal` aborts and every job's run in flight has returned.
  */
@@ -534,7 +552,9 @@ export async function runCronLoop(opts: CronLoopOptions): Promise<void> {
         // its retry too is left to --catch-up, so a job that fails for good costs at most two runs
         // a tick, not one more for every tick it failed.
         const unreachable = !signal.aborted && waitsForDatabase(err);
-        const again = unreachable || (!isRetry && !signal.aborted && retryFailed(err));
+        // A slot still taken by a live run of another process is watched, not retried: found
+        // taken again at a tick, it is kept for the next one; its one retry is the run resumed here.
+        const again = unreachable || (!signal.aborted && (!isRetry || err instanceof SlotTakenError) && retryFailed(err));
         let retryInMs: number | undefined;
         if (unreachable) {
           // The job's next tick tries it too, if that comes first.

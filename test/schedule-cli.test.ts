@@ -6,7 +6,7 @@ import { fileURLToPath } from 'node:url';
 import { afterAll, afterEach, beforeAll, beforeEach, describe, expect, it } from 'vitest';
 import { latestSlot, parseSchedule, slotKey, slotsSince } from '../src/schedule.ts';
 import { TICK_SCHEDULE } from './fixtures/scheduled-jobs/hourly-tick.ts';
-import { busyMessage, FIXTURE_JOBS, killLeftovers, lines, query, REPO, runCli, spawnCli, waitFor, workCounts } from './support/cli.ts';
+import { busyMessage, FIXTURE_JOBS, killLeftovers, lines, logLines, query, REPO, runCli, spawnCli, waitFor, workCounts } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 import { clusterDir, removeDir, startPrimary, startStandby, systemPgBin, type Cluster } from './support/pg-cluster.ts';
 import { api, startServe } from './support/server.ts';
@@ -14,6 +14,7 @@ import { api, startServe } from './support/server.ts';
 const SCHEDULED_JOBS = fileURLToPath(new URL('./fixtures/scheduled-jobs', import.meta.url));
 const SCHEDULED_PAIR = fileURLToPath(new URL('./fixtures/scheduled-pair', import.meta.url));
 const SCHEDULED_MINUTELY = fileURLToPath(new URL('./fixtures/scheduled-minutely', import.meta.url));
+const SCHEDULED_CHUNKS = fileURLToPath(new URL('./fixtures/scheduled-chunks', import.meta.url));
 const schedule = parseSchedule(TICK_SCHEDULE);
 
 const testDb = useTestDatabase({ fixtureTables: true });
@@ -446,6 +447,41 @@ describe('idem cron', () => {
       expect((await held.done).code).toBe(0);
     }
   });
+});
+
+describe('several idem cron processes when one dies mid-slot', () => {
+  it("the survivor resumes the slot the dead scheduler was running at its next tick: the run succeeds, every chunk once", async () => {
+    // Black-box round 15: the survivor logged "slot taken by another process" for the slot, and at
+    // its next tick ran only that tick's slot; the dead peer's run stayed crashed 5/7 for good.
+    // The schedulers' clock reads behind the wall clock so that it is 45 s past a minute: their
+    // first slot runs at start, and the next tick comes 15 s later.
+    const behind = ((Date.now() - 45_000) % 60_000 + 60_000) % 60_000 || 60_000;
+    const slot = slotKey(latestSlot(parseSchedule('* * * * *'), new Date(Date.now() - behind)));
+    const args = ['--jobs-dir', SCHEDULED_CHUNKS, '--schema', 'sched_peer', 'cron'];
+    const env = { IDEM_CRON_CLOCK_BEHIND_MS: String(behind) };
+    const crons = [spawnCli(args, { url, env }), spawnCli(args, { url, env })];
+    const work = () => query<{ chunk_key: string; pid: number }>(url, `select chunk_key, pid from work_log where job = 'minute-chunks' and run_key = $1 order by id`, [slot]);
+    try {
+      // Two chunks of the slot committed: SIGKILL the scheduler running it.
+      const done = await waitFor(async () => ((await work()).length >= 2 ? await work() : null), 'two chunks of the slot');
+      const victim = crons.find((c) => c.pid === done[0]!.pid)!;
+      const survivor = crons.find((c) => c !== victim)!;
+      victim.child.kill('SIGKILL');
+      expect((await victim.done).signal).toBe('SIGKILL');
+      const said = logLines(survivor.stderr()).filter((l) => l.slot === slot).map((l) => l.msg);
+      expect(said[0]).toMatch(/^slot taken by another process: /);
+      // At its next tick (about 15 s after start) the survivor resumes the slot.
+      await waitFor(async () => (await query(url, `select status from sched_peer.runs where job = 'minute-chunks' and run_key = $1`, [slot]))[0]?.status === 'succeeded', 'the survivor to finish the slot', { timeoutMs: 25_000 });
+      const rows = await work();
+      expect(rows.map((r) => r.chunk_key).sort()).toEqual(['c1', 'c2', 'c3', 'c4', 'c5', 'c6', 'c7']);
+      expect(rows.filter((r) => r.pid === survivor.pid).length).toBeGreaterThan(0);
+      expect(await query(url, `select attempt from sched_peer.runs where job = 'minute-chunks' and run_key = $1`, [slot])).toEqual([{ attempt: 2 }]);
+      survivor.child.kill('SIGTERM');
+      expect((await survivor.done).code).toBe(143);
+    } finally {
+      for (const c of crons) c.child.kill('SIGKILL');
+    }
+  }, 45_000);
 });
 
 describe.skipIf(!systemPgBin())('idem cron while the database restarts over a slot boundary (a cluster of the test\'s own)', () => {

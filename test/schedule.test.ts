@@ -13,6 +13,7 @@ import {
   renderCrontab,
   runCronLoop,
   SlotBehindError,
+  SlotTakenError,
   type Schedule,
   slotKey,
   slotOfJobKey,
@@ -347,6 +348,39 @@ describe('runCronLoop', () => {
       sleep: h.sleep,
     });
     expect(h.calls).toEqual(['hourly@2026-11-30T10:00:00Z', 'hourly@2026-11-30T10:00:00Z', 'hourly@2026-11-30T11:00:00Z', 'hourly@2026-11-30T12:00:00Z']);
+  });
+
+  it('a slot another process runs (SlotTakenError) is looked at again at each tick while it stays taken, and resumed once: a resume that fails is not tried again', async () => {
+    // Black-box round 15: a slot a peer scheduler took and then died running was never finished.
+    const h = harness('2026-11-30T10:20:00Z', '2026-11-30T14:30:00Z');
+    const errors: string[] = [];
+    let looks = 0;
+    await runCronLoop({
+      entries: [{ job: 'hourly', schedule: hourly }],
+      runSlot: async (job, slot) => {
+        h.record(`${job}@${slotKey(slot)}`);
+        if (slotKey(slot) !== '2026-11-30T10:00:00Z') return;
+        // Taken at start and at 11:00 (the peer still runs it); at 12:00 the peer is gone and the
+        // resumed run fails: left to --catch-up, not tried at 13:00 or 14:00.
+        if (looks++ < 2) throw new SlotTakenError(new BusyError('run 2026-11-30T10:00:00Z of job "hourly" is running in another process'));
+        throw new RunFailedError('boom');
+      },
+      onError: (job, slot, err, again) => void errors.push(`${job}@${slotKey(slot)} ${(err as Error).name} again=${again}`),
+      signal: h.controller.signal,
+      now: h.now,
+      sleep: h.sleep,
+    });
+    expect(h.of('hourly')).toEqual([
+      'hourly@2026-11-30T10:00:00Z',
+      'hourly@2026-11-30T10:00:00Z', 'hourly@2026-11-30T11:00:00Z',
+      'hourly@2026-11-30T10:00:00Z', 'hourly@2026-11-30T12:00:00Z',
+      'hourly@2026-11-30T13:00:00Z', 'hourly@2026-11-30T14:00:00Z',
+    ]);
+    expect(errors).toEqual([
+      'hourly@2026-11-30T10:00:00Z SlotTakenError again=true',
+      'hourly@2026-11-30T10:00:00Z SlotTakenError again=true',
+      'hourly@2026-11-30T10:00:00Z RunFailedError again=false',
+    ]);
   });
 
   it('onError says whether the slot is tried again at the next tick: yes on its first failure, no when its retry fails too', async () => {

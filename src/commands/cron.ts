@@ -8,6 +8,8 @@ import { testHookMs } from '../test-hooks.ts';
 
 /** How long cron's slots may meet a standby before it says so as an error (IDEM_STANDBY_ALARM_MS for tests). */
 const STANDBY_ALARM_MS = testHookMs('IDEM_STANDBY_ALARM_MS') ?? 10 * 60_000;
+/** Tests only: the schedules' clock reads this much behind the wall clock, so a test can put a slot boundary seconds away. */
+const CLOCK_BEHIND_MS = testHookMs('IDEM_CRON_CLOCK_BEHIND_MS');
 
 /** `idem cron`: the schedules in this process, for containers without cron. */
 export function registerCronCommand(program: Command, cli: CliContext): void {
@@ -17,7 +19,7 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
     .option('--max-runs <n>', 'runs of different jobs executed at once by this process (the others wait their turn)', positiveInt(64), 4)
     .action((o: { maxRuns: number }) =>
       cli.runWithSession(async (g, log, session, force) => {
-        const { assertNotStandby, droppedSlotMessage, loadJobDir, runCronLoop, slotKey, SlotBehindError } = await import('../cli-runtime.ts');
+        const { assertNotStandby, droppedSlotMessage, loadJobDir, runCronLoop, slotKey, SlotBehindError, SlotTakenError } = await import('../cli-runtime.ts');
         // Each job keeps its own schedule, side by side; at most this many of their runs at once,
         // on a pool sized for them as idem serve's is (--max-runs × a run's connections + 4).
         const { default: pLimit } = await import('p-limit');
@@ -38,6 +40,7 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
         await runCronLoop({
           entries,
           signal: signals.stop,
+          ...(CLOCK_BEHIND_MS !== undefined ? { now: () => new Date(Date.now() - CLOCK_BEHIND_MS) } : {}),
           runSlot: (name, slot) => limit(async () => {
             const key = slotKey(slot);
             const out = await runner.run(byName.get(name)!, { key, slot, signal: signals.stop, abortSignal: signals.abort }).catch(async (err: unknown) => {
@@ -46,7 +49,11 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
               // Busy: another scheduler runs (or ran) this very slot, or another run of the job
               // holds the job, and then nobody runs this slot now.
               const runs = await runner.status(name).catch(() => []);
-              if (runs.some((r) => r.runKey === key && (r.state === 'running' || r.state === 'succeeded'))) throw err;
+              const mine = runs.find((r) => r.runKey === key);
+              if (mine?.state === 'succeeded') throw err;
+              // Another process runs this slot: it may die before the end, so the slot is looked at
+              // again at the next tick, and resumed here if that process no longer holds it.
+              if (mine?.state === 'running') throw new SlotTakenError(err);
               const other = runs.find((r) => r.runKey !== key && r.state === 'running');
               throw new SlotBehindError(err, other ? `run key ${other.runKey}` : 'another process');
             });
@@ -85,6 +92,8 @@ export function registerCronCommand(program: Command, cli: CliContext): void {
             const then = again ? "it is tried again at the job's next tick, then left to --catch-up" : 'it was tried again once already: left to --catch-up';
             if (err instanceof SlotBehindError) {
               log.warn({ job: name, slot: slotKey(slot), busy: err.message }, `slot not run now: another run of job "${name}" holds the job (${err.other}); ${then}`);
+            } else if (err instanceof SlotTakenError) {
+              log.info({ job: name, slot: slotKey(slot) }, `slot taken by another process: ${err.message}${again ? "; it is looked at again at the job's next tick, and resumed there if that process ended without finishing it" : ''}`);
             } else if (err instanceof IdemError && err.exitCode === ExitCode.Busy) log.info({ job: name, slot: slotKey(slot) }, `slot taken by another process: ${err instanceof BusyError ? err.reason : err.message}`);
             else log.error({ job: name, slot: slotKey(slot), err: errorFields(err) }, again ? 'scheduled run failed; the next tick tries it once more, --catch-up after that' : 'scheduled run failed; not tried again at the next tick (left to --catch-up)');
           },
