@@ -180,6 +180,31 @@ describe('idem migrate', () => {
     ]);
   });
 
+  it('--wait and --no-wait together are refused (exit 2, one line naming both), in either order; nothing is written', async () => {
+    const url = await freshDatabase();
+    const [noWaitFirst, waitFirst, bareWait, json] = await Promise.all([
+      migrate(url, ['--no-wait', '--wait', '3']),
+      migrate(url, ['--wait', '30', '--no-wait']),
+      migrate(url, ['--wait', '--no-wait']),
+      migrate(url, ['--json', '--no-wait', '--wait=3']),
+    ]);
+    // Before: the last one won (--no-wait --wait 3 migrated, exit 0; --wait 30 --no-wait was --no-wait).
+    for (const [r, first, second] of [
+      [noWaitFirst, '--no-wait', '--wait [seconds]'],
+      [waitFirst, '--wait [seconds]', '--no-wait'],
+      [bareWait, '--wait [seconds]', '--no-wait'],
+      [json, '--no-wait', '--wait [seconds]'],
+    ] as const) {
+      expect(r!.code, r!.stderr).toBe(2);
+      expect(lines(r!.stderr)).toEqual([`idem: error: option '${second}' cannot be used with option '${first}'; give one of them; see --help`]);
+    }
+    for (const r of [noWaitFirst, waitFirst, bareWait]) expect(r!.stdout).toBe('');
+    expect(JSON.parse(json!.stdout)).toEqual([
+      { runKey: null, job: null, status: 'error', exitCode: 2, code: 'idem.conflictingOption', error: "option '--wait [seconds]' cannot be used with option '--no-wait'; give one of them" },
+    ]);
+    expect(await query(url, `select to_regclass('idem.runs')::text as runs, to_regclass('widgets')::text as widgets`)).toEqual([{ runs: null, widgets: null }]);
+  });
+
   it('--json prints the outcomes array when migrate fails before any migration: an unreachable database, a bad flag', async () => {
     const [unreachable, badFlag] = await Promise.all([
       migrate('postgres://u:secret@127.0.0.1:1/x', ['--json']),
