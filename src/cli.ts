@@ -64,7 +64,10 @@ export function buildProgram(state: { exitCode: number }): Command {
   registerResetCommand(program, cli);
   registerPruneCommand(program, cli);
   registerServeCommand(program, cli);
-  for (const cmd of [program, ...program.commands]) refuseRepeatedOptions(cmd);
+  for (const cmd of [program, ...program.commands]) {
+    refuseRepeatedOptions(cmd);
+    refuseNegatedTogether(cmd);
+  }
   return program;
 }
 
@@ -84,6 +87,25 @@ function refuseRepeatedOptions(cmd: Command): void {
       if (seen) cmd.error(`error: option '${opt.long ?? opt.flags}' was given more than once; give it once`, { code: 'commander.repeatedOption', exitCode: ExitCode.Usage });
       seen = true;
     });
+  }
+}
+
+/**
+ * An option and its negation given together (`migrate --wait 30 --no-wait`) are refused: commander
+ * let the last one win, so `--no-wait --wait 3` waited and `--wait 30 --no-wait` exited 75 at once.
+ * commander's `.conflicts()` cannot say it (the two share one value, `wait`); the words are its own.
+ */
+function refuseNegatedTogether(cmd: Command): void {
+  for (const negated of cmd.options.filter((o) => o.negate)) {
+    const positive = cmd.options.find((o) => !o.negate && o.attributeName() === negated.attributeName());
+    if (!positive) continue;
+    let given: typeof positive | undefined;
+    for (const opt of [positive, negated]) {
+      cmd.on(`option:${opt.name()}`, () => {
+        if (given && given !== opt) cmd.error(`error: option '${opt.flags}' cannot be used with option '${given.flags}'; give one of them`, { code: 'commander.conflictingOption', exitCode: ExitCode.Usage });
+        given = opt;
+      });
+    }
   }
 }
 

@@ -4,10 +4,16 @@ import { slotOfJobKey } from './schedule.ts';
 import { sleep } from './sleep.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import { keyLabel } from './key-label.ts';
-import type { RunJobOptions, Runner, RunOutcome } from './runner.ts';
+import { alreadyDone, type RunJobOptions, type Runner, type RunOutcome } from './runner.ts';
 import type { RunRow } from './store.ts';
 import { continueCommand, shellQuote } from './shell-quote.ts';
 import { refuseBadRunOptions } from './run-options.ts';
+
+/** Options of {@link finalizeMigration}. */
+export interface FinalizeMigrationOptions extends Omit<FinalizeOptions, 'key' | 'params'> {
+  /** Called with each migration's outcome as it is known: the outcomes so far when one fails (`idem migrate --finalize` prints them). */
+  readonly onOutcome?: (outcome: FinalizeOutcome) => void;
+}
 
 /** How finalize got the run to succeeded. */
 export type FinalizeHow = 'already-succeeded' | 'waited' | 'ran-inline';
@@ -80,7 +86,7 @@ export async function finalizeMigration(
   runner: Runner,
   migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>,
   name: string,
-  opts: Omit<FinalizeOptions, 'key' | 'params'> = {},
+  opts: FinalizeMigrationOptions = {},
 ): Promise<FinalizeOutcome[]> {
   refuseBadRunOptions('finalizeMigration()', opts);
   const index = migrations.findIndex((m) => m.runKey === name || m.job.name === name);
@@ -90,15 +96,27 @@ export async function finalizeMigration(
   }
   const wanted = migrations.slice(0, index + 1);
   const live = new Set<string>();
+  const done: RunRow[] = [];
   for (const m of wanted) {
     const run = await runner.store.findRun(m.job.name, m.runKey);
-    if (run?.status === 'failed') throw recordedFailure(run);
+    if (run?.status === 'failed') {
+      // Those found done before it are outcomes too: what the deploy can tell went through.
+      for (const d of done) opts.onOutcome?.({ ...alreadyDone(d), how: 'already-succeeded' });
+      throw recordedFailure(run);
+    }
+    if (run?.status === 'succeeded') done.push(run);
     if (run && (await isLive(runner, run))) live.add(m.runKey);
   }
+  const withHow = (o: RunOutcome): FinalizeOutcome => ({ ...o, how: how(o, live.has(o.runKey)) });
   const outcomes = await bounded(opts.timeoutSeconds, `migration ${name}`, () =>
-    runner.migrate(wanted, { wait: opts.timeoutSeconds ?? true, resumeFailed: false, ...pick(opts) }),
+    runner.migrate(wanted, {
+      wait: opts.timeoutSeconds ?? true,
+      resumeFailed: false,
+      ...pick(opts),
+      ...(opts.onOutcome ? { onOutcome: (o: RunOutcome) => opts.onOutcome!(withHow(o)) } : {}),
+    }),
   );
-  return outcomes.map((o) => ({ ...o, how: how(o, live.has(o.runKey)) }));
+  return outcomes.map(withHow);
 }
 
 /** The error a failed run recorded, as the one-line refusal finalize ends with (exit 1). */

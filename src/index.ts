@@ -6,7 +6,7 @@
 export * from './job-api.ts';
 export { Runner, DEFAULT_SCHEMA } from './runner.ts';
 export { finalizeRun, finalizeMigration } from './finalize.ts';
-export type { FinalizeHow, FinalizeOptions, FinalizeOutcome } from './finalize.ts';
+export type { FinalizeHow, FinalizeMigrationOptions, FinalizeOptions, FinalizeOutcome } from './finalize.ts';
 export { CodeChangedError } from './code-fingerprint.ts';
 export { DEFAULT_HEALTH, StandbyError } from './health-check.ts';
 export type { HealthOptions, HealthSetting } from './health-check.ts';

@@ -1374,7 +1374,8 @@ function checkFingerprint(job: string, runKey: string, run: RunRow, fp: string):
   }
 }
 
-function alreadyDone(run: RunRow): RunOutcome {
+/** The outcome of a run found succeeded (finalizeMigration's too). */
+export function alreadyDone(run: RunRow): RunOutcome {
   return { status: 'already-succeeded', job: run.job, runKey: run.run_key, runId: run.id, attempt: run.attempt, summary: run.summary, executed: 0 };
 }
 

@@ -1,8 +1,11 @@
+import { mkdtemp, rm, writeFile } from 'node:fs/promises';
+import os from 'node:os';
+import path from 'node:path';
 import pg from 'pg';
 import { afterEach, describe, expect, it } from 'vitest';
 import { lockKey } from '../src/fingerprint.ts';
 import { createFixtureTables } from './fixtures/tables.ts';
-import { busyMessage, FIXTURE_DIRS, killLeftovers, lines, query, runCli, sessions, spawnCli, waitFor } from './support/cli.ts';
+import { busyMessage, FIXTURE_DIRS, FIXTURE_JOBS, killLeftovers, lines, query, runCli, sessions, spawnCli, waitFor } from './support/cli.ts';
 import { createTestDatabase, type TestDatabase } from './support/database.ts';
 
 /**
@@ -18,10 +21,23 @@ async function freshDatabase(): Promise<string> {
   return db.url;
 }
 
+const tmpDirs: string[] = [];
 afterEach(async () => {
   await killLeftovers();
   for (const db of databases.splice(0)) await db.drop();
+  for (const dir of tmpDirs.splice(0)) await rm(dir, { recursive: true, force: true });
 });
+
+/** A migrations folder of plain-object job files: file name → the body of its one step. */
+async function migrationsDir(files: Record<string, string>): Promise<string> {
+  const dir = await mkdtemp(path.join(os.tmpdir(), 'idem-migrate-'));
+  tmpDirs.push(dir);
+  for (const [file, body] of Object.entries(files)) {
+    const name = file.replace(/^\d+_/, 'p2-').replace(/\.mjs$/, '');
+    await writeFile(path.join(dir, file), `export default { name: '${name}', steps: [{ name: 'a', async run() { ${body} } }] };\n`);
+  }
+  return dir;
+}
 
 const migrate = (url: string, args: string[] = []) => runCli([...FIXTURE_DIRS, 'migrate', ...args], { url });
 const runsOf = (url: string) => query(url, `select run_key, status, attempt from idem.runs order by run_key`);
@@ -102,6 +118,91 @@ describe('idem migrate', () => {
       { runKey: '0001_create_widgets', job: 'create-widgets', status: 'error', exitCode: 1, code: 'idem.runFailed', error: expect.stringContaining('job "create-widgets" failed in step "create"') },
     ]);
     expect(await runsOf(url2)).toEqual([{ run_key: '0001_create_widgets', status: 'failed', attempt: 1 }]);
+  });
+
+  it('text mode when a migration fails: stdout still has a line for each one that succeeded or was done before it (plain, several pods, --finalize, the exit-65 refusal)', async () => {
+    const url = await freshDatabase();
+    const dir = await migrationsDir({ '0001_ok.mjs': '', '0002_bad.mjs': "throw new Error('p2 boom');", '0003_after.mjs': '' });
+    const cli = (args: string[]) => runCli(['--jobs-dir', FIXTURE_JOBS, '--migrations-dir', dir, '--log-level', 'warn', 'migrate', ...args], { url });
+    const okRan = /^0001_ok: job "p2-ok" succeeded: 1 chunk in 1 step, 1 executed now in \d+\.\ds \(run key 0001_ok, attempt 1\)$/;
+    const okDone = /^0001_ok: job "p2-ok" already done \(run key 0001_ok, finished \S+\): 1 chunk in 1 step; nothing to do$/;
+    const errors = (stderr: string) => lines(stderr).filter((l) => l.startsWith('idem: error:'));
+
+    // 1. Plain migrate: 0001 runs, 0002 fails. stdout names 0001; stderr has the one error line.
+    const first = await cli([]);
+    expect(first.code, first.stderr).toBe(1);
+    expect(lines(first.stdout)).toEqual([expect.stringMatching(okRan)]);
+    expect(errors(first.stderr)).toEqual([expect.stringContaining('job "p2-bad" failed in step "a" after 1 try: p2 boom')]);
+    expect(await runsOf(url)).toEqual([
+      { run_key: '0001_ok', status: 'succeeded', attempt: 1 },
+      { run_key: '0002_bad', status: 'failed', attempt: 1 },
+    ]);
+
+    // 2. Two pods at once: each one's stdout has 0001 (run there, or found done), then exit 1.
+    const pods = await Promise.all([cli([]), cli([])]);
+    for (const pod of pods) {
+      expect(pod.code, pod.stderr).toBe(1);
+      expect(lines(pod.stdout)).toEqual([expect.stringMatching(okDone)]);
+      expect(errors(pod.stderr)).toEqual([expect.stringContaining('job "p2-bad" failed in step "a"')]);
+    }
+    expect(await runsOf(url)).toEqual([
+      { run_key: '0001_ok', status: 'succeeded', attempt: 1 },
+      { run_key: '0002_bad', status: 'failed', attempt: 3 },
+    ]);
+
+    // 3. --finalize past the failed one: 0001 is said done, the recorded failure ends it (exit 1).
+    const fin = await cli(['--finalize', '0003_after']);
+    expect(fin.code, fin.stderr).toBe(1);
+    expect(lines(fin.stdout)).toEqual([expect.stringMatching(/^0001_ok: finalize: had already succeeded; job "p2-ok" already done /)]);
+    expect(errors(fin.stderr)).toEqual([expect.stringContaining('run 0002_bad of job "p2-bad" failed in step "a" after 1 try: p2 boom')]);
+
+    // 4. The failed one's file changed: refused with 65; 0001 is still named on stdout.
+    await writeFile(path.join(dir, '0002_bad.mjs'), `export default { name: 'p2-bad', steps: [{ name: 'a', async run() {} }] };\n`);
+    const refused = await cli([]);
+    expect(refused.code, refused.stderr).toBe(65);
+    expect(lines(refused.stdout)).toEqual([expect.stringMatching(okDone)]);
+    expect(errors(refused.stderr)).toEqual([expect.stringContaining('run 0002_bad of job "p2-bad" failed under other code')]);
+    expect(await runsOf(url)).toEqual([
+      { run_key: '0001_ok', status: 'succeeded', attempt: 1 },
+      { run_key: '0002_bad', status: 'failed', attempt: 3 },
+    ]);
+
+    // 5. A fresh database, --finalize running them here: 0001 ran inline before 0002 failed.
+    const url2 = await freshDatabase();
+    const dir2 = await migrationsDir({ '0001_ok.mjs': '', '0002_bad.mjs': "throw new Error('p2 boom');", '0003_after.mjs': '' });
+    const inline = await runCli(['--jobs-dir', FIXTURE_JOBS, '--migrations-dir', dir2, '--log-level', 'warn', 'migrate', '--finalize', '0003_after'], { url: url2 });
+    expect(inline.code, inline.stderr).toBe(1);
+    expect(lines(inline.stdout)).toEqual([expect.stringMatching(/^0001_ok: finalize: the rest ran here; job "p2-ok" succeeded: /)]);
+    expect(errors(inline.stderr)).toEqual([expect.stringContaining('job "p2-bad" failed in step "a" after 1 try: p2 boom')]);
+    expect(await runsOf(url2)).toEqual([
+      { run_key: '0001_ok', status: 'succeeded', attempt: 1 },
+      { run_key: '0002_bad', status: 'failed', attempt: 1 },
+    ]);
+  });
+
+  it('--wait and --no-wait together are refused (exit 2, one line naming both), in either order; nothing is written', async () => {
+    const url = await freshDatabase();
+    const [noWaitFirst, waitFirst, bareWait, json] = await Promise.all([
+      migrate(url, ['--no-wait', '--wait', '3']),
+      migrate(url, ['--wait', '30', '--no-wait']),
+      migrate(url, ['--wait', '--no-wait']),
+      migrate(url, ['--json', '--no-wait', '--wait=3']),
+    ]);
+    // Before: the last one won (--no-wait --wait 3 migrated, exit 0; --wait 30 --no-wait was --no-wait).
+    for (const [r, first, second] of [
+      [noWaitFirst, '--no-wait', '--wait [seconds]'],
+      [waitFirst, '--wait [seconds]', '--no-wait'],
+      [bareWait, '--wait [seconds]', '--no-wait'],
+      [json, '--no-wait', '--wait [seconds]'],
+    ] as const) {
+      expect(r!.code, r!.stderr).toBe(2);
+      expect(lines(r!.stderr)).toEqual([`idem: error: option '${second}' cannot be used with option '${first}'; give one of them; see --help`]);
+    }
+    for (const r of [noWaitFirst, waitFirst, bareWait]) expect(r!.stdout).toBe('');
+    expect(JSON.parse(json!.stdout)).toEqual([
+      { runKey: null, job: null, status: 'error', exitCode: 2, code: 'idem.conflictingOption', error: "option '--wait [seconds]' cannot be used with option '--no-wait'; give one of them" },
+    ]);
+    expect(await query(url, `select to_regclass('idem.runs')::text as runs, to_regclass('widgets')::text as widgets`)).toEqual([{ runs: null, widgets: null }]);
   });
 
   it('--json prints the outcomes array when migrate fails before any migration: an unreachable database, a bad flag', async () => {

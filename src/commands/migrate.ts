@@ -5,6 +5,7 @@ import { describeOutcome, migrateErrorEntry } from '../describe-outcome.ts';
 import { ExitCode, UsageError } from '../errors.ts';
 import type { RunOutcome } from '../runner.ts';
 import { visible } from '../text-table.ts';
+import type { FinalizeOutcome } from '../finalize.ts';
 import { describeFinalize } from './finalize.ts';
 import { healthSetting, withHealthFlags, type HealthFlags } from './health-flags.ts';
 import { throttleSetting, withThrottleFlags, type ThrottleFlags } from './throttle-flags.ts';
@@ -24,6 +25,11 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
       // entry (none for those after it, which never ran), as `run --json` prints its error object;
       // an entry with null runKey and job when none was under way (a bad flag, the database, the lock).
       const done: RunOutcome[] = [];
+      // Text mode: the same, as the success path's lines on stdout before the error goes to stderr,
+      // so a deploy log tells which migrations this invocation ran or found done.
+      const sayDone = <T extends RunOutcome>(outcomes: readonly T[], describe: (out: T) => string) => {
+        if (!o.json) for (const out of outcomes) process.stdout.write(`${visible(out.runKey)}: ${describe(out)}\n`);
+      };
       // Asserted, not annotated: the callback sets it, which TypeScript's narrowing does not see.
       let current = null as { readonly runKey: string; readonly job: { readonly name: string } } | null;
       return cli.runWithSession(
@@ -39,6 +45,7 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
           if (o.finalize !== undefined) {
             const { finalizeMigration } = await import('../cli-runtime.ts');
             const list = migrations.map((m) => ({ runKey: m.id, job: m.job }));
+            const soFar: FinalizeOutcome[] = [];
             const finalized = await finalizeMigration(runner, list, o.finalize, {
               ...(o.timeout !== undefined ? { timeoutSeconds: o.timeout } : {}),
               allowChangedCode: o.allowChangedCode ?? false,
@@ -46,6 +53,12 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
               ...throttleSetting(o),
               signal: signals.stop,
               abortSignal: signals.abort,
+              onOutcome: (out) => {
+                soFar.push(out);
+              },
+            }).catch((err: unknown) => {
+              sayDone(soFar, describeFinalize);
+              throw err;
             });
             // The job's code threw meanwhile: that error is the command's outcome, printed already.
             if (session.jobCodeFailed) return ExitCode.Failed;
@@ -69,7 +82,10 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
                 done.push(out);
               },
             },
-          );
+          ).catch((err: unknown) => {
+            sayDone(done, describeOutcome);
+            throw err;
+          });
           if (session.jobCodeFailed) return ExitCode.Failed;
           if (o.json) process.stdout.write(`${JSON.stringify(outcomes)}\n`);
           else if (outcomes.length === 0) process.stdout.write(`no migrations in ${g.migrationsDir}/\n`);
