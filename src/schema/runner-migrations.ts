@@ -285,7 +285,7 @@ function runnerMigrations(schema: string): Record<string, Migration> {
         // chunk switched to, and is never inlined into the caller (which would bring SPI back).
         // VOLATILE (the default): FOR SHARE needs it, and each call reads the run row at its latest.
         // Positional parameters: in a SQL function a column of the same name would take a named one's place.
-        await sql`create function ${t('chunk_fence_holds')}(bigint, integer) returns boolean language sql security definer as $holds$
+        await sql`create or replace function ${t('chunk_fence_holds')}(bigint, integer) returns boolean language sql security definer as $holds$
           select exists (select 1 from ${t('runs')} r where r.id operator(pg_catalog.=) $1
             and r.attempt operator(pg_catalog.=) $2 and r.status operator(pg_catalog.=) 'running' for share)
           $holds$`.execute(db);
