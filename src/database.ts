@@ -45,7 +45,7 @@ function roleOf(connectionString: string): string {
  * database's setting, so ALTER ROLE cannot help there. Null when neither sets it. Names only where,
  * never the connection string (it may hold a password).
  */
-function statementTimeoutFromConnection(connectionString: string, source: string | undefined): string | null {
+function statementTimeoutFromConnection(connectionString: string, source: string | undefined, setting: TimeoutSetting): string | null {
   let options = '';
   try {
     options = new URL(connectionString).searchParams.get('options') ?? '';
@@ -53,46 +53,56 @@ function statementTimeoutFromConnection(connectionString: string, source: string
     // Not a URL: pg reads no options from it.
   }
   // pg takes the URL's options when there are any, else PGOPTIONS.
-  if (options) return /statement_timeout/i.test(options) ? `${source ?? 'the connection string'}'s options` : null;
-  return /statement_timeout/i.test(process.env.PGOPTIONS ?? '') ? 'PGOPTIONS' : null;
+  const named = new RegExp(setting, 'i');
+  if (options) return named.test(options) ? `${source ?? 'the connection string'}'s options` : null;
+  return named.test(process.env.PGOPTIONS ?? '') ? 'PGOPTIONS' : null;
 }
+
+/** The settings that cut one of idem's statements short: statement_timeout, or (waiting on a lock) lock_timeout. */
+type TimeoutSetting = 'statement_timeout' | 'lock_timeout';
 
 /**
  * Where the statement_timeout idem ran into is set, and how to give idem more: in the connection's
  * options when they set it, else for the role `connectionString` logs in as (`source`: where the
  * connection string came from, `DATABASE_URL` or `--database-url` in the CLI).
  */
-export function statementTimeoutOrigin(connectionString: string, source?: string): { readonly setBy: string; readonly fix: string; readonly fromConnection: boolean } {
-  const where = statementTimeoutFromConnection(connectionString, source);
+export function statementTimeoutOrigin(connectionString: string, source?: string, setting: TimeoutSetting = 'statement_timeout'): { readonly setBy: string; readonly fix: string; readonly fromConnection: boolean } {
+  const where = statementTimeoutFromConnection(connectionString, source, setting);
   if (where !== null) {
     return {
-      setBy: `set by -c statement_timeout in ${where}`,
-      fix: `raise or remove -c statement_timeout in ${where} (a setting there overrides the role's and the database's)`,
+      setBy: `set by -c ${setting} in ${where}`,
+      fix: `raise or remove -c ${setting} in ${where} (a setting there overrides the role's and the database's)`,
       fromConnection: true,
     };
   }
   return {
     setBy: 'set for the role or database',
-    fix: `raise it for the role idem connects as (ALTER ROLE ${identInSql(roleOf(connectionString))} SET statement_timeout = '5min')`,
+    fix: `raise it for the role idem connects as (ALTER ROLE ${identInSql(roleOf(connectionString))} SET ${setting} = '5min')`,
     fromConnection: false,
   };
 }
 
 /**
  * A statement of idem's own (not a chunk's: a run's failure says that one) cut short by the
- * statement_timeout of the role or database, or of the connection's options: a refusal naming
- * where it is set and the fix that works there (exit 2), not PostgreSQL's bare "canceling statement
- * due to statement timeout" as if something had failed. Other errors as given.
+ * statement_timeout (or, waiting on a lock, the lock_timeout) of the role or database, or of the
+ * connection's options: a refusal naming where it is set and the fix that works there (exit 2),
+ * not PostgreSQL's bare "canceling statement due to statement timeout" as if something had failed.
+ * Other errors as given.
  */
 export function statementTimeoutRefusal(err: unknown, connectionString: string, source?: string): unknown {
-  if (!isStatementTimeout(err)) return err;
-  const o = statementTimeoutOrigin(connectionString, source);
-  const at = o.fromConnection ? o.setBy : `${o.setBy} (SHOW statement_timeout)`;
-  return new UsageError(
-    'statementTimeout',
-    `the database cancelled a statement of idem's at the statement_timeout ${at}: it waited on a lock or ran longer; ${o.fix}${o.fromConnection ? '' : ' or reset it'}, then run the same command again`,
-    { cause: err },
-  );
+  const setting = isStatementTimeout(err) ? 'statement_timeout' : isLockTimeout(err) ? 'lock_timeout' : null;
+  if (setting === null) return err;
+  const o = statementTimeoutOrigin(connectionString, source, setting);
+  const at = o.fromConnection ? o.setBy : `${o.setBy} (SHOW ${setting})`;
+  const why = setting === 'statement_timeout' ? 'it waited on a lock or ran longer' : 'it waited on a lock another session held';
+  return new UsageError('statementTimeout', `the database cancelled a statement of idem's at the ${setting} ${at}: ${why}; ${o.fix}${o.fromConnection ? '' : ' or reset it'}, then run the same command again`, {
+    cause: err,
+  });
+}
+
+/** Whether `err` is PostgreSQL's lock_timeout cutting a statement's wait for a lock short (55P03 alone is also NOWAIT's). */
+function isLockTimeout(err: unknown): boolean {
+  return codeOf(err) === '55P03' && /due to lock timeout/.test(messageOf(err));
 }
 
 /**

@@ -8,7 +8,7 @@ import { reviveSpec } from './job.ts';
 import { keyLabel, LONE_SURROGATE } from './key-label.ts';
 import { faultPoint, faultsArmed as faults } from './fault-points.ts';
 import { CommitUnknownError, openChunkSlot, TransactionEndedError, type ChunkSlot } from './chunk-slot.ts';
-import { backoffDelay, DEFAULT_BACKOFF, isRetryable, noConnectionFree, retrying, type BackoffOptions } from './retry.ts';
+import { backoffDelay, DEFAULT_BACKOFF, isRetryable, lockWaitCutShort, noConnectionFree, retrying, type BackoffOptions } from './retry.ts';
 import type { ClaimMode, PendingChunk, RetryCount, StepRow, Store } from './store.ts';
 import { resolveThrottle, Throttle, type ThrottleOptions } from './throttle.ts';
 import { sleep } from './sleep.ts';
@@ -254,9 +254,14 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
       );
     }
     // What the database refuses to store of a page (checkPage catches what it can say better) is
-    // the step's too; a lost connection, after planWindow's own retries, stays the runner's.
-    const result = await store.planWindow(run.runId, run.attempt, step.name, nextSeq - 1, page.chunks, page.next).catch((err: unknown) => {
-      throw isRetryable(err) ? err : new ChunkFailure(step.name, null, 1, err);
+    // the step's too; a lost connection, after planWindow's own retries, stays the runner's, and so
+    // does a wait for the step row cut short by a timeout past planWindow's own bound (the runner
+    // leaves the run interrupted, exit 2). Until 2026-12-04 its first cut failed the run (exit 1).
+    const onWait = (err: unknown, tries: number) => {
+      if (tries === 1) log.warn({ err: errorFields(err) }, `planning a window waited on a lock past the ${codeOf(err) === '57014' ? 'statement_timeout' : 'lock_timeout'} (another worker or session holds the step row): sent again until it gets it`);
+    };
+    const result = await store.planWindow(run.runId, run.attempt, step.name, nextSeq - 1, page.chunks, page.next, onWait).catch((err: unknown) => {
+      throw isRetryable(err) || lockWaitCutShort(err) ? err : new ChunkFailure(step.name, null, 1, err);
     });
     if (result.kind === 'fenced') throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was taken over by a newer attempt while planning`);
     if (result.kind === 'duplicate') {

@@ -1,4 +1,4 @@
-import { codeOf, givenValue } from './errors.ts';
+import { codeOf, givenValue, messageOf } from './errors.ts';
 import { sleep } from './sleep.ts';
 import { testHookMs } from './test-hooks.ts';
 
@@ -176,6 +176,48 @@ export async function retrying<T>(fn: () => Promise<T>, opts: BackoffOptions = {
       }
       if (attempt >= attempts || !isRetryable(err)) throw err;
       await sleep(backoffDelay(attempt, opts));
+    }
+  }
+}
+
+/**
+ * A statement of idem's own cut short while it waited on a lock another session held (another
+ * worker planning the same step, an operator's transaction): by the statement_timeout (57014 "…
+ * due to statement timeout") or the lock_timeout (55P03 "… due to lock timeout") of the role, the
+ * database or the connection. Not a cancel request (57014 "… due to user request"), nor NOWAIT.
+ */
+export function lockWaitCutShort(err: unknown): boolean {
+  const code = codeOf(err);
+  return (code === '57014' && /due to statement timeout/.test(messageOf(err))) || (code === SqlState.LockNotAvailable && /due to lock timeout/.test(messageOf(err)));
+}
+
+/**
+ * How long, from the first time it is cut short, idem sends one of its own statements that waits
+ * on a lock (planning a window, skipping a chunk, finishing a step: the step row) again: past
+ * this, the last error is thrown, and the runner ends the command with exit 2 (idem.statementTimeout),
+ * the run left interrupted.
+ */
+export const LOCK_WAIT_BOUND_MS = 30_000;
+
+/**
+ * Runs one of idem's own statements that may wait on a lock another transaction holds (the step
+ * row, which another worker's planner holds a moment, or anyone's `select … for update`), sending
+ * it again after a short pause (50 ms, doubling, at most 1 s) whenever the statement_timeout or
+ * lock_timeout cuts it short ({@link lockWaitCutShort}), for {@link LOCK_WAIT_BOUND_MS} at most.
+ * The statement must be safe to send again (all or nothing). `onWait` is told of each such cut.
+ * Until 2026-12-04 the first cut failed the run (exit 1), as if a chunk had failed.
+ */
+export async function waitingOnLocks<T>(fn: () => Promise<T>, onWait?: (err: unknown, tries: number) => void): Promise<T> {
+  let until: number | undefined;
+  for (let tries = 1; ; tries++) {
+    try {
+      return await fn();
+    } catch (err) {
+      if (!lockWaitCutShort(err)) throw err;
+      until ??= Date.now() + (testHookMs('IDEM_LOCK_WAIT_BOUND_MS') ?? LOCK_WAIT_BOUND_MS);
+      if (Date.now() >= until) throw err;
+      onWait?.(err, tries);
+      await sleep(Math.min(1_000, 50 * 2 ** Math.min(tries - 1, 5), Math.max(0, until - Date.now())));
     }
   }
 }

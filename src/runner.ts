@@ -3,7 +3,7 @@ import { CompiledQuery, sql, type Kysely } from 'kysely';
 import type { Logger } from 'pino';
 import { acquireAdvisoryLock, lockHolders, type HeldLock } from './advisory-lock.ts';
 import { looksDead, SILENT_SECONDS_SQL, silentSecondsOf, type LockHolder } from './lock-holder.ts';
-import { describeConnectError, isStatementTimeout, openDatabase, redactError, statementTimeoutOrigin, type Database } from './database.ts';
+import { describeConnectError, isStatementTimeout, openDatabase, redactError, statementTimeoutOrigin, statementTimeoutRefusal, type Database } from './database.ts';
 import { BusyError, CancelledError, codeOf, givenValue, RETRY_OR_WAIT, errorFields, FencedError, IdemError, InterruptedError, messageOf, STOP_SIGNALS, type StopSignal, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
@@ -17,7 +17,7 @@ import { faultPoint } from './fault-points.ts';
 import { silentLogger } from './log.ts';
 import { answerWithin, sleep } from './sleep.ts';
 import { beingDeletedMessage, doneChunks, finishDeletion, isLive, lastChange, pruneRuns, stalledSeconds, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
-import { isConnectionTrouble, isRetryable, retrying } from './retry.ts';
+import { isConnectionTrouble, isRetryable, lockWaitCutShort, retrying } from './retry.ts';
 import { ensureRunnerSchema, lostPrivilegeRefusal } from './schema/runner-migrations.ts';
 import { documentedError, Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
 import { checkRunKey } from './run-key.ts';
@@ -882,7 +882,9 @@ export class Runner {
       // worker stopping does: the last to leave records the run interrupted, to resume under that code.
       // A leave() that failed (its session lost) writes nothing: the workers under the run's code
       // are on it, and ending the attempt here would fence off their commits.
-      const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => undefined);
+      // null: not in worker mode, or leaving failed; then the run is recorded interrupted directly, as a
+      // stop by a signal is.
+      const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => null);
       if (others === null) await this.store.endInterrupted(runId, attempt).catch(() => null);
       const now = await this.#runAsItEnded(runId);
       if (now?.attempt === attempt && now.status === 'succeeded') return new SucceededElsewhere(now);
@@ -1003,7 +1005,9 @@ export class Runner {
       // leave(): null outside worker mode (this process alone: record it), undefined when it
       // could not be asked (write nothing: the released lock leaves the run crashed, not ended
       // under workers that may still be live).
-      const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => undefined);
+      // null: not in worker mode, or leaving failed; then the run is recorded interrupted directly, as a
+      // stop by a signal is.
+      const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => null);
       if (others === null) await this.store.endInterrupted(runId, attempt).catch(() => null);
       // Behind a session pooler, a connection that waited past the connect timeout (or PgBouncer's
       // query_wait_timeout) for a server session means its pool for the database is full.
@@ -1022,6 +1026,22 @@ export class Runner {
       const ended = now?.attempt === attempt && ['paused', 'cancelled', 'failed'].includes(now.status) ? `the run had ended ${now.status}` : 'the run is interrupted';
       log.error({ err: errorFields(err), status: now?.status ?? null }, `this worker stopped: ${why}; ${ended}`);
       return new LockLostError(`this worker stopped: ${why}; ${ended}${ended === 'the run is interrupted' ? ': run the same command again to resume' : `: idem status ${job.name} --key ${runKey} shows it`}`, { cause: err });
+    }
+    if (!(err instanceof ChunkFailure) && !(err instanceof IdemError) && lockWaitCutShort(err)) {
+      // One of idem's own statements (planning a window, finishing a step: not a chunk's work) cut
+      // short by the statement_timeout or lock_timeout, past the time it is sent again for
+      // (waitingOnLocks): nothing of the job failed. This worker stops as a statement cut short
+      // before the run refuses (exit 2, idem.statementTimeout, naming the setting); the last worker
+      // to stop records the run interrupted, and the same command resumes it. Until 2026-12-04 the
+      // run was marked failed (exit 1), in the step being planned or in step "(runner)".
+      // null: not in worker mode, or leaving failed; then the run is recorded interrupted directly, as a
+      // stop by a signal is.
+      const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => null);
+      if (others === null) await this.store.endInterrupted(runId, attempt).catch(() => null);
+      const refusal = statementTimeoutRefusal(err, this.#connectionString, this.#connectionSource) as IdemError;
+      log.error({ err: errorFields(err), otherWorkers: others ?? null }, `this worker stopped: ${refusal.message}`);
+      if (!others) return refusal;
+      return new UsageError('statementTimeout', `${refusal.message.replace(/, then run the same command again$/, '')}; the run goes on in its ${others} other ${others === 1 ? 'worker' : 'workers'} (--join adds this one back)`, { cause: err });
     }
     // A grant on idem's own schema or tables taken back mid-run (its bookkeeping, a chunk's claim,
     // marker or fence refused) is not the job's failure: this worker stops as a connect would have

@@ -2,7 +2,7 @@ import { sql, type Kysely, type QueryResult, type RawBuilder } from 'kysely';
 import { createHash } from 'node:crypto';
 import pg from 'pg';
 import { boundedMessage } from './errors.ts';
-import { retrying } from './retry.ts';
+import { retrying, waitingOnLocks } from './retry.ts';
 import { WORKER } from './worker-identity.ts';
 import type { ChunkSpec, Json } from './job.ts';
 import type { CompiledSql, HeldLock } from './advisory-lock.ts';
@@ -321,9 +321,14 @@ export class Store {
    * - a key that is already planned in this step writes nothing at all: no chunk rows, no cursor, no
    *   count, so the window is asked for again after the source is fixed, and seqs stay dense.
    * Retried as a whole after a lost connection; a retry that finds its own window committed (the
-   * acknowledgement was lost) reports it as planned.
+   * acknowledgement was lost) reports it as planned. Sent again when the statement_timeout or
+   * lock_timeout cuts it short as it waits for the step row (waitingOnLocks; `onWait` is told).
    */
-  async planWindow(runId: string, attempt: number, step: string, after: number, chunks: readonly ChunkSpec[], next: Json | null): Promise<PlanResult> {
+  planWindow(runId: string, attempt: number, step: string, after: number, chunks: readonly ChunkSpec[], next: Json | null, onWait?: (err: unknown, tries: number) => void): Promise<PlanResult> {
+    return waitingOnLocks(() => this.#planWindow(runId, attempt, step, after, chunks, next), onWait);
+  }
+
+  async #planWindow(runId: string, attempt: number, step: string, after: number, chunks: readonly ChunkSpec[], next: Json | null): Promise<PlanResult> {
     const keys = chunks.map((c) => c.key);
     const payload = JSON.stringify(chunks.map((c, i) => ({ key: c.key, seq: after + 1 + i, spec: c })));
     // The usual case in one statement, one round trip (six as a transaction of its own: most of
@@ -485,7 +490,8 @@ export class Store {
    */
   async skipChunk(runId: string, attempt: number, step: string, key: string, message: string, max: number, db: Kysely<any> = this.#db): Promise<{ readonly kind: 'skipped' | 'already' | 'over' | 'fenced'; readonly skipped: number }> {
     // The tries were counted already, by recordChunkFailure when the chunk failed for good.
-    return retrying(() =>
+    // Waits for the step row: sent again when a timeout cuts that wait short (waitingOnLocks).
+    return waitingOnLocks(() => retrying(() =>
       db.transaction().execute(async (trx) => {
         const { rows: [row] } = await sql<{ current: boolean }>`
           select r.attempt = ${attempt} as current
@@ -503,7 +509,7 @@ export class Store {
           where run_id = ${runId} and step = ${step} and key = ${key} and done_at is null and skipped_at is null`.execute(trx);
         return { kind: 'skipped' as const, skipped: c!.skipped + 1 };
       }),
-    );
+    ));
   }
 
   /** How many of a step's chunks are done and skipped (progress at a step's start). */
@@ -598,7 +604,7 @@ export class Store {
 
   /** Stores a chunk source's estimate of its total chunk count (progress and ETA). */
   async setEstimate(runId: string, step: string, estimate: number): Promise<void> {
-    await this.#run(sql`update ${this.#steps} set estimated_chunks = ${estimate} where run_id = ${runId} and name = ${step}`);
+    await waitingOnLocks(() => this.#run(sql`update ${this.#steps} set estimated_chunks = ${estimate} where run_id = ${runId} and name = ${step}`));
   }
 
   /** What a live worker watches between chunks: an operator's request, and the run's status. */
@@ -610,10 +616,13 @@ export class Store {
 
 
   async finishStep(runId: string, attempt: number, step: string): Promise<void> {
-    // Once: a worker that finds the step done by another keeps its finish time.
-    await this.#run(sql`update ${this.#steps} set status = 'done', finished_at = now()
-      where run_id = ${runId} and name = ${step} and status <> 'done'
-        and exists (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt})`);
+    // Once: a worker that finds the step done by another keeps its finish time. Waits for the
+    // step row (a planner's, a skip's): sent again when a timeout cuts that wait short.
+    await waitingOnLocks(() =>
+      this.#run(sql`update ${this.#steps} set status = 'done', finished_at = now()
+        where run_id = ${runId} and name = ${step} and status <> 'done'
+          and exists (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt})`),
+    );
   }
 
   /** Marks the run succeeded with its summary; fenced, so only the live attempt can. */
