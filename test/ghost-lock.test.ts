@@ -76,8 +76,8 @@ describe('operators see a silent lock holder', () => {
   const READER = { IDEM_LOCK_CHECK_INTERVAL_MS: '100', IDEM_IDLE_IN_TRANSACTION_TIMEOUT_MS: '1000' };
   /** The stopped worker checks every second: the server ends its lock session only after 30 s, past this test. */
   const GHOST = { IDEM_LOCK_CHECK_INTERVAL_MS: '1000', IDEM_IDLE_IN_TRANSACTION_TIMEOUT_MS: '1000' };
-  const worker = (key: string, env: Record<string, string>, extra: readonly string[] = []) =>
-    spawnCli([...STALL_DIRS, 'run', 'stall', '--params', params(120, 40), '--key', key, '--join', ...extra], { url, env, timeoutMs: 60_000 });
+  const worker = (key: string, env: Record<string, string>, extra: readonly string[] = [], chunks = 120) =>
+    spawnCli([...STALL_DIRS, 'run', 'stall', '--params', params(chunks, 40), '--key', key, '--join', ...extra], { url, env, timeoutMs: 60_000 });
   const cli = (args: readonly string[]) => spawnCli([...STALL_DIRS, ...args], { url, env: READER }).done;
   const lockBackend = async (p: CliProcess) =>
     (await query<{ pid: number }>(url, `select pid from pg_stat_activity where application_name like 'idem-lock %:' || $1`, [String(p.pid)]))[0]?.pid;
@@ -86,10 +86,13 @@ describe('operators see a silent lock holder', () => {
 
   it('status marks the stopped worker silent and rates the run by the live one; once the run is done, status and a busy run name the ghost holder and the fix', async () => {
     const key = 'ghost-seen';
-    const a = worker(key, GHOST);
+    // Enough chunks that the live worker is still at them while both status reads are made: with
+    // 120, a loaded machine (the clean-clone CI of 2026-12-04) saw the run end between the two.
+    const chunks = 300;
+    const a = worker(key, GHOST, [], chunks);
     try {
       await committing(key, a);
-      const c = worker(key, READER);
+      const c = worker(key, READER, [], chunks);
       await waitFor(async () => ((await doneBy(key, c.pid)) >= 3 ? true : undefined), 'the second worker committing chunks');
       const backend = (await lockBackend(a))!;
       expect(backend).toBeGreaterThan(0);
@@ -121,7 +124,7 @@ describe('operators see a silent lock holder', () => {
         expect(busy.code, busy.stderr).toBe(75);
         expect(busy.stderr).toMatch(new RegExp(`its advisory lock is held by backend ${backend} \\(idem-lock [^,]+:${a.pid}, silent \\d+s\\): it looks dead \\(a live idem sends a statement on its lock session every 0.1s; none comes from a process stopped, cut off behind a proxy, or whose job blocks its event loop\\), end it with select pg_terminate_backend\\(${backend}\\) \\(safe: `));
       });
-      expect(await workCounts(url, key)).toEqual(ones(120));
+      expect(await workCounts(url, key)).toEqual(ones(chunks));
     } finally {
       a.child.kill('SIGKILL');
     }
