@@ -876,16 +876,26 @@ export class Runner {
    * and nothing overwrites a run that is no longer running under this attempt (Store.failRun):
    * when that run had succeeded, returns SucceededElsewhere instead of an error.
    */
+  /**
+   * Leaves the run as a worker that stops without a verdict on it: under the entry gate, the last
+   * worker to leave records it interrupted (leave() returns 0); outside worker mode (null) this
+   * process records it. A leave() that could not be asked (its session lost: undefined) writes
+   * nothing: the released lock leaves the run crashed, not ended under workers that may still be
+   * live, where ending the attempt would fence off their commits. Returns leave()'s answer.
+   */
+  async #leaveInterrupted(lock: HeldLock, runId: string, attempt: number): Promise<number | null | undefined> {
+    const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => undefined);
+    if (others === null) await this.store.endInterrupted(runId, attempt).catch(() => null);
+    return others;
+  }
+
   async #recordEnd(runId: string, attempt: number, job: Job, runKey: string, err: unknown, log: Logger, lock: HeldLock): Promise<unknown> {
     if (err instanceof CodeMovedOn) {
       // This worker's steps are done; the run's (under its code now) may not be. It leaves as a
       // worker stopping does: the last to leave records the run interrupted, to resume under that code.
       // A leave() that failed (its session lost) writes nothing: the workers under the run's code
       // are on it, and ending the attempt here would fence off their commits.
-      // null: not in worker mode, or leaving failed; then the run is recorded interrupted directly, as a
-      // stop by a signal is.
-      const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => null);
-      if (others === null) await this.store.endInterrupted(runId, attempt).catch(() => null);
+      const others = await this.#leaveInterrupted(lock, runId, attempt);
       const now = await this.#runAsItEnded(runId);
       if (now?.attempt === attempt && now.status === 'succeeded') return new SucceededElsewhere(now);
       const rest =
@@ -1002,13 +1012,7 @@ export class Runner {
       // connection free: max_connections or the role's CONNECTION LIMIT; sessions ended): this
       // worker stops, the run is not failed. The other workers go on; the last one to stop
       // records the run interrupted (or as a pending request says), and a rerun resumes it.
-      // leave(): null outside worker mode (this process alone: record it), undefined when it
-      // could not be asked (write nothing: the released lock leaves the run crashed, not ended
-      // under workers that may still be live).
-      // null: not in worker mode, or leaving failed; then the run is recorded interrupted directly, as a
-      // stop by a signal is.
-      const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => null);
-      if (others === null) await this.store.endInterrupted(runId, attempt).catch(() => null);
+      const others = await this.#leaveInterrupted(lock, runId, attempt);
       // Behind a session pooler, a connection that waited past the connect timeout (or PgBouncer's
       // query_wait_timeout) for a server session means its pool for the database is full.
       const full = this.#database.pooled && /timeout exceeded when trying to connect|query_wait_timeout/.test(messageOf(err));
@@ -1034,10 +1038,7 @@ export class Runner {
       // before the run refuses (exit 2, idem.statementTimeout, naming the setting); the last worker
       // to stop records the run interrupted, and the same command resumes it. Until 2026-12-04 the
       // run was marked failed (exit 1), in the step being planned or in step "(runner)".
-      // null: not in worker mode, or leaving failed; then the run is recorded interrupted directly, as a
-      // stop by a signal is.
-      const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => null);
-      if (others === null) await this.store.endInterrupted(runId, attempt).catch(() => null);
+      const others = await this.#leaveInterrupted(lock, runId, attempt);
       const refusal = statementTimeoutRefusal(err, this.#connectionString, this.#connectionSource) as IdemError;
       log.error({ err: errorFields(err), otherWorkers: others ?? null }, `this worker stopped: ${refusal.message}`);
       if (!others) return refusal;
@@ -1050,8 +1051,7 @@ export class Runner {
     if (!(err instanceof IdemError)) {
       const refusal = await lostPrivilegeRefusal(this.db, this.schema, err instanceof ChunkFailure ? err.cause : err).catch(() => null);
       if (refusal) {
-        const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => undefined);
-        if (others === null) await this.store.endInterrupted(runId, attempt).catch(() => null);
+        const others = await this.#leaveInterrupted(lock, runId, attempt);
         log.warn({ err: errorFields(refusal.cause), otherWorkers: others ?? null }, "this worker stopped: a privilege on idem's schema was taken back mid-run");
         return refusal;
       }
