@@ -19,11 +19,11 @@ import { visibleError } from './text-table.ts';
  */
 export const CLI_DEFAULT_SCHEMA = 'idem';
 
-/** The global flags every command sees. */
 /** The folders idem looks in when no flag names others. */
 export const DEFAULT_JOBS_DIR = 'jobs';
 export const DEFAULT_MIGRATIONS_DIR = 'migrations';
 
+/** The global flags every command sees. */
 export interface GlobalOptions {
   databaseUrl?: string;
   /** Where databaseUrl came from, as an error message names it: the flag or the environment. */

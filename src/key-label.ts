@@ -26,7 +26,10 @@ export function keyLabel(key: string): string {
   return JSON.stringify(key).replace(new RegExp(INVISIBLE.source, 'gu'), (ch) => `\\u${ch.charCodeAt(0).toString(16).padStart(4, '0')}`);
 }
 
-/** A job name as a refusal quotes it: whole, or its first 40 characters when it is longer than a name can be. */
+/**
+ * A job name as a refusal quotes it: whole, or its first 40 characters (code points) when it is
+ * longer than any job name can be (NAME: 100), as a long run key is cut (quoteKey).
+ */
 export function quotedName(name: string): string {
   const chars = [...name];
   return chars.length <= 100 ? `'${name}'` : `'${chars.slice(0, 40).join('')}…' (${chars.length} characters; a job name has at most 100)`;

@@ -378,10 +378,6 @@ export async function findJob(dir: string, name: string, opts: { readonly migrat
 }
 
 /**
- * A job name as a refusal quotes it: whole, or its first 40 characters (code points) when it is
- * longer than any job name can be (NAME: 100), as a long run key is cut (quoteKey).
- */
-/**
  * The job a name given as a path means (`jobs/slow.ts`, `./jobs/backfill`, `slow.mjs`: a folder, a
  * job file's extension, or both): the one the file holds (by its path, else by its name without
  * extension, whatever the extension given), else the one its base name names; undefined for a
