@@ -3,7 +3,7 @@ import { userInfo } from 'node:os';
 import path from 'node:path';
 import { Kysely, PostgresDialect } from 'kysely';
 import pg from 'pg';
-import { CONNECT_RETRY_MS, isConnectionTrouble, isRetryable, noConnectionFree, serverStarting } from './retry.ts';
+import { CONNECT_RETRY_MS, isConnectionTrouble, isLockTimeout, isRetryable, isStatementTimeout, noConnectionFree, serverStarting } from './retry.ts';
 import { sleep } from './sleep.ts';
 import { testHookMs } from './test-hooks.ts';
 import { POSTGRES_NAME_BYTES, WORKER } from './worker-identity.ts';
@@ -12,13 +12,7 @@ import { codeOf, DatabaseUnavailableError, errorFields, type IdemError, messageO
 import { maskFromNowOn } from './log.ts';
 import { identInSql } from './table-name.ts';
 
-/**
- * Whether `err` is PostgreSQL's statement_timeout cutting a statement short (57014 alone is also a
- * cancel request: idem's own on an abort, or pg_cancel_backend).
- */
-export function isStatementTimeout(err: unknown): boolean {
-  return codeOf(err) === '57014' && /due to statement timeout/.test(messageOf(err));
-}
+export { isStatementTimeout } from './retry.ts';
 
 /** The role a connection string logs in as, as pg picks it: the URL's user, else PGUSER, else the OS user. */
 function roleOf(connectionString: string): string {
@@ -98,11 +92,6 @@ export function statementTimeoutRefusal(err: unknown, connectionString: string, 
   return new UsageError('statementTimeout', `the database cancelled a statement of idem's at the ${setting} ${at}: ${why}; ${o.fix}${o.fromConnection ? '' : ' or reset it'}, then run the same command again`, {
     cause: err,
   });
-}
-
-/** Whether `err` is PostgreSQL's lock_timeout cutting a statement's wait for a lock short (55P03 alone is also NOWAIT's). */
-function isLockTimeout(err: unknown): boolean {
-  return codeOf(err) === '55P03' && /due to lock timeout/.test(messageOf(err));
 }
 
 /**

@@ -187,8 +187,20 @@ export async function retrying<T>(fn: () => Promise<T>, opts: BackoffOptions = {
  * database or the connection. Not a cancel request (57014 "… due to user request"), nor NOWAIT.
  */
 export function lockWaitCutShort(err: unknown): boolean {
-  const code = codeOf(err);
-  return (code === '57014' && /due to statement timeout/.test(messageOf(err))) || (code === SqlState.LockNotAvailable && /due to lock timeout/.test(messageOf(err)));
+  return isStatementTimeout(err) || isLockTimeout(err);
+}
+
+/**
+ * Whether `err` is PostgreSQL's statement_timeout cutting a statement short (57014 alone is also a
+ * cancel request: idem's own on an abort, or pg_cancel_backend).
+ */
+export function isStatementTimeout(err: unknown): boolean {
+  return codeOf(err) === '57014' && /due to statement timeout/.test(messageOf(err));
+}
+
+/** Whether `err` is PostgreSQL's lock_timeout cutting a statement's wait for a lock short (55P03 alone is also NOWAIT's). */
+export function isLockTimeout(err: unknown): boolean {
+  return codeOf(err) === SqlState.LockNotAvailable && /due to lock timeout/.test(messageOf(err));
 }
 
 /**
