@@ -25,8 +25,8 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
       // entry (none for those after it, which never ran), as `run --json` prints its error object;
       // an entry with null runKey and job when none was under way (a bad flag, the database, the lock).
       const done: RunOutcome[] = [];
-      // Text mode: the same, as the success path's lines on stdout before the error goes to stderr,
-      // so a deploy log tells which migrations this invocation ran or found done.
+      // Text mode: a line per migration on stdout, on success and, before the error goes to stderr,
+      // for those done so far, so a deploy log tells which migrations this invocation ran or found done.
       const sayDone = <T extends RunOutcome>(outcomes: readonly T[], describe: (out: T) => string) => {
         if (!o.json) for (const out of outcomes) process.stdout.write(`${visible(out.runKey)}: ${describe(out)}\n`);
       };
@@ -63,7 +63,7 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
             // The job's code threw meanwhile: that error is the command's outcome, printed already.
             if (session.jobCodeFailed) return ExitCode.Failed;
             if (o.json) process.stdout.write(`${JSON.stringify(finalized)}\n`);
-            else for (const out of finalized) process.stdout.write(`${visible(out.runKey)}: ${describeFinalize(out)}\n`);
+            else sayDone(finalized, describeFinalize);
             return ExitCode.Ok;
           }
           const outcomes = await runner.migrate(
@@ -89,7 +89,7 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
           if (session.jobCodeFailed) return ExitCode.Failed;
           if (o.json) process.stdout.write(`${JSON.stringify(outcomes)}\n`);
           else if (outcomes.length === 0) process.stdout.write(`no migrations in ${g.migrationsDir}/\n`);
-          else for (const out of outcomes) process.stdout.write(`${visible(out.runKey)}: ${describeOutcome(out)}\n`);
+          else sayDone(outcomes, describeOutcome);
           return ExitCode.Ok;
         },
         ['migrations'],
