@@ -46,8 +46,7 @@ export async function assertKnownJob(db: Kysely<any> | undefined, schema: string
   // it there are no runs, and a refused name must not leave the schema behind. Without a database
   // (db undefined: no DATABASE_URL and no embedded server yet) there are no runs either.
   const runs = sql.id(schema, 'runs');
-  const table = db ? (await sql<{ found: boolean }>`select to_regclass(format('%I.runs', ${schema}::text)) is not null as found`.execute(db)).rows : [];
-  const hasRuns = db !== undefined && table[0]?.found === true;
+  const hasRuns = db !== undefined && (await sql<{ found: boolean }>`select to_regclass(format('%I.runs', ${schema}::text)) is not null as found`.execute(db)).rows[0]?.found === true;
   if (hasRuns) {
     const { rows } = await sql<{ found: boolean }>`select exists (select 1 from ${runs} where job = ${name}) as found`.execute(db!);
     // A job and a migration of this name would mix their runs here: refused, as everywhere.

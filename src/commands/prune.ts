@@ -15,14 +15,14 @@ export function registerPruneCommand(program: Command, cli: CliContext): void {
         const { migrationKeys, noDatabaseHost, parseDuration, pruneRuns } = await import('../cli-runtime.ts');
         const ms = parseDuration(o.olderThan, '--older-than');
         const keys = await migrationKeys(g.migrationsDir);
+        let r: Awaited<ReturnType<typeof pruneRuns>>;
         // No database to ask (no DATABASE_URL, no embedded server yet): nothing to remove; none is made.
-        const r = withoutDatabase(g)
-          ? await pruneRuns(noDatabaseHost(g.schema), ms, keys)
-          : await (async () => {
-              await cancelStatementsOnStop(session);
-              const runner = await openRunner(g, log, session, undefined, undefined, undefined, 'existing');
-              return runner.prune(ms, { migrationKeys: keys });
-            })();
+        if (withoutDatabase(g)) r = await pruneRuns(noDatabaseHost(g.schema), ms, keys);
+        else {
+          await cancelStatementsOnStop(session);
+          const runner = await openRunner(g, log, session, undefined, undefined, undefined, 'existing');
+          r = await runner.prune(ms, { migrationKeys: keys });
+        }
         const held = r.skipped > 0 ? `; left ${r.skipped} ${r.skipped === 1 ? 'run' : 'runs'} alone that another process holds (reviving, running or resetting it)` : '';
         process.stdout.write(o.json ? `${JSON.stringify(r)}\n` : `prune: removed ${count(r.runs, 'run')}, ${count(r.steps, 'step')}, ${count(r.chunks, 'chunk marker')}, ${count(r.effects, 'effect')} older than ${o.olderThan}${held}\n`);
         return ExitCode.Ok;
