@@ -218,6 +218,12 @@ export function redactSecrets(text: string, connectionString: string): string {
   return maskAll(text, secretForms(connectionString));
 }
 
+/** redactSecrets for many texts: the secret forms worked out once (a stat of the password file among them), not per text. */
+export function secretRedactor(connectionString: string): (text: string) => string {
+  const forms = secretForms(connectionString);
+  return (text) => maskAll(text, forms);
+}
+
 /**
  * Secrets besides the database password that nothing idem prints, logs, stores or answers may show:
  * `idem serve`'s API token once read from --token-file (IDEM_API_TOKEN is masked from the

@@ -225,7 +225,7 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
       cli.runWithSession(async (g, log, session) => {
         if (o.key !== undefined && job === undefined) throw new UsageError('invalidKey', '--key needs the job too: idem status <job> --key <key>');
         // A job name is checked before idem's schema is created: a refused name writes nothing.
-        const { assertKnownJob, redactSecrets } = await import('../cli-runtime.ts');
+        const { assertKnownJob, secretRedactor } = await import('../cli-runtime.ts');
         if (withoutDatabase(g, job)) {
           // No database to ask (no DATABASE_URL, no embedded server yet): no runs, and none is made.
           if (job !== undefined) await assertKnownJob(undefined, g.schema, job, g);
@@ -237,7 +237,7 @@ export function registerStatusCommand(program: Command, cli: CliContext): void {
         // A run's params (and error) may quote DATABASE_URL's password: masked as in every log line.
         // Also without DATABASE_URL (the embedded server): PGPASSWORD and the API token are masked
         // before a long error is cut for the table, where a cut secret would no longer be found.
-        const masked = (text: string) => redactSecrets(text, g.databaseUrl ?? '');
+        const masked = secretRedactor(g.databaseUrl ?? '');
         const tty = colourful(process.stdout);
         if (o.key !== undefined) {
           // status() lists newest first; a run key is unique per job, so search that job's runs.
