@@ -257,11 +257,13 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
     // the step's too; a lost connection, after planWindow's own retries, stays the runner's, and so
     // does a wait for the step row cut short by a timeout past planWindow's own bound (the runner
     // leaves the run interrupted, exit 2). Until 2026-12-04 its first cut failed the run (exit 1).
+    // A stop (a signal, an operator's pause) ends that wait at its next cut: the stop's reason is
+    // thrown, and this worker stops as that stop does.
     const onWait = (err: unknown, tries: number) => {
       if (tries === 1) log.warn({ err: errorFields(err) }, `planning a window waited on a lock past the ${codeOf(err) === '57014' ? 'statement_timeout' : 'lock_timeout'} (another worker or session holds the step row): sent again until it gets it`);
     };
-    const result = await store.planWindow(run.runId, run.attempt, step.name, nextSeq - 1, page.chunks, page.next, onWait).catch((err: unknown) => {
-      throw isRetryable(err) || lockWaitCutShort(err) ? err : new ChunkFailure(step.name, null, 1, err);
+    const result = await store.planWindow(run.runId, run.attempt, step.name, nextSeq - 1, page.chunks, page.next, onWait, opts.stop).catch((err: unknown) => {
+      throw isRetryable(err) || lockWaitCutShort(err) || err === opts.stop.reason ? err : new ChunkFailure(step.name, null, 1, err);
     });
     if (result.kind === 'fenced') throw new FencedError(`attempt ${run.attempt} of job "${run.job}" was taken over by a newer attempt while planning`);
     if (result.kind === 'duplicate') {

@@ -218,18 +218,25 @@ export const LOCK_WAIT_BOUND_MS = 30_000;
  * lock_timeout cuts it short ({@link lockWaitCutShort}), for {@link LOCK_WAIT_BOUND_MS} at most.
  * The statement must be safe to send again (all or nothing). `onWait` is told of each such cut.
  * Until 2026-12-04 the first cut failed the run (exit 1), as if a chunk had failed.
+ *
+ * `stop` (a worker told to stop: a signal, an operator's pause): the statement is not sent again
+ * after the next cut, and the stop's reason is thrown, so the worker stops as a stop does (exit
+ * 143 for SIGTERM, the run interrupted), not after the bound as if the wait had run out.
  */
-export async function waitingOnLocks<T>(fn: () => Promise<T>, onWait?: (err: unknown, tries: number) => void): Promise<T> {
+export async function waitingOnLocks<T>(fn: () => Promise<T>, onWait?: (err: unknown, tries: number) => void, stop?: AbortSignal): Promise<T> {
   let until: number | undefined;
+  const stopped = (err: unknown) => (stop?.reason instanceof Error ? stop.reason : err);
   for (let tries = 1; ; tries++) {
     try {
       return await fn();
     } catch (err) {
       if (!lockWaitCutShort(err)) throw err;
+      if (stop?.aborted) throw stopped(err);
       until ??= Date.now() + (testHookMs('IDEM_LOCK_WAIT_BOUND_MS') ?? LOCK_WAIT_BOUND_MS);
       if (Date.now() >= until) throw err;
       onWait?.(err, tries);
-      await sleep(Math.min(1_000, 50 * 2 ** Math.min(tries - 1, 5), Math.max(0, until - Date.now())));
+      await sleep(Math.min(1_000, 50 * 2 ** Math.min(tries - 1, 5), Math.max(0, until - Date.now())), stop);
+      if (stop?.aborted) throw stopped(err);
     }
   }
 }

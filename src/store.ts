@@ -322,10 +322,11 @@ export class Store {
    *   count, so the window is asked for again after the source is fixed, and seqs stay dense.
    * Retried as a whole after a lost connection; a retry that finds its own window committed (the
    * acknowledgement was lost) reports it as planned. Sent again when the statement_timeout or
-   * lock_timeout cuts it short as it waits for the step row (waitingOnLocks; `onWait` is told).
+   * lock_timeout cuts it short as it waits for the step row (waitingOnLocks; `onWait` is told),
+   * until `stop` aborts: then its reason is thrown at the next cut.
    */
-  planWindow(runId: string, attempt: number, step: string, after: number, chunks: readonly ChunkSpec[], next: Json | null, onWait?: (err: unknown, tries: number) => void): Promise<PlanResult> {
-    return waitingOnLocks(() => this.#planWindow(runId, attempt, step, after, chunks, next), onWait);
+  planWindow(runId: string, attempt: number, step: string, after: number, chunks: readonly ChunkSpec[], next: Json | null, onWait?: (err: unknown, tries: number) => void, stop?: AbortSignal): Promise<PlanResult> {
+    return waitingOnLocks(() => this.#planWindow(runId, attempt, step, after, chunks, next), onWait, stop);
   }
 
   async #planWindow(runId: string, attempt: number, step: string, after: number, chunks: readonly ChunkSpec[], next: Json | null): Promise<PlanResult> {

@@ -32,9 +32,10 @@ const withOptions = (options: string) => {
  * Once `key`'s run has done a few `work` chunks (its later windows not planned yet), holds the
  * step row `for update`, as another worker planning (or an operator) would, until idem's planner
  * has been seen waiting on it (a session of idem's waiting on a lock, or its log line saying the
- * wait was cut short), then `holdMs` longer. Returns how many chunks were planned when it let go.
+ * wait was cut short), then `hold` ms longer, or until `hold()` settles. Returns how many chunks
+ * were planned when it let go.
  */
-async function holdStepRow(key: string, run: CliProcess, holdMs: number): Promise<{ plannedAtRelease: number }> {
+async function holdStepRow(key: string, run: CliProcess, hold: number | (() => Promise<void>)): Promise<{ plannedAtRelease: number }> {
   await waitFor(async () => ((await query<{ n: number }>(url, `select count(*)::int as n from work_log where run_key = $1 and step = 'work'`, [key]))[0]!.n >= 5 ? true : undefined), 'the run to be under way', { timeoutMs: 30_000, intervalMs: 20 });
   const holder = new pg.Client({ connectionString: url, application_name: 'test-step-holder' });
   await holder.connect();
@@ -48,7 +49,7 @@ async function holdStepRow(key: string, run: CliProcess, holdMs: number): Promis
       "idem's planner waiting on the step row",
       { timeoutMs: 30_000, intervalMs: 10 },
     );
-    await new Promise((r) => setTimeout(r, holdMs));
+    await (typeof hold === 'number' ? new Promise((r) => setTimeout(r, hold)) : hold());
     const { rows: [s] } = await holder.query<{ planned: number }>(`select planned from idem.steps where run_id = (select id from idem.runs where run_key = $1) and name = 'work'`, [key]);
     await holder.query('commit');
     return { plannedAtRelease: s!.planned };
@@ -104,6 +105,29 @@ describe("idem's window planning waiting on the step row another session holds",
     const [row] = await query(url, `select status, error from idem.runs where run_key = $1`, [key]);
     expect(row).toEqual({ status: 'interrupted', error: null });
     // Run again once the lock is gone: it resumes and completes, every chunk once.
+    const again = await spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params, '--key', key, '--concurrency', '2'], { url: timed, timeoutMs: 90_000 }).done;
+    expect(again.code, again.stderr).toBe(0);
+    await expectEveryChunkOnce(key);
+  });
+
+  it('SIGTERM while planning waits: the worker stops at the next cut, exit 143, the run interrupted (not after the bound, not exit 2); the rerun completes it', async () => {
+    const key = 'plan-sigterm';
+    const timed = withOptions('-c statement_timeout=300');
+    const run = spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params, '--key', key, '--concurrency', '2', '--json'], { url: timed, timeoutMs: 90_000 });
+    let exitedWhileHeld = false;
+    const held = await holdStepRow(key, run, async () => {
+      // Seen waiting: ask it to stop. Before, it went on sending the planning statement again for
+      // the whole bound (30 s), then stopped with exit 2 as if the wait had run out.
+      run.child.kill('SIGTERM');
+      exitedWhileHeld = await Promise.race([run.done.then(() => true), new Promise<boolean>((r) => setTimeout(() => r(false), 15_000))]);
+    });
+    const r = await run.done;
+    expect(held.plannedAtRelease).toBeLessThan(CHUNKS);
+    expect(exitedWhileHeld, r.stderr).toBe(true);
+    expect(r.code, r.stderr).toBe(143);
+    expect(JSON.parse(r.stdout)).toMatchObject({ status: 'error', exitCode: 143 });
+    const [row] = await query(url, `select status, error from idem.runs where run_key = $1`, [key]);
+    expect(row).toEqual({ status: 'interrupted', error: null });
     const again = await spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params, '--key', key, '--concurrency', '2'], { url: timed, timeoutMs: 90_000 }).done;
     expect(again.code, again.stderr).toBe(0);
     await expectEveryChunkOnce(key);
