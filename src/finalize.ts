@@ -13,6 +13,8 @@ import { refuseBadRunOptions } from './run-options.ts';
 export interface FinalizeMigrationOptions extends Omit<FinalizeOptions, 'key' | 'params'> {
   /** Called with each migration's outcome as it is known: the outcomes so far when one fails (`idem migrate --finalize` prints them). */
   readonly onOutcome?: (outcome: FinalizeOutcome) => void;
+  /** Called as each migration is taken in hand, before its outcome is known (also the failed one that ends it). */
+  readonly onMigration?: (migration: { readonly runKey: string; readonly job: Job } | null) => void;
 }
 
 /** How finalize got the run to succeeded. */
@@ -102,6 +104,7 @@ export async function finalizeMigration(
     if (run?.status === 'failed') {
       // Those found done before it are outcomes too: what the deploy can tell went through.
       for (const d of done) opts.onOutcome?.({ ...alreadyDone(d), how: 'already-succeeded' });
+      opts.onMigration?.(m);
       throw recordedFailure(run);
     }
     if (run?.status === 'succeeded') done.push(run);
@@ -114,6 +117,7 @@ export async function finalizeMigration(
       resumeFailed: false,
       ...pick(opts),
       ...(opts.onOutcome ? { onOutcome: (o: RunOutcome) => opts.onOutcome!(withHow(o)) } : {}),
+      ...(opts.onMigration ? { onMigration: opts.onMigration } : {}),
     }),
   );
   return outcomes.map(withHow);

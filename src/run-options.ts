@@ -17,7 +17,7 @@ const RUN_KEYS: ReadonlyArray<keyof RunJobOptions> = [
 /** Runner.migrate's: a migration has no params, its run key is given with it, and there is no dry run. */
 const MIGRATE_KEYS: ReadonlyArray<keyof MigrateOptions> = [...(RUN_KEYS.filter((k) => k !== 'params' && k !== 'key' && k !== 'dryRun') as Array<keyof MigrateOptions>), 'onMigration', 'onOutcome'];
 const FINALIZE_KEYS: ReadonlyArray<keyof FinalizeOptions> = ['key', 'params', 'timeoutSeconds', 'concurrency', 'signal', 'abortSignal', 'onProgress', 'allowChangedCode', 'throttle', 'health'];
-const FINALIZE_MIGRATION_KEYS: ReadonlyArray<keyof FinalizeMigrationOptions> = [...(FINALIZE_KEYS.filter((k) => k !== 'key' && k !== 'params') as Array<keyof FinalizeMigrationOptions>), 'onOutcome'];
+const FINALIZE_MIGRATION_KEYS: ReadonlyArray<keyof FinalizeMigrationOptions> = [...(FINALIZE_KEYS.filter((k) => k !== 'key' && k !== 'params') as Array<keyof FinalizeMigrationOptions>), 'onMigration', 'onOutcome'];
 
 const ENTRY_POINTS = {
   'Runner.run()': { keys: RUN_KEYS, example: "{ key: 'day-1', params: {…} }" },

@@ -155,6 +155,14 @@ describe('idem migrate', () => {
     expect(fin.code, fin.stderr).toBe(1);
     expect(lines(fin.stdout)).toEqual([expect.stringMatching(/^0001_ok: finalize: had already succeeded; job "p2-ok" already done /)]);
     expect(errors(fin.stderr)).toEqual([expect.stringContaining('run 0002_bad of job "p2-bad" failed in step "a" after 1 try: p2 boom')]);
+    // The same with --json: the outcome found before it, then the failed migration's entry, named
+    // (before 2026-12-04: only an error entry with null runKey and job).
+    const finJson = await cli(['--finalize', '0003_after', '--json']);
+    expect(finJson.code, finJson.stderr).toBe(1);
+    expect(JSON.parse(finJson.stdout)).toEqual([
+      expect.objectContaining({ runKey: '0001_ok', job: 'p2-ok', how: 'already-succeeded' }),
+      expect.objectContaining({ runKey: '0002_bad', job: 'p2-bad', status: 'error', exitCode: 1, code: 'idem.runFailed', error: expect.stringContaining('failed in step "a" after 1 try: p2 boom') }),
+    ]);
 
     // 4. The failed one's file changed: refused with 65; 0001 is still named on stdout.
     await writeFile(path.join(dir, '0002_bad.mjs'), `export default { name: 'p2-bad', steps: [{ name: 'a', async run() {} }] };\n`);
@@ -174,6 +182,14 @@ describe('idem migrate', () => {
     expect(inline.code, inline.stderr).toBe(1);
     expect(lines(inline.stdout)).toEqual([expect.stringMatching(/^0001_ok: finalize: the rest ran here; job "p2-ok" succeeded: /)]);
     expect(errors(inline.stderr)).toEqual([expect.stringContaining('job "p2-bad" failed in step "a" after 1 try: p2 boom')]);
+    // --json on another fresh database: 0001 run here, then 0002's entry.
+    const url3 = await freshDatabase();
+    const inlineJson = await runCli(['--jobs-dir', FIXTURE_JOBS, '--migrations-dir', dir2, '--log-level', 'warn', 'migrate', '--finalize', '0003_after', '--json'], { url: url3 });
+    expect(inlineJson.code, inlineJson.stderr).toBe(1);
+    expect(JSON.parse(inlineJson.stdout)).toEqual([
+      expect.objectContaining({ runKey: '0001_ok', job: 'p2-ok', how: 'ran-inline' }),
+      expect.objectContaining({ runKey: '0002_bad', job: 'p2-bad', status: 'error', exitCode: 1, code: 'idem.runFailed', error: expect.stringContaining('failed in step "a" after 1 try: p2 boom') }),
+    ]);
     expect(await runsOf(url2)).toEqual([
       { run_key: '0001_ok', status: 'succeeded', attempt: 1 },
       { run_key: '0002_bad', status: 'failed', attempt: 1 },

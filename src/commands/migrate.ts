@@ -53,8 +53,12 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
               ...throttleSetting(o),
               signal: signals.stop,
               abortSignal: signals.abort,
+              onMigration: (m) => {
+                current = m;
+              },
               onOutcome: (out) => {
-                soFar.push(out);
+                soFar.push(out); // for the text lines (with how)
+                done.push(out); // for --json's entries before the error's
               },
             }).catch((err: unknown) => {
               sayDone(soFar, describeFinalize);
