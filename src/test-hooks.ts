@@ -7,3 +7,13 @@ export function testHookMs(name: 'IDEM_SERVE_READ_TIMEOUT_MS' | 'IDEM_SERVE_REQU
   const n = Number(process.env[name]);
   return Number.isInteger(n) && n > 0 ? n : undefined;
 }
+
+/**
+ * A size in bytes from the environment that tests set to make one of idem's bounds small enough to
+ * reach quickly (the defaults are tens of MiB): a positive integer, or undefined for the default.
+ * Never documented as a setting.
+ */
+export function testHookBytes(name: 'IDEM_SERVE_REPLAY_CACHE_BYTES'): number | undefined {
+  const n = Number(process.env[name]);
+  return Number.isInteger(n) && n > 0 ? n : undefined;
+}

@@ -3,6 +3,7 @@ import type { Logger } from 'pino';
 import { SESSION_SETUP } from '../database.ts';
 import { errorFields } from '../errors.ts';
 import { answerWithin } from '../sleep.ts';
+import { testHookBytes } from '../test-hooks.ts';
 import type { RunView } from './run-view.ts';
 
 /** The channel the runs table's trigger notifies on (runner migration 0009). */
@@ -15,7 +16,7 @@ const MAX_ENTRIES = 10_000;
  * be as large as --body-limit (64 KiB by default, up to 16 MiB): the count alone would let 10 000
  * of them take 640 MB or more.
  */
-const MAX_BYTES = 64 * 1024 * 1024;
+const MAX_BYTES = testHookBytes('IDEM_SERVE_REPLAY_CACHE_BYTES') ?? 64 * 1024 * 1024;
 /** An answer larger than this is not kept at all (its replays read PostgreSQL, as without the cache). */
 const MAX_ENTRY_BYTES = 1024 * 1024;
 /**
