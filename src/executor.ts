@@ -276,7 +276,10 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
       return;
     }
     nextSeq += page.chunks.length;
-    cursor = page.next;
+    // As it is stored, which is what a resumed run reads back: a Date as its ISO string, an
+    // undefined field gone. Until 2026-12-04 the same process kept the object itself, so a source
+    // that used it as one (cursor.getUTCDate()) broke only when the run resumed.
+    cursor = page.next === null ? null : (JSON.parse(JSON.stringify(page.next)) as Json);
     plannedAll = page.next === null;
     log.debug({ planned: page.chunks.length, exhausted: plannedAll, sizeFactor: throttle.sizeFactor }, 'planned a window');
   };

@@ -455,6 +455,34 @@ describe('a custom source that does not move', () => {
     expect((await runRow(url, 'stuck-source', 'stuck'))?.status).toBe('failed');
   });
 
+  it('the cursor comes back to the source as it is stored (its JSON) in the same run, as on resume', async () => {
+    // Until 2026-12-04 the same process handed back the object itself (a Date), a resumed run its
+    // JSON (a string): a source calling cursor.getUTCDate() worked until the run had to resume.
+    const seen: unknown[] = [];
+    const job = defineJob({
+      name: 'date-cursor',
+      steps: [
+        {
+          name: 'days',
+          chunks: (cursor) => {
+            seen.push(cursor);
+            // What a JavaScript job (no type check) may return: the type says next is Json.
+            if (cursor === null) return { chunks: [{ key: 'a' }], next: new Date(Date.UTC(2026, 0, 4)) as never };
+            if (typeof cursor === 'string') return { chunks: [{ key: `b-${cursor.slice(0, 10)}` }], next: { after: new Date(Date.UTC(2026, 0, 5)), skip: undefined } as never };
+            return { chunks: [], next: null };
+          },
+          run: async ({ db }, chunk) => recordKeys(db, 'date-cursor-', [chunk.key]),
+        },
+      ],
+    });
+    expect((await runner.run(job, { key: 'dates', planWindow: 1 })).status).toBe('succeeded');
+    expect(seen).toEqual([null, '2026-01-04T00:00:00.000Z', { after: '2026-01-05T00:00:00.000Z' }]);
+    expect(await query(url, `select key, n from seen where key like 'date-cursor-%' order by key`)).toEqual([
+      { key: 'date-cursor-a', n: 1 },
+      { key: 'date-cursor-b-2026-01-04', n: 1 },
+    ]);
+  });
+
   it('empty windows whose cursor moves are fine (a sparse scan)', async () => {
     const job = defineJob({
       name: 'sparse-source',
