@@ -944,16 +944,20 @@ export class Runner {
       const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => null);
       if (others !== null && others > 0) {
         const rest = `${others} other ${others === 1 ? 'worker finishes its' : 'workers finish their'} in-flight chunks`;
-        // A resume may have withdrawn the pause since this worker saw it: then the run will not read paused.
+        // A resume may have withdrawn the pause since this worker saw it: then the run will not read
+        // paused. A cancel may have replaced it: then it ends cancelled, and this worker says so
+        // (until 2026-12-04 it said the pause was withdrawn, exit 75, "run the same command again").
         const now = await this.store.getRun(runId).catch(() => null);
-        if (err.what === 'pause' && now !== null && now.attempt === attempt && now.requested !== 'pause') {
+        const current = now !== null && now.attempt === attempt;
+        const what = err.what === 'pause' && current && (now.requested === 'cancel' || now.status === 'cancelled') ? 'cancel' : err.what;
+        if (what === 'pause' && current && now.requested !== 'pause') {
           log.warn({ otherWorkers: others }, "worker stopped for an operator's pause that was withdrawn meanwhile");
           return new PauseWithdrawnError(
             `this worker stopped for an operator's pause that was withdrawn (resumed) meanwhile; the run goes on in its ${others} other ${others === 1 ? 'worker' : 'workers'}, or is interrupted if they stopped too: run the same command again to continue`,
           );
         }
-        log.warn({ requested: err.what, otherWorkers: others }, `worker stopped for an operator's ${err.what}; the run ends once its other workers have`);
-        return err.what === 'pause'
+        log.warn({ requested: what, otherWorkers: others }, `worker stopped for an operator's ${what}; the run ends once its other workers have`);
+        return what === 'pause'
           ? new PausedError(`job "${job.name}" paused by an operator: this worker finished its in-flight chunks and stopped; the run reads paused once ${rest}; then idem resume ${job.name} --key ${runKey} lets it continue`)
           : new CancelledError(`job "${job.name}" cancelled by an operator: this worker finished its in-flight chunks and stopped; the run reads cancelled once ${rest}; finished chunks are kept`);
       }

@@ -326,6 +326,33 @@ describe('a pause withdrawn while the workers were stopping for it', () => {
   });
 });
 
+describe('a pause replaced by a cancel while the workers were stopping for it', () => {
+  it('every worker reports the cancel (exit 1), none says the pause was withdrawn; the run reads cancelled', async () => {
+    // Black-box round 18 (B9-1): a worker that was not the last to stop said "pause withdrawn
+    // (resumed) … run the same command again" and exited 75; nobody had resumed anything.
+    const key = 'pause-then-cancel';
+    const gate = await holdGate(url, key);
+    let workers: CliProcess[] = [];
+    try {
+      workers = Array.from({ length: 2 }, () => join(key, 20, 0, [], key));
+      await waitFor(async () => (await lockWaiters(url)) >= 2, 'both workers to have a chunk in flight at the gate', { timeoutMs: 60_000 });
+      expect((await runCli([...FIXTURE_DIRS, 'pause', 'counted', '--key', key], { url })).code).toBe(0);
+      await waitFor(async () => workers.every((w) => w.stderr().includes('pause requested by an operator')), 'both workers to see the pause', { timeoutMs: 10_000 });
+      const cancelled = await runCli([...FIXTURE_DIRS, 'cancel', 'counted', '--key', key], { url });
+      expect(cancelled.code, cancelled.stderr).toBe(0);
+    } finally {
+      await gate.release();
+    }
+    const results = await Promise.all(workers.map((w) => w.done));
+    expect(results.map((r) => r.code), results.map((r) => r.stderr).join('\n')).toEqual([1, 1]);
+    for (const r of results) {
+      expect(r.stderr).not.toContain('withdrawn');
+      expect(r.stderr).toMatch(/cancelled by an operator/);
+    }
+    expect(await query(url, `select status from idem.runs where run_key = $1`, [key])).toEqual([{ status: 'cancelled' }]);
+  });
+});
+
 describe('every worker stopped at once', () => {
   it('SIGTERM to all workers together (a deploy, a scale-down) records the run interrupted, not left running without a holder', async () => {
     for (let round = 0; round < 3; round++) {
