@@ -218,6 +218,13 @@ export async function requestControl(h: OperationsHost, job: string, what: 'paus
  * paused after it failed (its error kept) is `failed` again, not `interrupted`: idem finalize runs
  * an interrupted run behind a deploy, and a failed one is resumed on purpose only.
  */
+/**
+ * The channel a resume notifies on once it released a paused run to `interrupted` (payload:
+ * `<schema> <run id>`): `idem serve` listens, and takes a run created over HTTP up at once rather
+ * than at its next rescan (every 30 s).
+ */
+export const RUN_RELEASED = 'idem_run_released';
+
 export async function resumeRun(h: OperationsHost, job: string, key?: string): Promise<ControlResult> {
   let run = await targetRun(h, job, key, ['paused'], 'resume', true);
   for (let tries = 1; ; tries++) {
@@ -239,6 +246,9 @@ export async function resumeRun(h: OperationsHost, job: string, key?: string): P
       set status = case when status <> 'paused' then status when error is not null then 'failed' else 'interrupted' end, requested = null, updated_at = now()
       where id = ${run.id} and status = ${run.status} and attempt = ${run.attempt} and requested is not distinct from ${run.requested}
       returning status`.execute(h.db);
+    // Released: a server executing runs created over HTTP hears it and takes the run up at once
+    // (until 2026-12-04 at its next rescan). Best effort: the rescan still finds it.
+    if (rows[0]?.status === 'interrupted') await sql`select pg_notify(${RUN_RELEASED}, ${`${h.schema} ${run.id}`})`.execute(h.db).catch(() => {});
     // A run with a pause pending whose worker died (crashed) is no live run: nobody goes on with it now.
     // (The resume took effect: a failed read of the locks only changes what is said, never the outcome.)
     if (rows[0]) return { job, runKey: run.run_key, status: rows[0].status, live: run.status === 'running' && (await isLive(h, run).catch(() => true)), requested: null };

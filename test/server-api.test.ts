@@ -400,6 +400,25 @@ describe('operator actions', () => {
     expectProblem(await api(server.base, 'POST', `/api/runs/${id}/cancel`, { token: null }), 401, 'idem.unauthorized');
   });
 
+  it('idem resume from the CLI continues a paused run created over HTTP in the server at once, not at its next rescan', async () => {
+    // Black-box round 18 (B9-2): the README said "at once"; the server took it up at its rescan,
+    // every 30 s (this server has the default interval).
+    const created = await post('k-cli-resume', SLOW);
+    expect(created.status).toBe(201);
+    const id = created.body.id;
+    await waitFor(async () => (await chunksDone('k-cli-resume')) >= 1, 'the first chunk');
+    expect((await api(server.base, 'POST', `/api/runs/${id}/pause`)).status).toBe(200);
+    expect((await api(server.base, 'GET', `/api/runs/${id}?wait=30`)).body.state).toBe('paused');
+    const resumed = await runCli(['--jobs-dir', FIXTURE_JOBS, 'resume', 'counted', '--key', 'k-cli-resume'], { url });
+    expect(resumed.code, resumed.stderr).toBe(0);
+    const at = performance.now();
+    await waitFor(async () => ((await runRow(url, 'counted', 'k-cli-resume'))?.attempt === 2 ? true : undefined), 'the server to take the run up again', { timeoutMs: 5_000, intervalMs: 50 });
+    expect(performance.now() - at).toBeLessThan(5_000);
+    const done = await api(server.base, 'GET', `/api/runs/${id}?wait=30`);
+    expect(done.body).toMatchObject({ state: 'succeeded', progress: { done: 32 } });
+    expect([...(await workCounts(url, 'k-cli-resume')).values()]).toEqual(Array.from({ length: 30 }, () => 1));
+  });
+
   it('a resume while the server is honouring a pause is not lost: the run continues in the server, chunks once', async () => {
     // Ordered by a gate: the run has seen the pause (it logs so) while chunk 1 is held in flight;
     // the resume withdraws the request; only then may the chunk commit and the attempt end.

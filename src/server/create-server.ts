@@ -115,7 +115,8 @@ export function createServer(opts: ServerOptions): IdemServer {
   const runner = opts.runner;
   const views = new RunViews(runner.db, opts.reads, runner.schema, runner, jobs);
   // The read pool's connection settings: the same database, a session of its own.
-  const replays = new ReplayCache(opts.reads.options as pg.ClientConfig, runner.schema, log);
+  // Its listening session also hears `idem resume` release a run: then the rescan runs at once.
+  const replays = new ReplayCache(opts.reads.options as pg.ClientConfig, runner.schema, log, () => void rescan());
   // On the read pool, as the API's reads: bounded by its query timeout, never queued behind runs.
   const metrics = new ServerMetrics(() => views.countByState(), () => ({ runs: replays.size, bytes: replays.bytes }), new Set(jobs.keys()));
   const executor = new RunExecutor({
@@ -137,6 +138,30 @@ export function createServer(opts: ServerOptions): IdemServer {
       );
     },
   });
+  // The rescan for unfinished runs nobody executes: one at a time (two at once would both read a
+  // run as nobody's and queue it twice); one asked for meanwhile runs once this one is done.
+  let rescanning: Promise<void> | undefined;
+  let rescanAgain = false;
+  const rescan = (): Promise<void> => {
+    if (rescanning) {
+      rescanAgain = true;
+      return rescanning;
+    }
+    rescanning = executor
+      .resumeUnfinished()
+      .then(
+        (n) => void (n > 0 && log.info({ runs: n }, 'resuming unfinished runs')),
+        (err: unknown) => log.warn({ err: errorFields(err) }, 'rescan for unfinished runs failed; the next one tries again'),
+      )
+      .finally(() => {
+        rescanning = undefined;
+        if (rescanAgain && !closing.signal.aborted) {
+          rescanAgain = false;
+          void rescan();
+        }
+      });
+    return rescanning;
+  };
   const closing = new AbortController();
   const mask = secretMask((opts.secrets ?? []).flatMap((s) => [s, esc(s)]));
   /** An answer masked: a JSON one by its values (never its field names or codes), others as text. */
@@ -407,14 +432,9 @@ export function createServer(opts: ServerOptions): IdemServer {
       replays.start();
       const resumed = await executor.resumeUnfinished();
       if (resumed > 0) log.info({ runs: resumed }, 'resuming unfinished runs');
-      // Later too: a run another server left behind when it crashed, or one `idem resume` released,
-      // is picked up within a rescan interval.
-      rescanTimer = setInterval(() => {
-        executor.resumeUnfinished().then(
-          (n) => n > 0 && log.info({ runs: n }, 'resuming unfinished runs'),
-          (err: unknown) => log.warn({ err: errorFields(err) }, 'rescan for unfinished runs failed; the next one tries again'),
-        );
-      }, opts.rescanMs ?? DEFAULT_RESCAN_MS);
+      // Later too: a run another server left behind when it crashed is picked up within a rescan
+      // interval; one `idem resume` released, at once (the replays' session hears it).
+      rescanTimer = setInterval(() => void rescan(), opts.rescanMs ?? DEFAULT_RESCAN_MS);
       rescanTimer.unref();
       if (opts.retentionMs) {
         void prune();

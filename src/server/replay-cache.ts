@@ -3,11 +3,13 @@ import type { Logger } from 'pino';
 import { SESSION_SETUP } from '../database.ts';
 import { errorFields } from '../errors.ts';
 import { answerWithin } from '../sleep.ts';
+import { RUN_RELEASED } from '../operations.ts';
 import { testHookBytes } from '../test-hooks.ts';
 import type { RunView } from './run-view.ts';
 
 /** The channel the runs table's trigger notifies on (runner migration 0009). */
 export const SUCCEEDED_RUN_CHANGED = 'idem_succeeded_run_changed';
+
 
 /** Most runs kept; the oldest entry goes first. */
 const MAX_ENTRIES = 10_000;
@@ -77,10 +79,14 @@ export class ReplayCache {
   #reconnectMs = RECONNECT_MIN_MS;
   #timer: NodeJS.Timeout | undefined;
 
-  constructor(connection: pg.ClientConfig, schema: string, log: Logger) {
+  /** Told when `idem resume` released a run of this schema (RUN_RELEASED), on the same session. */
+  readonly #onReleased: () => void;
+
+  constructor(connection: pg.ClientConfig, schema: string, log: Logger, onReleased: () => void = () => {}) {
     this.#connection = connection;
     this.#schema = schema;
     this.#log = log;
+    this.#onReleased = onReleased;
   }
 
   /** Bumped by every notification and every change of the listening session: see `offer`. */
@@ -171,9 +177,11 @@ export class ReplayCache {
     client.on('error', lost);
     client.on('end', () => lost());
     client.on('notification', (n) => {
-      if (n.channel !== SUCCEEDED_RUN_CHANGED || !n.payload) return;
+      if (!n.payload) return;
       const at = n.payload.lastIndexOf(' ');
       if (n.payload.slice(0, at) !== this.#schema) return;
+      if (n.channel === RUN_RELEASED) return this.#onReleased();
+      if (n.channel !== SUCCEEDED_RUN_CHANGED) return;
       const id = n.payload.slice(at + 1);
       this.#generation++;
       if (id === '*') return this.#forgetAll();
@@ -183,7 +191,7 @@ export class ReplayCache {
     });
     client
       .connect()
-      .then(() => client.query(`${SESSION_SETUP}; listen ${SUCCEEDED_RUN_CHANGED}`))
+      .then(() => client.query(`${SESSION_SETUP}; listen ${SUCCEEDED_RUN_CHANGED}; listen ${RUN_RELEASED}`))
       .then(
         () => {
           if (this.#client !== client) return;
