@@ -433,12 +433,24 @@ describe("a worker's last-pass claim, waiting for a chunk another worker holds",
     // Review of stop 34 (2): a statement_timeout (or lock_timeout) shorter than another worker's
     // chunk cancelled the waiting claim, and its 57014 failed the whole run in step "(runner)".
     const key = 'wait-claim-timeout';
-    const holder = join(key, 1, 4_000);
-    await waitFor(async () => ((await query(url, `select 1 from pg_stat_activity where application_name like 'idem %:' || $1 and query like '%pg_sleep%' and state = 'active'`, [String(holder.pid)])).length > 0 ? true : undefined), 'the chunk in its pg_sleep');
-    const timed = `${url}${url.includes('?') ? '&' : '?'}options=${encodeURIComponent('-c statement_timeout=700')}`;
-    const waiter = spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params(1, 4_000), '--key', key, '--join'], { url: timed, timeoutMs: 60_000 });
-    await waitFor(() => claimWaiting(waiter), 'the joiner waiting to claim the held chunk');
-    const [held, waited] = await Promise.all([holder.done, waiter.done]);
+    // The holder's chunk is held at a gate (not a fixed sleep) until the joiner has waited past its
+    // statement_timeout a few times: on a loaded machine the joiner took longer to start than a
+    // 4 s chunk lasted, and never waited at all.
+    const gate = await holdGate(url, key);
+    let holder: CliProcess | undefined;
+    let waiter: CliProcess | undefined;
+    try {
+      holder = join(key, 1, 0, [], key);
+      await waitFor(async () => ((await lockWaiters(url)) >= 1 ? true : undefined), 'the chunk held at the gate', { timeoutMs: 60_000 });
+      const timed = `${url}${url.includes('?') ? '&' : '?'}options=${encodeURIComponent('-c statement_timeout=700')}`;
+      waiter = spawnCli([...FIXTURE_DIRS, 'run', 'counted', '--params', params(1, 0, key), '--key', key, '--join'], { url: timed, timeoutMs: 60_000 });
+      const w = waiter;
+      await waitFor(() => claimWaiting(w), 'the joiner waiting to claim the held chunk', { timeoutMs: 60_000 });
+      await new Promise((r) => setTimeout(r, 2_500));
+    } finally {
+      await gate.release();
+    }
+    const [held, waited] = await Promise.all([holder!.done, waiter!.done]);
     expect(held.code, held.stderr).toBe(0);
     expect(waited.code, waited.stderr).toBe(0);
     expect(waited.stderr).not.toContain('(runner)');
