@@ -1,3 +1,4 @@
+import { createHash } from 'node:crypto';
 import { open, stat } from 'node:fs/promises';
 import path from 'node:path';
 import type { ChunkSource, ChunkSpec, Json } from './job.ts';
@@ -90,11 +91,20 @@ export function keyList<P = any>(opts: KeyListOptions<P>): ChunkSource<ParamsOfL
   const source: ChunkSource<ParamsOfList<P>, any, KeyListChunk> = async (cursor, ctx) => {
     const file = fileOf(ctx.params);
     const format = opts.format ?? (file.toLowerCase().endsWith('.csv') ? 'csv' : 'lines');
-    const at = cursor === null ? null : (cursor as { offset: number; index: number; column: number });
+    const at = cursor === null ? null : (cursor as { offset: number; index: number; column: number; before?: string });
     const size = chunkSize(ctx.sizeFactor);
     const want = Math.max(1, ctx.windowSize) * size;
     const reader = await LineReader.open(file, at?.offset ?? 0);
     try {
+      // The bytes before the cursor are what the plan so far was read from: changed (lines put in
+      // or taken out before it), the offset no longer falls after the same line, and reading on
+      // from it would cut keys from the middle of lines. (A cursor from before 2026-12-04 has no
+      // digest: not checked.)
+      if (at?.before !== undefined && (await reader.digestBefore(at.offset)) !== at.before) {
+        throw new TypeError(
+          `keyList(): ${file} changed before byte ${at.offset}, where the run's plan goes on reading it; the file must not change while its run is unfinished (appending is safe): restore it to go on, or run the new file under a new key`,
+        );
+      }
       let column = at?.column ?? (typeof opts.column === 'number' ? opts.column : 0);
       if (at === null && format === 'csv' && (opts.header ?? true)) {
         const header = await reader.next();
@@ -120,7 +130,7 @@ export function keyList<P = any>(opts: KeyListOptions<P>): ChunkSource<ParamsOfL
       }
       const index = at?.index ?? 0;
       const more = keys.length === want && (await reader.next()) !== null;
-      return { chunks: cut(keys, index, size), next: more ? { offset, index: index + keys.length, column } : null };
+      return { chunks: cut(keys, index, size), next: more ? { offset, index: index + keys.length, column, before: await reader.digestBefore(offset) } : null };
     } finally {
       await reader.close();
     }
@@ -141,6 +151,9 @@ export function keyList<P = any>(opts: KeyListOptions<P>): ChunkSource<ParamsOfL
   };
   return source;
 }
+
+/** Bytes before a file cursor whose digest the cursor keeps (keyList's `before`). */
+const DIGEST_BYTES = 256;
 
 /** Reads a file line by line from a byte offset, a block at a time, knowing the offset after each line. */
 class LineReader {
@@ -173,6 +186,17 @@ class LineReader {
       throw refuse('it is a directory, not a file of keys');
     }
     return new LineReader(handle, offset);
+  }
+
+  /**
+   * A digest of the (up to) 256 bytes before `offset`: a resume checks that the file still has the
+   * same bytes there, so the offset still falls just after the line it was taken after.
+   */
+  async digestBefore(offset: number): Promise<string> {
+    const from = Math.max(0, offset - DIGEST_BYTES);
+    const buffer = Buffer.alloc(offset - from);
+    const { bytesRead } = await this.#handle.read(buffer, 0, buffer.length, from);
+    return createHash('sha256').update(buffer.subarray(0, bytesRead)).update(String(offset - from)).digest('base64url').slice(0, 22);
   }
 
   /** The next line without its line break (\n or \r\n), or null at the end of the file. */

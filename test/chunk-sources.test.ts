@@ -82,6 +82,38 @@ describe('keyList', () => {
     expect(est.estimated_chunks).toBeLessThan(60);
   });
 
+  it('a file changed before its cursor between attempts is refused on resume (not read from mid-line); restored, the run completes, every key once', async () => {
+    // Black-box round 18 (B8-9): lines prepended to the file shifted it under the stored byte
+    // offset; the resumed run read from the middle of a line, ran a chunk with the key "1058" (cut
+    // from "id1058"), and ran id1058 again.
+    const file = path.join(dir, 'changing.txt');
+    const original = Array.from({ length: 100 }, (_, i) => `id${1000 + i}\n`).join('');
+    await writeFile(file, original);
+    const job = defineJob<{ file: string }>({
+      name: 'by-changing-file',
+      params: (raw) => raw as { file: string },
+      steps: [{ name: 'each', chunks: keyList<{ file: string }>({ file: (p) => p.file, size: 10 }), run: ({ db }, c: KeyListChunk) => recordKeys(db, 'chg:', c.keys) }],
+    });
+    const stop = new AbortController();
+    const first = await runner
+      .run(job, { key: 'chg', params: { file }, planWindow: 2, signal: stop.signal, onProgress: (p) => p.done >= 3 && stop.abort(new InterruptedError('SIGINT')) })
+      .catch((e: unknown) => e);
+    expect(first).toBeInstanceOf(InterruptedError);
+    await writeFile(file, `X1\nX22\nX333\n${original}`);
+    const refused = await runner.run(job, { key: 'chg', params: { file } }).catch((e: unknown) => e);
+    expect(String(refused)).toMatch(/keyList\(\): .*changing\.txt changed before byte \d+, where the run's plan goes on reading it/);
+    expect(String(refused)).toMatch(/must not change while its run is unfinished \(appending is safe\)/);
+    // Nothing read from the changed file ran (the chunks planned before it changed did: their keys
+    // were read from the file as it was), and none twice.
+    expect(await query(url, `select key from seen where key like 'chg:%' and (key !~ '^chg:id1[0-9]{3}$' or n <> 1)`)).toEqual([]);
+    expect((await runRow(url, 'by-changing-file', 'chg'))?.status).toBe('failed');
+    // Restored (an append is fine): the run goes on from where it was, every key once.
+    await writeFile(file, `${original}id9999\n`);
+    const out = await runner.run(job, { key: 'chg', params: { file } });
+    expect(out.status).toBe('succeeded');
+    expect(await query(url, `select count(*)::int as keys, max(n) as most from seen where key like 'chg:id1%'`)).toEqual([{ keys: 100, most: 1 }]);
+  });
+
   it('a lines file starting with a UTF-8 byte order mark: the mark is not part of the first key', async () => {
     const file = path.join(dir, 'bom.txt');
     await writeFile(file, '\uFEFFa1\na2\n');
