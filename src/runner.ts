@@ -157,7 +157,9 @@ export interface RunnerOptions {
   /**
    * Most connections the work pool opens (the lock takes one more). A run needs its concurrency
    * plus 2 (planning ahead, effects and control polls beside the chunks' transactions); a run that
-   * asks for more concurrency than that is refused rather than left to deadlock. Defaults to `10`.
+   * asks for more concurrency than that is refused rather than left to deadlock. Runs in flight at
+   * once share the pool: their concurrencies added up, plus the 2, must fit, or the run that does
+   * not fit beside the others is refused at once (idem.poolTooSmall, exit 2). Defaults to `10`.
    */
   readonly poolSize?: number;
   /**
@@ -346,6 +348,8 @@ export class Runner {
   readonly #closing = new AbortController();
   /** Runs in flight (run, migrate), settled or not: close() waits for them. */
   readonly #inFlight = new Set<Promise<void>>();
+  /** The slots (concurrency) each run in flight (run, migrate) holds in the work pool; see #reservePool. */
+  readonly #reserved = new Map<symbol, { readonly what: string; readonly slots: number }>();
   readonly #connectionString: string;
   #schemaExists = true;
   /** Where the connection string came from, as a connection error's fix names it. */
@@ -476,7 +480,8 @@ export class Runner {
     return this.#inFlightRun(opts, (signals) => this.#run(job, { ...opts, ...signals }));
   }
 
-  async #run(job: Job, opts: RunJobOptions): Promise<RunOutcome> {
+  /** `reserved`: the run holds its share of the pool already (a --wait that starts over, below). */
+  async #run(job: Job, opts: RunJobOptions, reserved = false): Promise<RunOutcome> {
     this.#checkConcurrency(opts.concurrency);
     if (opts.key !== undefined) checkRunKey(opts.key, 'key');
     let params: Json;
@@ -492,7 +497,16 @@ export class Runner {
     }
     const runKey = opts.key ?? fp;
     if (opts.dryRun) return this.#dryRun(job, runKey, fp, opts.allowChangedCode ?? false, opts.params, opts.join ?? false);
+    // Before anything is written: a run refused here leaves no row.
+    const release = reserved ? () => {} : this.#reservePool(opts.concurrency, `job "${job.name}" run ${shortKey(runKey)}`);
+    try {
+      return await this.#claimAndRun(job, runKey, params, fp, opts);
+    } finally {
+      release();
+    }
+  }
 
+  async #claimAndRun(job: Job, runKey: string, params: Json, fp: string, opts: RunJobOptions): Promise<RunOutcome> {
     // A run a prune marked deleting and did not get to delete whole (killed between its batches)
     // is deleted here first, so that its key runs afresh, as it would have after that prune.
     for (let tries = 1; ; tries++) {
@@ -521,7 +535,7 @@ export class Runner {
       if (waitLeft === false) throw err;
       // --wait waited for the live run to end: what it left is looked at afresh, within what is
       // left of the wait.
-      return this.#run(job, { ...opts, wait: waitLeft });
+      return this.#run(job, { ...opts, wait: waitLeft }, true);
     }
     // Bookkeeping like the store's: idempotent, so a killed work session is retried, not fatal.
     await retrying(() => adoptCodeFingerprint(this.db, this.schema, run, job));
@@ -607,6 +621,15 @@ export class Runner {
 
   async #migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: MigrateOptions): Promise<RunOutcome[]> {
     this.#checkConcurrency(opts.concurrency);
+    const release = this.#reservePool(opts.concurrency, 'Runner.migrate()');
+    try {
+      return await this.#migrateReserved(migrations, opts);
+    } finally {
+      release();
+    }
+  }
+
+  async #migrateReserved(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: MigrateOptions): Promise<RunOutcome[]> {
     const outcomes: RunOutcome[] = [];
     const record = (outcome: RunOutcome) => {
       outcomes.push(outcome);
@@ -714,6 +737,31 @@ export class Runner {
         `concurrency ${concurrency} needs a pool of at least ${concurrency + POOL_HEADROOM} connections, but poolSize is ${this.#poolSize}; raise poolSize or lower concurrency`,
       );
     }
+  }
+
+  /**
+   * Reserves a run's slots (its concurrency) in the work pool among the runs in flight in this
+   * Runner, or refuses the run (idem.poolTooSmall, exit 2) when they do not fit beside theirs and
+   * the POOL_HEADROOM connections the runs share for planning, effects and control polls (short
+   * statements, never waiting on a chunk's row: they queue for those and always get one, as a
+   * single run's slots do). Until 2026-12-04 each run was checked alone: runs started together
+   * (Promise.all) whose slots took the whole pool stalled for 50-100 s, and one of them then ended
+   * exit 69, "the run is interrupted". Returns what gives the slots back.
+   */
+  #reservePool(concurrency = 1, what: string): () => void {
+    const held = [...this.#reserved.values()];
+    const inUse = held.reduce((sum, r) => sum + r.slots, 0);
+    if (held.length > 0 && inUse + concurrency + POOL_HEADROOM > this.#poolSize) {
+      const shown = held.slice(0, 5).map((r) => `${r.what}: ${r.slots}`);
+      if (held.length > 5) shown.push(`${held.length - 5} more`);
+      throw new UsageError(
+        'poolTooSmall',
+        `concurrency ${concurrency} does not fit in the pool beside the runs in flight in this Runner: their chunks hold ${inUse} of poolSize ${this.#poolSize} (${shown.join(', ')}) and ${POOL_HEADROOM} are kept for planning, effects and control polls; raise poolSize to at least ${inUse + concurrency + POOL_HEADROOM}, or start fewer runs at once`,
+      );
+    }
+    const id = Symbol(what);
+    this.#reserved.set(id, { what, slots: concurrency });
+    return () => this.#reserved.delete(id);
   }
 
   #ops(): OperationsHost {
@@ -1397,6 +1445,11 @@ function checkFingerprint(job: string, runKey: string, run: RunRow, fp: string):
 /** The outcome of a run found succeeded (finalizeMigration's too). */
 export function alreadyDone(run: RunRow): RunOutcome {
   return { status: 'already-succeeded', job: run.job, runKey: run.run_key, runId: run.id, attempt: run.attempt, summary: run.summary, executed: 0 };
+}
+
+/** A run key as the pool's refusal lists it: a params fingerprint (or any long key) cut to its first 19 characters. */
+function shortKey(runKey: string): string {
+  return keyLabel(runKey.length > 40 ? `${runKey.slice(0, 19)}…` : runKey);
 }
 
 /** The run row's holder while it is among the live workers, else the first live worker (none: the row's). */

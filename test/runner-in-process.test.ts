@@ -1,0 +1,95 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { defineJob, exitCodeOf, Runner, sql, UsageError, type Job } from '../src/index.ts';
+import { killLeftovers, query } from './support/cli.ts';
+import { useTestDatabase } from './support/database.ts';
+
+/**
+ * Runs started in one process, through the library, as an app embedding idem does (several runs of
+ * one Runner at once, several Runners on one run, the caller's callbacks). Found by a black-box
+ * tester using idem as a library (B8).
+ */
+const testDb = useTestDatabase({ idemSchema: true });
+let url: string;
+beforeAll(() => {
+  ({ url } = testDb);
+});
+afterAll(killLeftovers);
+
+/** A job of `chunks` chunks, each `select pg_sleep(seconds)`, from a source of the caller's. */
+function sleepyJob(name: string, chunks: number, seconds: number): Job {
+  return defineJob({
+    name,
+    steps: [
+      {
+        name: 'sleep',
+        chunks: () => ({ chunks: Array.from({ length: chunks }, (_, i) => ({ key: `c${i + 1}` })), next: null }),
+        async run(ctx) {
+          await sql`select pg_sleep(${seconds})`.execute(ctx.db);
+        },
+      },
+    ],
+  });
+}
+
+async function runsOf(job: string): Promise<Array<{ status: string; chunks: number }>> {
+  return query(url, `select r.status, (select count(*)::int from idem.chunks c where c.run_id = r.id and c.done_at is not null) as chunks from idem.runs r where r.job = $1`, [job]);
+}
+
+describe('runs in flight in one Runner share its pool (B8 A1)', () => {
+  /** The refusal of a run at `concurrency` beside runs holding `held` ([label, slots]) of poolSize 10. */
+  const refusal = (concurrency: number, held: Array<[string, number]>) => {
+    const inUse = held.reduce((n, [, s]) => n + s, 0);
+    return `concurrency ${concurrency} does not fit in the pool beside the runs in flight in this Runner: their chunks hold ${inUse} of poolSize 10 (${held.map(([w, s]) => `${w}: ${s}`).join(', ')}) and 2 are kept for planning, effects and control polls; raise poolSize to at least ${inUse + concurrency + 2}, or start fewer runs at once`;
+  };
+
+  it('a run whose slots do not fit beside those of the runs in flight is refused at once (exit 2), nothing written; the others run unhindered', async () => {
+    const runner = await Runner.connect({ connectionString: url, poolSize: 10 });
+    try {
+      const jobs = [1, 2, 3, 4].map((i) => sleepyJob(`pool-share-${i}`, 24, 0.2));
+      const started = performance.now();
+      const results = await Promise.allSettled(jobs.map((job) => runner.run(job, { key: 'k', concurrency: 4 })));
+      const seconds = (performance.now() - started) / 1000;
+      // Each run passes the check of one run alone (4 + 2 <= 10); two fit together (4 + 4 + 2), not three.
+      const ran = jobs.filter((_, i) => results[i]!.status === 'fulfilled').map((j) => j.name);
+      const refused = results.flatMap((r) => (r.status === 'rejected' ? [r.reason as Error] : []));
+      expect(ran).toHaveLength(2);
+      expect(refused).toHaveLength(2);
+      for (const err of refused) {
+        expect(err).toBeInstanceOf(UsageError);
+        expect((err as UsageError).code).toBe('idem.poolTooSmall');
+        expect(exitCodeOf(err)).toBe(2);
+        expect(err.message).toBe(refusal(4, ran.map((name) => [`job "${name}" run k`, 4])));
+      }
+      // 24 chunks of 0.2 s on 4 slots: about 1.2 s of work. It took 50-100 s when the runs shared the pool unchecked.
+      expect(seconds).toBeLessThan(15);
+      for (const job of jobs) expect(await runsOf(job.name)).toEqual(ran.includes(job.name) ? [{ status: 'succeeded', chunks: 24 }] : []);
+      // Once they are done, their connections are free again: the others run, together.
+      const rest = jobs.filter((j) => !ran.includes(j.name));
+      const outcomes = await Promise.all(rest.map((job) => runner.run(job, { key: 'k', concurrency: 4 })));
+      expect(outcomes.map((o) => [o.status, o.executed])).toEqual([['succeeded', 24], ['succeeded', 24]]);
+    } finally {
+      await runner.close();
+    }
+  });
+
+  it('a run that fits in what is left runs beside the others; a refused one (and a dry run) reserves nothing', async () => {
+    const runner = await Runner.connect({ connectionString: url, poolSize: 10 });
+    try {
+      const [a, b, c] = ['pool-fit-a', 'pool-fit-b', 'pool-fit-c'].map((n) => sleepyJob(n, 8, 0.3));
+      const both = Promise.all([runner.run(a!, { key: 'a', concurrency: 3 }), runner.run(b!, { key: 'b', concurrency: 3 })]);
+      await new Promise((resolve) => setTimeout(resolve, 100));
+      // 3 + 3 of 10 are held and 2 kept: concurrency 3 does not fit, 2 does; a dry run holds none.
+      const third = await runner.run(c!, { key: 'c', concurrency: 3 }).catch((e: Error) => e);
+      expect(third).toBeInstanceOf(UsageError);
+      expect((third as Error).message).toBe(refusal(3, [['job "pool-fit-a" run a', 3], ['job "pool-fit-b" run b', 3]]));
+      expect(await runsOf('pool-fit-c')).toEqual([]);
+      expect(await runner.run(c!, { key: 'c', concurrency: 3, dryRun: true })).toMatchObject({ status: 'dry-run' });
+      expect(await runner.run(c!, { key: 'c', concurrency: 2 })).toMatchObject({ status: 'succeeded', executed: 8 });
+      expect((await both).map((o) => o.status)).toEqual(['succeeded', 'succeeded']);
+      // Alone, a run may take every connection but the 2 kept.
+      expect(await runner.run(c!, { key: 'c8', concurrency: 8 })).toMatchObject({ status: 'succeeded', executed: 8 });
+    } finally {
+      await runner.close();
+    }
+  });
+});
