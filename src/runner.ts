@@ -419,7 +419,9 @@ export class Runner {
    * the pool closes. A run() after close() is refused.
    */
   async close(): Promise<void> {
-    this.#closing.abort(new InterruptedError('SIGTERM', 'stopped by Runner.close(): chunks in flight finished, no new chunk started; finished chunks are kept, run it again to resume'));
+    this.#closing.abort(
+      new InterruptedError('SIGTERM', 'stopped by Runner.close(): chunks in flight finished, no new chunk started; finished chunks are kept, run it again to resume', { stoppedBy: 'Runner.close()' }),
+    );
     await Promise.all(this.#inFlight);
     await this.#database.close();
   }
@@ -1023,6 +1025,14 @@ export class Runner {
       // Decided under the entry gate: workers stopped together (a deploy) leave one after the
       // other, so the last of them records the run interrupted instead of each counting the others.
       const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => null);
+      if (others !== null && others > 0 && err.stoppedBy !== undefined) {
+        // Stopped by this process's own code (Runner.close(), its AbortSignal), not a signal every
+        // worker of a deploy gets: this worker alone leaves, and the others go on with the run.
+        // Until 2026-12-04 it said "stopped on SIGTERM" and that the run would be interrupted.
+        const rest = `the run goes on in its ${others} other ${others === 1 ? 'worker' : 'workers'}, and ends as they end it`;
+        log.warn({ stoppedBy: err.stoppedBy, otherWorkers: others }, `worker stopped by ${err.stoppedBy}; ${rest}`);
+        return new InterruptedError(err.signal, `this worker stopped by ${err.stoppedBy} (its in-flight chunks finished); ${rest}: idem status ${job.name} --key ${runKey} shows them`, { stoppedBy: err.stoppedBy });
+      }
       if (others !== null && others > 0) {
         // Said as what was true when it left: the others may be stopping too (every worker of a
         // deploy gets SIGTERM at once), and the last of them records the run interrupted.
@@ -1033,6 +1043,7 @@ export class Runner {
           `this worker stopped on ${err.signal} (its in-flight chunks finished, or rolled back on a second signal); ${were} as it left (the last of them to stop records the run interrupted): idem status ${job.name} --key ${runKey} shows them`,
         );
       }
+      const by = err.stoppedBy ?? err.signal;
       // An operator's pause or cancel that came too late for this attempt to act on is honoured
       // by how it ended (Store: #endAttempt): say so instead of "rerun to resume".
       const after = await (others === null ? this.store.endInterrupted(runId, attempt) : this.store.getRun(runId)).catch(() => null);
@@ -1042,15 +1053,15 @@ export class Runner {
         return new InterruptedError(
           err.signal,
           ended === 'paused'
-            ? `interrupted by ${err.signal}; an operator's pause was pending, so the run is paused: idem resume ${job.name} --key ${runKey} lets it continue`
-            : `interrupted by ${err.signal}; an operator's cancel was pending, so the run is cancelled: finished chunks are kept; idem reset ${job.name} --key ${runKey} forgets the run`,
+            ? `interrupted by ${by}; an operator's pause was pending, so the run is paused: idem resume ${job.name} --key ${runKey} lets it continue`
+            : `interrupted by ${by}; an operator's cancel was pending, so the run is cancelled: finished chunks are kept; idem reset ${job.name} --key ${runKey} forgets the run`,
         );
       }
       // Ending is a compare-and-set on the running attempt: a run the other workers ended meanwhile
       // (succeeded, failed) kept that state, and "rerun to resume" would be wrong.
       if (ended !== null && ended !== 'interrupted' && ended !== 'running') {
         log.warn({ signal: err.signal, status: ended }, `worker stopped; the run had already ended ${ended} in the other workers`);
-        return new InterruptedError(err.signal, `interrupted by ${err.signal}; the run had already ended ${ended} in the other workers sharing it: idem status ${job.name} --key ${runKey} shows it`);
+        return new InterruptedError(err.signal, `interrupted by ${by}; the run had already ended ${ended} in the other workers sharing it: idem status ${job.name} --key ${runKey} shows it`);
       }
       log.warn({ signal: err.signal }, 'run interrupted; rerun to resume');
       return err;
@@ -1389,7 +1400,7 @@ function interruption(reason: unknown): IdemError {
   if (reason instanceof IdemError) return reason;
   if (typeof reason === 'string' && (STOP_SIGNALS as readonly string[]).includes(reason)) return new InterruptedError(reason as StopSignal);
   const why = reason instanceof Error ? reason.message : String(reason);
-  return new InterruptedError('SIGTERM', `stopped by the caller's AbortSignal (${why}); finished chunks are kept, run it again to resume`);
+  return new InterruptedError('SIGTERM', `stopped by the caller's AbortSignal (${why}); finished chunks are kept, run it again to resume`, { stoppedBy: "the caller's AbortSignal" });
 }
 
 /** Why a live attempt stops at an operator's request. */

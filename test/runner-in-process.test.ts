@@ -1,5 +1,5 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { defineJob, exitCodeOf, Runner, sql, UsageError, type Job } from '../src/index.ts';
+import { defineJob, exitCodeOf, InterruptedError, Runner, sql, UsageError, type Job } from '../src/index.ts';
 import { killLeftovers, query } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
@@ -90,6 +90,36 @@ describe('runs in flight in one Runner share its pool (B8 A1)', () => {
       expect(await runner.run(c!, { key: 'c8', concurrency: 8 })).toMatchObject({ status: 'succeeded', executed: 8 });
     } finally {
       await runner.close();
+    }
+  });
+});
+
+describe('Runner.close() of one worker of a joined run (B8 A2)', () => {
+  it('says it stopped by Runner.close() (not on SIGTERM) and that the others go on with the run, which they finish', async () => {
+    const job = sleepyJob('join-close', 60, 0.2);
+    const [r1, r2, r3] = (await Promise.all([1, 2, 3].map(() => Runner.connect({ connectionString: url })))) as [Runner, Runner, Runner];
+    try {
+      const first = r1.run(job, { key: 'j', join: true, concurrency: 2 });
+      // The others join once the first has started the attempt.
+      for (let i = 0; i < 100 && (await query(url, `select 1 from idem.runs where job = 'join-close' and status = 'running'`)).length === 0; i++) await new Promise((resolve) => setTimeout(resolve, 50));
+      const third = r3.run(job, { key: 'j', join: true, concurrency: 2 });
+      // Awaited below; handled here too, so a failed expectation does not leave them unhandled as finally closes them.
+      for (const p of [first, third]) p.catch(() => {});
+      // r2 is closed once it has committed a chunk: mid-run, with the others on it.
+      let closed: Promise<void> | undefined;
+      const second = r2.run(job, { key: 'j', join: true, concurrency: 2, onProgress: (p) => void (p.executedNow >= 1 && (closed ??= r2.close())) }).catch((e: unknown) => e);
+      const err = (await second) as InterruptedError;
+      await closed;
+      expect(err).toBeInstanceOf(InterruptedError);
+      expect(exitCodeOf(err)).toBe(143);
+      expect(err.message).toBe(
+        'this worker stopped by Runner.close() (its in-flight chunks finished); the run goes on in its 2 other workers, and ends as they end it: idem status join-close --key j shows them',
+      );
+      const outcomes = await Promise.all([first, third]);
+      expect(outcomes.map((o) => o.status)).toEqual(['succeeded', 'succeeded']);
+      expect(await runsOf('join-close')).toEqual([{ status: 'succeeded', chunks: 60 }]);
+    } finally {
+      await Promise.all([r1.close(), r2.close(), r3.close()]);
     }
   });
 });
