@@ -621,7 +621,12 @@ export class Runner {
     return this.#inFlightRun(opts, (signals) => this.#migrate(migrations, { ...opts, ...signals }));
   }
 
-  async #migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: MigrateOptions): Promise<RunOutcome[]> {
+  async #migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, given: MigrateOptions): Promise<RunOutcome[]> {
+    const opts: MigrateOptions = {
+      ...given,
+      ...(given.onOutcome ? { onOutcome: this.callerCallback('onOutcome', given.onOutcome) } : {}),
+      ...(given.onMigration ? { onMigration: this.callerCallback('onMigration', given.onMigration) } : {}),
+    };
     this.#checkConcurrency(opts.concurrency);
     const release = this.#reservePool(opts.concurrency, 'Runner.migrate()');
     try {
@@ -766,6 +771,11 @@ export class Runner {
     return () => this.#reserved.delete(id);
   }
 
+  /** @internal A callback of the caller's as idem calls it: see callerCallback (finalizeMigration's, on this runner's log). */
+  callerCallback<A extends unknown[]>(name: string, fn: (...args: A) => unknown): (...args: A) => void {
+    return callerCallback(this.#log, name, fn);
+  }
+
   #ops(): OperationsHost {
     return { db: this.db, schema: this.schema, schemaExists: this.#schemaExists, connectionString: this.#connectionString, jobLockName: (j) => this.jobLockName(j), runLockName: (id) => this.runLockName(id), heldLocks: () => this.heldLocks() };
   }
@@ -855,7 +865,7 @@ export class Runner {
           slot: opts.slot ?? null,
           ...(opts.throttle ? { throttle: opts.throttle } : {}),
           ...(opts.health !== undefined ? { health: opts.health } : {}),
-          ...(opts.onProgress ? { onProgress: opts.onProgress } : {}),
+          ...(opts.onProgress ? { onProgress: callerCallback(log, 'onProgress', opts.onProgress) } : {}),
           stop,
           abort,
         },
@@ -1456,6 +1466,30 @@ function checkFingerprint(job: string, runKey: string, run: RunRow, fp: string):
 /** The outcome of a run found succeeded (finalizeMigration's too). */
 export function alreadyDone(run: RunRow): RunOutcome {
   return { status: 'already-succeeded', job: run.job, runKey: run.run_key, runId: run.id, attempt: run.attempt, summary: run.summary, executed: 0 };
+}
+
+/**
+ * A callback of the caller's (onProgress, onOutcome, onMigration) as idem calls it: what it throws,
+ * or the promise it returns rejects with, is logged once (a warning naming it) and otherwise
+ * ignored, and it is still called after. It is the caller's code (a progress bar, a UI), not the
+ * job's: until 2026-12-04 an onProgress that threw failed the run in step "(runner)", and one of
+ * Runner.migrate's stopped the migrations.
+ */
+function callerCallback<A extends unknown[]>(log: Logger, name: string, fn: (...args: A) => unknown): (...args: A) => void {
+  let said = false;
+  const warn = (err: unknown) => {
+    if (said) return;
+    said = true;
+    log.warn({ callback: name, err: errorFields(err) }, `${name} threw (${messageOf(err)}); the run goes on, and what ${name} throws later is not logged again`);
+  };
+  return (...args: A) => {
+    try {
+      const result = fn(...args);
+      if (result !== null && typeof result === 'object' && typeof (result as PromiseLike<unknown>).then === 'function') (result as PromiseLike<unknown>).then(undefined, warn);
+    } catch (err) {
+      warn(err);
+    }
+  };
 }
 
 /** A run key as the pool's refusal lists it: a params fingerprint (or any long key) cut to its first 19 characters. */

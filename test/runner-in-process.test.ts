@@ -1,5 +1,6 @@
+import pino from 'pino';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { defineJob, exitCodeOf, InterruptedError, Runner, sql, UsageError, type Job } from '../src/index.ts';
+import { defineJob, exitCodeOf, finalizeMigration, InterruptedError, Runner, RunFailedError, sql, UsageError, type Job } from '../src/index.ts';
 import { killLeftovers, query } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
@@ -120,6 +121,74 @@ describe('Runner.close() of one worker of a joined run (B8 A2)', () => {
       expect(await runsOf('join-close')).toEqual([{ status: 'succeeded', chunks: 60 }]);
     } finally {
       await Promise.all([r1.close(), r2.close(), r3.close()]);
+    }
+  });
+});
+
+describe("a callback of the caller's that throws (B8 A3)", () => {
+  /** A Runner whose log lines (JSON) land in `lines`. */
+  async function loggedRunner(lines: Array<{ level: number; msg: string; callback?: string }>): Promise<Runner> {
+    const log = pino({ level: 'info' }, { write: (line: string) => void lines.push(JSON.parse(line)) });
+    return Runner.connect({ connectionString: url, log });
+  }
+  const warnings = (lines: Array<{ level: number; msg: string; callback?: string }>) => lines.filter((l) => l.level === 40 && l.callback !== undefined).map((l) => l.msg);
+
+  it('onProgress throwing (or rejecting) does not fail the run: one warning naming it, and the run succeeds', async () => {
+    const lines: Array<{ level: number; msg: string; callback?: string }> = [];
+    const runner = await loggedRunner(lines);
+    try {
+      const job = sleepyJob('progress-throws', 6, 0.01);
+      let calls = 0;
+      const outcome = await runner.run(job, {
+        key: 'k',
+        onProgress: (p) => {
+          calls++;
+          if (p.done >= 2) throw new Error('UI widget crashed');
+        },
+      });
+      expect(outcome).toMatchObject({ status: 'succeeded', executed: 6 });
+      expect(await runsOf('progress-throws')).toEqual([{ status: 'succeeded', chunks: 6 }]);
+      // Still called after it threw; said once.
+      expect(calls).toBeGreaterThan(3);
+      expect(warnings(lines)).toEqual(['onProgress threw (UI widget crashed); the run goes on, and what onProgress throws later is not logged again']);
+      // An async one that rejects is the same, not an unhandled rejection.
+      const job2 = sleepyJob('progress-rejects', 3, 0.01);
+      expect(await runner.run(job2, { key: 'k', onProgress: async () => { throw new Error('async widget crashed'); } })).toMatchObject({ status: 'succeeded', executed: 3 });
+      await new Promise((resolve) => setTimeout(resolve, 50));
+      expect(warnings(lines).at(-1)).toBe('onProgress threw (async widget crashed); the run goes on, and what onProgress throws later is not logged again');
+    } finally {
+      await runner.close();
+    }
+  });
+
+  it("Runner.migrate's onOutcome and onMigration throwing do not stop the migrations; nor finalizeMigration's", async () => {
+    const lines: Array<{ level: number; msg: string; callback?: string }> = [];
+    const runner = await loggedRunner(lines);
+    try {
+      const migrations = [1, 2].map((i) => ({ runKey: `000${i}_m`, job: sleepyJob(`migration-cb-${i}`, 2, 0.01) }));
+      const boom = (what: string) => () => {
+        throw new Error(`${what} crashed`);
+      };
+      const outcomes = await runner.migrate(migrations, { onOutcome: boom('outcome'), onMigration: boom('migration') });
+      expect(outcomes.map((o) => o.status)).toEqual(['succeeded', 'succeeded']);
+      for (const m of migrations) expect(await runsOf(m.job.name)).toEqual([{ status: 'succeeded', chunks: 2 }]);
+      expect(warnings(lines).sort()).toEqual([
+        'onMigration threw (migration crashed); the run goes on, and what onMigration throws later is not logged again',
+        'onOutcome threw (outcome crashed); the run goes on, and what onOutcome throws later is not logged again',
+      ]);
+      const finalized = await finalizeMigration(runner, migrations, '0002_m', { onOutcome: boom('outcome'), onMigration: boom('migration') });
+      expect(finalized.map((o) => o.how)).toEqual(['already-succeeded', 'already-succeeded']);
+      // A failed migration: what is thrown is its failure, not what a callback threw on the way.
+      const failing = defineJob({ name: 'migration-cb-3', steps: [{ name: 'fail', run: () => { throw new Error('the migration itself failed'); } }] });
+      const all = [...migrations, { runKey: '0003_m', job: failing }];
+      const failed = await runner.migrate(all, { onOutcome: boom('outcome'), onMigration: boom('migration') }).catch((e: Error) => e);
+      expect((failed as RunFailedError).code).toBe('idem.runFailed');
+      expect((failed as Error).message).toContain('the migration itself failed');
+      const refused = await finalizeMigration(runner, all, '0003_m', { onOutcome: boom('outcome'), onMigration: boom('migration') }).catch((e: Error) => e);
+      expect((refused as RunFailedError).code).toBe('idem.runFailed');
+      expect((refused as Error).message).toMatch(/^run 0003_m of job "migration-cb-3" failed in step "fail" after 1 try: the migration itself failed; /);
+    } finally {
+      await runner.close();
     }
   });
 });
