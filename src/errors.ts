@@ -156,13 +156,19 @@ export class InterruptedError extends IdemError {
   }
 
   readonly signal: StopSignal;
-  constructor(signal: StopSignal, message?: string) {
+  /**
+   * What stopped it when no signal did: `Runner.close()`, the caller's AbortSignal. `signal` is then
+   * the one whose exit code it takes (SIGTERM), and messages name this instead.
+   */
+  readonly stoppedBy: string | undefined;
+  constructor(signal: StopSignal, message?: string, options?: { readonly stoppedBy?: string }) {
     super(
       'idem.interrupted',
       exitCodeOfSignal(signal),
       message ?? `interrupted by ${signal}; finished chunks are kept, run the same command again to resume`,
     );
     this.signal = signal;
+    this.stoppedBy = options?.stoppedBy;
   }
 }
 

@@ -103,8 +103,10 @@ export async function finalizeMigration(
     const run = await runner.store.findRun(m.job.name, m.runKey);
     if (run?.status === 'failed') {
       // Those found done before it are outcomes too: what the deploy can tell went through.
-      for (const d of done) opts.onOutcome?.({ ...alreadyDone(d), how: 'already-succeeded' });
-      opts.onMigration?.(m);
+      // The caller's callbacks, as Runner.migrate calls them: what they throw is logged, not thrown instead of the failure.
+      const onOutcome = opts.onOutcome && runner.callerCallback('onOutcome', opts.onOutcome);
+      for (const d of done) onOutcome?.({ ...alreadyDone(d), how: 'already-succeeded' });
+      if (opts.onMigration) runner.callerCallback('onMigration', opts.onMigration)(m);
       throw recordedFailure(run);
     }
     if (run?.status === 'succeeded') done.push(run);

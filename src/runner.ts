@@ -157,7 +157,9 @@ export interface RunnerOptions {
   /**
    * Most connections the work pool opens (the lock takes one more). A run needs its concurrency
    * plus 2 (planning ahead, effects and control polls beside the chunks' transactions); a run that
-   * asks for more concurrency than that is refused rather than left to deadlock. Defaults to `10`.
+   * asks for more concurrency than that is refused rather than left to deadlock. Runs in flight at
+   * once share the pool: their concurrencies added up, plus the 2, must fit, or the run that does
+   * not fit beside the others is refused at once (idem.poolTooSmall, exit 2). Defaults to `10`.
    */
   readonly poolSize?: number;
   /**
@@ -346,6 +348,8 @@ export class Runner {
   readonly #closing = new AbortController();
   /** Runs in flight (run, migrate), settled or not: close() waits for them. */
   readonly #inFlight = new Set<Promise<void>>();
+  /** The slots (concurrency) each run in flight (run, migrate) holds in the work pool; see #reservePool. */
+  readonly #reserved = new Map<symbol, { readonly what: string; readonly slots: number }>();
   readonly #connectionString: string;
   #schemaExists = true;
   /** Where the connection string came from, as a connection error's fix names it. */
@@ -415,7 +419,9 @@ export class Runner {
    * the pool closes. A run() after close() is refused.
    */
   async close(): Promise<void> {
-    this.#closing.abort(new InterruptedError('SIGTERM', 'stopped by Runner.close(): chunks in flight finished, no new chunk started; finished chunks are kept, run it again to resume'));
+    this.#closing.abort(
+      new InterruptedError('SIGTERM', 'stopped by Runner.close(): chunks in flight finished, no new chunk started; finished chunks are kept, run it again to resume', { stoppedBy: 'Runner.close()' }),
+    );
     await Promise.all(this.#inFlight);
     await this.#database.close();
   }
@@ -476,7 +482,8 @@ export class Runner {
     return this.#inFlightRun(opts, (signals) => this.#run(job, { ...opts, ...signals }));
   }
 
-  async #run(job: Job, opts: RunJobOptions): Promise<RunOutcome> {
+  /** `reserved`: the run holds its share of the pool already (a --wait that starts over, below). */
+  async #run(job: Job, opts: RunJobOptions, reserved = false): Promise<RunOutcome> {
     this.#checkConcurrency(opts.concurrency);
     if (opts.key !== undefined) checkRunKey(opts.key, 'key');
     let params: Json;
@@ -492,7 +499,16 @@ export class Runner {
     }
     const runKey = opts.key ?? fp;
     if (opts.dryRun) return this.#dryRun(job, runKey, fp, opts.allowChangedCode ?? false, opts.params, opts.join ?? false);
+    // Before anything is written: a run refused here leaves no row.
+    const release = reserved ? () => {} : this.#reservePool(opts.concurrency, `job "${job.name}" run ${shortKey(runKey)}`);
+    try {
+      return await this.#claimAndRun(job, runKey, params, fp, opts);
+    } finally {
+      release();
+    }
+  }
 
+  async #claimAndRun(job: Job, runKey: string, params: Json, fp: string, opts: RunJobOptions): Promise<RunOutcome> {
     // A run a prune marked deleting and did not get to delete whole (killed between its batches)
     // is deleted here first, so that its key runs afresh, as it would have after that prune.
     for (let tries = 1; ; tries++) {
@@ -521,7 +537,7 @@ export class Runner {
       if (waitLeft === false) throw err;
       // --wait waited for the live run to end: what it left is looked at afresh, within what is
       // left of the wait.
-      return this.#run(job, { ...opts, wait: waitLeft });
+      return this.#run(job, { ...opts, wait: waitLeft }, true);
     }
     // Bookkeeping like the store's: idempotent, so a killed work session is retried, not fatal.
     await retrying(() => adoptCodeFingerprint(this.db, this.schema, run, job));
@@ -605,8 +621,22 @@ export class Runner {
     return this.#inFlightRun(opts, (signals) => this.#migrate(migrations, { ...opts, ...signals }));
   }
 
-  async #migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: MigrateOptions): Promise<RunOutcome[]> {
+  async #migrate(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, given: MigrateOptions): Promise<RunOutcome[]> {
+    const opts: MigrateOptions = {
+      ...given,
+      ...(given.onOutcome ? { onOutcome: this.callerCallback('onOutcome', given.onOutcome) } : {}),
+      ...(given.onMigration ? { onMigration: this.callerCallback('onMigration', given.onMigration) } : {}),
+    };
     this.#checkConcurrency(opts.concurrency);
+    const release = this.#reservePool(opts.concurrency, 'Runner.migrate()');
+    try {
+      return await this.#migrateReserved(migrations, opts);
+    } finally {
+      release();
+    }
+  }
+
+  async #migrateReserved(migrations: ReadonlyArray<{ readonly runKey: string; readonly job: Job }>, opts: MigrateOptions): Promise<RunOutcome[]> {
     const outcomes: RunOutcome[] = [];
     const record = (outcome: RunOutcome) => {
       outcomes.push(outcome);
@@ -716,6 +746,36 @@ export class Runner {
     }
   }
 
+  /**
+   * Reserves a run's slots (its concurrency) in the work pool among the runs in flight in this
+   * Runner, or refuses the run (idem.poolTooSmall, exit 2) when they do not fit beside theirs and
+   * the POOL_HEADROOM connections the runs share for planning, effects and control polls (short
+   * statements, never waiting on a chunk's row: they queue for those and always get one, as a
+   * single run's slots do). Until 2026-12-04 each run was checked alone: runs started together
+   * (Promise.all) whose slots took the whole pool stalled for 50-100 s, and one of them then ended
+   * exit 69, "the run is interrupted". Returns what gives the slots back.
+   */
+  #reservePool(concurrency = 1, what: string): () => void {
+    const held = [...this.#reserved.values()];
+    const inUse = held.reduce((sum, r) => sum + r.slots, 0);
+    if (held.length > 0 && inUse + concurrency + POOL_HEADROOM > this.#poolSize) {
+      const shown = held.slice(0, 5).map((r) => `${r.what}: ${r.slots}`);
+      if (held.length > 5) shown.push(`${held.length - 5} more`);
+      throw new UsageError(
+        'poolTooSmall',
+        `concurrency ${concurrency} does not fit in the pool beside the runs in flight in this Runner: their chunks hold ${inUse} of poolSize ${this.#poolSize} (${shown.join(', ')}) and ${POOL_HEADROOM} are kept for planning, effects and control polls; raise poolSize to at least ${inUse + concurrency + POOL_HEADROOM}, or start fewer runs at once`,
+      );
+    }
+    const id = Symbol(what);
+    this.#reserved.set(id, { what, slots: concurrency });
+    return () => this.#reserved.delete(id);
+  }
+
+  /** @internal A callback of the caller's as idem calls it: see callerCallback (finalizeMigration's, on this runner's log). */
+  callerCallback<A extends unknown[]>(name: string, fn: (...args: A) => unknown): (...args: A) => void {
+    return callerCallback(this.#log, name, fn);
+  }
+
   #ops(): OperationsHost {
     return { db: this.db, schema: this.schema, schemaExists: this.#schemaExists, connectionString: this.#connectionString, jobLockName: (j) => this.jobLockName(j), runLockName: (id) => this.runLockName(id), heldLocks: () => this.heldLocks() };
   }
@@ -805,7 +865,7 @@ export class Runner {
           slot: opts.slot ?? null,
           ...(opts.throttle ? { throttle: opts.throttle } : {}),
           ...(opts.health !== undefined ? { health: opts.health } : {}),
-          ...(opts.onProgress ? { onProgress: opts.onProgress } : {}),
+          ...(opts.onProgress ? { onProgress: callerCallback(log, 'onProgress', opts.onProgress) } : {}),
           stop,
           abort,
         },
@@ -979,6 +1039,14 @@ export class Runner {
       // Decided under the entry gate: workers stopped together (a deploy) leave one after the
       // other, so the last of them records the run interrupted instead of each counting the others.
       const others = await lock.leave(this.store.interruptRunSql(runId, attempt)).catch(() => null);
+      if (others !== null && others > 0 && err.stoppedBy !== undefined) {
+        // Stopped by this process's own code (Runner.close(), its AbortSignal), not a signal every
+        // worker of a deploy gets: this worker alone leaves, and the others go on with the run.
+        // Until 2026-12-04 it said "stopped on SIGTERM" and that the run would be interrupted.
+        const rest = `the run goes on in its ${others} other ${others === 1 ? 'worker' : 'workers'}, and ends as they end it`;
+        log.warn({ stoppedBy: err.stoppedBy, otherWorkers: others }, `worker stopped by ${err.stoppedBy}; ${rest}`);
+        return new InterruptedError(err.signal, `this worker stopped by ${err.stoppedBy} (its in-flight chunks finished); ${rest}: idem status ${job.name} --key ${runKey} shows them`, { stoppedBy: err.stoppedBy });
+      }
       if (others !== null && others > 0) {
         // Said as what was true when it left: the others may be stopping too (every worker of a
         // deploy gets SIGTERM at once), and the last of them records the run interrupted.
@@ -989,6 +1057,7 @@ export class Runner {
           `this worker stopped on ${err.signal} (its in-flight chunks finished, or rolled back on a second signal); ${were} as it left (the last of them to stop records the run interrupted): idem status ${job.name} --key ${runKey} shows them`,
         );
       }
+      const by = err.stoppedBy ?? err.signal;
       // An operator's pause or cancel that came too late for this attempt to act on is honoured
       // by how it ended (Store: #endAttempt): say so instead of "rerun to resume".
       const after = await (others === null ? this.store.endInterrupted(runId, attempt) : this.store.getRun(runId)).catch(() => null);
@@ -998,15 +1067,15 @@ export class Runner {
         return new InterruptedError(
           err.signal,
           ended === 'paused'
-            ? `interrupted by ${err.signal}; an operator's pause was pending, so the run is paused: idem resume ${job.name} --key ${runKey} lets it continue`
-            : `interrupted by ${err.signal}; an operator's cancel was pending, so the run is cancelled: finished chunks are kept; idem reset ${job.name} --key ${runKey} forgets the run`,
+            ? `interrupted by ${by}; an operator's pause was pending, so the run is paused: idem resume ${job.name} --key ${runKey} lets it continue`
+            : `interrupted by ${by}; an operator's cancel was pending, so the run is cancelled: finished chunks are kept; idem reset ${job.name} --key ${runKey} forgets the run`,
         );
       }
       // Ending is a compare-and-set on the running attempt: a run the other workers ended meanwhile
       // (succeeded, failed) kept that state, and "rerun to resume" would be wrong.
       if (ended !== null && ended !== 'interrupted' && ended !== 'running') {
         log.warn({ signal: err.signal, status: ended }, `worker stopped; the run had already ended ${ended} in the other workers`);
-        return new InterruptedError(err.signal, `interrupted by ${err.signal}; the run had already ended ${ended} in the other workers sharing it: idem status ${job.name} --key ${runKey} shows it`);
+        return new InterruptedError(err.signal, `interrupted by ${by}; the run had already ended ${ended} in the other workers sharing it: idem status ${job.name} --key ${runKey} shows it`);
       }
       log.warn({ signal: err.signal }, 'run interrupted; rerun to resume');
       return err;
@@ -1345,7 +1414,7 @@ function interruption(reason: unknown): IdemError {
   if (reason instanceof IdemError) return reason;
   if (typeof reason === 'string' && (STOP_SIGNALS as readonly string[]).includes(reason)) return new InterruptedError(reason as StopSignal);
   const why = reason instanceof Error ? reason.message : String(reason);
-  return new InterruptedError('SIGTERM', `stopped by the caller's AbortSignal (${why}); finished chunks are kept, run it again to resume`);
+  return new InterruptedError('SIGTERM', `stopped by the caller's AbortSignal (${why}); finished chunks are kept, run it again to resume`, { stoppedBy: "the caller's AbortSignal" });
 }
 
 /** Why a live attempt stops at an operator's request. */
@@ -1401,6 +1470,35 @@ function checkFingerprint(job: string, runKey: string, run: RunRow, fp: string):
 /** The outcome of a run found succeeded (finalizeMigration's too). */
 export function alreadyDone(run: RunRow): RunOutcome {
   return { status: 'already-succeeded', job: run.job, runKey: run.run_key, runId: run.id, attempt: run.attempt, summary: run.summary, executed: 0 };
+}
+
+/**
+ * A callback of the caller's (onProgress, onOutcome, onMigration) as idem calls it: what it throws,
+ * or the promise it returns rejects with, is logged once (a warning naming it) and otherwise
+ * ignored, and it is still called after. It is the caller's code (a progress bar, a UI), not the
+ * job's: until 2026-12-04 an onProgress that threw failed the run in step "(runner)", and one of
+ * Runner.migrate's stopped the migrations.
+ */
+function callerCallback<A extends unknown[]>(log: Logger, name: string, fn: (...args: A) => unknown): (...args: A) => void {
+  let said = false;
+  const warn = (err: unknown) => {
+    if (said) return;
+    said = true;
+    log.warn({ callback: name, err: errorFields(err) }, `${name} threw (${messageOf(err)}); the run goes on, and what ${name} throws later is not logged again`);
+  };
+  return (...args: A) => {
+    try {
+      const result = fn(...args);
+      if (result !== null && typeof result === 'object' && typeof (result as PromiseLike<unknown>).then === 'function') (result as PromiseLike<unknown>).then(undefined, warn);
+    } catch (err) {
+      warn(err);
+    }
+  };
+}
+
+/** A run key as the pool's refusal lists it: a params fingerprint (or any long key) cut to its first 19 characters. */
+function shortKey(runKey: string): string {
+  return keyLabel(runKey.length > 40 ? `${runKey.slice(0, 19)}…` : runKey);
 }
 
 /** The run row's holder while it is among the live workers, else the first live worker (none: the row's). */
