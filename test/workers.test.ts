@@ -301,23 +301,30 @@ describe('a paused shared run', () => {
   });
 });
 
+/**
+ * Two workers with a chunk each held at a gate; an operator pauses the run, both workers see it,
+ * then `then` (resume or cancel) is run before the gate opens. Returns how the workers ended.
+ */
+async function pauseThen(key: string, then: 'resume' | 'cancel'): Promise<Array<Awaited<CliProcess['done']>>> {
+  const gate = await holdGate(url, key);
+  let workers: CliProcess[] = [];
+  try {
+    workers = Array.from({ length: 2 }, () => join(key, 20, 0, [], key));
+    await waitFor(async () => (await lockWaiters(url)) >= 2, 'both workers to have a chunk in flight at the gate', { timeoutMs: 60_000 });
+    expect((await runCli([...FIXTURE_DIRS, 'pause', 'counted', '--key', key], { url })).code).toBe(0);
+    await waitFor(async () => workers.every((w) => w.stderr().includes('pause requested by an operator')), 'both workers to see the pause', { timeoutMs: 10_000 });
+    const operator = await runCli([...FIXTURE_DIRS, then, 'counted', '--key', key], { url });
+    expect(operator.code, operator.stderr).toBe(0);
+  } finally {
+    await gate.release();
+  }
+  return Promise.all(workers.map((w) => w.done));
+}
+
 describe('a pause withdrawn while the workers were stopping for it', () => {
   it('no worker says the run will read paused: the first says the pause was withdrawn, the last ends it interrupted', async () => {
     const key = 'pause-withdrawn';
-    const gate = await holdGate(url, key);
-    let workers: CliProcess[] = [];
-    try {
-      workers = Array.from({ length: 2 }, () => join(key, 20, 0, [], key));
-      const blocked = () => lockWaiters(url);
-      await waitFor(async () => (await blocked()) >= 2, 'both workers to have a chunk in flight at the gate', { timeoutMs: 60_000 });
-      expect((await runCli([...FIXTURE_DIRS, 'pause', 'counted', '--key', key], { url })).code).toBe(0);
-      await waitFor(async () => workers.every((w) => w.stderr().includes('pause requested by an operator')), 'both workers to see the pause', { timeoutMs: 10_000 });
-      const resumed = await runCli([...FIXTURE_DIRS, 'resume', 'counted', '--key', key], { url });
-      expect(resumed.code, resumed.stderr).toBe(0);
-    } finally {
-      await gate.release();
-    }
-    const results = await Promise.all(workers.map((w) => w.done));
+    const results = await pauseThen(key, 'resume');
     expect(results.map((r) => r.code)).toEqual([75, 75]);
     const last = results.map((r) => busyMessage(r.stderr) ?? r.stderr);
     for (const l of last) expect(l).not.toContain('reads paused');
@@ -331,19 +338,7 @@ describe('a pause replaced by a cancel while the workers were stopping for it', 
     // Black-box round 18 (B9-1): a worker that was not the last to stop said "pause withdrawn
     // (resumed) … run the same command again" and exited 75; nobody had resumed anything.
     const key = 'pause-then-cancel';
-    const gate = await holdGate(url, key);
-    let workers: CliProcess[] = [];
-    try {
-      workers = Array.from({ length: 2 }, () => join(key, 20, 0, [], key));
-      await waitFor(async () => (await lockWaiters(url)) >= 2, 'both workers to have a chunk in flight at the gate', { timeoutMs: 60_000 });
-      expect((await runCli([...FIXTURE_DIRS, 'pause', 'counted', '--key', key], { url })).code).toBe(0);
-      await waitFor(async () => workers.every((w) => w.stderr().includes('pause requested by an operator')), 'both workers to see the pause', { timeoutMs: 10_000 });
-      const cancelled = await runCli([...FIXTURE_DIRS, 'cancel', 'counted', '--key', key], { url });
-      expect(cancelled.code, cancelled.stderr).toBe(0);
-    } finally {
-      await gate.release();
-    }
-    const results = await Promise.all(workers.map((w) => w.done));
+    const results = await pauseThen(key, 'cancel');
     expect(results.map((r) => r.code), results.map((r) => r.stderr).join('\n')).toEqual([1, 1]);
     for (const r of results) {
       expect(r.stderr).not.toContain('withdrawn');
