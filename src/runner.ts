@@ -392,7 +392,18 @@ export class Runner {
       return runner;
     } catch (err) {
       await database.close();
-      throw err;
+      // A statement of idem's cut short by a statement_timeout (or lock_timeout): the refusal the
+      // CLI gives (exit 2, idem.statementTimeout, naming where it is set), not PostgreSQL's bare 57014.
+      throw statementTimeoutRefusal(err, opts.connectionString, opts.connectionSource);
+    }
+  }
+
+  /** `work`, with one of idem's own statements cut short by a timeout said as Runner.connect says it. */
+  async #refusingTimeouts<T>(work: () => Promise<T>): Promise<T> {
+    try {
+      return await work();
+    } catch (err) {
+      throw err instanceof IdemError ? err : statementTimeoutRefusal(err, this.#connectionString, this.#connectionSource);
     }
   }
 
@@ -462,7 +473,9 @@ export class Runner {
       // lost connection later on is a lost lock or a chunk's failure, idem errors both). Said as
       // connect() says it, exit 2, not pg's bare `connect ECONNREFUSED` (exit 1, "the run failed").
       if (!(err instanceof IdemError) && UNREACHABLE.has(codeOf(err) ?? '')) throw describeConnectError(err, this.#connectionString, this.#connectionSource);
-      throw err;
+      // One of idem's own statements (claiming the run, its bookkeeping) cut short by a timeout: a
+      // chunk's is the run's failure, an IdemError by now.
+      throw err instanceof IdemError ? err : statementTimeoutRefusal(err, this.#connectionString, this.#connectionSource);
     } finally {
       this.#inFlight.delete(settled);
       for (const u of undo) u();
@@ -662,32 +675,42 @@ export class Runner {
 
   /** Asks a run to pause (cooperatively, between chunks). Without a key: the job's latest unfinished run. */
   async pause(job: string, key?: string): Promise<ControlResult> {
-    await assertNotStandby(this.db);
-    return requestControl(this.#ops(), job, 'pause', key);
+    return this.#refusingTimeouts(async () => {
+      await assertNotStandby(this.db);
+      return requestControl(this.#ops(), job, 'pause', key);
+    });
   }
 
   /** Lets a paused run continue on its next invocation. */
   async resume(job: string, key?: string): Promise<ControlResult> {
-    await assertNotStandby(this.db);
-    return resumeRun(this.#ops(), job, key);
+    return this.#refusingTimeouts(async () => {
+      await assertNotStandby(this.db);
+      return resumeRun(this.#ops(), job, key);
+    });
   }
 
   /** Cancels a run (cooperatively); finished chunks are kept, the run never continues. */
   async cancel(job: string, key?: string): Promise<ControlResult> {
-    await assertNotStandby(this.db);
-    return requestControl(this.#ops(), job, 'cancel', key);
+    return this.#refusingTimeouts(async () => {
+      await assertNotStandby(this.db);
+      return requestControl(this.#ops(), job, 'cancel', key);
+    });
   }
 
   /** Forgets a run so its key executes afresh; refused while it runs. */
   async reset(job: string, key: string): Promise<{ chunks: number; effects: number }> {
-    await assertNotStandby(this.db);
-    return resetRun(this.#ops(), job, key);
+    return this.#refusingTimeouts(async () => {
+      await assertNotStandby(this.db);
+      return resetRun(this.#ops(), job, key);
+    });
   }
 
   /** Finishes deleting a run a killed prune left marked `deleting`, so its key runs afresh; busy while a prune or reset deletes it. */
   async finishDeletion(runId: string, what: string): Promise<void> {
-    await assertNotStandby(this.db);
-    return finishDeletion(this.#ops(), runId, what);
+    return this.#refusingTimeouts(async () => {
+      await assertNotStandby(this.db);
+      return finishDeletion(this.#ops(), runId, what);
+    });
   }
 
   /**
@@ -696,8 +719,10 @@ export class Runner {
    * an older idem recorded (before runs were marked) is recognised and kept as well.
    */
   async prune(olderThanMs: number, opts: { readonly migrationKeys?: readonly string[] } = {}): Promise<PruneResult> {
-    await assertNotStandby(this.db);
-    return pruneRuns(this.#ops(), olderThanMs, opts.migrationKeys ?? []);
+    return this.#refusingTimeouts(async () => {
+      await assertNotStandby(this.db);
+      return pruneRuns(this.#ops(), olderThanMs, opts.migrationKeys ?? []);
+    });
   }
 
   /**
@@ -1127,7 +1152,7 @@ export class Runner {
 
   /** Runs with progress, newest first; `running` only where the job's advisory lock is really held. */
   async status(job?: string, limit = 50): Promise<RunStatusRow[]> {
-    return this.snapshot((view) => view.status(job, limit));
+    return this.#refusingTimeouts(() => this.snapshot((view) => view.status(job, limit)));
   }
 
   /**

@@ -259,3 +259,74 @@ describe('Runner.run given a signal already aborted (B2 round 15)', () => {
     expect(await runsOf('pre-aborted')).toBe(0);
   });
 });
+
+describe("a statement_timeout that cuts one of idem's own statements short, met through the library (B1 round 16)", () => {
+  // The CLI said these as its one-line refusal (exit 2, idem.statementTimeout); Runner.connect,
+  // run and the operator methods threw PostgreSQL's bare 57014 "canceling statement due to
+  // statement timeout" (exit 1, no idem code).
+  const withOptions = (options: string) => {
+    const u = new URL(url);
+    u.searchParams.set('options', options);
+    return u.toString();
+  };
+  const fromOptions = (where: string) =>
+    `the database cancelled a statement of idem's at the statement_timeout set by -c statement_timeout in ${where}: it waited on a lock or ran longer; raise or remove -c statement_timeout in ${where} (a setting there overrides the role's and the database's), then run the same command again`;
+
+  /** Runs `fn` while another session holds `table` in access exclusive mode. */
+  async function whileLocked<T>(table: string, fn: () => Promise<T>): Promise<T> {
+    const { default: pg } = await import('pg');
+    const holder = new pg.Client({ connectionString: url });
+    await holder.connect();
+    try {
+      await holder.query(`set statement_timeout = 0; begin; lock table ${table} in access exclusive mode`);
+      return await fn();
+    } finally {
+      await holder.query('rollback').catch(() => {});
+      await holder.end();
+    }
+  }
+
+  it('Runner.connect refuses as the CLI does, naming where the setting is (the URL\'s options, or the database\'s), exit 2', async () => {
+    const viaOptions = await whileLocked('idem.idem_migration', () => rejectionOf(Runner.connect({ connectionString: withOptions('-c statement_timeout=300ms') })));
+    expectUsage(viaOptions, 'idem.statementTimeout', fromOptions("the connection string's options"));
+    const named = await whileLocked('idem.idem_migration', () =>
+      rejectionOf(Runner.connect({ connectionString: withOptions('-c statement_timeout=300ms'), connectionSource: 'DATABASE_URL' })),
+    );
+    expectUsage(named, 'idem.statementTimeout', fromOptions("DATABASE_URL's options"));
+    const dbName = new URL(url).pathname.slice(1);
+    await query(url, `alter database ${dbName} set statement_timeout = '300ms'`);
+    try {
+      const viaDatabase = await whileLocked('idem.idem_migration', () => rejectionOf(Runner.connect({ connectionString: url })));
+      expectUsage(
+        viaDatabase,
+        'idem.statementTimeout',
+        "the database cancelled a statement of idem's at the statement_timeout set for the role or database (SHOW statement_timeout): it waited on a lock or ran longer; raise it for the role idem connects as (ALTER ROLE postgres SET statement_timeout = '5min') or reset it, then run the same command again",
+      );
+    } finally {
+      await query(url, `alter database ${dbName} reset statement_timeout`);
+    }
+  });
+
+  it('Runner.run, status, pause, cancel and reset refuse the same way, and write nothing', async () => {
+    const calls = { n: 0 };
+    const job = countingJob('st-lib', calls);
+    const timed = await Runner.connect({ connectionString: withOptions('-c statement_timeout=300ms') });
+    try {
+      const ran = await whileLocked('idem.runs', () => rejectionOf(timed.run(job, { key: 'k' })));
+      expectUsage(ran, 'idem.statementTimeout', fromOptions("the connection string's options"));
+      for (const [what, call] of [
+        ['status', () => timed.status('st-lib')],
+        ['pause', () => timed.pause('st-lib', 'k')],
+        ['cancel', () => timed.cancel('st-lib', 'k')],
+        ['reset', () => timed.reset('st-lib', 'k')],
+      ] as const) {
+        const err = await whileLocked('idem.runs', () => rejectionOf((call as () => Promise<unknown>)()));
+        expect([what, (err as UsageError).code, exitCodeOf(err), err.message]).toEqual([what, 'idem.statementTimeout', 2, fromOptions("the connection string's options")]);
+      }
+    } finally {
+      await timed.close();
+    }
+    expect(calls.n).toBe(0);
+    expect(await runsOf('st-lib')).toBe(0);
+  });
+});
