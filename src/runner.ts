@@ -11,7 +11,7 @@ import { fingerprint, lockKey } from './fingerprint.ts';
 import { adoptCodeFingerprint, codeFingerprint, recordCodeFingerprint, refuseChangedCode, short } from './code-fingerprint.ts';
 import { recordedFailure } from './finalize.ts';
 import { assertNotStandby, refuseOnStandby, type HealthSetting } from './health-check.ts';
-import { assertJob, migrationProblems, validateParams, type Job, type Json } from './job.ts';
+import { assertJob, migrationProblems, paramsProblem, validateParams, type Job, type Json } from './job.ts';
 import { keyLabel } from './key-label.ts';
 import { faultPoint } from './fault-points.ts';
 import { silentLogger } from './log.ts';
@@ -1403,7 +1403,7 @@ function refuseControlled(run: RunRow): void {
  * cents) refuses them or changes them once more. Given as stored, they are that run's params.
  */
 function storedParamsGiven(given: unknown, run: Pick<RunRow, 'fingerprint'>): boolean {
-  if (given === undefined) return false;
+  if (given === undefined || paramsProblem(given) !== null) return false;
   try {
     return fingerprint(given) === run.fingerprint;
   } catch {

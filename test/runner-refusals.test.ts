@@ -330,3 +330,73 @@ describe("a statement_timeout that cuts one of idem's own statements short, met 
     expect(await runsOf('st-lib')).toBe(0);
   });
 });
+
+describe('params JSON cannot hold faithfully: a function, a Symbol, a Map or Set, undefined in an array (B2 round 16)', () => {
+  // A function or Symbol as params threw `TypeError: Cannot read properties of undefined (reading
+  // 'length')` (a job without params) or PostgreSQL's 23502 not-null violation (a validator passing
+  // them through), exit 1; a Map, a Date or a Map nested in them was silently taken as `{}`.
+  const FIX = 'as data (a string, number, boolean, null, array or plain object)';
+
+  it('Runner.run refuses them given to a job without params, naming what is wrong and the fix, and writes nothing', async () => {
+    const calls = { n: 0 };
+    const job = countingJob('np-bad', calls);
+    const cases: Array<[unknown, string]> = [
+      [() => 1, `params is a function, which JSON cannot represent; pass it ${FIX} or leave it out`],
+      [Symbol('s'), 'params is a Symbol, which JSON cannot represent; pass it as a string'],
+      [new Map(), 'params is a Map, which JSON would turn into {}; pass it as a plain object (Object.fromEntries(map))'],
+      [new Set([1]), 'params is a Set, which JSON would turn into {}; pass it as an array ([...set])'],
+      [{ m: new Map([['a', 1]]) }, 'params.m is a Map, which JSON would turn into {}; pass it as a plain object (Object.fromEntries(map))'],
+      [{ f: () => 1 }, `params.f is a function, which JSON cannot represent; pass it ${FIX} or leave it out`],
+      [{ at: new Date(Number.NaN) }, 'params.at is an invalid Date, which JSON would turn into null; pass it as a valid Date or an ISO string'],
+    ];
+    for (const [params, problem] of cases) {
+      const err = await rejectionOf(runner.run(job, { params, key: 'k' }));
+      expectUsage(err, 'idem.invalidParams', `invalid params for job "np-bad": ${problem}`);
+    }
+    // A Date is no params object either (it was taken as {}).
+    const dated = await rejectionOf(runner.run(job, { params: new Date(0), key: 'k' }));
+    expectUsage(dated, 'idem.invalidParams', 'job "np-bad" takes no params, got "1970-01-01T00:00:00.000Z"; drop --params/--param');
+    expect(calls.n).toBe(0);
+    expect(await runsOf('np-bad')).toBe(0);
+  });
+
+  it("Runner.run refuses them when the job's validator returns them, and writes nothing", async () => {
+    const calls = { n: 0 };
+    const job = defineJob({ name: 'vp-bad', params: (raw: unknown) => raw as Record<string, unknown>, steps: [{ name: 's', run: () => void calls.n++ }] });
+    const RETURN = 'have the params validator return it';
+    const cases: Array<[unknown, string]> = [
+      [() => 1, `params is a function, which JSON cannot represent; ${RETURN} ${FIX} or leave it out`],
+      [Symbol('s'), `params is a Symbol, which JSON cannot represent; ${RETURN} as a string`],
+      [{ m: new Map() }, `params.m is a Map, which JSON would turn into {}; ${RETURN} as a plain object (Object.fromEntries(map))`],
+      [{ s: new Set() }, `params.s is a Set, which JSON would turn into {}; ${RETURN} as an array ([...set])`],
+      [{ ids: [1, undefined] }, `params.ids[1] is undefined, which JSON would turn into null; ${RETURN} as null, or leave it out of the array`],
+      [{ deep: { cb: () => 1 } }, `params.deep.cb is a function, which JSON cannot represent; ${RETURN} ${FIX} or leave it out`],
+    ];
+    for (const [params, problem] of cases) {
+      const err = await rejectionOf(runner.run(job, { params, key: 'k' }));
+      expectUsage(err, 'idem.invalidParams', `invalid params for job "vp-bad": ${problem}`);
+    }
+    const none = defineJob({ name: 'vp-none', params: () => undefined as unknown as Record<string, unknown>, steps: [{ name: 's', run: () => void calls.n++ }] });
+    expectUsage(
+      await rejectionOf(runner.run(none, { key: 'k' })),
+      'idem.invalidParams',
+      'invalid params for job "vp-none": the params validator returned undefined; have it return the params (an object)',
+    );
+    expect(calls.n).toBe(0);
+    expect(await runsOf('vp-bad')).toBe(0);
+    expect(await runsOf('vp-none')).toBe(0);
+  });
+
+  it('a Date is stored as its ISO string, and a key whose value is undefined as absent (what JSON makes of them)', async () => {
+    const seen: unknown[] = [];
+    const job = defineJob({ name: 'vp-date', params: (raw: unknown) => raw as Record<string, unknown>, steps: [{ name: 's', run: (ctx) => void seen.push(ctx.params) }] });
+    const outcome = await runner.run(job, { params: { at: new Date(0), gone: undefined, n: 1 } });
+    expect(outcome.status).toBe('succeeded');
+    const [row] = await query<{ params: unknown; run_key: string }>(url, "select params, run_key from idem.runs where job = 'vp-date'");
+    expect(row!.params).toEqual({ at: '1970-01-01T00:00:00.000Z', n: 1 });
+    // The same params as JSON are the same run: found done, not run again.
+    const again = await runner.run(job, { params: { at: '1970-01-01T00:00:00.000Z', n: 1 } });
+    expect(again.runKey).toBe(row!.run_key);
+    expect(seen).toHaveLength(1);
+  });
+});
