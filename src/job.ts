@@ -339,6 +339,7 @@ function isStandardSchema(v: unknown): v is StandardSchemaV1 {
  */
 export async function validateParams<P>(job: Job<P>, raw: unknown): Promise<P> {
   const params = await validateRawParams(job, raw);
+  if (params === undefined) throw new UsageError('invalidParams', `invalid params for job "${job.name}": the params validator returned undefined; have it return the params (an object)`);
   const problem = unstorable(params, 'have the params validator return it');
   if (problem) throw new UsageError('invalidParams', `invalid params for job "${job.name}": ${problem}`);
   return params;
@@ -348,12 +349,44 @@ export async function validateParams<P>(job: Job<P>, raw: unknown): Promise<P> {
 /** Deepest nesting of objects and arrays params may have: canonical JSON and jsonb recurse per level. */
 export const MAX_PARAMS_DEPTH = 100;
 
+/** What a value JSON cannot hold should be given as instead, for a function and the like. */
+const AS_DATA = 'as data (a string, number, boolean, null, array or plain object)';
+
+/**
+ * Why `v` (at `path`) is a value JSON drops or turns into something else, or null when it is not:
+ * a function or Symbol (JSON drops them, or a whole params that is one: nothing was stored, pg's
+ * not-null violation), a Map, Set or the like (JSON makes each `{}`), binary data, an invalid Date
+ * (null), undefined in an array (null). A valid Date is what its toJSON makes it, its ISO string; a
+ * key whose value is undefined is absent, as JSON has it.
+ */
+function notJson(v: unknown, path: string, fix: string): string | null {
+  if (typeof v === 'function') return `${path} is a function, which JSON cannot represent; ${fix} ${AS_DATA} or leave it out`;
+  if (typeof v === 'symbol') return `${path} is a Symbol, which JSON cannot represent; ${fix} as a string`;
+  if (v === null || typeof v !== 'object') return null;
+  if (v instanceof Date) return Number.isNaN(v.getTime()) ? `${path} is an invalid Date, which JSON would turn into null; ${fix} as a valid Date or an ISO string` : null;
+  if (v instanceof Map) return `${path} is a Map, which JSON would turn into {}; ${fix} as a plain object (Object.fromEntries(map))`;
+  if (v instanceof Set) return `${path} is a Set, which JSON would turn into {}; ${fix} as an array ([...set])`;
+  if (ArrayBuffer.isView(v) || v instanceof ArrayBuffer) return `${path} is binary data (${v.constructor?.name ?? 'ArrayBuffer'}), which JSON cannot represent faithfully; ${fix} as a string (base64 or hex)`;
+  const tag = Object.prototype.toString.call(v).slice(8, -1);
+  if (['WeakMap', 'WeakSet', 'RegExp', 'Promise', 'Error'].includes(tag)) return `${path} is a ${tag}, which JSON would turn into {}; ${fix} ${AS_DATA}`;
+  return null;
+}
+
+/**
+ * Whether params that are not JSON's as given (see notJson) can be fingerprinted and stored: null
+ * when they can. Exported for the runner, which takes params given exactly as a run stores them as
+ * that run's (a Map fingerprints as {}, which such a run may have stored).
+ */
+export function paramsProblem(value: unknown): string | null {
+  return unstorable(value);
+}
+
 /**
  * Why params cannot be fingerprinted and stored as jsonb, or null when they can: a non-finite number
  * or a BigInt (JSON has neither: JSON.stringify threw its bare "Do not know how to serialize a
- * BigInt", exit 1), a string or key with U+0000 or a lone surrogate (jsonb refuses both), nesting
- * deeper than MAX_PARAMS_DEPTH. Checked after validation, so the job's own output counts too;
- * `fix` says who should give a BigInt as a string instead.
+ * BigInt", exit 1), a value JSON would drop or change (see notJson), a string or key with U+0000 or
+ * a lone surrogate (jsonb refuses both), nesting deeper than MAX_PARAMS_DEPTH. Checked after
+ * validation, so the job's own output counts too; `fix` says who should give the value otherwise.
  */
 function unstorable(value: unknown, fix = 'pass it'): string | null {
   const stack: Array<[unknown, string, number]> = [[value, 'params', 0]];
@@ -367,8 +400,14 @@ function unstorable(value: unknown, fix = 'pass it'): string | null {
       const p = text(v, path);
       if (p) return p;
     }
+    const lost = notJson(v, path, fix);
+    if (lost) return lost;
     if (v === null || typeof v !== 'object' || v instanceof Date) continue;
     if (depth >= MAX_PARAMS_DEPTH) return `${path} nests deeper than ${MAX_PARAMS_DEPTH} levels`;
+    if (Array.isArray(v)) {
+      // A hole or undefined in an array is null to JSON: another value than the one given.
+      for (let i = 0; i < v.length; i++) if (v[i] === undefined) return `${path}[${i}] is undefined, which JSON would turn into null; ${fix} as null, or leave it out of the array`;
+    }
     for (const [k, child] of Object.entries(v as Record<string, unknown>)) {
       const p = text(k, `${path} key ${JSON.stringify(k.slice(0, 40))}`);
       if (p) return p;
@@ -383,7 +422,8 @@ function unstorable(value: unknown, fix = 'pass it'): string | null {
 async function validateRawParams<P>(job: Job<P>, raw: unknown): Promise<P> {
   const v = job.params;
   if (v === undefined) {
-    if (raw === undefined || (isPlainObject(raw) && Object.keys(raw).length === 0)) return {} as P;
+    // A plain object only: a Date or a Map has no keys either, and was taken as {}.
+    if (raw === undefined || (isPlainObject(raw) && isPlainPrototype(raw) && Object.keys(raw).length === 0)) return {} as P;
     // The depth check first: stringifying 30 000 levels overflowed the stack (an HTTP 500). And the
     // params quoted only in part: a 60 kB body made a 60 kB message.
     const problem = unstorable(raw);
@@ -412,4 +452,10 @@ async function validateRawParams<P>(job: Job<P>, raw: unknown): Promise<P> {
 
 function isPlainObject(v: unknown): v is Record<string, unknown> {
   return !!v && typeof v === 'object' && !Array.isArray(v);
+}
+
+/** Whether `v` is an object literal's kind (or Object.create(null)'s), not a Date, Map or class instance. */
+function isPlainPrototype(v: object): boolean {
+  const proto = Object.getPrototypeOf(v);
+  return proto === null || proto === Object.prototype || Object.getPrototypeOf(proto) === null;
 }

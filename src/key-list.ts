@@ -2,6 +2,7 @@ import { createHash } from 'node:crypto';
 import { open, stat } from 'node:fs/promises';
 import path from 'node:path';
 import type { ChunkSource, ChunkSpec, Json } from './job.ts';
+import { UsageError } from './errors.ts';
 import { refuseNonOptions, unknownKeys } from './suggest.ts';
 
 export interface KeyListOptions<P = any> {
@@ -59,7 +60,8 @@ export function keyList<P = any>(opts: KeyListOptions<P>): ChunkSource<ParamsOfL
   if (!Number.isInteger(opts?.size) || opts.size < 1) problems.push(`size must be an integer >= 1 (got ${opts?.size})`);
   if (opts?.format !== undefined && opts.format !== 'lines' && opts.format !== 'csv') problems.push(`format must be 'lines' or 'csv' (got ${JSON.stringify(opts.format)})`);
   if (opts?.column !== undefined && !(typeof opts.column === 'string' || (Number.isInteger(opts.column) && opts.column >= 0))) problems.push('column must be a header name or a 0-based index');
-  if (problems.length) throw new TypeError(`keyList(): ${problems.join('; ')}`);
+  // A mistake in the job's definition, as defineJob's are (idem.invalidJob, exit 2).
+  if (problems.length) throw new UsageError('invalidJob', `keyList(): ${problems.join('; ')}`);
 
   const chunkSize = (factor: number | undefined) => Math.max(1, Math.round(opts.size * (factor ?? 1)));
   const cut = (keys: Json[], first: number, size: number): KeyListChunk[] => {

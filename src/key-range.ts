@@ -1,5 +1,6 @@
 import { sql, type RawBuilder } from 'kysely';
 import type { ChunkSource, ChunkSpec, Json } from './job.ts';
+import { UsageError } from './errors.ts';
 import { refuseNonOptions, unknownKeys } from './suggest.ts';
 import { identInSql, columnNameProblem, parseTableName, regclassText, tableInSql, tableNameProblem, tableRef } from './table-name.ts';
 
@@ -55,7 +56,8 @@ export function keyRange(opts: KeyRangeOptions): ChunkSource<unknown, any, KeyRa
   const problems = [...(opts && typeof opts === 'object' ? unknownKeys(opts, KEY_RANGE_KEYS, '') : [])];
   problems.push(...[tableNameProblem(opts?.table, 'table'), columnNameProblem(opts?.column, 'column')].filter((p) => p !== null));
   if (!Number.isInteger(opts?.size) || opts.size < 1) problems.push(`size must be an integer >= 1 (got ${opts?.size})`);
-  if (problems.length) throw new TypeError(`keyRange(): ${problems.join('; ')}`);
+  // A mistake in the job's definition, as defineJob's are (idem.invalidJob, exit 2).
+  if (problems.length) throw new UsageError('invalidJob', `keyRange(): ${problems.join('; ')}`);
   // One spelling for the queries and for every catalog lookup (src/table-name.ts).
   const table = tableRef(opts.table);
   const regclass = regclassText(opts.table);

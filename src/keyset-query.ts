@@ -2,6 +2,7 @@ import { sql, type RawBuilder } from 'kysely';
 import { createHash } from 'node:crypto';
 import type { ChunkSource, ChunkSpec, Json, PlanContext } from './job.ts';
 import { soleStatement } from './sql-statements.ts';
+import { UsageError } from './errors.ts';
 import { refuseNonOptions, unknownKeys } from './suggest.ts';
 import { identInSql, columnNameProblem, tableNameProblem } from './table-name.ts';
 
@@ -72,7 +73,8 @@ export function keysetQuery(opts: KeysetQueryOptions): KeysetSource {
     if (!Array.isArray(opts.tables)) problems.push('tables must be an array of table names');
     else for (const [i, t] of opts.tables.entries()) problems.push(...[tableNameProblem(t, `tables[${i}]`) ?? []].flat());
   }
-  if (problems.length) throw new TypeError(`keysetQuery(): ${problems.join('; ')}`);
+  // A mistake in the job's definition, as defineJob's are (idem.invalidJob, exit 2).
+  if (problems.length) throw new UsageError('invalidJob', `keysetQuery(): ${problems.join('; ')}`);
 
   // On a line of its own: a `-- comment` at its end must not comment out the statement around it.
   const query = typeof opts.query === 'string' ? sql.raw(`${text}\n`) : sql`${opts.query}\n`;

@@ -11,7 +11,7 @@ import { fingerprint, lockKey } from './fingerprint.ts';
 import { adoptCodeFingerprint, codeFingerprint, recordCodeFingerprint, refuseChangedCode, short } from './code-fingerprint.ts';
 import { recordedFailure } from './finalize.ts';
 import { assertNotStandby, refuseOnStandby, type HealthSetting } from './health-check.ts';
-import { assertJob, migrationProblems, validateParams, type Job, type Json } from './job.ts';
+import { assertJob, migrationProblems, paramsProblem, validateParams, type Job, type Json } from './job.ts';
 import { keyLabel } from './key-label.ts';
 import { faultPoint } from './fault-points.ts';
 import { silentLogger } from './log.ts';
@@ -396,7 +396,18 @@ export class Runner {
       return runner;
     } catch (err) {
       await database.close();
-      throw err;
+      // A statement of idem's cut short by a statement_timeout (or lock_timeout): the refusal the
+      // CLI gives (exit 2, idem.statementTimeout, naming where it is set), not PostgreSQL's bare 57014.
+      throw statementTimeoutRefusal(err, opts.connectionString, opts.connectionSource);
+    }
+  }
+
+  /** `work`, with one of idem's own statements cut short by a timeout said as Runner.connect says it. */
+  async #refusingTimeouts<T>(work: () => Promise<T>): Promise<T> {
+    try {
+      return await work();
+    } catch (err) {
+      throw err instanceof IdemError ? err : statementTimeoutRefusal(err, this.#connectionString, this.#connectionSource);
     }
   }
 
@@ -468,7 +479,9 @@ export class Runner {
       // lost connection later on is a lost lock or a chunk's failure, idem errors both). Said as
       // connect() says it, exit 2, not pg's bare `connect ECONNREFUSED` (exit 1, "the run failed").
       if (!(err instanceof IdemError) && UNREACHABLE.has(codeOf(err) ?? '')) throw describeConnectError(err, this.#connectionString, this.#connectionSource);
-      throw err;
+      // One of idem's own statements (claiming the run, its bookkeeping) cut short by a timeout: a
+      // chunk's is the run's failure, an IdemError by now.
+      throw err instanceof IdemError ? err : statementTimeoutRefusal(err, this.#connectionString, this.#connectionSource);
     } finally {
       this.#inFlight.delete(settled);
       for (const u of undo) u();
@@ -692,32 +705,42 @@ export class Runner {
 
   /** Asks a run to pause (cooperatively, between chunks). Without a key: the job's latest unfinished run. */
   async pause(job: string, key?: string): Promise<ControlResult> {
-    await assertNotStandby(this.db);
-    return requestControl(this.#ops(), job, 'pause', key);
+    return this.#refusingTimeouts(async () => {
+      await assertNotStandby(this.db);
+      return requestControl(this.#ops(), job, 'pause', key);
+    });
   }
 
   /** Lets a paused run continue on its next invocation. */
   async resume(job: string, key?: string): Promise<ControlResult> {
-    await assertNotStandby(this.db);
-    return resumeRun(this.#ops(), job, key);
+    return this.#refusingTimeouts(async () => {
+      await assertNotStandby(this.db);
+      return resumeRun(this.#ops(), job, key);
+    });
   }
 
   /** Cancels a run (cooperatively); finished chunks are kept, the run never continues. */
   async cancel(job: string, key?: string): Promise<ControlResult> {
-    await assertNotStandby(this.db);
-    return requestControl(this.#ops(), job, 'cancel', key);
+    return this.#refusingTimeouts(async () => {
+      await assertNotStandby(this.db);
+      return requestControl(this.#ops(), job, 'cancel', key);
+    });
   }
 
   /** Forgets a run so its key executes afresh; refused while it runs. */
   async reset(job: string, key: string): Promise<{ chunks: number; effects: number }> {
-    await assertNotStandby(this.db);
-    return resetRun(this.#ops(), job, key);
+    return this.#refusingTimeouts(async () => {
+      await assertNotStandby(this.db);
+      return resetRun(this.#ops(), job, key);
+    });
   }
 
   /** Finishes deleting a run a killed prune left marked `deleting`, so its key runs afresh; busy while a prune or reset deletes it. */
   async finishDeletion(runId: string, what: string): Promise<void> {
-    await assertNotStandby(this.db);
-    return finishDeletion(this.#ops(), runId, what);
+    return this.#refusingTimeouts(async () => {
+      await assertNotStandby(this.db);
+      return finishDeletion(this.#ops(), runId, what);
+    });
   }
 
   /**
@@ -726,8 +749,10 @@ export class Runner {
    * an older idem recorded (before runs were marked) is recognised and kept as well.
    */
   async prune(olderThanMs: number, opts: { readonly migrationKeys?: readonly string[] } = {}): Promise<PruneResult> {
-    await assertNotStandby(this.db);
-    return pruneRuns(this.#ops(), olderThanMs, opts.migrationKeys ?? []);
+    return this.#refusingTimeouts(async () => {
+      await assertNotStandby(this.db);
+      return pruneRuns(this.#ops(), olderThanMs, opts.migrationKeys ?? []);
+    });
   }
 
   /**
@@ -1200,7 +1225,7 @@ export class Runner {
 
   /** Runs with progress, newest first; `running` only where the job's advisory lock is really held. */
   async status(job?: string, limit = 50): Promise<RunStatusRow[]> {
-    return this.snapshot((view) => view.status(job, limit));
+    return this.#refusingTimeouts(() => this.snapshot((view) => view.status(job, limit)));
   }
 
   /**
@@ -1451,7 +1476,7 @@ function refuseControlled(run: RunRow): void {
  * cents) refuses them or changes them once more. Given as stored, they are that run's params.
  */
 function storedParamsGiven(given: unknown, run: Pick<RunRow, 'fingerprint'>): boolean {
-  if (given === undefined) return false;
+  if (given === undefined || paramsProblem(given) !== null) return false;
   try {
     return fingerprint(given) === run.fingerprint;
   } catch {

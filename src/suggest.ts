@@ -1,3 +1,5 @@
+import { UsageError } from './errors.ts';
+
 /**
  * "Did you mean …?" for a mistyped name, the way commander suggests a mistyped command: the
  * optimal-string-alignment edit distance (Levenshtein plus swapped neighbours), keeping only the
@@ -78,5 +80,5 @@ export function editDistance(a: string, b: string): number {
 export function refuseNonOptions(fn: string, value: unknown, example: string): void {
   if (value !== null && typeof value === 'object' && !Array.isArray(value)) return;
   const got = Array.isArray(value) ? 'an array' : value === null ? 'null' : value === undefined ? 'undefined' : `a ${typeof value}`;
-  throw new TypeError(`${fn} takes an options object, such as ${example} (got ${got})`);
+  throw new UsageError('invalidJob', `${fn} takes an options object, such as ${example} (got ${got})`);
 }

@@ -4,9 +4,9 @@ import { mkdtemp, rm, stat, writeFile } from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { defineJob, InterruptedError, keyList, keyRange, keysetQuery, Runner, sql, type KeyListChunk, type KeyRangeChunk, type ChunkSource, type KeysetChunk, type PlanContext } from '../src/index.ts';
+import { defineJob, exitCodeOf, IdemError, InterruptedError, keyList, keyRange, keysetQuery, Runner, sql, type KeyListChunk, type KeyRangeChunk, type ChunkSource, type KeysetChunk, type PlanContext } from '../src/index.ts';
 import { lookupText } from '../src/table-name.ts';
-import { query, runRow } from './support/cli.ts';
+import { query, runCli, runRow } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 const testDb = useTestDatabase({ prepare: (url) => query(url, `create table seen (key text primary key, n integer not null default 1)`), runner: true });
@@ -616,5 +616,48 @@ describe('a job-definition mistake in planning is the step\'s, with what to fix'
   it('a key repeated within one window is quoted in the message, as across windows', async () => {
     const { message } = await failed(defineJob({ name: 'dup-window', steps: [{ name: 'plan', chunks: sourceOf([{ key: 'a b' }, { key: 'a b' }]), run: () => {} }] }));
     expect(message).toMatch(/: chunk source returned key "a b" twice in one window; keys must be unique;/);
+  });
+});
+
+describe("a chunk source's options refused when it is made: idem.invalidJob, exit 2, as defineJob's (B3 round 16)", () => {
+  // They were plain TypeErrors: no code, exitCodeOf 1, and the CLI said "it threw while loading:
+  // TypeError: …" where defineJob's mistakes read as idem's own refusal.
+  it('keyRange, keysetQuery and keyList throw a UsageError with code idem.invalidJob', () => {
+    const cases: Array<[() => unknown, string]> = [
+      [() => keyRange({ table: 't', column: 'id', size: 10, wehre: 'x' } as never), 'keyRange(): unknown key "wehre" (did you mean "where"?)'],
+      [() => keysetQuery({ query: 'select 1 as k; select 2', key: 'k', size: 1 }), 'keysetQuery(): query must be one SELECT statement (it is used as a subquery)'],
+      [() => keyList({ size: 1 } as never), 'keyList(): pass exactly one of keys or file'],
+      [() => keyRange('orders' as never), "keyRange() takes an options object, such as { table: 'orders', column: 'id', size: 1000 } (got a string)"],
+    ];
+    for (const [make, message] of cases) {
+      let thrown: unknown;
+      try {
+        make();
+      } catch (err) {
+        thrown = err;
+      }
+      expect(thrown, message).toBeInstanceOf(IdemError);
+      expect([(thrown as IdemError).code, exitCodeOf(thrown), (thrown as Error).message]).toEqual(['idem.invalidJob', 2, message]);
+    }
+  });
+
+  it('a job file making one loads with the one line naming it (exit 2), not "it threw while loading: TypeError"', async () => {
+    const jobs = await mkdtemp(path.join(os.tmpdir(), 'idem-source-typo-'));
+    try {
+      await writeFile(path.join(jobs, 'typo.mjs'), `import { keyRange } from ${JSON.stringify(new URL('../dist/index.js', import.meta.url).href)};\nexport default { name: 'typo', steps: [{ name: 's', chunks: keyRange({ table: 't', column: 'id', size: 10, wehre: 'x' }), run() {} }] };\n`);
+      const r = await runCli(['run', 'typo', '--jobs-dir', jobs], { url });
+      expect(r.code, r.stderr).toBe(2);
+      expect(r.stderr.split('\n')[0]).toMatch(/^idem: error: cannot load jobs file .*typo\.mjs:2:\d+: keyRange\(\): unknown key "wehre" \(did you mean "where"\?\); fix the file$/);
+    } finally {
+      await rm(jobs, { recursive: true, force: true });
+    }
+  });
+
+  it('a table that does not exist is found when the step plans: the run fails there (exit 1, recorded), to resume once it is created', async () => {
+    const job = defineJob({ name: 'no-table', steps: [{ name: 's', chunks: keyRange({ table: 'nowhere', column: 'id', size: 10 }), run() {} }] });
+    const err = await runner.run(job, { key: 'k' }).catch((e: unknown) => e);
+    expect([(err as IdemError).code, exitCodeOf(err)]).toEqual(['idem.runFailed', 1]);
+    const [run] = await query(url, "select status, error->>'step' as step, error->>'message' as message from idem.runs where job = 'no-table'");
+    expect(run).toEqual({ status: 'failed', step: 's', message: 'keyRange(): table "nowhere" does not exist; create it before the step runs, or fix the table name' });
   });
 });

@@ -259,3 +259,144 @@ describe('Runner.run given a signal already aborted (B2 round 15)', () => {
     expect(await runsOf('pre-aborted')).toBe(0);
   });
 });
+
+describe("a statement_timeout that cuts one of idem's own statements short, met through the library (B1 round 16)", () => {
+  // The CLI said these as its one-line refusal (exit 2, idem.statementTimeout); Runner.connect,
+  // run and the operator methods threw PostgreSQL's bare 57014 "canceling statement due to
+  // statement timeout" (exit 1, no idem code).
+  const withOptions = (options: string) => {
+    const u = new URL(url);
+    u.searchParams.set('options', options);
+    return u.toString();
+  };
+  const fromOptions = (where: string) =>
+    `the database cancelled a statement of idem's at the statement_timeout set by -c statement_timeout in ${where}: it waited on a lock or ran longer; raise or remove -c statement_timeout in ${where} (a setting there overrides the role's and the database's), then run the same command again`;
+
+  /** Runs `fn` while another session holds `table` in access exclusive mode. */
+  async function whileLocked<T>(table: string, fn: () => Promise<T>): Promise<T> {
+    const { default: pg } = await import('pg');
+    const holder = new pg.Client({ connectionString: url });
+    await holder.connect();
+    try {
+      await holder.query(`set statement_timeout = 0; begin; lock table ${table} in access exclusive mode`);
+      return await fn();
+    } finally {
+      await holder.query('rollback').catch(() => {});
+      await holder.end();
+    }
+  }
+
+  it('Runner.connect refuses as the CLI does, naming where the setting is (the URL\'s options, or the database\'s), exit 2', async () => {
+    const viaOptions = await whileLocked('idem.idem_migration', () => rejectionOf(Runner.connect({ connectionString: withOptions('-c statement_timeout=300ms') })));
+    expectUsage(viaOptions, 'idem.statementTimeout', fromOptions("the connection string's options"));
+    const named = await whileLocked('idem.idem_migration', () =>
+      rejectionOf(Runner.connect({ connectionString: withOptions('-c statement_timeout=300ms'), connectionSource: 'DATABASE_URL' })),
+    );
+    expectUsage(named, 'idem.statementTimeout', fromOptions("DATABASE_URL's options"));
+    const dbName = new URL(url).pathname.slice(1);
+    await query(url, `alter database ${dbName} set statement_timeout = '300ms'`);
+    try {
+      const viaDatabase = await whileLocked('idem.idem_migration', () => rejectionOf(Runner.connect({ connectionString: url })));
+      expectUsage(
+        viaDatabase,
+        'idem.statementTimeout',
+        "the database cancelled a statement of idem's at the statement_timeout set for the role or database (SHOW statement_timeout): it waited on a lock or ran longer; raise it for the role idem connects as (ALTER ROLE postgres SET statement_timeout = '5min') or reset it, then run the same command again",
+      );
+    } finally {
+      await query(url, `alter database ${dbName} reset statement_timeout`);
+    }
+  });
+
+  it('Runner.run, status, pause, cancel and reset refuse the same way, and write nothing', async () => {
+    const calls = { n: 0 };
+    const job = countingJob('st-lib', calls);
+    const timed = await Runner.connect({ connectionString: withOptions('-c statement_timeout=300ms') });
+    try {
+      const ran = await whileLocked('idem.runs', () => rejectionOf(timed.run(job, { key: 'k' })));
+      expectUsage(ran, 'idem.statementTimeout', fromOptions("the connection string's options"));
+      for (const [what, call] of [
+        ['status', () => timed.status('st-lib')],
+        ['pause', () => timed.pause('st-lib', 'k')],
+        ['cancel', () => timed.cancel('st-lib', 'k')],
+        ['reset', () => timed.reset('st-lib', 'k')],
+      ] as const) {
+        const err = await whileLocked('idem.runs', () => rejectionOf((call as () => Promise<unknown>)()));
+        expect([what, (err as UsageError).code, exitCodeOf(err), err.message]).toEqual([what, 'idem.statementTimeout', 2, fromOptions("the connection string's options")]);
+      }
+    } finally {
+      await timed.close();
+    }
+    expect(calls.n).toBe(0);
+    expect(await runsOf('st-lib')).toBe(0);
+  });
+});
+
+describe('params JSON cannot hold faithfully: a function, a Symbol, a Map or Set, undefined in an array (B2 round 16)', () => {
+  // A function or Symbol as params threw `TypeError: Cannot read properties of undefined (reading
+  // 'length')` (a job without params) or PostgreSQL's 23502 not-null violation (a validator passing
+  // them through), exit 1; a Map, a Date or a Map nested in them was silently taken as `{}`.
+  const FIX = 'as data (a string, number, boolean, null, array or plain object)';
+
+  it('Runner.run refuses them given to a job without params, naming what is wrong and the fix, and writes nothing', async () => {
+    const calls = { n: 0 };
+    const job = countingJob('np-bad', calls);
+    const cases: Array<[unknown, string]> = [
+      [() => 1, `params is a function, which JSON cannot represent; pass it ${FIX} or leave it out`],
+      [Symbol('s'), 'params is a Symbol, which JSON cannot represent; pass it as a string'],
+      [new Map(), 'params is a Map, which JSON would turn into {}; pass it as a plain object (Object.fromEntries(map))'],
+      [new Set([1]), 'params is a Set, which JSON would turn into {}; pass it as an array ([...set])'],
+      [{ m: new Map([['a', 1]]) }, 'params.m is a Map, which JSON would turn into {}; pass it as a plain object (Object.fromEntries(map))'],
+      [{ f: () => 1 }, `params.f is a function, which JSON cannot represent; pass it ${FIX} or leave it out`],
+      [{ at: new Date(Number.NaN) }, 'params.at is an invalid Date, which JSON would turn into null; pass it as a valid Date or an ISO string'],
+    ];
+    for (const [params, problem] of cases) {
+      const err = await rejectionOf(runner.run(job, { params, key: 'k' }));
+      expectUsage(err, 'idem.invalidParams', `invalid params for job "np-bad": ${problem}`);
+    }
+    // A Date is no params object either (it was taken as {}).
+    const dated = await rejectionOf(runner.run(job, { params: new Date(0), key: 'k' }));
+    expectUsage(dated, 'idem.invalidParams', 'job "np-bad" takes no params, got "1970-01-01T00:00:00.000Z"; drop --params/--param');
+    expect(calls.n).toBe(0);
+    expect(await runsOf('np-bad')).toBe(0);
+  });
+
+  it("Runner.run refuses them when the job's validator returns them, and writes nothing", async () => {
+    const calls = { n: 0 };
+    const job = defineJob({ name: 'vp-bad', params: (raw: unknown) => raw as Record<string, unknown>, steps: [{ name: 's', run: () => void calls.n++ }] });
+    const RETURN = 'have the params validator return it';
+    const cases: Array<[unknown, string]> = [
+      [() => 1, `params is a function, which JSON cannot represent; ${RETURN} ${FIX} or leave it out`],
+      [Symbol('s'), `params is a Symbol, which JSON cannot represent; ${RETURN} as a string`],
+      [{ m: new Map() }, `params.m is a Map, which JSON would turn into {}; ${RETURN} as a plain object (Object.fromEntries(map))`],
+      [{ s: new Set() }, `params.s is a Set, which JSON would turn into {}; ${RETURN} as an array ([...set])`],
+      [{ ids: [1, undefined] }, `params.ids[1] is undefined, which JSON would turn into null; ${RETURN} as null, or leave it out of the array`],
+      [{ deep: { cb: () => 1 } }, `params.deep.cb is a function, which JSON cannot represent; ${RETURN} ${FIX} or leave it out`],
+    ];
+    for (const [params, problem] of cases) {
+      const err = await rejectionOf(runner.run(job, { params, key: 'k' }));
+      expectUsage(err, 'idem.invalidParams', `invalid params for job "vp-bad": ${problem}`);
+    }
+    const none = defineJob({ name: 'vp-none', params: () => undefined as unknown as Record<string, unknown>, steps: [{ name: 's', run: () => void calls.n++ }] });
+    expectUsage(
+      await rejectionOf(runner.run(none, { key: 'k' })),
+      'idem.invalidParams',
+      'invalid params for job "vp-none": the params validator returned undefined; have it return the params (an object)',
+    );
+    expect(calls.n).toBe(0);
+    expect(await runsOf('vp-bad')).toBe(0);
+    expect(await runsOf('vp-none')).toBe(0);
+  });
+
+  it('a Date is stored as its ISO string, and a key whose value is undefined as absent (what JSON makes of them)', async () => {
+    const seen: unknown[] = [];
+    const job = defineJob({ name: 'vp-date', params: (raw: unknown) => raw as Record<string, unknown>, steps: [{ name: 's', run: (ctx) => void seen.push(ctx.params) }] });
+    const outcome = await runner.run(job, { params: { at: new Date(0), gone: undefined, n: 1 } });
+    expect(outcome.status).toBe('succeeded');
+    const [row] = await query<{ params: unknown; run_key: string }>(url, "select params, run_key from idem.runs where job = 'vp-date'");
+    expect(row!.params).toEqual({ at: '1970-01-01T00:00:00.000Z', n: 1 });
+    // The same params as JSON are the same run: found done, not run again.
+    const again = await runner.run(job, { params: { at: '1970-01-01T00:00:00.000Z', n: 1 } });
+    expect(again.runKey).toBe(row!.run_key);
+    expect(seen).toHaveLength(1);
+  });
+});
