@@ -619,7 +619,7 @@ describe('a job-definition mistake in planning is the step\'s, with what to fix'
   });
 });
 
-describe("a chunk source's options refused when it is made: idem.invalidJob, exit 2, as defineJob's (B3 round 16)", () => {
+describe("a chunk source's options refused when it is made: idem.invalidJob, exit 2, as defineJob's (black-box round 18, B8-6)", () => {
   // They were plain TypeErrors: no code, exitCodeOf 1, and the CLI said "it threw while loading:
   // TypeError: …" where defineJob's mistakes read as idem's own refusal.
   it('keyRange, keysetQuery and keyList throw a UsageError with code idem.invalidJob', () => {

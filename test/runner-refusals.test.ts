@@ -260,7 +260,7 @@ describe('Runner.run given a signal already aborted (B2 round 15)', () => {
   });
 });
 
-describe("a statement_timeout that cuts one of idem's own statements short, met through the library (B1 round 16)", () => {
+describe("a statement_timeout that cuts one of idem's own statements short, met through the library (black-box round 18, B8-3)", () => {
   // The CLI said these as its one-line refusal (exit 2, idem.statementTimeout); Runner.connect,
   // run and the operator methods threw PostgreSQL's bare 57014 "canceling statement due to
   // statement timeout" (exit 1, no idem code).
@@ -331,7 +331,7 @@ describe("a statement_timeout that cuts one of idem's own statements short, met 
   });
 });
 
-describe('params JSON cannot hold faithfully: a function, a Symbol, a Map or Set, undefined in an array (B2 round 16)', () => {
+describe('params JSON cannot hold faithfully: a function, a Symbol, a Map or Set, undefined in an array (black-box round 18, B8-4)', () => {
   // A function or Symbol as params threw `TypeError: Cannot read properties of undefined (reading
   // 'length')` (a job without params) or PostgreSQL's 23502 not-null violation (a validator passing
   // them through), exit 1; a Map, a Date or a Map nested in them was silently taken as `{}`.
