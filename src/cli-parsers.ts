@@ -1,13 +1,7 @@
 import { InvalidArgumentError } from 'commander';
 import { UsageError } from './errors.ts';
-import { UNSAFE_NUMBER_RULE, unsafeNumberPath } from './unsafe-number.ts';
+import { PLAIN_DECIMAL, UNSAFE_NUMBER_RULE, unsafeNumberPath } from './unsafe-number.ts';
 
-/**
- * A number as the command line takes it: plain decimal digits, with one optional fraction part
- * (`250`, `0.5`). Number() alone would take `''` as 0, `0x3E8` as 1000, `' 5'` as 5 and `1e3` as
- * 1000: a typo would become a setting.
- */
-const PLAIN_DECIMAL = /^\d+(\.\d+)?$/;
 const PLAIN_INTEGER = /^\d+$/;
 
 /** Commander argument parsers and the params parser: pure, so every command refuses bad flags the same way. */

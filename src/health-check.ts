@@ -6,6 +6,7 @@ import { sleep } from './sleep.ts';
 import { retrying } from './retry.ts';
 import { didYouMean, suggestSimilar } from './suggest.ts';
 import { identInSql, lookupText } from './table-name.ts';
+import { PLAIN_DECIMAL } from './unsafe-number.ts';
 
 /**
  * Database-health indicators checked before each chunk starts; while one is over its threshold the
@@ -82,7 +83,7 @@ function indicatorMeant(name: string): string | undefined {
 export function parseHealthFlag(value: string, previous: HealthOptions = {}): HealthOptions {
   const eq = value.indexOf('=');
   const name = eq < 0 ? value : value.slice(0, eq);
-  const raw = eq < 0 ? '' : value.slice(eq + 1).trim();
+  const raw = eq < 0 ? '' : value.slice(eq + 1);
   if (name === 'autovacuum') {
     if (raw !== 'on' && raw !== 'off') throw new UsageError('invalidHealth', `--health autovacuum=${raw}: expected on or off`);
     return { ...previous, autovacuum: raw === 'on' };
@@ -91,9 +92,10 @@ export function parseHealthFlag(value: string, previous: HealthOptions = {}): He
     const meant = indicatorMeant(name);
     throw new UsageError('invalidHealth', `--health ${value}: unknown indicator "${name}"${meant ? ` (${meant})` : ''}; use one of ${[...NUMERIC, 'autovacuum'].join(', ')} as name=value`);
   }
-  const n = Number(raw);
   if (raw === 'off' && name !== 'probeIntervalMs') return { ...previous, [name]: false };
-  if (raw === '' || !Number.isFinite(n) || n < 0) throw new UsageError('invalidHealth', `--health ${value}: expected ${name}=<number >= 0>${name === 'probeIntervalMs' ? '' : ' or off'}`);
+  // As every other number flag: until 2026-12-04 `0x10`, `1e3` and ` 5` were taken (16, 1000, 5).
+  const n = PLAIN_DECIMAL.test(raw) ? Number(raw) : Number.NaN;
+  if (!Number.isFinite(n)) throw new UsageError('invalidHealth', `--health ${value}: expected ${name}=<plain decimal number >= 0, such as 600 or 0.5>${name === 'probeIntervalMs' ? '' : ' or off'}`);
   return { ...previous, [name]: n };
 }
 

@@ -1,4 +1,12 @@
 /**
+ * A number as the command line takes it: plain decimal digits, with one optional fraction part
+ * (`250`, `0.5`). Number() alone would take `''` as 0, `0x3E8` as 1000, `' 5'` as 5 and `1e3` as
+ * 1000: a typo would become a setting. Here, a leaf module, so the health checks (which the job
+ * API loads) share it with the CLI's parsers without loading commander.
+ */
+export const PLAIN_DECIMAL = /^\d+(\.\d+)?$/;
+
+/**
  * Where parsed params hold a number JavaScript cannot hold exactly: JSON.parse rounds an integer
  * beyond ±(2^53−1) to a neighbour (9007199254740993 becomes 9007199254740992), so two different
  * inputs would become one run key and the job would act on another row than asked. Node 20's

@@ -330,6 +330,14 @@ describe('health checks before each chunk', () => {
     expect(() => resolveHealth({ probeIntervalMs: false } as unknown as HealthOptions)).toThrow('probeIntervalMs must be a number >= 0 (got false)');
     expect(parseHealthFlag('walArchivePending=off', parseHealthFlag('autovacuum=off'))).toEqual({ autovacuum: false, walArchivePending: false });
     expect(() => parseHealthFlag('lockWaitMs=soon')).toThrow(UsageError);
+    // Black-box round 18 (B10-3): the number forms every other number flag refuses were taken
+    // (0x10 read as 16, 1e3 as 1000, " 5" as 5): a typo became a threshold.
+    for (const v of ['0x10', '1e3', ' 5', '5 ', '+5', '.5', '5.', '1_000']) {
+      expect(() => parseHealthFlag(`transactionAgeSeconds=${v}`), v).toThrow(`--health transactionAgeSeconds=${v}: expected transactionAgeSeconds=<plain decimal number >= 0, such as 600 or 0.5> or off`);
+    }
+    expect(() => parseHealthFlag('probeIntervalMs=1e3')).toThrow('--health probeIntervalMs=1e3: expected probeIntervalMs=<plain decimal number >= 0, such as 600 or 0.5>');
+    expect(parseHealthFlag('transactionAgeSeconds=600')).toEqual({ transactionAgeSeconds: 600 });
+    expect(parseHealthFlag('lockWaitMs=0.5')).toEqual({ lockWaitMs: 0.5 });
     expect(() => defineJob({ name: 'bad-health', health: { transactionAgeSeconds: -1 }, steps: [{ name: 's', run() {} }] })).toThrow(/transactionAgeSeconds must be a number >= 0 or false/);
   });
 });
