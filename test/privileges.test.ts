@@ -44,8 +44,9 @@ afterAll(async () => {
 
 const asRole = (args: string[]) => runCli([...FIXTURE_DIRS, ...args], { url: roleUrl });
 
-function oneLine(r: CliResult, code: number): string {
-  expect({ code: r.code, stdout: r.stdout, lines: lines(r.stderr).length }, r.stderr).toEqual({ code, stdout: '', lines: 1 });
+/** The command's one stderr line, its exit code `code` and nothing on stdout (or, with --json, the one error object). */
+function oneLine(r: CliResult, code: number, json?: Record<string, unknown>): string {
+  expect({ code: r.code, stdout: json ? JSON.parse(r.stdout) : r.stdout, lines: lines(r.stderr).length }, r.stderr).toEqual({ code, stdout: json ? expect.objectContaining(json) : '', lines: 1 });
   return r.stderr.trimEnd();
 }
 
@@ -173,7 +174,7 @@ describe('a role without CREATE on the database', { shuffle: false }, () => {
       // ("job failed in step (runner) … permission denied for table chunks", exit 1), blaming the job.
       const key = `weak-revoke-${table}`;
       const gate = await holdGate(ownerUrl, key);
-      const child = spawnCli([...FIXTURE_DIRS, '--log-level', 'error', 'run', 'counted', '--params', JSON.stringify({ chunks: 3, gate: key }), '--key', key], { url: roleUrl, timeoutMs: 40_000 });
+      const child = spawnCli([...FIXTURE_DIRS, '--log-level', 'error', 'run', 'counted', '--params', JSON.stringify({ chunks: 3, gate: key }), '--key', key, '--json'], { url: roleUrl, timeoutMs: 40_000 });
       let r: CliResult;
       try {
         await waitFor(async () => (await lockWaiters(ownerUrl, 'idem')) > 0, 'a chunk waiting on the gate');
@@ -184,7 +185,8 @@ describe('a role without CREATE on the database', { shuffle: false }, () => {
         await gate.release();
         await query(ownerUrl, `grant update on idem.${table} to ${role}`);
       }
-      expect(oneLine(r, 2)).toBe(
+      // With --json, its own code, for alert routing (black-box round 18, B10-5: it was idem.databaseUnavailable).
+      expect(oneLine(r!, 2, { status: 'error', exitCode: 2, code: 'idem.insufficientPrivilege' })).toBe(
         `idem: error: role ${role} may not use the runner schema "idem" (no UPDATE on idem.${table}): as the schema's owner, ` +
           `GRANT USAGE ON SCHEMA idem TO ${role}; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA idem TO ${role} (see README, Database privileges)`,
       );

@@ -475,7 +475,7 @@ function missingPrivileges(schema: string, lacking: ReadonlyArray<{ table: strin
  * the GRANT. Null when `err` is something else, or when it names a table idem's role still has every
  * privilege on (a job's own table of the same name: that failure is the job's).
  */
-export async function lostPrivilegeRefusal(db: Kysely<any>, schema: string, err: unknown): Promise<DatabaseUnavailableError | null> {
+export async function lostPrivilegeRefusal(db: Kysely<any>, schema: string, err: unknown): Promise<UsageError | null> {
   if (codeOf(err) !== INSUFFICIENT_PRIVILEGE || !(err instanceof Error)) return null;
   const named = /^permission denied for (table|schema) (.+)$/.exec(err.message);
   if (!named) return null;
@@ -510,7 +510,7 @@ const MIGRATION_LOCK_ROW = 'migration_lock';
  * schema itself (CREATE on the database), or the grants that let it use a schema its owner
  * created. README, "Database privileges", documents the same statements.
  */
-async function privilegeRefusal(db: Kysely<any>, schema: string, what: 'create' | 'upgrade' | 'use', reason: string, cause?: unknown, access: 'read' | 'write' = 'write'): Promise<DatabaseUnavailableError> {
+async function privilegeRefusal(db: Kysely<any>, schema: string, what: 'create' | 'upgrade' | 'use', reason: string, cause?: unknown, access: 'read' | 'write' = 'write'): Promise<UsageError> {
   const { rows } = await sql<{ role: string; database: string }>`select quote_ident(current_user) as role, quote_ident(current_database()) as database`.execute(db);
   const { role, database } = rows[0]!;
   // A reading command (status, list) needs to read, and is told only that.
@@ -521,5 +521,7 @@ async function privilegeRefusal(db: Kysely<any>, schema: string, what: 'create' 
       : what === 'upgrade'
         ? `role ${role} may not upgrade the runner schema "${schema}" to this idem's version (${reason}): let the schema's owner run idem migrate once (it upgrades the schema), then ${grants} (see README, Database privileges)`
         : `role ${role} may not use the runner schema "${schema}" (${reason}): as the schema's owner, ${grants} (see README, Database privileges)`;
-  return new DatabaseUnavailableError(message, cause === undefined ? undefined : { cause });
+  // Its own code (until 2026-12-04 idem.databaseUnavailable, which an alert would route to the
+  // database's on-call): the database is up, the role lacks a grant.
+  return new UsageError('insufficientPrivilege', message, cause === undefined ? undefined : { cause });
 }
