@@ -1484,6 +1484,15 @@ function storedParamsGiven(given: unknown, run: Pick<RunRow, 'fingerprint'>): bo
   }
 }
 
+/**
+ * Refuses params given for an existing run that are not its own, as Runner.run does (exit 65):
+ * given as the run stores them they are its own; else validated, and compared by fingerprint.
+ */
+export async function refuseOtherParams(job: Job, run: RunRow, given: unknown): Promise<void> {
+  if (storedParamsGiven(given, run)) return;
+  checkFingerprint(job.name, run.run_key, run, fingerprint(await validateParams(job, given)));
+}
+
 function checkFingerprint(job: string, runKey: string, run: RunRow, fp: string): void {
   if (run.fingerprint !== fp) {
     throw new ParamsMismatchError(
