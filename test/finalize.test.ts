@@ -262,6 +262,23 @@ describe('finalize', () => {
     expect(same.code, same.stderr).toBe(0);
     expect(JSON.parse(same.stdout)).toMatchObject({ status: 'already-succeeded', how: 'already-succeeded' });
     expect(await snapshot(url, TABLES)).toEqual(before);
+    // A run live in another process: refused at once, not waited for.
+    const gate = await holdGate(url, 'pm-live');
+    const other = await Runner.connect({ connectionString: url });
+    try {
+      const elsewhere = other.run(counted, { params: { chunks: 2, gate: 'pm-live' }, key: 'pm-live' });
+      await waitFor(async () => (await runRow(url, 'counted', 'pm-live'))?.status === 'running' && (await workCounts(url, 'pm-live', 'prepare')).size === 1, 'the other run to start');
+      const started = Date.now();
+      const err = await finalizeRun(runner, counted, { key: 'pm-live', params: { chunks: 9 }, timeoutSeconds: 30 }).catch((e: unknown) => e);
+      expect(err).toBeInstanceOf(ParamsMismatchError);
+      expect(Date.now() - started).toBeLessThan(5_000);
+      expect(await runRow(url, 'counted', 'pm-live')).toMatchObject({ status: 'running', attempt: 1 });
+      await gate.release();
+      await elsewhere;
+    } finally {
+      await gate.release();
+      await other.close();
+    }
     // Not given: the run keeps its own, and the rest runs with them.
     const rest = await runCli([...FIXTURE_DIRS, '--log-level', 'warn', 'finalize', 'counted', '--key', 'pm-idle', '--json'], { url });
     expect(rest.code, rest.stderr).toBe(0);
