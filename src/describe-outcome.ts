@@ -7,7 +7,8 @@ export function describeOutcome(o: RunOutcome): string {
   const s = o.summary;
   if (o.status === 'dry-run') {
     const steps = o.plan!.steps.map((st) => `${st.name}${st.chunked ? ' (chunked)' : ''}`).join(', ');
-    return `dry run: job "${o.job}" run key ${visible(o.runKey)} is ${o.plan!.state}; steps: ${steps}; nothing was written`;
+    const resumes = o.plan!.state === 'crashed' ? ` (idem run resumes it as attempt ${o.attempt + 1})` : '';
+    return `dry run: job "${o.job}" run key ${visible(o.runKey)} is ${o.plan!.state}${resumes}; steps: ${steps}; nothing was written`;
   }
   const skipped = s && s.skipped > 0 ? ` (${s.skipped} skipped: see idem status, retry with --retry-skipped)` : '';
   const dropped = s?.dropped?.length

@@ -4,7 +4,7 @@ import { slotOfJobKey } from './schedule.ts';
 import { sleep } from './sleep.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import { keyLabel } from './key-label.ts';
-import { alreadyDone, type RunJobOptions, type Runner, type RunOutcome } from './runner.ts';
+import { alreadyDone, refuseOtherParams, type RunJobOptions, type Runner, type RunOutcome } from './runner.ts';
 import type { RunRow } from './store.ts';
 import { continueCommand, shellQuote } from './shell-quote.ts';
 import { refuseBadRunOptions } from './run-options.ts';
@@ -27,7 +27,11 @@ export interface FinalizeOutcome extends RunOutcome {
 export interface FinalizeOptions extends Pick<RunJobOptions, 'concurrency' | 'signal' | 'abortSignal' | 'onProgress' | 'allowChangedCode' | 'throttle' | 'health'> {
   /** The run's key. */
   readonly key: string;
-  /** Params for a run that does not exist yet; an existing run keeps its own. Defaults to `{}`. */
+  /**
+   * Params for a run that does not exist yet. An existing run keeps its own: params given that are
+   * not its own are refused with a ParamsMismatchError (exit 65), as Runner.run refuses them,
+   * before anything is written or waited for. Defaults to `{}` (and, for an existing run, to its own).
+   */
   readonly params?: unknown;
   /** How long to wait for a run that is live in another process, in seconds. Defaults to no bound. */
   readonly timeoutSeconds?: number;
@@ -51,6 +55,9 @@ export async function finalizeRun(runner: Runner, job: Job, opts: FinalizeOption
   // resumes the run, and a run that failed while we waited must be reported, not resumed.
   for (;;) {
     const existing = await runner.store.findRun(job.name, opts.key);
+    // Other params under this key are refused first, as `idem run` refuses them: not waited for,
+    // nor answered "already succeeded", nor the rest run with the run's own params instead.
+    if (existing && opts.params !== undefined) await refuseOtherParams(job, existing, opts.params);
     if (existing?.status === 'failed') throw recordedFailure(existing);
     if (existing && (await isLive(runner, existing))) {
       if (Date.now() >= deadline) throw timedOut(opts.timeoutSeconds!, `run ${opts.key} of job "${job.name}"`);
@@ -59,7 +66,7 @@ export async function finalizeRun(runner: Runner, job: Job, opts: FinalizeOption
       if (opts.signal?.aborted) throw opts.signal.reason;
       continue;
     }
-    const params = existing ? existing.params : ((await validateParams(job, opts.params)) as Json);
+    const params = existing ? existing.params : ((await validateParams(job, opts.params ?? {})) as Json);
     try {
       const outcome = await runner.run(job, { params, key: opts.key, slot, wait: false, resumeFailed: false, ...pick(opts) });
       return { ...outcome, how: how(outcome, waited) };

@@ -270,7 +270,7 @@ export interface RunOutcome {
   readonly executed: number;
   /** How long this invocation's attempt took (the summary's durationMs spans every attempt). */
   readonly elapsedMs?: number;
-  /** For a dry run: the run's state and the steps that would run. */
+  /** For a dry run: the run's state as idem status says it (`new`, `crashed` for a run whose process died, else its status) and the steps that would run. */
   readonly plan?: { readonly state: string; readonly steps: ReadonlyArray<{ readonly name: string; readonly chunked: boolean }> };
 }
 
@@ -1210,7 +1210,11 @@ export class Runner {
     // A resume the real command would refuse for its code: not a finished, paused or cancelled run
     // (refused or done for that first), nor a live one unless joining it (a plain run is busy
     // first; --join refuses to join it under other code).
-    if (run && !['succeeded', 'paused', 'cancelled'].includes(run.status) && (join || !(await isLive(this.#ops(), run)))) refuseChangedCode(run, job, allowChangedCode);
+    const live = !!run && (await isLive(this.#ops(), run));
+    if (run && !['succeeded', 'paused', 'cancelled'].includes(run.status) && (join || !live)) refuseChangedCode(run, job, allowChangedCode);
+    // `running` only while a live process holds it (the real plain run is busy, 75); a row left
+    // `running` by a process that died is crashed, as idem status says, and the real run resumes it.
+    const state = !run ? 'new' : run.status === 'running' && !live ? 'crashed' : run.status;
     return {
       status: 'dry-run',
       job: job.name,
@@ -1219,7 +1223,7 @@ export class Runner {
       attempt: run?.attempt ?? 0,
       summary: run?.summary ?? null,
       executed: 0,
-      plan: { state: run?.status ?? 'new', steps: job.steps.map((s) => ({ name: s.name, chunked: s.chunks !== undefined })) },
+      plan: { state, steps: job.steps.map((s) => ({ name: s.name, chunked: s.chunks !== undefined })) },
     };
   }
 
@@ -1482,6 +1486,15 @@ function storedParamsGiven(given: unknown, run: Pick<RunRow, 'fingerprint'>): bo
   } catch {
     return false; // not JSON (a function, a cycle): not the stored params
   }
+}
+
+/**
+ * Refuses params given for an existing run that are not its own, as Runner.run does (exit 65):
+ * given as the run stores them they are its own; else validated, and compared by fingerprint.
+ */
+export async function refuseOtherParams(job: Job, run: RunRow, given: unknown): Promise<void> {
+  if (storedParamsGiven(given, run)) return;
+  checkFingerprint(job.name, run.run_key, run, fingerprint(await validateParams(job, given)));
 }
 
 function checkFingerprint(job: string, runKey: string, run: RunRow, fp: string): void {

@@ -110,6 +110,49 @@ describe('a run killed with SIGKILL', () => {
   }, 120_000);
 });
 
+describe('a run killed with SIGKILL, seen by --dry-run (round 18, B10 C2)', () => {
+  it('the dry run says crashed, as idem status does, and that the real run resumes it as the next attempt (--join too); running only while live', async () => {
+    // Black-box round 18 (B10, C2): a dry run reported a crashed run "running" (exit 0, and
+    // "state":"running" in --json), where idem status said crashed and the real run resumes it.
+    const key = 'dry-crashed';
+    const gate = 'dry-crashed-gate';
+    await query(url, 'insert into gates (name) values ($1) on conflict do nothing', [gate]);
+    const held = await holdGate(url, gate);
+    const params = { ...PARAMS, chunks: 3, gate };
+    const dry = (extra: string[] = []) => runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', JSON.stringify(params), '--key', key, '--dry-run', ...extra], { url });
+    try {
+      const proc = run(key, params);
+      await waitFor(async () => (await lockWaiters(url, 'idem')) > 0, 'a chunk blocked at the gate');
+      // Live: the real plain run would be busy.
+      const live = await dry(['--json']);
+      expect(live.code, live.stderr).toBe(0);
+      expect(JSON.parse(live.stdout)).toMatchObject({ status: 'dry-run', attempt: 1, plan: { state: 'running' } });
+      proc.child.kill('SIGKILL');
+      expectKilled(await proc.done);
+      await settled();
+    } finally {
+      await held.release();
+    }
+    const before = await runRow(url, 'counted', key);
+    expect(before).toMatchObject({ status: 'running', attempt: 1 });
+    const [status] = await withRunner((runner) => runner.status('counted', 1));
+    expect(status).toMatchObject({ runKey: key, state: 'crashed' });
+    for (const extra of [[], ['--join']]) {
+      const text = await dry(extra);
+      expect(text.code, text.stderr).toBe(0);
+      expect(text.stdout).toBe(`dry run: job "counted" run key ${key} is crashed (idem run resumes it as attempt 2); steps: prepare, work (chunked), finish; nothing was written\n`);
+      const json = await dry([...extra, '--json']);
+      expect(json.code, json.stderr).toBe(0);
+      expect(JSON.parse(json.stdout)).toMatchObject({ status: 'dry-run', runKey: key, attempt: 1, plan: { state: 'crashed' } });
+    }
+    expect(await runRow(url, 'counted', key)).toEqual(before);
+    // And the real run does resume it, as attempt 2.
+    const rerun = await run(key, params).done;
+    expect(rerun.code, rerun.stderr).toBe(0);
+    expect(JSON.parse(rerun.stdout)).toMatchObject({ status: 'succeeded', attempt: 2 });
+  });
+});
+
 describe('a run stopped with one SIGTERM or SIGINT', () => {
   it.each([
     ['SIGTERM', 143],

@@ -4,7 +4,7 @@ import net from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { BusyError, defineJob, exitCodeOf, finalizeRun, InterruptedError, Runner, RunFailedError, sql } from '../src/index.ts';
+import { BusyError, defineJob, exitCodeOf, finalizeRun, InterruptedError, ParamsMismatchError, Runner, RunFailedError, sql } from '../src/index.ts';
 import counted, { chunkKey } from './fixtures/jobs/counted.ts';
 import { FIXTURE_DIRS, holdGate, killLeftovers, lines, query, runCli, runRow, snapshot, waitFor, workCounts } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
@@ -226,6 +226,64 @@ describe('finalize', () => {
       silent.close();
       await rm(dir, { recursive: true, force: true });
     }
+  });
+
+  it('params given that differ from the run\'s are refused as idem run refuses them (exit 65), nothing written; params not given are the run\'s', async () => {
+    // Black-box round 18 (B10, C1): finalize ignored --params that differed from the existing
+    // run's: a succeeded run answered already-succeeded (exit 0), a crashed one ran the rest with
+    // its stored params, without a word.
+    const stop = new AbortController();
+    await runner.run(counted, { params: { chunks: 2 }, key: 'pm-done' });
+    const first = await runner
+      .run(counted, { params: { chunks: 4 }, key: 'pm-idle', signal: stop.signal, onProgress: (p) => void (p.step === 'work' && p.done === 1 && stop.abort(new InterruptedError('SIGTERM'))) })
+      .catch((e: unknown) => e);
+    expect(first).toBeInstanceOf(InterruptedError);
+    const before = await snapshot(url, TABLES);
+    for (const key of ['pm-done', 'pm-idle']) {
+      // The words idem run uses for these params under this key (a dry run writes nothing).
+      const ran = await runner.run(counted, { params: { chunks: 9 }, key, dryRun: true }).catch((e: unknown) => e);
+      expect(ran, key).toBeInstanceOf(ParamsMismatchError);
+      const err = await finalizeRun(runner, counted, { key, params: { chunks: 9 } }).catch((e: unknown) => e);
+      expect(err, key).toBeInstanceOf(ParamsMismatchError);
+      expect(exitCodeOf(err)).toBe(65);
+      expect((err as Error).message).toBe((ran as Error).message);
+      for (const flags of [['--params', '{"chunks":9}'], ['--param', 'chunks=9'], ['--params', '{}']]) {
+        const cli = await runCli([...FIXTURE_DIRS, '--log-level', 'warn', 'finalize', 'counted', '--key', key, ...flags], { url });
+        expect(cli.code, `${key} ${flags.join(' ')}: ${cli.stderr}`).toBe(65);
+        expect(lines(cli.stderr)).toEqual([expect.stringMatching(new RegExp(`^idem: error: run key "${key}" of job "counted" was already used with other params \\(`))]);
+        expect(cli.stdout).toBe('');
+      }
+      expect(await snapshot(url, TABLES), key).toEqual(before);
+    }
+    // The run's own params, given back (as idem status --json shows them), are the run's.
+    const stored = (await runRow(url, 'counted', 'pm-done')).params;
+    expect(await finalizeRun(runner, counted, { key: 'pm-done', params: stored })).toMatchObject({ how: 'already-succeeded' });
+    const same = await runCli([...FIXTURE_DIRS, '--log-level', 'warn', 'finalize', 'counted', '--key', 'pm-done', '--param', 'chunks=2', '--json'], { url });
+    expect(same.code, same.stderr).toBe(0);
+    expect(JSON.parse(same.stdout)).toMatchObject({ status: 'already-succeeded', how: 'already-succeeded' });
+    expect(await snapshot(url, TABLES)).toEqual(before);
+    // A run live in another process: refused at once, not waited for.
+    const gate = await holdGate(url, 'pm-live');
+    const other = await Runner.connect({ connectionString: url });
+    try {
+      const elsewhere = other.run(counted, { params: { chunks: 2, gate: 'pm-live' }, key: 'pm-live' });
+      await waitFor(async () => (await runRow(url, 'counted', 'pm-live'))?.status === 'running' && (await workCounts(url, 'pm-live', 'prepare')).size === 1, 'the other run to start');
+      const started = Date.now();
+      const err = await finalizeRun(runner, counted, { key: 'pm-live', params: { chunks: 9 }, timeoutSeconds: 30 }).catch((e: unknown) => e);
+      expect(err).toBeInstanceOf(ParamsMismatchError);
+      expect(Date.now() - started).toBeLessThan(5_000);
+      expect(await runRow(url, 'counted', 'pm-live')).toMatchObject({ status: 'running', attempt: 1 });
+      await gate.release();
+      await elsewhere;
+    } finally {
+      await gate.release();
+      await other.close();
+    }
+    // Not given: the run keeps its own, and the rest runs with them.
+    const rest = await runCli([...FIXTURE_DIRS, '--log-level', 'warn', 'finalize', 'counted', '--key', 'pm-idle', '--json'], { url });
+    expect(rest.code, rest.stderr).toBe(0);
+    expect(JSON.parse(rest.stdout)).toMatchObject({ how: 'ran-inline', status: 'succeeded', attempt: 2 });
+    expect(await workCounts(url, 'pm-idle')).toEqual(ones(4));
   });
 
   it('a failed run: throws its recorded error (exit 1) and runs nothing, from the API and the CLI', async () => {

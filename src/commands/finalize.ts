@@ -29,7 +29,7 @@ export function registerFinalizeCommand(program: Command, cli: CliContext): void
     .argument('<job>', 'job name')
     .requiredOption('--key <key>', "the run's key", existingKey)
     .option('--timeout <seconds>', 'how long to wait for the run when another process runs it (default: no bound)', nonNegativeNumber)
-    .option('--params <json>', 'params, only for a run that does not exist yet (an existing run keeps its own)')
+    .option('--params <json>', 'params for a run that does not exist yet; an existing run keeps its own, and other params given for it are refused (exit 65)')
     .option('--param <key=value>', 'one param, as for idem run; repeatable', collectParam, {})
     .option('--concurrency <n>', 'chunks run at once when the rest runs here', positiveInt(64), 1)
     .option('--allow-changed-code', 'resume even though the job file (or version) changed since the run started')
@@ -37,6 +37,8 @@ export function registerFinalizeCommand(program: Command, cli: CliContext): void
     .action((name: string, o: FinalizeFlags) =>
       cli.runWithSession(async (g, log, session, force) => {
         const params = parseParams(o.params, o.param);
+        // Given (--params or --param): an existing run refuses them unless they are its own.
+        const given = o.params !== undefined || Object.keys(o.param).length > 0;
         const { findJob, slotOfJobKey } = await import('../cli-runtime.ts');
         const job = await findJob(g.jobsDir, name, { migrationsDir: g.migrationsDir });
         // finalizeRun refuses a slot-shaped key off the job's schedule too; here that is before
@@ -48,7 +50,7 @@ export function registerFinalizeCommand(program: Command, cli: CliContext): void
         const signals = installSignals(log, g.shutdownTimeout, force);
         const outcome = await finalizeRun(runner, job, {
           key: o.key,
-          params,
+          ...(given ? { params } : {}),
           concurrency: o.concurrency,
           ...(o.timeout !== undefined ? { timeoutSeconds: o.timeout } : {}),
           allowChangedCode: o.allowChangedCode ?? false,
