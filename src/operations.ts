@@ -214,17 +214,17 @@ export async function requestControl(h: OperationsHost, job: string, what: 'paus
 }
 
 /**
- * Undoes a pause: the run becomes resumable (the next `idem run` or cron tick continues it). A run
- * paused after it failed (its error kept) is `failed` again, not `interrupted`: idem finalize runs
- * an interrupted run behind a deploy, and a failed one is resumed on purpose only.
- */
-/**
  * The channel a resume notifies on once it released a paused run to `interrupted` (payload:
  * `<schema> <run id>`): `idem serve` listens, and takes a run created over HTTP up at once rather
  * than at its next rescan (every 30 s).
  */
 export const RUN_RELEASED = 'idem_run_released';
 
+/**
+ * Undoes a pause: the run becomes resumable (the next `idem run` or cron tick continues it). A run
+ * paused after it failed (its error kept) is `failed` again, not `interrupted`: idem finalize runs
+ * an interrupted run behind a deploy, and a failed one is resumed on purpose only.
+ */
 export async function resumeRun(h: OperationsHost, job: string, key?: string): Promise<ControlResult> {
   let run = await targetRun(h, job, key, ['paused'], 'resume', true);
   for (let tries = 1; ; tries++) {

@@ -957,11 +957,6 @@ export class Runner {
   }
 
   /**
-   * Records how an attempt ended and returns the error to throw. A fenced attempt writes nothing,
-   * and nothing overwrites a run that is no longer running under this attempt (Store.failRun):
-   * when that run had succeeded, returns SucceededElsewhere instead of an error.
-   */
-  /**
    * Leaves the run as a worker that stops without a verdict on it: under the entry gate, the last
    * worker to leave records it interrupted (leave() returns 0); outside worker mode (null) this
    * process records it. A leave() that could not be asked (its session lost: undefined) writes
@@ -974,6 +969,11 @@ export class Runner {
     return others;
   }
 
+  /**
+   * Records how an attempt ended and returns the error to throw. A fenced attempt writes nothing,
+   * and nothing overwrites a run that is no longer running under this attempt (Store.failRun):
+   * when that run had succeeded, returns SucceededElsewhere instead of an error.
+   */
   async #recordEnd(runId: string, attempt: number, job: Job, runKey: string, err: unknown, log: Logger, lock: HeldLock): Promise<unknown> {
     if (err instanceof CodeMovedOn) {
       // This worker's steps are done; the run's (under its code now) may not be. It leaves as a
