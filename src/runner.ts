@@ -402,13 +402,26 @@ export class Runner {
     }
   }
 
+  /** `err`, or when it is one of idem's own statements cut short by a timeout, the refusal Runner.connect gives for it. */
+  #timeoutRefusal(err: unknown): unknown {
+    return err instanceof IdemError ? err : statementTimeoutRefusal(err, this.#connectionString, this.#connectionSource);
+  }
+
   /** `work`, with one of idem's own statements cut short by a timeout said as Runner.connect says it. */
   async #refusingTimeouts<T>(work: () => Promise<T>): Promise<T> {
     try {
       return await work();
     } catch (err) {
-      throw err instanceof IdemError ? err : statementTimeoutRefusal(err, this.#connectionString, this.#connectionSource);
+      throw this.#timeoutRefusal(err);
     }
+  }
+
+  /** An operator command (pause, resume, …): refused on a standby, its statements' timeouts said as connect says them. */
+  #operate<T>(op: (h: OperationsHost) => Promise<T>): Promise<T> {
+    return this.#refusingTimeouts(async () => {
+      await assertNotStandby(this.db);
+      return op(this.#ops());
+    });
   }
 
   get db() {
@@ -481,7 +494,7 @@ export class Runner {
       if (!(err instanceof IdemError) && UNREACHABLE.has(codeOf(err) ?? '')) throw describeConnectError(err, this.#connectionString, this.#connectionSource);
       // One of idem's own statements (claiming the run, its bookkeeping) cut short by a timeout: a
       // chunk's is the run's failure, an IdemError by now.
-      throw err instanceof IdemError ? err : statementTimeoutRefusal(err, this.#connectionString, this.#connectionSource);
+      throw this.#timeoutRefusal(err);
     } finally {
       this.#inFlight.delete(settled);
       for (const u of undo) u();
@@ -705,42 +718,27 @@ export class Runner {
 
   /** Asks a run to pause (cooperatively, between chunks). Without a key: the job's latest unfinished run. */
   async pause(job: string, key?: string): Promise<ControlResult> {
-    return this.#refusingTimeouts(async () => {
-      await assertNotStandby(this.db);
-      return requestControl(this.#ops(), job, 'pause', key);
-    });
+    return this.#operate((h) => requestControl(h, job, 'pause', key));
   }
 
   /** Lets a paused run continue on its next invocation. */
   async resume(job: string, key?: string): Promise<ControlResult> {
-    return this.#refusingTimeouts(async () => {
-      await assertNotStandby(this.db);
-      return resumeRun(this.#ops(), job, key);
-    });
+    return this.#operate((h) => resumeRun(h, job, key));
   }
 
   /** Cancels a run (cooperatively); finished chunks are kept, the run never continues. */
   async cancel(job: string, key?: string): Promise<ControlResult> {
-    return this.#refusingTimeouts(async () => {
-      await assertNotStandby(this.db);
-      return requestControl(this.#ops(), job, 'cancel', key);
-    });
+    return this.#operate((h) => requestControl(h, job, 'cancel', key));
   }
 
   /** Forgets a run so its key executes afresh; refused while it runs. */
   async reset(job: string, key: string): Promise<{ chunks: number; effects: number }> {
-    return this.#refusingTimeouts(async () => {
-      await assertNotStandby(this.db);
-      return resetRun(this.#ops(), job, key);
-    });
+    return this.#operate((h) => resetRun(h, job, key));
   }
 
   /** Finishes deleting a run a killed prune left marked `deleting`, so its key runs afresh; busy while a prune or reset deletes it. */
   async finishDeletion(runId: string, what: string): Promise<void> {
-    return this.#refusingTimeouts(async () => {
-      await assertNotStandby(this.db);
-      return finishDeletion(this.#ops(), runId, what);
-    });
+    return this.#operate((h) => finishDeletion(h, runId, what));
   }
 
   /**
@@ -749,10 +747,7 @@ export class Runner {
    * an older idem recorded (before runs were marked) is recognised and kept as well.
    */
   async prune(olderThanMs: number, opts: { readonly migrationKeys?: readonly string[] } = {}): Promise<PruneResult> {
-    return this.#refusingTimeouts(async () => {
-      await assertNotStandby(this.db);
-      return pruneRuns(this.#ops(), olderThanMs, opts.migrationKeys ?? []);
-    });
+    return this.#operate((h) => pruneRuns(h, olderThanMs, opts.migrationKeys ?? []));
   }
 
   /**
