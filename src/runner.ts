@@ -1529,9 +1529,10 @@ function callerCallback<A extends unknown[]>(log: Logger, name: string, fn: (...
   };
 }
 
-/** A run key as the pool's refusal lists it: a params fingerprint (or any long key) cut to its first 19 characters. */
+/** A run key as the pool's refusal lists it: a params fingerprint (or any long key) cut to its first 19 characters (code points, as quoteKey cuts). */
 function shortKey(runKey: string): string {
-  return keyLabel(runKey.length > 40 ? `${runKey.slice(0, 19)}…` : runKey);
+  const chars = [...runKey];
+  return keyLabel(chars.length > 40 ? `${chars.slice(0, 19).join('')}…` : runKey);
 }
 
 /** The run row's holder while it is among the live workers, else the first live worker (none: the row's). */
