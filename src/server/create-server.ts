@@ -138,30 +138,13 @@ export function createServer(opts: ServerOptions): IdemServer {
       );
     },
   });
-  // The rescan for unfinished runs nobody executes: one at a time (two at once would both read a
-  // run as nobody's and queue it twice); one asked for meanwhile runs once this one is done.
-  let rescanning: Promise<void> | undefined;
-  let rescanAgain = false;
-  const rescan = (): Promise<void> => {
-    if (rescanning) {
-      rescanAgain = true;
-      return rescanning;
-    }
-    rescanning = executor
-      .resumeUnfinished()
-      .then(
-        (n) => void (n > 0 && log.info({ runs: n }, 'resuming unfinished runs')),
-        (err: unknown) => log.warn({ err: errorFields(err) }, 'rescan for unfinished runs failed; the next one tries again'),
-      )
-      .finally(() => {
-        rescanning = undefined;
-        if (rescanAgain && !closing.signal.aborted) {
-          rescanAgain = false;
-          void rescan();
-        }
-      });
-    return rescanning;
-  };
+  // The rescan for unfinished runs nobody executes (the timer's, and one when `idem resume` released
+  // a run). Two at once are harmless: enqueue passes by a run already queued or running here.
+  const rescan = (): Promise<void> =>
+    executor.resumeUnfinished().then(
+      (n) => void (n > 0 && log.info({ runs: n }, 'resuming unfinished runs')),
+      (err: unknown) => log.warn({ err: errorFields(err) }, 'rescan for unfinished runs failed; the next one tries again'),
+    );
   const closing = new AbortController();
   const mask = secretMask((opts.secrets ?? []).flatMap((s) => [s, esc(s)]));
   /** An answer masked: a JSON one by its values (never its field names or codes), others as text. */
