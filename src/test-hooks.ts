@@ -4,8 +4,7 @@
  * the default. Never documented as a setting: each has a flag or an option where users need one.
  */
 export function testHookMs(name: 'IDEM_SERVE_READ_TIMEOUT_MS' | 'IDEM_SERVE_REQUEST_TIMEOUT_MS' | 'IDEM_SERVE_LOG_WINDOW_MS' | 'IDEM_SERVE_RESCAN_MS' | 'IDEM_IDLE_IN_TRANSACTION_TIMEOUT_MS' | 'IDEM_LOCK_CHECK_INTERVAL_MS' | 'IDEM_PROGRESS_INTERVAL_MS' | 'IDEM_CONNECT_RETRY_MS' | 'IDEM_CONNECT_TIMEOUT_MS' | 'IDEM_STANDBY_ALARM_MS' | 'IDEM_CRON_CLOCK_BEHIND_MS' | 'IDEM_LOCK_WAIT_BOUND_MS'): number | undefined {
-  const n = Number(process.env[name]);
-  return Number.isInteger(n) && n > 0 ? n : undefined;
+  return positiveIntegerFromEnv(name);
 }
 
 /**
@@ -14,6 +13,11 @@ export function testHookMs(name: 'IDEM_SERVE_READ_TIMEOUT_MS' | 'IDEM_SERVE_REQU
  * Never documented as a setting.
  */
 export function testHookBytes(name: 'IDEM_SERVE_REPLAY_CACHE_BYTES'): number | undefined {
+  return positiveIntegerFromEnv(name);
+}
+
+/** The environment's `name` as a positive integer, or undefined (unset, or anything else). */
+function positiveIntegerFromEnv(name: string): number | undefined {
   const n = Number(process.env[name]);
   return Number.isInteger(n) && n > 0 ? n : undefined;
 }

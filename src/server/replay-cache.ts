@@ -10,7 +10,6 @@ import type { RunView } from './run-view.ts';
 /** The channel the runs table's trigger notifies on (runner migration 0009). */
 export const SUCCEEDED_RUN_CHANGED = 'idem_succeeded_run_changed';
 
-
 /** Most runs kept; the oldest entry goes first. */
 const MAX_ENTRIES = 10_000;
 /**
