@@ -59,7 +59,6 @@ describe('a run killed with SIGKILL', () => {
     // the lock when that was released, for a process that no longer existed.
     const key = 'killed-waiting';
     const gate = 'killed-waiting-gate';
-    await query(url, 'insert into gates (name) values ($1) on conflict do nothing', [gate]);
     const held = await holdGate(url, gate);
     try {
       const proc = run(key, { ...PARAMS, chunks: 3, gate });
@@ -116,7 +115,6 @@ describe('a run killed with SIGKILL, seen by --dry-run (round 18, B10 C2)', () =
     // "state":"running" in --json), where idem status said crashed and the real run resumes it.
     const key = 'dry-crashed';
     const gate = 'dry-crashed-gate';
-    await query(url, 'insert into gates (name) values ($1) on conflict do nothing', [gate]);
     const held = await holdGate(url, gate);
     const params = { ...PARAMS, chunks: 3, gate };
     const dry = (extra: string[] = []) => runCli([...FIXTURE_DIRS, 'run', 'counted', '--params', JSON.stringify(params), '--key', key, '--dry-run', ...extra], { url });

@@ -123,7 +123,10 @@ describe('idem migrate', () => {
   it('text mode when a migration fails: stdout still has a line for each one that succeeded or was done before it (plain, several pods, --finalize, the exit-65 refusal)', async () => {
     const url = await freshDatabase();
     const dir = await migrationsDir({ '0001_ok.mjs': '', '0002_bad.mjs': "throw new Error('p2 boom');", '0003_after.mjs': '' });
-    const cli = (args: string[]) => runCli(['--jobs-dir', FIXTURE_JOBS, '--migrations-dir', dir, '--log-level', 'warn', 'migrate', ...args], { url });
+    const cliOn = (u: string, d: string, args: string[]) => runCli(['--jobs-dir', FIXTURE_JOBS, '--migrations-dir', d, '--log-level', 'warn', 'migrate', ...args], { url: u });
+    const cli = (args: string[]) => cliOn(url, dir, args);
+    // --json's entry for the failed migration, after the outcomes before it.
+    const failedEntry = expect.objectContaining({ runKey: '0002_bad', job: 'p2-bad', status: 'error', exitCode: 1, code: 'idem.runFailed', error: expect.stringContaining('failed in step "a" after 1 try: p2 boom') });
     const okRan = /^0001_ok: job "p2-ok" succeeded: 1 chunk in 1 step, 1 executed now in \d+\.\ds \(run key 0001_ok, attempt 1\)$/;
     const okDone = /^0001_ok: job "p2-ok" already done \(run key 0001_ok, finished \S+\): 1 chunk in 1 step; nothing to do$/;
     const errors = (stderr: string) => lines(stderr).filter((l) => l.startsWith('idem: error:'));
@@ -161,7 +164,7 @@ describe('idem migrate', () => {
     expect(finJson.code, finJson.stderr).toBe(1);
     expect(JSON.parse(finJson.stdout)).toEqual([
       expect.objectContaining({ runKey: '0001_ok', job: 'p2-ok', how: 'already-succeeded' }),
-      expect.objectContaining({ runKey: '0002_bad', job: 'p2-bad', status: 'error', exitCode: 1, code: 'idem.runFailed', error: expect.stringContaining('failed in step "a" after 1 try: p2 boom') }),
+      failedEntry,
     ]);
 
     // 4. The failed one's file changed: refused with 65; 0001 is still named on stdout.
@@ -178,17 +181,17 @@ describe('idem migrate', () => {
     // 5. A fresh database, --finalize running them here: 0001 ran inline before 0002 failed.
     const url2 = await freshDatabase();
     const dir2 = await migrationsDir({ '0001_ok.mjs': '', '0002_bad.mjs': "throw new Error('p2 boom');", '0003_after.mjs': '' });
-    const inline = await runCli(['--jobs-dir', FIXTURE_JOBS, '--migrations-dir', dir2, '--log-level', 'warn', 'migrate', '--finalize', '0003_after'], { url: url2 });
+    const inline = await cliOn(url2, dir2, ['--finalize', '0003_after']);
     expect(inline.code, inline.stderr).toBe(1);
     expect(lines(inline.stdout)).toEqual([expect.stringMatching(/^0001_ok: finalize: the rest ran here; job "p2-ok" succeeded: /)]);
     expect(errors(inline.stderr)).toEqual([expect.stringContaining('job "p2-bad" failed in step "a" after 1 try: p2 boom')]);
     // --json on another fresh database: 0001 run here, then 0002's entry.
     const url3 = await freshDatabase();
-    const inlineJson = await runCli(['--jobs-dir', FIXTURE_JOBS, '--migrations-dir', dir2, '--log-level', 'warn', 'migrate', '--finalize', '0003_after', '--json'], { url: url3 });
+    const inlineJson = await cliOn(url3, dir2, ['--finalize', '0003_after', '--json']);
     expect(inlineJson.code, inlineJson.stderr).toBe(1);
     expect(JSON.parse(inlineJson.stdout)).toEqual([
       expect.objectContaining({ runKey: '0001_ok', job: 'p2-ok', how: 'ran-inline' }),
-      expect.objectContaining({ runKey: '0002_bad', job: 'p2-bad', status: 'error', exitCode: 1, code: 'idem.runFailed', error: expect.stringContaining('failed in step "a" after 1 try: p2 boom') }),
+      failedEntry,
     ]);
     expect(await runsOf(url2)).toEqual([
       { run_key: '0001_ok', status: 'succeeded', attempt: 1 },
