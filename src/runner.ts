@@ -355,6 +355,8 @@ export class Runner {
   /** Where the connection string came from, as a connection error's fix names it. */
   readonly #connectionSource: string | undefined;
   readonly #log: Logger;
+  /** No logger given (Runner.connect's `log`): what the caller must still hear goes to process.emitWarning. */
+  readonly #quiet: boolean;
   readonly #poolSize: number;
   readonly #lockIdleTimeoutMs: number | undefined;
 
@@ -363,6 +365,7 @@ export class Runner {
     this.#connectionString = opts.connectionString;
     this.#connectionSource = opts.connectionSource;
     this.#log = log;
+    this.#quiet = opts.log === undefined;
     this.#poolSize = opts.poolSize ?? DEFAULT_POOL_SIZE;
     this.#lockIdleTimeoutMs = opts.lockIdleTimeoutMs;
     this.schema = schema;
@@ -793,7 +796,7 @@ export class Runner {
 
   /** @internal A callback of the caller's as idem calls it: see callerCallback (finalizeMigration's, on this runner's log). */
   callerCallback<A extends unknown[]>(name: string, fn: (...args: A) => unknown): (...args: A) => void {
-    return callerCallback(this.#log, name, fn);
+    return callerCallback(this.#quiet ? null : this.#log, name, fn);
   }
 
   #ops(): OperationsHost {
@@ -885,7 +888,7 @@ export class Runner {
           slot: opts.slot ?? null,
           ...(opts.throttle ? { throttle: opts.throttle } : {}),
           ...(opts.health !== undefined ? { health: opts.health } : {}),
-          ...(opts.onProgress ? { onProgress: callerCallback(log, 'onProgress', opts.onProgress) } : {}),
+          ...(opts.onProgress ? { onProgress: callerCallback(this.#quiet ? null : log, 'onProgress', opts.onProgress) } : {}),
           stop,
           abort,
         },
@@ -1505,19 +1508,26 @@ export function alreadyDone(run: RunRow): RunOutcome {
   return { status: 'already-succeeded', job: run.job, runKey: run.run_key, runId: run.id, attempt: run.attempt, summary: run.summary, executed: 0 };
 }
 
+/** The code of the process warning a caller's callback that threw gets when the Runner has no logger. */
+export const CALLBACK_THREW = 'IDEM_CALLBACK_THREW';
+
 /**
  * A callback of the caller's (onProgress, onOutcome, onMigration) as idem calls it: what it throws,
  * or the promise it returns rejects with, is logged once (a warning naming it) and otherwise
  * ignored, and it is still called after. It is the caller's code (a progress bar, a UI), not the
  * job's: until 2026-12-04 an onProgress that threw failed the run in step "(runner)", and one of
- * Runner.migrate's stopped the migrations.
+ * Runner.migrate's stopped the migrations. `log` null: the caller gave the Runner no logger, so the
+ * warning goes to process.emitWarning (stderr, unless the process handles or silences warnings)
+ * instead of a silent logger, where a broken callback went unnoticed.
  */
-function callerCallback<A extends unknown[]>(log: Logger, name: string, fn: (...args: A) => unknown): (...args: A) => void {
+function callerCallback<A extends unknown[]>(log: Logger | null, name: string, fn: (...args: A) => unknown): (...args: A) => void {
   let said = false;
   const warn = (err: unknown) => {
     if (said) return;
     said = true;
-    log.warn({ callback: name, err: errorFields(err) }, `${name} threw (${messageOf(err)}); the run goes on, and what ${name} throws later is not logged again`);
+    const message = `${name} threw (${messageOf(err)}); the run goes on, and what ${name} throws later is not logged again`;
+    if (log) log.warn({ callback: name, err: errorFields(err) }, message);
+    else process.emitWarning(`idem: ${message}`, { code: CALLBACK_THREW });
   };
   return (...args: A) => {
     try {

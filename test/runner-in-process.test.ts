@@ -161,6 +161,29 @@ describe("a callback of the caller's that throws (B8 A3)", () => {
     }
   });
 
+  it('without a logger given, a callback that throws is still said once: a process warning (code IDEM_CALLBACK_THREW), not nothing', async () => {
+    const seen: Array<{ message: string; code?: string }> = [];
+    const onWarning = (w: Error & { code?: string }) => void seen.push({ message: w.message, ...(w.code ? { code: w.code } : {}) });
+    process.on('warning', onWarning);
+    const runner = await Runner.connect({ connectionString: url });
+    try {
+      const job = sleepyJob('progress-throws-quiet', 4, 0.01);
+      const outcome = await runner.run(job, { key: 'k', onProgress: () => { throw new Error('UI widget crashed'); } });
+      expect(outcome).toMatchObject({ status: 'succeeded', executed: 4 });
+      const migrations = [{ runKey: '0001_quiet', job: sleepyJob('migration-cb-quiet', 1, 0.01) }];
+      await runner.migrate(migrations, { onOutcome: () => { throw new Error('outcome crashed'); } });
+      // process.emitWarning delivers on the next tick.
+      await new Promise((resolve) => setTimeout(resolve, 50));
+      expect(seen.filter((w) => w.code === 'IDEM_CALLBACK_THREW')).toEqual([
+        { code: 'IDEM_CALLBACK_THREW', message: 'idem: onProgress threw (UI widget crashed); the run goes on, and what onProgress throws later is not logged again' },
+        { code: 'IDEM_CALLBACK_THREW', message: 'idem: onOutcome threw (outcome crashed); the run goes on, and what onOutcome throws later is not logged again' },
+      ]);
+    } finally {
+      process.off('warning', onWarning);
+      await runner.close();
+    }
+  });
+
   it("Runner.migrate's onOutcome and onMigration throwing do not stop the migrations; nor finalizeMigration's", async () => {
     const lines: Array<{ level: number; msg: string; callback?: string }> = [];
     const runner = await loggedRunner(lines);
