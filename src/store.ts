@@ -639,7 +639,14 @@ export class Store {
           s.name = any(${[...steps]}::text[]) as current
         from ${this.#steps} s left join ${this.#chunks} c on c.run_id = s.run_id and c.step = s.name
         where s.run_id = ${runId} group by s.name, s.position
-      ), counts as (select * from all_counts where current)
+      ), counts as (select * from all_counts where current),
+      -- A dropped step's planning is over with the run: idem status shows no \`~\` for it.
+      dropped_planned as (
+        update ${this.#steps} s set planned_all = true
+        where s.run_id = ${runId} and not s.planned_all and not (s.name = any(${[...steps]}::text[]))
+          and exists (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt} and status = 'running'
+            and (${code}::text is null or code_fingerprint is null or code_fingerprint = ${code}::text))
+      )
       update ${this.#runs} r set status = 'succeeded', finished_at = now(), updated_at = now(), holder = null, error = null,
         -- A pause or cancel that came while the last chunks ran has nothing left to stop.
         requested = null,

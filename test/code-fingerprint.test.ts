@@ -433,7 +433,8 @@ export default defineJob({
   })),
 });
 `;
-    await writeFile(path.join(dir, 'step-drop.ts'), stepsFile(['one', 'two']));
+    // 'four' never plans (the run fails in 'two' first): dropped with nothing planned.
+    await writeFile(path.join(dir, 'step-drop.ts'), stepsFile(['one', 'two', 'four']));
     await query(url, `insert into fail_chunks (chunk_key) values ('two-2')`);
     expect((await cli('run', 'step-drop', '--key', 'sd', '--no-progress')).code).toBe(1);
     await query(url, `delete from fail_chunks where chunk_key = 'two-2'`);
@@ -441,10 +442,24 @@ export default defineJob({
     const r = await cli('run', 'step-drop', '--key', 'sd', '--no-progress', '--allow-changed-code', '--json');
     expect(r.code, r.stderr).toBe(0);
     const out = JSON.parse(r.stdout);
-    expect(out.summary).toMatchObject({ steps: [{ name: 'one', chunks: 2 }, { name: 'three', chunks: 2 }], chunks: 4, dropped: [{ name: 'two', chunks: 2, done: 1 }] });
+    expect(out.summary).toMatchObject({ steps: [{ name: 'one', chunks: 2 }, { name: 'three', chunks: 2 }], chunks: 4, dropped: [{ name: 'two', chunks: 2, done: 1 }, { name: 'four', chunks: 0, done: 0 }] });
     const human = await cli('run', 'step-drop', '--key', 'sd', '--no-progress');
     expect(human.code, human.stderr).toBe(0);
-    expect(human.stdout + human.stderr).toContain('4 chunks in 2 steps; steps no longer in the job: two (1 of 2 planned chunks done)');
+    expect(human.stdout + human.stderr).toContain('4 chunks in 2 steps; steps no longer in the job: two (1 of 2 planned chunks done), four (0 of 0 planned chunks done)');
+    // idem status names the dropped steps as dropped, their planning over (no `~`, not "pending 0/0~"):
+    // black-box round 18 (B10-4).
+    const status = await cli('status', 'step-drop', '--key', 'sd');
+    expect(status.code, status.stderr).toBe(0);
+    const stepLines = status.stdout.split('\n').filter((l) => /^ {2}\d\. /.test(l)).map((l) => l.trim().replace(/ +/g, ' '));
+    expect(stepLines).toEqual(['1. one done 2/2 chunks', '2. two dropped 1/2 chunks', '3. three done 2/2 chunks', '4. four dropped 0/0 chunks']);
+    expect(status.stdout).toMatch(/^chunks +5\/6 done/m);
+    const json = JSON.parse((await cli('status', 'step-drop', '--key', 'sd', '--json')).stdout);
+    expect(json.steps.map((st: { name: string; status: string; plannedAll: boolean }) => [st.name, st.status, st.plannedAll])).toEqual([
+      ['one', 'done', true],
+      ['two', 'dropped', true],
+      ['three', 'done', true],
+      ['four', 'dropped', true],
+    ]);
   });
 
   it('refuses a version that is neither a string nor a number at load time', () => {
