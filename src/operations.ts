@@ -332,9 +332,15 @@ export async function pruneRuns(h: OperationsHost, olderThanMs: number, migratio
   }
   // Two prunes at once take turns: each would otherwise skip the runs the other is deleting.
   const lock = await acquireAdvisoryLock({ connectionString: h.connectionString, name: `${h.schema}:prune`, what: 'idem prune', wait: true });
-  // A migration's run is never pruned: it is what makes the migration run once per database. A run
-  // marked deleting (by a prune killed part way through it) goes whatever its age.
-  const prunable = sql`kind = 'job' and ((status in ('succeeded', 'cancelled') and coalesce(finished_at, updated_at) < ${cutoff}::timestamptz) or status = 'deleting')`;
+  // A migration's run is never pruned: it is what makes the migration run once per database. Nor is
+  // a job's latest slot run (its key a slot, schedule.ts's slotKey): the next tick, an `idem run`
+  // without --key and an `idem cron` starting up run the latest due slot unless its run is there, so
+  // pruning it ran that slot again (black-box round 17). A run marked deleting (by a prune killed
+  // part way through it) goes whatever its age.
+  const runs = t(h, 'runs');
+  const latestSlotRun = sql`(run_key ~ ${SLOT_KEY_PATTERN} and run_key = (select max(l.run_key) from ${runs} l
+    where l.job = ${runs}.job and l.run_key between '0000' and '9999-99' and l.run_key ~ ${SLOT_KEY_PATTERN}))`;
+  const prunable = sql`kind = 'job' and ((status in ('succeeded', 'cancelled') and coalesce(finished_at, updated_at) < ${cutoff}::timestamptz and not ${latestSlotRun}) or status = 'deleting')`;
   try {
     let after = '0';
     for (;;) {
@@ -360,6 +366,13 @@ export async function pruneRuns(h: OperationsHost, olderThanMs: number, migratio
     await lock.release();
   }
 }
+
+/**
+ * A run key that is a cron slot as schedule.ts's slotKey writes it (`2026-12-04T09:00:00Z`). Such
+ * keys sort as their times, and all of them between '0000' and '9999-99', so the latest of a job's
+ * is one step of a backward scan of the (job, run_key) index.
+ */
+const SLOT_KEY_PATTERN = '^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z$';
 
 /** Chunk rows deleted per statement by prune: a history of millions goes without one huge transaction. */
 const PRUNE_BATCH = 10_000;

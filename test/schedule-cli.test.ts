@@ -96,6 +96,23 @@ describe('idem run on a scheduled job', () => {
     expect(await ticks('catch-up')).toHaveLength(3);
     expect(await runsOf('sched_b')).toHaveLength(3);
   });
+
+  it('prune keeps a job\'s latest slot run, so the next tick does not run that slot again; older slots and other keys go (B6-4)', async () => {
+    // Black-box round 17: a daily job pruned with --older-than 12h ran its morning slot twice.
+    const keys = slotsSince(schedule, { count: 2 }).map(slotKey);
+    const run = (args: string[]) => runCli(tick('sched_prune', ['--param', 'tag=prune', ...args]), { url });
+    expect((await run(['--catch-up', '2'])).code).toBe(0);
+    expect((await run(['--key', 'manual'])).code).toBe(0);
+    const pruned = await runCli(['--jobs-dir', SCHEDULED_JOBS, '--schema', 'sched_prune', 'prune', '--older-than', '0s', '--json'], { url });
+    expect(pruned.code, pruned.stderr).toBe(0);
+    expect(JSON.parse(pruned.stdout)).toMatchObject({ runs: 2, skipped: 0 });
+    expect((await runsOf('sched_prune')).map((r) => [r.run_key, r.status])).toEqual([[keys[1], 'succeeded']]);
+    // The latest due slot (still keys[1]: beforeEach keeps the test clear of the hour) is done: not run again.
+    const again = await run(['--json']);
+    expect(again.code, again.stderr).toBe(0);
+    expect(JSON.parse(again.stdout)).toMatchObject({ status: 'already-succeeded', runKey: keys[1] });
+    expect(await ticks('prune')).toHaveLength(3);
+  });
 });
 
 describe('--key of a scheduled job', () => {
