@@ -635,6 +635,7 @@ describe('a flood of malformed requests', () => {
     const served = await startServe(url, [], { IDEM_SERVE_LOG_WINDOW_MS: '1000' }, ANY_JOBS);
     try {
       const N = 40;
+      const started = Date.now();
       for (let i = 0; i < N; i++) {
         const bad = await rawHttp(served.base, `GET /api/runs HTTP/1.1\r\nhost: localhost\r\nx-bad: a\u0001b\r\nconnection: close\r\n\r\n`);
         expect(bad.status).toBe(400);
@@ -645,14 +646,23 @@ describe('a flood of malformed requests', () => {
           .split('\n')
           .filter((l) => l.includes('refused before routing'))
           .map((l) => JSON.parse(l) as { status: number; more?: number; msg: string });
-      await waitFor(async () => refused().some((l) => l.more !== undefined), 'the summary line of the window');
+      /** Requests said in the lines so far: first ones of their window, and the rest summed up. */
+      const told = (lines: ReturnType<typeof refused>) => lines.reduce((n, l) => n + (l.more ?? 1), 0);
+      await waitFor(async () => told(refused()) === N || undefined, 'the summary line of each window');
       // Before: one warning per request (an unauthenticated client could fill the disk with them).
+      // Each 1 s window the flood touched says its first request and sums up the rest: at most
+      // two lines a window, however many requests (a loaded machine spreads the 40 over more).
+      const windows = Math.ceil((Date.now() - started) / 1000) + 1;
       const lines = refused();
-      expect(lines.length, served.proc.stderr()).toBeLessThanOrEqual(3);
+      const firsts = lines.filter((l) => l.more === undefined);
+      expect(firsts.length, served.proc.stderr()).toBeLessThanOrEqual(windows);
+      expect(lines.length, served.proc.stderr()).toBeLessThanOrEqual(2 * windows);
+      expect(lines.length).toBeLessThan(N / 2);
       expect(lines[0]).toMatchObject({ status: 400 });
       expect(lines[0]!.more).toBeUndefined();
-      expect(lines.slice(1).reduce((n, l) => n + (l.more ?? 0), 0)).toBe(N - 1);
-      expect(lines.at(-1)!.msg).toMatch(/more like it in the last 1 s/);
+      // Every request is in a line: said, or summed up.
+      expect(told(lines)).toBe(N);
+      expect(lines.find((l) => l.more !== undefined)!.msg).toMatch(/more like it in the last 1 s/);
       const metrics = (await api(served.base, 'GET', '/metrics')).text;
       expect(metrics).toMatch(new RegExp(`^idem_http_requests_total\\{method="unparsed",route="unmatched",status="400"\\} ${N}$`, 'm'));
     } finally {
