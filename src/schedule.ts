@@ -237,15 +237,40 @@ export function slotKey(slot: Date): string {
 const SLOT_KEY = /^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$/;
 
 /**
+ * A date and time as ISO 8601 / RFC 3339 spell it, in any of the ways other than SLOT_KEY's:
+ * fractional seconds (JavaScript's toISOString() writes `.000Z`), an offset (`+00:00`), no
+ * seconds, a lower-case `t`/`z`, a space for the `T`. For a scheduled job such a key is a time a
+ * client meant as a slot, as surely as the slot spelling; taken as an ordinary key it ran the slot
+ * a second time, with ctx.slot null (black-box round 19).
+ */
+const TIME_KEY = /^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:[Zz]|[+-]\d{2}(?::?\d{2})?)$/;
+
+/** A key of a scheduled job that TIME_KEY reads as a time but is not spelled as a slot key: refused, naming the slot spelling. */
+function otherTimeSpelling(schedule: Schedule, job: string, key: string, now: Date, keyName: string): UsageError {
+  const normal = key.replace(/^(.{10})[t ]/i, '$1T').replace(/[zZ]$/, 'Z').replace(',', '.');
+  const withSeconds = /T\d{2}:\d{2}(?:Z|[+-])/.test(normal) ? normal.replace(/(T\d{2}:\d{2})/, '$1:00') : normal;
+  const at = new Date(Date.parse(withSeconds));
+  const slot = Number.isFinite(at.getTime()) && at <= now && schedule.next(new Date(at.getTime() - 1)).getTime() === at.getTime() ? slotKey(at) : null;
+  return new UsageError(
+    'invalidKey',
+    `${keyName} ${key} is a time spelled otherwise than the slot keys of job "${job}" (UTC to the second, like ${slotKey(latestSlot(schedule, now))}, the latest due); ${slot ? `pass ${slot} for that slot` : 'pass a slot so spelled'}, or a key that is not a time`,
+  );
+}
+
+/**
  * The slot an explicit run key (`--key`) of a scheduled job names, or null when the key is not a
  * slot key (the format `slotKey` writes, a real UTC time): `idem run job --key 2026-11-30T03:00:00Z`
  * is that slot's run, with `ctx.slot` set, as cron would have run it. A key of that format that is
  * not a slot of the schedule, or a slot not due yet at `now`, is a UsageError (exit 2): the first is
  * almost surely a typo of one (named in the message), and the second would be recorded done before
- * its time, so the due slot's run (cron's) would find it done.
+ * its time, so the due slot's run (cron's) would find it done. A time spelled otherwise (`.000Z`,
+ * `+00:00`, no seconds) is refused too, naming the slot spelling (TIME_KEY).
  */
 export function slotOfKey(schedule: Schedule, job: string, key: string, now: Date = new Date(), keyName = '--key'): Date | null {
-  if (!SLOT_KEY.test(key)) return null;
+  if (!SLOT_KEY.test(key)) {
+    if (TIME_KEY.test(key)) throw otherTimeSpelling(schedule, job, key, now, keyName);
+    return null;
+  }
   const at = new Date(Date.parse(key));
   if (!Number.isFinite(at.getTime()) || slotKey(at) !== key) {
     // The slot format at a time that does not exist (month 13, 30 February, hour 24) is a typo of
@@ -293,7 +318,7 @@ const isLeapYear = (y: number) => (y % 4 === 0 && y % 100 !== 0) || y % 400 === 
  * slot of the schedule as that slot, as `idem run --key` does. `keyName`: how a refusal names the key.
  */
 export function slotOfJobKey(job: { readonly name: string; readonly schedule?: ScheduleInput }, key: string, keyName = '--key', now: Date = new Date()): Date | null {
-  if (job.schedule === undefined || !SLOT_KEY.test(key)) return null;
+  if (job.schedule === undefined || !(SLOT_KEY.test(key) || TIME_KEY.test(key))) return null;
   return slotOfKey(parseSchedule(job.schedule), job.name, key, now, keyName);
 }
 

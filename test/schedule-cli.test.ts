@@ -138,6 +138,19 @@ describe('--key of a scheduled job', () => {
     const early = await runCli(tick('sched_h', ['--key', slotKey(future)]), { url });
     expect(early.code).toBe(2);
     expect(early.stderr).toBe(`idem: error: --key ${slotKey(future)} is a slot of job "hourly-tick" that is not due yet; the latest due slot is ${slotKey(latestSlot(schedule))}: pass a due slot, or a key that is not a UTC time\n`);
+    // The same slot spelled as JavaScript's toISOString() writes it (or with an offset, or without
+    // its seconds) is that slot, not another key: refused, naming the slot's spelling, where it ran
+    // the slot a second time with ctx.slot null (black-box round 19). Other times so spelled too.
+    const latestKey = slotKey(latestSlot(schedule));
+    for (const key of [older.toISOString(), slotKey(older).replace('Z', '+00:00'), slotKey(older).replace(':00Z', 'Z'), slotKey(older).toLowerCase()]) {
+      const spelled = await runCli(tick('sched_h', ['--param', 'tag=by-key', '--key', key]), { url });
+      expect([spelled.code, spelled.stderr]).toEqual([2, `idem: error: --key ${key} is a time spelled otherwise than the slot keys of job "hourly-tick" (UTC to the second, like ${latestKey}, the latest due); pass ${slotKey(older)} for that slot, or a key that is not a time\n`]);
+    }
+    for (const key of [off.toISOString(), future.toISOString()]) {
+      const spelled = await runCli(tick('sched_h', ['--key', key]), { url });
+      expect([spelled.code, spelled.stderr]).toEqual([2, `idem: error: --key ${key} is a time spelled otherwise than the slot keys of job "hourly-tick" (UTC to the second, like ${latestKey}, the latest due); pass a slot so spelled, or a key that is not a time\n`]);
+    }
+    expect(await ticks('by-key')).toHaveLength(2);
     expect(await query(url, `select to_regnamespace('sched_h')::text as s`)).toEqual([{ s: null }]);
   });
 });
@@ -188,6 +201,12 @@ describe('a slot key given to idem finalize or to idem serve', () => {
       expect(early.body).toMatchObject({
         type: 'urn:idem:problem:idem.invalidKey',
         detail: `Idempotency-Key ${slotKey(future)} is a slot of job "hourly-tick" that is not due yet; the latest due slot is ${slotKey(latestSlot(schedule))}: pass a due slot, or a key that is not a UTC time`,
+      });
+      const spelled = await post(older.toISOString());
+      expect(spelled.status, spelled.text).toBe(422);
+      expect(spelled.body).toMatchObject({
+        type: 'urn:idem:problem:idem.invalidKey',
+        detail: `Idempotency-Key ${older.toISOString()} is a time spelled otherwise than the slot keys of job "hourly-tick" (UTC to the second, like ${slotKey(latestSlot(schedule))}, the latest due); pass ${slotKey(older)} for that slot, or a key that is not a time`,
       });
       expect(await query(url, `select run_key from sched_srv.runs order by id`)).toEqual([{ run_key: slotKey(older) }]);
     } finally {
