@@ -304,6 +304,41 @@ describe('idem serve killed with SIGKILL mid-run', () => {
     }
   });
 
+  it('a run queued on one server that another executed is not executed, logged or counted again by the first, and leaves its queue', async () => {
+    // Black-box round 19 (B13-2): A, busy (--max-runs 1), logged "run executed" and counted
+    // idem_runs_ended_total for 30 runs B had executed, and idem_runs_queued said 30 long after.
+    const env = { IDEM_SERVE_RESCAN_MS: '300' };
+    const a = await startServe(url, ['--max-runs', '1'], env, undefined, 'info');
+    const b = await startServe(url, [], env);
+    const gate = await holdGate(url, 'g-queued');
+    try {
+      const blocker = await api(a.base, 'POST', '/api/jobs/counted/runs', { key: 'k-q-blocker', body: { chunks: 1, gate: 'g-queued' } });
+      await waitFor(async () => (await lockWaiters(url, 'idem')) >= 1 || undefined, "A's run to wait at the gate");
+      const queued = [];
+      for (const key of ['k-q-1', 'k-q-2', 'k-q-3']) queued.push((await api(a.base, 'POST', '/api/jobs/ranged/runs', { key, body: {} })).body.id as string);
+      expect((await api(a.base, 'GET', '/metrics')).text).toMatch(/^idem_runs_queued 3$/m);
+      // B takes them once they are older than the grace for a fresh run (10 s), and executes them.
+      for (const id of queued) expect((await api(b.base, 'GET', `/api/runs/${id}?wait=60`)).body).toMatchObject({ state: 'succeeded', attempt: 1 });
+      // A's rescan drops them from its queue.
+      await waitFor(async () => /^idem_runs_queued 0$/m.test((await api(a.base, 'GET', '/metrics')).text) || undefined, "A's queue to drop the runs B executed");
+      await gate.release();
+      expect((await api(a.base, 'GET', `/api/runs/${blocker.body.id}?wait=60`)).body.state).toBe('succeeded');
+      await new Promise((r) => setTimeout(r, 1_000));
+      const aMetrics = (await api(a.base, 'GET', '/metrics')).text;
+      expect(aMetrics).not.toMatch(/^idem_runs_ended_total\{job="ranged"/m);
+      expect(aMetrics).toMatch(/^idem_runs_ended_total\{job="counted",outcome="succeeded"\} 1$/m);
+      expect((await api(b.base, 'GET', '/metrics')).text).toMatch(/^idem_runs_ended_total\{job="ranged",outcome="succeeded"\} 3$/m);
+      const executedByA = a.proc.stderr().split('\n').filter((l) => l.startsWith('{')).map((l) => JSON.parse(l) as { msg: string; runId?: string }).filter((l) => l.msg === 'run executed');
+      expect(executedByA.map((l) => l.runId)).toEqual([blocker.body.id]);
+    } finally {
+      await gate.release().catch(() => {});
+      for (const s of [a, b]) {
+        s.proc.child.kill('SIGTERM');
+        await s.proc.done;
+      }
+    }
+  });
+
   it('a second server takes over the run of one that was SIGKILLed, without a restart; chunks once', async () => {
     const env = { IDEM_SERVE_RESCAN_MS: '300' };
     const a = await startServe(url, [], env);

@@ -5,7 +5,7 @@ import { runIsLive } from '../operations.ts';
 import { slotOfJobKey } from '../schedule.ts';
 import { BusyError, CancelledError, errorFields, InterruptedError, PausedError, PauseWithdrawnError, RunFailedError, type StopSignal } from '../errors.ts';
 import type { Job, Json, Step } from '../job.ts';
-import type { Runner } from '../runner.ts';
+import type { Runner, RunOutcome } from '../runner.ts';
 import type { RunRow, RunStatus } from '../store.ts';
 import { codeChangeDetail } from './run-view.ts';
 import type { ServerMetrics } from './server-metrics.ts';
@@ -32,6 +32,9 @@ interface Queued {
   /** Resume even though the job's code changed since the run's last attempt (an operator's POST …/resume with {"allowChangedCode":true}); recorded on the run. */
   readonly allowChangedCode?: boolean;
 }
+
+/** The states in which a queued run is this server's to execute; any other, another process ended it. */
+const RUNNABLE = new Set<string>(['pending', 'running', 'interrupted']);
 
 /** How an execution in this server ended: the `outcome` label of idem_runs_ended_total. */
 export const EXECUTION_OUTCOMES = ['succeeded', 'failed', 'paused', 'cancelled', 'interrupted', 'error'] as const;
@@ -119,6 +122,7 @@ export class RunExecutor {
       order by r.id`.execute(runner.db);
     // A run another live process executes (a second server, idem run) is theirs: waiting for its
     // lock here would only hold a slot.
+    await this.#dropEnded();
     const held = rows.some((r) => r.status === 'running') ? await runner.heldLocks() : { keys: new Set<string>(), byPid: new Set<string>() };
     let n = 0;
     for (const r of rows) {
@@ -140,6 +144,23 @@ export class RunExecutor {
       n++;
     }
     return n;
+  }
+
+  /**
+   * Drops from the queue the runs another process ended while they waited their turn here (a
+   * second server with room executed them), so that idem_runs_queued counts what is left to do
+   * here, not a backlog long gone; they would be skipped at their turn anyway.
+   */
+  async #dropEnded(): Promise<void> {
+    if (this.#queue.length === 0) return;
+    const { runner } = this.#o;
+    const ids = this.#queue.map((q) => q.runId);
+    const { rows } = await sql<{ id: string }>`select id::text as id from ${sql.id(runner.schema, 'runs')}
+      where id = any(${ids}::bigint[]) and status not in ('pending', 'running', 'interrupted')`.execute(runner.db);
+    if (rows.length === 0) return;
+    const ended = new Set(rows.map((r) => r.id));
+    for (let i = this.#queue.length - 1; i >= 0; i--) if (ended.has(this.#queue[i]!.runId)) this.#queue.splice(i, 1);
+    this.#o.metrics.runsQueued.set(this.#queue.length);
   }
 
   /** Logs, once per run and change, that the run's code changed and how an operator goes on. */
@@ -187,6 +208,15 @@ export class RunExecutor {
         return false;
       }
       log = log.child({ runKey: run.run_key });
+      if (!RUNNABLE.has(run.status)) {
+        // Another process (a second server, an `idem run`) took it while it waited its turn here and
+        // ended it: that process executed it and counts it; a failed or paused one waits for an
+        // operator, as the rescan leaves it. Until 2026-12-04 the server ran it again (finding it
+        // done), logged "run executed" and counted the execution as its own (black-box round 19).
+        log.info({ status: run.status }, `run ended ${run.status} elsewhere while it waited its turn here; nothing to execute`);
+        outcome = null;
+        return false;
+      }
       const committed = new Map<string, number>();
       const base = {
         params: run.params,
@@ -205,15 +235,23 @@ export class RunExecutor {
       };
       // join: `idem run --join` workers share the run with the server, and the server shares
       // theirs: whoever comes second works under the live attempt instead of failing busy.
+      let done: RunOutcome;
       try {
-        await runner.run(job, { ...base, join: true, wait: false });
+        done = await runner.run(job, { ...base, join: true, wait: false });
       } catch (err) {
         if (!(err instanceof BusyError)) throw err;
         // Another run of the job is live elsewhere (its lock is exclusive per run key): wait for
         // it, then this run starts or continues (or is found done).
         metrics.lockWaits.inc({ job: q.job });
         log.info('job locked by another process; waiting for it');
-        await runner.run(job, { ...base, join: true, wait: true });
+        done = await runner.run(job, { ...base, join: true, wait: true });
+      }
+      if (done.status === 'already-succeeded') {
+        // Finished by another process between the read above (or the wait) and this execution.
+        log.info('run succeeded elsewhere while it waited its turn here; nothing to execute');
+        outcome = null;
+        this.#o.onSucceeded?.(q.runId);
+        return false;
       }
       log.info('run executed');
       this.#o.onSucceeded?.(q.runId);
