@@ -111,6 +111,24 @@ describe('bodies and filters', () => {
     }
   });
 
+  it('a target that is no path (`*`, asterisk-form) is a problem+json 400 counted unmatched, not the dashboard', async () => {
+    // Black-box round 19 (B13-3): `GET *` was routed as `/` and answered 200 with the dashboard.
+    const served = await startServe(url, [], {}, ANY_JOBS);
+    try {
+      for (const method of ['GET', 'POST']) {
+        const res = await rawHttp(served.base, `${method} * HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer ${TOKEN}\r\nconnection: close\r\ncontent-length: 0\r\n\r\n`);
+        expect(res.status, res.body).toBe(400);
+        expect(JSON.parse(res.body)).toMatchObject({ type: 'urn:idem:problem:idem.badUrl', status: 400, detail: 'the request target "*" is not a path; request a path such as /api/runs (see the API reference in the README)' });
+      }
+      const metrics = (await api(served.base, 'GET', '/metrics')).text;
+      expect(metrics).toMatch(/^idem_http_requests_total\{method="GET",route="unmatched",status="400"\} 1$/m);
+      expect(metrics).not.toMatch(/^idem_http_requests_total\{method="GET",route="\/",/m);
+    } finally {
+      served.proc.child.kill('SIGKILL');
+      await served.proc.done;
+    }
+  });
+
   it('a path whose percent-encoding does not decode is counted in idem_http_requests_total and logged like other refusals', async () => {
     // Black-box round 12, B3-8: these 400s were in no series, while every other 400, 413 and 415 was.
     const served = await startServe(url, [], {}, ANY_JOBS, 'debug');

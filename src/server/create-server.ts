@@ -279,7 +279,17 @@ export function createServer(opts: ServerOptions): IdemServer {
     done(new HttpProblem(415, 'idem.unsupportedMediaType', 'the request body must be JSON; send Content-Type: application/json'), undefined);
   });
 
+  /** Requests whose target is no path (`*`): whatever route Fastify matched them to, they matched none. */
+  const notAPath = new WeakSet<object>();
   app.addHook('onRequest', async (request) => {
+    // A target that is neither a path nor absolute-form: `*` (asterisk-form, RFC 9112 §3.2.4, only
+    // for a server-wide OPTIONS) or `foo`. Until 2026-12-04 `GET *` was routed as `/`, the dashboard
+    // (black-box round 19), where `POST *` was a 404.
+    const raw = request.raw.url ?? '';
+    if (!raw.startsWith('/') && absoluteFormAuthority(raw) === null) {
+      notAPath.add(request.raw);
+      throw new HttpProblem(400, 'idem.badUrl', `the request target ${JSON.stringify(raw.slice(0, 100))} is not a path; request a path such as /api/runs (see the API reference in the README)`);
+    }
     if (request.headers.host === undefined && request.raw.httpVersion === '1.1') {
       throw new HttpProblem(400, 'idem.missingHost', 'the request has no Host header; HTTP/1.1 requires one, so send Host: <the server\'s host:port> (HTTP clients do by themselves)');
     }
@@ -327,7 +337,8 @@ export function createServer(opts: ServerOptions): IdemServer {
 
   app.addHook('onResponse', async (request, reply) => {
     // The route pattern, never the URL: a key or id in a label would grow the series without bound.
-    answered(request, request.routeOptions.url ?? methodNotAllowedRoute.get(request.raw) ?? 'unmatched', reply.statusCode, reply.elapsedTime);
+    const route = notAPath.has(request.raw) ? undefined : request.routeOptions.url;
+    answered(request, route ?? methodNotAllowedRoute.get(request.raw) ?? 'unmatched', reply.statusCode, reply.elapsedTime);
   });
 
   app.setErrorHandler(async (err, request, reply) => {
