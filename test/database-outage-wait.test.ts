@@ -56,6 +56,19 @@ describe.skipIf(!bin)('a wait for a live run across a database outage (a cluster
     return { holder, waiter: w };
   }
 
+  it('idem finalize waiting on a run rides out the server stopped for 4 s: the holder exits 69, finalize takes the run over and finishes it (exit 0)', async () => {
+    const { holder, waiter } = await holderAndWaiter('out-fin', ['finalize', 'counted', '--key', 'out-fin', '--timeout', '60', '--json']);
+    await pause(4_000);
+    startServer();
+    const h = await holder.done;
+    expect(h.code, h.stderr).toBe(69);
+    const f = await waiter.done;
+    expect(f.code, f.stderr).toBe(0);
+    expect(JSON.parse(f.stdout)).toMatchObject({ status: 'succeeded' });
+    expect((await runRow(primary.url, 'counted', 'out-fin')).status).toBe('succeeded');
+    expect(await chunksDone('out-fin')).toBe(16);
+  }, 90_000);
+
   it('idem run --wait rides out the server stopped for 4 s: the holder exits 69, the waiter takes the run over and finishes it (exit 0)', async () => {
     const { holder, waiter } = await holderAndWaiter('out-wait', [...slow('out-wait'), '--wait', '60', '--json']);
     await pause(4_000);
@@ -71,6 +84,25 @@ describe.skipIf(!bin)('a wait for a live run across a database outage (a cluster
 
   const unreachable = (port: number) =>
     new RegExp(`^idem: error: cannot reach the database at postgres://postgres@127\\.0\\.0\\.1:${port}/postgres: connection refused; start the server or fix DATABASE_URL$`);
+
+  it('idem finalize --timeout 4 with the server still down at the deadline exits 2 with idem\'s unreachable-database line, after waiting out its timeout', async () => {
+    const { holder, waiter } = await holderAndWaiter('down-fin', ['finalize', 'counted', '--key', 'down-fin', '--timeout', '4', '--json']);
+    try {
+      const f = await waiter.done;
+      expect(f.code, f.stderr).toBe(2);
+      // One error line (the warnings before it are the lost sessions, logged as they went).
+      expect(lines(f.stderr).filter((l) => l.startsWith('idem: error:'))).toEqual([expect.stringMatching(unreachable(primary.port))]);
+      expect(lines(f.stderr).at(-1)).toMatch(unreachable(primary.port));
+      expect(JSON.parse(f.stdout)).toMatchObject({ status: 'error', exitCode: 2, code: 'idem.databaseUnavailable' });
+      // It waited out (most of) its --timeout, from its start 1.5 s before the stop.
+      expect(f.ms).toBeGreaterThanOrEqual(3_500);
+      expect((await holder.done).code).toBe(69);
+    } finally {
+      startServer();
+    }
+    // The run is left as the holder's crash left it, for the next finalize.
+    expect((await runRow(primary.url, 'counted', 'down-fin')).status).toBe('running');
+  }, 90_000);
 
   it('idem run --wait 4 with the server still down at the deadline exits 2 with idem\'s unreachable-database line, after waiting out its --wait', async () => {
     const { holder, waiter } = await holderAndWaiter('down-wait', [...slow('down-wait'), '--wait', '4', '--json']);
