@@ -183,6 +183,15 @@ function refuseUnknownSslSetting(connectionString: string, source: string): void
   }
 }
 
+/** The sslmode pg reads from the URL (the last one given), or undefined. */
+function sslmodeOf(connectionString: string): string | undefined {
+  try {
+    return new URL(connectionString.trim()).searchParams.getAll('sslmode').at(-1);
+  } catch {
+    return undefined;
+  }
+}
+
 const POSTGRES_URL = /^\s*postgres(?:ql)?:\/\//i;
 
 /**
@@ -973,8 +982,12 @@ export function describeConnectError(err: unknown, connectionString: string, sou
       } else if (/The server does not support SSL connections/.test(raw)) {
         // sslmode (but disable) or ssl=true|1|no-verify in the URL, or PGSSLMODE: pg asks for TLS and does not fall back.
         const byEnv = !/[?&]ssl(mode)?=/i.test(connectionString) && process.env.PGSSLMODE;
+        // sslmode=prefer (with uselibpqcompat=true too): libpq would fall back to a plain connection, pg does not.
+        const prefer = !byEnv && sslmodeOf(connectionString) === 'prefer';
         msg = byEnv
           ? `the database at ${where} does not accept SSL (TLS) connections, and PGSSLMODE=${process.env.PGSSLMODE} asks for one; enable ssl on the server, or unset PGSSLMODE`
+          : prefer
+          ? `the database at ${where} does not accept SSL (TLS) connections, and ${urlSource} has sslmode=prefer, with which pg insists on TLS (unlike libpq, it does not fall back to a plain connection); enable ssl on the server, or set sslmode=disable in ${urlSource}`
           : `the database at ${where} does not accept SSL (TLS) connections, and ${urlSource} asks for one; enable ssl on the server, or set sslmode=disable in ${urlSource}`;
       } else msg = `cannot connect to the database at ${where}: ${raw}; check ${urlSource}`;
   }
