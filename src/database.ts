@@ -181,6 +181,14 @@ function refuseUnknownSslSetting(connectionString: string, source: string): void
       throw new UsageError('invalidDatabaseUrl', `${source} has ${said('ssl', value)}, which pg does not know; use ssl=${orList(SSL_VALUES)}, or sslmode= (${modes})`);
     }
   }
+  // pg's advice for sslmode=verify-ca (uselibpqcompat=true) needs a CA file: without one pg throws a
+  // four-sentence SECURITY WARNING, which idem printed as the reason it "cannot connect".
+  if (query.getAll('uselibpqcompat').at(-1) === 'true' && query.getAll('sslmode').at(-1) === 'verify-ca' && !query.get('sslrootcert')) {
+    throw new UsageError(
+      'invalidDatabaseUrl',
+      `${source} has uselibpqcompat=true and sslmode=verify-ca but no sslrootcert, which pg refuses (verify-ca checks the certificate against your own CA, not its host name); add sslrootcert=<your CA file>, or use sslmode=verify-full`,
+    );
+  }
 }
 
 /** The sslmode pg reads from the URL (the last one given), or undefined. */

@@ -671,6 +671,19 @@ describe('SSL settings in the URL that pg does not read as meant (B2-15)', () =>
     }
   });
 
+  it('uselibpqcompat=true&sslmode=verify-ca without sslrootcert: one line naming the fix, not pg\'s SECURITY WARNING; nothing written', async () => {
+    // Before: `cannot connect to the database at …: SECURITY WARNING: Using sslmode=verify-ca requires …` (four sentences).
+    const before = await snapshot(url, ALL_TABLES);
+    for (const args of [['status'], ['run', 'counted', '--key', 'ssl-ca']]) {
+      const r = await runCli([...FIXTURE_DIRS, ...args], { url: withQuery('uselibpqcompat=true&sslmode=verify-ca') });
+      expect(refusal(r, 2)).toEqual([
+        'idem: error: DATABASE_URL has uselibpqcompat=true and sslmode=verify-ca but no sslrootcert, which pg refuses (verify-ca checks the certificate against your own CA, not its host name); add sslrootcert=<your CA file>, or use sslmode=verify-full',
+      ]);
+      expect(r.stderr).not.toContain(password());
+    }
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
   it('sslmode=verify-full (or ssl=true) against a server without TLS: says the server does not accept it and the fix', async () => {
     for (const query of ['sslmode=verify-full', 'ssl=true']) {
       const r = await runCli([...FIXTURE_DIRS, 'status'], { url: withQuery(query) });
