@@ -993,7 +993,7 @@ export function describeConnectError(err: unknown, connectionString: string, sou
         // sslmode=prefer (with uselibpqcompat=true too): libpq would fall back to a plain connection, pg does not.
         const prefer = !byEnv && sslmodeOf(connectionString) === 'prefer';
         msg = byEnv
-          ? `the database at ${where} does not accept SSL (TLS) connections, and PGSSLMODE=${process.env.PGSSLMODE} asks for one; enable ssl on the server, or unset PGSSLMODE`
+          ? `the database at ${where} does not accept SSL (TLS) connections, and PGSSLMODE=${process.env.PGSSLMODE} asks for one${process.env.PGSSLMODE === 'prefer' ? ' (pg insists on TLS with it: unlike libpq, it does not fall back to a plain connection)' : ''}; enable ssl on the server, or unset PGSSLMODE`
           : prefer
           ? `the database at ${where} does not accept SSL (TLS) connections, and ${urlSource} has sslmode=prefer, with which pg insists on TLS (unlike libpq, it does not fall back to a plain connection); enable ssl on the server, or set sslmode=disable in ${urlSource}`
           : `the database at ${where} does not accept SSL (TLS) connections, and ${urlSource} asks for one; enable ssl on the server, or set sslmode=disable in ${urlSource}`;

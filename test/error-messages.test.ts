@@ -661,6 +661,15 @@ describe('SSL settings in the URL that pg does not read as meant (B2-15)', () =>
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
   });
 
+  it('PGSSLMODE=prefer against a server without TLS: the error says pg does not fall back either', async () => {
+    const r = await runCli([...FIXTURE_DIRS, 'status'], { url, env: { PGSSLMODE: 'prefer' } });
+    expect(refusal(r, 2)).toEqual([
+      expect.stringMatching(
+        /^idem: error: the database at postgres:\/\/.*:\*\*\*@.* does not accept SSL \(TLS\) connections, and PGSSLMODE=prefer asks for one \(pg insists on TLS with it: unlike libpq, it does not fall back to a plain connection\); enable ssl on the server, or unset PGSSLMODE$/,
+      ),
+    ]);
+  });
+
   it('sslmode=require and verify-ca against a server without TLS: idem\'s one warning line, then the error', async () => {
     for (const mode of ['require', 'verify-ca']) {
       const r = await runCli([...FIXTURE_DIRS, 'status'], { url: withQuery(`sslmode=${mode}`) });
