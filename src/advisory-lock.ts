@@ -17,6 +17,12 @@ export interface AdvisoryLockOptions {
   readonly wait?: boolean | number;
   /** Who holds the lock, shown in `application_name` as `idem-lock <holder>`. Defaults to this process's (WORKER, `host:pid`). */
   readonly holder?: string;
+  /**
+   * With a numeric `wait`: the wait ends at this time (ms since the epoch) instead of `wait`
+   * seconds from now, for a caller that tries again within one wait (a database outage ridden
+   * out); the busy error still names `wait`.
+   */
+  readonly waitUntil?: number;
   /** Aborting stops a wait (the caller is being interrupted). */
   readonly signal?: AbortSignal;
   /** How often the held session is checked for life, in ms. Defaults to `2000` (LOCK_CHECK_INTERVAL_MS). */
@@ -203,7 +209,7 @@ export async function acquireAdvisoryLock(opts: AdvisoryLockOptions): Promise<He
     await client.query(lockSessionSetup(idleMs));
     const { rows: [first] } = await client.query<{ pid: number }>('select pg_backend_pid() as pid');
     const pid = first!.pid;
-    const deadline = opts.wait === true ? Infinity : opts.wait ? Date.now() + opts.wait * 1000 : 0;
+    const deadline = opts.wait === true ? Infinity : opts.wait ? (opts.waitUntil ?? Date.now() + opts.wait * 1000) : 0;
     const runKey = opts.worker ? lockKey(opts.worker.runName) : null;
     let firstWorker = true;
     let entry: Record<string, unknown> | null = null;

@@ -330,6 +330,18 @@ export async function databaseUrl(g: GlobalOptions, log: Logger, session: Sessio
 export function withoutDatabase(g: GlobalOptions, job?: string): boolean {
   checkDatabaseSource(g);
   if (g.databaseUrl !== undefined || existsSync(path.resolve('.idem', 'pg'))) return false;
+  refuseOutsideProject(g, job);
+  return true;
+}
+
+/**
+ * Refused (exit 2) when neither the jobs nor the migrations folder is there: idem was started
+ * outside the project's root (a subfolder, a deploy's wrong directory). For the commands that answer
+ * without a database (withoutDatabase) and for `idem migrate`, which would otherwise migrate nothing
+ * into a database it made or into idem's schema it wrote, and exit 0. `job`: the name the command
+ * was given, which the refusal names.
+ */
+export function refuseOutsideProject(g: GlobalOptions, job?: string): void {
   if (!existsSync(path.resolve(g.jobsDir)) && !existsSync(path.resolve(g.migrationsDir))) {
     // A folder given by flag is checked up front by the commands that read it; prune, pause and the
     // like do not, so one given to them can be missing here: named by its flag, not told to pass it.
@@ -343,7 +355,6 @@ export function withoutDatabase(g: GlobalOptions, job?: string): boolean {
         : `there is no ${g.jobsDir}/ or ${g.migrationsDir}/ folder in ${process.cwd()}; run idem in your project's root, pass --jobs-dir, or create one with idem init`;
     throw job === undefined ? new UsageError('missingFolder', hint) : new UsageError('unknownJob', `no job named ${quotedName(job)}: ${hint}`);
   }
-  return true;
 }
 
 /** The refusals of a database URL that is no use, before it is used: set but empty, or PG* variables without it. */

@@ -213,9 +213,22 @@ function oneLineWarnings(): void {
     // ("Reparsing as ES module") at every command, and one in a CommonJS package fails with a
     // warning before the error, whose explanation (loader.ts) gives the fix for that file.
     if ((w as Error & { code?: string }).code === 'MODULE_TYPELESS_PACKAGE_JSON' || w.message.startsWith('To load an ES module, set "type": "module"')) return;
+    // pg's note on sslmode=prefer, require and verify-ca: several sentences, whose advice
+    // (uselibpqcompat=true) does not give prefer libpq's fallback either. Said in idem's words.
+    const sslmode = /^SECURITY WARNING: The SSL modes .* treated as aliases for 'verify-full'[\s\S]*uselibpqcompat=true&sslmode=([a-z-]+)'/.exec(w.message)?.[1];
+    if (sslmode !== undefined) {
+      process.stderr.write(`idem: warning: ${sslmodeWarning(sslmode)}\n`);
+      return;
+    }
     const text = `${w.name && w.name !== 'Warning' ? `${w.name}: ` : ''}${w.message}`;
     process.stderr.write(`idem: warning: ${visibleError(text.split('\n').map((l) => l.trim()).filter(Boolean).join(' '))}\n`);
   });
+}
+
+/** pg takes sslmode=prefer, require and verify-ca for verify-full (pg 8; libpq's meanings from pg 9). */
+function sslmodeWarning(mode: string): string {
+  const fallback = mode === 'prefer' ? ', no plain connection when the server has no TLS' : '';
+  return `sslmode=${mode} in the database URL is taken by pg for verify-full (TLS only, the server's certificate and host name verified${fallback}), not for libpq's ${mode}; write sslmode=verify-full to say so, sslmode=no-verify for TLS without verification, or sslmode=disable for no TLS`;
 }
 
 /** Entry point of the `idem` binary. */

@@ -181,6 +181,23 @@ function refuseUnknownSslSetting(connectionString: string, source: string): void
       throw new UsageError('invalidDatabaseUrl', `${source} has ${said('ssl', value)}, which pg does not know; use ssl=${orList(SSL_VALUES)}, or sslmode= (${modes})`);
     }
   }
+  // pg's advice for sslmode=verify-ca (uselibpqcompat=true) needs a CA file: without one pg throws a
+  // four-sentence SECURITY WARNING, which idem printed as the reason it "cannot connect".
+  if (query.getAll('uselibpqcompat').at(-1) === 'true' && query.getAll('sslmode').at(-1) === 'verify-ca' && !query.get('sslrootcert')) {
+    throw new UsageError(
+      'invalidDatabaseUrl',
+      `${source} has uselibpqcompat=true and sslmode=verify-ca but no sslrootcert, which pg refuses (verify-ca checks the certificate against your own CA, not its host name); add sslrootcert=<your CA file>, or use sslmode=verify-full`,
+    );
+  }
+}
+
+/** The sslmode pg reads from the URL (the last one given), or undefined. */
+function sslmodeOf(connectionString: string): string | undefined {
+  try {
+    return new URL(connectionString.trim()).searchParams.getAll('sslmode').at(-1);
+  } catch {
+    return undefined;
+  }
 }
 
 const POSTGRES_URL = /^\s*postgres(?:ql)?:\/\//i;
@@ -973,8 +990,12 @@ export function describeConnectError(err: unknown, connectionString: string, sou
       } else if (/The server does not support SSL connections/.test(raw)) {
         // sslmode (but disable) or ssl=true|1|no-verify in the URL, or PGSSLMODE: pg asks for TLS and does not fall back.
         const byEnv = !/[?&]ssl(mode)?=/i.test(connectionString) && process.env.PGSSLMODE;
+        // sslmode=prefer (with uselibpqcompat=true too): libpq would fall back to a plain connection, pg does not.
+        const prefer = !byEnv && sslmodeOf(connectionString) === 'prefer';
         msg = byEnv
-          ? `the database at ${where} does not accept SSL (TLS) connections, and PGSSLMODE=${process.env.PGSSLMODE} asks for one; enable ssl on the server, or unset PGSSLMODE`
+          ? `the database at ${where} does not accept SSL (TLS) connections, and PGSSLMODE=${process.env.PGSSLMODE} asks for one${process.env.PGSSLMODE === 'prefer' ? ' (pg insists on TLS with it: unlike libpq, it does not fall back to a plain connection)' : ''}; enable ssl on the server, or unset PGSSLMODE`
+          : prefer
+          ? `the database at ${where} does not accept SSL (TLS) connections, and ${urlSource} has sslmode=prefer, with which pg insists on TLS (unlike libpq, it does not fall back to a plain connection); enable ssl on the server, or set sslmode=disable in ${urlSource}`
           : `the database at ${where} does not accept SSL (TLS) connections, and ${urlSource} asks for one; enable ssl on the server, or set sslmode=disable in ${urlSource}`;
       } else msg = `cannot connect to the database at ${where}: ${raw}; check ${urlSource}`;
   }

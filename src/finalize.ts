@@ -2,6 +2,7 @@ import { BusyError, RunFailedError, UsageError } from './errors.ts';
 import { runIsLive } from './operations.ts';
 import { slotOfJobKey } from './schedule.ts';
 import { sleep } from './sleep.ts';
+import { databaseOutage } from './retry.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import { keyLabel } from './key-label.ts';
 import { alreadyDone, refuseOtherParams, type RunJobOptions, type Runner, type RunOutcome } from './runner.ts';
@@ -51,30 +52,49 @@ export async function finalizeRun(runner: Runner, job: Job, opts: FinalizeOption
   const slot = slotOfJobKey(job, opts.key);
   const deadline = opts.timeoutSeconds === undefined ? Infinity : Date.now() + opts.timeoutSeconds * 1000;
   let waited = false;
+  let outages = 0;
   // Polls rather than waiting on the job's lock: whoever takes the lock bumps the attempt and
   // resumes the run, and a run that failed while we waited must be reported, not resumed.
   for (;;) {
-    const existing = await runner.store.findRun(job.name, opts.key);
-    // Other params under this key are refused first, as `idem run` refuses them: not waited for,
-    // nor answered "already succeeded", nor the rest run with the run's own params instead.
-    if (existing && opts.params !== undefined) await refuseOtherParams(job, existing, opts.params);
-    if (existing?.status === 'failed') throw recordedFailure(existing);
-    if (existing && (await isLive(runner, existing))) {
-      if (Date.now() >= deadline) throw timedOut(opts.timeoutSeconds!, `run ${opts.key} of job "${job.name}"`);
-      waited = true;
-      await sleep(Math.min(POLL_MS, deadline - Date.now()), opts.signal);
-      if (opts.signal?.aborted) throw opts.signal.reason;
-      continue;
-    }
-    const params = existing ? existing.params : ((await validateParams(job, opts.params ?? {})) as Json);
     try {
-      const outcome = await runner.run(job, { params, key: opts.key, slot, wait: false, resumeFailed: false, ...pick(opts) });
-      return { ...outcome, how: how(outcome, waited) };
+      return await finalizeOnce();
     } catch (err) {
-      // Someone else took it between our look and our try: wait for them like any live run.
-      if (!(err instanceof BusyError)) throw err;
-      if (Date.now() >= deadline) throw timedOut(opts.timeoutSeconds!, `run ${opts.key} of job "${job.name}"`);
-      waited = true;
+      if (!databaseOutage(err)) throw err;
+      // The database went away (stopped, restarting) while finalize waited for the run: the holder
+      // went with it, and the run is left to take over once the server is back. Tried again until
+      // the --timeout; out of reach then, or before there was anything to wait for, said as an
+      // unreachable database is (exit 2), never pg's bare error (exit 1: "the run failed").
+      if (!waited || Date.now() >= deadline) throw runner.unreachable(err);
+      await sleep(Math.min(POLL_MS * 2 ** Math.min(outages++, 3), 2_000, Math.max(0, deadline - Date.now())), opts.signal);
+      if (opts.signal?.aborted) throw opts.signal.reason;
+    }
+  }
+
+  /** Looks at the run until it has an outcome: waits for it while it is live elsewhere, else runs the rest here. */
+  async function finalizeOnce(): Promise<FinalizeOutcome> {
+    for (;;) {
+      const existing = await runner.store.findRun(job.name, opts.key);
+      // Other params under this key are refused first, as `idem run` refuses them: not waited for,
+      // nor answered "already succeeded", nor the rest run with the run's own params instead.
+      if (existing && opts.params !== undefined) await refuseOtherParams(job, existing, opts.params);
+      if (existing?.status === 'failed') throw recordedFailure(existing);
+      if (existing && (await isLive(runner, existing))) {
+        if (Date.now() >= deadline) throw timedOut(opts.timeoutSeconds!, `run ${opts.key} of job "${job.name}"`);
+        waited = true;
+        await sleep(Math.min(POLL_MS, deadline - Date.now()), opts.signal);
+        if (opts.signal?.aborted) throw opts.signal.reason;
+        continue;
+      }
+      const params = existing ? existing.params : ((await validateParams(job, opts.params ?? {})) as Json);
+      try {
+        const outcome = await runner.run(job, { params, key: opts.key, slot, wait: false, resumeFailed: false, ...pick(opts) });
+        return { ...outcome, how: how(outcome, waited) };
+      } catch (err) {
+        // Someone else took it between our look and our try: wait for them like any live run.
+        if (!(err instanceof BusyError)) throw err;
+        if (Date.now() >= deadline) throw timedOut(opts.timeoutSeconds!, `run ${opts.key} of job "${job.name}"`);
+        waited = true;
+      }
     }
   }
 }

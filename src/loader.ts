@@ -186,7 +186,9 @@ async function loadJobFile(file: string, what: 'jobs' | 'migrations'): Promise<L
   const origin = path.relative(process.cwd(), file);
   const exported = jobExport(mod, isCommonJsFile(file));
   if (isThenable(exported)) {
-    const which = exported === mod.default ? 'the default export' : 'the export job';
+    // TypeScript compiled for a CommonJS project puts `export default` at module.exports.default.
+    const cjsDefault = mod.default && typeof mod.default === 'object' ? (mod.default as Record<string, unknown>).default : undefined;
+    const which = exported === mod.default || exported === cjsDefault ? 'the default export' : 'the export job';
     throw new UsageError('invalidJob', `${origin}: ${which} is a Promise: export the job itself (defineJob(...)), not a promise of it (in an ES module, export default await … works); fix the file`);
   }
   const job = assertJob(exported === undefined ? noJobExported(mod, origin) : exported, origin);
@@ -297,6 +299,8 @@ function checkMigration(job: Job, id: string, origin: string): void {
  */
 function jobExport(mod: Record<string, unknown>, commonJs: boolean): unknown {
   const top = mod.default ?? mod.job;
+  // `module.exports = Promise…`: a promise, not "nothing" (refused as the ES module's is).
+  if (isThenable(top)) return top;
   if (top && typeof top === 'object' && !('steps' in top)) {
     const inner = (top as Record<string, unknown>).default ?? (top as Record<string, unknown>).job;
     if (inner !== undefined) return inner;

@@ -1,4 +1,4 @@
-import { codeOf, givenValue, messageOf } from './errors.ts';
+import { codeOf, DatabaseUnavailableError, givenValue, IdemError, messageOf } from './errors.ts';
 import { sleep } from './sleep.ts';
 import { testHookMs } from './test-hooks.ts';
 
@@ -86,6 +86,18 @@ const CONNECTION_SQLSTATES = new Set<string>([
  */
 export function isConnectionTrouble(err: unknown): boolean {
   return transientInChain(err, (code) => CONNECTION_SQLSTATES.has(code));
+}
+
+/**
+ * The database out of reach (stopped, restarting, its sessions ended) as idem's own statements meet
+ * it: pg's connection error, or idem's refusal wrapping one ("cannot open the lock session: …",
+ * an unreachable database said as Runner.connect says it). A wait for a run live elsewhere (--wait,
+ * finalize) keeps trying through it until its deadline. Never a lost lock, a run's failure, or a
+ * refusal of idem's about anything else.
+ */
+export function databaseOutage(err: unknown): boolean {
+  if (err instanceof IdemError && !(err instanceof DatabaseUnavailableError && err.cause !== undefined)) return false;
+  return isConnectionTrouble(err);
 }
 
 /**

@@ -4,7 +4,7 @@ import type { Logger } from 'pino';
 import { acquireAdvisoryLock, lockHolders, type HeldLock } from './advisory-lock.ts';
 import { looksDead, SILENT_SECONDS_SQL, silentSecondsOf, type LockHolder } from './lock-holder.ts';
 import { describeConnectError, isStatementTimeout, openDatabase, redactError, statementTimeoutOrigin, statementTimeoutRefusal, type Database } from './database.ts';
-import { BusyError, CancelledError, codeOf, givenValue, RETRY_OR_WAIT, errorFields, FencedError, IdemError, InterruptedError, messageOf, STOP_SIGNALS, type StopSignal, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
+import { BusyError, CancelledError, codeOf, DatabaseUnavailableError, givenValue, RETRY_OR_WAIT, errorFields, FencedError, IdemError, InterruptedError, messageOf, STOP_SIGNALS, type StopSignal, LockLostError, ParamsMismatchError, PausedError, PauseWithdrawnError, RunFailedError, UsageError } from './errors.ts';
 import { ChunkFailure, DEFAULT_PLAN_WINDOW, executeSteps, type Progress } from './executor.ts';
 import type { ThrottleOptions } from './throttle.ts';
 import { fingerprint, lockKey } from './fingerprint.ts';
@@ -17,7 +17,7 @@ import { faultPoint } from './fault-points.ts';
 import { silentLogger } from './log.ts';
 import { answerWithin, sleep } from './sleep.ts';
 import { beingDeletedMessage, doneChunks, finishDeletion, isLive, lastChange, pruneRuns, stalledSeconds, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
-import { isConnectionTrouble, isRetryable, lockWaitCutShort, retrying } from './retry.ts';
+import { databaseOutage, isConnectionTrouble, isRetryable, lockWaitCutShort, retrying } from './retry.ts';
 import { ensureRunnerSchema, lostPrivilegeRefusal } from './schema/runner-migrations.ts';
 import { documentedError, Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
 import { checkRunKey } from './run-key.ts';
@@ -577,12 +577,13 @@ export class Runner {
     const lockName = this.jobLockName(job.name);
     const allowSucceeded = !!opts.retrySkipped;
     // A lock session killed while still waiting held nothing yet: simply open another.
-    const lock = await retrying(() =>
+    const lock = await this.#lockRidingOutages(opts.wait ?? false, opts.signal, (waitUntil) =>
       acquireAdvisoryLock({
         connectionString: this.#connectionString,
         name: lockName,
         what: `job "${job.name}"`,
         wait: opts.wait ?? false,
+        ...(waitUntil !== undefined ? { waitUntil } : {}),
         ...(opts.signal ? { signal: opts.signal } : {}),
         ...(this.#lockIdleTimeoutMs !== undefined ? { idleSessionTimeoutMs: this.#lockIdleTimeoutMs } : {}),
         worker: {
@@ -610,6 +611,40 @@ export class Runner {
     } finally {
       await lock.release();
     }
+  }
+
+  /**
+   * Takes a lock with `acquire` (retrying a session killed before it held anything). With a wait,
+   * the database going away meanwhile (stopped, restarting: the holder waited for is gone with it)
+   * does not end the wait: the lock is tried again, on a new session, until the wait's deadline,
+   * and a database still out of reach then is said as Runner.connect says it (exit 2). `acquire`
+   * gets the deadline (ms since the epoch) of a numeric wait, so that a try again waits only
+   * what is left of it.
+   */
+  async #lockRidingOutages<T>(wait: boolean | number, signal: AbortSignal | undefined, acquire: (waitUntil: number | undefined) => Promise<T>): Promise<T> {
+    if (wait === false || wait === 0) return retrying(() => acquire(undefined));
+    const deadline = wait === true ? Infinity : Date.now() + wait * 1000;
+    const waitUntil = wait === true ? undefined : deadline;
+    for (let tries = 0; ; tries++) {
+      try {
+        return await retrying(() => acquire(waitUntil));
+      } catch (err) {
+        if (!databaseOutage(err)) throw err;
+        if (Date.now() >= deadline) throw this.unreachable(err);
+        await sleep(Math.min(250 * 2 ** Math.min(tries, 3), 2_000, Math.max(0, deadline - Date.now())), signal);
+        if (signal?.aborted) throw interruption(signal.reason);
+      }
+    }
+  }
+
+  /**
+   * @internal A database out of reach (see databaseOutage), said as Runner.connect says an
+   * unreachable database: its URL (password masked) and the fix, exit 2. Anything else as it is.
+   */
+  unreachable(err: unknown): unknown {
+    if (!databaseOutage(err)) return err;
+    const cause = err instanceof DatabaseUnavailableError ? err.cause : err;
+    return describeConnectError(cause, this.#connectionString, this.#connectionSource);
   }
 
   /**

@@ -246,6 +246,22 @@ describe('what a job file exports', () => {
     expectOneLineError(r, 2, 'idem: error: jobs/promised.js: the default export is a Promise: export the job itself (defineJob(...)), not a promise of it (in an ES module, export default await … works); fix the file');
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
   });
+
+  it('a Promise exported by CommonJS, or by TypeScript in a CommonJS project, is told so in the same words (B12)', async () => {
+    // Before: the .cjs file "exports nothing"; the .ts file's default export was called "the export job".
+    const job = (name: string) => `{ name: '${name}', steps: [{ name: 'a', run() {} }] }`;
+    const promised = (file: string, which = 'the default export') =>
+      `idem: error: jobs/${file}: ${which} is a Promise: export the job itself (defineJob(...)), not a promise of it (in an ES module, export default await … works); fix the file`;
+    const cjs = await project('promised-cjs', { 'pr3.cjs': `module.exports = Promise.resolve(${job('pr3')});\n` });
+    const cjsJob = await project('promised-cjs-job', { 'pr4.cjs': `exports.job = Promise.resolve(${job('pr4')});\n` });
+    const ts = await project('promised-ts-commonjs', { 'pr5.ts': `export default (async () => (${job('pr5')}))();\n` });
+    await writeFile(path.join(ts, 'package.json'), JSON.stringify({ type: 'commonjs' }));
+    const before = await snapshot(url, ALL_TABLES);
+    expectOneLineError(await runCli(['list'], { url, cwd: cjs, timeoutMs: 20_000 }), 2, promised('pr3.cjs'));
+    expectOneLineError(await runCli(['list'], { url, cwd: cjsJob, timeoutMs: 20_000 }), 2, promised('pr4.cjs', 'the export job'));
+    expectOneLineError(await runCli(['list'], { url, cwd: ts, timeoutMs: 20_000 }), 2, promised('pr5.ts'));
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
 });
 
 describe('--json on every command: a refusal is the error object on stdout', () => {

@@ -590,13 +590,18 @@ describe('the final error line is one line, with control characters escaped', ()
   });
 });
 
+/** idem's line for pg's deprecation note on sslmode=prefer, require and verify-ca (which pg takes for verify-full). */
+const SSLMODE_WARNING = (mode: string) =>
+  `idem: warning: sslmode=${mode} in the database URL is taken by pg for verify-full (TLS only, the server's certificate and host name verified${mode === 'prefer' ? ', no plain connection when the server has no TLS' : ''}), not for libpq's ${mode}; write sslmode=verify-full to say so, sslmode=no-verify for TLS without verification, or sslmode=disable for no TLS`;
+
 describe("a library's warning is one line too", () => {
   it("pg's multi-line note on sslmode=require comes out as one `idem: warning:` line before the error", async () => {
     const r = await runCli([...FIXTURE_DIRS, 'status'], { url: 'postgres://u:secret@127.0.0.1:1/x?sslmode=require' });
     expect(r.code, r.stderr).toBe(2);
     const out = lines(r.stderr).filter((l) => !l.startsWith('{'));
-    // Before: Node's "(node:123) Warning: SECURITY WARNING: …" and eight more lines.
-    expect(out).toEqual([expect.stringMatching(/^idem: warning: SECURITY WARNING: The SSL modes .* use 'sslmode=verify-full'.*uselibpqcompat=true&sslmode=require/), expect.stringMatching(/^idem: error: cannot reach the database/)]);
+    // Before: Node's "(node:123) Warning: SECURITY WARNING: …" and eight more lines; then those
+    // lines joined into one (B12: pg's advice, uselibpqcompat=true, which does not help); now idem's own line.
+    expect(out).toEqual([SSLMODE_WARNING('require'), expect.stringMatching(/^idem: error: cannot reach the database/)]);
     expect(r.stderr).not.toContain('secret');
   });
 });
@@ -630,6 +635,61 @@ describe('SSL settings in the URL that pg does not read as meant (B2-15)', () =>
     }
     const flag = await runCli([...FIXTURE_DIRS, '--database-url', withQuery('sslmode=bogus'), 'status']);
     expect(refusal(flag, 2)).toEqual(['idem: error: --database-url has sslmode=bogus, which pg does not know; use sslmode=disable, prefer, require, verify-ca, verify-full or no-verify (or leave it out)']);
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it('sslmode=prefer against a server without TLS (B12): one idem warning line, then an error saying pg does not fall back; nothing written', async () => {
+    const before = await snapshot(url, ALL_TABLES);
+    const cases = [
+      // pg's own note (several sentences, advice to use uselibpqcompat=true) is idem's one line.
+      ['sslmode=prefer', [SSLMODE_WARNING('prefer')]],
+      // pg's advice followed: it asks for TLS all the same (without verification), and warns nothing.
+      ['uselibpqcompat=true&sslmode=prefer', []],
+    ] as const;
+    for (const [query, warnings] of cases) {
+      for (const args of [['status'], ['run', 'counted', '--key', 'ssl-prefer']]) {
+        const r = await runCli([...FIXTURE_DIRS, ...args], { url: withQuery(query) });
+        expect({ code: r.code, stdout: r.stdout }, r.stderr).toEqual({ code: 2, stdout: '' });
+        const out = lines(r.stderr);
+        expect(out.slice(0, -1), query).toEqual(warnings);
+        expect(out.at(-1), query).toMatch(
+          /^idem: error: the database at postgres:\/\/.*:\*\*\*@.* does not accept SSL \(TLS\) connections, and DATABASE_URL has sslmode=prefer, with which pg insists on TLS \(unlike libpq, it does not fall back to a plain connection\); enable ssl on the server, or set sslmode=disable in DATABASE_URL$/,
+        );
+        expect(r.stderr).not.toContain(password());
+      }
+    }
+    expect(await snapshot(url, ALL_TABLES)).toEqual(before);
+  });
+
+  it('PGSSLMODE=prefer against a server without TLS: the error says pg does not fall back either', async () => {
+    const r = await runCli([...FIXTURE_DIRS, 'status'], { url, env: { PGSSLMODE: 'prefer' } });
+    expect(refusal(r, 2)).toEqual([
+      expect.stringMatching(
+        /^idem: error: the database at postgres:\/\/.*:\*\*\*@.* does not accept SSL \(TLS\) connections, and PGSSLMODE=prefer asks for one \(pg insists on TLS with it: unlike libpq, it does not fall back to a plain connection\); enable ssl on the server, or unset PGSSLMODE$/,
+      ),
+    ]);
+  });
+
+  it('sslmode=require and verify-ca against a server without TLS: idem\'s one warning line, then the error', async () => {
+    for (const mode of ['require', 'verify-ca']) {
+      const r = await runCli([...FIXTURE_DIRS, 'status'], { url: withQuery(`sslmode=${mode}`) });
+      expect({ code: r.code, stdout: r.stdout }, r.stderr).toEqual({ code: 2, stdout: '' });
+      const out = lines(r.stderr);
+      expect(out[0], mode).toBe(SSLMODE_WARNING(mode));
+      expect(out.slice(1), mode).toEqual([expect.stringMatching(/ does not accept SSL \(TLS\) connections, and DATABASE_URL asks for one; enable ssl on the server, or set sslmode=disable in DATABASE_URL$/)]);
+    }
+  });
+
+  it('uselibpqcompat=true&sslmode=verify-ca without sslrootcert: one line naming the fix, not pg\'s SECURITY WARNING; nothing written', async () => {
+    // Before: `cannot connect to the database at …: SECURITY WARNING: Using sslmode=verify-ca requires …` (four sentences).
+    const before = await snapshot(url, ALL_TABLES);
+    for (const args of [['status'], ['run', 'counted', '--key', 'ssl-ca']]) {
+      const r = await runCli([...FIXTURE_DIRS, ...args], { url: withQuery('uselibpqcompat=true&sslmode=verify-ca') });
+      expect(refusal(r, 2)).toEqual([
+        'idem: error: DATABASE_URL has uselibpqcompat=true and sslmode=verify-ca but no sslrootcert, which pg refuses (verify-ca checks the certificate against your own CA, not its host name); add sslrootcert=<your CA file>, or use sslmode=verify-full',
+      ]);
+      expect(r.stderr).not.toContain(password());
+    }
     expect(await snapshot(url, ALL_TABLES)).toEqual(before);
   });
 

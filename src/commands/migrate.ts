@@ -1,6 +1,6 @@
 import type { Command } from 'commander';
 import { nonNegativeNumber, waitSeconds } from '../cli-parsers.ts';
-import { installSignals, openRunner, type CliContext } from '../cli-session.ts';
+import { installSignals, openRunner, refuseOutsideProject, type CliContext } from '../cli-session.ts';
 import { describeOutcome, migrateErrorEntry } from '../describe-outcome.ts';
 import { ExitCode, UsageError } from '../errors.ts';
 import type { RunOutcome } from '../runner.ts';
@@ -34,6 +34,9 @@ export function registerMigrateCommand(program: Command, cli: CliContext): void 
       let current = null as { readonly runKey: string; readonly job: { readonly name: string } } | null;
       return cli.runWithSession(
         async (g, log, session, force) => {
+          // Outside the project's root: refused before anything connects, not "no migrations", exit 0,
+          // after making an embedded server or idem's schema in the app's database.
+          refuseOutsideProject(g);
           const { checkSharedNamesIn, loadJobDir } = await import('../cli-runtime.ts');
           const migrations = await loadJobDir(g.migrationsDir, 'migrations');
           // A migration a job shares its name with would share the job's lock and runs.
