@@ -214,6 +214,30 @@ describe('the dashboard of a job with a params schema', () => {
     return job;
   }
 
+  it('a refused action opens the token panel with the focus in its field; Escape closes it and gives the focus back', async () => {
+    // Black-box round 19 (B13-4): the panel opened on a 401 with the focus left on the button, so a
+    // keyboard user typed into nothing; Escape did not close it, and open it lay over the buttons.
+    const fresh = await context.newPage();
+    try {
+      await fresh.goto(`${dash.base}/`);
+      expect(await fresh.locator('.token-state').textContent()).toBe('API token');
+      const job = fresh.locator('article.job[data-job="paint"]');
+      await job.locator('summary').click();
+      await job.locator('button[type=submit]').click();
+      await expect.poll(() => fresh.evaluate(() => (document.querySelector('.token') as HTMLDetailsElement).open)).toBe(true);
+      await expect.poll(() => fresh.evaluate(() => document.activeElement?.id)).toBe('token');
+      await fresh.keyboard.press('Escape');
+      expect(await fresh.evaluate(() => (document.querySelector('.token') as HTMLDetailsElement).open)).toBe(false);
+      expect(await fresh.evaluate(() => document.activeElement?.closest('.token') !== null && document.activeElement?.tagName)).toBe('SUMMARY');
+      // Opened again, a click elsewhere on the page closes it too.
+      await fresh.locator('.token summary').click();
+      await fresh.locator('h1, main').first().click({ position: { x: 5, y: 5 } });
+      expect(await fresh.evaluate(() => (document.querySelector('.token') as HTMLDetailsElement).open)).toBe(false);
+    } finally {
+      await fresh.close();
+    }
+  });
+
   it('the Run form starts from the schema defaults, and leaves optional fields without one out', async () => {
     const job = await paintForm();
     expect(await job.locator('input[name=flag]').isChecked()).toBe(true);

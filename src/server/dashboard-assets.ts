@@ -144,7 +144,12 @@ export const DASHBOARD_JS = `'use strict';
   function needToken(r) {
     if (r.status === 401 || r.status === 403) {
       const d = document.querySelector('.token');
-      if (d) d.open = true;
+      if (d) {
+        d.open = true;
+        // Where a keyboard user types next: the token field, not the button that was refused.
+        const input = d.querySelector('input');
+        if (input) input.focus();
+      }
       toast(problemText(r), true);
       return true;
     }
@@ -241,6 +246,19 @@ export const DASHBOARD_JS = `'use strict';
     return params;
   }
   const freshKey = () => (crypto.randomUUID ? crypto.randomUUID() : Date.now().toString(36) + '-' + Math.random().toString(36).slice(2));
+
+  // The token panel is a popover: Escape or a click elsewhere closes it (it lies over the page's
+  // top buttons while open), Escape handing the focus back to its summary.
+  document.addEventListener('keydown', (e) => {
+    const d = document.querySelector('.token[open]');
+    if (e.key !== 'Escape' || !d) return;
+    d.open = false;
+    d.querySelector('summary').focus();
+  });
+  document.addEventListener('click', (e) => {
+    const d = document.querySelector('.token[open]');
+    if (d && !d.contains(e.target)) d.open = false;
+  });
 
   document.addEventListener('submit', async (e) => {
     const form = e.target;
