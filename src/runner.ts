@@ -272,6 +272,8 @@ export interface RunOutcome {
   readonly elapsedMs?: number;
   /** For a dry run: the run's state as idem status says it (`new`, `crashed` for a run whose process died, else its status) and the steps that would run. */
   readonly plan?: { readonly state: string; readonly steps: ReadonlyArray<{ readonly name: string; readonly chunked: boolean }> };
+  /** For `retrySkipped`: the steps after the retried chunks that had run, and ran again after them (absent when none). */
+  readonly rerunSteps?: readonly string[];
 }
 
 /** One process working a run. */
@@ -868,9 +870,13 @@ export class Runner {
       await retrying(() => recordCodeFingerprint(this.db, this.schema, current, job, attempt, joined));
       // The worker that starts the attempt makes skipped chunks pending again; one joining it does
       // not, or it would undo the skips this attempt has made since (every joiner retrying them).
+      // The steps after the retried chunks ran without them: they run again after them, planned
+      // afresh, so what they computed (a total, an index) covers every chunk.
+      let rerunSteps: string[] = [];
       if (opts.retrySkipped && !joined) {
-        const n = await this.store.resetSkipped(runId, attempt);
-        if (n > 0) log.info({ chunks: n }, 'retrying skipped chunks');
+        const { chunks: n, rerun } = await this.store.resetSkipped(runId, attempt, job.steps.map((s) => s.name));
+        rerunSteps = rerun;
+        if (n > 0) log.info({ chunks: n, ...(rerun.length > 0 ? { rerunSteps: rerun } : {}) }, 'retrying skipped chunks');
       }
       const steps = await this.store.loadSteps(runId, job.steps.map((s) => s.name));
       const { executed } = await untilLost(lock.lost, executeSteps(
@@ -909,7 +915,7 @@ export class Runner {
         summary = now.summary;
       }
       log.info({ executed, chunks: summary.chunks, durationMs: summary.durationMs }, 'run succeeded');
-      return { status: 'succeeded', job: job.name, runKey: current.run_key, runId, attempt, summary, executed, elapsedMs: Math.round(performance.now() - invocationStarted) };
+      return { status: 'succeeded', job: job.name, runKey: current.run_key, runId, attempt, summary, executed, elapsedMs: Math.round(performance.now() - invocationStarted), ...(rerunSteps.length > 0 ? { rerunSteps } : {}) };
     } catch (thrown) {
       // A job's error that quotes DATABASE_URL is recorded in idem.runs, logged and thrown: the
       // chunks' own are masked as they fail (executor.ts), the rest here, whatever threw them (a

@@ -548,20 +548,49 @@ export class Store {
     return rows[0]!;
   }
 
-  /** Makes skipped chunks pending again and reopens their steps (`--retry-skipped`). Returns how many. */
-  async resetSkipped(runId: string, attempt: number): Promise<number> {
-    const { rows } = await this.#run(sql<{ n: number }>`
+  /**
+   * Makes skipped chunks pending again and reopens their steps (`--retry-skipped`), in one fenced
+   * statement. The steps of `steps` (the job's, in order) after the first step with skipped chunks
+   * that had started are planned afresh: their chunk rows deleted (skipped ones included) and their
+   * rows back as a new step's, so they run again after the retried chunks, as if the job had run
+   * once; their effects stay recorded (each is still performed once). Returns how many skipped
+   * chunks run again, and which steps run again, in order.
+   */
+  async resetSkipped(runId: string, attempt: number, steps: readonly string[]): Promise<{ chunks: number; rerun: string[] }> {
+    const { rows } = await this.#run(sql<{ n: number; rerun: string[] }>`
       with fence as (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt} for share),
+      first as (
+        select min(s.position) as position from ${this.#steps} s
+        where s.run_id = ${runId} and s.name = any(${[...steps]}::text[]) and exists (select 1 from fence)
+          and exists (select 1 from ${this.#chunks} c where c.run_id = s.run_id and c.step = s.name and c.skipped_at is not null)
+      ),
+      later as (
+        select s.name, s.position from ${this.#steps} s, first
+        where s.run_id = ${runId} and s.position > first.position and s.name = any(${[...steps]}::text[])
+          and (s.status <> 'pending' or exists (select 1 from ${this.#chunks} c where c.run_id = s.run_id and c.step = s.name))
+      ),
       reset as (
-        update ${this.#chunks} set skipped_at = null where run_id = ${runId} and skipped_at is not null and exists (select 1 from fence)
+        update ${this.#chunks} set skipped_at = null
+        where run_id = ${runId} and skipped_at is not null and exists (select 1 from fence) and step not in (select name from later)
         returning step
+      ),
+      wiped as (
+        delete from ${this.#chunks} where run_id = ${runId} and step in (select name from later)
+        returning skipped_at
       ),
       reopen as (
         update ${this.#steps} set status = 'running', finished_at = null
         where run_id = ${runId} and name in (select step from reset) returning 1
+      ),
+      fresh as (
+        update ${this.#steps} set status = 'pending', cursor = null, planned_all = false, planned = 0, started_at = null,
+          finished_at = null, estimated_chunks = null, rate_next = null, rate_attempt = null, rate_interval_ms = null
+        where run_id = ${runId} and name in (select name from later) returning 1
       )
-      select (select count(*) from reset)::int as n, (select count(*) from reopen) as reopened`);
-    return rows[0]!.n;
+      select (select count(*) from reset)::int + (select count(skipped_at) from wiped)::int as n,
+        array(select name from later order by position) as rerun,
+        (select count(*) from reopen) as reopened, (select count(*) from fresh) as refreshed`);
+    return { chunks: rows[0]!.n, rerun: rows[0]!.rerun };
   }
 
   /** Skipped chunks of a run with their errors, for `idem status`. */
