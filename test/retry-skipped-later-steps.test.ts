@@ -1,6 +1,6 @@
 import { fileURLToPath } from 'node:url';
 import { afterAll, beforeEach, describe, expect, it } from 'vitest';
-import { killLeftovers, lines, query, runCli } from './support/cli.ts';
+import { killLeftovers, lines, query, runCli, spawnCli, waitFor } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
 /**
@@ -81,6 +81,42 @@ describe('--retry-skipped and the steps after the retried chunks', () => {
     expect(JSON.parse(again.stdout)).toMatchObject({ status: 'already-succeeded', executed: 0 });
     expect(JSON.parse(again.stdout)).not.toHaveProperty('rerunSteps');
     expect(await total('sk2')).toEqual({ total: CLEAN_TOTAL, n: 2 });
+  });
+
+  it('three --join workers starting --retry-skipped together revive once: each chunk runs once more, the later steps once more', async () => {
+    const first = await run('skipj', 'joined', [], '41,121');
+    expect(first.code, first.stderr).toBe(0);
+    expect(await total('joined')).toEqual({ total: String(40200 - 2 * 1010 - 2 * 2610), n: 1 });
+
+    // Each tally chunk takes a second, so the three workers share the attempt.
+    const workers = await Promise.all([0, 1, 2].map(() => spawnCli(['--jobs-dir', JOBS, 'run', 'skipj', '--key', 'joined', '--join', '--retry-skipped', '--json', '--concurrency', '2'], { url: db.url, env: { FAILKEYS: '', SLOWMS: '1000' } }).done));
+    for (const w of workers) expect(w.code, w.stderr).toBe(0);
+    const outcomes = workers.map((w) => JSON.parse(w.stdout));
+    for (const o of outcomes) expect(o).toMatchObject({ status: 'succeeded', attempt: 2, summary: { chunks: 14, skipped: 0 } });
+    // The worker that revived says which steps ran again; the joiners revived nothing.
+    expect(outcomes.filter((o) => o.rerunSteps === undefined)).toHaveLength(2);
+    expect(outcomes.filter((o) => o.rerunSteps !== undefined).map((o) => o.rerunSteps)).toEqual([['summary', 'tally']]);
+    expect(outcomes.reduce((n, o) => n + o.executed, 0)).toBe(2 + 1 + 3);
+    expect(await total('joined')).toEqual({ total: CLEAN_TOTAL, n: 2 });
+    expect(await executions('joined')).toEqual({ ...workKeys(ALL_WORK), 'summary/step': 2, 'tally/t1': 2, 'tally/t2': 2, 'tally/t3': 2 });
+  });
+
+  it('a worker joining the attempt while its first worker is stalled right after entering finds the run revived, and finishes it as a clean run', async () => {
+    const first = await run('skipj', 'stalled', [], '41');
+    expect(first.code, first.stderr).toBe(0);
+    // The first worker bumped the attempt on entering, and stalls there (a slow or stopped process).
+    const stalled = spawnCli(['--jobs-dir', JOBS, 'run', 'skipj', '--key', 'stalled', '--join', '--retry-skipped', '--json'], { url: db.url, env: { FAILKEYS: '', IDEM_FAULT: 'after-lock:stall' } });
+    try {
+      await waitFor(async () => (stalled.stderr().includes('fault injected at after-lock') ? true : undefined), 'the first worker stalled after entering');
+      const joined = await runCli(['--jobs-dir', JOBS, 'run', 'skipj', '--key', 'stalled', '--join', '--retry-skipped', '--json'], { url: db.url, env: { FAILKEYS: '' } });
+      expect(joined.code, joined.stderr).toBe(0);
+      expect(JSON.parse(joined.stdout)).toMatchObject({ status: 'succeeded', attempt: 2, executed: 1 + 1 + 3, summary: { chunks: 14, skipped: 0 } });
+    } finally {
+      stalled.child.kill('SIGKILL');
+      await stalled.done;
+    }
+    expect(await total('stalled')).toEqual({ total: CLEAN_TOTAL, n: 2 });
+    expect(await executions('stalled')).toEqual({ ...workKeys(ALL_WORK), 'summary/step': 2, 'tally/t1': 2, 'tally/t2': 2, 'tally/t3': 2 });
   });
 
   it('skipped chunks only in the last step: the steps before it do not run again, and nothing says so', async () => {
