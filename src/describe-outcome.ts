@@ -20,7 +20,8 @@ export function describeOutcome(o: RunOutcome): string {
     return `job "${o.job}" already done (run key ${visible(o.runKey)}, finished ${finished}): ${counts}; nothing to do`;
   }
   const took = o.attempt > 1 ? ` (the run took ${((s?.durationMs ?? 0) / 1000).toFixed(1)}s over ${o.attempt} attempts)` : '';
-  return `job "${o.job}" succeeded: ${counts}, ${o.executed} executed now in ${((o.elapsedMs ?? s?.durationMs ?? 0) / 1000).toFixed(1)}s${took} (run key ${visible(o.runKey)}, attempt ${o.attempt})`;
+  const rerun = o.rerunSteps?.length ? `\nsteps after the retried chunks run again: ${o.rerunSteps.map(visible).join(', ')}` : '';
+  return `job "${o.job}" succeeded: ${counts}, ${o.executed} executed now in ${((o.elapsedMs ?? s?.durationMs ?? 0) / 1000).toFixed(1)}s${took} (run key ${visible(o.runKey)}, attempt ${o.attempt})${rerun}`;
 }
 
 /** What `--json` says of an outcome other than success (`run`'s error object, `migrate`'s failed entry): the exit code, idem's error code and the message. */

@@ -272,6 +272,8 @@ export interface RunOutcome {
   readonly elapsedMs?: number;
   /** For a dry run: the run's state as idem status says it (`new`, `crashed` for a run whose process died, else its status) and the steps that would run. */
   readonly plan?: { readonly state: string; readonly steps: ReadonlyArray<{ readonly name: string; readonly chunked: boolean }> };
+  /** For `retrySkipped`: the steps after the retried chunks that had run, and ran again after them (absent when none). */
+  readonly rerunSteps?: readonly string[];
 }
 
 /** One process working a run. */
@@ -589,7 +591,7 @@ export class Runner {
         worker: {
           runName: this.runLockName(run.id),
           join: opts.join ?? false,
-          first: this.store.beginAttemptSql(run.id, WORKER, lockName, lockKey(lockName), allowSucceeded),
+          first: this.store.beginAttemptSql(run.id, WORKER, lockName, lockKey(lockName), allowSucceeded, opts.retrySkipped ? job.steps.map((s) => s.name) : null),
           joiner: this.store.joinAttemptSql(run.id),
           runHeld: beingDeletedMessage(`run "${runKey}" of job "${job.name}"`),
         },
@@ -745,7 +747,7 @@ export class Runner {
           record(alreadyDone(run));
           continue;
         }
-        const begin = () => this.store.beginAttempt(run.id, WORKER, lock);
+        const begin = () => this.store.beginAttempt(run.id, WORKER, lock, opts.retrySkipped ? m.job.steps.map((s) => s.name) : null);
         record(await this.#runLocked(m.job, run.id, {}, lock, opts, begin));
       }
     } finally {
@@ -901,12 +903,12 @@ export class Runner {
     setMaxListeners(10 + 8 * (opts.concurrency ?? 1), stop, abort);
     try {
       await retrying(() => recordCodeFingerprint(this.db, this.schema, current, job, attempt, joined));
-      // The worker that starts the attempt makes skipped chunks pending again; one joining it does
-      // not, or it would undo the skips this attempt has made since (every joiner retrying them).
-      if (opts.retrySkipped && !joined) {
-        const n = await this.store.resetSkipped(runId, attempt);
-        if (n > 0) log.info({ chunks: n }, 'retrying skipped chunks');
-      }
+      // The worker that starts the attempt made skipped chunks pending again with its attempt bump
+      // (one joining it does not, or it would undo the skips this attempt has made since), and
+      // planned the steps after them afresh: they ran without those chunks, and run again after
+      // them, so what they computed (a total, an index) covers every chunk.
+      const rerunSteps = begun.revived?.rerun ?? [];
+      if (begun.revived && begun.revived.chunks > 0) log.info({ chunks: begun.revived.chunks, ...(rerunSteps.length > 0 ? { rerunSteps } : {}) }, 'retrying skipped chunks');
       const steps = await this.store.loadSteps(runId, job.steps.map((s) => s.name));
       const { executed } = await untilLost(lock.lost, executeSteps(
         {
@@ -944,7 +946,7 @@ export class Runner {
         summary = now.summary;
       }
       log.info({ executed, chunks: summary.chunks, durationMs: summary.durationMs }, 'run succeeded');
-      return { status: 'succeeded', job: job.name, runKey: current.run_key, runId, attempt, summary, executed, elapsedMs: Math.round(performance.now() - invocationStarted) };
+      return { status: 'succeeded', job: job.name, runKey: current.run_key, runId, attempt, summary, executed, elapsedMs: Math.round(performance.now() - invocationStarted), ...(rerunSteps.length > 0 ? { rerunSteps: [...rerunSteps] } : {}) };
     } catch (thrown) {
       // A job's error that quotes DATABASE_URL is recorded in idem.runs, logged and thrown: the
       // chunks' own are masked as they fail (executor.ts), the rest here, whatever threw them (a

@@ -76,10 +76,13 @@ const EXHAUSTED_HOLD = "interval '10 seconds'";
 export interface AttemptStart {
   readonly attempt: number;
   readonly startedAt: Date;
+  /** With a revive (`--retry-skipped`): how many skipped chunks run again, and which later steps run again, in order. */
+  readonly revived?: { readonly chunks: number; readonly rerun: readonly string[] };
 }
 
 export function toAttemptStart(row: Record<string, unknown>): AttemptStart {
-  return { attempt: Number(row.attempt), startedAt: row.started_at as Date };
+  const start = { attempt: Number(row.attempt), startedAt: row.started_at as Date };
+  return 'revived_chunks' in row ? { ...start, revived: { chunks: Number(row.revived_chunks), rerun: row.rerun as string[] } } : start;
 }
 
 /** How planning a window ended (Store.planWindow). */
@@ -263,15 +266,24 @@ export class Store {
    * session holds the lock, so a process whose lock session died cannot bump after a successor did
    * (and fence the successor off). Refuses (null) a run an operator paused or cancelled meanwhile.
    */
-  async beginAttempt(runId: string, holder: string, lock: HeldLock): Promise<AttemptStart | null> {
-    const q = this.beginAttemptSql(runId, holder, lock.name, lock.key, true);
-    const rows = await lock.query<{ attempt: number; started_at: Date }>(q.sql, q.parameters);
+  async beginAttempt(runId: string, holder: string, lock: HeldLock, revive: readonly string[] | null = null): Promise<AttemptStart | null> {
+    const q = this.beginAttemptSql(runId, holder, lock.name, lock.key, true, revive);
+    const rows = await lock.query<Record<string, unknown>>(q.sql, q.parameters);
     return rows[0] ? toAttemptStart(rows[0]) : null;
   }
 
-  /** The attempt bump as a statement for the lock's session (also sent inside a worker's entry). */
-  beginAttemptSql(runId: string, holder: string, lockName: string, lockKey: string, allowSucceeded: boolean): CompiledSql {
-    return sql<{ attempt: number; started_at: Date }>`
+  /**
+   * The attempt bump as a statement for the lock's session (also sent inside a worker's entry).
+   * With `revive` (the job's step names, in order: `--retry-skipped`), the same statement makes the
+   * run's skipped chunks pending again and reopens their steps; and every step of `revive` after the
+   * first step with skipped chunks that had started is planned afresh: its chunk rows deleted
+   * (skipped ones included) and its row back as a new step's, so it runs again after the retried
+   * chunks, as if the job had run once. Its effects stay recorded (each is still performed once).
+   * One statement with the bump, inside the entry gate: a worker joining the attempt sees the
+   * revived run, never the run before it (it would find every step done and finish the run).
+   */
+  beginAttemptSql(runId: string, holder: string, lockName: string, lockKey: string, allowSucceeded: boolean, revive: readonly string[] | null = null): CompiledSql {
+    const bump = sql`
       update ${this.#runs} set attempt = attempt + 1, status = 'running', holder = ${holder}, lock_name = ${lockName},
         lock_pid = pg_backend_pid(), started_at = coalesce(started_at, now()), updated_at = now(), error = null,
         -- A worker killed while the run waited for health left its pause: not this attempt's.
@@ -280,7 +292,43 @@ export class Store {
       where id = ${runId} and status not in ('paused', 'cancelled', 'deleting') and (status <> 'succeeded' or ${allowSucceeded})
         and exists (select 1 from pg_locks where locktype = 'advisory' and granted and pid = pg_backend_pid() and objsubid = 1
           and ((classid::bigint << 32) | objid::bigint) = ${lockKey}::bigint)
-      returning attempt, started_at`.compile(this.#db);
+      returning attempt, started_at`;
+    if (revive === null) return bump.compile(this.#db);
+    return sql`
+      with bump as (${bump}),
+      first as (
+        select min(s.position) as position from ${this.#steps} s
+        where s.run_id = ${runId} and s.name = any(${[...revive]}::text[]) and exists (select 1 from bump)
+          and exists (select 1 from ${this.#chunks} c where c.run_id = s.run_id and c.step = s.name and c.skipped_at is not null)
+      ),
+      later as (
+        select s.name, s.position from ${this.#steps} s, first
+        where s.run_id = ${runId} and s.position > first.position and s.name = any(${[...revive]}::text[])
+          and (s.status <> 'pending' or exists (select 1 from ${this.#chunks} c where c.run_id = s.run_id and c.step = s.name))
+      ),
+      reset as (
+        update ${this.#chunks} set skipped_at = null
+        where run_id = ${runId} and skipped_at is not null and exists (select 1 from bump) and step not in (select name from later)
+        returning step
+      ),
+      wiped as (
+        delete from ${this.#chunks} where run_id = ${runId} and step in (select name from later)
+        returning skipped_at
+      ),
+      reopen as (
+        update ${this.#steps} set status = 'running', finished_at = null
+        where run_id = ${runId} and name in (select step from reset) returning 1
+      ),
+      fresh as (
+        update ${this.#steps} set status = 'pending', cursor = null, planned_all = false, planned = 0, started_at = null,
+          finished_at = null, estimated_chunks = null, rate_next = null, rate_attempt = null, rate_interval_ms = null
+        where run_id = ${runId} and name in (select name from later) returning 1
+      )
+      select attempt, started_at,
+        (select count(*) from reset)::int + (select count(skipped_at) from wiped)::int as revived_chunks,
+        array(select name from later order by position) as rerun,
+        (select count(*) from reopen) as reopened, (select count(*) from fresh) as refreshed
+      from bump`.compile(this.#db);
   }
 
   /** What a worker joining a live run works under: the attempt its first worker took. */
@@ -546,22 +594,6 @@ export class Store {
     const { rows } = await this.#run(sql<{ done: number; skipped: number }>`select count(done_at)::int as done, count(skipped_at)::int as skipped
       from ${this.#chunks} where run_id = ${runId} and step = ${step}`);
     return rows[0]!;
-  }
-
-  /** Makes skipped chunks pending again and reopens their steps (`--retry-skipped`). Returns how many. */
-  async resetSkipped(runId: string, attempt: number): Promise<number> {
-    const { rows } = await this.#run(sql<{ n: number }>`
-      with fence as (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt} for share),
-      reset as (
-        update ${this.#chunks} set skipped_at = null where run_id = ${runId} and skipped_at is not null and exists (select 1 from fence)
-        returning step
-      ),
-      reopen as (
-        update ${this.#steps} set status = 'running', finished_at = null
-        where run_id = ${runId} and name in (select step from reset) returning 1
-      )
-      select (select count(*) from reset)::int as n, (select count(*) from reopen) as reopened`);
-    return rows[0]!.n;
   }
 
   /** Skipped chunks of a run with their errors, for `idem status`. */
