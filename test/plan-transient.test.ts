@@ -1,7 +1,7 @@
 import pg from 'pg';
 import pino from 'pino';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { defineJob, IdemError, keyRange, Runner, sql, type ChunkSource, type KeyRangeChunk } from '../src/index.ts';
+import { defineJob, IdemError, InterruptedError, keyRange, Runner, sql, type ChunkSource, type KeyRangeChunk } from '../src/index.ts';
 import { FIXTURE_DIRS, killLeftovers, query, runCli } from './support/cli.ts';
 import { useTestDatabase } from './support/database.ts';
 
@@ -148,6 +148,47 @@ describe('a transient error while a window is planned', () => {
         /^job "pt-locked-out" failed in step "ranges" after 2 tries: planning its chunks failed: canceling statement due to lock timeout \(the lock_timeout set by -c lock_timeout in the connection string's options, or by the job, cut short a wait for a lock another session held: let that session finish first, or raise or remove -c lock_timeout in the connection string's options \(a setting there overrides the role's and the database's\)\); fix the cause/,
       );
       expect(await query(url, `select status from idem.runs where job = 'pt-locked-out'`)).toEqual([{ status: 'failed' }]);
+    } finally {
+      await holder.query('rollback');
+      await holder.end();
+      await runner.close();
+    }
+  });
+
+  it('a worker told to stop while its planning backs off stops at once: the run interrupted, not failed, and nothing of that window planned', async () => {
+    const { runner, lines } = await runnerWithLog(url);
+    try {
+      const { source } = failingSource('40001', Infinity);
+      const job = defineJob({ name: 'pt-stopped', steps: [{ name: 's', retry: { attempts: 100, base: 1_000, max: 1_000 }, chunks: source, run: record('stopped:') }] });
+      const stop = new AbortController();
+      const seen = setInterval(() => lines().some((l) => l.msg === 'transient error, retrying planning') && stop.abort(new InterruptedError('SIGTERM')), 10);
+      const started = Date.now();
+      const err = await runner
+        .run(job, { key: 'stopped', signal: stop.signal })
+        .catch((e: unknown) => e)
+        .finally(() => clearInterval(seen));
+      expect(err).toBeInstanceOf(InterruptedError);
+      // Well within the 100 tries of a second each.
+      expect(Date.now() - started).toBeLessThan(5_000);
+      expect(await query(url, `select r.status, s.planned from idem.runs r join idem.steps s on s.run_id = r.id where r.job = 'pt-stopped'`)).toEqual([{ status: 'interrupted', planned: 10 }]);
+    } finally {
+      await runner.close();
+    }
+  });
+
+  it("a chunk's lock_timeout past its tries: the run fails with where the lock_timeout is set and how to raise it, in the chunk too", async () => {
+    const { runner } = await runnerWithLog(withOptions('-c lock_timeout=50'));
+    const holder = new pg.Client({ connectionString: url });
+    await holder.connect();
+    try {
+      await holder.query('begin');
+      await holder.query('lock table pt_items in access exclusive mode');
+      const job = defineJob({ name: 'pt-chunk-locked', steps: [{ name: 'w', retry: { attempts: 2, base: 10 }, run: async ({ db }) => void (await sql`select count(*) from pt_items`.execute(db)) }] });
+      const err = await runner.run(job, { key: 'chunk' }).catch((e: unknown) => e);
+      expect((err as Error).message).toMatch(
+        /^job "pt-chunk-locked" failed in step "w" after 2 tries: canceling statement due to lock timeout \(the lock_timeout set by -c lock_timeout in the connection string's options, or by the job, cut short a wait for a lock another session held: let that session finish first, or raise or remove -c lock_timeout in the connection string's options \(a setting there overrides the role's and the database's\), or raise it in the chunk \(SET LOCAL lock_timeout\)\); fix the cause/,
+      );
+      expect(await query(url, `select status, error->>'message' as message from idem.runs where job = 'pt-chunk-locked'`)).toEqual([{ status: 'failed', message: expect.stringContaining('(SET LOCAL lock_timeout)') }]);
     } finally {
       await holder.query('rollback');
       await holder.end();
