@@ -196,6 +196,34 @@ describe('a transient error while a window is planned', () => {
     }
   });
 
+  it('two --join workers planning the same step, each meeting 40001 now and then: no window planned twice, every chunk once', async () => {
+    const a = await runnerWithLog(url);
+    const b = await runnerWithLog(url);
+    try {
+      let calls = 0;
+      // Every third call fails: both workers' planners meet it, at different windows.
+      const source: ChunkSource = async (cursor, ctx) => {
+        const at = (cursor as number | null) ?? 0;
+        if (++calls % 3 === 0) await sql`do $$ begin raise exception 'src transient' using errcode = '40001'; end $$`.execute(ctx.db);
+        return { chunks: Array.from({ length: 5 }, (_, i) => ({ key: `k${at + i}` })), next: at + 5 >= 100 ? null : at + 5 };
+      };
+      const job = defineJob({
+        name: 'pt-joined',
+        steps: [{ name: 's', retry: { attempts: 10, base: 20 }, chunks: source, run: async (ctx, c: { key: string }) => (await sql`select pg_sleep(0.01)`.execute(ctx.db), record('joined:')(ctx, c)) }],
+      });
+      const outs = await Promise.all([a.runner.run(job, { key: 'joined', join: true, concurrency: 2 }), b.runner.run(job, { key: 'joined', join: true, concurrency: 2 })]);
+      expect(outs.map((o) => o.summary?.steps[0])).toEqual([{ name: 's', chunks: 100 }, { name: 's', chunks: 100 }]);
+      await expectEveryChunkOnce('joined:', 100);
+      expect(await query(url, `select count(*)::int as n, count(distinct c.key)::int as keys, max(c.seq)::int as last from idem.chunks c join idem.runs r on r.id = c.run_id where r.job = 'pt-joined'`)).toEqual([{ n: 100, keys: 100, last: 100 }]);
+      expect([...a.lines(), ...b.lines()].filter((l) => l.msg === 'transient error, retrying planning').length).toBeGreaterThan(0);
+      // Both worked on the run.
+      expect([a, b].map((w) => w.lines().find((l) => l.msg === 'run started' || l.msg === 'joined the run as another worker')?.msg).sort()).toEqual(['joined the run as another worker', 'run started']);
+    } finally {
+      await a.runner.close();
+      await b.runner.close();
+    }
+  });
+
   it("the CLI, the role's lock_timeout cutting keyRange's planning short past its tries: exit 1, the planning and the setting named with its fix, nothing of the step planned", async () => {
     const db = fixtureDb.url;
     await query(db, `insert into items (id, value) select g, g from generate_series(1, 50) g`);
