@@ -155,6 +155,25 @@ describe('a transient error while a window is planned', () => {
     }
   });
 
+  it("a chunk source's query cut short by the statement_timeout: the run fails naming the planning and the setting, with a fix that fits planning (no SET LOCAL in a chunk)", async () => {
+    const { runner } = await runnerWithLog(withOptions('-c statement_timeout=200'));
+    try {
+      const source: ChunkSource = async (cursor, ctx) => {
+        const at = (cursor as number | null) ?? 0;
+        if (at === 10) await sql`select pg_sleep(1)`.execute(ctx.db);
+        return { chunks: Array.from({ length: 10 }, (_, i) => ({ key: `k${at + i}` })), next: at + 10 >= 30 ? null : at + 10 };
+      };
+      const job = defineJob({ name: 'pt-slow-source', steps: [{ name: 's', chunks: source, run() {} }] });
+      const err = await runner.run(job, { key: 'slow' }).catch((e: unknown) => e);
+      expect((err as Error).message).toMatch(
+        /^job "pt-slow-source" failed in step "s" after 1 try: planning its chunks failed: canceling statement due to statement timeout \(the statement_timeout set by -c statement_timeout in the connection string's options, or by the job, cut it short: raise or remove -c statement_timeout in the connection string's options \(a setting there overrides the role's and the database's\)\); fix the cause/,
+      );
+      expect(await query(url, `select status from idem.runs where job = 'pt-slow-source'`)).toEqual([{ status: 'failed' }]);
+    } finally {
+      await runner.close();
+    }
+  });
+
   it('a worker told to stop while its planning backs off stops at once: the run interrupted, not failed, and nothing of that window planned', async () => {
     const { runner, lines } = await runnerWithLog(url);
     try {
