@@ -154,7 +154,8 @@ export function backoffDelay(attempt: number, opts: BackoffOptions = {}, random:
 /**
  * Runs one idempotent piece of the runner's own bookkeeping (never a chunk's transaction: that
  * retry lives with the chunk), retrying transient errors with the same backoff. A backend killed
- * between two statements then costs a reconnect, not a failed run.
+ * between two statements then costs a reconnect, not a failed run. A step's planning (its chunk
+ * source) goes through here too, with the step's `retry` policy, `onRetry` logging each retry.
  */
 export async function retrying<T>(
   fn: () => Promise<T>,
