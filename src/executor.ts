@@ -8,7 +8,7 @@ import { reviveSpec } from './job.ts';
 import { keyLabel, LONE_SURROGATE } from './key-label.ts';
 import { faultPoint, faultsArmed as faults } from './fault-points.ts';
 import { CommitUnknownError, openChunkSlot, TransactionEndedError, type ChunkSlot } from './chunk-slot.ts';
-import { backoffDelay, DEFAULT_BACKOFF, isRetryable, lockWaitCutShort, noConnectionFree, retrying, type BackoffOptions } from './retry.ts';
+import { backoffDelay, DEFAULT_BACKOFF, isRetryable, isStatementTimeout, lockWaitCutShort, noConnectionFree, retrying, type BackoffOptions } from './retry.ts';
 import type { ClaimMode, PendingChunk, RetryCount, StepRow, Store } from './store.ts';
 import { resolveThrottle, Throttle, type ThrottleOptions } from './throttle.ts';
 import { sleep } from './sleep.ts';
@@ -22,11 +22,14 @@ export class ChunkFailure extends Error {
   readonly step: string;
   readonly chunk: string | null;
   readonly tries: number;
-  constructor(step: string, chunk: string | null, tries: number, cause: unknown) {
+  /** It was the step's planning (its chunk source) that failed, its transient errors' tries spent or its query cut short by the statement_timeout: no chunk. */
+  readonly planning: boolean;
+  constructor(step: string, chunk: string | null, tries: number, cause: unknown, planning = false) {
     super(messageOf(cause), { cause });
     this.step = step;
     this.chunk = chunk;
     this.tries = tries;
+    this.planning = planning;
   }
 }
 
@@ -238,10 +241,22 @@ async function executeStep(opts: ExecuteOptions, step: Step, index: number, row:
       throttle.adapt(durations);
       durations = [];
     }
-    // A source that reads the database (keyRange) may hit a dropped connection: ask it again.
-    // A source that fails for good fails the step it belongs to, not "(runner)".
-    const page: ChunkPage = await retrying(async () => source(cursor, planCtx())).catch((err: unknown) => {
-      throw err instanceof ChunkFailure || err instanceof FencedError ? err : new ChunkFailure(step.name, null, 1, err);
+    // A source that reads the database (keyRange, a custom source's query) may meet a transient
+    // error, the ones a chunk is retried for (a dropped connection, 40001, 40P01, a lock_timeout
+    // while another session locks its table, …): it is asked for the same window again, after the
+    // step's backoff, as often as a chunk is tried (the step's `retry`). Nothing is held meanwhile:
+    // the window is written (Store.planWindow: step row lock, compare-and-set) only once the source
+    // answered, so a retry never plans a window twice, and another worker may plan on meanwhile.
+    // Until 2026-12-04 the runner's bookkeeping retry did it, with the default budget, silently,
+    // and the step then failed "after 1 try" with nothing saying it was the planning. A source that
+    // fails for good fails the step it belongs to, not "(runner)".
+    let tries = 0;
+    const onRetry = (err: unknown, n: number, delayMs: number) => log.warn({ tries: n, delayMs, err: errorFields(err) }, 'transient error, retrying planning');
+    const page: ChunkPage = await retrying(async () => (tries++, source(cursor, planCtx())), retry, onRetry, opts.stop).catch((err: unknown) => {
+      if (err instanceof ChunkFailure || err instanceof FencedError) throw err;
+      // Stopped (a signal, an operator's pause) while the planning was backing off: the worker stops as that stop does.
+      if (opts.stop.aborted && isRetryable(err)) throw opts.stop.reason instanceof Error ? opts.stop.reason : err;
+      throw new ChunkFailure(step.name, null, tries, err, isRetryable(err) || isStatementTimeout(err));
     });
     checkPage(step.name, page);
     if (page.chunks.length === 0 && page.next !== null && JSON.stringify(page.next) === JSON.stringify(cursor)) {

@@ -166,9 +166,17 @@ export function backoffDelay(attempt: number, opts: BackoffOptions = {}, random:
 /**
  * Runs one idempotent piece of the runner's own bookkeeping (never a chunk's transaction: that
  * retry lives with the chunk), retrying transient errors with the same backoff. A backend killed
- * between two statements then costs a reconnect, not a failed run.
+ * between two statements then costs a reconnect, not a failed run. A step's planning (its chunk
+ * source) goes through here too, with the step's `retry` policy, `onRetry` logging each retry.
  */
-export async function retrying<T>(fn: () => Promise<T>, opts: BackoffOptions = {}): Promise<T> {
+export async function retrying<T>(
+  fn: () => Promise<T>,
+  opts: BackoffOptions = {},
+  /** Told of each transient error about to be tried again, with the try it ended (from 1) and the backoff before the next. */
+  onRetry?: (err: unknown, tries: number, delayMs: number) => void,
+  /** No new try after it aborts: the last error is thrown. */
+  stop?: AbortSignal,
+): Promise<T> {
   const attempts = opts.attempts ?? DEFAULT_BACKOFF.attempts;
   /** Until when a server that is starting up (a restart) is waited for, from the first such refusal. */
   let startingUntil: number | undefined;
@@ -186,8 +194,11 @@ export async function retrying<T>(fn: () => Promise<T>, opts: BackoffOptions = {
           continue;
         }
       }
-      if (attempt >= attempts || !isRetryable(err)) throw err;
-      await sleep(backoffDelay(attempt, opts));
+      if (attempt >= attempts || !isRetryable(err) || stop?.aborted) throw err;
+      const delay = backoffDelay(attempt, opts);
+      onRetry?.(err, attempt, delay);
+      await sleep(delay, stop);
+      if (stop?.aborted) throw err;
     }
   }
 }

@@ -17,7 +17,7 @@ import { faultPoint } from './fault-points.ts';
 import { silentLogger } from './log.ts';
 import { answerWithin, sleep } from './sleep.ts';
 import { beingDeletedMessage, doneChunks, finishDeletion, isLive, lastChange, pruneRuns, stalledSeconds, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
-import { databaseOutage, isConnectionTrouble, isRetryable, lockWaitCutShort, retrying } from './retry.ts';
+import { databaseOutage, isConnectionTrouble, isLockTimeout, isRetryable, lockWaitCutShort, retrying } from './retry.ts';
 import { ensureRunnerSchema, lostPrivilegeRefusal } from './schema/runner-migrations.ts';
 import { documentedError, Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
 import { checkRunKey } from './run-key.ts';
@@ -1193,9 +1193,18 @@ export class Runner {
     const code = codeOf(failure.cause);
     // PostgreSQL's bare "canceling statement due to statement timeout" names neither the setting nor a fix.
     const origin = statementTimeoutOrigin(this.#connectionString, this.#connectionSource);
-    const message = isStatementTimeout(failure.cause)
-      ? `${failure.message} (the statement_timeout ${origin.setBy}, or by the job, cut it short: give a chunk less to do, or ${origin.fix}${origin.fromConnection ? ', or raise it' : ' or'} in the chunk (SET LOCAL statement_timeout))`
-      : failure.message;
+    // Nor does its "canceling statement due to lock timeout" (a chunk's, or a chunk source's while
+    // planning, past their tries): until 2026-12-04 that was all it said. A chunk's may be given
+    // more in the chunk (SET LOCAL); a chunk source's planning query runs outside any chunk.
+    const lockOrigin = isLockTimeout(failure.cause) ? statementTimeoutOrigin(this.#connectionString, this.#connectionSource, 'lock_timeout') : undefined;
+    const orRaise = (o: typeof origin, setting: string) => (failure.planning ? `${o.fix}${o.fromConnection ? '' : ' or reset it'}` : `${o.fix}${o.fromConnection ? ', or raise it' : ' or'} in the chunk (SET LOCAL ${setting})`);
+    const explained = isStatementTimeout(failure.cause)
+      ? `${failure.message} (the statement_timeout ${origin.setBy}, or by the job, cut it short: ${failure.planning ? '' : 'give a chunk less to do, or '}${orRaise(origin, 'statement_timeout')})`
+      : lockOrigin
+        ? `${failure.message} (the lock_timeout ${lockOrigin.setBy}, or by the job, cut short a wait for a lock another session held: let that session finish first, or ${orRaise(lockOrigin, 'lock_timeout')})`
+        : failure.message;
+    // A chunk source whose transient errors outlasted the step's tries: no chunk failed, its planning did.
+    const message = failure.planning ? `planning its chunks failed: ${explained}` : explained;
     const recorded = await this.store
       .failRun(runId, attempt, {
         step: failure.step,
