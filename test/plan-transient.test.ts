@@ -66,6 +66,16 @@ function failingSource(code: string, failures: number): { source: ChunkSource; c
   return { source, calls: () => calls };
 }
 
+/** A session holding an ACCESS EXCLUSIVE lock on pt_items until `release` (a COMMIT; its connection closed). */
+async function lockItems(): Promise<{ release(): Promise<void> }> {
+  const holder = new pg.Client({ connectionString: url });
+  await holder.connect();
+  await holder.query('begin');
+  await holder.query('lock table pt_items in access exclusive mode');
+  let released: Promise<void> | undefined;
+  return { release: () => (released ??= holder.query('commit').then(() => holder.end())) };
+}
+
 describe('a transient error while a window is planned', () => {
   it('a custom source raising 40001 once: its planning is tried again after a backoff, logged, and the run succeeds with every chunk once', async () => {
     const { runner, lines } = await runnerWithLog(url);
@@ -88,13 +98,10 @@ describe('a transient error while a window is planned', () => {
 
   it("keyRange's planning query cut short by lock_timeout while another session locks the table: retried under the step's policy, the run succeeds with every chunk once", async () => {
     const { runner, lines } = await runnerWithLog(withOptions('-c lock_timeout=50'));
-    const holder = new pg.Client({ connectionString: url });
-    await holder.connect();
+    const lock = await lockItems();
     try {
-      await holder.query('begin');
-      await holder.query('lock table pt_items in access exclusive mode');
       // 2.5 s: past five tries of the default policy (5 × 50 ms + at most 1.5 s of backoff), within the step's 100.
-      const release = setTimeout(() => void holder.query('commit'), 2_500);
+      const release = setTimeout(() => void lock.release(), 2_500);
       const job = defineJob({
         name: 'pt-locked',
         steps: [{ name: 'ranges', retry: { attempts: 100, base: 100, max: 200 }, chunks: keyRange({ table: 'pt_items', column: 'id', size: 10 }), run: async (ctx, c: KeyRangeChunk) => record('locked:')(ctx, c) }],
@@ -106,7 +113,7 @@ describe('a transient error while a window is planned', () => {
       expect(retried.length).toBeGreaterThan(5);
       expect(retried[0]).toMatchObject({ step: 'ranges', tries: 1, err: { code: '55P03' } });
     } finally {
-      await holder.end();
+      await lock.release();
       await runner.close();
     }
   });
@@ -137,11 +144,8 @@ describe('a transient error while a window is planned', () => {
 
   it("keyRange's planning cut short by lock_timeout past its tries: the run fails naming the planning and the lock_timeout, with its fix", async () => {
     const { runner } = await runnerWithLog(withOptions('-c lock_timeout=50'));
-    const holder = new pg.Client({ connectionString: url });
-    await holder.connect();
+    const lock = await lockItems();
     try {
-      await holder.query('begin');
-      await holder.query('lock table pt_items in access exclusive mode');
       const job = defineJob({ name: 'pt-locked-out', steps: [{ name: 'ranges', retry: { attempts: 2, base: 10 }, chunks: keyRange({ table: 'pt_items', column: 'id', size: 10 }), run() {} }] });
       const err = await runner.run(job, { key: 'out' }).catch((e: unknown) => e);
       expect((err as Error).message).toMatch(
@@ -149,8 +153,7 @@ describe('a transient error while a window is planned', () => {
       );
       expect(await query(url, `select status from idem.runs where job = 'pt-locked-out'`)).toEqual([{ status: 'failed' }]);
     } finally {
-      await holder.query('rollback');
-      await holder.end();
+      await lock.release();
       await runner.close();
     }
   });
@@ -197,11 +200,8 @@ describe('a transient error while a window is planned', () => {
 
   it("a chunk's lock_timeout past its tries: the run fails with where the lock_timeout is set and how to raise it, in the chunk too", async () => {
     const { runner } = await runnerWithLog(withOptions('-c lock_timeout=50'));
-    const holder = new pg.Client({ connectionString: url });
-    await holder.connect();
+    const lock = await lockItems();
     try {
-      await holder.query('begin');
-      await holder.query('lock table pt_items in access exclusive mode');
       const job = defineJob({ name: 'pt-chunk-locked', steps: [{ name: 'w', retry: { attempts: 2, base: 10 }, run: async ({ db }) => void (await sql`select count(*) from pt_items`.execute(db)) }] });
       const err = await runner.run(job, { key: 'chunk' }).catch((e: unknown) => e);
       expect((err as Error).message).toMatch(
@@ -209,8 +209,7 @@ describe('a transient error while a window is planned', () => {
       );
       expect(await query(url, `select status, error->>'message' as message from idem.runs where job = 'pt-chunk-locked'`)).toEqual([{ status: 'failed', message: expect.stringContaining('(SET LOCAL lock_timeout)') }]);
     } finally {
-      await holder.query('rollback');
-      await holder.end();
+      await lock.release();
       await runner.close();
     }
   });
