@@ -1259,16 +1259,7 @@ export class Runner {
     // `running` only while a live process holds it (the real plain run is busy, 75); a row left
     // `running` by a process that died is crashed, as idem status says, and the real run resumes it.
     const state = !run ? 'new' : run.status === 'running' && !live ? 'crashed' : run.status;
-    return {
-      status: 'dry-run',
-      job: job.name,
-      runKey,
-      runId: run?.id ?? null,
-      attempt: run?.attempt ?? 0,
-      summary: run?.summary ?? null,
-      executed: 0,
-      plan: { state, steps: job.steps.map((s) => ({ name: s.name, chunked: s.chunks !== undefined })) },
-    };
+    return dryRunOutcome(job, runKey, run, state);
   }
 
   /** Runs with progress, newest first; `running` only where the job's advisory lock is really held. */
@@ -1547,6 +1538,23 @@ function checkFingerprint(job: string, runKey: string, run: RunRow, fp: string):
       `run key "${runKey}" of job "${job}" was already used with other params (${run.fingerprint.slice(0, 19)}…, now ${fp.slice(0, 19)}…); pass a new --key to run with these params, or the original params to resume it`,
     );
   }
+}
+
+/**
+ * A dry run's outcome: the run (null: there is none, it would be new) in `state`, and the steps
+ * that would run. Also the CLI's, where there is no database yet to ask (every run would be new).
+ */
+export function dryRunOutcome(job: Job, runKey: string, run: RunRow | null = null, state = 'new'): RunOutcome {
+  return {
+    status: 'dry-run',
+    job: job.name,
+    runKey,
+    runId: run?.id ?? null,
+    attempt: run?.attempt ?? 0,
+    summary: run?.summary ?? null,
+    executed: 0,
+    plan: { state, steps: job.steps.map((s) => ({ name: s.name, chunked: s.chunks !== undefined })) },
+  };
 }
 
 /** The outcome of a run found succeeded (finalizeMigration's too). */

@@ -137,6 +137,24 @@ describe('read-only and operator commands without DATABASE_URL and without an em
     expect(existsSync(path.join(root, '.idem')), 'an embedded server was made').toBe(false);
   });
 
+  it('a dry run in a project never run answers "new" from the files, making no embedded server (B12-5)', async () => {
+    // Black-box round 19: `idem run <job> --dry-run` there initialised PostgreSQL under .idem/ (39 MB)
+    // to say the run was new and "nothing was written".
+    const root = await project('dry-run');
+    expect(outcome(await runCli(['run', 'slow', '--dry-run', '--key', 'k1'], { cwd: root }))).toEqual({
+      code: 0,
+      stdout: 'dry run: job "slow" run key k1 is new; steps: s; nothing was written\n',
+      stderr: [],
+    });
+    const json = await runCli(['run', 'slow', '--dry-run', '--json'], { cwd: root });
+    expect(json.code, json.stderr).toBe(0);
+    expect(JSON.parse(json.stdout)).toMatchObject({ status: 'dry-run', job: 'slow', runId: null, attempt: 0, summary: null, executed: 0, plan: { state: 'new', steps: [{ name: 's', chunked: false }] } });
+    expect(JSON.parse(json.stdout).runKey).toMatch(/^sha256:/);
+    // Params are still checked (the job has no validator: anything JSON goes), and a bad --key still refused.
+    expect((await runCli(['run', 'slow', '--dry-run', '--key', ' k'], { cwd: root })).code).toBe(2);
+    expect(existsSync(path.join(root, '.idem')), 'an embedded server was made').toBe(false);
+  });
+
   it('idem list inside the jobs folder: the hint, and no jobs/.idem', async () => {
     const root = await project('inside-jobs');
     const cwd = path.join(root, 'jobs');

@@ -57,7 +57,7 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
           if (o.key !== undefined) checkRunKey(o.key);
           // Loaded when the command runs, not at the top: `idem --help` needs none of them (the job
           // API brings kysely, the schedule croner).
-          const { findJob, validateParams, latestSlot, parseCatchUp, parseSchedule, slotKey, slotOfKey, slotsSince, POOL_HEADROOM } = await import('../cli-runtime.ts');
+          const { dryRunOutcome, findJob, validateParams, latestSlot, parseCatchUp, parseSchedule, slotKey, slotOfKey, slotsSince, POOL_HEADROOM } = await import('../cli-runtime.ts');
           const job = await findJob(g.jobsDir, name, { migrationsDir: g.migrationsDir });
           // Bad params are refused before any connection: nothing, not even idem's schema, is created.
           // Unless they are exactly what the run with this --key stores (its validator's output, as
@@ -102,7 +102,11 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
           }
           // A dry run writes nothing, not even idem's schema: it reads (where the schema is not there yet,
           // every run is new).
-          const runner = await openRunner(g, log, session, o.concurrency + POOL_HEADROOM, url, undefined, o.dryRun ? 'read' : 'write');
+          // Where there is no database yet (no DATABASE_URL, no embedded server under .idem/), every
+          // run would be new: a dry run says so from the files, as status does, instead of making a
+          // server (initdb, ~40 MB) to ask (black-box round 19, B12-5).
+          const noDatabaseYet = o.dryRun === true && url === undefined && g.databaseUrl === undefined && !existsSync(path.resolve('.idem', 'pg'));
+          const runner = noDatabaseYet ? null : await openRunner(g, log, session, o.concurrency + POOL_HEADROOM, url, undefined, o.dryRun ? 'read' : 'write');
           const signals = installSignals(log, g.shutdownTimeout, force);
           const { throttle = {} } = throttleSetting(o);
           const progressMs = testHookMs('IDEM_PROGRESS_INTERVAL_MS');
@@ -113,7 +117,7 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
             current = key ?? defaultKey;
             // Stopped (the bar cleared) before anything else is written, also when the run throws:
             // main() writes the error line, and the session's deferred stop runs only after it.
-            const running = runner.run(job, {
+            const running = runner === null ? Promise.resolve(dryRunOutcome(job, key ?? defaultKey)) : runner.run(job, {
               throttle,
               ...(reporter ? { onProgress: reporter.update } : {}),
               params,
