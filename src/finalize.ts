@@ -2,7 +2,7 @@ import { BusyError, RunFailedError, UsageError } from './errors.ts';
 import { runIsLive } from './operations.ts';
 import { slotOfJobKey } from './schedule.ts';
 import { sleep } from './sleep.ts';
-import { databaseOutage } from './retry.ts';
+import { databaseOutage, outageDelayMs } from './retry.ts';
 import { validateParams, type Job, type Json } from './job.ts';
 import { keyLabel } from './key-label.ts';
 import { alreadyDone, refuseOtherParams, type RunJobOptions, type Runner, type RunOutcome } from './runner.ts';
@@ -65,7 +65,7 @@ export async function finalizeRun(runner: Runner, job: Job, opts: FinalizeOption
       // the --timeout; out of reach then, or before there was anything to wait for, said as an
       // unreachable database is (exit 2), never pg's bare error (exit 1: "the run failed").
       if (!waited || Date.now() >= deadline) throw runner.unreachable(err);
-      await sleep(Math.min(POLL_MS * 2 ** Math.min(outages++, 3), 2_000, Math.max(0, deadline - Date.now())), opts.signal);
+      await sleep(outageDelayMs(outages++, deadline), opts.signal);
       if (opts.signal?.aborted) throw opts.signal.reason;
     }
   }

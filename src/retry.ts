@@ -101,6 +101,14 @@ export function databaseOutage(err: unknown): boolean {
 }
 
 /**
+ * How long a wait ridden through a database outage (databaseOutage) sleeps before its `tries`-th
+ * look again (from 0): 250 ms, doubling up to 2 s, and never past `deadline` (ms since the epoch).
+ */
+export function outageDelayMs(tries: number, deadline: number): number {
+  return Math.min(250 * 2 ** Math.min(tries, 3), 2_000, Math.max(0, deadline - Date.now()));
+}
+
+/**
  * The server refused a new connection because it has none free (max_connections or the role's
  * CONNECTION LIMIT reached: 53300) or is still starting (57P03): waiting may help, the URL is right.
  */

@@ -17,7 +17,7 @@ import { faultPoint } from './fault-points.ts';
 import { silentLogger } from './log.ts';
 import { answerWithin, sleep } from './sleep.ts';
 import { beingDeletedMessage, doneChunks, finishDeletion, isLive, lastChange, pruneRuns, stalledSeconds, requestControl, resetRun, resumeRun, runIsLive, type ControlResult, type HeldLocks, type OperationsHost, type PruneResult } from './operations.ts';
-import { databaseOutage, isConnectionTrouble, isLockTimeout, isRetryable, lockWaitCutShort, retrying } from './retry.ts';
+import { databaseOutage, isConnectionTrouble, isLockTimeout, isRetryable, lockWaitCutShort, outageDelayMs, retrying } from './retry.ts';
 import { ensureRunnerSchema, lostPrivilegeRefusal } from './schema/runner-migrations.ts';
 import { documentedError, Store, toAttemptStart, type AttemptStart, type RunRow, type RunSummary } from './store.ts';
 import { checkRunKey } from './run-key.ts';
@@ -633,7 +633,7 @@ export class Runner {
       } catch (err) {
         if (!databaseOutage(err)) throw err;
         if (Date.now() >= deadline) throw this.unreachable(err);
-        await sleep(Math.min(250 * 2 ** Math.min(tries, 3), 2_000, Math.max(0, deadline - Date.now())), signal);
+        await sleep(outageDelayMs(tries, deadline), signal);
         if (signal?.aborted) throw interruption(signal.reason);
       }
     }
