@@ -33,8 +33,14 @@ interface Queued {
   readonly allowChangedCode?: boolean;
 }
 
-/** The states in which a queued run is this server's to execute; any other, another process ended it. */
-const RUNNABLE = new Set<string>(['pending', 'running', 'interrupted']);
+/**
+ * The states in which a run created over HTTP is still to execute: the rescan queues those, and a
+ * queued run found in any other has been ended by another process.
+ */
+const RUNNABLE_STATES = ['pending', 'running', 'interrupted'] as const;
+const RUNNABLE = new Set<string>(RUNNABLE_STATES);
+/** RUNNABLE_STATES as SQL literals (`'pending', 'running', 'interrupted'`): a list the planner sees, as the partial index on open runs needs. */
+const runnableList = sql.join(RUNNABLE_STATES.map((state) => sql.lit(state)));
 
 /** How an execution in this server ended: the `outcome` label of idem_runs_ended_total. */
 export const EXECUTION_OUTCOMES = ['succeeded', 'failed', 'paused', 'cancelled', 'interrupted', 'error'] as const;
@@ -117,7 +123,7 @@ export class RunExecutor {
       params: Json;
     }>`
       select r.id::text as id, r.job, r.run_key, r.status, r.lock_name, r.lock_pid, r.attempt, r.code_fingerprint, r.params from ${sql.id(s, 'runs')} r join ${sql.id(s, 'api_requests')} a on a.run_id = r.id
-      where r.status in ('pending', 'running', 'interrupted')
+      where r.status in (${runnableList})
         and (r.status <> 'pending' or r.created_at < now() - make_interval(secs => ${PENDING_GRACE_S}))
       order by r.id`.execute(runner.db);
     // A run another live process executes (a second server, idem run) is theirs: waiting for its
@@ -156,7 +162,7 @@ export class RunExecutor {
     const { runner } = this.#o;
     const ids = this.#queue.map((q) => q.runId);
     const { rows } = await sql<{ id: string }>`select id::text as id from ${sql.id(runner.schema, 'runs')}
-      where id = any(${ids}::bigint[]) and status not in ('pending', 'running', 'interrupted')`.execute(runner.db);
+      where id = any(${ids}::bigint[]) and status not in (${runnableList})`.execute(runner.db);
     if (rows.length === 0) return;
     const ended = new Set(rows.map((r) => r.id));
     for (let i = this.#queue.length - 1; i >= 0; i--) if (ended.has(this.#queue[i]!.runId)) this.#queue.splice(i, 1);
