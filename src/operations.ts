@@ -2,7 +2,7 @@ import { sql, type Kysely, type RawBuilder } from 'kysely';
 import { acquireAdvisoryLock, type HeldLock } from './advisory-lock.ts';
 import { BusyError, UsageError } from './errors.ts';
 import { lockKey } from './fingerprint.ts';
-import { quoteKey } from './run-key.ts';
+import { quoteKey, SLOT_KEY_SOURCE } from './run-key.ts';
 import type { RunRow } from './store.ts';
 
 /** What an operator command needs from the runner. */
@@ -338,8 +338,10 @@ export async function pruneRuns(h: OperationsHost, olderThanMs: number, migratio
   // pruning it ran that slot again (black-box round 17). A run marked deleting (by a prune killed
   // part way through it) goes whatever its age.
   const runs = t(h, 'runs');
-  const latestSlotRun = sql`(run_key ~ ${SLOT_KEY_PATTERN} and run_key = (select max(l.run_key) from ${runs} l
-    where l.job = ${runs}.job and l.run_key between '0000' and '9999-99' and l.run_key ~ ${SLOT_KEY_PATTERN}))`;
+  // Slot keys sort as their times, all of them between '0000' and '9999-99': the latest of a job's
+  // is one step of a backward scan of the (job, run_key) index.
+  const latestSlotRun = sql`(run_key ~ ${SLOT_KEY_SOURCE} and run_key = (select max(l.run_key) from ${runs} l
+    where l.job = ${runs}.job and l.run_key between '0000' and '9999-99' and l.run_key ~ ${SLOT_KEY_SOURCE}))`;
   const prunable = sql`kind = 'job' and ((status in ('succeeded', 'cancelled') and coalesce(finished_at, updated_at) < ${cutoff}::timestamptz and not ${latestSlotRun}) or status = 'deleting')`;
   try {
     let after = '0';
@@ -366,13 +368,6 @@ export async function pruneRuns(h: OperationsHost, olderThanMs: number, migratio
     await lock.release();
   }
 }
-
-/**
- * A run key that is a cron slot as schedule.ts's slotKey writes it (`2026-12-04T09:00:00Z`). Such
- * keys sort as their times, and all of them between '0000' and '9999-99', so the latest of a job's
- * is one step of a backward scan of the (job, run_key) index.
- */
-const SLOT_KEY_PATTERN = '^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z$';
 
 /** Chunk rows deleted per statement by prune: a history of millions goes without one huge transaction. */
 const PRUNE_BATCH = 10_000;

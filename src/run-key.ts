@@ -3,6 +3,13 @@ import { UsageError } from './errors.ts';
 /** Longest run key, in characters (code points, so 200 emoji are 200 characters). */
 export const MAX_RUN_KEY_CHARS = 200;
 
+/**
+ * A run key that is a cron slot, as schedule.ts's slotKey writes it (`2026-11-30T03:00:00Z`: UTC, to
+ * the second): the source of schedule.ts's check of a key, and of prune's in SQL (PostgreSQL's
+ * regular expressions read `\d` alike), so that both mean the same keys.
+ */
+export const SLOT_KEY_SOURCE = String.raw`^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$`;
+
 /** How many characters of an over-long key a message quotes. */
 const QUOTED_KEY_CHARS = 40;
 

@@ -4,6 +4,7 @@ import path from 'node:path';
 import { Cron } from 'croner';
 import { BusyError, ExitCode, exitCodeOf, messageOf, UsageError } from './errors.ts';
 import { isConnectionTrouble } from './retry.ts';
+import { SLOT_KEY_SOURCE } from './run-key.ts';
 import { shellQuote } from './shell-quote.ts';
 import { sleep as abortableSleep } from './sleep.ts';
 
@@ -234,7 +235,7 @@ export function slotKey(slot: Date): string {
   return slot.toISOString().replace(/\.\d{3}Z$/, 'Z');
 }
 
-const SLOT_KEY = /^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$/;
+const SLOT_KEY = new RegExp(SLOT_KEY_SOURCE);
 
 /**
  * A date and time as ISO 8601 / RFC 3339 spell it, in any of the ways other than SLOT_KEY's:
