@@ -318,6 +318,11 @@ export async function databaseUrl(g: GlobalOptions, log: Logger, session: Sessio
   return (await starting).url;
 }
 
+/** Neither DATABASE_URL (nor --database-url) nor an embedded server under .idem/ yet: no database holds a run. */
+export function noDatabaseYet(g: GlobalOptions): boolean {
+  return g.databaseUrl === undefined && !existsSync(path.resolve('.idem', 'pg'));
+}
+
 /**
  * For a command that only reads (status, list) or acts on runs that exist (pause, resume, cancel,
  * reset, prune): true when there is no database to ask, with neither DATABASE_URL (nor
@@ -329,7 +334,7 @@ export async function databaseUrl(g: GlobalOptions, log: Logger, session: Sessio
  */
 export function withoutDatabase(g: GlobalOptions, job?: string): boolean {
   checkDatabaseSource(g);
-  if (g.databaseUrl !== undefined || existsSync(path.resolve('.idem', 'pg'))) return false;
+  if (!noDatabaseYet(g)) return false;
   refuseOutsideProject(g, job);
   return true;
 }

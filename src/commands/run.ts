@@ -1,8 +1,6 @@
-import { existsSync } from 'node:fs';
-import path from 'node:path';
 import type { Command } from 'commander';
 import { checkRunKey, collectParam, parseParams, positiveInt, waitSeconds } from '../cli-parsers.ts';
-import { databaseUrl, installSignals, openRunner, storedRunFingerprint, type CliContext } from '../cli-session.ts';
+import { databaseUrl, installSignals, noDatabaseYet, openRunner, storedRunFingerprint, type CliContext } from '../cli-session.ts';
 import { describeOutcome, runErrorObject } from '../describe-outcome.ts';
 import type { RunOutcome } from '../runner.ts';
 import { CancelledError, ExitCode, UsageError } from '../errors.ts';
@@ -71,7 +69,7 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
             // Asked only where such a run can be: an embedded server is not made (or started) for it
             // when there is none under .idem/ yet, and any trouble reaching the database leaves the
             // params error as the answer.
-            if (g.databaseUrl === undefined && !existsSync(path.resolve('.idem', 'pg'))) throw err;
+            if (noDatabaseYet(g)) throw err;
             // A signal while the embedded server starts still ends the command as a signal does.
             url = await databaseUrl(g, log, session).catch((e: unknown) => {
               if (session.startup.signal.aborted) throw e;
@@ -105,8 +103,8 @@ export function registerRunCommand(program: Command, cli: CliContext): void {
           // Where there is no database yet (no DATABASE_URL, no embedded server under .idem/), every
           // run would be new: a dry run says so from the files, as status does, instead of making a
           // server (initdb, ~40 MB) to ask (black-box round 19, B12-5).
-          const noDatabaseYet = o.dryRun === true && url === undefined && g.databaseUrl === undefined && !existsSync(path.resolve('.idem', 'pg'));
-          const runner = noDatabaseYet ? null : await openRunner(g, log, session, o.concurrency + POOL_HEADROOM, url, undefined, o.dryRun ? 'read' : 'write');
+          const fromFiles = o.dryRun === true && url === undefined && noDatabaseYet(g);
+          const runner = fromFiles ? null : await openRunner(g, log, session, o.concurrency + POOL_HEADROOM, url, undefined, o.dryRun ? 'read' : 'write');
           const signals = installSignals(log, g.shutdownTimeout, force);
           const { throttle = {} } = throttleSetting(o);
           const progressMs = testHookMs('IDEM_PROGRESS_INTERVAL_MS');
