@@ -672,31 +672,33 @@ export class Store {
         from ${this.#steps} s left join ${this.#chunks} c on c.run_id = s.run_id and c.step = s.name
         where s.run_id = ${runId} group by s.name, s.position
       ), counts as (select * from all_counts where current),
-      -- A dropped step's planning is over with the run: idem status shows no \`~\` for it.
+      finished as (
+        update ${this.#runs} r set status = 'succeeded', finished_at = now(), updated_at = now(), holder = null, error = null,
+          -- A pause or cancel that came while the last chunks ran has nothing left to stop.
+          requested = null,
+          summary = jsonb_build_object(
+            'steps', (select coalesce(jsonb_agg(jsonb_build_object('name', name, 'chunks', chunks) order by position), '[]') from counts),
+            'chunks', (select coalesce(sum(chunks), 0)::int from counts),
+            'skipped', (select coalesce(sum(skipped), 0)::int from counts),
+            'attempts', r.attempt,
+            -- As JavaScript's toISOString() writes every other time idem prints: UTC, milliseconds, Z
+            -- (to_jsonb of a timestamptz follows the session's TimeZone and keeps microseconds).
+            'startedAt', ${startedAt.toISOString()}::text,
+            'finishedAt', to_char(now() at time zone 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"'),
+            'durationMs', (extract(epoch from (now() - ${startedAt.toISOString()}::timestamptz)) * 1000)::bigint)
+            || coalesce((select jsonb_build_object('dropped', jsonb_agg(jsonb_build_object('name', name, 'chunks', chunks, 'done', done) order by position))
+                 from all_counts where not current having count(*) > 0), '{}')
+        where r.id = ${runId} and r.attempt = ${attempt} and r.status = 'running'
+          and (${code}::text is null or r.code_fingerprint is null or r.code_fingerprint = ${code}::text)
+        returning r.summary
+      ),
+      -- A dropped step's planning is over with the run (when this statement finished it): idem
+      -- status shows no \`~\` for it.
       dropped_planned as (
         update ${this.#steps} s set planned_all = true
-        where s.run_id = ${runId} and not s.planned_all and not (s.name = any(${[...steps]}::text[]))
-          and exists (select 1 from ${this.#runs} where id = ${runId} and attempt = ${attempt} and status = 'running'
-            and (${code}::text is null or code_fingerprint is null or code_fingerprint = ${code}::text))
+        where s.run_id = ${runId} and not s.planned_all and not (s.name = any(${[...steps]}::text[])) and exists (select 1 from finished)
       )
-      update ${this.#runs} r set status = 'succeeded', finished_at = now(), updated_at = now(), holder = null, error = null,
-        -- A pause or cancel that came while the last chunks ran has nothing left to stop.
-        requested = null,
-        summary = jsonb_build_object(
-          'steps', (select coalesce(jsonb_agg(jsonb_build_object('name', name, 'chunks', chunks) order by position), '[]') from counts),
-          'chunks', (select coalesce(sum(chunks), 0)::int from counts),
-          'skipped', (select coalesce(sum(skipped), 0)::int from counts),
-          'attempts', r.attempt,
-          -- As JavaScript's toISOString() writes every other time idem prints: UTC, milliseconds, Z
-          -- (to_jsonb of a timestamptz follows the session's TimeZone and keeps microseconds).
-          'startedAt', ${startedAt.toISOString()}::text,
-          'finishedAt', to_char(now() at time zone 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"'),
-          'durationMs', (extract(epoch from (now() - ${startedAt.toISOString()}::timestamptz)) * 1000)::bigint)
-          || coalesce((select jsonb_build_object('dropped', jsonb_agg(jsonb_build_object('name', name, 'chunks', chunks, 'done', done) order by position))
-               from all_counts where not current having count(*) > 0), '{}')
-      where r.id = ${runId} and r.attempt = ${attempt} and r.status = 'running'
-        and (${code}::text is null or r.code_fingerprint is null or r.code_fingerprint = ${code}::text)
-      returning r.summary`);
+      select summary from finished`);
     return rows[0]?.summary ?? null;
   }
 
